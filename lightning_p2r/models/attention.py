@@ -1,0 +1,67 @@
+"""Causal self-attention: dense, or locally banded sparse (GPT-3 / mGPT alternate the two across layers)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import M6Config
+
+
+def local_causal_mask(seq_len: int, window: int, device: torch.device | None = None) -> torch.Tensor:
+    """Boolean (seq_len, seq_len) mask, True where query i may attend key j: ``0 <= i - j < window``.
+
+    This is the "locally banded" pattern of GPT-3's sparse layers: causal, and each token sees itself and the
+    ``window - 1`` tokens before it. With ``window >= seq_len`` it equals the dense causal mask.
+    """
+    positions = torch.arange(seq_len, device=device)
+    distance = positions[:, None] - positions[None, :]  # (query, key)
+    return (distance >= 0) & (distance < window)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables of shape (seq_len, head_dim // 2), computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (first half, second half) of x: (batch, heads, seq, head_dim)."""
+    first, second = x.float().chunk(2, dim=-1)
+    rotated = torch.cat((first * cos - second * sin, first * sin + second * cos), dim=-1)
+    return rotated.to(x.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention through ``F.scaled_dot_product_attention``.
+
+    The band width is an argument of ``forward``, not a property of the weights: a block shared by several layers
+    (pseudo model) runs dense in one layer and banded in the next, exactly as the real model would.
+    """
+
+    def __init__(self, config: M6Config) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.qkv = nn.Linear(config.dim, 3 * config.dim, bias=False)
+        self.out = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                window: int | None = None) -> torch.Tensor:
+        batch, seq_len, dim = x.shape
+        qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (batch, heads, seq, head_dim)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        dropout = self.dropout if self.training else 0.0
+        if window is None or window >= seq_len:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            mask = local_causal_mask(seq_len, window, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        return self.out(y.transpose(1, 2).reshape(batch, seq_len, dim))

@@ -1,0 +1,203 @@
+"""The one typed configuration of the M6 transformer.
+
+Every field has a docstring right under it: jsonargparse (LightningCLI) turns them into ``--help`` text and YAML
+comments, and ``docs/configuration.md`` is generated from them (``python -m lightning_p2r.docs_gen``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+AttentionPattern = Literal["dense", "alternating", "local"]
+PositionEmbedding = Literal["rotary", "learned"]
+
+
+def _choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
+    if value not in allowed:
+        raise ValueError(f"M6Config.{name} must be one of {list(allowed)}, got {value!r}")
+
+
+def _at_least(name: str, value: float, minimum: float) -> None:
+    if value < minimum:
+        raise ValueError(f"M6Config.{name} must be >= {minimum}, got {value!r}")
+
+
+@dataclass(kw_only=True)
+class M6Config:
+    """Shape and behaviour of an M6 Mixture-of-Experts decoder (M6, M6-T, M6-10T)."""
+
+    vocab_size: int = 4096
+    """Number of token ids the embedding and the LM head cover (at least the tokenizer's vocabulary)."""
+
+    max_seq_len: int = 128
+    """Longest sequence the model accepts; sizes the learned position table."""
+
+    num_layers: int = 4
+    """Depth: how many decoder layers a token passes through."""
+
+    num_unique_blocks: int | None = None
+    """Distinct sets of block weights. 1 is the fully shared "pseudo" model of M6-10T, ``num_layers`` (or None) the
+    "real" model; values between share each block among a group of consecutive layers. Must divide num_layers."""
+
+    dim: int = 128
+    """Hidden size of the residual stream."""
+
+    num_heads: int = 4
+    """Attention heads; must divide dim."""
+
+    ffn_hidden_dim: int | None = None
+    """Hidden size of a dense FFN and of each expert; None means 4 * dim."""
+
+    dropout: float = 0.0
+    """Dropout on attention probabilities and on the residual branches."""
+
+    position_embedding: PositionEmbedding = "rotary"
+    """How positions enter: rotary (RoPE on queries and keys) or a learned absolute table."""
+
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies."""
+
+    attention: AttentionPattern = "dense"
+    """Attention pattern: dense causal everywhere; "alternating" dense and locally banded sparse layers as in GPT-3
+    (even layers dense, odd layers banded); or "local" banded in every layer."""
+
+    sparse_window: int = 64
+    """Band width of the locally banded attention: a query attends to itself and the window - 1 tokens before it."""
+
+    tie_embeddings: bool = True
+    """Share the token embedding matrix with the LM head."""
+
+    norm_eps: float = 1e-5
+    """Epsilon of the LayerNorms."""
+
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init; residual output projections get std / sqrt(2 * num_layers)."""
+
+    moe_layers: list[int] | None = None
+    """Layers whose FFN is a Mixture of Experts; None means every layer, [] a dense model. Layers that share a
+    block must agree (a shared block is either MoE or dense)."""
+
+    num_experts: int = 8
+    """Experts in each MoE layer."""
+
+    moe_top_k: int = 1
+    """Experts each token picks (token-choice top-k); with prototyping, picks inside each prototype."""
+
+    num_prototypes: int = 1
+    """M6-T expert prototyping: experts are split into this many equal groups, each routes top-k on its own and the
+    gated outputs are summed. 1 is plain top-k routing; k with moe_top_k=1 is M6-T's "k top-1"."""
+
+    capacity_factor: float | None = 1.25
+    """Each expert takes at most capacity_factor * (its fair share of the token assignments); the rest are dropped
+    and pass through on the residual. None means dropless (no token is ever dropped)."""
+
+    router_aux_loss_coef: float = 0.01
+    """Weight of the Switch load-balancing loss (computed per MoE layer, then averaged over layers)."""
+
+    router_z_loss_coef: float = 0.001
+    """Weight of the router z-loss (ST-MoE): mean squared log-sum-exp of the router logits."""
+
+    router_jitter: float = 0.0
+    """Multiplicative uniform noise on the router input during training (Switch); 0 turns it off."""
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "max_seq_len", "num_layers", "dim", "num_heads", "num_experts", "moe_top_k",
+                     "num_prototypes", "sparse_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"M6Config.{name} must be an integer, got {value!r}")
+            _at_least(name, value, 1)
+        if self.num_unique_blocks is not None:
+            _at_least("num_unique_blocks", self.num_unique_blocks, 1)
+        if self.num_layers % self.num_blocks:
+            raise ValueError(
+                f"M6Config.num_unique_blocks ({self.num_unique_blocks}) must divide num_layers ({self.num_layers})"
+            )
+        if self.dim % self.num_heads:
+            raise ValueError(f"M6Config.num_heads ({self.num_heads}) must divide dim ({self.dim})")
+        if self.position_embedding == "rotary" and (self.dim // self.num_heads) % 2:
+            raise ValueError(f"M6Config.position_embedding='rotary' needs an even head size, got {self.head_dim}")
+        if self.ffn_hidden_dim is not None:
+            _at_least("ffn_hidden_dim", self.ffn_hidden_dim, 1)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"M6Config.dropout must be in [0, 1), got {self.dropout!r}")
+        _choice("position_embedding", self.position_embedding, ("rotary", "learned"))
+        _choice("attention", self.attention, ("dense", "alternating", "local"))
+        if self.rope_theta <= 0:
+            raise ValueError(f"M6Config.rope_theta must be > 0, got {self.rope_theta!r}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"M6Config.norm_eps must be > 0, got {self.norm_eps!r}")
+        if self.init_std <= 0:
+            raise ValueError(f"M6Config.init_std must be > 0, got {self.init_std!r}")
+        self._validate_moe()
+
+    def _validate_moe(self) -> None:
+        if self.moe_layers is not None:
+            bad = [layer for layer in self.moe_layers if not 0 <= layer < self.num_layers]
+            if bad:
+                raise ValueError(f"M6Config.moe_layers has layer indices outside [0, {self.num_layers}): {bad}")
+            if len(set(self.moe_layers)) != len(self.moe_layers):
+                raise ValueError(f"M6Config.moe_layers lists a layer twice: {self.moe_layers}")
+            for block in range(self.num_blocks):
+                kinds = {layer in self.moe_layers for layer in self.layers_of_block(block)}
+                if len(kinds) > 1:
+                    raise ValueError(
+                        f"M6Config.moe_layers mixes MoE and dense layers {self.layers_of_block(block)} that share "
+                        f"block {block}; list all or none of them"
+                    )
+        if self.num_experts % self.num_prototypes:
+            raise ValueError(
+                f"M6Config.num_prototypes ({self.num_prototypes}) must divide num_experts ({self.num_experts})"
+            )
+        if self.moe_top_k > self.experts_per_prototype:
+            raise ValueError(
+                f"M6Config.moe_top_k ({self.moe_top_k}) must be <= experts per prototype ({self.experts_per_prototype})"
+            )
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"M6Config.capacity_factor must be > 0 or None (dropless), got {self.capacity_factor!r}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter"):
+            _at_least(name, getattr(self, name), 0.0)
+
+    # ----------------------------------------------------------------------------------------------- derived
+    @property
+    def num_blocks(self) -> int:
+        """Resolved num_unique_blocks: None means one block per layer (the real model)."""
+        return self.num_layers if self.num_unique_blocks is None else self.num_unique_blocks
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        return self.ffn_hidden_dim or 4 * self.dim
+
+    @property
+    def experts_per_prototype(self) -> int:
+        return self.num_experts // self.num_prototypes
+
+    @property
+    def layer_to_block(self) -> list[int]:
+        """Which block each layer runs: groups of consecutive layers share one block."""
+        group = self.num_layers // self.num_blocks
+        return [layer // group for layer in range(self.num_layers)]
+
+    def layers_of_block(self, block: int) -> list[int]:
+        return [layer for layer, b in enumerate(self.layer_to_block) if b == block]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.moe_layers is None or layer in self.moe_layers
+
+    def attention_window(self, layer: int) -> int | None:
+        """The band width for this layer, or None for dense causal attention."""
+        if self.attention == "local" or (self.attention == "alternating" and layer % 2 == 1):
+            return self.sparse_window
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> M6Config:
+        return dataclasses.replace(self, **changes)

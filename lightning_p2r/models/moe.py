@@ -1,0 +1,183 @@
+"""Mixture-of-Experts FFN: token-choice top-k routing, M6-T expert prototyping, capacity and dropless dispatch.
+
+The routing mechanics are module-level pure functions (``route_tokens``, ``expert_positions``,
+``expert_capacity``) so tests can check each invariant on its own; ``MoEFeedForward`` strings them together.
+
+Dispatch is vectorized: assignments are ranked inside their expert by a stable sort, copied into a padded
+(experts, capacity, dim) buffer, pushed through all experts with two batched matmuls and added back with their gates.
+Every expert's weights take part in those matmuls, so an expert that received no token still gets a (zero)
+gradient and DDP / FSDP never see an unused parameter.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import M6Config
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """What one MoE layer did with one batch (detached, for logging)."""
+
+    tokens_per_expert: torch.Tensor
+    """(experts,) assignments each expert was picked for, before capacity dropping."""
+    dropped_fraction: torch.Tensor
+    """Scalar: share of the token-to-expert assignments dropped for lack of capacity."""
+
+    @property
+    def load_max_over_mean(self) -> torch.Tensor:
+        """1.0 is perfect balance; num_experts means one expert took every token."""
+        counts = self.tokens_per_expert.float()
+        return counts.max() / counts.mean().clamp_min(1e-9)
+
+
+@dataclass(frozen=True)
+class MoEOutput:
+    output: torch.Tensor
+    """Same shape as the input; zero for a token whose every assignment was dropped."""
+    aux_loss: torch.Tensor
+    """Switch load-balancing loss of this layer (1.0 when perfectly balanced)."""
+    z_loss: torch.Tensor
+    """Router z-loss of this layer."""
+    stats: RoutingStats
+
+
+def route_tokens(logits: torch.Tensor, num_prototypes: int, top_k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pick experts for each token.
+
+    ``logits`` (tokens, experts) are split into ``num_prototypes`` equal groups of consecutive experts (M6-T);
+    inside each group a softmax gives probabilities and the top-k of them are the token's picks there. With one
+    prototype this is ordinary top-k routing.
+
+    Returns ``(gates, experts, probs)``: gates and global expert ids of shape (tokens, prototypes, top_k), and the
+    per-group probabilities (tokens, prototypes, experts_per_prototype) in fp32.
+    """
+    tokens, num_experts = logits.shape
+    per_group = num_experts // num_prototypes
+    probs = logits.float().view(tokens, num_prototypes, per_group).softmax(dim=-1)
+    gates, local = probs.topk(top_k, dim=-1)  # (tokens, prototypes, top_k)
+    offsets = torch.arange(num_prototypes, device=logits.device).view(1, num_prototypes, 1) * per_group
+    return gates, local + offsets, probs
+
+
+def expert_positions(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank of each assignment inside its expert, in the order given (earlier assignments win capacity).
+
+    ``experts`` is a flat (assignments,) tensor of expert ids. Returns ``(positions, counts)``: positions
+    (assignments,) from 0 up, and counts (experts,) of assignments per expert.
+    """
+    counts = torch.bincount(experts, minlength=num_experts)
+    sorted_experts, order = torch.sort(experts, stable=True)
+    starts = counts.cumsum(0) - counts
+    ranks_sorted = torch.arange(experts.numel(), device=experts.device) - starts[sorted_experts]
+    positions = torch.empty_like(ranks_sorted)
+    positions[order] = ranks_sorted
+    return positions, counts
+
+
+def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: float | None,
+                    counts: torch.Tensor) -> int:
+    """Slots per expert: capacity_factor times the fair share, or (dropless) the busiest expert's load."""
+    if capacity_factor is None:
+        return max(1, int(counts.max().item()))
+    return max(1, math.ceil(capacity_factor * num_assignments / num_experts))
+
+
+def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Switch Transformer loss ``E * sum_e f_e * P_e`` per prototype group, averaged over groups.
+
+    ``probs`` (tokens, groups, per_group) are router probabilities, ``counts`` (experts,) the assignments per
+    expert. f_e is the share of the group's assignments that went to e (not differentiable), P_e the mean router
+    probability of e. Uniform routing gives exactly 1.0, whatever the tie-breaking.
+    """
+    tokens, groups, per_group = probs.shape
+    fraction = counts.view(groups, per_group).float()
+    fraction = fraction / fraction.sum(dim=-1, keepdim=True).clamp_min(1.0)
+    mean_prob = probs.mean(dim=0)  # (groups, per_group)
+    return (per_group * (fraction * mean_prob).sum(dim=-1)).mean()
+
+
+def router_z_loss(logits: torch.Tensor, num_prototypes: int) -> torch.Tensor:
+    """ST-MoE z-loss: mean over tokens (and groups) of logsumexp(logits)^2, keeping router logits small."""
+    tokens, num_experts = logits.shape
+    grouped = logits.float().view(tokens, num_prototypes, num_experts // num_prototypes)
+    return grouped.logsumexp(dim=-1).square().mean()
+
+
+class Experts(nn.Module):
+    """``num_experts`` two-layer GELU MLPs held as stacked weights, run together with batched matmuls."""
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w_in = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w_out = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # Each expert like an nn.Linear of its own (fan-in scaling); M6Transformer re-initializes the whole model.
+        nn.init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
+        nn.init.normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (experts, capacity, dim) -> (experts, capacity, dim)."""
+        return torch.bmm(F.gelu(torch.bmm(x, self.w_in)), self.w_out)
+
+
+class MoEFeedForward(nn.Module):
+    """Router + experts. Input (batch, seq, dim) or (tokens, dim); returns an :class:`MoEOutput`."""
+
+    def __init__(self, config: M6Config) -> None:
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.num_prototypes = config.num_prototypes
+        self.top_k = config.moe_top_k
+        self.capacity_factor = config.capacity_factor
+        self.jitter = config.router_jitter
+        self.router = nn.Linear(config.dim, config.num_experts, bias=False)
+        self.experts = Experts(config.num_experts, config.dim, config.hidden_dim)
+
+    def forward(self, x: torch.Tensor) -> MoEOutput:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])  # (tokens, dim)
+        num_tokens = x.shape[0]
+        router_input = x
+        if self.training and self.jitter > 0:
+            router_input = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
+        # The router runs in fp32 even under autocast: small logit differences decide the routing.
+        logits = F.linear(router_input.float(), self.router.weight.float())  # (tokens, experts)
+        gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k)
+
+        # Flatten assignments choice-major: every token's first choice ranks ahead of any second choice (GShard).
+        experts_flat = experts.permute(2, 0, 1).reshape(-1)  # (assignments,)
+        gates_flat = gates.permute(2, 0, 1).reshape(-1)
+        token_ids = torch.arange(num_tokens, device=x.device).view(1, num_tokens, 1)
+        tokens_flat = token_ids.expand(self.top_k, num_tokens, self.num_prototypes).reshape(-1)
+
+        positions, counts = expert_positions(experts_flat, self.num_experts)
+        capacity = expert_capacity(experts_flat.numel(), self.num_experts, self.capacity_factor, counts)
+        kept = positions < capacity
+        slots = (experts_flat * capacity + positions)[kept]
+        kept_tokens = tokens_flat[kept]
+
+        buffer = x.new_zeros(self.num_experts * capacity, x.shape[-1]).index_copy(0, slots, x[kept_tokens])
+        expert_out = self.experts(buffer.view(self.num_experts, capacity, -1)).view(-1, x.shape[-1])
+        weighted = expert_out[slots] * gates_flat[kept].unsqueeze(-1).to(expert_out.dtype)
+        output = x.new_zeros(x.shape).index_add(0, kept_tokens, weighted)
+
+        stats = RoutingStats(
+            tokens_per_expert=counts.detach(),
+            dropped_fraction=(1.0 - kept.float().mean()).detach(),
+        )
+        return MoEOutput(
+            output=output.view(shape),
+            aux_loss=load_balancing_loss(probs, counts),
+            z_loss=router_z_loss(logits, self.num_prototypes),
+            stats=stats,
+        )

@@ -1,0 +1,139 @@
+"""The M6 decoder: pre-LN blocks with dense or MoE FFNs, and cross-layer weight sharing.
+
+Sharing is structural. ``M6Transformer.blocks`` holds ``num_unique_blocks`` Block modules and
+``layer_to_block[layer]`` says which one each layer runs, so ``parameters()`` and the state dict hold a shared
+tensor once. This pair (``blocks`` + ``layer_to_block``) is the contract that ``lightning_p2r.delink`` and the
+strategy rely on; any model that declares it can be delinked and offloaded block by block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .attention import CausalSelfAttention, rotary_tables
+from .config import M6Config
+from .moe import MoEFeedForward, MoEOutput, RoutingStats
+
+
+class DenseFeedForward(nn.Module):
+    def __init__(self, config: M6Config) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(config.dim, config.hidden_dim, bias=False)
+        self.fc_out = nn.Linear(config.hidden_dim, config.dim, bias=False)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(self.act(self.fc_in(x)))
+
+
+class Block(nn.Module):
+    """Pre-LN decoder block: ``h = x + attn(ln(x))``, ``out = h + ffn(ln(h))``.
+
+    A token the MoE dropped gets a zero FFN output, so it leaves the block as ``h``: it passes on the residual.
+    """
+
+    def __init__(self, config: M6Config, moe: bool) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.ffn_norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
+        self.ffn: MoEFeedForward | DenseFeedForward = MoEFeedForward(config) if moe else DenseFeedForward(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    @property
+    def is_moe(self) -> bool:
+        return isinstance(self.ffn, MoEFeedForward)
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+                window: int | None = None) -> tuple[torch.Tensor, MoEOutput | None]:
+        h = x + self.dropout(self.attn(self.attn_norm(x), rotary=rotary, window=window))
+        ffn_out = self.ffn(self.ffn_norm(h))
+        if isinstance(ffn_out, MoEOutput):
+            return h + self.dropout(ffn_out.output), ffn_out
+        return h + self.dropout(ffn_out), None
+
+
+@dataclass
+class M6Output:
+    logits: torch.Tensor
+    """(batch, seq, vocab_size)."""
+    aux_loss: torch.Tensor
+    """Load-balancing loss, computed per MoE layer and averaged over MoE layers (0 for a dense model)."""
+    z_loss: torch.Tensor
+    """Router z-loss, averaged over MoE layers (0 for a dense model)."""
+    routing: dict[int, RoutingStats] = field(default_factory=dict)
+    """Routing statistics per MoE layer index."""
+
+
+class M6Transformer(nn.Module):
+    """GPT-like decoder of M6 / M6-T with optional cross-layer sharing (M6-10T's pseudo model)."""
+
+    def __init__(self, config: M6Config) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
+        self.pos_embeddings = (
+            nn.Embedding(config.max_seq_len, config.dim) if config.position_embedding == "learned" else None
+        )
+        self.layer_to_block: list[int] = config.layer_to_block
+        self.blocks = nn.ModuleList(
+            Block(config, moe=config.is_moe_layer(config.layers_of_block(block)[0]))
+            for block in range(config.num_blocks)
+        )
+        self.norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        self.reset_parameters()
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_to_block)
+
+    def reset_parameters(self) -> None:
+        std = self.config.init_std
+        # GPT-2: output projections of residual branches are scaled down with depth.
+        residual_std = std / math.sqrt(2 * self.config.num_layers)
+        for name, param in self.named_parameters():
+            if param.dim() < 2:
+                continue  # LayerNorm weights and biases keep their defaults
+            is_residual_out = name.endswith(("attn.out.weight", "fc_out.weight", "experts.w_out"))
+            nn.init.normal_(param, mean=0.0, std=residual_std if is_residual_out else std)
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+
+    def forward(self, input_ids: torch.Tensor) -> M6Output:
+        """input_ids: LongTensor (batch, seq) -> :class:`M6Output` with logits (batch, seq, vocab_size)."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"M6Transformer expects input_ids of shape (batch, seq), got {tuple(input_ids.shape)}")
+        seq_len = input_ids.shape[1]
+        if seq_len > self.config.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds M6Config.max_seq_len={self.config.max_seq_len}")
+        x = self.tok_embeddings(input_ids)
+        rotary = None
+        if self.pos_embeddings is not None:
+            x = x + self.pos_embeddings(torch.arange(seq_len, device=input_ids.device))
+        else:
+            rotary = rotary_tables(seq_len, self.config.head_dim, self.config.rope_theta, device=input_ids.device)
+
+        aux_losses, z_losses, routing = [], [], {}
+        for layer, block_index in enumerate(self.layer_to_block):
+            x, moe = self.blocks[block_index](x, rotary=rotary, window=self.config.attention_window(layer))
+            if moe is not None:
+                aux_losses.append(moe.aux_loss)
+                z_losses.append(moe.z_loss)
+                routing[layer] = moe.stats
+        zero = x.new_zeros((), dtype=torch.float32)
+        return M6Output(
+            logits=self.lm_head(self.norm(x)),
+            # Per layer, then averaged: balancing over the concatenation of layers would let one layer's
+            # imbalance hide behind another's.
+            aux_loss=torch.stack(aux_losses).mean() if aux_losses else zero,
+            z_loss=torch.stack(z_losses).mean() if z_losses else zero,
+            routing=routing,
+        )

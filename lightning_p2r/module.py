@@ -1,0 +1,222 @@
+"""``M6LanguageModel``: the LightningModule that trains an :class:`M6Transformer` as a causal language model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torchmetrics.text import Perplexity
+
+from .models import M6Config, M6Output, M6Transformer
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """AdamW with linear warmup and cosine decay, stepped once per optimizer step."""
+
+    lr: float = 3e-3
+    """Peak learning rate, reached at the end of warmup."""
+
+    weight_decay: float = 0.1
+    """Decoupled weight decay for matrices; norms and biases are never decayed."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW's moment decay rates."""
+
+    eps: float = 1e-8
+    """AdamW's denominator epsilon."""
+
+    warmup_steps: int = 50
+    """Optimizer steps of linear warmup from 0 to lr."""
+
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at the last step."""
+
+    fused: bool | None = None
+    """Use torch's fused AdamW kernel; None uses it where the device supports it (CPU and CUDA do)."""
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"OptimizerConfig.lr must be > 0, got {self.lr!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"OptimizerConfig.betas must be two values in [0, 1), got {self.betas!r}")
+        if self.eps <= 0:
+            raise ValueError(f"OptimizerConfig.eps must be > 0, got {self.eps!r}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        self.betas = tuple(self.betas)
+
+
+class WarmupCosine:
+    """LR multiplier: linear warmup, then cosine from 1 to ``min_lr_ratio`` over the remaining steps.
+
+    A small class rather than a closure so ``LambdaLR.state_dict()`` stores its plain attributes and a resumed
+    run (or a delinked one that rebinds the scheduler) continues the same curve.
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
+        self.warmup_steps = warmup_steps
+        self.total_steps = max(total_steps, warmup_steps + 1)
+        self.min_lr_ratio = min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def parameter_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decay matrices (and embeddings), not norms or biases; each shared tensor appears once."""
+    decay, no_decay = [], []
+    for _, param in module.named_parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_adamw(params: list[dict[str, Any]], config: OptimizerConfig) -> torch.optim.AdamW:
+    kwargs: dict[str, Any] = {"lr": config.lr, "betas": config.betas, "eps": config.eps}
+    if config.fused is not None:
+        return torch.optim.AdamW(params, fused=config.fused, **kwargs)
+    try:
+        return torch.optim.AdamW(params, fused=True, **kwargs)
+    except RuntimeError:  # a device without the fused kernel: fall back to the default implementation
+        return torch.optim.AdamW(params, **kwargs)
+
+
+def next_token_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed window (batch, seq + 1) -> inputs (batch, seq) and targets shifted by one."""
+    if batch.dim() != 2 or batch.shape[1] < 2:
+        raise ValueError(f"expected token windows of shape (batch, seq + 1), got {tuple(batch.shape)}")
+    return batch[:, :-1], batch[:, 1:]
+
+
+# Shared defaults are safe: __init__ copies them. Non-None defaults let jsonargparse expose every field as
+# --model.config.<field>.
+_DEFAULT_CONFIG = M6Config()
+_DEFAULT_OPTIMIZER = OptimizerConfig()
+
+
+class M6LanguageModel(L.LightningModule):
+    """Next-token cross-entropy on an M6 MoE transformer, plus the weighted router losses.
+
+    Args:
+        config: the model's shape (see :class:`M6Config`).
+        optimizer: AdamW and LR schedule settings (see :class:`OptimizerConfig`).
+    """
+
+    def __init__(self, config: M6Config = _DEFAULT_CONFIG, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER) -> None:
+        super().__init__()
+        # Checkpoints are loaded with weights_only=True, so hyperparameters are stored as plain dicts.
+        self.config = _as_dataclass(M6Config, config)
+        self.optimizer_config = _as_dataclass(OptimizerConfig, optimizer)
+        self.save_hyperparameters({"config": self.config.to_dict(),
+                                   "optimizer": dataclasses.asdict(self.optimizer_config)})
+        self.transformer: M6Transformer | None = None
+        self.val_perplexity = Perplexity()
+        self._last_batch_end: float | None = None
+
+    # ------------------------------------------------------------------------------------------------ model
+    def configure_model(self) -> None:
+        # Built here rather than in __init__ so a strategy can create it on the meta device or per rank.
+        if self.transformer is None:
+            self.transformer = M6Transformer(self.config)
+
+    def forward(self, input_ids: torch.Tensor) -> M6Output:
+        if self.transformer is None:
+            self.configure_model()
+        return self.transformer(input_ids)
+
+    def losses(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
+        inputs, targets = next_token_batch(batch)
+        out = self(inputs)
+        ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+        total = ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+        return {"loss": total, "ce": ce, "aux": out.aux_loss, "z": out.z_loss, "output": out}
+
+    # ------------------------------------------------------------------------------------------------ steps
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        result = self.losses(batch)
+        self.log("train/loss", result["ce"], prog_bar=True)
+        self.log("train/total_loss", result["loss"])
+        self.log("train/aux_loss", result["aux"])
+        self.log("train/z_loss", result["z"])
+        self._log_routing(result["output"])
+        return result["loss"]
+
+    def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
+        now = time.perf_counter()
+        if self._last_batch_end is not None:
+            tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
+            self.log("train/tokens_per_sec", tokens / max(now - self._last_batch_end, 1e-9), prog_bar=True)
+        self._last_batch_end = now
+        schedulers = self.lr_schedulers()
+        if schedulers is not None:
+            scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
+            self.log("lr", scheduler.get_last_lr()[0])
+
+    def on_train_epoch_start(self) -> None:
+        self._last_batch_end = None  # the gap across validation or epoch boundaries is not throughput
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        inputs, targets = next_token_batch(batch)
+        out = self(inputs)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+        self.val_perplexity(out.logits.float(), targets)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        self.log("val/ppl", self.val_perplexity)
+
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        inputs, targets = next_token_batch(batch)
+        loss = F.cross_entropy(self(inputs).logits.float().flatten(0, 1), targets.flatten())
+        self.log("test/loss", loss, sync_dist=True)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """Greedy next-token prediction for every position: LongTensor (batch, seq)."""
+        inputs = batch[:, :-1] if batch.shape[1] > 1 else batch
+        return self(inputs).logits.argmax(dim=-1)
+
+    def _log_routing(self, out: M6Output) -> None:
+        if not out.routing:
+            return
+        balance = torch.stack([s.load_max_over_mean for s in out.routing.values()])
+        dropped = torch.stack([s.dropped_fraction for s in out.routing.values()])
+        self.log("moe/load_max_over_mean", balance.mean())
+        self.log("moe/dropped_fraction", dropped.mean())
+        for layer, stats in out.routing.items():
+            self.log(f"moe/layer{layer}/load_max_over_mean", stats.load_max_over_mean)
+            self.log(f"moe/layer{layer}/dropped_fraction", stats.dropped_fraction)
+
+    # ------------------------------------------------------------------------------------------------ optim
+    def total_optimizer_steps(self) -> int:
+        if self.trainer.max_steps and self.trainer.max_steps > 0:
+            return self.trainer.max_steps
+        return int(self.trainer.estimated_stepping_batches)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        config = self.optimizer_config
+        optimizer = build_adamw(parameter_groups(self, config.weight_decay), config)
+        schedule = WarmupCosine(config.warmup_steps, self.total_optimizer_steps(), config.min_lr_ratio)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _as_dataclass(cls: type, value: Any) -> Any:
+    if value is None:
+        return cls()
+    if isinstance(value, cls):
+        return dataclasses.replace(value)
+    if isinstance(value, dict):
+        return cls(**value)
+    raise TypeError(f"expected {cls.__name__} or a dict of its fields, got {type(value).__name__}")

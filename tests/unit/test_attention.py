@@ -1,0 +1,66 @@
+import pytest
+import torch
+
+from lightning_p2r.models import CausalSelfAttention, M6Config, M6Transformer, local_causal_mask
+
+
+def test_local_mask_matches_its_definition() -> None:
+    seq_len, window = 9, 3
+    mask = local_causal_mask(seq_len, window)
+    for i in range(seq_len):
+        for j in range(seq_len):
+            assert bool(mask[i, j]) == (0 <= i - j < window), (i, j)
+
+
+def test_local_mask_with_wide_window_is_dense_causal() -> None:
+    assert torch.equal(local_causal_mask(6, 6), torch.ones(6, 6).tril().bool())
+
+
+def _explicit_attention(attn: CausalSelfAttention, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    batch, seq, dim = x.shape
+    q, k, v = attn.qkv(x).view(batch, seq, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    scores = (q @ k.transpose(-1, -2)) / attn.head_dim**0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    y = scores.softmax(-1) @ v
+    return attn.out(y.transpose(1, 2).reshape(batch, seq, dim))
+
+
+@pytest.mark.parametrize("window", [None, 1, 3, 16])
+def test_banded_attention_equals_its_documented_mask(window: int | None) -> None:
+    config = M6Config(dim=32, num_heads=4)
+    attn = CausalSelfAttention(config).eval()
+    x = torch.randn(2, 10, 32)
+    mask = local_causal_mask(10, window if window is not None else 10)
+    torch.testing.assert_close(attn(x, window=window), _explicit_attention(attn, x, mask), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["dense", "alternating", "local"])
+@pytest.mark.parametrize("positions", ["rotary", "learned"])
+def test_model_is_causal(attention: str, positions: str) -> None:
+    config = M6Config(vocab_size=64, max_seq_len=16, num_layers=2, dim=32, num_heads=4, num_experts=4,
+                      attention=attention, sparse_window=3, position_embedding=positions, capacity_factor=None)
+    model = M6Transformer(config).eval()
+    tokens = torch.randint(0, 64, (2, 16))
+    changed = tokens.clone()
+    t = 7
+    changed[:, t + 1] = (changed[:, t + 1] + 1) % 64
+    before, after = model(tokens).logits, model(changed).logits
+    torch.testing.assert_close(before[:, : t + 1], after[:, : t + 1], atol=1e-6, rtol=0)
+    assert not torch.allclose(before[:, t + 1], after[:, t + 1])
+
+
+def test_banded_layer_cannot_see_past_its_window() -> None:
+    config = M6Config(dim=16, num_heads=2)
+    attn = CausalSelfAttention(config).eval()
+    x = torch.randn(1, 12, 16)
+    changed = x.clone()
+    changed[:, 2] += 1.0
+    out, out_changed = attn(x, window=4), attn(changed, window=4)
+    # Position 2 is visible to queries 2..5 and to nobody after.
+    torch.testing.assert_close(out[:, 6:], out_changed[:, 6:])
+    assert not torch.allclose(out[:, 5], out_changed[:, 5])
+
+
+def test_alternating_pattern_is_dense_on_even_layers() -> None:
+    config = M6Config(num_layers=4, attention="alternating", sparse_window=8)
+    assert [config.attention_window(layer) for layer in range(4)] == [None, 8, None, 8]

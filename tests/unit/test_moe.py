@@ -1,0 +1,143 @@
+import math
+
+import pytest
+import torch
+
+from lightning_p2r.models import Block, M6Config, MoEFeedForward
+from lightning_p2r.models.moe import expert_positions, load_balancing_loss, route_tokens
+
+
+def _moe(**changes) -> MoEFeedForward:
+    base = {"dim": 16, "ffn_hidden_dim": 32, "num_experts": 8, "moe_top_k": 1, "capacity_factor": 1.0}
+    return MoEFeedForward(M6Config(**(base | changes)))
+
+
+def _assignments(moe: MoEFeedForward, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Recompute routing the way the layer does: (experts, tokens, positions), choice-major."""
+    logits = x @ moe.router.weight.T
+    gates, experts, _ = route_tokens(logits, moe.num_prototypes, moe.top_k)
+    experts_flat = experts.permute(2, 0, 1).reshape(-1)
+    tokens_flat = torch.arange(x.shape[0]).view(1, -1, 1).expand(moe.top_k, -1, moe.num_prototypes).reshape(-1)
+    positions, _ = expert_positions(experts_flat, moe.num_experts)
+    return experts_flat, tokens_flat, positions
+
+
+@pytest.mark.parametrize(("top_k", "prototypes", "factor"), [(1, 1, 1.0), (2, 1, 0.5), (1, 4, 1.25), (2, 2, 0.3)])
+def test_capacity_is_never_exceeded(top_k: int, prototypes: int, factor: float) -> None:
+    moe = _moe(moe_top_k=top_k, num_prototypes=prototypes, capacity_factor=factor)
+    with torch.no_grad():
+        moe.router.weight.normal_(std=3.0)  # a skewed router, so capacity binds
+    x = torch.randn(64, 16)
+    experts, _, positions = _assignments(moe, x)
+    capacity = math.ceil(factor * experts.numel() / moe.num_experts)
+    kept = positions < capacity
+    per_expert = torch.bincount(experts[kept], minlength=moe.num_experts)
+    assert int(per_expert.max()) <= capacity
+    out = moe(x)
+    expected_dropped = 1.0 - kept.float().mean()
+    torch.testing.assert_close(out.stats.dropped_fraction, expected_dropped)
+    assert torch.isfinite(out.output).all()
+    if factor <= 1.0:
+        assert float(out.stats.dropped_fraction) > 0
+
+
+def test_dropped_tokens_pass_through_on_the_residual() -> None:
+    config = M6Config(dim=16, num_heads=2, ffn_hidden_dim=32, num_experts=4, capacity_factor=0.25)
+    block = Block(config, moe=True).eval()
+    with torch.no_grad():
+        block.ffn.router.weight.normal_(std=3.0)
+    x = torch.randn(1, 32, 16)
+    h = x + block.attn(block.attn_norm(x))
+    experts, tokens, positions = _assignments(block.ffn, block.ffn_norm(h)[0])
+    capacity = math.ceil(0.25 * experts.numel() / 4)
+    dropped = tokens[positions >= capacity]
+    assert dropped.numel() > 0
+    out, moe = block(x)
+    torch.testing.assert_close(out[0, dropped], h[0, dropped])
+    kept = tokens[positions < capacity]
+    assert not torch.allclose(out[0, kept], h[0, kept])
+    assert torch.all(moe.output[0, dropped] == 0)
+
+
+def test_dropless_drops_nothing() -> None:
+    moe = _moe(capacity_factor=None, moe_top_k=2)
+    with torch.no_grad():
+        moe.router.weight.normal_(std=5.0)
+    out = moe(torch.randn(128, 16))
+    assert float(out.stats.dropped_fraction) == 0.0
+    assert int(out.stats.tokens_per_expert.sum()) == 128 * 2
+
+
+def test_balance_loss_is_one_for_a_uniform_router() -> None:
+    for prototypes, top_k in [(1, 1), (1, 2), (4, 1)]:
+        moe = _moe(num_prototypes=prototypes, moe_top_k=top_k)
+        with torch.no_grad():
+            moe.router.weight.zero_()
+        out = moe(torch.randn(40, 16))
+        torch.testing.assert_close(out.aux_loss, torch.tensor(1.0))
+        # z-loss of all-zero logits is log(experts per group)^2
+        torch.testing.assert_close(out.z_loss, torch.tensor(math.log(8 // prototypes) ** 2))
+
+
+def test_balance_loss_grows_with_imbalance() -> None:
+    probs = torch.tensor([[0.9, 0.1], [0.8, 0.2]]).view(2, 1, 2)
+    skewed = load_balancing_loss(probs, torch.tensor([2, 0]))
+    assert float(skewed) > 1.0
+
+
+def test_prototypes_equal_independent_top1_routers_on_slices() -> None:
+    """M6-T: k prototypes of E/k experts each == k separate top-1 MoE layers over expert slices, summed."""
+    k, experts, dim = 4, 8, 16
+    moe = _moe(num_experts=experts, num_prototypes=k, moe_top_k=1, capacity_factor=None)
+    x = torch.randn(50, dim)
+    expected = torch.zeros_like(x)
+    per = experts // k
+    for p in range(k):
+        part = _moe(num_experts=per, num_prototypes=1, moe_top_k=1, capacity_factor=None)
+        with torch.no_grad():
+            part.router.weight.copy_(moe.router.weight[p * per:(p + 1) * per])
+            part.experts.w_in.copy_(moe.experts.w_in[p * per:(p + 1) * per])
+            part.experts.w_out.copy_(moe.experts.w_out[p * per:(p + 1) * per])
+        expected += part(x).output
+    torch.testing.assert_close(moe(x).output, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_top1_output_matches_a_per_token_loop() -> None:
+    moe = _moe(capacity_factor=None)
+    x = torch.randn(20, 16)
+    probs = (x @ moe.router.weight.T).softmax(-1)
+    expected = torch.stack([
+        probs[t].max() * (torch.nn.functional.gelu(x[t] @ moe.experts.w_in[e]) @ moe.experts.w_out[e])
+        for t, e in enumerate(probs.argmax(-1).tolist())
+    ])
+    torch.testing.assert_close(moe(x).output, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_unused_experts_get_zero_gradients() -> None:
+    moe = _moe(num_experts=8, capacity_factor=None)
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 10.0  # every token with positive sum picks expert 0
+    x = torch.rand(16, 16)
+    out = moe(x)
+    (out.output.sum() + out.aux_loss).backward()
+    assert moe.experts.w_in.grad is not None
+    assert int(out.stats.tokens_per_expert[0]) == 16
+    assert torch.all(moe.experts.w_in.grad[1:] == 0)
+    assert moe.experts.w_in.grad[0].abs().sum() > 0
+    assert moe.router.weight.grad is not None
+
+
+def test_router_runs_in_fp32_under_bf16_input() -> None:
+    moe = _moe().to(torch.bfloat16)
+    out = moe(torch.randn(8, 16, dtype=torch.bfloat16))
+    assert out.output.dtype == torch.bfloat16
+    assert out.aux_loss.dtype == torch.float32 and out.z_loss.dtype == torch.float32
+
+
+def test_stats_shape_and_balance_metric() -> None:
+    moe = _moe(num_experts=4, capacity_factor=None)
+    out = moe(torch.randn(2, 5, 16))
+    assert out.output.shape == (2, 5, 16)
+    assert out.stats.tokens_per_expert.shape == (4,)
+    assert float(out.stats.load_max_over_mean) >= 1.0
