@@ -12,13 +12,14 @@ import io
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -349,6 +350,45 @@ class _Rows(Dataset[torch.Tensor]):
         return self.rows[index]
 
 
+class EpochShuffleSampler(Sampler[int]):
+    """Shuffled order that is a pure function of (seed, epoch), able to start part-way through an epoch.
+
+    A resumed run must see the batches the interrupted one had not reached yet, in the same order; a
+    ``RandomSampler`` with a generator cannot give that, because the generator's state is not checkpointed.
+    Lightning calls ``set_epoch`` at every epoch start.
+    """
+
+    def __init__(self, num_samples: int, seed: int) -> None:
+        self.num_samples = num_samples
+        self.seed = seed
+        self.epoch = 0
+        self._skip = 0
+        self._resume_epoch: int | None = None
+        self.last_epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def resume(self, epoch: int, num_samples_done: int) -> None:
+        """Make the next iteration replay ``epoch``'s order without its first ``num_samples_done`` indices.
+
+        The epoch is stored rather than taken from ``set_epoch``: a run stopped by ``max_steps`` counts its
+        unfinished epoch as processed, so Lightning's epoch number after such a resume is one ahead.
+        """
+        self._resume_epoch, self._skip = epoch, num_samples_done
+
+    def __iter__(self) -> Iterator[int]:
+        epoch = self.epoch if self._resume_epoch is None else self._resume_epoch
+        generator = torch.Generator().manual_seed(self.seed + epoch)
+        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        start = self._skip
+        self._skip, self._resume_epoch, self.last_epoch = 0, None, epoch
+        return iter(order[start:])
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
 # --------------------------------------------------------------------------------------------- data module
 
 
@@ -420,6 +460,8 @@ class TextDataModule(pl.LightningDataModule):
         self.tokenizer: TextTokenizer | None = None
         self.train_windows: torch.Tensor | None = None
         self.val_windows: torch.Tensor | None = None
+        self._resume_position = (0, 0)  # (epoch, batches done) of a mid-epoch checkpoint
+        self._train_sampler: EpochShuffleSampler | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -466,16 +508,32 @@ class TextDataModule(pl.LightningDataModule):
         if self.num_workers > 0:
             # Workers only index tensors; this silences the tokenizers fork warning without affecting speed.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        generator = torch.Generator().manual_seed(self.seed) if shuffle else None
+        sampler = EpochShuffleSampler(rows.shape[0], self.seed) if shuffle else None
+        if sampler is not None:
+            epoch, done = self._resume_position
+            if 0 < done < rows.shape[0] // self.batch_size:
+                sampler.resume(epoch, done * self.batch_size)
+            self._resume_position = (0, 0)
+            self._train_sampler = sampler
         return DataLoader(
             _Rows(rows),
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=sampler,
             drop_last=shuffle,
-            generator=generator,
             num_workers=self.num_workers,
             persistent_workers=self.num_workers > 0,
         )
+
+    def state_dict(self) -> dict[str, Any]:
+        """How far into the current epoch training got, so a resumed run continues with the next batch."""
+        done = 0
+        if self.trainer is not None:
+            done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        epoch = self._train_sampler.last_epoch if self._train_sampler is not None else 0
+        return {"epoch": int(epoch), "train_batches_done": int(done)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resume_position = (int(state_dict.get("epoch", 0)), int(state_dict.get("train_batches_done", 0)))
 
     def train_dataloader(self) -> DataLoader[torch.Tensor]:
         """Shuffled training windows; the order is fixed by ``seed`` and partial batches are dropped."""

@@ -278,3 +278,17 @@ def test_datamodule_kjv_bytes(tmp_path: Path) -> None:
     assert batch.shape == (8, 65) and batch.dtype == torch.long
     assert dm.train_windows.shape[0] > 10_000 and dm.val_windows.shape[0] > 100
     assert os.path.getsize(next(tmp_path.glob("ids-*.npy"))) < 5_000_000  # one byte per token, not int64
+
+
+def test_epoch_shuffle_sampler_is_a_function_of_seed_and_epoch_and_resumes() -> None:
+    from lightning_p2r.data import EpochShuffleSampler
+
+    sampler = EpochShuffleSampler(20, seed=3)
+    first = list(sampler)
+    assert sorted(first) == list(range(20)) and list(sampler) == first
+    sampler.set_epoch(1)
+    second = list(sampler)
+    assert second != first
+    sampler.resume(epoch=0, num_samples_done=8)
+    assert list(sampler) == first[8:]
+    assert list(sampler) == second  # the resume applies to one iteration only

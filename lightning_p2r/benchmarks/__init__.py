@@ -1,0 +1,15 @@
+"""Speed and memory benchmarks: each is a module run as ``python -m lightning_p2r.benchmarks.<name>``.
+
+Every benchmark prints the environment and a table of what it measured, and writes ``<name>.csv`` and
+``<name>.png`` to ``--out`` (default ``docs/benchmarks``). Common flags: ``--device`` (cuda when available, else
+cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing).
+
+- ``moe``: forward + backward tokens/s of one :class:`~lightning_p2r.models.moe.MoEFeedForward` layer (top-1,
+  top-2, M6-T prototyping with k = 2 and 4; dropless and capacity 1.25) against a dense FFN with the same active
+  parameters per token.
+- ``quickstart``: time to the first optimizer step and steady-state step time / tokens/s of
+  ``recipes/quickstart.yaml``, built through the project's LightningCLI.
+
+Shared helpers (CSV, plain-text tables, plots, environment, timing) live in :mod:`lightning_p2r.benchmarks.report`.
+Timings belong here and never in tests: the tests only check that each benchmark runs and writes its outputs.
+"""

@@ -1,0 +1,204 @@
+"""One MoE FFN layer against a dense FFN with the same active parameters per token: forward + backward tokens/s.
+
+    python -m lightning_p2r.benchmarks.moe [--out DIR] [--device cpu|cuda] [--quick]
+
+Each MoE variant is compared with a :class:`~lightning_p2r.models.transformer.DenseFeedForward` that does the same
+FFN work per token when routing is perfectly balanced and nothing is padded. The matching rule: a token runs
+``num_prototypes * moe_top_k`` experts, so the dense hidden size is that many expert hidden sizes:
+
+- top-1 (1 prototype, k=1):         dense hidden = expert hidden
+- top-2 (1 prototype, k=2):         dense hidden = 2 x expert hidden
+- prototyping k (k prototypes, top-1 in each): dense hidden = k x expert hidden
+
+Every variant runs dropless (``capacity_factor=None``) and with capacity 1.25. The gap to dense is the price of the
+router, the dispatch/combine copies and the padded slots (a capacity of 1.25 runs 25% more expert rows than
+tokens; dropless pads every expert to the busiest one's load).
+
+One timed iteration is: MoE forward, loss = output . fixed random cotangent + the router losses at the default
+weights, backward (into the weights and the input, as inside a model). Gradients are cleared, not applied: no
+optimizer step, so routing is the same every iteration. The router is freshly initialized and the input random,
+so load is close to balanced; a trained router is usually less balanced, so dropped fractions here are a floor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_p2r.benchmarks.report import (
+    base_parser,
+    environment_info,
+    median_seconds,
+    print_environment,
+    print_table,
+    save_bar_chart,
+    with_environment,
+    write_csv,
+)
+from lightning_p2r.models.config import M6Config
+from lightning_p2r.models.moe import MoEFeedForward
+from lightning_p2r.models.transformer import DenseFeedForward
+
+COLUMNS = ["variant", "routing", "capacity", "tokens", "tokens_per_s", "ms_per_iter", "dropped_fraction",
+           "ratio_vs_dense", "dense_hidden"]
+CAPACITIES: tuple[float | None, ...] = (None, 1.25)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    top_k: int
+    prototypes: int
+
+    @property
+    def routing(self) -> str:
+        return f"top-{self.top_k}" if self.prototypes == 1 else f"{self.prototypes} x top-{self.top_k}"
+
+    @property
+    def active_experts(self) -> int:
+        """Experts each token runs: the dense FFN's hidden size is this many expert hidden sizes."""
+        return self.prototypes * self.top_k
+
+
+VARIANTS = (Variant("top1", 1, 1), Variant("top2", 2, 1), Variant("proto2", 1, 2), Variant("proto4", 1, 4))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    dim: int
+    expert_hidden: int
+    experts: int
+    tokens: int
+    warmup: int
+    iters: int
+
+
+# 2 CPU cores: the full default run (8 MoE cases + 3 dense baselines) stays around two minutes.
+DEFAULT_SIZES = Sizes(dim=256, expert_hidden=1024, experts=8, tokens=8192, warmup=2, iters=5)
+QUICK_SIZES = Sizes(dim=32, expert_hidden=64, experts=4, tokens=256, warmup=1, iters=2)
+
+
+def _train_step(layer: nn.Module, x: torch.Tensor, cotangent: torch.Tensor, config: M6Config,
+                stats: list[float]) -> Callable[[], None]:
+    """A closure running forward + backward once; MoE layers append their dropped fraction to ``stats``."""
+
+    def step() -> None:
+        for param in layer.parameters():
+            param.grad = None
+        x.grad = None
+        out = layer(x)
+        if isinstance(layer, MoEFeedForward):
+            loss = (out.output * cotangent).sum()
+            loss = loss + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+            stats.append(float(out.stats.dropped_fraction))
+        else:
+            loss = (out * cotangent).sum()
+        loss.backward()
+
+    return step
+
+
+def _measure(layer: nn.Module, config: M6Config, sizes: Sizes, device: torch.device) -> tuple[float, float]:
+    """(median seconds per iteration, mean dropped fraction; NaN for a dense layer)."""
+    layer = layer.to(device).train()
+    generator = torch.Generator(device="cpu").manual_seed(0)  # the same tokens for every layer
+    x = torch.randn(sizes.tokens, sizes.dim, generator=generator).to(device).requires_grad_(True)
+    cotangent = torch.randn(sizes.tokens, sizes.dim, generator=generator).to(device)
+    stats: list[float] = []
+    seconds = median_seconds(_train_step(layer, x, cotangent, config, stats), warmup=sizes.warmup,
+                             iters=sizes.iters, device=device)
+    return seconds, (sum(stats) / len(stats) if stats else math.nan)
+
+
+def run(sizes: Sizes, device: torch.device) -> list[dict[str, Any]]:
+    """Measure every variant and its dense match; returns one row per case (dense baselines included)."""
+    base = M6Config(dim=sizes.dim, num_heads=1, ffn_hidden_dim=sizes.expert_hidden, num_experts=sizes.experts)
+    dense_seconds: dict[int, float] = {}
+    rows: list[dict[str, Any]] = []
+    for variant in VARIANTS:
+        hidden = variant.active_experts * sizes.expert_hidden
+        if hidden not in dense_seconds:
+            torch.manual_seed(0)
+            config = base.replace(ffn_hidden_dim=hidden)
+            dense_seconds[hidden], _ = _measure(DenseFeedForward(config), config, sizes, device)
+            rows.append(_row(f"dense{variant.active_experts}x", "dense", None, sizes.tokens, dense_seconds[hidden],
+                             math.nan, dense_seconds[hidden], hidden))
+            print(f"  measured dense hidden={hidden}", flush=True)
+        for capacity in CAPACITIES:
+            torch.manual_seed(0)  # the same router and experts in both capacity modes
+            config = base.replace(moe_top_k=variant.top_k, num_prototypes=variant.prototypes,
+                                  capacity_factor=capacity)
+            seconds, dropped = _measure(MoEFeedForward(config), config, sizes, device)
+            rows.append(_row(variant.name, variant.routing, capacity, sizes.tokens, seconds, dropped,
+                             dense_seconds[hidden], hidden))
+            print(f"  measured {variant.name} capacity={_capacity_label(capacity)}", flush=True)
+    return rows
+
+
+def _capacity_label(capacity: float | None) -> str:
+    return "dropless" if capacity is None else f"{capacity:g}"
+
+
+def _row(variant: str, routing: str, capacity: float | None, tokens: int, seconds: float, dropped: float,
+         dense: float, dense_hidden: int) -> dict[str, Any]:
+    return {
+        "variant": variant,
+        "routing": routing,
+        "capacity": "-" if routing == "dense" else _capacity_label(capacity),
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+        "ms_per_iter": seconds * 1e3,
+        "dropped_fraction": dropped,
+        # > 1 would mean the MoE layer is faster than the dense FFN doing the same per-token work.
+        "ratio_vs_dense": dense / seconds,
+        "dense_hidden": dense_hidden,
+    }
+
+
+def plot(rows: Sequence[dict[str, Any]], path: Path, sizes: Sizes, env: dict[str, Any]) -> Path:
+    by_key = {(row["variant"], row["capacity"]): row for row in rows}
+    names = [v.name for v in VARIANTS]
+    labels = [f"{v.name}\n({v.routing})" for v in VARIANTS]
+    dense = [by_key[(f"dense{v.active_experts}x", "-")]["tokens_per_s"] for v in VARIANTS]
+    series = {"dense, same active params": dense}
+    for capacity in CAPACITIES:
+        label = _capacity_label(capacity)
+        series[f"MoE {label}"] = [by_key[(name, label)]["tokens_per_s"] for name in names]
+    title = (f"MoE layer fwd+bwd, {sizes.tokens} tokens, dim {sizes.dim}, expert hidden {sizes.expert_hidden}, "
+             f"{sizes.experts} experts\n{env['device_name']} ({env['device']}, {env['threads']} threads), "
+             f"torch {env['torch']}")
+    return save_bar_chart(path, labels, series, ylabel="tokens / s (higher is better)", title=title)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, help="tokens per iteration (overrides the size preset)")
+    parser.add_argument("--iters", type=int, help="timed iterations per case (overrides the size preset)")
+    args = parser.parse_args(argv)
+    sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
+    overrides = {name: value for name, value in (("tokens", args.tokens), ("iters", args.iters)) if value}
+    sizes = dataclasses.replace(sizes, **overrides)
+    device = torch.device(args.device)
+
+    env = environment_info(device)
+    print_environment(env)
+    print(f"sizes: {sizes}")
+    rows = run(sizes, device)
+    print()
+    print_table(rows, COLUMNS)
+
+    csv_path = write_csv(with_environment(rows, env), args.out / "moe.csv")
+    png_path = plot(rows, args.out / "moe.png", sizes, env)
+    print(f"\nwrote {csv_path} and {png_path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""Helpers shared by the benchmarks: CLI flags, environment, timing, CSV, plain-text tables and plots."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_OUT = Path("docs/benchmarks")
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    """An argument parser with the flags every benchmark takes: ``--out``, ``--device`` and ``--quick``."""
+    # allow_abbrev=False: the quickstart benchmark forwards unknown flags to LightningCLI, and abbreviation
+    # matching could otherwise swallow one of them.
+    parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for CSV and PNG (default: %(default)s)")
+    parser.add_argument("--device", default=default_device(), help="torch device (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests; the numbers mean nothing")
+    return parser
+
+
+# ------------------------------------------------------------------------------------------------ environment
+def _cpu_name() -> str:
+    # platform.processor() is empty on most Linux builds; /proc/cpuinfo has the marketing name.
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment_info(device: str | torch.device = "cpu") -> dict[str, Any]:
+    """What a reader needs to compare two runs: torch version, device name, torch threads and CPU count."""
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    return {
+        "torch": torch.__version__,
+        "device": str(device),
+        "device_name": name,
+        "threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count() or 0,
+    }
+
+
+def print_environment(env: Mapping[str, Any]) -> None:
+    print("environment: " + ", ".join(f"{key}={value}" for key, value in env.items()))
+
+
+def with_environment(rows: Sequence[Mapping[str, Any]], env: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Rows with the environment appended as ``env_*`` columns, so a CSV read on its own says where it ran."""
+    return [dict(row) | {f"env_{key}": value for key, value in env.items()} for row in rows]
+
+
+# ------------------------------------------------------------------------------------------------------ timing
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued kernels: CUDA launches are asynchronous, so a timer would otherwise see only the launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5,
+                   device: str | torch.device = "cpu") -> float:
+    """Median wall time of ``fn()`` over ``iters`` calls after ``warmup`` untimed ones.
+
+    Warm-up absorbs one-off costs (allocator growth, lazy kernel selection); the median rather than the mean keeps
+    one descheduled iteration on a shared machine from moving the result.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------------------ CSV / table
+def write_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -> Path:
+    """Write ``rows`` as CSV; the header is the union of their keys in first-seen order."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    columns: dict[str, None] = {}
+    for row in rows:
+        columns.update(dict.fromkeys(row))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=list(columns))
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.3g}" if 0 < abs(value) < 0.01 else f"{value:.3f}"
+    return "-" if value is None else str(value)
+
+
+def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
+    """An aligned plain-text table: text left-aligned, numbers right-aligned."""
+    cells = [[_cell(row.get(col)) for col in columns] for row in rows]
+    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
+    numeric = [all(isinstance(row.get(col), int | float) for row in rows) for col in columns]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
+
+    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in cells)])
+
+
+def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
+    print(format_table(rows, columns))
+
+
+# ------------------------------------------------------------------------------------------------------ plots
+def _pyplot() -> Any:
+    # Imported lazily and on the Agg backend: benchmarks run headless, and importing them must not need a display.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_bar_chart(path: str | os.PathLike[str], categories: Sequence[str], series: Mapping[str, Sequence[float]],
+                   *, ylabel: str, title: str) -> Path:
+    """Grouped bars: one group per category, one bar per series (NaN leaves a gap)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    width = 0.8 / max(len(series), 1)
+    for i, (label, values) in enumerate(series.items()):
+        xs = [c + (i - (len(series) - 1) / 2) * width for c in range(len(categories))]
+        bars = ax.bar(xs, values, width, label=label)
+        ax.bar_label(bars, labels=[_cell(float(v)) for v in values], fontsize=7, padding=2)
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    return _save(fig, path)
+
+
+def save_line_chart(path: str | os.PathLike[str], x: Sequence[float], series: Mapping[str, Sequence[float]],
+                    *, xlabel: str, ylabel: str, title: str) -> Path:
+    """One line per series over a shared x axis."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    for label, values in series.items():
+        ax.plot(x, values, marker=".", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)  # figures are otherwise kept alive by pyplot's registry
+    return path

@@ -1,0 +1,97 @@
+"""Smoke tests of the benchmarks: each runs in-process at --quick sizes and writes a well-formed CSV and a PNG.
+
+No timing is asserted: speed lives in the benchmarks' own output, and a test that fails on a slow machine is noise.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+
+import pytest
+
+from lightning_p2r.benchmarks import moe, quickstart
+from lightning_p2r.benchmarks.report import format_table, median_seconds, write_csv
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _read_csv(path: Path) -> list[dict[str, str]]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def _assert_png(path: Path) -> None:
+    assert path.is_file()
+    assert path.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_moe_benchmark_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    moe.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+
+    rows = _read_csv(tmp_path / "moe.csv")
+    assert set(moe.COLUMNS) <= set(rows[0])
+    assert {"env_torch", "env_device_name", "env_threads", "env_cpu_count"} <= set(rows[0])
+    variants = {row["variant"] for row in rows}
+    assert {"top1", "top2", "proto2", "proto4", "dense1x", "dense2x", "dense4x"} == variants
+    # Every MoE variant in both modes: 4 variants x (dropless, 1.25) plus 3 dense baselines.
+    assert len(rows) == 11
+    assert {row["capacity"] for row in rows if row["routing"] != "dense"} == {"dropless", "1.25"}
+    for row in rows:
+        assert float(row["tokens_per_s"]) > 0
+        assert float(row["ratio_vs_dense"]) > 0
+    for row in rows:
+        if row["capacity"] == "dropless":
+            assert float(row["dropped_fraction"]) == 0.0  # dropless must never drop
+    _assert_png(tmp_path / "moe.png")
+    assert "ratio_vs_dense" in capsys.readouterr().out  # the table is printed
+
+
+def _tiny_corpus(path: Path) -> Path:
+    line = "In the beginning was the benchmark, and the benchmark was fast enough for a smoke test.\n"
+    path.write_text(line * 80, encoding="utf-8")
+    return path
+
+
+def test_quickstart_benchmark_writes_csv_and_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("LIGHTNING_P2R_CACHE", str(tmp_path / "cache"))
+    corpus = _tiny_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "out"
+    summary = quickstart.main([
+        "--quick", "--device", "cpu", "--out", str(out), "--max-steps", "3",
+        "--data.tokenizer=bytes", "--data.vocab_size=256", "--data.corpus", str(corpus),
+    ])
+
+    assert summary["steps"] == 3
+    rows = _read_csv(out / "quickstart.csv")
+    assert len(rows) == 1
+    for column in ("to_first_step_from_process_s", "to_first_step_from_main_s", "first_step_s", "median_step_s",
+                   "tokens_per_s", "tokenizer_cache", "env_torch"):
+        assert column in rows[0]
+    assert rows[0]["tokenizer"] == "bytes"
+    assert float(rows[0]["tokens_per_s"]) > 0
+    steps = _read_csv(out / "quickstart_steps.csv")
+    assert [int(row["step"]) for row in steps] == [0, 1, 2]
+    assert all(float(row["tokens_per_s"]) > 0 for row in steps)
+    _assert_png(out / "quickstart.png")
+    assert "tokenizer cache:" in capsys.readouterr().out
+
+
+def test_format_table_aligns_columns() -> None:
+    table = format_table([{"name": "a", "value": 1.5}, {"name": "longer", "value": 12345.0}], ["name", "value"])
+    lines = table.splitlines()
+    assert len({len(line) for line in lines}) == 1  # every line equally wide: numbers right-aligned
+    assert lines[3].endswith("12,345")
+
+
+def test_write_csv_takes_the_union_of_keys(tmp_path: Path) -> None:
+    path = write_csv([{"a": 1}, {"a": 2, "b": 3}], tmp_path / "x.csv")
+    assert _read_csv(path) == [{"a": "1", "b": ""}, {"a": "2", "b": "3"}]
+
+
+def test_median_seconds_calls_warmup_and_iters() -> None:
+    calls = []
+    seconds = median_seconds(lambda: calls.append(1), warmup=2, iters=3)
+    assert len(calls) == 5
+    assert seconds >= 0

@@ -1,0 +1,120 @@
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, TextDataModule
+from lightning_p2r.module import WarmupCosine, parameter_groups
+
+TINY = {"vocab_size": 256, "max_seq_len": 16, "num_layers": 2, "dim": 32, "num_heads": 4, "num_experts": 4}
+
+
+def _corpus(tmp_path: Path) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_text("In the beginning was the word, and the word was tested. " * 200, encoding="utf-8")
+    return str(path)
+
+
+def _trainer(tmp_path: Path, **kwargs) -> L.Trainer:
+    options = {"max_steps": 6, "accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
+               "enable_model_summary": False, "default_root_dir": tmp_path, "limit_val_batches": 2,
+               "val_check_interval": 3, "check_val_every_n_epoch": None, "log_every_n_steps": 1}
+    return L.Trainer(**(options | kwargs))
+
+
+def _data(tmp_path: Path) -> TextDataModule:
+    return TextDataModule(corpus=_corpus(tmp_path), tokenizer="bytes", seq_len=16, batch_size=4,
+                          cache_dir=str(tmp_path / "cache"))
+
+
+def test_warmup_cosine_schedule() -> None:
+    schedule = WarmupCosine(warmup_steps=10, total_steps=110, min_lr_ratio=0.1)
+    assert schedule(0) == pytest.approx(0.1)
+    assert schedule(9) == pytest.approx(1.0)
+    assert schedule(10) == pytest.approx(1.0)
+    assert schedule(60) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert schedule(110) == pytest.approx(0.1)
+    assert schedule(500) == pytest.approx(0.1)
+    assert WarmupCosine(0, 10, 0.0)(0) == pytest.approx(1.0)
+
+
+def test_parameter_groups_list_each_tensor_once() -> None:
+    module = M6LanguageModel(M6Config(**TINY, tie_embeddings=True))
+    module.configure_model()
+    groups = parameter_groups(module, weight_decay=0.1)
+    ids = [id(p) for group in groups for p in group["params"]]
+    assert len(ids) == len(set(ids)) == len(list(module.parameters()))
+    assert all(p.dim() < 2 for p in groups[1]["params"])
+
+
+def test_fit_logs_metrics_and_the_loss_falls(tmp_path: Path) -> None:
+    model = M6LanguageModel(M6Config(**TINY), OptimizerConfig(lr=3e-3, warmup_steps=2))
+    trainer = _trainer(tmp_path, max_steps=30, val_check_interval=10)
+    losses = []
+
+    class Record(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+
+    trainer.callbacks.append(Record())
+    trainer.fit(model, datamodule=_data(tmp_path))
+    metrics = trainer.callback_metrics
+    for key in ("train/loss", "train/aux_loss", "train/z_loss", "val/loss", "val/ppl", "lr",
+                "train/tokens_per_sec", "moe/load_max_over_mean", "moe/dropped_fraction",
+                "moe/layer1/load_max_over_mean"):
+        assert key in metrics, key
+    assert float(metrics["val/ppl"]) == pytest.approx(math.exp(float(metrics["val/loss"])), rel=1e-3)
+    assert sum(losses[-5:]) / 5 < 0.7 * losses[0]
+    assert isinstance(trainer.optimizers[0], torch.optim.AdamW)
+
+
+def test_checkpoint_round_trip_with_weights_only(tmp_path: Path) -> None:
+    model = M6LanguageModel(M6Config(**TINY, num_unique_blocks=1))
+    trainer = _trainer(tmp_path, max_steps=3)
+    trainer.fit(model, datamodule=_data(tmp_path))
+    path = tmp_path / "model.ckpt"
+    trainer.save_checkpoint(path)
+    raw = torch.load(path, weights_only=True)  # no pickled classes inside
+    assert raw["hyper_parameters"]["config"]["num_unique_blocks"] == 1
+    loaded = M6LanguageModel.load_from_checkpoint(path, weights_only=True)
+    assert loaded.config == model.config
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_resume_continues_to_the_same_weights(tmp_path: Path) -> None:
+    L.seed_everything(7)
+    straight = M6LanguageModel(M6Config(**TINY))
+    _trainer(tmp_path / "a", max_steps=6, val_check_interval=100).fit(straight, datamodule=_data(tmp_path))
+
+    L.seed_everything(7)
+    first = M6LanguageModel(M6Config(**TINY))
+    trainer = _trainer(tmp_path / "b", max_steps=3, val_check_interval=100)
+    trainer.fit(first, datamodule=_data(tmp_path))
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed = M6LanguageModel(M6Config(**TINY))
+    _trainer(tmp_path / "b", max_steps=6, val_check_interval=100).fit(
+        resumed, datamodule=_data(tmp_path), ckpt_path=tmp_path / "mid.ckpt", weights_only=True)
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_predict_returns_next_token_ids(tmp_path: Path) -> None:
+    model = M6LanguageModel(M6Config(**TINY))
+    predictions = _trainer(tmp_path, limit_predict_batches=1).predict(model, datamodule=_data(tmp_path))
+    assert predictions[0].shape == (4, 16) and predictions[0].dtype == torch.long
+
+
+def test_bad_batch_shape_is_rejected() -> None:
+    model = M6LanguageModel(M6Config(**TINY))
+    with pytest.raises(ValueError, match="batch, seq"):
+        model.losses(torch.zeros(4, dtype=torch.long))
+
+
+def test_hparams_accept_plain_dicts() -> None:
+    model = M6LanguageModel(config={"num_layers": 2, "num_experts": 2}, optimizer={"lr": 1e-3})
+    assert model.config.num_layers == 2 and model.optimizer_config.lr == 1e-3
+    with pytest.raises(TypeError, match="M6Config"):
+        M6LanguageModel(config=3)
