@@ -20,6 +20,14 @@ class P2RCLI(LightningCLI):
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.config.max_seq_len", apply_on="parse")
 
+    def instantiate_classes(self) -> None:
+        # A bad value that only the class can judge (a range, a divisibility, a missing corpus) ends the command
+        # with the usual one-line CLI error instead of a traceback, before anything is trained or written.
+        try:
+            super().instantiate_classes()
+        except (ValueError, FileNotFoundError) as error:
+            self.parser.error(str(error))
+
 
 def main(args: list[str] | None = None) -> P2RCLI:
     """Entry point of ``lightning-p2r {fit,validate,test,predict}``."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from lightning_p2r.benchmarks.report import (
+    apply_threads,
     base_parser,
     environment_info,
     median_seconds,
@@ -47,7 +49,7 @@ from lightning_p2r.models.moe import MoEFeedForward
 from lightning_p2r.models.transformer import DenseFeedForward
 
 COLUMNS = ["variant", "routing", "capacity", "tokens", "tokens_per_s", "ms_per_iter", "dropped_fraction",
-           "ratio_vs_dense", "dense_hidden"]
+           "ratio_vs_dense", "dense_hidden", "round_spread"]
 CAPACITIES: tuple[float | None, ...] = (None, 1.25)
 
 
@@ -76,13 +78,35 @@ class Sizes:
     expert_hidden: int
     experts: int
     tokens: int
+    rounds: int
+    """Passes over all cases; a case's time is the median of its per-round medians."""
     warmup: int
+    """Untimed iterations of a case at the start of each round (its caches went cold while the others ran)."""
     iters: int
+    """Timed iterations of a case per round."""
 
 
-# 2 CPU cores: the full default run (8 MoE cases + 3 dense baselines) stays around two minutes.
-DEFAULT_SIZES = Sizes(dim=256, expert_hidden=1024, experts=8, tokens=8192, warmup=2, iters=5)
-QUICK_SIZES = Sizes(dim=32, expert_hidden=64, experts=4, tokens=256, warmup=1, iters=2)
+# 2 CPU cores: the full default run (8 MoE cases + 3 dense baselines, 3 x (1 + 2) iterations each) takes about two
+# minutes.
+DEFAULT_SIZES = Sizes(dim=256, expert_hidden=1024, experts=8, tokens=8192, rounds=3, warmup=1, iters=2)
+QUICK_SIZES = Sizes(dim=32, expert_hidden=64, experts=4, tokens=256, rounds=2, warmup=1, iters=1)
+
+
+@dataclass
+class Case:
+    """One layer to time, and what it measured."""
+
+    variant: str
+    routing: str
+    capacity: float | None
+    dense_hidden: int
+    step: Callable[[], None]
+    dropped: list[float]
+    round_seconds: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_dense(self) -> bool:
+        return self.routing == "dense"
 
 
 def _train_step(layer: nn.Module, x: torch.Tensor, cotangent: torch.Tensor, config: M6Config,
@@ -105,60 +129,71 @@ def _train_step(layer: nn.Module, x: torch.Tensor, cotangent: torch.Tensor, conf
     return step
 
 
-def _measure(layer: nn.Module, config: M6Config, sizes: Sizes, device: torch.device) -> tuple[float, float]:
-    """(median seconds per iteration, mean dropped fraction; NaN for a dense layer)."""
-    layer = layer.to(device).train()
+def build_cases(sizes: Sizes, device: torch.device) -> list[Case]:
+    """Every MoE variant in each capacity mode, plus one dense baseline per distinct active hidden size."""
+    base = M6Config(dim=sizes.dim, num_heads=1, ffn_hidden_dim=sizes.expert_hidden, num_experts=sizes.experts)
     generator = torch.Generator(device="cpu").manual_seed(0)  # the same tokens for every layer
     x = torch.randn(sizes.tokens, sizes.dim, generator=generator).to(device).requires_grad_(True)
     cotangent = torch.randn(sizes.tokens, sizes.dim, generator=generator).to(device)
-    stats: list[float] = []
-    seconds = median_seconds(_train_step(layer, x, cotangent, config, stats), warmup=sizes.warmup,
-                             iters=sizes.iters, device=device)
-    return seconds, (sum(stats) / len(stats) if stats else math.nan)
-
-
-def run(sizes: Sizes, device: torch.device) -> list[dict[str, Any]]:
-    """Measure every variant and its dense match; returns one row per case (dense baselines included)."""
-    base = M6Config(dim=sizes.dim, num_heads=1, ffn_hidden_dim=sizes.expert_hidden, num_experts=sizes.experts)
-    dense_seconds: dict[int, float] = {}
-    rows: list[dict[str, Any]] = []
+    cases: list[Case] = []
+    dense_done: set[int] = set()
     for variant in VARIANTS:
         hidden = variant.active_experts * sizes.expert_hidden
-        if hidden not in dense_seconds:
+        if hidden not in dense_done:
+            dense_done.add(hidden)
             torch.manual_seed(0)
             config = base.replace(ffn_hidden_dim=hidden)
-            dense_seconds[hidden], _ = _measure(DenseFeedForward(config), config, sizes, device)
-            rows.append(_row(f"dense{variant.active_experts}x", "dense", None, sizes.tokens, dense_seconds[hidden],
-                             math.nan, dense_seconds[hidden], hidden))
-            print(f"  measured dense hidden={hidden}", flush=True)
+            layer = DenseFeedForward(config).to(device).train()
+            cases.append(Case(f"dense{variant.active_experts}x", "dense", None, hidden,
+                              _train_step(layer, x, cotangent, config, []), []))
         for capacity in CAPACITIES:
             torch.manual_seed(0)  # the same router and experts in both capacity modes
             config = base.replace(moe_top_k=variant.top_k, num_prototypes=variant.prototypes,
                                   capacity_factor=capacity)
-            seconds, dropped = _measure(MoEFeedForward(config), config, sizes, device)
-            rows.append(_row(variant.name, variant.routing, capacity, sizes.tokens, seconds, dropped,
-                             dense_seconds[hidden], hidden))
-            print(f"  measured {variant.name} capacity={_capacity_label(capacity)}", flush=True)
-    return rows
+            layer = MoEFeedForward(config).to(device).train()
+            dropped: list[float] = []
+            cases.append(Case(variant.name, variant.routing, capacity, hidden,
+                              _train_step(layer, x, cotangent, config, dropped), dropped))
+    return cases
+
+
+def run(sizes: Sizes, device: torch.device) -> list[dict[str, Any]]:
+    """Time every case and return one row per case (dense baselines included).
+
+    Cases are interleaved in rounds instead of timed one after another: on a shared machine the CPU's throughput
+    drifts (here it was seen to halve for tens of seconds), and timing each case in one block would turn that drift
+    into a fake MoE-vs-dense gap. Each round starts at a different case so none always runs first.
+    """
+    cases = build_cases(sizes, device)
+    for r in range(sizes.rounds):
+        shift = r * len(cases) // sizes.rounds
+        for case in cases[shift:] + cases[:shift]:
+            case.round_seconds.append(median_seconds(case.step, warmup=sizes.warmup, iters=sizes.iters,
+                                                     device=device))
+        print(f"  round {r + 1}/{sizes.rounds} done", flush=True)
+    dense = {case.dense_hidden: statistics.median(case.round_seconds) for case in cases if case.is_dense}
+    return [_row(case, sizes.tokens, dense[case.dense_hidden]) for case in cases]
 
 
 def _capacity_label(capacity: float | None) -> str:
     return "dropless" if capacity is None else f"{capacity:g}"
 
 
-def _row(variant: str, routing: str, capacity: float | None, tokens: int, seconds: float, dropped: float,
-         dense: float, dense_hidden: int) -> dict[str, Any]:
+def _row(case: Case, tokens: int, dense_seconds: float) -> dict[str, Any]:
+    seconds = statistics.median(case.round_seconds)
     return {
-        "variant": variant,
-        "routing": routing,
-        "capacity": "-" if routing == "dense" else _capacity_label(capacity),
+        "variant": case.variant,
+        "routing": case.routing,
+        "capacity": "-" if case.is_dense else _capacity_label(case.capacity),
         "tokens": tokens,
         "tokens_per_s": tokens / seconds,
         "ms_per_iter": seconds * 1e3,
-        "dropped_fraction": dropped,
+        "dropped_fraction": sum(case.dropped) / len(case.dropped) if case.dropped else math.nan,
         # > 1 would mean the MoE layer is faster than the dense FFN doing the same per-token work.
-        "ratio_vs_dense": dense / seconds,
-        "dense_hidden": dense_hidden,
+        "ratio_vs_dense": dense_seconds / seconds,
+        "dense_hidden": case.dense_hidden,
+        # How far apart the rounds were: a large spread says the machine was busy and the ratio is rough.
+        "round_spread": (max(case.round_seconds) - min(case.round_seconds)) / seconds,
     }
 
 
@@ -170,7 +205,7 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, sizes: Sizes, env: dict[str
     series = {"dense, same active params": dense}
     for capacity in CAPACITIES:
         label = _capacity_label(capacity)
-        series[f"MoE {label}"] = [by_key[(name, label)]["tokens_per_s"] for name in names]
+        series[f"MoE {label if capacity is None else f'capacity {label}'}"] = [by_key[(name, label)]["tokens_per_s"] for name in names]
     title = (f"MoE layer fwd+bwd, {sizes.tokens} tokens, dim {sizes.dim}, expert hidden {sizes.expert_hidden}, "
              f"{sizes.experts} experts\n{env['device_name']} ({env['device']}, {env['threads']} threads), "
              f"torch {env['torch']}")
@@ -180,12 +215,15 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, sizes: Sizes, env: dict[str
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, help="tokens per iteration (overrides the size preset)")
-    parser.add_argument("--iters", type=int, help="timed iterations per case (overrides the size preset)")
+    parser.add_argument("--iters", type=int, help="timed iterations per case and round (overrides the preset)")
+    parser.add_argument("--rounds", type=int, help="interleaved passes over all cases (overrides the preset)")
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else DEFAULT_SIZES
-    overrides = {name: value for name, value in (("tokens", args.tokens), ("iters", args.iters)) if value}
+    given = {"tokens": args.tokens, "iters": args.iters, "rounds": args.rounds}
+    overrides = {name: value for name, value in given.items() if value}
     sizes = dataclasses.replace(sizes, **overrides)
     device = torch.device(args.device)
+    apply_threads(args.threads)
 
     env = environment_info(device)
     print_environment(env)

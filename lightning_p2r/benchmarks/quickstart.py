@@ -25,15 +25,18 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning as L
 import torch
 
 from lightning_p2r.benchmarks.report import (
+    apply_threads,
     base_parser,
     environment_info,
     print_environment,
@@ -45,7 +48,7 @@ from lightning_p2r.benchmarks.report import (
 )
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
-SUMMARY_COLUMNS = ["stage", "seconds"]
+SUMMARY_COLUMNS = ["stage", "value"]
 # A tiny model for --quick: the smoke test checks plumbing, not speed.
 QUICK_OVERRIDES = ["--model.config.num_layers=2", "--model.config.dim=32", "--model.config.num_heads=2",
                    "--model.config.num_experts=2", "--model.config.sparse_window=8", "--data.seq_len=16",
@@ -101,9 +104,11 @@ def build_cli(cli_args: list[str], timer: StepTimer) -> Any:
     from lightning_p2r.data import TextDataModule
     from lightning_p2r.module import M6LanguageModel
 
-    # save_config_callback=None: nothing is logged, so there is no run folder to save the config to.
-    return P2RCLI(M6LanguageModel, TextDataModule, args=cli_args, run=False, save_config_callback=None,
-                  trainer_defaults={"callbacks": [timer]})
+    # sys.argv holds this benchmark's own flags, already parsed; LightningCLI would warn that they are ignored.
+    with mock.patch.object(sys, "argv", sys.argv[:1]):
+        # save_config_callback=None: nothing is logged, so there is no run folder to save the config to.
+        return P2RCLI(M6LanguageModel, TextDataModule, args=cli_args, run=False, save_config_callback=None,
+                      trainer_defaults={"callbacks": [timer]})
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -117,6 +122,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     max_steps = args.max_steps or (3 if args.quick else 60)
     skip = args.skip_steps if args.skip_steps is not None else (1 if args.quick else 10)
     device = torch.device(args.device)
+    apply_threads(args.threads)
 
     env = environment_info(device)
     print_environment(env)
@@ -167,21 +173,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "to_first_step_from_main_s": first_step_end - main_start,
         "median_step_s": median_step,
         "tokens_per_s": tokens_per_step / median_step,
+        # The median hides stalls (another process on the cores); the mean and the slow-step count show them.
+        "mean_step_s": statistics.fmean(steady),
+        "mean_tokens_per_s": tokens_per_step / statistics.fmean(steady),
+        "slow_steps": sum(step > 3 * median_step for step in steady),
     }
     print(f"\ntokenizer cache: {cache_state} ({data.tokenizer_kind}, vocab {data.vocab_size}, {cache_dir})")
     print(f"{len(steps)} steps of {tokens_per_step} tokens; steady state = steps {len(steps) - len(steady)}.."
           f"{len(steps) - 1}\n")
     stages = [
-        ("process start -> main()", summary["process_to_main_s"]),
-        ("main() -> CLI built", summary["main_to_cli_built_s"]),
-        ("CLI built -> on_train_start (fit setup)", summary["fit_setup_s"]),
-        ("on_train_start -> first step end", summary["first_step_s"]),
-        ("= process start -> first step end", summary["to_first_step_from_process_s"]),
-        ("= main() -> first step end", summary["to_first_step_from_main_s"]),
-        (f"median step time after step {skip}", median_step),
-        ("tokens/s (steady)", summary["tokens_per_s"]),
+        ("process start -> main() (s)", summary["process_to_main_s"]),
+        ("main() -> CLI built (s)", summary["main_to_cli_built_s"]),
+        ("CLI built -> on_train_start (fit setup) (s)", summary["fit_setup_s"]),
+        ("on_train_start -> first step end (s)", summary["first_step_s"]),
+        ("= process start -> first step end (s)", summary["to_first_step_from_process_s"]),
+        ("= main() -> first step end (s)", summary["to_first_step_from_main_s"]),
+        (f"median step time after step {skip} (s)", median_step),
+        ("tokens/s (steady, from the median)", summary["tokens_per_s"]),
+        (f"mean step time after step {skip} (s)", summary["mean_step_s"]),
+        ("tokens/s (steady, from the mean)", summary["mean_tokens_per_s"]),
+        (f"steps > 3x the median (of {len(steady)})", summary["slow_steps"]),
     ]
-    print_table([{"stage": name, "seconds": value} for name, value in stages], SUMMARY_COLUMNS)
+    print_table([{"stage": name, "value": value} for name, value in stages], SUMMARY_COLUMNS)
 
     csv_path = write_csv(with_environment([summary], env), args.out / "quickstart.csv")
     step_rows = [{"step": i, "step_s": s, "tokens_per_s": tokens_per_step / s} for i, s in enumerate(steps)]
@@ -192,7 +205,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.out / "quickstart.png", list(range(first, len(steps))),
         {"step time (ms)": [s * 1e3 for s in steps[first:]], f"median after step {skip}": [median_step * 1e3] * (
             len(steps) - first)},
-        xlabel="optimizer step (step 0 not shown)" if first else "optimizer step", ylabel="ms per step",
+        xlabel="optimizer step (step 0 not shown)" if first else "optimizer step", ylabel="ms per step (log scale)",
+        logy=True,
         title=(f"quickstart recipe: {tokens_per_step} tokens/step, median {median_step * 1e3:.1f} ms after step "
                f"{skip} = {summary['tokens_per_s']:,.0f} tokens/s; first step {summary['first_step_s']:.2f} s\n"
                f"{env['device_name']} ({env['device']}, {env['threads']} threads), torch {env['torch']}"),

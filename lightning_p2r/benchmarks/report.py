@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import platform
 import statistics
@@ -29,7 +30,14 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for CSV and PNG (default: %(default)s)")
     parser.add_argument("--device", default=default_device(), help="torch device (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests; the numbers mean nothing")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     return parser
+
+
+def apply_threads(threads: int | None) -> None:
+    """Set torch's thread count when asked: on a shared machine 1 thread can beat 2 stalled at every barrier."""
+    if threads:
+        torch.set_num_threads(threads)
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -55,6 +63,8 @@ def environment_info(device: str | torch.device = "cpu") -> dict[str, Any]:
         "device_name": name,
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count() or 0,
+        # Other processes compete for the same cores; a load near cpu_count before starting makes timings suspect.
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else math.nan,
     }
 
 
@@ -166,8 +176,8 @@ def save_bar_chart(path: str | os.PathLike[str], categories: Sequence[str], seri
 
 
 def save_line_chart(path: str | os.PathLike[str], x: Sequence[float], series: Mapping[str, Sequence[float]],
-                    *, xlabel: str, ylabel: str, title: str) -> Path:
-    """One line per series over a shared x axis."""
+                    *, xlabel: str, ylabel: str, title: str, logy: bool = False) -> Path:
+    """One line per series over a shared x axis; ``logy`` for values spread over orders of magnitude."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
     for label, values in series.items():
@@ -175,7 +185,10 @@ def save_line_chart(path: str | os.PathLike[str], x: Sequence[float], series: Ma
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.set_ylim(bottom=0)
+    if logy:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     return _save(fig, path)

@@ -1,0 +1,37 @@
+"""The docs that promise things: the README's commands, the generated configuration reference."""
+
+import re
+from pathlib import Path
+
+from lightning_p2r import docs_gen
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _readme_commands() -> list[str]:
+    quickstart = ROOT.joinpath("README.md").read_text().split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    return [block.strip() for block in re.findall(r"```bash\n(.*?)```", quickstart, flags=re.S)]
+
+
+def test_readme_quickstart_has_exactly_two_commands() -> None:
+    commands = _readme_commands()
+    assert len(commands) == 2
+    assert "lightning-p2r fit --config recipes/quickstart.yaml" in commands[0]
+    assert "pytest" in commands[1]
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    assert _readme_commands()[1] in ROOT.joinpath(".ci/run").read_text()
+
+
+def test_configuration_reference_is_up_to_date() -> None:
+    assert docs_gen.main(["--check"]) == 0, "run: python -m lightning_p2r.docs_gen"
+
+
+def test_every_config_field_is_documented() -> None:
+    from lightning_p2r import M6Config, OptimizerConfig
+
+    for cls in (M6Config, OptimizerConfig):
+        docs = docs_gen.field_docstrings(cls)
+        missing = [f for f in cls.__dataclass_fields__ if not docs.get(f)]
+        assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
