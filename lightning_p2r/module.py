@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from torchmetrics.text import Perplexity
 
 from .models import M6Config, M6Output, M6Transformer
+from .sharing import delink
+
+STRUCTURE_KEY = "lightning_p2r_structure"
 
 
 @dataclass(kw_only=True)
@@ -132,6 +135,28 @@ class M6LanguageModel(L.LightningModule):
         # Built here rather than in __init__ so a strategy can create it on the meta device or per rank.
         if self.transformer is None:
             self.transformer = M6Transformer(self.config)
+
+    # -------------------------------------------------------------------------------------------- structure
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The hyperparameters describe the model as it was created (maybe pseudo); record the structure it has
+        # now, so loading rebuilds it before the weights arrive.
+        if self.transformer is not None:
+            checkpoint[STRUCTURE_KEY] = {"num_unique_blocks": len(self.transformer.blocks)}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning calls this before load_state_dict: a checkpoint taken after delinking needs the real shape.
+        saved = checkpoint.get(STRUCTURE_KEY, {}).get("num_unique_blocks")
+        if saved is None:
+            return
+        self.configure_model()
+        current = len(self.transformer.blocks)
+        if saved != current:
+            if saved < current or saved % current:
+                raise ValueError(
+                    f"the checkpoint holds a model with {saved} unique blocks, which cannot be built from this "
+                    f"model's {current} by delinking; create the module with num_unique_blocks={saved}"
+                )
+            delink(self.transformer, num_unique_blocks=saved)
 
     def forward(self, input_ids: torch.Tensor) -> M6Output:
         if self.transformer is None:

@@ -205,7 +205,8 @@ def plot(rows: Sequence[dict[str, Any]], path: Path, sizes: Sizes, env: dict[str
     series = {"dense, same active params": dense}
     for capacity in CAPACITIES:
         label = _capacity_label(capacity)
-        series[f"MoE {label if capacity is None else f'capacity {label}'}"] = [by_key[(name, label)]["tokens_per_s"] for name in names]
+        legend = "MoE dropless" if capacity is None else f"MoE capacity {label}"
+        series[legend] = [by_key[(name, label)]["tokens_per_s"] for name in names]
     title = (f"MoE layer fwd+bwd, {sizes.tokens} tokens, dim {sizes.dim}, expert hidden {sizes.expert_hidden}, "
              f"{sizes.experts} experts\n{env['device_name']} ({env['device']}, {env['threads']} threads), "
              f"torch {env['torch']}")

@@ -79,7 +79,7 @@ class M6Transformer(nn.Module):
         self.pos_embeddings = (
             nn.Embedding(config.max_seq_len, config.dim) if config.position_embedding == "learned" else None
         )
-        self.layer_to_block: list[int] = config.layer_to_block
+        self._layer_to_block: list[int] = config.layer_to_block
         self.blocks = nn.ModuleList(
             Block(config, moe=config.is_moe_layer(config.layers_of_block(block)[0]))
             for block in range(config.num_blocks)
@@ -93,6 +93,19 @@ class M6Transformer(nn.Module):
     @property
     def num_layers(self) -> int:
         return len(self.layer_to_block)
+
+    @property
+    def layer_to_block(self) -> list[int]:
+        """Which block each layer runs (the sharing map); ``delink`` sets it together with ``blocks``."""
+        return self._layer_to_block
+
+    @layer_to_block.setter
+    def layer_to_block(self, value: list[int]) -> None:
+        if len(value) != self.config.num_layers:
+            raise ValueError(f"layer_to_block needs one entry per layer ({self.config.num_layers}), got {len(value)}")
+        self._layer_to_block = list(value)
+        # Keep the config truthful, so what is saved or logged describes the structure actually trained.
+        self.config.num_unique_blocks = len(set(value))
 
     def reset_parameters(self) -> None:
         std = self.config.init_std

@@ -84,7 +84,8 @@ def test_quickstart_fit_writes_checkpoint_and_offline_wandb_run(tmp_path: Path) 
     result = subprocess.run(
         [sys.executable, "-m", "lightning_p2r.cli", "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
          "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
-         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--data.tokenizer=bytes", "--data.vocab_size=256"],
+         "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--data.tokenizer=bytes",
+         "--data.vocab_size=256"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
         env=os.environ | {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path)},
     )

@@ -1,0 +1,5 @@
+"""Lightning callbacks of the package."""
+
+from .pseudo_to_real import DelinkEvent, PseudoToReal
+
+__all__ = ["DelinkEvent", "PseudoToReal"]

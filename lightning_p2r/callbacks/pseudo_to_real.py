@@ -1,0 +1,274 @@
+"""``PseudoToReal``: delink a shared-weight "pseudo" model into the "real" one in the middle of ``fit``.
+
+M6-10T trains a model of the real depth whose layers share one block (1/L of the block parameters and optimizer
+state), then gives every layer its own copy and trains on. This callback decides *when* (a step, a fraction of
+``max_steps``, a staged schedule, or an automatic criterion) and performs the switch through public Trainer APIs;
+the transformation itself is :func:`lightning_p2r.sharing.delink`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from typing_extensions import override
+
+from ..sharing import OptimizerStatePolicy, check_delink_target, delink, find_block_sequence, rebind_scheduler
+from .gradient_agreement import GradientAgreementProbe
+
+
+@dataclass
+class DelinkEvent:
+    """One delinking, as logged and stored in the callback's state."""
+
+    step: int
+    blocks_before: int
+    blocks_after: int
+    params_before: int
+    params_after: int
+    loss_before: float
+    loss_after: float
+    reason: str
+
+
+def plan_stages(
+    num_layers: int,
+    current_blocks: int,
+    max_steps: int,
+    delink_at_step: int | None,
+    delink_at_fraction: float | None,
+    schedule: dict[int, int] | None,
+) -> list[tuple[int, int]]:
+    """(step, num_unique_blocks after) for each planned delinking, validated against the run and the model."""
+    if schedule:
+        stages = sorted((int(step), int(blocks)) for step, blocks in schedule.items())
+    elif delink_at_step is not None:
+        stages = [(delink_at_step, num_layers)]
+    elif delink_at_fraction is not None:
+        if max_steps <= 0:
+            raise ValueError("PseudoToReal.delink_at_fraction needs Trainer(max_steps=...) to be set")
+        stages = [(round(delink_at_fraction * max_steps), num_layers)]
+    else:
+        return []
+    blocks = current_blocks
+    for step, target in stages:
+        if step < 0 or (max_steps > 0 and step >= max_steps):
+            raise ValueError(
+                f"PseudoToReal: delinking at step {step} is outside the run (Trainer max_steps={max_steps}); "
+                "choose a step in [0, max_steps)"
+            )
+        blocks = check_delink_target(num_layers, blocks, target)
+    return stages
+
+
+class PseudoToReal(L.Callback):
+    """Delink the model's shared blocks mid-training (M6-10T "Pseudo-to-Real").
+
+    Give exactly one of ``delink_at_step``, ``delink_at_fraction``, ``schedule`` or ``auto=True``.
+
+    Args:
+        delink_at_step: optimizer step at which the model becomes real (each layer its own block).
+        delink_at_fraction: the same, as a fraction of ``Trainer(max_steps)``.
+        schedule: staged delinking, ``{step: num_unique_blocks}``, e.g. ``{100: 2, 200: 4, 300: 8}``.
+        auto: delink when the layers' gradients on their shared weights stop agreeing (after Yang et al. 2021,
+            "Speeding up Deep Model Training by Sharing Weights and then Unsharing"): every
+            ``auto_check_every`` steps the per-layer gradient contributions to each shared linear weight are
+            measured; when the moving average of their mean pairwise cosine similarity drops below
+            ``auto_threshold`` (and at least ``auto_min_step`` steps have run), or at ``auto_max_step``, delink.
+        auto_threshold: cosine similarity under which the layers are judged to want different weights.
+        auto_min_step: never delink automatically before this step.
+        auto_max_step: delink at this step at the latest (None: no bound).
+        auto_check_every: steps between two measurements.
+        auto_smoothing: weight of the history in the moving average (0 uses the last measurement alone).
+        optimizer_state: how AdamW/SGD state is carried to the copies: "scale", "copy" or "reset" (see ``delink``).
+        restart_schedule: start the LR schedule (warmup included) over at delinking; by default it continues.
+    """
+
+    def __init__(
+        self,
+        delink_at_step: int | None = None,
+        delink_at_fraction: float | None = None,
+        schedule: dict[int, int] | None = None,
+        auto: bool = False,
+        auto_threshold: float = 0.2,
+        auto_min_step: int = 0,
+        auto_max_step: int | None = None,
+        auto_check_every: int = 10,
+        auto_smoothing: float = 0.8,
+        optimizer_state: OptimizerStatePolicy = "scale",
+        restart_schedule: bool = False,
+    ) -> None:
+        chosen = [name for name, value in (("delink_at_step", delink_at_step),
+                                           ("delink_at_fraction", delink_at_fraction),
+                                           ("schedule", schedule or None), ("auto", auto or None))
+                  if value is not None]
+        if len(chosen) != 1:
+            raise ValueError(
+                "PseudoToReal needs exactly one of delink_at_step, delink_at_fraction, schedule or auto=True; "
+                f"got {chosen or 'none'}"
+            )
+        if delink_at_fraction is not None and not 0.0 <= delink_at_fraction < 1.0:
+            raise ValueError(f"PseudoToReal.delink_at_fraction must be in [0, 1), got {delink_at_fraction}")
+        if optimizer_state not in ("copy", "scale", "reset"):
+            raise ValueError(
+                f"PseudoToReal.optimizer_state must be 'copy', 'scale' or 'reset', got {optimizer_state!r}")
+        if not -1.0 <= auto_threshold <= 1.0:
+            raise ValueError(
+                f"PseudoToReal.auto_threshold must be a cosine similarity in [-1, 1], got {auto_threshold}")
+        if auto_check_every < 1:
+            raise ValueError(f"PseudoToReal.auto_check_every must be >= 1, got {auto_check_every}")
+        if not 0.0 <= auto_smoothing < 1.0:
+            raise ValueError(f"PseudoToReal.auto_smoothing must be in [0, 1), got {auto_smoothing}")
+        if auto_max_step is not None and auto_max_step < auto_min_step:
+            raise ValueError("PseudoToReal.auto_max_step must be >= auto_min_step")
+        self.delink_at_step = delink_at_step
+        self.delink_at_fraction = delink_at_fraction
+        self.schedule = dict(schedule) if schedule else None
+        self.auto = auto
+        self.auto_threshold = auto_threshold
+        self.auto_min_step = auto_min_step
+        self.auto_max_step = auto_max_step
+        self.auto_check_every = auto_check_every
+        self.auto_smoothing = auto_smoothing
+        self.optimizer_state = optimizer_state
+        self.restart_schedule = restart_schedule
+        self.events: list[DelinkEvent] = []
+        self.agreement: float | None = None
+        self._stages: list[tuple[int, int]] = []
+        self._probe: GradientAgreementProbe | None = None
+
+    # ------------------------------------------------------------------------------------------------ setup
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        holder = find_block_sequence(pl_module)
+        num_layers = len(holder.layer_to_block)
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)) and not hasattr(
+                trainer.strategy, "on_model_structure_change"):
+            raise ValueError(
+                f"PseudoToReal cannot re-apply {type(trainer.strategy).__name__}'s wrapping after delinking; "
+                "use a single device, DDP, or lightning_p2r's P2RStrategy"
+            )
+        # Stages already done (a resumed run) are not planned again; the model was rebuilt real on load.
+        done_blocks = self.events[-1].blocks_after if self.events else None
+        if done_blocks is not None and done_blocks != len(holder.blocks):
+            raise ValueError(f"PseudoToReal state says {done_blocks} blocks, the model has {len(holder.blocks)}")
+        if self.auto:
+            if len(holder.blocks) == num_layers:
+                raise ValueError("PseudoToReal(auto=True): the model is already real, there is nothing to delink")
+            self._stages = []
+            return
+        stages = plan_stages(num_layers, len(holder.blocks) if not self.events else self._initial_blocks(),
+                             trainer.max_steps, self.delink_at_step, self.delink_at_fraction, self.schedule)
+        self._stages = stages[len(self.events):]
+
+    def _initial_blocks(self) -> int:
+        return self.events[0].blocks_before
+
+    # ---------------------------------------------------------------------------------------------- trigger
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if batch_idx % trainer.accumulate_grad_batches:
+            return  # never in the middle of an accumulation window
+        step = trainer.global_step
+        if self._stages and step >= self._stages[0][0]:
+            _, target = self._stages.pop(0)
+            self._delink(trainer, pl_module, batch, target, reason=f"planned at step {step}")
+        elif self.auto and not self.events:
+            self._auto_step(trainer, pl_module, batch, step)
+
+    def _auto_step(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: int) -> None:
+        if self.auto_max_step is not None and step >= self.auto_max_step:
+            self._delink(trainer, pl_module, batch, None, reason=f"auto: reached auto_max_step={self.auto_max_step}")
+            return
+        if (self.agreement is not None and step >= self.auto_min_step and self.agreement < self.auto_threshold):
+            self._delink(trainer, pl_module, batch, None,
+                         reason=f"auto: gradient agreement {self.agreement:.3f} < {self.auto_threshold}")
+            return
+        if step % self.auto_check_every == 0:
+            self._probe = GradientAgreementProbe(find_block_sequence(pl_module))
+
+    @override
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._probe is None:
+            return
+        measured = self._probe.finish()
+        self._probe = None
+        if measured is None:
+            return
+        self.agreement = measured if self.agreement is None else (
+            self.auto_smoothing * self.agreement + (1 - self.auto_smoothing) * measured)
+        for logger in trainer.loggers:
+            logger.log_metrics({"p2r/gradient_agreement": measured, "p2r/gradient_agreement_avg": self.agreement},
+                               step=trainer.global_step)
+
+    # -------------------------------------------------------------------------------------------- delinking
+    def _delink(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, target: int | None,
+                reason: str) -> None:
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
+        blocks_before = len(find_block_sequence(pl_module).blocks)
+        params_before = _count(pl_module)
+        loss_before = _batch_loss(pl_module, batch)
+        if len(trainer.optimizers) != 1:
+            raise ValueError(f"PseudoToReal supports one optimizer, the module configured {len(trainer.optimizers)}")
+        optimizer = delink(pl_module, trainer.optimizers[0], num_unique_blocks=target,
+                           optimizer_state=self.optimizer_state)
+        _rewrap(trainer, pl_module)
+        trainer.strategy.optimizers = [optimizer]
+        for config in trainer.lr_scheduler_configs:
+            config.scheduler = rebind_scheduler(config.scheduler, optimizer)
+            if self.restart_schedule:
+                config.scheduler.last_epoch = -1
+                config.scheduler.step()
+        event = DelinkEvent(step=trainer.global_step, blocks_before=blocks_before,
+                            blocks_after=len(find_block_sequence(pl_module).blocks), params_before=params_before,
+                            params_after=_count(pl_module), loss_before=loss_before,
+                            loss_after=_batch_loss(pl_module, batch), reason=reason)
+        self.events.append(event)
+        metrics = {f"p2r/{key}": float(value) for key, value in asdict(event).items() if key != "reason"}
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    # ------------------------------------------------------------------------------------------- checkpoint
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"events": [asdict(event) for event in self.events], "agreement": self.agreement}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.events = [DelinkEvent(**event) for event in state_dict.get("events", [])]
+        self.agreement = state_dict.get("agreement")
+
+
+def _count(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+@torch.no_grad()
+def _batch_loss(pl_module: L.LightningModule, batch: Any) -> float:
+    """The module's loss on ``batch``, for the before/after record (NaN if the module has no ``losses``)."""
+    losses = getattr(pl_module, "losses", None)
+    if losses is None:
+        return math.nan
+    return float(losses(batch)["loss"])
+
+
+def _rewrap(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Re-apply the strategy's wrapping so it sees the new parameters.
+
+    DDP registers parameters with its reducer when it wraps the module; parameters created afterwards would
+    never be all-reduced and the ranks would silently drift apart.
+    """
+    strategy = trainer.strategy
+    hook = getattr(strategy, "on_model_structure_change", None)
+    if hook is not None:
+        hook()
+    elif isinstance(strategy, DDPStrategy):
+        strategy.model = pl_module
+        strategy.configure_ddp()

@@ -1,0 +1,220 @@
+"""Delinking: turn a model whose layers share blocks into one with more unique blocks (M6-10T Pseudo-to-Real).
+
+Pure PyTorch, no Lightning. Works for any ``nn.Module`` that contains a *block sequence*, a submodule with
+
+- ``blocks``: an ``nn.ModuleList`` of the distinct blocks, and
+- ``layer_to_block``: a settable ``list[int]``; layer ``l`` runs ``blocks[layer_to_block[l]]``, and layers that
+  share a block are consecutive (groups of ``num_layers // len(blocks)``).
+
+``M6Transformer`` declares both; so can a user's own model.
+
+Optimizer state and the "scale" rule. While ``g`` layers share one tensor, its gradient is the *sum* of the ``g``
+layers' contributions. After splitting it into ``n`` copies each shared by ``g / n`` layers, each copy's gradient is
+the sum over its own layers, about ``1 / n`` of the shared one when the layers' contributions are alike (which is
+what sharing trained them towards). Adam's first moment is linear in the gradient, so each copy gets
+``exp_avg / n``; the second moment is quadratic, so ``exp_avg_sq / n**2``. With those, the update size
+``exp_avg / sqrt(exp_avg_sq)`` of every copy equals the shared tensor's, and training continues smoothly. SGD's
+momentum buffer is linear too: ``/ n``. "copy" keeps the state unchanged (each copy then starts with n times its
+own gradient scale in its moments, which damps the first updates), and "reset" starts the delinked tensors'
+state afresh (bias correction included).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+from torch import nn
+
+OptimizerStatePolicy = Literal["copy", "scale", "reset"]
+SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
+_LINEAR_STATE = ("exp_avg", "momentum_buffer")
+_QUADRATIC_STATE = ("exp_avg_sq", "max_exp_avg_sq")
+
+
+def find_block_sequence(model: nn.Module) -> nn.Module:
+    """The first submodule (the model itself included) that declares ``blocks`` and ``layer_to_block``."""
+    for module in model.modules():
+        if isinstance(getattr(module, "blocks", None), nn.ModuleList) and hasattr(module, "layer_to_block"):
+            return module
+    raise ValueError(
+        f"{type(model).__name__} has no block sequence: delinking and the strategy need a submodule with "
+        "`blocks` (an nn.ModuleList) and `layer_to_block` (a list mapping each layer to its block)"
+    )
+
+
+def num_unique_blocks(model: nn.Module) -> int:
+    return len(find_block_sequence(model).blocks)
+
+
+def check_delink_target(num_layers: int, current: int, target: int | None) -> int:
+    """Resolve and validate the number of blocks after delinking; raise ValueError explaining what is wrong."""
+    target = num_layers if target is None else target
+    if current == num_layers:
+        raise ValueError(f"the model is already real: each of its {num_layers} layers has its own block")
+    if not 1 <= target <= num_layers or num_layers % target:
+        raise ValueError(f"num_unique_blocks={target} must divide num_layers={num_layers}")
+    if target <= current or target % current:
+        raise ValueError(
+            f"num_unique_blocks={target} must be a multiple of the current {current} blocks (and larger): "
+            "delinking only splits shared blocks"
+        )
+    return target
+
+
+def _new_layout(layer_to_block: list[int], target: int) -> list[int]:
+    """For each new block, the old block it is copied from (new blocks group consecutive layers)."""
+    group = len(layer_to_block) // target
+    return [layer_to_block[new * group] for new in range(target)]
+
+
+@torch.no_grad()
+def delink(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    num_unique_blocks: int | None = None,
+    optimizer_state: OptimizerStatePolicy = "scale",
+) -> torch.optim.Optimizer | None:
+    """Give shared blocks their own copies, in place, keeping the function exactly.
+
+    Args:
+        model: a module containing a block sequence (see the module docstring).
+        optimizer: the optimizer over ``model``'s parameters, or None. It is not modified.
+        num_unique_blocks: blocks after delinking; None means one per layer (the real model). Must divide the
+            number of layers and be a multiple of the current number of blocks (staged delinking: 1 -> 2 -> 4).
+        optimizer_state: what each copy's per-parameter state becomes: "scale" (moments divided by the number of
+            copies, squared for second moments), "copy" (unchanged) or "reset" (fresh).
+
+    Returns:
+        A new optimizer of the same class and hyperparameters over the new parameters, with state carried over,
+        or None when no optimizer was given. Parameter groups list parameters in ``model.parameters()`` order,
+        so a fresh ``configure_optimizers`` on the delinked model orders them the same way (checkpoints match).
+    """
+    if optimizer_state not in ("copy", "scale", "reset"):
+        raise ValueError(f"optimizer_state must be one of 'copy', 'scale', 'reset', got {optimizer_state!r}")
+    if optimizer is not None and type(optimizer) not in SUPPORTED_OPTIMIZERS:
+        names = ", ".join(cls.__name__ for cls in SUPPORTED_OPTIMIZERS)
+        raise ValueError(f"delink cannot carry the state of {type(optimizer).__name__}; supported: {names}")
+    holder = find_block_sequence(model)
+    layer_to_block = list(holder.layer_to_block)
+    current = len(holder.blocks)
+    target = check_delink_target(len(layer_to_block), current, num_unique_blocks)
+    copies_per_block = target // current
+
+    # Remember where every parameter came from, by name, before the structure changes.
+    prefix = _prefix_of(model, holder)
+    old_params = dict(model.named_parameters(remove_duplicate=False))
+    sources = _new_layout(layer_to_block, target)
+    new_blocks: list[nn.Module] = []
+    used: set[int] = set()
+    for source in sources:
+        block = holder.blocks[source]
+        # The first copy keeps the original module; the others are exact deep copies.
+        new_blocks.append(block if source not in used else copy.deepcopy(block))
+        used.add(source)
+    holder.blocks = nn.ModuleList(new_blocks)
+    group = len(layer_to_block) // target
+    holder.layer_to_block = [layer // group for layer in range(len(layer_to_block))]
+
+    if optimizer is None:
+        return None
+    origin = {}
+    for name, param in model.named_parameters():
+        origin[param] = old_params[_source_name(name, prefix, sources)]
+    return _rebuild_optimizer(optimizer, model, origin, copies_per_block, optimizer_state)
+
+
+def _prefix_of(model: nn.Module, holder: nn.Module) -> str:
+    for name, module in model.named_modules():
+        if module is holder:
+            return f"{name}.blocks." if name else "blocks."
+    raise AssertionError("the block sequence is a submodule of the model")
+
+
+def _source_name(name: str, prefix: str, sources: list[int]) -> str:
+    """Map a parameter name of the delinked model to the name of the parameter it was copied from."""
+    if not name.startswith(prefix):
+        return name
+    index, rest = name[len(prefix):].split(".", 1)
+    return f"{prefix}{sources[int(index)]}.{rest}"
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
+
+
+def _rebuild_optimizer(
+    optimizer: torch.optim.Optimizer,
+    model: nn.Module,
+    origin: dict[nn.Parameter, nn.Parameter],
+    copies: int,
+    policy: OptimizerStatePolicy,
+) -> torch.optim.Optimizer:
+    group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    new_groups = [{key: value for key, value in group.items() if key != "params"} | {"params": []}
+                  for group in optimizer.param_groups]
+    for param in _unique(model.parameters()):
+        source = origin[param]
+        if id(source) in group_of:
+            new_groups[group_of[id(source)]]["params"].append(param)
+    # Parameters the optimizer held that are not in the model (rare) stay where they were.
+    in_model = {id(p) for p in model.parameters()}
+    for index, group in enumerate(optimizer.param_groups):
+        new_groups[index]["params"].extend(p for p in group["params"] if id(p) not in in_model)
+
+    new_optimizer = type(optimizer)(new_groups, **_constructor_defaults(optimizer))
+    # A block that was split: its original tensor (kept by the first copy) and every new copy.
+    split_ids = {id(t) for param, source in origin.items() if param is not source for t in (param, source)}
+    for group in new_optimizer.param_groups:
+        for param in group["params"]:
+            source = origin.get(param, param)
+            state = optimizer.state.get(source)
+            if not state:
+                continue
+            is_split = id(param) in split_ids
+            if is_split and policy == "reset":
+                continue
+            new_optimizer.state[param] = _carry_state(state, copies if is_split and policy == "scale" else 1)
+    return new_optimizer
+
+
+def _carry_state(state: dict, copies: int) -> dict:
+    carried = {}
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            carried[key] = value
+        elif key in _LINEAR_STATE:
+            carried[key] = value / copies
+        elif key in _QUADRATIC_STATE:
+            carried[key] = value / copies**2
+        else:
+            carried[key] = value.clone()  # step counters and anything else: unchanged
+    return carried
+
+
+def _unique(params: Iterator[nn.Parameter]) -> Iterator[nn.Parameter]:
+    seen: set[int] = set()
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            yield param
+
+
+def rebind_scheduler(
+    scheduler: torch.optim.lr_scheduler.LRScheduler, optimizer: torch.optim.Optimizer
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """The same schedule, at the same step, driving ``optimizer`` (whose groups match the old optimizer's).
+
+    A shallow copy keeps the schedule's own state (``last_epoch``, base LRs, the LR function) so the curve
+    continues from the current step with no warmup restart.
+    """
+    if len(optimizer.param_groups) != len(scheduler.optimizer.param_groups):
+        raise ValueError("the new optimizer must have as many parameter groups as the scheduler's optimizer")
+    rebound = copy.copy(scheduler)
+    rebound.optimizer = optimizer
+    return rebound
