@@ -4,29 +4,12 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import TINY
+from helpers import tiny_data as _data
+from helpers import tiny_trainer as _trainer
 
-from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, TextDataModule
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig
 from lightning_p2r.module import WarmupCosine, parameter_groups
-
-TINY = {"vocab_size": 256, "max_seq_len": 16, "num_layers": 2, "dim": 32, "num_heads": 4, "num_experts": 4}
-
-
-def _corpus(tmp_path: Path) -> str:
-    path = tmp_path / "corpus.txt"
-    path.write_text("In the beginning was the word, and the word was tested. " * 200, encoding="utf-8")
-    return str(path)
-
-
-def _trainer(tmp_path: Path, **kwargs) -> L.Trainer:
-    options = {"max_steps": 6, "accelerator": "cpu", "devices": 1, "logger": False, "enable_progress_bar": False,
-               "enable_model_summary": False, "default_root_dir": tmp_path, "limit_val_batches": 2,
-               "val_check_interval": 3, "check_val_every_n_epoch": None, "log_every_n_steps": 1}
-    return L.Trainer(**(options | kwargs))
-
-
-def _data(tmp_path: Path) -> TextDataModule:
-    return TextDataModule(corpus=_corpus(tmp_path), tokenizer="bytes", seq_len=16, batch_size=4,
-                          cache_dir=str(tmp_path / "cache"))
 
 
 def test_warmup_cosine_schedule() -> None:

@@ -1,0 +1,208 @@
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from helpers import TINY, tiny_data, tiny_trainer
+
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, PseudoToReal
+from lightning_p2r.callbacks.gradient_agreement import GradientAgreementProbe, mean_pairwise_cosine
+from lightning_p2r.callbacks.pseudo_to_real import plan_stages
+
+PSEUDO = TINY | {"num_layers": 4, "num_unique_blocks": 1}
+
+
+def _module(**changes) -> M6LanguageModel:
+    return M6LanguageModel(M6Config(**(PSEUDO | changes)), OptimizerConfig(lr=3e-3, warmup_steps=2))
+
+
+class Watch(L.Callback):
+    """Record, at every batch start, the number of blocks, the optimizer object and the LR."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[int, int, int, float]] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        optimizer = trainer.optimizers[0]
+        self.rows.append((trainer.global_step, len(pl_module.transformer.blocks), id(optimizer),
+                          optimizer.param_groups[0]["lr"]))
+
+
+def _fit(tmp_path: Path, callback: PseudoToReal, max_steps: int = 8, module=None, **trainer_kwargs):
+    module = module or _module()
+    watch = Watch()
+    trainer = tiny_trainer(tmp_path, max_steps=max_steps, callbacks=[callback, watch], val_check_interval=100,
+                           **trainer_kwargs)
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    return module, trainer, watch
+
+
+def test_delinks_once_at_the_configured_step(tmp_path: Path) -> None:
+    callback = PseudoToReal(delink_at_step=4)
+    module, trainer, watch = _fit(tmp_path, callback)
+    blocks = {step: n for step, n, _, _ in watch.rows}
+    assert blocks == {0: 1, 1: 1, 2: 1, 3: 1, 4: 4, 5: 4, 6: 4, 7: 4}
+    assert len(callback.events) == 1
+    event = callback.events[0]
+    assert (event.step, event.blocks_before, event.blocks_after) == (4, 1, 4)
+    assert event.params_after > event.params_before
+    assert event.loss_after == pytest.approx(event.loss_before, abs=1e-5)  # function preserved
+    optimizers = {step: opt for step, _, opt, _ in watch.rows}
+    assert optimizers[3] != optimizers[4] and optimizers[4] == optimizers[7]
+    assert trainer.optimizers[0].param_groups[0]["params"][0] is next(module.parameters())
+    assert len(module.transformer.blocks) == 4
+
+
+def test_lr_schedule_continues_through_delinking(tmp_path: Path) -> None:
+    _, _, plain = _fit(tmp_path / "plain", PseudoToReal(delink_at_step=7), max_steps=8)
+    _, _, delinked = _fit(tmp_path / "delinked", PseudoToReal(delink_at_step=4), max_steps=8)
+    assert [row[3] for row in delinked.rows] == pytest.approx([row[3] for row in plain.rows])
+
+
+def test_restart_schedule_restarts_warmup(tmp_path: Path) -> None:
+    _, _, watch = _fit(tmp_path, PseudoToReal(delink_at_step=4, restart_schedule=True))
+    lrs = {step: lr for step, _, _, lr in watch.rows}
+    assert lrs[4] == pytest.approx(lrs[0])
+
+
+def test_fraction_and_staged_schedule(tmp_path: Path) -> None:
+    callback = PseudoToReal(delink_at_fraction=0.5)
+    _fit(tmp_path / "fraction", callback, max_steps=8)
+    assert callback.events[0].step == 4
+    staged = PseudoToReal(schedule={2: 2, 5: 4})
+    _, _, watch = _fit(tmp_path / "staged", staged, max_steps=8)
+    assert [n for _, n, _, _ in watch.rows] == [1, 1, 2, 2, 2, 4, 4, 4]
+    assert [(e.blocks_before, e.blocks_after) for e in staged.events] == [(1, 2), (2, 4)]
+
+
+def test_delink_waits_for_the_end_of_an_accumulation_window(tmp_path: Path) -> None:
+    callback = PseudoToReal(delink_at_step=3)
+    module = _module()
+    trainer = tiny_trainer(tmp_path, max_steps=5, callbacks=[callback], accumulate_grad_batches=2,
+                           val_check_interval=100)
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    assert callback.events[0].step == 3 and len(module.transformer.blocks) == 4
+
+
+def test_auto_delinks_on_low_agreement_or_at_the_bound(tmp_path: Path) -> None:
+    eager = PseudoToReal(auto=True, auto_threshold=1.0, auto_check_every=1, auto_smoothing=0.0, auto_min_step=2)
+    _fit(tmp_path / "eager", eager, max_steps=6)
+    assert eager.events[0].step == 2 and "agreement" in eager.events[0].reason
+    assert eager.agreement is not None and -1.0 <= eager.agreement <= 1.0
+    bounded = PseudoToReal(auto=True, auto_threshold=-1.0, auto_check_every=2, auto_max_step=5)
+    _fit(tmp_path / "bounded", bounded, max_steps=7)
+    assert bounded.events[0].step == 5 and "auto_max_step" in bounded.events[0].reason
+
+
+def test_probe_recovers_per_layer_gradients() -> None:
+    model = M6LanguageModel(M6Config(**PSEUDO))
+    model.configure_model()
+    probe = GradientAgreementProbe(model.transformer)
+    model.losses(torch.randint(0, 256, (2, 17)))["loss"].backward()
+    agreement = probe.finish()
+    assert agreement is not None and -1.0 <= agreement <= 1.0
+    # per-layer contributions add up to the shared gradient autograd computed
+    probe = GradientAgreementProbe(model.transformer)
+    model.zero_grad()
+    model.losses(torch.randint(0, 256, (2, 17)))["loss"].backward()
+    qkv = model.transformer.blocks[0].attn.qkv
+    calls = probe._calls[qkv]
+    total = sum(grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]) for x, grad in calls)
+    torch.testing.assert_close(total, qkv.weight.grad, atol=1e-5, rtol=1e-4)
+    probe.remove()
+
+
+def test_mean_pairwise_cosine() -> None:
+    same = torch.tensor([[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]])
+    assert float(mean_pairwise_cosine(same)) == pytest.approx(1.0)
+    opposite = torch.tensor([[1.0, 0.0], [-1.0, 0.0]])
+    assert float(mean_pairwise_cosine(opposite)) == pytest.approx(-1.0)
+
+
+def _weights(module: M6LanguageModel) -> dict[str, torch.Tensor]:
+    return {name: tensor.clone() for name, tensor in module.state_dict().items()}
+
+
+@pytest.mark.parametrize("interrupt_at", [2, 6])
+def test_resume_before_and_after_delink_reaches_the_same_weights(tmp_path: Path, interrupt_at: int) -> None:
+    L.seed_everything(11)
+    straight, _, _ = _fit(tmp_path / "straight", PseudoToReal(delink_at_step=4), max_steps=8)
+
+    L.seed_everything(11)
+    checkpoints = tmp_path / "ckpt"
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=interrupt_at,
+                                                save_top_k=-1, save_on_train_epoch_end=False)
+    trainer = tiny_trainer(tmp_path / "first", max_steps=8, val_check_interval=100,
+                           callbacks=[PseudoToReal(delink_at_step=4), saver])
+    trainer.fit(_module(), datamodule=tiny_data(tmp_path))
+    path = next(checkpoints.glob(f"*step={interrupt_at}.ckpt"))
+    saved_blocks = torch.load(path, weights_only=True)["lightning_p2r_structure"]["num_unique_blocks"]
+    assert saved_blocks == (1 if interrupt_at < 4 else 4)
+
+    resumed_callback = PseudoToReal(delink_at_step=4)
+    resumed = _module()  # built pseudo; a post-delink checkpoint makes it real before the weights load
+    trainer = tiny_trainer(tmp_path / "second", max_steps=8, val_check_interval=100, callbacks=[resumed_callback])
+    trainer.fit(resumed, datamodule=tiny_data(tmp_path), ckpt_path=path, weights_only=True)
+    assert len(resumed_callback.events) == 1 and resumed_callback.events[0].step == 4
+    expected, got = _weights(straight), _weights(resumed)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+def test_load_from_checkpoint_after_delink(tmp_path: Path) -> None:
+    module, trainer, _ = _fit(tmp_path, PseudoToReal(delink_at_step=2), max_steps=3)
+    trainer.save_checkpoint(tmp_path / "real.ckpt")
+    loaded = M6LanguageModel.load_from_checkpoint(tmp_path / "real.ckpt", weights_only=True)
+    assert len(loaded.transformer.blocks) == 4
+    tokens = torch.randint(0, 256, (2, 16))
+    torch.testing.assert_close(loaded.eval()(tokens).logits, module.eval()(tokens).logits)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({}, "exactly one"),
+        ({"delink_at_step": 3, "auto": True}, "exactly one"),
+        ({"delink_at_fraction": 1.5}, "delink_at_fraction"),
+        ({"delink_at_step": 3, "optimizer_state": "halve"}, "optimizer_state"),
+        ({"auto": True, "auto_check_every": 0}, "auto_check_every"),
+    ],
+)
+def test_bad_arguments(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        PseudoToReal(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("callback", "changes", "message"),
+    [
+        (PseudoToReal(delink_at_step=50), {}, "outside the run"),
+        (PseudoToReal(schedule={2: 3}), {}, "divide"),
+        (PseudoToReal(delink_at_step=2), {"num_unique_blocks": 4}, "already real"),
+        (PseudoToReal(auto=True), {"num_unique_blocks": 4}, "already real"),
+    ],
+)
+def test_bad_plans_fail_before_the_first_step(tmp_path: Path, callback, changes: dict, message: str) -> None:
+    module = _module(**changes)
+    steps = []
+    module.on_train_batch_start = lambda *args: steps.append(1)
+    with pytest.raises(ValueError, match=message):
+        _fit(tmp_path, callback, max_steps=8, module=module)
+    assert steps == []
+
+
+def test_unsupported_optimizer_is_refused_at_delinking(tmp_path: Path) -> None:
+    class RMSModule(M6LanguageModel):
+        def configure_optimizers(self):
+            return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+
+    with pytest.raises(ValueError, match="RMSprop"):
+        _fit(tmp_path, PseudoToReal(delink_at_step=1), max_steps=3, module=RMSModule(M6Config(**PSEUDO)))
+
+
+def test_plan_stages_is_pure() -> None:
+    assert plan_stages(8, 1, 100, None, 0.25, None) == [(25, 8)]
+    assert plan_stages(8, 1, 100, None, None, {60: 8, 20: 2}) == [(20, 2), (60, 8)]
+    with pytest.raises(ValueError, match="max_steps"):
+        plan_stages(8, 1, -1, None, 0.5, None)
