@@ -96,3 +96,24 @@ def test_quickstart_fit_writes_checkpoint_and_offline_wandb_run(tmp_path: Path) 
     assert (run_dir / "config.yaml").exists()
     metrics = (next((run_dir / "csv").glob("version_*")) / "metrics.csv").read_text()
     assert "val/loss" in metrics and "train/loss" in metrics
+
+
+def test_pseudo_to_real_recipe_delinks_during_a_short_fit(tmp_path: Path, monkeypatch) -> None:
+    from lightning_p2r import PseudoToReal
+
+    monkeypatch.chdir(tmp_path)
+    cli = _cli(["--config", str(ROOT / "recipes" / "pseudo_to_real.yaml"), "--trainer.logger=false",
+                "--trainer.max_steps=4", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+                "--data.tokenizer=bytes", "--data.vocab_size=256", f"--data.corpus={_small_corpus(tmp_path)}"])
+    callback = next(c for c in cli.trainer.callbacks if isinstance(c, PseudoToReal))
+    assert cli.model.config.num_unique_blocks == 1
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    assert [e.step for e in callback.events] == [1]
+    assert len(cli.model.transformer.blocks) == 8
+    assert (tmp_path / "runs" / "pseudo_to_real" / "checkpoints" / "last.ckpt").exists()
+
+
+def _small_corpus(tmp_path: Path) -> Path:
+    path = tmp_path / "small.txt"
+    path.write_text("And the evening and the morning were the first day. " * 300, encoding="utf-8")
+    return path
