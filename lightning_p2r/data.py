@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -350,27 +350,27 @@ class _Rows(Dataset[torch.Tensor]):
         return self.rows[index]
 
 
-class EpochShuffleSampler(Sampler[int]):
-    """Shuffled order that is a pure function of (seed, epoch), able to start part-way through an epoch.
+class EpochShuffleSampler(DistributedSampler):
+    """Shuffled order that is a pure function of (seed, epoch), split across ranks, able to resume mid-epoch.
 
     A resumed run must see the batches the interrupted one had not reached yet, in the same order; a
     ``RandomSampler`` with a generator cannot give that, because the generator's state is not checkpointed.
-    Lightning calls ``set_epoch`` at every epoch start.
+    Lightning calls ``set_epoch`` at every epoch start. Each of ``num_replicas`` ranks takes every
+    ``num_replicas``-th index of the epoch's permutation (the tail that does not divide evenly is left out, so
+    ranks run the same number of steps). Being a ``DistributedSampler``, Lightning uses it as it is instead of
+    wrapping it, so resuming and epoch seeding keep working under DDP and the package's strategy.
     """
 
-    def __init__(self, num_samples: int, seed: int) -> None:
-        self.num_samples = num_samples
-        self.seed = seed
-        self.epoch = 0
+    def __init__(self, num_samples: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
+        super().__init__(range(num_samples), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
+                         drop_last=True)
+        self.total_samples = num_samples
         self._skip = 0
         self._resume_epoch: int | None = None
         self.last_epoch = 0
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
     def resume(self, epoch: int, num_samples_done: int) -> None:
-        """Make the next iteration replay ``epoch``'s order without its first ``num_samples_done`` indices.
+        """Make the next iteration replay ``epoch``'s order without this rank's first ``num_samples_done`` indices.
 
         The epoch is stored rather than taken from ``set_epoch``: a run stopped by ``max_steps`` counts its
         unfinished epoch as processed, so Lightning's epoch number after such a resume is one ahead.
@@ -380,10 +380,11 @@ class EpochShuffleSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         epoch = self.epoch if self._resume_epoch is None else self._resume_epoch
         generator = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(self.num_samples, generator=generator).tolist()
+        order = torch.randperm(self.total_samples, generator=generator).tolist()
+        mine = order[self.rank:self.num_samples * self.num_replicas:self.num_replicas]
         start = self._skip
         self._skip, self._resume_epoch, self.last_epoch = 0, None, epoch
-        return iter(order[start:])
+        return iter(mine[start:])
 
     def __len__(self) -> int:
         return self.num_samples
@@ -508,10 +509,12 @@ class TextDataModule(pl.LightningDataModule):
         if self.num_workers > 0:
             # Workers only index tensors; this silences the tokenizers fork warning without affecting speed.
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        sampler = EpochShuffleSampler(rows.shape[0], self.seed) if shuffle else None
-        if sampler is not None:
+        sampler = None
+        if shuffle:
+            world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+            sampler = EpochShuffleSampler(rows.shape[0], self.seed, num_replicas=world, rank=rank)
             epoch, done = self._resume_position
-            if 0 < done < rows.shape[0] // self.batch_size:
+            if 0 < done < len(sampler) // self.batch_size:
                 sampler.resume(epoch, done * self.batch_size)
             self._resume_position = (0, 0)
             self._train_sampler = sampler

@@ -147,7 +147,7 @@ class PseudoToReal(L.Callback):
         holder = find_block_sequence(pl_module)
         num_layers = len(holder.layer_to_block)
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)) and not hasattr(
-                trainer.strategy, "on_model_structure_change"):
+                trainer.strategy, "delink_model"):
             raise ValueError(
                 f"PseudoToReal cannot re-apply {type(trainer.strategy).__name__}'s wrapping after delinking; "
                 "use a single device, DDP, or lightning_p2r's P2RStrategy"
@@ -217,9 +217,14 @@ class PseudoToReal(L.Callback):
         loss_before = _batch_loss(pl_module, batch)
         if len(trainer.optimizers) != 1:
             raise ValueError(f"PseudoToReal supports one optimizer, the module configured {len(trainer.optimizers)}")
-        optimizer = delink(pl_module, trainer.optimizers[0], num_unique_blocks=target,
-                           optimizer_state=self.optimizer_state)
-        _rewrap(trainer, pl_module)
+        strategy_delink = getattr(trainer.strategy, "delink_model", None)
+        if strategy_delink is not None:
+            # A strategy that places blocks itself (P2RStrategy) delinks and re-places them in one go.
+            optimizer = strategy_delink(pl_module, trainer.optimizers[0], target, self.optimizer_state)
+        else:
+            optimizer = delink(pl_module, trainer.optimizers[0], num_unique_blocks=target,
+                               optimizer_state=self.optimizer_state)
+            _rewrap(trainer, pl_module)
         trainer.strategy.optimizers = [optimizer]
         for config in trainer.lr_scheduler_configs:
             config.scheduler = rebind_scheduler(config.scheduler, optimizer)
@@ -266,9 +271,6 @@ def _rewrap(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
     never be all-reduced and the ranks would silently drift apart.
     """
     strategy = trainer.strategy
-    hook = getattr(strategy, "on_model_structure_change", None)
-    if hook is not None:
-        hook()
-    elif isinstance(strategy, DDPStrategy):
+    if isinstance(strategy, DDPStrategy):
         strategy.model = pl_module
         strategy.configure_ddp()

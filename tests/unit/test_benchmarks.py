@@ -95,3 +95,28 @@ def test_median_seconds_calls_warmup_and_iters() -> None:
     seconds = median_seconds(lambda: calls.append(1), warmup=2, iters=3)
     assert len(calls) == 5
     assert seconds >= 0
+
+
+def test_pseudo_to_real_benchmark_writes_curves_memory_and_png(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    import math
+
+    from lightning_p2r.benchmarks import pseudo_to_real
+
+    monkeypatch.setenv("LIGHTNING_P2R_CACHE", str(tmp_path))
+    out = tmp_path / "out"
+    result = pseudo_to_real.main(["--quick", "--device", "cpu", "--out", str(out)])
+
+    rows = _read_csv(out / "pseudo_to_real.csv")
+    assert set(pseudo_to_real.CURVE_COLUMNS) <= set(rows[0])
+    assert "env_load_avg_1m" in rows[0]
+    assert {row["variant"] for row in rows} == {"scratch", "p2r_f0.25_scale"}
+    assert all(math.isfinite(float(row["val_loss"])) for row in rows)
+    assert {row["step"] for row in rows if row["variant"] == "scratch"} == {"4", "8", "12"}
+    assert {row["delink_step"] for row in rows if row["variant"] == "p2r_f0.25_scale"} == {"3"}
+    memory = _read_csv(out / "pseudo_to_real_memory.csv")
+    total = {row["model"]: int(row["params"]) for row in memory if row["part"] == "total"}
+    assert total["real"] > total["pseudo"] > 0
+    assert {row["variant"] for row in result["summary"]} == {"scratch", "p2r_f0.25_scale"}
+    _assert_png(out / "pseudo_to_real.png")
+    assert "steps_to_target" in capsys.readouterr().out

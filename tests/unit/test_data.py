@@ -292,3 +292,13 @@ def test_epoch_shuffle_sampler_is_a_function_of_seed_and_epoch_and_resumes() -> 
     sampler.resume(epoch=0, num_samples_done=8)
     assert list(sampler) == first[8:]
     assert list(sampler) == second  # the resume applies to one iteration only
+
+
+def test_epoch_shuffle_sampler_splits_the_epoch_across_ranks() -> None:
+    from lightning_p2r.data import EpochShuffleSampler
+
+    whole = list(EpochShuffleSampler(21, seed=4))
+    ranks = [list(EpochShuffleSampler(21, seed=4, num_replicas=2, rank=r)) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 10
+    assert not set(ranks[0]) & set(ranks[1])
+    assert ranks[0] == whole[0:20:2] and ranks[1] == whole[1:20:2]

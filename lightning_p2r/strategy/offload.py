@@ -1,0 +1,331 @@
+"""The streaming engine of granular offloading: offloaded blocks live in host memory and visit the device.
+
+For each offloaded block the engine keeps a persistent **host master** copy of every parameter (pinned when an
+accelerator exists) and a persistent host gradient buffer. The module's own parameter stays a device tensor
+whose storage is empty except while the block runs:
+
+- forward: a pre-hook copies the block in (and prefetches the next ``prefetch`` offloaded blocks), a post-hook
+  releases it and hooks the block's output so that
+- backward: when the gradient of that output arrives, the block is copied in again (prefetching the blocks that
+  come next in backward order) for autograd's saved tensors to read;
+- when autograd has accumulated the block's parameter gradients (a post-accumulate-grad hook per parameter),
+  the gradients are copied to the host buffers (added across micro-batches), dropped from the device, and the
+  block is released.
+
+Parameters are swapped by resizing their storage (the technique FSDP uses): autograd's saved tensors share that
+storage and see the restored values, while version counters stay untouched because the copy goes through
+``param.data``. On a CPU-only machine the "device" is the CPU too; the same mechanism then runs with ordinary
+copies, which keeps the residency rules and the byte counts testable without a GPU.
+
+Why not FSDP2's ``CPUOffloadPolicy`` alone: it offloads per ``fully_shard`` unit with a fixed prefetch of one,
+gives no bytes-moved or residency telemetry, cannot run the host optimizer step of a block while the device
+still computes the backward of earlier blocks, and needs a process group even on one device. Sharding across
+ranks (ZeRO) will build on FSDP2.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+@dataclass
+class OffloadStats:
+    """What the engine did during one optimizer step (all micro-batches of it)."""
+
+    h2d_bytes: int = 0
+    """Parameter bytes copied host -> device."""
+    d2h_bytes: int = 0
+    """Gradient bytes copied device -> host."""
+    copy_wait_seconds: float = 0.0
+    """Time the compute waited for copies (on CPU: the synchronous copy time)."""
+    host_step_seconds: float = 0.0
+    """Time of the optimizer step on the host (offloaded blocks)."""
+    device_step_seconds: float = 0.0
+    """Time of the optimizer step on the device (everything else)."""
+    peak_resident_offloaded_blocks: int = 0
+    """Most offloaded blocks resident on the device at once."""
+    peak_device_model_bytes: int = 0
+    """Peak model-state bytes on the device: resident parameters, gradients and optimizer states."""
+    fetches: int = 0
+    """Host -> device block copies."""
+
+    def as_metrics(self, prefix: str = "offload/") -> dict[str, float]:
+        return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+
+@dataclass
+class _OffloadedBlock:
+    index: int
+    names: list[str]
+    params: list[nn.Parameter]
+    host: list[torch.Tensor]
+    host_grads: list[torch.Tensor]
+    param_bytes: int
+    resident: bool = False
+    in_backward: bool = False
+    grads_received: set[int] = field(default_factory=set)
+    grads_fresh: bool = True
+    ready_event: object | None = None
+
+
+class OffloadEngine:
+    """Streams the offloaded blocks of a block sequence (see the module docstring)."""
+
+    def __init__(self, holder: nn.Module, offloaded: tuple[int, ...], device: torch.device, *, prefetch: int = 1,
+                 pin_memory: bool = False, param_prefix: str = "", offload_params: bool = True) -> None:
+        self.holder = holder
+        self.offload_params = offload_params
+        self.device = device
+        self.prefetch = prefetch
+        self.pin_memory = pin_memory
+        self.stats = OffloadStats()
+        self.static_device_bytes = 0
+        self.on_block_grads_ready: Callable[[int], None] | None = None
+        self._handles: list[RemovableHandle] = []
+        self._layer = 0
+        self._grad_bytes_on_device = 0
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.blocks: dict[int, _OffloadedBlock] = {}
+        for index in offloaded:
+            self.blocks[index] = self._offload(index, param_prefix)
+        self._install_hooks()
+
+    # ------------------------------------------------------------------------------------------ placement
+    def _offload(self, index: int, param_prefix: str) -> _OffloadedBlock:
+        block = self.holder.blocks[index]
+        names, params, host, host_grads = [], [], [], []
+        for name, param in block.named_parameters():
+            master = param.detach().to("cpu", copy=True)
+            grad_buffer = torch.zeros_like(master)
+            if self.pin_memory:
+                master, grad_buffer = master.pin_memory(), grad_buffer.pin_memory()
+            if self.offload_params:
+                placeholder = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+                placeholder.untyped_storage().resize_(0)
+                param.data = placeholder
+            else:  # ZeRO-Offload style: parameters stay on the device, gradients and optimizer go to the host
+                param.data = param.data.to(self.device)
+            names.append(f"{param_prefix}{index}.{name}")
+            params.append(param)
+            host.append(master)
+            host_grads.append(grad_buffer)
+        param_bytes = sum(h.numel() * h.element_size() for h in host)
+        return _OffloadedBlock(index, names, params, host, host_grads, param_bytes,
+                               resident=not self.offload_params)
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """Host master of every offloaded parameter, by its name in the block sequence's state dict."""
+        return {name: tensor for b in self.blocks.values() for name, tensor in zip(b.names, b.host)}
+
+    def detach(self, device: torch.device | str) -> None:
+        """Remove the hooks and give every offloaded parameter its values back as an ordinary tensor on ``device``."""
+        self.wait_for_copies()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for block in self.blocks.values():
+            for param, master in zip(block.params, block.host):
+                param.data = master.to(device, copy=True)
+                param.grad = None
+        self.blocks.clear()
+
+    # ---------------------------------------------------------------------------------------------- hooks
+    def _install_hooks(self) -> None:
+        self._handles.append(self.holder.register_forward_pre_hook(self._start_forward))
+        if self.blocks and self.offload_params:
+            # Every block counts layers (a block does not know which layer is calling it); offloaded ones move.
+            for block in self.holder.blocks:
+                self._handles.append(block.register_forward_pre_hook(self._before_block))
+                self._handles.append(block.register_forward_hook(self._after_block))
+        for index in self.blocks:
+            for position, param in enumerate(self.blocks[index].params):
+                self._handles.append(param.register_post_accumulate_grad_hook(
+                    self._grad_hook(index, position)))
+
+    def _start_forward(self, module: nn.Module, args: object) -> None:
+        self._layer = 0
+
+    def _block_of_layer(self, layer: int) -> int:
+        return self.holder.layer_to_block[layer]
+
+    def _upcoming(self, layer: int, step: int) -> list[int]:
+        """The next ``prefetch`` distinct offloaded blocks after ``layer`` in direction ``step`` (+1 or -1)."""
+        found: list[int] = []
+        current = self._block_of_layer(layer)
+        position = layer + step
+        while 0 <= position < len(self.holder.layer_to_block) and len(found) < self.prefetch:
+            index = self._block_of_layer(position)
+            if index in self.blocks and index != current and index not in found:
+                found.append(index)
+            position += step
+        return found
+
+    def _before_block(self, block: nn.Module, args: object) -> None:
+        layer = self._layer
+        self._layer += 1
+        index = self._block_of_layer(layer)
+        if index in self.blocks:
+            self.fetch(index, wait=True)
+        for upcoming in self._upcoming(layer, +1):
+            self.fetch(upcoming, wait=False)
+
+    def _after_block(self, block: nn.Module, args: object, output: object) -> None:
+        layer = self._layer - 1
+        index = self._block_of_layer(layer)
+        hidden = output[0] if isinstance(output, (tuple, list)) else output
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(self._backward_hook(layer))
+        if index not in self.blocks:
+            return
+        next_layer = layer + 1
+        if next_layer >= len(self.holder.layer_to_block) or self._block_of_layer(next_layer) != index:
+            self.release(index)
+
+    def _backward_hook(self, layer: int) -> Callable[[torch.Tensor], None]:
+        def hook(grad: torch.Tensor) -> None:
+            index = self._block_of_layer(layer)
+            if index in self.blocks:
+                self.blocks[index].in_backward = True
+                self.fetch(index, wait=True)
+            for upcoming in self._upcoming(layer, -1):
+                self.fetch(upcoming, wait=False)
+        return hook
+
+    def _grad_hook(self, index: int, position: int) -> Callable[[nn.Parameter], None]:
+        def hook(param: nn.Parameter) -> None:
+            block = self.blocks[index]
+            self._grad_bytes_on_device += param.grad.numel() * param.grad.element_size()
+            self._track_peak()
+            block.grads_received.add(position)
+            # Autograd accumulates a leaf's gradient once per backward, after every layer that used it.
+            if len(block.grads_received) == len(block.params):
+                self._offload_grads(block)
+        return hook
+
+    # -------------------------------------------------------------------------------------- data movement
+    def push_params(self, index: int) -> None:
+        """After a host step: refresh the device copy of a block whose parameters stay resident."""
+        if self.offload_params:
+            return  # the next fetch copies the updated host masters in
+        block = self.blocks[index]
+        with torch.no_grad():
+            for param, master in zip(block.params, block.host):
+                param.data.copy_(master, non_blocking=self.pin_memory)
+        self.stats.h2d_bytes += block.param_bytes
+
+    def refresh_resident_copies(self) -> None:
+        for index in self.blocks:
+            self.push_params(index)
+
+    def fetch(self, index: int, wait: bool) -> None:
+        block = self.blocks[index]
+        if not block.resident:
+            start = time.perf_counter()
+            stream = self._copy_stream
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+                for param, master in zip(block.params, block.host):
+                    param.data.untyped_storage().resize_(master.numel() * master.element_size())
+                    param.data.copy_(master, non_blocking=self.pin_memory)
+            if stream is not None:
+                event = torch.cuda.Event()
+                event.record(stream)
+                block.ready_event = event
+            else:
+                self.stats.copy_wait_seconds += time.perf_counter() - start
+            block.resident = True
+            self.stats.h2d_bytes += block.param_bytes
+            self.stats.fetches += 1
+            self._track_peak()
+        if wait and block.ready_event is not None:
+            start = time.perf_counter()
+            torch.cuda.current_stream(self.device).wait_event(block.ready_event)
+            for param in block.params:
+                # The compute stream now owns these storages; without this the allocator could reuse them early.
+                param.data.record_stream(torch.cuda.current_stream(self.device))
+            block.ready_event = None
+            self.stats.copy_wait_seconds += time.perf_counter() - start
+
+    def release(self, index: int) -> None:
+        block = self.blocks[index]
+        if not self.offload_params or not block.resident or block.in_backward:
+            return
+        if block.ready_event is not None:
+            self.fetch(index, wait=True)  # never free storage a pending copy still writes to
+        for param in block.params:
+            param.data.untyped_storage().resize_(0)
+        block.resident = False
+
+    def _offload_grads(self, block: _OffloadedBlock) -> None:
+        start = time.perf_counter()
+        for param, buffer in zip(block.params, block.host_grads):
+            if param.grad is None:
+                continue
+            if block.grads_fresh:
+                buffer.copy_(param.grad)
+            else:
+                buffer.add_(param.grad.to(buffer.device))
+            self.stats.d2h_bytes += param.grad.numel() * param.grad.element_size()
+            self._grad_bytes_on_device -= param.grad.numel() * param.grad.element_size()
+            param.grad = None
+        block.grads_fresh = False
+        block.grads_received.clear()
+        block.in_backward = False
+        self.stats.copy_wait_seconds += time.perf_counter() - start
+        self.release(block.index)
+        if self.on_block_grads_ready is not None:
+            self.on_block_grads_ready(block.index)
+
+    def finish_backward(self) -> None:
+        """After ``backward``: offload what a block left behind (parameters that got no gradient)."""
+        for block in self.blocks.values():
+            if block.grads_received or block.in_backward:
+                self._offload_grads(block)
+            self.release(block.index)
+
+    def start_accumulation(self) -> None:
+        """A new optimizer step begins: the next gradients overwrite the host buffers instead of adding."""
+        for block in self.blocks.values():
+            block.grads_fresh = True
+
+    def has_host_grads(self, index: int) -> bool:
+        return not self.blocks[index].grads_fresh
+
+    def wait_for_copies(self) -> None:
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
+
+    # ------------------------------------------------------------------------------------------ telemetry
+    def resident_blocks(self) -> int:
+        """Offloaded blocks whose parameters are on the device right now (streamed ones only)."""
+        if not self.offload_params:
+            return 0
+        return sum(block.resident for block in self.blocks.values())
+
+    def _track_peak(self) -> None:
+        resident = self.resident_blocks()
+        self.stats.peak_resident_offloaded_blocks = max(self.stats.peak_resident_offloaded_blocks, resident)
+        streamed = sum(b.param_bytes for b in self.blocks.values() if b.resident)  # (all, if params stay)
+        current = self.static_device_bytes + streamed + self._grad_bytes_on_device
+        self.stats.peak_device_model_bytes = max(self.stats.peak_device_model_bytes, current)
+
+    def take_stats(self) -> OffloadStats:
+        """The stats since the last call; starts a new record."""
+        self._track_peak()
+        stats, self.stats = self.stats, OffloadStats()
+        return stats
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

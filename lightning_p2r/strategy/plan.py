@@ -1,0 +1,157 @@
+"""Which blocks live on the device and which in host memory: a pure function of sizes and a budget.
+
+M6-10T's granular offloading keeps only *some* layers in host memory, so the bytes streamed per step stay small
+and most compute never waits. The planner turns one of three user inputs into a set of offloaded block indices:
+
+- ``offload_fraction``: that share of the blocks, spread evenly through the depth;
+- ``offload_blocks``: an explicit list;
+- ``device_memory_budget``: the largest set of device-resident blocks whose footprint fits, given everything
+  else the device must hold (non-block parameters with their gradients and optimizer states, an activation
+  allowance, and streaming buffers for ``prefetch + 1`` offloaded blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+@dataclass(frozen=True)
+class BlockFootprint:
+    """Bytes one block needs while it is resident and trained."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def streaming(self) -> int:
+        """What an offloaded block occupies on the device while it runs: parameters and, in backward, gradients."""
+        return self.param_bytes + self.grad_bytes
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    num_blocks: int
+    offloaded: tuple[int, ...]
+
+    @property
+    def resident(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_blocks) if i not in self.offloaded)
+
+
+def parameter_footprint(params: list[nn.Parameter], optimizer_bytes_per_param: int) -> BlockFootprint:
+    numel = sum(p.numel() for p in params)
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    return BlockFootprint(param_bytes, param_bytes, numel * optimizer_bytes_per_param)
+
+
+def block_footprints(blocks: nn.ModuleList, optimizer_bytes_per_param: int = 8) -> list[BlockFootprint]:
+    """Footprint per block; AdamW keeps two fp32 moments, 8 bytes per parameter."""
+    return [parameter_footprint([p for p in block.parameters() if p.requires_grad], optimizer_bytes_per_param)
+            for block in blocks]
+
+
+def spread(count: int, num_blocks: int) -> tuple[int, ...]:
+    """``count`` block indices spread evenly, the last block always among them when count > 0.
+
+    With at most half the blocks offloaded, every offloaded block follows a resident one, whose compute hides
+    the offloaded block's copy; and the first block stays resident so the forward pass starts without waiting.
+    """
+    if count <= 0:
+        return ()
+    return tuple(sorted({int((i + 1) * num_blocks / count) - 1 for i in range(count)}))
+
+
+def parse_bytes(value: int | str, total: int | None = None) -> int:
+    """``12e9``, ``"12GB"``, ``"512MiB"`` or ``"80%"`` (of ``total``) -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError(f"device_memory_budget must be bytes or a size string, got {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = value.strip().lower().replace(" ", "")
+    if text.endswith("%"):
+        if total is None:
+            raise ValueError("device_memory_budget as a percentage needs the device's total memory")
+        share = float(text[:-1])
+        if not 0 < share <= 100:
+            raise ValueError(f"device_memory_budget percentage must be in (0, 100], got {value!r}")
+        return int(total * share / 100)
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmgt]i?b|b)?", text)
+    if not match:
+        raise ValueError(f"device_memory_budget {value!r} is not a size: use bytes, '12GB', '512MiB' or '80%'")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def device_total_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_offload(
+    num_blocks: int,
+    *,
+    offload_fraction: float | None = None,
+    offload_blocks: list[int] | None = None,
+    budget_bytes: int | None = None,
+    footprints: list[BlockFootprint] | None = None,
+    other_bytes: int = 0,
+    activation_bytes: int = 0,
+    prefetch: int = 1,
+) -> OffloadPlan:
+    """Choose the offloaded blocks from exactly one of fraction, explicit list or budget."""
+    given = [name for name, value in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
+                                      ("device_memory_budget", budget_bytes)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one of offload_fraction, offload_blocks, device_memory_budget; got {given}")
+    if offload_blocks is not None:
+        bad = [i for i in offload_blocks if not 0 <= i < num_blocks]
+        if bad:
+            raise ValueError(f"offload_blocks {bad} are not block indices of a model with {num_blocks} blocks")
+        return OffloadPlan(num_blocks, tuple(sorted(set(offload_blocks))))
+    if budget_bytes is not None:
+        if footprints is None:
+            raise ValueError("a device_memory_budget plan needs the blocks' footprints")
+        return _plan_for_budget(footprints, budget_bytes, other_bytes, activation_bytes, prefetch)
+    fraction = offload_fraction or 0.0
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1], got {fraction}")
+    return OffloadPlan(num_blocks, spread(round(fraction * num_blocks), num_blocks))
+
+
+def device_bytes_needed(footprints: list[BlockFootprint], offloaded: tuple[int, ...], other_bytes: int,
+                        activation_bytes: int, prefetch: int) -> int:
+    """Model-state bytes on the device under a plan (plus the activation allowance)."""
+    resident = sum(f.total for i, f in enumerate(footprints) if i not in offloaded)
+    largest_streamed = max((footprints[i].streaming for i in offloaded), default=0)
+    streaming = min(prefetch + 1, len(offloaded)) * largest_streamed
+    return other_bytes + activation_bytes + resident + streaming
+
+
+def _plan_for_budget(footprints: list[BlockFootprint], budget: int, other_bytes: int, activation_bytes: int,
+                     prefetch: int) -> OffloadPlan:
+    num_blocks = len(footprints)
+    # Try the most resident blocks first; for each count, offload an evenly spread set.
+    for offload_count in range(num_blocks + 1):
+        offloaded = spread(offload_count, num_blocks)
+        if device_bytes_needed(footprints, offloaded, other_bytes, activation_bytes, prefetch) <= budget:
+            return OffloadPlan(num_blocks, offloaded)
+    minimum = device_bytes_needed(footprints, tuple(range(num_blocks)), other_bytes, activation_bytes, prefetch)
+    raise ValueError(
+        f"device_memory_budget of {budget:,} bytes is smaller than the least this model needs with every block "
+        f"offloaded: {minimum:,} bytes (non-block states {other_bytes:,}, activation allowance "
+        f"{activation_bytes:,}, streaming buffers for {min(prefetch + 1, num_blocks)} block(s)). Raise the "
+        "budget, lower prefetch or the activation allowance, or shard the model"
+    )

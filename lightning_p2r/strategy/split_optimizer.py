@@ -1,0 +1,228 @@
+"""One optimizer to Lightning, two places to step: the device for resident parameters, the host for offloaded ones.
+
+The user's ``configure_optimizers`` builds an ordinary optimizer over the module. ``SplitOptimizer`` takes its
+class, hyperparameters and groups and presents *canonical* parameter groups to Lightning, LR schedulers and
+gradient clipping: the same groups in the same order, where each offloaded parameter is replaced by its host
+master (whose ``.grad`` is the host gradient buffer). Underneath, one optimizer of the same class steps the
+resident parameters on the device, and one per offloaded block steps that block's host masters on the host
+(torch's fused CPU AdamW is ~5x the foreach one there). Hyperparameters (the LR a scheduler just set, say) are
+copied from the canonical groups before every step.
+
+``state_dict`` and ``load_state_dict`` use the canonical order, so a checkpoint is the same whatever the plan: it
+loads under a different offload plan, or without offloading.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .offload import OffloadEngine
+
+
+def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
+
+
+class SplitOptimizer(torch.optim.Optimizer):
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: OffloadEngine, host_fused: bool | None = None) -> None:
+        self.engine = engine
+        self.optimizer_class = type(optimizer)
+        offloaded_by_param = {id(p): (index, position) for index, block in engine.blocks.items()
+                              for position, p in enumerate(block.params)}
+        canonical_groups = []
+        # For every canonical slot: ("device", None) or ("host", block index), in group order.
+        self._owner: list[tuple[str, int | None]] = []
+        device_groups: list[dict[str, Any]] = []
+        host_groups: dict[int, list[dict[str, Any]]] = {index: [] for index in engine.blocks}
+        hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        for group_index, group in enumerate(optimizer.param_groups):
+            canonical, on_device, on_host = [], [], {index: [] for index in engine.blocks}
+            for param in group["params"]:
+                where = offloaded_by_param.get(id(param))
+                if where is None:
+                    canonical.append(param)
+                    on_device.append(param)
+                    self._owner.append(("device", None))
+                else:
+                    index, position = where
+                    master = self._master(index, position)
+                    canonical.append(master)
+                    on_host[index].append(master)
+                    self._owner.append(("host", index))
+            canonical_groups.append(hyper[group_index] | {"params": canonical})
+            device_groups.append(hyper[group_index] | {"params": on_device, "_canonical": group_index})
+            for index, params in on_host.items():
+                host_groups[index].append(hyper[group_index] | {"params": params, "_canonical": group_index})
+        super().__init__(canonical_groups, optimizer.defaults)
+        kwargs = _constructor_kwargs(optimizer)
+        self._kwargs = kwargs
+        self.device_optimizer = self._build(device_groups, kwargs)
+        host_kwargs = dict(kwargs)
+        if "fused" in host_kwargs or host_fused:
+            host_kwargs.pop("foreach", None)
+            host_kwargs["fused"] = True if host_fused is None else host_fused
+        self.host_optimizers = {index: self._build(groups, host_kwargs) for index, groups in host_groups.items()}
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: dict[int, Future] = {}
+        self.overlap = False
+
+    def _master(self, index: int, position: int) -> torch.nn.Parameter:
+        block = self.engine.blocks[index]
+        master = block.host[position]
+        if not isinstance(master, torch.nn.Parameter):
+            master = torch.nn.Parameter(master, requires_grad=True)
+            block.host[position] = master
+        master.grad = block.host_grads[position]
+        return master
+
+    def _build(self, groups: list[dict[str, Any]], kwargs: dict[str, Any]) -> torch.optim.Optimizer | None:
+        groups = [g for g in groups if g["params"]]
+        if not groups:
+            return None
+        canonical = [g.pop("_canonical") for g in groups]
+        optimizer = self.optimizer_class(groups, **kwargs)
+        for group, index in zip(optimizer.param_groups, canonical):
+            group["_canonical"] = index
+        return optimizer
+
+    # -------------------------------------------------------------------------------------------- stepping
+    def _inner(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.device_optimizer, *self.host_optimizers.values()) if o is not None]
+
+    def _sync_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
+        for group in optimizer.param_groups:
+            canonical = self.param_groups[group["_canonical"]]
+            for key, value in canonical.items():
+                if key != "params":
+                    group[key] = value
+
+    def _host_step(self, index: int) -> float:
+        optimizer = self.host_optimizers[index]
+        if optimizer is None:
+            return 0.0
+        start = time.perf_counter()
+        self._sync_hyperparameters(optimizer)
+        optimizer.step()
+        self.engine.push_params(index)
+        return time.perf_counter() - start
+
+    def submit_host_step(self, index: int) -> None:
+        """Start block ``index``'s host step now, while the device is still busy with earlier blocks' backward."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2r-host-step")
+        self._pending[index] = self._executor.submit(self._host_step, index)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stats = self.engine.stats
+        for index in self.host_optimizers:
+            future = self._pending.pop(index, None)
+            stats.host_step_seconds += future.result() if future is not None else self._host_step(index)
+        if self.device_optimizer is not None:
+            start = time.perf_counter()
+            self._sync_hyperparameters(self.device_optimizer)
+            self.device_optimizer.step()
+            if self.device_optimizer.param_groups[0]["params"][0].device.type == "cuda":
+                torch.cuda.synchronize()
+            stats.device_step_seconds += time.perf_counter() - start
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.device_optimizer is not None:
+            self.device_optimizer.zero_grad(set_to_none=set_to_none)
+        # Host gradient buffers are persistent: the next step's first micro-batch overwrites them.
+        self.engine.start_accumulation()
+
+    def device_state_bytes(self) -> int:
+        """Bytes of the device optimizer's per-parameter state (moments; step counters left out)."""
+        if self.device_optimizer is None:
+            return 0
+        return sum(v.numel() * v.element_size() for state in self.device_optimizer.state.values()
+                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+    # -------------------------------------------------------------------------------------------- state
+    def _optimizer_of(self, slot: int) -> torch.optim.Optimizer | None:
+        kind, index = self._owner[slot]
+        return self.device_optimizer if kind == "device" else self.host_optimizers[index]
+
+    def _canonical_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @property
+    def state(self) -> dict:  # type: ignore[override]
+        merged: dict = {}
+        for optimizer in self._inner():
+            merged.update(optimizer.state)
+        return merged
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        # torch.optim.Optimizer.__init__ assigns an empty state; the real state lives in the inner optimizers.
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {}
+        for slot, param in enumerate(self._canonical_params()):
+            optimizer = self._optimizer_of(slot)
+            if optimizer is not None and param in optimizer.state and optimizer.state[param]:
+                state[slot] = dict(optimizer.state[param])
+        groups, start = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            indices = list(range(start, start + count))
+            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": indices})
+            start += count
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+                len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)):
+            raise ValueError("the optimizer state does not match this model's parameter groups")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        slots = {int(k): v for k, v in state_dict["state"].items()}
+        params = self._canonical_params()
+        for optimizer in self._inner():
+            local_state, local_groups, local_index = {}, [], 0
+            positions = {id(p): slot for slot, p in enumerate(params)}
+            for group in optimizer.param_groups:
+                indices = []
+                for param in group["params"]:
+                    slot = positions[id(param)]
+                    if slot in slots:
+                        local_state[local_index] = slots[slot]
+                    indices.append(local_index)
+                    local_index += 1
+                local_groups.append({k: v for k, v in group.items() if k != "params"} | {"params": indices})
+            optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+            self._sync_hyperparameters(optimizer)
+
+    def shutdown(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    def to_plain(self, params_by_slot: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        """An ordinary optimizer of the original class over ``params_by_slot`` (the module's parameters in
+        canonical order), carrying this optimizer's state and hyperparameters."""
+        groups, start = [], 0
+        for group in self.param_groups:
+            count = len(group["params"])
+            groups.append({k: v for k, v in group.items() if k != "params"}
+                          | {"params": params_by_slot[start:start + count]})
+            start += count
+        plain = self.optimizer_class(groups, **self._kwargs)
+        plain.load_state_dict(self.state_dict())
+        return plain

@@ -1,0 +1,217 @@
+"""P2RStrategy's granular offload against plain single-process training on the same batches."""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from helpers import TINY, tiny_data, tiny_trainer
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal
+
+MODEL = TINY | {"num_layers": 4}
+
+
+def _module(**changes) -> M6LanguageModel:
+    return M6LanguageModel(M6Config(**(MODEL | changes)), OptimizerConfig(lr=3e-3, warmup_steps=1))
+
+
+def _fit(tmp_path: Path, strategy=None, module=None, seed: int = 3, **kwargs):
+    L.seed_everything(seed)
+    module = module or _module()
+    options = {"max_steps": 4, "val_check_interval": 100} | kwargs
+    if strategy is not None:
+        options["strategy"] = strategy
+    trainer = tiny_trainer(tmp_path, **options)
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    return module, trainer
+
+
+def _assert_same_weights(a: L.LightningModule, b: L.LightningModule) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        torch.testing.assert_close(sb[name], sa[name], msg=name, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
+def test_offload_matches_plain_training(tmp_path: Path, fraction: float) -> None:
+    reference, _ = _fit(tmp_path / "ref")
+    offloaded, trainer = _fit(tmp_path / "off", P2RStrategy(offload_fraction=fraction))
+    _assert_same_weights(reference, offloaded)
+    assert len(trainer.strategy.plan.offloaded) == round(fraction * 4)
+    assert trainer.strategy.engine is None  # detached at teardown: the module is ordinary again
+
+
+@pytest.mark.parametrize("options", [
+    {"gradient_clip_val": 0.5},
+    {"accumulate_grad_batches": 2},
+])
+def test_offload_matches_with_clipping_and_accumulation(tmp_path: Path, options: dict) -> None:
+    reference, _ = _fit(tmp_path / "ref", **options)
+    offloaded, _ = _fit(tmp_path / "off", P2RStrategy(offload_fraction=0.5), **options)
+    _assert_same_weights(reference, offloaded)
+
+
+def test_zero_offload_style_keeps_parameters_resident(tmp_path: Path) -> None:
+    reference, _ = _fit(tmp_path / "ref")
+    offloaded, trainer = _fit(tmp_path / "off", P2RStrategy(offload_blocks=[0, 2], offload_states=["grads",
+                                                                                                  "optimizer"]))
+    _assert_same_weights(reference, offloaded)
+    stats = trainer.strategy.telemetry_history[-1]
+    assert stats.peak_resident_offloaded_blocks == 0 and stats.fetches == 0
+    assert stats.d2h_bytes > 0 and stats.h2d_bytes == stats.d2h_bytes  # gradients out, updated weights in
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_at_most_prefetch_plus_one_offloaded_blocks_are_resident(tmp_path: Path, prefetch: int) -> None:
+    module = _module(num_layers=6)
+    _, trainer = _fit(tmp_path, P2RStrategy(offload_fraction=1.0, prefetch=prefetch), module=module)
+    history = trainer.strategy.telemetry_history
+    assert max(s.peak_resident_offloaded_blocks for s in history) == prefetch + 1
+    steady = history[-1]
+    block_bytes = sum(p.numel() * 4 for p in module.transformer.blocks[0].parameters())
+    assert steady.fetches == 12  # six blocks, each copied in for forward and for backward
+    assert steady.h2d_bytes == 12 * block_bytes and steady.d2h_bytes == 6 * block_bytes
+    assert steady.host_step_seconds > 0
+
+
+def test_telemetry_reaches_the_logger(tmp_path: Path) -> None:
+    logger = L.pytorch.loggers.CSVLogger(tmp_path, name="csv")
+    _fit(tmp_path, P2RStrategy(offload_fraction=0.5), logger=logger, log_every_n_steps=1)
+    logger.save()
+    text = Path(logger.log_dir, "metrics.csv").read_text()
+    for key in ("offload/h2d_bytes", "offload/d2h_bytes", "offload/copy_wait_seconds", "offload/host_step_seconds",
+                "offload/device_step_seconds", "offload/peak_device_model_bytes"):
+        assert key in text, key
+
+
+def test_peak_device_bytes_fall_with_offloading(tmp_path: Path) -> None:
+    peaks = []
+    for fraction in (0.0, 0.5, 1.0):
+        _, trainer = _fit(tmp_path / str(fraction), P2RStrategy(offload_fraction=fraction))
+        peaks.append(trainer.strategy.telemetry_history[-1].peak_device_model_bytes)
+    assert peaks[0] > peaks[1] > peaks[2] > 0
+
+
+def test_resume_under_a_different_plan(tmp_path: Path) -> None:
+    straight, _ = _fit(tmp_path / "straight", max_steps=6)
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1)
+    _fit(tmp_path / "first", P2RStrategy(offload_fraction=0.5), max_steps=6, callbacks=[saver])
+    path = next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    for tag, strategy in (("same", P2RStrategy(offload_fraction=0.5)), ("other", P2RStrategy(offload_blocks=[3])),
+                          ("none", None)):
+        L.seed_everything(3)
+        resumed = _module()
+        options = {"strategy": strategy} if strategy is not None else {}
+        trainer = tiny_trainer(tmp_path / tag, max_steps=6, val_check_interval=100, **options)
+        trainer.fit(resumed, datamodule=tiny_data(tmp_path), ckpt_path=path, weights_only=True)
+        _assert_same_weights(straight, resumed)
+
+
+def test_checkpoint_has_full_weights_and_canonical_optimizer_state(tmp_path: Path) -> None:
+    plain, plain_trainer = _fit(tmp_path / "plain")
+    plain_trainer.save_checkpoint(tmp_path / "plain.ckpt")
+    offloaded, trainer = _fit(tmp_path / "off", P2RStrategy(offload_fraction=1.0))
+    trainer.save_checkpoint(tmp_path / "off.ckpt")
+    a = torch.load(tmp_path / "plain.ckpt", weights_only=True)
+    b = torch.load(tmp_path / "off.ckpt", weights_only=True)
+    for name, tensor in a["state_dict"].items():
+        torch.testing.assert_close(b["state_dict"][name], tensor, msg=name)
+    state_a, state_b = a["optimizer_states"][0], b["optimizer_states"][0]
+    assert state_a["state"].keys() == state_b["state"].keys()
+    for slot in state_a["state"]:
+        torch.testing.assert_close(state_b["state"][slot]["exp_avg"], state_a["state"][slot]["exp_avg"])
+
+
+def test_save_during_training_writes_real_weights(tmp_path: Path) -> None:
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _fit(tmp_path, P2RStrategy(offload_fraction=1.0), callbacks=[saver])
+    state = torch.load(next((tmp_path / "ckpt").glob("*step=2.ckpt")), weights_only=True)["state_dict"]
+    weight = state["transformer.blocks.0.attn.qkv.weight"]
+    assert weight.numel() > 0 and weight.abs().sum() > 0
+
+
+def test_with_pseudo_to_real_new_blocks_are_placed_by_the_plan(tmp_path: Path) -> None:
+    pseudo = {"num_unique_blocks": 1}
+    reference, _ = _fit(tmp_path / "ref", module=_module(**pseudo), max_steps=6,
+                        callbacks=[PseudoToReal(delink_at_step=3)])
+    strategy = P2RStrategy(offload_fraction=0.5)
+    seen = []
+
+    class Watch(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            seen.append((trainer.global_step, trainer.strategy.plan.offloaded))
+
+    offloaded, trainer = _fit(tmp_path / "off", strategy, module=_module(**pseudo), max_steps=6,
+                              callbacks=[PseudoToReal(delink_at_step=3), Watch()])
+    assert seen[0] == (0, ()) and seen[-1] == (5, (1, 3))
+    _assert_same_weights(reference, offloaded)
+
+
+def test_registry_names_resolve() -> None:
+    assert {"p2r", "p2r_offload"} <= set(StrategyRegistry)
+    trainer = L.Trainer(strategy="p2r_offload", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, P2RStrategy) and trainer.strategy.offload_fraction == 0.5
+    assert isinstance(L.Trainer(strategy="p2r", accelerator="cpu", devices=1, logger=False).strategy, P2RStrategy)
+
+
+def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path: Path, monkeypatch) -> None:
+    from lightning_p2r import TextDataModule
+    from lightning_p2r.cli import P2RCLI
+
+    monkeypatch.chdir(tmp_path)
+    config = tmp_path / "strategy.yaml"
+    config.write_text("trainer:\n  strategy:\n    class_path: lightning_p2r.P2RStrategy\n    init_args:\n"
+                      "      offload_fraction: 0.25\n      prefetch: 2\n")
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+    cli = P2RCLI(M6LanguageModel, TextDataModule, args=["--config", str(recipe), "--config", str(config)],
+                 run=False, save_config_callback=None)
+    assert isinstance(cli.trainer.strategy, P2RStrategy)
+    assert cli.trainer.strategy.offload_fraction == 0.25 and cli.trainer.strategy.prefetch == 2
+    by_name = P2RCLI(M6LanguageModel, TextDataModule, args=["--config", str(recipe), "--trainer.strategy=p2r"],
+                     run=False, save_config_callback=None)
+    assert isinstance(by_name.trainer.strategy, P2RStrategy)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"offload_fraction": 1.5}, "offload_fraction"),
+    ({"offload_fraction": -0.1}, "offload_fraction"),
+    ({"offload_fraction": 0.5, "offload_blocks": [1]}, "one of"),
+    ({"offload_states": ["params"]}, "offload_states"),
+    ({"prefetch": -1}, "prefetch"),
+    ({"pin_memory": "yes"}, "pin_memory"),
+    ({"device_memory_budget": "lots"}, "not a size"),
+    ({"device_memory_budget": -5}, "device_memory_budget"),
+])
+def test_bad_arguments_fail_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        P2RStrategy(**kwargs)
+
+
+class NoBlocks(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch.float()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+@pytest.mark.parametrize(("strategy", "module", "message"), [
+    (P2RStrategy(offload_blocks=[7]), None, "offload_blocks"),
+    (P2RStrategy(device_memory_budget=1000), None, "smaller than"),
+    (P2RStrategy(pin_memory=True), None, "pin_memory"),
+    (P2RStrategy(), NoBlocks(), "block sequence"),
+], ids=["unknown-block", "tiny-budget", "pin-without-accelerator", "no-blocks"])
+def test_bad_setup_fails_before_the_first_step(tmp_path: Path, strategy, module, message: str) -> None:
+    module = module or _module()
+    steps = []
+    module.on_train_batch_start = lambda *args: steps.append(1)
+    with pytest.raises(ValueError, match=message):
+        _fit(tmp_path, strategy, module=module)
+    assert steps == []
