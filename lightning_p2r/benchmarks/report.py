@@ -147,7 +147,7 @@ def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> No
 
 
 # ------------------------------------------------------------------------------------------------------ plots
-def _pyplot() -> Any:
+def pyplot() -> Any:
     # Imported lazily and on the Agg backend: benchmarks run headless, and importing them must not need a display.
     import matplotlib
 
@@ -160,7 +160,7 @@ def _pyplot() -> Any:
 def save_bar_chart(path: str | os.PathLike[str], categories: Sequence[str], series: Mapping[str, Sequence[float]],
                    *, ylabel: str, title: str) -> Path:
     """Grouped bars: one group per category, one bar per series (NaN leaves a gap)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
     width = 0.8 / max(len(series), 1)
     for i, (label, values) in enumerate(series.items()):
@@ -172,13 +172,13 @@ def save_bar_chart(path: str | os.PathLike[str], categories: Sequence[str], seri
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def save_line_chart(path: str | os.PathLike[str], x: Sequence[float], series: Mapping[str, Sequence[float]],
                     *, xlabel: str, ylabel: str, title: str, logy: bool = False) -> Path:
     """One line per series over a shared x axis; ``logy`` for values spread over orders of magnitude."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
     for label, values in series.items():
         ax.plot(x, values, marker=".", label=label)
@@ -191,10 +191,10 @@ def save_line_chart(path: str | os.PathLike[str], x: Sequence[float], series: Ma
         ax.set_ylim(bottom=0)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
-def _save(fig: Any, path: str | os.PathLike[str]) -> Path:
+def save_figure(fig: Any, path: str | os.PathLike[str]) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
