@@ -215,3 +215,27 @@ def test_bad_setup_fails_before_the_first_step(tmp_path: Path, strategy, module,
     with pytest.raises(ValueError, match=message):
         _fit(tmp_path, strategy, module=module)
     assert steps == []
+
+
+def test_resume_after_delink_under_offload(tmp_path: Path) -> None:
+    pseudo = {"num_unique_blocks": 1}
+    straight, _ = _fit(tmp_path / "straight", module=_module(**pseudo), max_steps=6,
+                       callbacks=[PseudoToReal(delink_at_step=2)])
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1)
+    _fit(tmp_path / "first", P2RStrategy(offload_fraction=0.5), module=_module(**pseudo), max_steps=6,
+         callbacks=[PseudoToReal(delink_at_step=2), saver])
+    path = next((tmp_path / "ckpt").glob("*step=4.ckpt"))
+    L.seed_everything(3)
+    resumed = _module(**pseudo)
+    trainer = tiny_trainer(tmp_path / "second", max_steps=6, val_check_interval=100,
+                           strategy=P2RStrategy(offload_fraction=0.25), callbacks=[PseudoToReal(delink_at_step=2)])
+    trainer.fit(resumed, datamodule=tiny_data(tmp_path), ckpt_path=path, weights_only=True)
+    assert len(resumed.transformer.blocks) == 4 and trainer.strategy.plan.offloaded == (3,)
+    _assert_same_weights(straight, resumed)
+
+
+def test_overlap_can_be_turned_off_with_the_same_result(tmp_path: Path) -> None:
+    overlapped, first = _fit(tmp_path / "a", P2RStrategy(offload_fraction=0.5))
+    serial, second = _fit(tmp_path / "b", P2RStrategy(offload_fraction=0.5, overlap_host_step=False))
+    _assert_same_weights(overlapped, serial)
+    assert first.strategy._overlap_allowed() and not second.strategy._overlap_allowed()
