@@ -143,7 +143,8 @@ def _source_name(name: str, prefix: str, sources: list[int]) -> str:
     return f"{prefix}{sources[int(index)]}.{rest}"
 
 
-def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict:
+def optimizer_constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's defaults that its constructor accepts: enough to build another of the same kind."""
     accepted = inspect.signature(type(optimizer).__init__).parameters
     return {key: value for key, value in optimizer.defaults.items() if key in accepted}
 
@@ -167,7 +168,7 @@ def _rebuild_optimizer(
     for index, group in enumerate(optimizer.param_groups):
         new_groups[index]["params"].extend(p for p in group["params"] if id(p) not in in_model)
 
-    new_optimizer = type(optimizer)(new_groups, **_constructor_defaults(optimizer))
+    new_optimizer = type(optimizer)(new_groups, **optimizer_constructor_kwargs(optimizer))
     # A block that was split: its original tensor (kept by the first copy) and every new copy.
     split_ids = {id(t) for param, source in origin.items() if param is not source for t in (param, source)}
     for group in new_optimizer.param_groups:

@@ -14,7 +14,6 @@ loads under a different offload plan, or without offloading.
 
 from __future__ import annotations
 
-import inspect
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,12 +21,8 @@ from typing import Any
 
 import torch
 
+from ..sharing import optimizer_constructor_kwargs
 from .offload import OffloadEngine
-
-
-def _constructor_kwargs(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    accepted = inspect.signature(type(optimizer).__init__).parameters
-    return {key: value for key, value in optimizer.defaults.items() if key in accepted}
 
 
 class SplitOptimizer(torch.optim.Optimizer):
@@ -61,7 +56,7 @@ class SplitOptimizer(torch.optim.Optimizer):
             for index, params in on_host.items():
                 host_groups[index].append(hyper[group_index] | {"params": params, "_canonical": group_index})
         super().__init__(canonical_groups, optimizer.defaults)
-        kwargs = _constructor_kwargs(optimizer)
+        kwargs = optimizer_constructor_kwargs(optimizer)
         self._kwargs = kwargs
         self.device_optimizer = self._build(device_groups, kwargs)
         host_kwargs = dict(kwargs)
