@@ -66,9 +66,22 @@ def check_delink_target(num_layers: int, current: int, target: int | None) -> in
 
 
 def _new_layout(layer_to_block: list[int], target: int) -> list[int]:
-    """For each new block, the old block it is copied from (new blocks group consecutive layers)."""
+    """For each new block, the old block it is copied from (new blocks group consecutive layers).
+
+    Every new group of layers must run a single old block, or the copies could not reproduce the function.
+    """
     group = len(layer_to_block) // target
-    return [layer_to_block[new * group] for new in range(target)]
+    sources = []
+    for new in range(target):
+        olds = set(layer_to_block[new * group:(new + 1) * group])
+        if len(olds) != 1:
+            raise ValueError(
+                f"layer_to_block {layer_to_block} does not share blocks among groups of consecutive layers, which "
+                f"delinking into {target} blocks needs (layers {new * group}..{(new + 1) * group - 1} run blocks "
+                f"{sorted(olds)})"
+            )
+        sources.append(olds.pop())
+    return sources
 
 
 @torch.no_grad()
@@ -106,9 +119,9 @@ def delink(
     copies_per_block = target // current
 
     # Remember where every parameter came from, by name, before the structure changes.
+    sources = _new_layout(layer_to_block, target)  # validates the layout before anything changes
     prefix = _prefix_of(model, holder)
     old_params = dict(model.named_parameters(remove_duplicate=False))
-    sources = _new_layout(layer_to_block, target)
     new_blocks: list[nn.Module] = []
     used: set[int] = set()
     for source in sources:
@@ -218,4 +231,8 @@ def rebind_scheduler(
         raise ValueError("the new optimizer must have as many parameter groups as the scheduler's optimizer")
     rebound = copy.copy(scheduler)
     rebound.optimizer = optimizer
+    # Composite schedulers (SequentialLR, ChainedScheduler) drive the optimizer through their children.
+    children = getattr(scheduler, "_schedulers", None)
+    if isinstance(children, list):
+        rebound._schedulers = [rebind_scheduler(child, optimizer) for child in children]
     return rebound

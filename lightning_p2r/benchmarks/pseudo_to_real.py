@@ -43,13 +43,13 @@ import lightning as L
 import torch
 
 from lightning_p2r.benchmarks.report import (
-    _pyplot,
-    _save,
     apply_threads,
     base_parser,
     environment_info,
     print_environment,
     print_table,
+    pyplot,
+    save_figure,
     synchronize,
     with_environment,
     write_csv,
@@ -245,7 +245,7 @@ def memory_rows(config: Any) -> list[dict[str, Any]]:
 
 
 def save_plot(path: Path, results: Sequence[dict[str, Any]], target: float | None, title: str) -> Path:
-    plt = _pyplot()
+    plt = pyplot()
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110, sharey=True)
     for i, result in enumerate(results):
         steps, seconds, _, losses = zip(*result["points"])
@@ -268,7 +268,7 @@ def save_plot(path: Path, results: Sequence[dict[str, Any]], target: float | Non
     by_step.set_ylabel("validation loss (log scale); dotted: delink")
     by_step.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

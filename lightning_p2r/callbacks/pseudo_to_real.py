@@ -190,6 +190,8 @@ class PseudoToReal(L.Callback):
                          reason=f"auto: gradient agreement {self.agreement:.3f} < {self.auto_threshold}")
             return
         if step % self.auto_check_every == 0:
+            if self._probe is not None:  # the last probe saw no backward (a skipped step): drop its hooks
+                self._probe.remove()
             self._probe = GradientAgreementProbe(find_block_sequence(pl_module))
 
     @override
@@ -257,11 +259,19 @@ def _count(module: torch.nn.Module) -> int:
 
 @torch.no_grad()
 def _batch_loss(pl_module: L.LightningModule, batch: Any) -> float:
-    """The module's loss on ``batch``, for the before/after record (NaN if the module has no ``losses``)."""
+    """The module's loss on ``batch`` in eval mode (no dropout or router jitter), for the before/after record;
+    the random state is left as it was, so recording does not change the run. NaN without ``losses``."""
     losses = getattr(pl_module, "losses", None)
     if losses is None:
         return math.nan
-    return float(losses(batch)["loss"])
+    was_training = pl_module.training
+    devices = [batch.device] if isinstance(batch, torch.Tensor) and batch.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        pl_module.eval()
+        try:
+            return float(losses(batch)["loss"])
+        finally:
+            pl_module.train(was_training)
 
 
 def _rewrap(trainer: L.Trainer, pl_module: L.LightningModule) -> None:

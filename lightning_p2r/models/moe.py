@@ -150,8 +150,10 @@ class MoEFeedForward(nn.Module):
         router_input = x
         if self.training and self.jitter > 0:
             router_input = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-        # The router runs in fp32 even under autocast: small logit differences decide the routing.
-        logits = F.linear(router_input.float(), self.router.weight.float())  # (tokens, experts)
+        # The router runs in fp32 even under autocast (which would cast F.linear to bf16): small logit
+        # differences decide the routing.
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            logits = F.linear(router_input.float(), self.router.weight.float())  # (tokens, experts)
         gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k)
 
         # Flatten assignments choice-major: every token's first choice ranks ahead of any second choice (GShard).

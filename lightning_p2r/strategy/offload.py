@@ -25,7 +25,10 @@ ranks (ZeRO) will build on FSDP2.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 
@@ -66,12 +69,31 @@ class _OffloadedBlock:
     params: list[nn.Parameter]
     host: list[torch.Tensor]
     host_grads: list[torch.Tensor]
+    trainable: frozenset[int]
+    """Positions of the parameters that take gradients (frozen ones are streamed but never offloaded back)."""
     param_bytes: int
     resident: bool = False
     in_backward: bool = False
     grads_received: set[int] = field(default_factory=set)
-    grads_fresh: bool = True
+    unwritten: set[int] = field(default_factory=set)
+    """Host gradient buffers not yet written in this optimizer step (their contents are from an earlier one)."""
     ready_event: object | None = None
+
+
+def _hidden_state(output: object) -> torch.Tensor | None:
+    """The tensor a block hands to the next layer: the output itself, or the first item of a sequence, dict or
+    dataclass."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output:
+        first = output[0]
+    elif isinstance(output, dict) and output:
+        first = next(iter(output.values()))
+    elif dataclasses.is_dataclass(output) and not isinstance(output, type):
+        first = getattr(output, dataclasses.fields(output)[0].name)
+    else:
+        return None
+    return first if isinstance(first, torch.Tensor) else None
 
 
 class OffloadEngine:
@@ -90,17 +112,41 @@ class OffloadEngine:
         self._handles: list[RemovableHandle] = []
         self._layer = 0
         self._grad_bytes_on_device = 0
-        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        is_cuda = device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(device) if is_cuda else None
+        self._compute_stream = torch.cuda.current_stream(device) if is_cuda else None
+        # Release events of streamed blocks: the host waits on old ones before allocating more (see fetch).
+        self._releases: deque = deque()
+        self._check_no_tied_parameters(offloaded)
         self.blocks: dict[int, _OffloadedBlock] = {}
         for index in offloaded:
             self.blocks[index] = self._offload(index, param_prefix)
         self._install_hooks()
 
     # ------------------------------------------------------------------------------------------ placement
+    def _check_no_tied_parameters(self, offloaded: tuple[int, ...]) -> None:
+        """Refuse parameters an offloaded block shares with another block or with a module outside the blocks:
+        they would get two host masters, or be read from an empty storage by the other module."""
+        owners: dict[int, int] = {}
+        for index, block in enumerate(self.holder.blocks):
+            for param in block.parameters():
+                first = owners.setdefault(id(param), index)
+                if first != index and (index in offloaded or first in offloaded):
+                    raise ValueError(f"blocks {first} and {index} share a parameter; P2RStrategy cannot "
+                                     "offload a block whose parameters are tied to another block")
+        offloaded_ids = {id(p) for i in offloaded for p in self.holder.blocks[i].parameters()}
+        inside_blocks = {id(m) for m in self.holder.blocks.modules()}
+        for name, module in self.holder.named_modules():
+            if id(module) in inside_blocks:
+                continue
+            if any(id(p) in offloaded_ids for p in module.parameters(recurse=False)):
+                raise ValueError(f"module {name!r} shares a parameter with an offloaded block; P2RStrategy cannot "
+                                 "offload a block whose parameters are tied to a module outside the blocks")
+
     def _offload(self, index: int, param_prefix: str) -> _OffloadedBlock:
         block = self.holder.blocks[index]
-        names, params, host, host_grads = [], [], [], []
-        for name, param in block.named_parameters():
+        names, params, host, host_grads, trainable = [], [], [], [], set()
+        for position, (name, param) in enumerate(block.named_parameters()):
             master = param.detach().to("cpu", copy=True)
             grad_buffer = torch.zeros_like(master)
             if self.pin_memory:
@@ -111,16 +157,18 @@ class OffloadEngine:
                 param.data = placeholder
             else:  # ZeRO-Offload style: parameters stay on the device, gradients and optimizer go to the host
                 param.data = param.data.to(self.device)
+            if param.requires_grad:
+                trainable.add(position)
             names.append(f"{param_prefix}{index}.{name}")
             params.append(param)
             host.append(master)
             host_grads.append(grad_buffer)
         param_bytes = sum(h.numel() * h.element_size() for h in host)
-        return _OffloadedBlock(index, names, params, host, host_grads, param_bytes,
-                               resident=not self.offload_params)
+        return _OffloadedBlock(index, names, params, host, host_grads, frozenset(trainable), param_bytes,
+                               resident=not self.offload_params, unwritten=set(trainable))
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
-        """Host master of every offloaded parameter, by its name in the block sequence's state dict."""
+        """Host master of every offloaded parameter, by its name in the LightningModule's state dict."""
         return {name: tensor for b in self.blocks.values() for name, tensor in zip(b.names, b.host)}
 
     def detach(self, device: torch.device | str) -> None:
@@ -131,7 +179,7 @@ class OffloadEngine:
         self._handles.clear()
         for block in self.blocks.values():
             for param, master in zip(block.params, block.host):
-                param.data = master.to(device, copy=True)
+                param.data = master.detach().to(device, copy=True)
                 param.grad = None
         self.blocks.clear()
 
@@ -143,9 +191,9 @@ class OffloadEngine:
             for block in self.holder.blocks:
                 self._handles.append(block.register_forward_pre_hook(self._before_block))
                 self._handles.append(block.register_forward_hook(self._after_block))
-        for index in self.blocks:
-            for position, param in enumerate(self.blocks[index].params):
-                self._handles.append(param.register_post_accumulate_grad_hook(
+        for index, block in self.blocks.items():
+            for position in block.trainable:
+                self._handles.append(block.params[position].register_post_accumulate_grad_hook(
                     self._grad_hook(index, position)))
 
     def _start_forward(self, module: nn.Module, args: object) -> None:
@@ -168,6 +216,12 @@ class OffloadEngine:
 
     def _before_block(self, block: nn.Module, args: object) -> None:
         layer = self._layer
+        if layer >= len(self.holder.layer_to_block) or self.holder.blocks[self._block_of_layer(layer)] is not block:
+            raise RuntimeError(
+                "P2RStrategy offloading follows the model's layers in order from the block sequence's forward; a "
+                "block was called out of that order (activation checkpointing, or a block called outside the "
+                "model's forward), which is not supported with offloaded blocks"
+            )
         self._layer += 1
         index = self._block_of_layer(layer)
         if index in self.blocks:
@@ -178,9 +232,17 @@ class OffloadEngine:
     def _after_block(self, block: nn.Module, args: object, output: object) -> None:
         layer = self._layer - 1
         index = self._block_of_layer(layer)
-        hidden = output[0] if isinstance(output, (tuple, list)) else output
-        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
-            hidden.register_hook(self._backward_hook(layer))
+        if torch.is_grad_enabled():
+            hidden = _hidden_state(output)
+            if hidden is None:
+                raise TypeError(
+                    f"P2RStrategy offloading needs each block to return its hidden state as a tensor, or first in a "
+                    f"tuple, list, dict or dataclass; got {type(output).__name__}"
+                )
+            if hidden.requires_grad:
+                # The block comes back when backward reaches its output. Other outputs (router losses) may only
+                # depend on the block's parameters through paths that also feed the hidden state, as in M6.
+                hidden.register_hook(self._backward_hook(layer))
         if index not in self.blocks:
             return
         next_layer = layer + 1
@@ -204,7 +266,7 @@ class OffloadEngine:
             self._track_peak()
             block.grads_received.add(position)
             # Autograd accumulates a leaf's gradient once per backward, after every layer that used it.
-            if len(block.grads_received) == len(block.params):
+            if block.grads_received == block.trainable:
                 self._offload_grads(block)
         return hook
 
@@ -214,7 +276,8 @@ class OffloadEngine:
         if self.offload_params:
             return  # the next fetch copies the updated host masters in
         block = self.blocks[index]
-        with torch.no_grad():
+        # May run on the host-step thread: name the device and the compute stream explicitly.
+        with torch.no_grad(), _on_stream(self._compute_stream):
             for param, master in zip(block.params, block.host):
                 param.data.copy_(master, non_blocking=self.pin_memory)
         self.stats.h2d_bytes += block.param_bytes
@@ -227,18 +290,26 @@ class OffloadEngine:
         block = self.blocks[index]
         if not block.resident:
             start = time.perf_counter()
-            stream = self._copy_stream
-            if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-                for param, master in zip(block.params, block.host):
-                    param.data.untyped_storage().resize_(master.numel() * master.element_size())
-                    param.data.copy_(master, non_blocking=self.pin_memory)
-            if stream is not None:
-                event = torch.cuda.Event()
-                event.record(stream)
+            if self._copy_stream is not None:
+                # Bound how far the host runs ahead of the GPU: before allocating another block, wait until the
+                # block released prefetch + 1 releases ago is really free (FSDP1's limit_all_gathers, per block).
+                while len(self._releases) > self.prefetch:
+                    self._releases.popleft().synchronize()
+            # Allocate on the compute stream, so freed blocks return to the pool that activations use.
+            for param, master in zip(block.params, block.host):
+                param.data.untyped_storage().resize_(master.numel() * master.element_size())
+            if self._copy_stream is not None:
+                self._copy_stream.wait_stream(self._compute_stream)
+                with torch.cuda.stream(self._copy_stream):
+                    for param, master in zip(block.params, block.host):
+                        param.data.copy_(master, non_blocking=self.pin_memory)
+                        param.data.record_stream(self._copy_stream)
+                    event = torch.cuda.Event()
+                    event.record(self._copy_stream)
                 block.ready_event = event
             else:
+                for param, master in zip(block.params, block.host):
+                    param.data.copy_(master)
                 self.stats.copy_wait_seconds += time.perf_counter() - start
             block.resident = True
             self.stats.h2d_bytes += block.param_bytes
@@ -246,10 +317,7 @@ class OffloadEngine:
             self._track_peak()
         if wait and block.ready_event is not None:
             start = time.perf_counter()
-            torch.cuda.current_stream(self.device).wait_event(block.ready_event)
-            for param in block.params:
-                # The compute stream now owns these storages; without this the allocator could reuse them early.
-                param.data.record_stream(torch.cuda.current_stream(self.device))
+            self._compute_stream.wait_event(block.ready_event)
             block.ready_event = None
             self.stats.copy_wait_seconds += time.perf_counter() - start
 
@@ -262,20 +330,25 @@ class OffloadEngine:
         for param in block.params:
             param.data.untyped_storage().resize_(0)
         block.resident = False
+        if self._compute_stream is not None:
+            event = torch.cuda.Event()
+            event.record(self._compute_stream)
+            self._releases.append(event)
 
     def _offload_grads(self, block: _OffloadedBlock) -> None:
         start = time.perf_counter()
-        for param, buffer in zip(block.params, block.host_grads):
+        for position, (param, buffer) in enumerate(zip(block.params, block.host_grads)):
             if param.grad is None:
                 continue
-            if block.grads_fresh:
-                buffer.copy_(param.grad)
+            if position in block.unwritten:
+                buffer.copy_(param.grad)  # synchronous: the host step reads the buffer right after
+                block.unwritten.discard(position)
             else:
                 buffer.add_(param.grad.to(buffer.device))
-            self.stats.d2h_bytes += param.grad.numel() * param.grad.element_size()
-            self._grad_bytes_on_device -= param.grad.numel() * param.grad.element_size()
+            size = param.grad.numel() * param.grad.element_size()
+            self.stats.d2h_bytes += size
+            self._grad_bytes_on_device -= size
             param.grad = None
-        block.grads_fresh = False
         block.grads_received.clear()
         block.in_backward = False
         self.stats.copy_wait_seconds += time.perf_counter() - start
@@ -293,10 +366,11 @@ class OffloadEngine:
     def start_accumulation(self) -> None:
         """A new optimizer step begins: the next gradients overwrite the host buffers instead of adding."""
         for block in self.blocks.values():
-            block.grads_fresh = True
+            block.unwritten = set(block.trainable)
 
-    def has_host_grads(self, index: int) -> bool:
-        return not self.blocks[index].grads_fresh
+    def received_gradient(self, index: int, position: int) -> bool:
+        """Whether the parameter's host buffer holds a gradient of the current optimizer step."""
+        return position not in self.blocks[index].unwritten
 
     def wait_for_copies(self) -> None:
         if self._copy_stream is not None:
@@ -323,9 +397,5 @@ class OffloadEngine:
         return stats
 
 
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+def _on_stream(stream: object | None) -> contextlib.AbstractContextManager:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

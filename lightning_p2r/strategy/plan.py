@@ -5,13 +5,15 @@ and most compute never waits. The planner turns one of three user inputs into a 
 
 - ``offload_fraction``: that share of the blocks, spread evenly through the depth;
 - ``offload_blocks``: an explicit list;
-- ``device_memory_budget``: the largest set of device-resident blocks whose footprint fits, given everything
-  else the device must hold (non-block parameters with their gradients and optimizer states, an activation
-  allowance, and streaming buffers for ``prefetch + 1`` offloaded blocks).
+- ``device_memory_budget``: as many device-resident blocks as fit (offloading an evenly spread set, the fewest
+  that make the plan fit), given everything else the device must hold (non-block parameters with their
+  gradients and optimizer states, an activation allowance, and streaming buffers for ``prefetch + 1``
+  offloaded blocks).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -74,23 +76,23 @@ def spread(count: int, num_blocks: int) -> tuple[int, ...]:
     return tuple(sorted({int((i + 1) * num_blocks / count) - 1 for i in range(count)}))
 
 
-def parse_bytes(value: int | str, total: int | None = None) -> int:
-    """``12e9``, ``"12GB"``, ``"512MiB"`` or ``"80%"`` (of ``total``) -> bytes."""
+def parse_bytes(value: int | str, total: int | None = None, name: str = "device_memory_budget") -> int:
+    """``12e9``, ``"12GB"``, ``"512MiB"`` or ``"80%"`` (of ``total``) -> bytes; errors name the option ``name``."""
     if isinstance(value, bool):
-        raise ValueError(f"device_memory_budget must be bytes or a size string, got {value!r}")
+        raise ValueError(f"{name} must be bytes or a size string, got {value!r}")
     if isinstance(value, (int, float)):
         return int(value)
     text = value.strip().lower().replace(" ", "")
     if text.endswith("%"):
         if total is None:
-            raise ValueError("device_memory_budget as a percentage needs the device's total memory")
+            raise ValueError(f"{name} as a percentage needs the device's total memory")
         share = float(text[:-1])
         if not 0 < share <= 100:
-            raise ValueError(f"device_memory_budget percentage must be in (0, 100], got {value!r}")
+            raise ValueError(f"{name} percentage must be in (0, 100], got {value!r}")
         return int(total * share / 100)
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmgt]i?b|b)?", text)
     if not match:
-        raise ValueError(f"device_memory_budget {value!r} is not a size: use bytes, '12GB', '512MiB' or '80%'")
+        raise ValueError(f"{name} {value!r} is not a size: use bytes, '12GB', '512MiB' or '80%'")
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
@@ -128,7 +130,8 @@ def plan_offload(
     fraction = offload_fraction or 0.0
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {fraction}")
-    return OffloadPlan(num_blocks, spread(round(fraction * num_blocks), num_blocks))
+    # Half rounds up (Python's round() would send 0.5 of one block to 0 and 0.5 of three blocks to 2).
+    return OffloadPlan(num_blocks, spread(math.floor(fraction * num_blocks + 0.5), num_blocks))
 
 
 def device_bytes_needed(footprints: list[BlockFootprint], offloaded: tuple[int, ...], other_bytes: int,

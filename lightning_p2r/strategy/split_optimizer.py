@@ -24,13 +24,18 @@ import torch
 from ..sharing import optimizer_constructor_kwargs
 from .offload import OffloadEngine
 
+# Group keys that choose an implementation rather than a hyperparameter: never copied between sides.
+_IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differentiable"})
+
 
 class SplitOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, engine: OffloadEngine, host_fused: bool | None = None) -> None:
         self.engine = engine
         self.optimizer_class = type(optimizer)
+        self._initialized = False
         offloaded_by_param = {id(p): (index, position) for index, block in engine.blocks.items()
                               for position, p in enumerate(block.params)}
+        self._position_of: dict[int, tuple[int, int]] = {}  # id(host master) -> (block, position)
         canonical_groups = []
         # For every canonical slot: ("device", None) or ("host", block index), in group order.
         self._owner: list[tuple[str, int | None]] = []
@@ -48,6 +53,7 @@ class SplitOptimizer(torch.optim.Optimizer):
                 else:
                     index, position = where
                     master = self._master(index, position)
+                    self._position_of[id(master)] = where
                     canonical.append(master)
                     on_host[index].append(master)
                     self._owner.append(("host", index))
@@ -59,14 +65,24 @@ class SplitOptimizer(torch.optim.Optimizer):
         kwargs = optimizer_constructor_kwargs(optimizer)
         self._kwargs = kwargs
         self.device_optimizer = self._build(device_groups, kwargs)
-        host_kwargs = dict(kwargs)
-        if "fused" in host_kwargs or host_fused:
-            host_kwargs.pop("foreach", None)
-            host_kwargs["fused"] = True if host_fused is None else host_fused
+        # The host side uses torch's fused CPU kernel (~5x the foreach one) where the optimizer has one.
+        host_fused = host_fused if host_fused is not None else "fused" in kwargs
+        host_kwargs = {k: v for k, v in kwargs.items() if k not in _IMPLEMENTATION_FLAGS}
+        if host_fused:
+            host_kwargs["fused"] = True
+            for groups in host_groups.values():
+                for group in groups:
+                    group.update({"fused": True, "foreach": None})
         self.host_optimizers = {index: self._build(groups, host_kwargs) for index, groups in host_groups.items()}
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future] = {}
-        self.overlap = False
+        self._initialized = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_initialized", False):
+            raise NotImplementedError("P2RStrategy's split optimizer cannot take new parameter groups during "
+                                      "training (e.g. fine-tuning callbacks that unfreeze layers)")
+        super().add_param_group(param_group)
 
     def _master(self, index: int, position: int) -> torch.nn.Parameter:
         block = self.engine.blocks[index]
@@ -95,7 +111,7 @@ class SplitOptimizer(torch.optim.Optimizer):
         for group in optimizer.param_groups:
             canonical = self.param_groups[group["_canonical"]]
             for key, value in canonical.items():
-                if key != "params":
+                if key != "params" and key not in _IMPLEMENTATION_FLAGS:
                     group[key] = value
 
     def _host_step(self, index: int) -> float:
@@ -103,8 +119,21 @@ class SplitOptimizer(torch.optim.Optimizer):
         if optimizer is None:
             return 0.0
         start = time.perf_counter()
+        # A parameter whose host buffer holds no gradient of this step is skipped, as plain AdamW skips a
+        # parameter whose .grad is None (no weight decay, no moment decay, no step count).
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        stale = [p for p in params if not self.engine.received_gradient(*self._position_of[id(p)])]
+        if len(stale) == len(params):
+            return 0.0
+        saved = [(p, p.grad) for p in stale]
+        for p in stale:
+            p.grad = None
         self._sync_hyperparameters(optimizer)
-        optimizer.step()
+        try:
+            optimizer.step()
+        finally:
+            for p, grad in saved:
+                p.grad = grad
         self.engine.push_params(index)
         return time.perf_counter() - start
 

@@ -15,6 +15,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 from typing_extensions import override
 
@@ -174,7 +175,8 @@ class P2RStrategy(DDPStrategy):
             num_blocks, offload_fraction=self.offload_fraction, offload_blocks=self.offload_blocks,
             budget_bytes=budget, footprints=footprints,
             other_bytes=parameter_footprint(other, 8).total if other else 0,
-            activation_bytes=parse_bytes(self.activation_allowance), prefetch=self.prefetch,
+            activation_bytes=parse_bytes(self.activation_allowance, name="activation_allowance"),
+            prefetch=self.prefetch,
         )
 
     def _attach(self) -> None:
@@ -215,9 +217,13 @@ class P2RStrategy(DDPStrategy):
         self._update_static_bytes()
 
     def _overlap_allowed(self) -> bool:
-        trainer = self.lightning_module.trainer
-        return (self.overlap_host_step and not trainer.gradient_clip_val and trainer.accumulate_grad_batches == 1
-                and getattr(self.precision_plugin, "scaler", None) is None)
+        """Stepping a block during backward must not skip anything that happens between backward and step."""
+        module = self.lightning_module
+        trainer = module.trainer
+        return (self.overlap_host_step and module.automatic_optimization and not trainer.gradient_clip_val
+                and trainer.accumulate_grad_batches == 1 and getattr(self.precision_plugin, "scaler", None) is None
+                and not is_overridden("configure_gradient_clipping", module, L.LightningModule)
+                and not is_overridden("optimizer_step", module, L.LightningModule))
 
     def _on_block_grads_ready(self, index: int) -> None:
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -339,7 +345,9 @@ class P2RStrategy(DDPStrategy):
             if isinstance(optimizer, SplitOptimizer):
                 optimizer.shutdown()
         if self.engine is not None:
-            self.engine.detach(self.root_device)
+            # To the host: putting every offloaded block on the device at once could run out of memory, and
+            # Strategy.teardown moves the module to the CPU anyway.
+            self.engine.detach("cpu")
             self.engine = None
         super().teardown()
 

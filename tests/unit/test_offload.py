@@ -1,5 +1,6 @@
 """P2RStrategy's granular offload against plain single-process training on the same batches."""
 
+import copy
 from pathlib import Path
 
 import lightning as L
@@ -137,7 +138,7 @@ def test_with_pseudo_to_real_new_blocks_are_placed_by_the_plan(tmp_path: Path) -
     pseudo = {"num_unique_blocks": 1}
     reference, _ = _fit(tmp_path / "ref", module=_module(**pseudo), max_steps=6,
                         callbacks=[PseudoToReal(delink_at_step=3)])
-    strategy = P2RStrategy(offload_fraction=0.5)
+    strategy = P2RStrategy(offload_fraction=0.25)  # 0 of the pseudo model's 1 block, 1 of the real model's 4
     seen = []
 
     class Watch(L.Callback):
@@ -146,7 +147,7 @@ def test_with_pseudo_to_real_new_blocks_are_placed_by_the_plan(tmp_path: Path) -
 
     offloaded, trainer = _fit(tmp_path / "off", strategy, module=_module(**pseudo), max_steps=6,
                               callbacks=[PseudoToReal(delink_at_step=3), Watch()])
-    assert seen[0] == (0, ()) and seen[-1] == (5, (1, 3))
+    assert seen[0] == (0, ()) and seen[-1] == (5, (3,))
     _assert_same_weights(reference, offloaded)
 
 
@@ -239,3 +240,85 @@ def test_overlap_can_be_turned_off_with_the_same_result(tmp_path: Path) -> None:
     serial, second = _fit(tmp_path / "b", P2RStrategy(offload_fraction=0.5, overlap_host_step=False))
     _assert_same_weights(overlapped, serial)
     assert first.strategy._overlap_allowed() and not second.strategy._overlap_allowed()
+
+
+class TinyBlock(torch.nn.Module):
+    """A user block: one used layer, one parameter that never gets a gradient, one frozen parameter."""
+
+    def __init__(self, output: str = "tuple") -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(8, 8)
+        self.unused = torch.nn.Linear(8, 8)
+        self.frozen = torch.nn.Parameter(torch.ones(8), requires_grad=False)
+        self.output = output
+
+    def forward(self, x):
+        h = torch.tanh(self.used(x)) * self.frozen
+        return {"hidden": h} if self.output == "dict" else (h, None) if self.output == "tuple" else "oops"
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self, output: str = "tuple") -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([TinyBlock(output) for _ in range(3)])
+        self.layer_to_block = [0, 1, 2]
+
+    def forward(self, x):
+        for index in self.layer_to_block:
+            out = self.blocks[index](x)
+            x = out["hidden"] if isinstance(out, dict) else out[0]
+        return x
+
+
+class TinyModule(L.LightningModule):
+    def __init__(self, output: str = "tuple", skip_every: int = 0) -> None:
+        super().__init__()
+        self.model = TinyModel(output)
+        self.skip_every = skip_every
+
+    def training_step(self, batch, batch_idx):
+        if self.skip_every and batch_idx % self.skip_every == 1:
+            return None  # Lightning skips backward; nothing may move
+        return self.model(batch[:, :8].float() / 255).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+
+
+@pytest.mark.parametrize(("output", "skip_every"), [("tuple", 0), ("dict", 0), ("tuple", 2)])
+def test_unused_frozen_and_skipped_match_plain_training(tmp_path: Path, output: str, skip_every: int) -> None:
+    L.seed_everything(0)
+    initial = TinyModule(output, skip_every)
+    untouched = initial.model.blocks[0].unused.weight.clone()
+    reference, _ = _fit(tmp_path / "ref", module=copy.deepcopy(initial), max_steps=4)
+    offloaded, _ = _fit(tmp_path / "off", P2RStrategy(offload_fraction=1.0), module=copy.deepcopy(initial),
+                        max_steps=4)
+    _assert_same_weights(reference, offloaded)
+    # AdamW skips a parameter without a gradient (no weight decay on it), offloaded or not
+    torch.testing.assert_close(offloaded.model.blocks[0].unused.weight, untouched)
+
+
+def test_block_without_a_hidden_state_gets_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="hidden state"):
+        _fit(tmp_path, P2RStrategy(offload_fraction=1.0), module=TinyModule("nothing"))
+
+
+def test_gradient_clipping_override_turns_overlap_off(tmp_path: Path) -> None:
+    class Clipping(M6LanguageModel):
+        def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+            self.clip_gradients(optimizer, gradient_clip_val=0.1, gradient_clip_algorithm="norm")
+
+    L.seed_everything(0)
+    initial = Clipping(M6Config(**MODEL), OptimizerConfig(lr=3e-3, warmup_steps=1))
+    initial.configure_model()
+    reference, _ = _fit(tmp_path / "ref", module=copy.deepcopy(initial))
+    offloaded, trainer = _fit(tmp_path / "off", P2RStrategy(offload_fraction=0.5), module=copy.deepcopy(initial))
+    _assert_same_weights(reference, offloaded)
+    assert not trainer.strategy._overlap_allowed()
+
+
+def test_blocks_sharing_a_parameter_are_refused(tmp_path: Path) -> None:
+    module = TinyModule()
+    module.model.blocks[1].used.weight = module.model.blocks[0].used.weight
+    with pytest.raises(ValueError, match="share a parameter"):
+        _fit(tmp_path, P2RStrategy(offload_blocks=[1]), module=module)

@@ -162,3 +162,31 @@ def test_unsupported_optimizer_and_policy_and_model() -> None:
     with pytest.raises(ValueError, match="block sequence"):
         delink(nn.Linear(2, 2))
     assert len(model.blocks) == 1  # nothing changed by the refused calls
+
+
+def test_interleaved_sharing_delinks_fully_but_not_into_groups() -> None:
+    model = UserModel()
+    model.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+    model.layer_to_block = [0, 1] * 4
+    with pytest.raises(ValueError, match="consecutive"):
+        delink(model, num_unique_blocks=4)  # layers 0 and 1 would have to share one copy
+    assert len(model.blocks) == 2
+    x = torch.randn(3, 8)
+    before = model(x)
+    delink(model)
+    torch.testing.assert_close(model(x), before)
+
+
+def test_composite_schedulers_are_rebound_with_their_children() -> None:
+    model = _model(1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [
+        torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=2),
+        torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)], milestones=[2])
+    new_optimizer = delink(model, optimizer)
+    rebound = rebind_scheduler(scheduler, new_optimizer)
+    for _ in range(4):
+        new_optimizer.step()
+        rebound.step()
+    assert new_optimizer.param_groups[0]["lr"] == pytest.approx(rebound.get_last_lr()[0])
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5)  # the old optimizer is left alone
