@@ -46,7 +46,9 @@ class P2RStrategy(DDPStrategy):
             (CPU-only torch cannot pin memory).
         overlap_host_step: run an offloaded block's host optimizer step as soon as its gradients reach the host,
             while the device computes the backward of earlier blocks. Used only where it cannot change the result:
-            no gradient clipping, no gradient scaler, no gradient accumulation.
+            no gradient clipping, no gradient scaler, no gradient accumulation. "auto" turns it on only with an
+            accelerator: on a CPU-only machine the host step would compete with the backward for the same cores
+            (measured: 476 ms instead of 345 ms per step on 2 cores).
         log_telemetry: log the offload statistics (``offload/*``) through the Trainer's loggers.
     """
 
@@ -61,7 +63,7 @@ class P2RStrategy(DDPStrategy):
         offload_states: list[OffloadState] | None = None,
         prefetch: int = 1,
         pin_memory: bool | Literal["auto"] = "auto",
-        overlap_host_step: bool = True,
+        overlap_host_step: bool | Literal["auto"] = "auto",
         log_telemetry: bool = True,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
@@ -100,6 +102,8 @@ class P2RStrategy(DDPStrategy):
             raise ValueError(f"P2RStrategy.prefetch must be >= 0, got {prefetch}")
         if pin_memory not in (True, False, "auto"):
             raise ValueError(f"P2RStrategy.pin_memory must be True, False or 'auto', got {pin_memory!r}")
+        if overlap_host_step not in (True, False, "auto"):
+            raise ValueError(f"P2RStrategy.overlap_host_step must be True, False or 'auto', got {overlap_host_step!r}")
         self.offload_fraction = offload_fraction
         self.offload_blocks = offload_blocks
         self.device_memory_budget = device_memory_budget
@@ -220,7 +224,8 @@ class P2RStrategy(DDPStrategy):
         """Stepping a block during backward must not skip anything that happens between backward and step."""
         module = self.lightning_module
         trainer = module.trainer
-        return (self.overlap_host_step and module.automatic_optimization and not trainer.gradient_clip_val
+        wanted = self.root_device.type != "cpu" if self.overlap_host_step == "auto" else self.overlap_host_step
+        return (wanted and module.automatic_optimization and not trainer.gradient_clip_val
                 and trainer.accumulate_grad_batches == 1 and getattr(self.precision_plugin, "scaler", None) is None
                 and not is_overridden("configure_gradient_clipping", module, L.LightningModule)
                 and not is_overridden("optimizer_step", module, L.LightningModule))

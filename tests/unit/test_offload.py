@@ -39,7 +39,7 @@ def _assert_same_weights(a: L.LightningModule, b: L.LightningModule) -> None:
 @pytest.mark.parametrize("fraction", [0.0, 0.5, 1.0])
 def test_offload_matches_plain_training(tmp_path: Path, fraction: float) -> None:
     reference, _ = _fit(tmp_path / "ref")
-    offloaded, trainer = _fit(tmp_path / "off", P2RStrategy(offload_fraction=fraction))
+    offloaded, trainer = _fit(tmp_path / "off", P2RStrategy(offload_fraction=fraction, overlap_host_step=True))
     _assert_same_weights(reference, offloaded)
     assert len(trainer.strategy.plan.offloaded) == round(fraction * 4)
     assert trainer.strategy.engine is None  # detached at teardown: the module is ordinary again
@@ -183,6 +183,7 @@ def test_lightning_cli_selects_the_strategy_from_yaml(tmp_path: Path, monkeypatc
     ({"offload_states": ["params"]}, "offload_states"),
     ({"prefetch": -1}, "prefetch"),
     ({"pin_memory": "yes"}, "pin_memory"),
+    ({"overlap_host_step": "sometimes"}, "overlap_host_step"),
     ({"device_memory_budget": "lots"}, "not a size"),
     ({"device_memory_budget": -5}, "device_memory_budget"),
 ])
@@ -236,7 +237,7 @@ def test_resume_after_delink_under_offload(tmp_path: Path) -> None:
 
 
 def test_overlap_can_be_turned_off_with_the_same_result(tmp_path: Path) -> None:
-    overlapped, first = _fit(tmp_path / "a", P2RStrategy(offload_fraction=0.5))
+    overlapped, first = _fit(tmp_path / "a", P2RStrategy(offload_fraction=0.5, overlap_host_step=True))
     serial, second = _fit(tmp_path / "b", P2RStrategy(offload_fraction=0.5, overlap_host_step=False))
     _assert_same_weights(overlapped, serial)
     assert first.strategy._overlap_allowed() and not second.strategy._overlap_allowed()
