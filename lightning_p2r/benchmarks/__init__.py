@@ -9,6 +9,12 @@ cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing
   parameters per token.
 - ``quickstart``: time to the first optimizer step and steady-state step time / tokens/s of
   ``recipes/quickstart.yaml``, built through the project's LightningCLI.
+- ``pseudo_to_real``: the same model trained real from scratch against Pseudo-to-Real with several delink
+  points and optimizer-state policies (same data order, token budget and LR schedule): validation loss against
+  steps and training seconds, and the pseudo stage's training-state bytes against the real model's.
+- ``offload``: ``P2RStrategy`` with 0 to 100% of the blocks offloaded: tokens/s, telemetry (peak device
+  model-state bytes, bytes moved, copy wait, host/device optimizer step) and, on CUDA, peak allocated memory;
+  Lightning's ``ModelParallelStrategy`` with FSDP2's ``CPUOffloadPolicy`` as the peer; fused vs foreach host AdamW.
 
 Shared helpers (CSV, plain-text tables, plots, environment, timing) live in :mod:`lightning_p2r.benchmarks.report`.
 Timings belong here and never in tests: the tests only check that each benchmark runs and writes its outputs.
