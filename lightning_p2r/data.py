@@ -232,6 +232,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; a shared cache must stay readable by other users
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -367,6 +368,7 @@ class EpochShuffleSampler(DistributedSampler):
         self.total_samples = num_samples
         self._skip = 0
         self._resume_epoch: int | None = None
+        self._epoch_offset = 0
         self.last_epoch = 0
 
     def resume(self, epoch: int, num_samples_done: int) -> None:
@@ -378,7 +380,10 @@ class EpochShuffleSampler(DistributedSampler):
         self._resume_epoch, self._skip = epoch, num_samples_done
 
     def __iter__(self) -> Iterator[int]:
-        epoch = self.epoch if self._resume_epoch is None else self._resume_epoch
+        if self._resume_epoch is not None:
+            # Keep the correction for every later epoch too, or the resumed run would skip one epoch's order.
+            self._epoch_offset = self._resume_epoch - self.epoch
+        epoch = self.epoch + self._epoch_offset
         generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(self.total_samples, generator=generator).tolist()
         mine = order[self.rank:self.num_samples * self.num_replicas:self.num_replicas]
@@ -532,6 +537,8 @@ class TextDataModule(pl.LightningDataModule):
         done = 0
         if self.trainer is not None:
             done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+            if done >= self.trainer.num_training_batches:
+                done = 0  # the epoch is over (also when limit_train_batches ended it early)
         epoch = self._train_sampler.last_epoch if self._train_sampler is not None else 0
         return {"epoch": int(epoch), "train_batches_done": int(done)}
 

@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.plugins.precision import MixedPrecision
 from torchmetrics.text import Perplexity
 
 from .models import M6Config, M6Output, M6Transformer
@@ -69,13 +70,14 @@ class WarmupCosine:
 
     def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> None:
         self.warmup_steps = warmup_steps
-        self.total_steps = max(total_steps, warmup_steps + 1)
+        self.total_steps = max(total_steps, warmup_steps + 2)
         self.min_lr_ratio = min_lr_ratio
 
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return (step + 1) / self.warmup_steps
-        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        # Steps run 0 .. total_steps - 1: the last one trains at lr * min_lr_ratio.
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - 1 - self.warmup_steps))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
@@ -194,6 +196,9 @@ class M6LanguageModel(L.LightningModule):
     def on_train_epoch_start(self) -> None:
         self._last_batch_end = None  # the gap across validation or epoch boundaries is not throughput
 
+    def on_validation_start(self) -> None:
+        self._last_batch_end = None
+
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         inputs, targets = next_token_batch(batch)
         out = self(inputs)
@@ -208,7 +213,8 @@ class M6LanguageModel(L.LightningModule):
         self.log("test/loss", loss, sync_dist=True)
 
     def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """Greedy next-token prediction for every position: LongTensor (batch, seq)."""
+        """Greedy next-token prediction for every input position of a window (batch, seq + 1): LongTensor (batch,
+        seq); the window's last token is the target of the last prediction, not an input."""
         inputs = batch[:, :-1] if batch.shape[1] > 1 else batch
         return self(inputs).logits.argmax(dim=-1)
 
@@ -225,12 +231,19 @@ class M6LanguageModel(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------------ optim
     def total_optimizer_steps(self) -> int:
-        if self.trainer.max_steps and self.trainer.max_steps > 0:
-            return self.trainer.max_steps
-        return int(self.trainer.estimated_stepping_batches)
+        """Steps the cosine spans: Lightning's estimate, which honours max_steps, max_epochs and batch limits."""
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ValueError("the warmup-cosine schedule needs a finite run: set Trainer max_steps or max_epochs")
+        return int(total)
 
     def configure_optimizers(self) -> dict[str, Any]:
         config = self.optimizer_config
+        if config.fused is None and self.trainer.gradient_clip_val and isinstance(
+                self.trainer.precision_plugin, MixedPrecision):
+            # Lightning refuses to clip gradients of a fused optimizer under mixed precision (its kernel would
+            # unscale inside step, after clipping): use the foreach kernel then.
+            config = dataclasses.replace(config, fused=False)
         optimizer = build_adamw(parameter_groups(self, config.weight_decay), config)
         schedule = WarmupCosine(config.warmup_steps, self.total_optimizer_steps(), config.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -17,5 +17,6 @@ def _offline_wandb(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     # Nothing in the suite may reach the network or write outside its temp dir.
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb"))
     monkeypatch.setenv("LIGHTNING_P2R_CACHE", str(tmp_path / "cache"))

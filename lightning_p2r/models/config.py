@@ -83,15 +83,17 @@ class M6Config:
     """Experts in each MoE layer."""
 
     moe_top_k: int = 1
-    """Experts each token picks (token-choice top-k); with prototyping, picks inside each prototype."""
+    """Experts each token picks (token-choice top-k); with prototyping, picks inside each prototype. Gates are the
+    router's softmax probabilities, not renormalized over the k picks."""
 
     num_prototypes: int = 1
     """M6-T expert prototyping: experts are split into this many equal groups, each routes top-k on its own and the
     gated outputs are summed. 1 is plain top-k routing; k with moe_top_k=1 is M6-T's "k top-1"."""
 
     capacity_factor: float | None = 1.25
-    """Each expert takes at most capacity_factor * (its fair share of the token assignments); the rest are dropped
-    and pass through on the residual. None means dropless (no token is ever dropped)."""
+    """Each expert takes at most capacity_factor * (its fair share of the token assignments); later tokens beyond
+    that are dropped and pass through on the residual (earlier tokens win, so dropping stays causal). None means
+    dropless (no token is ever dropped)."""
 
     router_aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss (computed per MoE layer, then averaged over layers)."""

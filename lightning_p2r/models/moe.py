@@ -86,11 +86,13 @@ def expert_positions(experts: torch.Tensor, num_experts: int) -> tuple[torch.Ten
 
 
 def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: float | None,
-                    counts: torch.Tensor) -> int:
-    """Slots per expert: capacity_factor times the fair share, or (dropless) the busiest expert's load."""
+                    counts: torch.Tensor, num_tokens: int | None = None) -> int:
+    """Slots per expert: capacity_factor times the fair share, or (dropless) the busiest expert's load; never more
+    than the number of tokens (an expert gets at most one assignment per token)."""
     if capacity_factor is None:
         return max(1, int(counts.max().item()))
-    return max(1, math.ceil(capacity_factor * num_assignments / num_experts))
+    capacity = max(1, math.ceil(capacity_factor * num_assignments / num_experts))
+    return min(capacity, num_tokens) if num_tokens is not None else capacity
 
 
 def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -160,18 +162,23 @@ class MoEFeedForward(nn.Module):
             logits = F.linear(router_input.float(), self.router.weight.float())  # (tokens, experts)
         gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k)
 
-        # Flatten assignments choice-major: every token's first choice ranks ahead of any second choice (GShard).
-        experts_flat = experts.permute(2, 0, 1).reshape(-1)  # (assignments,)
-        gates_flat = gates.permute(2, 0, 1).reshape(-1)
-        token_ids = torch.arange(num_tokens, device=x.device).view(1, num_tokens, 1)
-        tokens_flat = token_ids.expand(self.top_k, num_tokens, self.num_prototypes).reshape(-1)
+        # Flatten assignments token-major: a token competes for capacity only with tokens before it, so dropping
+        # never lets a later position change an earlier one's output. (GShard's choice-major order, every first
+        # choice before any second, would let future tokens' first choices push out a token's second choice:
+        # a causality leak in a language model.)
+        experts_flat = experts.reshape(-1)  # (assignments,) = (tokens * prototypes * top_k,)
+        gates_flat = gates.reshape(-1)
+        token_ids = torch.arange(num_tokens, device=x.device).view(num_tokens, 1, 1)
+        tokens_flat = token_ids.expand(num_tokens, self.num_prototypes, self.top_k).reshape(-1)
 
         if self.capacity_factor is None:  # dropless: every assignment is kept, no ranking needed
             counts = torch.bincount(experts_flat, minlength=self.num_experts)
             kept = torch.ones_like(experts_flat, dtype=torch.bool)
         else:
             positions, counts = expert_positions(experts_flat, self.num_experts)
-            kept = positions < expert_capacity(experts_flat.numel(), self.num_experts, self.capacity_factor, counts)
+            capacity = expert_capacity(experts_flat.numel(), self.num_experts, self.capacity_factor, counts,
+                                       num_tokens)
+            kept = positions < capacity
         kept_experts = experts_flat[kept]
         order = torch.argsort(kept_experts, stable=True)  # kept assignments grouped by expert
         kept_tokens = tokens_flat[kept][order]
@@ -179,7 +186,8 @@ class MoEFeedForward(nn.Module):
         segment_sizes = torch.bincount(kept_experts, minlength=self.num_experts).tolist()
 
         expert_out = self.experts(x[kept_tokens], segment_sizes)
-        weighted = expert_out * kept_gates.unsqueeze(-1).to(expert_out.dtype)
+        # Under autocast the experts compute in bf16/fp16 while x may be fp32: combine in x's dtype.
+        weighted = (expert_out * kept_gates.unsqueeze(-1).to(expert_out.dtype)).to(x.dtype)
         output = x.new_zeros(x.shape).index_add(0, kept_tokens, weighted)
 
         stats = RoutingStats(

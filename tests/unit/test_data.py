@@ -291,7 +291,7 @@ def test_epoch_shuffle_sampler_is_a_function_of_seed_and_epoch_and_resumes() -> 
     assert second != first
     sampler.resume(epoch=0, num_samples_done=8)
     assert list(sampler) == first[8:]
-    assert list(sampler) == second  # the resume applies to one iteration only
+    assert list(sampler) == first  # the skip applies to one iteration only
 
 
 def test_epoch_shuffle_sampler_splits_the_epoch_across_ranks() -> None:
@@ -302,3 +302,29 @@ def test_epoch_shuffle_sampler_splits_the_epoch_across_ranks() -> None:
     assert len(ranks[0]) == len(ranks[1]) == 10
     assert not set(ranks[0]) & set(ranks[1])
     assert ranks[0] == whole[0:20:2] and ranks[1] == whole[1:20:2]
+
+
+def test_resume_keeps_the_epoch_correction_for_later_epochs() -> None:
+    from lightning_p2r.data import EpochShuffleSampler
+
+    reference = EpochShuffleSampler(12, seed=1)
+    epochs = []
+    for epoch in range(3):
+        reference.set_epoch(epoch)
+        epochs.append(list(reference))
+    resumed = EpochShuffleSampler(12, seed=1)
+    resumed.set_epoch(1)  # Lightning is one epoch ahead after a run stopped by max_steps
+    resumed.resume(epoch=0, num_samples_done=5)
+    assert list(resumed) == epochs[0][5:]
+    resumed.set_epoch(2)
+    assert list(resumed) == epochs[1]  # not epoch 2's order: no epoch is skipped
+
+
+def test_resume_on_two_ranks_skips_per_rank_samples() -> None:
+    from lightning_p2r.data import EpochShuffleSampler
+
+    for rank in (0, 1):
+        full = list(EpochShuffleSampler(20, seed=2, num_replicas=2, rank=rank))
+        resumed = EpochShuffleSampler(20, seed=2, num_replicas=2, rank=rank)
+        resumed.resume(epoch=0, num_samples_done=4)
+        assert list(resumed) == full[4:]

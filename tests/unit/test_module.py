@@ -17,8 +17,9 @@ def test_warmup_cosine_schedule() -> None:
     assert schedule(0) == pytest.approx(0.1)
     assert schedule(9) == pytest.approx(1.0)
     assert schedule(10) == pytest.approx(1.0)
-    assert schedule(60) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert schedule(110) == pytest.approx(0.1)
+    assert schedule(59.5) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert schedule(109) == pytest.approx(0.1)  # the last of 110 steps trains at the minimum
+    assert schedule(108) > 0.1
     assert schedule(500) == pytest.approx(0.1)
     assert WarmupCosine(0, 10, 0.0)(0) == pytest.approx(1.0)
 
@@ -101,3 +102,40 @@ def test_hparams_accept_plain_dicts() -> None:
     assert model.config.num_layers == 2 and model.optimizer_config.lr == 1e-3
     with pytest.raises(TypeError, match="M6Config"):
         M6LanguageModel(config=3)
+
+
+def test_bf16_mixed_with_clipping_trains(tmp_path: Path) -> None:
+    """Autocast runs the experts in bf16 (the combine must cast back) and clipping needs the non-fused kernel."""
+    model = M6LanguageModel(M6Config(**TINY))
+    trainer = _trainer(tmp_path, max_steps=2, precision="bf16-mixed", gradient_clip_val=1.0)
+    trainer.fit(model, datamodule=_data(tmp_path))
+    assert trainer.optimizers[0].defaults.get("fused") is False
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_unbounded_run_has_no_cosine_to_follow(tmp_path: Path) -> None:
+    model = M6LanguageModel(M6Config(**TINY))
+    trainer = _trainer(tmp_path, max_steps=-1, max_epochs=-1)
+    with pytest.raises(ValueError, match="finite run"):
+        trainer.fit(model, datamodule=_data(tmp_path))
+
+
+def test_resume_after_a_max_steps_stop_across_an_epoch_boundary(tmp_path: Path) -> None:
+    from helpers import tiny_data
+
+    data = lambda: tiny_data(tmp_path, batch_size=64)  # noqa: E731  (about 10 batches per epoch)
+    L.seed_everything(7)
+    straight = M6LanguageModel(M6Config(**TINY))
+    _trainer(tmp_path / "a", max_steps=14, val_check_interval=None, check_val_every_n_epoch=100).fit(
+        straight, datamodule=data())
+    L.seed_everything(7)
+    first = M6LanguageModel(M6Config(**TINY))
+    trainer = _trainer(tmp_path / "b", max_steps=3, val_check_interval=None, check_val_every_n_epoch=100)
+    trainer.fit(first, datamodule=data())
+    trainer.save_checkpoint(tmp_path / "stopped.ckpt")
+    resumed = M6LanguageModel(M6Config(**TINY))
+    trainer = _trainer(tmp_path / "b", max_steps=14, val_check_interval=None, check_val_every_n_epoch=100)
+    trainer.fit(resumed, datamodule=data(), ckpt_path=tmp_path / "stopped.ckpt", weights_only=True)
+    assert trainer.current_epoch >= 1
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        torch.testing.assert_close(a, b, msg=name)

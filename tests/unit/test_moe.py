@@ -13,11 +13,11 @@ def _moe(**changes) -> MoEFeedForward:
 
 
 def _assignments(moe: MoEFeedForward, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Recompute routing the way the layer does: (experts, tokens, positions), choice-major."""
+    """Recompute routing the way the layer does: (experts, tokens, positions), token-major."""
     logits = x @ moe.router.weight.T
     gates, experts, _ = route_tokens(logits, moe.num_prototypes, moe.top_k)
-    experts_flat = experts.permute(2, 0, 1).reshape(-1)
-    tokens_flat = torch.arange(x.shape[0]).view(1, -1, 1).expand(moe.top_k, -1, moe.num_prototypes).reshape(-1)
+    experts_flat = experts.reshape(-1)
+    tokens_flat = torch.arange(x.shape[0]).view(-1, 1, 1).expand(-1, moe.num_prototypes, moe.top_k).reshape(-1)
     positions, _ = expert_positions(experts_flat, moe.num_experts)
     return experts_flat, tokens_flat, positions
 
@@ -29,7 +29,7 @@ def test_capacity_is_never_exceeded(top_k: int, prototypes: int, factor: float) 
         moe.router.weight.normal_(std=3.0)  # a skewed router, so capacity binds
     x = torch.randn(64, 16)
     experts, _, positions = _assignments(moe, x)
-    capacity = math.ceil(factor * experts.numel() / moe.num_experts)
+    capacity = min(math.ceil(factor * experts.numel() / moe.num_experts), 64)
     kept = positions < capacity
     per_expert = torch.bincount(experts[kept], minlength=moe.num_experts)
     assert int(per_expert.max()) <= capacity
@@ -113,19 +113,53 @@ def test_top1_output_matches_a_per_token_loop() -> None:
     torch.testing.assert_close(moe(x).output, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_unused_experts_get_zero_gradients() -> None:
+def test_unused_experts_get_zero_gradients_and_gates_train_the_router() -> None:
     moe = _moe(num_experts=8, capacity_factor=None)
     with torch.no_grad():
         moe.router.weight.zero_()
         moe.router.weight[0] = 10.0  # every token with positive sum picks expert 0
     x = torch.rand(16, 16)
     out = moe(x)
-    (out.output.sum() + out.aux_loss).backward()
+    out.output.sum().backward()  # the output alone: the router must learn through the gates
     assert moe.experts.w_in.grad is not None
     assert int(out.stats.tokens_per_expert[0]) == 16
     assert torch.all(moe.experts.w_in.grad[1:] == 0)
     assert moe.experts.w_in.grad[0].abs().sum() > 0
-    assert moe.router.weight.grad is not None
+    assert moe.router.weight.grad is not None and moe.router.weight.grad.abs().sum() > 0
+
+
+def test_earlier_tokens_win_capacity() -> None:
+    moe = _moe(num_experts=2, capacity_factor=0.5)  # one expert's slots: half the tokens / 2 experts * 0.5
+    with torch.no_grad():
+        moe.router.weight.zero_()
+        moe.router.weight[0] = 10.0  # everyone wants expert 0
+    x = torch.rand(16, 16)
+    out = moe(x).output
+    capacity = 4  # ceil(0.5 * 16 / 2)
+    assert torch.all(out[:capacity].abs().sum(-1) > 0) and torch.all(out[capacity:] == 0)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_capacity_dropping_is_causal(top_k: int) -> None:
+    from lightning_p2r import M6Transformer
+
+    config = M6Config(vocab_size=64, max_seq_len=24, num_layers=2, dim=32, num_heads=4, num_experts=4,
+                      moe_top_k=top_k, capacity_factor=0.5)
+    model = M6Transformer(config).eval()
+    tokens = torch.randint(0, 64, (1, 24))
+    changed = tokens.clone()
+    changed[:, 12:] = torch.randint(0, 64, (1, 12))
+    torch.testing.assert_close(model(tokens).logits[:, :12], model(changed).logits[:, :12], atol=1e-6, rtol=0)
+
+
+def test_moe_runs_under_bf16_autocast() -> None:
+    moe = _moe()
+    x = torch.randn(32, 16, requires_grad=True)
+    with torch.autocast(device_type="cpu", dtype=torch.bfloat16):
+        out = moe(x)
+        assert out.aux_loss.dtype == torch.float32 and out.z_loss.dtype == torch.float32
+    (out.output.float().sum() + out.aux_loss).backward()
+    assert moe.router.weight.grad is not None and torch.isfinite(x.grad).all()
 
 
 def test_router_runs_in_fp32_under_bf16_input() -> None:
