@@ -370,7 +370,8 @@ class OffloadEngine:
 
     def received_gradient(self, index: int, position: int) -> bool:
         """Whether the parameter's host buffer holds a gradient of the current optimizer step."""
-        return position not in self.blocks[index].unwritten
+        block = self.blocks[index]
+        return position in block.trainable and position not in block.unwritten
 
     def wait_for_copies(self) -> None:
         if self._copy_stream is not None:

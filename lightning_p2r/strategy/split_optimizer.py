@@ -29,7 +29,9 @@ _IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differenti
 
 
 class SplitOptimizer(torch.optim.Optimizer):
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: OffloadEngine, host_fused: bool | None = None) -> None:
+    """The user's optimizer, split between the device and one host optimizer per offloaded block (module docs)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: OffloadEngine) -> None:
         self.engine = engine
         self.optimizer_class = type(optimizer)
         self._initialized = False
@@ -66,9 +68,8 @@ class SplitOptimizer(torch.optim.Optimizer):
         self._kwargs = kwargs
         self.device_optimizer = self._build(device_groups, kwargs)
         # The host side uses torch's fused CPU kernel (~5x the foreach one) where the optimizer has one.
-        host_fused = host_fused if host_fused is not None else "fused" in kwargs
         host_kwargs = {k: v for k, v in kwargs.items() if k not in _IMPLEMENTATION_FLAGS}
-        if host_fused:
+        if "fused" in kwargs:
             host_kwargs["fused"] = True
             for groups in host_groups.values():
                 for group in groups:
@@ -88,7 +89,7 @@ class SplitOptimizer(torch.optim.Optimizer):
         block = self.engine.blocks[index]
         master = block.host[position]
         if not isinstance(master, torch.nn.Parameter):
-            master = torch.nn.Parameter(master, requires_grad=True)
+            master = torch.nn.Parameter(master, requires_grad=block.params[position].requires_grad)
             block.host[position] = master
         master.grad = block.host_grads[position]
         return master

@@ -272,10 +272,11 @@ class TinyModel(torch.nn.Module):
 
 
 class TinyModule(L.LightningModule):
-    def __init__(self, output: str = "tuple", skip_every: int = 0) -> None:
+    def __init__(self, output: str = "tuple", skip_every: int = 0, optimize_frozen: bool = False) -> None:
         super().__init__()
         self.model = TinyModel(output)
         self.skip_every = skip_every
+        self.optimize_frozen = optimize_frozen
 
     def training_step(self, batch, batch_idx):
         if self.skip_every and batch_idx % self.skip_every == 1:
@@ -283,13 +284,16 @@ class TinyModule(L.LightningModule):
         return self.model(batch[:, :8].float() / 255).square().mean()
 
     def configure_optimizers(self):
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1)
+        params = [p for p in self.parameters() if p.requires_grad or self.optimize_frozen]
+        return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
-@pytest.mark.parametrize(("output", "skip_every"), [("tuple", 0), ("dict", 0), ("tuple", 2)])
-def test_unused_frozen_and_skipped_match_plain_training(tmp_path: Path, output: str, skip_every: int) -> None:
+@pytest.mark.parametrize(("output", "skip_every", "optimize_frozen"),
+                         [("tuple", 0, False), ("dict", 0, False), ("tuple", 2, False), ("tuple", 0, True)])
+def test_unused_frozen_and_skipped_match_plain_training(tmp_path: Path, output: str, skip_every: int,
+                                                        optimize_frozen: bool) -> None:
     L.seed_everything(0)
-    initial = TinyModule(output, skip_every)
+    initial = TinyModule(output, skip_every, optimize_frozen)
     untouched = initial.model.blocks[0].unused.weight.clone()
     reference, _ = _fit(tmp_path / "ref", module=copy.deepcopy(initial), max_steps=4)
     offloaded, _ = _fit(tmp_path / "off", P2RStrategy(offload_fraction=1.0), module=copy.deepcopy(initial),
