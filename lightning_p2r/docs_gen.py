@@ -19,9 +19,11 @@ import typing
 from pathlib import Path
 from typing import Any
 
+from .callbacks import PseudoToReal
 from .data import TextDataModule
 from .models import M6Config
 from .module import OptimizerConfig
+from .strategy import P2RStrategy
 
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -84,11 +86,11 @@ def _dataclass_table(cls: type) -> list[str]:
     return rows
 
 
-def _init_table(cls: type) -> list[str]:
+def _init_table(cls: type, documented_only: bool = False) -> list[str]:
     docs, hints = init_arg_docstrings(cls), typing.get_type_hints(cls.__init__)
     rows = ["| argument | type | default | meaning |", "|---|---|---|---|"]
     for name, param in inspect.signature(cls.__init__).parameters.items():
-        if name == "self":
+        if name == "self" or (documented_only and name not in docs):
             continue
         default = dataclasses.MISSING if param.default is inspect.Parameter.empty else param.default
         rows.append(f"| `{name}` | {_cell(_type_name(hints[name]))} | {_cell(_default(default))} "
@@ -121,6 +123,20 @@ def render() -> str:
         (inspect.getdoc(TextDataModule) or "").splitlines()[0],
         "",
         *_init_table(TextDataModule),
+        "",
+        "## `trainer.callbacks`: `lightning_p2r.PseudoToReal`",
+        "",
+        (inspect.getdoc(PseudoToReal) or "").splitlines()[0],
+        "",
+        *_init_table(PseudoToReal),
+        "",
+        "## `trainer.strategy`: `lightning_p2r.P2RStrategy`",
+        "",
+        (inspect.getdoc(P2RStrategy) or "").splitlines()[0] + " Lightning's own DDP arguments (accelerator, "
+        "parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout) "
+        "are accepted too and set by the Trainer.",
+        "",
+        *_init_table(P2RStrategy, documented_only=True),
         "",
     ]
     return "\n".join(lines)
