@@ -89,9 +89,27 @@ def test_auto_delinks_on_low_agreement_or_at_the_bound(tmp_path: Path) -> None:
     _fit(tmp_path / "eager", eager, max_steps=6)
     assert eager.events[0].step == 2 and "agreement" in eager.events[0].reason
     assert eager.agreement is not None and -1.0 <= eager.agreement <= 1.0
-    bounded = PseudoToReal(auto=True, auto_threshold=-1.0, auto_check_every=2, auto_max_step=5)
+    bounded = PseudoToReal(auto=True, auto_threshold=-1.0, auto_drop_from_peak=None, auto_check_every=2,
+                           auto_max_step=5)
     _fit(tmp_path / "bounded", bounded, max_steps=7)
     assert bounded.events[0].step == 5 and "auto_max_step" in bounded.events[0].reason
+
+
+def test_auto_relative_drop_from_the_peak(tmp_path: Path, monkeypatch) -> None:
+    """Feed the callback a made-up agreement series: it fires once the average is 10% under its peak."""
+    from lightning_p2r.callbacks import gradient_agreement
+
+    series = iter([0.5, 0.6, 0.7, 0.66, 0.62, 0.6, 0.6, 0.6, 0.6, 0.6])
+    def finish(probe):
+        probe.remove()
+        return next(series)
+
+    monkeypatch.setattr(gradient_agreement.GradientAgreementProbe, "finish", finish)
+    callback = PseudoToReal(auto=True, auto_threshold=-1.0, auto_drop_from_peak=0.1, auto_check_every=1,
+                            auto_smoothing=0.0)
+    _fit(tmp_path, callback, max_steps=8)
+    assert callback.peak_agreement == pytest.approx(0.7)
+    assert callback.events[0].step == 5 and "peak" in callback.events[0].reason  # 0.62 < 0.9 * 0.7
 
 
 def test_probe_recovers_per_layer_gradients() -> None:
@@ -167,6 +185,7 @@ def test_load_from_checkpoint_after_delink(tmp_path: Path) -> None:
         ({"delink_at_fraction": 1.5}, "delink_at_fraction"),
         ({"delink_at_step": 3, "optimizer_state": "halve"}, "optimizer_state"),
         ({"auto": True, "auto_check_every": 0}, "auto_check_every"),
+        ({"auto": True, "auto_drop_from_peak": 1.5}, "auto_drop_from_peak"),
     ],
 )
 def test_bad_arguments(kwargs: dict, message: str) -> None:
