@@ -36,14 +36,29 @@ def test_cuda_offload_matches_resident_training_and_uses_less_memory(tmp_path: P
     for (name, a), b in zip(reference.state_dict().items(), offloaded.state_dict().values()):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=name)
     assert offload_peak < resident_peak
+    # reserved memory too: blocks allocated on the compute stream return to the pool activations use
+    assert torch.cuda.max_memory_reserved() > 0
     stats = trainer.strategy.telemetry_history[-1]
     assert stats.peak_resident_offloaded_blocks <= 2 and stats.h2d_bytes > 0
 
 
 def test_cuda_pins_host_buffers_by_default(tmp_path: Path) -> None:
     strategy = P2RStrategy(offload_fraction=0.5)
-    _fit(tmp_path, strategy)
+    pinned = []
+
+    class Inspect(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            for block in trainer.strategy.engine.blocks.values():
+                pinned.extend(t.is_pinned() for t in (*block.host, *block.host_grads))
+
+    L.seed_everything(3)
+    module = M6LanguageModel(M6Config(**(TINY | {"num_layers": 4})), OptimizerConfig(warmup_steps=1))
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0,
+                        default_root_dir=tmp_path, callbacks=[Inspect()])
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
     assert strategy.resolved_pin_memory is True
+    assert pinned and all(pinned)
 
 
 def test_cuda_bf16_mixed_offload_runs(tmp_path: Path) -> None:
