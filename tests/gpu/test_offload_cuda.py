@@ -36,8 +36,6 @@ def test_cuda_offload_matches_resident_training_and_uses_less_memory(tmp_path: P
     for (name, a), b in zip(reference.state_dict().items(), offloaded.state_dict().values()):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4, msg=name)
     assert offload_peak < resident_peak
-    # reserved memory too: blocks allocated on the compute stream return to the pool activations use
-    assert torch.cuda.max_memory_reserved() > 0
     stats = trainer.strategy.telemetry_history[-1]
     assert stats.peak_resident_offloaded_blocks <= 2 and stats.h2d_bytes > 0
 
