@@ -98,7 +98,15 @@ def _init_table(cls: type, documented_only: bool = False) -> list[str]:
     return rows
 
 
+def _section(title: str, cls: type, table: list[str], note: str = "") -> list[str]:
+    summary = (inspect.getdoc(cls) or "").splitlines()[0]
+    return [f"## {title}", "", f"{summary} {note}".strip(), "", *table, ""]
+
+
 def render() -> str:
+    strategy_note = ("Lightning's own DDP arguments (accelerator, parallel_devices, cluster_environment, "
+                     "checkpoint_io, precision_plugin, process_group_backend, timeout) are accepted too and set by "
+                     "the Trainer.")
     lines = [
         "# Configuration reference",
         "",
@@ -106,38 +114,13 @@ def render() -> str:
         "The same text appears in `lightning-p2r fit --help`. In YAML, the model's fields sit under `model.config`,",
         "the optimizer's under `model.optimizer`, the data module's under `data`.",
         "",
-        "## `model.config`: `lightning_p2r.M6Config`",
-        "",
-        (inspect.getdoc(M6Config) or "").splitlines()[0],
-        "",
-        *_dataclass_table(M6Config),
-        "",
-        "## `model.optimizer`: `lightning_p2r.OptimizerConfig`",
-        "",
-        (inspect.getdoc(OptimizerConfig) or "").splitlines()[0],
-        "",
-        *_dataclass_table(OptimizerConfig),
-        "",
-        "## `data`: `lightning_p2r.TextDataModule`",
-        "",
-        (inspect.getdoc(TextDataModule) or "").splitlines()[0],
-        "",
-        *_init_table(TextDataModule),
-        "",
-        "## `trainer.callbacks`: `lightning_p2r.PseudoToReal`",
-        "",
-        (inspect.getdoc(PseudoToReal) or "").splitlines()[0],
-        "",
-        *_init_table(PseudoToReal),
-        "",
-        "## `trainer.strategy`: `lightning_p2r.P2RStrategy`",
-        "",
-        (inspect.getdoc(P2RStrategy) or "").splitlines()[0] + " Lightning's own DDP arguments (accelerator, "
-        "parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout) "
-        "are accepted too and set by the Trainer.",
-        "",
-        *_init_table(P2RStrategy, documented_only=True),
-        "",
+        *_section("`model.config`: `lightning_p2r.M6Config`", M6Config, _dataclass_table(M6Config)),
+        *_section("`model.optimizer`: `lightning_p2r.OptimizerConfig`", OptimizerConfig,
+                  _dataclass_table(OptimizerConfig)),
+        *_section("`data`: `lightning_p2r.TextDataModule`", TextDataModule, _init_table(TextDataModule)),
+        *_section("`trainer.callbacks`: `lightning_p2r.PseudoToReal`", PseudoToReal, _init_table(PseudoToReal)),
+        *_section("`trainer.strategy`: `lightning_p2r.P2RStrategy`", P2RStrategy,
+                  _init_table(P2RStrategy, documented_only=True), strategy_note),
     ]
     return "\n".join(lines)
 

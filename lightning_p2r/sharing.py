@@ -46,10 +46,6 @@ def find_block_sequence(model: nn.Module) -> nn.Module:
     )
 
 
-def num_unique_blocks(model: nn.Module) -> int:
-    return len(find_block_sequence(model).blocks)
-
-
 def check_delink_target(num_layers: int, current: int, target: int | None) -> int:
     """Resolve and validate the number of blocks after delinking; raise ValueError explaining what is wrong."""
     target = num_layers if target is None else target

@@ -172,12 +172,11 @@ class PseudoToReal(L.Callback):
                 raise ValueError("PseudoToReal(auto=True): the model is already real, there is nothing to delink")
             self._stages = []
             return
-        stages = plan_stages(num_layers, len(holder.blocks) if not self.events else self._initial_blocks(),
-                             trainer.max_steps, self.delink_at_step, self.delink_at_fraction, self.schedule)
+        # Plan from the blocks the run started with, so a resumed run validates the same whole schedule.
+        initial_blocks = self.events[0].blocks_before if self.events else len(holder.blocks)
+        stages = plan_stages(num_layers, initial_blocks, trainer.max_steps, self.delink_at_step,
+                             self.delink_at_fraction, self.schedule)
         self._stages = stages[len(self.events):]
-
-    def _initial_blocks(self) -> int:
-        return self.events[0].blocks_before
 
     # ---------------------------------------------------------------------------------------------- trigger
     @override

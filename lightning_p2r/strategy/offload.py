@@ -121,6 +121,9 @@ class OffloadEngine:
         self.blocks: dict[int, _OffloadedBlock] = {}
         for index in offloaded:
             self.blocks[index] = self._offload(index, param_prefix)
+        # Running totals for the telemetry, kept by fetch and release (the peak is checked on every hook).
+        self._streamed_blocks = 0
+        self._resident_param_bytes = 0 if offload_params else sum(b.param_bytes for b in self.blocks.values())
         self._install_hooks()
 
     # ------------------------------------------------------------------------------------------ placement
@@ -312,6 +315,8 @@ class OffloadEngine:
                     param.data.copy_(master)
                 self.stats.copy_wait_seconds += time.perf_counter() - start
             block.resident = True
+            self._streamed_blocks += 1
+            self._resident_param_bytes += block.param_bytes
             self.stats.h2d_bytes += block.param_bytes
             self.stats.fetches += 1
             self._track_peak()
@@ -330,6 +335,8 @@ class OffloadEngine:
         for param in block.params:
             param.data.untyped_storage().resize_(0)
         block.resident = False
+        self._streamed_blocks -= 1
+        self._resident_param_bytes -= block.param_bytes
         if self._compute_stream is not None:
             event = torch.cuda.Event()
             event.record(self._compute_stream)
@@ -378,18 +385,11 @@ class OffloadEngine:
             self._copy_stream.synchronize()
 
     # ------------------------------------------------------------------------------------------ telemetry
-    def resident_blocks(self) -> int:
-        """Offloaded blocks whose parameters are on the device right now (streamed ones only)."""
-        if not self.offload_params:
-            return 0
-        return sum(block.resident for block in self.blocks.values())
-
     def _track_peak(self) -> None:
-        resident = self.resident_blocks()
-        self.stats.peak_resident_offloaded_blocks = max(self.stats.peak_resident_offloaded_blocks, resident)
-        streamed = sum(b.param_bytes for b in self.blocks.values() if b.resident)  # (all, if params stay)
-        current = self.static_device_bytes + streamed + self._grad_bytes_on_device
-        self.stats.peak_device_model_bytes = max(self.stats.peak_device_model_bytes, current)
+        stats = self.stats
+        stats.peak_resident_offloaded_blocks = max(stats.peak_resident_offloaded_blocks, self._streamed_blocks)
+        current = self.static_device_bytes + self._resident_param_bytes + self._grad_bytes_on_device
+        stats.peak_device_model_bytes = max(stats.peak_device_model_bytes, current)
 
     def take_stats(self) -> OffloadStats:
         """The stats since the last call; starts a new record."""

@@ -28,6 +28,14 @@ from .offload import OffloadEngine
 _IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differentiable"})
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of an optimizer's per-parameter state tensors (moments; scalar step counters left out)."""
+    if optimizer is None:
+        return 0
+    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+               for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
 class SplitOptimizer(torch.optim.Optimizer):
     """The user's optimizer, split between the device and one host optimizer per offloaded block (module docs)."""
 
@@ -168,13 +176,6 @@ class SplitOptimizer(torch.optim.Optimizer):
             self.device_optimizer.zero_grad(set_to_none=set_to_none)
         # Host gradient buffers are persistent: the next step's first micro-batch overwrites them.
         self.engine.start_accumulation()
-
-    def device_state_bytes(self) -> int:
-        """Bytes of the device optimizer's per-parameter state (moments; step counters left out)."""
-        if self.device_optimizer is None:
-            return 0
-        return sum(v.numel() * v.element_size() for state in self.device_optimizer.state.values()
-                   for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
     # -------------------------------------------------------------------------------------------- state
     def _optimizer_of(self, slot: int) -> torch.optim.Optimizer | None:

@@ -22,7 +22,7 @@ from typing_extensions import override
 from ..sharing import OptimizerStatePolicy, delink, find_block_sequence, rebind_scheduler
 from .offload import OffloadEngine, OffloadStats
 from .plan import OffloadPlan, block_footprints, device_total_memory, parameter_footprint, parse_bytes, plan_offload
-from .split_optimizer import SplitOptimizer
+from .split_optimizer import SplitOptimizer, optimizer_state_bytes
 
 OffloadState = Literal["params", "grads", "optimizer"]
 
@@ -117,6 +117,7 @@ class P2RStrategy(DDPStrategy):
         self.engine: OffloadEngine | None = None
         self.telemetry: OffloadStats | None = None
         self.telemetry_history: list[OffloadStats] = []
+        self._resident_model_bytes = 0
 
     @classmethod
     @override
@@ -193,6 +194,11 @@ class P2RStrategy(DDPStrategy):
                                     offload_params="params" in self.offload_states)
         self.model_to_device()  # the offloaded blocks' parameters are already empty device placeholders
         self.engine.on_block_grads_ready = self._on_block_grads_ready
+        # Resident parameters and their gradients do not change size until the next re-plan: count them once.
+        offloaded = {id(p) for index in self.engine.blocks for p in holder.blocks[index].parameters()}
+        resident = [p for p in self.lightning_module.parameters() if id(p) not in offloaded]
+        self._resident_model_bytes = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1)
+                                         for p in resident)
 
     @override
     def model_to_device(self) -> None:
@@ -248,22 +254,14 @@ class P2RStrategy(DDPStrategy):
         return output
 
     def _update_static_bytes(self) -> None:
+        """Device model-state bytes that do not stream: resident parameters, their gradients, the device
+        optimizer's state (which grows at the first step)."""
         if self.engine is None:
             return
-        holder = self._holder()
-        offloaded = {id(p) for index in self.engine.blocks for p in holder.blocks[index].parameters()}
-        resident = [p for p in self.lightning_module.parameters() if id(p) not in offloaded]
-        param_bytes = sum(p.numel() * p.element_size() for p in resident)
-        grad_bytes = sum(p.numel() * p.element_size() for p in resident if p.requires_grad)
         optimizer = self.optimizers[0] if self.optimizers else None
         if isinstance(optimizer, SplitOptimizer):
-            state_bytes = optimizer.device_state_bytes()
-        elif optimizer is not None:
-            state_bytes = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
-                              if isinstance(v, torch.Tensor) and v.dim() > 0)
-        else:
-            state_bytes = 0
-        self.engine.static_device_bytes = param_bytes + grad_bytes + state_bytes
+            optimizer = optimizer.device_optimizer
+        self.engine.static_device_bytes = self._resident_model_bytes + optimizer_state_bytes(optimizer)
 
     def _record_telemetry(self) -> None:
         if self.engine is None:
