@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
@@ -14,8 +14,12 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torchmetrics.text import Perplexity
 
-from .models import M6Config, M6Output, M6Transformer
+from .models import M6Config, M6Output, M6Transformer, RoutingStats
+from .models.transformer import LayerContext
 from .sharing import delink
+
+if TYPE_CHECKING:
+    from .strategy.layered import LayeredStages
 
 STRUCTURE_KEY = "lightning_p2r_structure"
 
@@ -107,6 +111,32 @@ def next_token_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
+def routing_metrics(routing: dict[int, RoutingStats]) -> dict[str, torch.Tensor]:
+    """Balance and drop rate averaged over MoE layers and per layer, keyed by their logged names (moe/...)."""
+    if not routing:
+        return {}
+    metrics = {
+        "moe/load_max_over_mean": torch.stack([s.load_max_over_mean for s in routing.values()]).mean(),
+        "moe/dropped_fraction": torch.stack([s.dropped_fraction for s in routing.values()]).mean(),
+    }
+    for layer, stats in routing.items():
+        metrics[f"moe/layer{layer}/load_max_over_mean"] = stats.load_max_over_mean
+        metrics[f"moe/layer{layer}/dropped_fraction"] = stats.dropped_fraction
+    return metrics
+
+
+@dataclass
+class _MicroBatchContext:
+    """One micro-batch's state between the layered stages. The router statistics are keyed by layer: a recomputed
+    layer overwrites its entry instead of adding a second one."""
+
+    layer: LayerContext
+    targets: torch.Tensor
+    aux: dict[int, torch.Tensor] = field(default_factory=dict)
+    z: dict[int, torch.Tensor] = field(default_factory=dict)
+    routing: dict[int, RoutingStats] = field(default_factory=dict)
+
+
 # Shared defaults are safe: __init__ copies them. Non-None defaults let jsonargparse expose every field as
 # --model.config.<field>.
 _DEFAULT_CONFIG = M6Config()
@@ -172,15 +202,72 @@ class M6LanguageModel(L.LightningModule):
         total = ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
         return {"loss": total, "ce": ce, "aux": out.aux_loss, "z": out.z_loss, "output": out}
 
+    def layered_stages(self) -> LayeredStages:
+        """The model cut into stages for layered gradient accumulation (``lightning_p2r.strategy.layered``).
+
+        Each micro-batch is a token-window batch (batch, seq + 1). The stages optimise the same objective as
+        :meth:`losses`: the cross-entropy, plus per MoE layer ``(aux_coef * aux + z_coef * z) / num_moe_layers``,
+        which sums to the weighted means ``losses()`` adds. The stages snapshot the sharing map: build them again
+        after the structure changes (``delink``).
+        """
+        from .strategy.layered import LayeredStages  # light: torch only, and only when a strategy asks
+
+        if self.transformer is None:
+            self.configure_model()
+        transformer = self.transformer
+        config = self.config
+        layer_to_block = list(transformer.layer_to_block)
+        num_moe_layers = sum(transformer.blocks[block].is_moe for block in layer_to_block)
+
+        def embed(batch: torch.Tensor) -> tuple[torch.Tensor, _MicroBatchContext]:
+            inputs, targets = next_token_batch(batch)
+            hidden, context = transformer.embed(inputs)
+            return hidden, _MicroBatchContext(layer=context, targets=targets)
+
+        def layer(index: int, hidden: torch.Tensor, context: _MicroBatchContext
+                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden, moe = transformer.run_layer(index, hidden, context.layer)
+            if moe is None:
+                return hidden, None
+            context.aux[index] = moe.aux_loss.detach()
+            context.z[index] = moe.z_loss.detach()
+            context.routing[index] = moe.stats
+            extra = config.router_aux_loss_coef * moe.aux_loss + config.router_z_loss_coef * moe.z_loss
+            return hidden, extra / num_moe_layers
+
+        def head(hidden: torch.Tensor, context: _MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            logits = transformer.head(hidden)
+            ce = F.cross_entropy(logits.float().flatten(0, 1), context.targets.flatten())
+            zero = ce.new_zeros(())
+            aux = torch.stack([context.aux[k] for k in sorted(context.aux)]).mean() if context.aux else zero
+            z = torch.stack([context.z[k] for k in sorted(context.z)]).mean() if context.z else zero
+            total = ce.detach() + config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
+            routing = {k: context.routing[k] for k in sorted(context.routing)}
+            return ce, {"ce": ce.detach(), "loss": total, "aux": aux, "z": z} | routing_metrics(routing)
+
+        return LayeredStages(embed=embed, layer=layer, head=head, layer_to_block=layer_to_block,
+                             log_metrics=self.log_train_metrics)
+
     # ------------------------------------------------------------------------------------------------ steps
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         result = self.losses(batch)
-        self.log("train/loss", result["ce"], prog_bar=True)
-        self.log("train/total_loss", result["loss"])
-        self.log("train/aux_loss", result["aux"])
-        self.log("train/z_loss", result["z"])
-        self._log_routing(result["output"])
+        self.log_train_metrics({"ce": result["ce"], "loss": result["loss"], "aux": result["aux"], "z": result["z"]}
+                               | routing_metrics(result["output"].routing))
         return result["loss"]
+
+    def log_train_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
+        """Log one training step's metrics: ``ce``, ``loss`` (total), ``aux``, ``z`` and any ``moe/...`` keys.
+
+        Shared by ``training_step`` and the layered stages (whose strategy passes the micro-batch means), so both
+        paths log the same names.
+        """
+        self.log("train/loss", metrics["ce"], prog_bar=True)
+        self.log("train/total_loss", metrics["loss"])
+        self.log("train/aux_loss", metrics["aux"])
+        self.log("train/z_loss", metrics["z"])
+        for key, value in metrics.items():
+            if key.startswith("moe/"):
+                self.log(key, value)
 
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         now = time.perf_counter()
@@ -217,17 +304,6 @@ class M6LanguageModel(L.LightningModule):
         seq); the window's last token is the target of the last prediction, not an input."""
         inputs = batch[:, :-1] if batch.shape[1] > 1 else batch
         return self(inputs).logits.argmax(dim=-1)
-
-    def _log_routing(self, out: M6Output) -> None:
-        if not out.routing:
-            return
-        balance = torch.stack([s.load_max_over_mean for s in out.routing.values()])
-        dropped = torch.stack([s.dropped_fraction for s in out.routing.values()])
-        self.log("moe/load_max_over_mean", balance.mean())
-        self.log("moe/dropped_fraction", dropped.mean())
-        for layer, stats in out.routing.items():
-            self.log(f"moe/layer{layer}/load_max_over_mean", stats.load_max_over_mean)
-            self.log(f"moe/layer{layer}/dropped_fraction", stats.dropped_fraction)
 
     # ------------------------------------------------------------------------------------------------ optim
     def total_optimizer_steps(self) -> int:

@@ -69,6 +69,17 @@ class M6Output:
     """Routing statistics per MoE layer index."""
 
 
+@dataclass(frozen=True)
+class LayerContext:
+    """What every layer of one forward call needs besides the hidden states; holds no tensor that needs grad, so
+    the hidden state is the only thing a stage-by-stage executor has to carry gradients across."""
+
+    rotary: tuple[torch.Tensor, torch.Tensor] | None
+    """cos and sin tables (seq, head_dim // 2) for rotary positions, or None with learned positions."""
+    seq_len: int
+    """Length of the sequences in this call."""
+
+
 class M6Transformer(nn.Module):
     """GPT-like decoder of M6 / M6-T with optional cross-layer sharing (M6-10T's pseudo model)."""
 
@@ -120,8 +131,12 @@ class M6Transformer(nn.Module):
             if isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
 
-    def forward(self, input_ids: torch.Tensor) -> M6Output:
-        """input_ids: LongTensor (batch, seq) -> :class:`M6Output` with logits (batch, seq, vocab_size)."""
+    # ------------------------------------------------------------------------------------------------ stages
+    # forward() is embed -> run_layer for each layer -> head. The stages are public so an executor outside the
+    # model (layered gradient accumulation, lightning_p2r.strategy.layered) can run every micro-batch through one
+    # layer before the next, without the model knowing about micro-batches.
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, LayerContext]:
+        """input_ids: LongTensor (batch, seq) -> hidden states (batch, seq, dim) and the per-call layer context."""
         if input_ids.dim() != 2:
             raise ValueError(f"M6Transformer expects input_ids of shape (batch, seq), got {tuple(input_ids.shape)}")
         seq_len = input_ids.shape[1]
@@ -133,17 +148,30 @@ class M6Transformer(nn.Module):
             x = x + self.pos_embeddings(torch.arange(seq_len, device=input_ids.device))
         else:
             rotary = rotary_tables(seq_len, self.config.head_dim, self.config.rope_theta, device=input_ids.device)
+        return x, LayerContext(rotary=rotary, seq_len=seq_len)
 
+    def run_layer(self, layer: int, x: torch.Tensor, context: LayerContext) -> tuple[torch.Tensor, MoEOutput | None]:
+        """Run layer ``layer`` (its block under the sharing map, with its own attention window) on x."""
+        block = self.blocks[self.layer_to_block[layer]]
+        return block(x, rotary=context.rotary, window=self.config.attention_window(layer))
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head: hidden states (batch, seq, dim) -> logits (batch, seq, vocab_size)."""
+        return self.lm_head(self.norm(x))
+
+    def forward(self, input_ids: torch.Tensor) -> M6Output:
+        """input_ids: LongTensor (batch, seq) -> :class:`M6Output` with logits (batch, seq, vocab_size)."""
+        x, context = self.embed(input_ids)
         aux_losses, z_losses, routing = [], [], {}
-        for layer, block_index in enumerate(self.layer_to_block):
-            x, moe = self.blocks[block_index](x, rotary=rotary, window=self.config.attention_window(layer))
+        for layer in range(self.num_layers):
+            x, moe = self.run_layer(layer, x, context)
             if moe is not None:
                 aux_losses.append(moe.aux_loss)
                 z_losses.append(moe.z_loss)
                 routing[layer] = moe.stats
         zero = x.new_zeros((), dtype=torch.float32)
         return M6Output(
-            logits=self.lm_head(self.norm(x)),
+            logits=self.head(x),
             # Per layer, then averaged: balancing over the concatenation of layers would let one layer's
             # imbalance hide behind another's.
             aux_loss=torch.stack(aux_losses).mean() if aux_losses else zero,

@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .layered import BlockEvents
+
 
 @dataclass
 class OffloadStats:
@@ -112,6 +114,9 @@ class OffloadEngine:
         self._handles: list[RemovableHandle] = []
         self._layer = 0
         self._grad_bytes_on_device = 0
+        # Layered accumulation drives the blocks itself (EngineEvents): the per-call hooks stand aside and
+        # gradients stay on the device until the executor flushes them, once per block per step.
+        self.manual = False
         is_cuda = device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(device) if is_cuda else None
         self._compute_stream = torch.cuda.current_stream(device) if is_cuda else None
@@ -218,6 +223,8 @@ class OffloadEngine:
         return found
 
     def _before_block(self, block: nn.Module, args: object) -> None:
+        if self.manual:
+            return
         layer = self._layer
         if layer >= len(self.holder.layer_to_block) or self.holder.blocks[self._block_of_layer(layer)] is not block:
             raise RuntimeError(
@@ -233,6 +240,8 @@ class OffloadEngine:
             self.fetch(upcoming, wait=False)
 
     def _after_block(self, block: nn.Module, args: object, output: object) -> None:
+        if self.manual:
+            return
         layer = self._layer - 1
         index = self._block_of_layer(layer)
         if torch.is_grad_enabled():
@@ -265,9 +274,12 @@ class OffloadEngine:
     def _grad_hook(self, index: int, position: int) -> Callable[[nn.Parameter], None]:
         def hook(param: nn.Parameter) -> None:
             block = self.blocks[index]
-            self._grad_bytes_on_device += param.grad.numel() * param.grad.element_size()
+            if position not in block.grads_received:  # accumulated in place after the first micro-batch
+                self._grad_bytes_on_device += param.grad.numel() * param.grad.element_size()
             self._track_peak()
             block.grads_received.add(position)
+            if self.manual:
+                return
             # Autograd accumulates a leaf's gradient once per backward, after every layer that used it.
             if block.grads_received == block.trainable:
                 self._offload_grads(block)
@@ -363,6 +375,12 @@ class OffloadEngine:
         if self.on_block_grads_ready is not None:
             self.on_block_grads_ready(block.index)
 
+    def flush_grads(self, index: int) -> None:
+        """Layered accumulation: the block's gradient of every micro-batch is complete; copy it to the host."""
+        block = self.blocks[index]
+        if block.grads_received or block.in_backward:
+            self._offload_grads(block)
+
     def finish_backward(self) -> None:
         """After ``backward``: offload what a block left behind (parameters that got no gradient)."""
         for block in self.blocks.values():
@@ -396,6 +414,38 @@ class OffloadEngine:
         self._track_peak()
         stats, self.stats = self.stats, OffloadStats()
         return stats
+
+
+class EngineEvents(BlockEvents):
+    """Layered accumulation on one process: an offloaded block is copied in once for the forward of every
+    micro-batch and once for their backward, and its gradient goes to the host once (Lamy-Poirier 2021)."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> EngineEvents:
+        self.engine.manual = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.manual = False
+
+    def before_forward(self, block: int) -> None:
+        if block in self.engine.blocks:
+            self.engine.fetch(block, wait=True)
+
+    def after_forward(self, block: int) -> None:
+        if block in self.engine.blocks:
+            self.engine.release(block)
+
+    def before_backward(self, block: int) -> None:
+        if block in self.engine.blocks:
+            self.engine.blocks[block].in_backward = True
+            self.engine.fetch(block, wait=True)
+
+    def after_backward(self, block: int) -> None:
+        if block in self.engine.blocks:
+            self.engine.flush_grads(block)
 
 
 def _on_stream(stream: object | None) -> contextlib.AbstractContextManager:

@@ -1,11 +1,22 @@
-"""``P2RStrategy``: Lightning hooks over the planner, the streaming engine and the split optimizer.
+"""``P2RStrategy``: Lightning hooks over the planner, the streaming engine, ZeRO sharding and layered accumulation.
 
-The hooks only decide *when*; what happens lives in ``plan.py`` (which blocks), ``offload.py`` (moving them) and
-``split_optimizer.py`` (stepping them where they live).
+The hooks only decide *when*; what happens lives in ``plan.py`` (which blocks), ``offload.py`` (moving them on one
+process), ``split_optimizer.py`` (stepping them where they live), ``sharding.py`` (ZeRO stages on DDP and FSDP2),
+``layered.py`` (the breadth-first accumulation executor), ``checkpoint.py`` (sharded checkpoints) and
+``accounting.py`` (collectives per step).
+
+Three execution paths, chosen from ``sharding`` and the number of processes:
+
+- *local*: one process, ``sharding`` "none" or "zero1" (nothing to shard): the streaming engine offloads blocks.
+- *ddp*: several processes, "none" or "zero1": ``DistributedDataParallel`` (+ ``ZeroRedundancyOptimizer``).
+- *fsdp*: "zero2" or "zero3", any number of processes: FSDP2 per block, ``CPUOffloadPolicy`` for offloaded ones.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -13,27 +24,58 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
 
-from ..sharing import OptimizerStatePolicy, delink, find_block_sequence, rebind_scheduler
-from .offload import OffloadEngine, OffloadStats
+from ..sharing import OptimizerStatePolicy, delink, find_block_sequence, optimizer_constructor_kwargs, rebind_scheduler
+from . import checkpoint as sharded_checkpoint
+from .accounting import CollectiveCounter, CollectiveStats
+from .layered import LayeredStages, LayeredStep, layered_forward, split_micro_batches
+from .offload import EngineEvents, OffloadEngine, OffloadStats
 from .plan import OffloadPlan, block_footprints, device_total_memory, parameter_footprint, parse_bytes, plan_offload
+from .sharding import (
+    SHARDINGS,
+    FSDPEvents,
+    Sharding,
+    fsdp_modules,
+    shard_blocks,
+    shard_rest,
+    smallest_parameter_root,
+    uses_fsdp,
+)
 from .split_optimizer import SplitOptimizer, optimizer_state_bytes
 
 OffloadState = Literal["params", "grads", "optimizer"]
+Accumulation = Literal["standard", "layered"]
 
 
 class P2RStrategy(DDPStrategy):
-    """Granular CPU offloading (M6-10T) for any LightningModule whose model declares a block sequence.
+    """Granular CPU offloading (M6-10T), ZeRO sharding and layered gradient accumulation (Lamy-Poirier 2021) for
+    any LightningModule whose model declares a block sequence.
 
     Give at most one of ``offload_fraction``, ``offload_blocks`` and ``device_memory_budget``; none keeps every
     block on the device.
 
     Args:
+        sharding: "none" (replicated, DDP), "zero1" (optimizer states sharded: DDP + ZeroRedundancyOptimizer),
+            "zero2" (+ gradients: FSDP2 without resharding after forward) or "zero3" (+ parameters: FSDP2). On one
+            process "none" and "zero1" are the same thing; "zero2"/"zero3" then still run FSDP2 (on a group of one),
+            so their checkpoints and layouts match a multi-process run.
+        accumulation: "standard" (depth-first: each micro-batch runs forward and backward through the whole model)
+            or "layered" (breadth-first: every micro-batch passes block i before block i+1, so each offloaded or
+            sharded block is fetched and its gradient reduced once per optimizer step).
+        micro_batches: layered only: the micro-batches each training batch is split into (the batch size must
+            divide), all accumulated into one optimizer step; Lightning's ``accumulate_grad_batches`` must then be 1.
+            Standard accumulation is Lightning's own ``accumulate_grad_batches``.
+        recompute: layered only: keep just each block's input per micro-batch and recompute the block's interior
+            in backward (activation checkpointing at block granularity).
+        count_collectives: record the collectives (calls and bytes, per kind) of every optimizer step in
+            ``strategy.collectives``; costs a Python call per operator, so it is for measurements.
         offload_fraction: share of the blocks kept in host memory, spread evenly through the depth.
         offload_blocks: explicit block indices to keep in host memory.
         device_memory_budget: bytes (or "12GB", "512MiB", "80%" of the device) for model states on the device;
@@ -56,6 +98,11 @@ class P2RStrategy(DDPStrategy):
 
     def __init__(
         self,
+        sharding: Sharding = "none",
+        accumulation: Accumulation = "standard",
+        micro_batches: int = 1,
+        recompute: bool = False,
+        count_collectives: bool = False,
         offload_fraction: float | None = None,
         offload_blocks: list[int] | None = None,
         device_memory_budget: int | str | None = None,
@@ -77,6 +124,30 @@ class P2RStrategy(DDPStrategy):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout)
+        if sharding not in SHARDINGS:
+            raise ValueError(f"P2RStrategy.sharding must be one of {SHARDINGS}, got {sharding!r}")
+        if accumulation not in ("standard", "layered"):
+            raise ValueError(f"P2RStrategy.accumulation must be 'standard' or 'layered', got {accumulation!r}")
+        if not isinstance(micro_batches, int) or micro_batches < 1:
+            raise ValueError(f"P2RStrategy.micro_batches must be an integer >= 1, got {micro_batches!r}")
+        if recompute and accumulation != "layered":
+            raise ValueError("P2RStrategy.recompute applies to accumulation='layered' only")
+        if micro_batches > 1 and accumulation != "layered":
+            raise ValueError("P2RStrategy.micro_batches applies to accumulation='layered'; for standard (depth-first) "
+                             "accumulation use Trainer(accumulate_grad_batches=...)")
+        self.sharding = sharding
+        self.accumulation = accumulation
+        self.micro_batches = micro_batches
+        self.recompute = recompute
+        self.count_collectives = count_collectives
+        self.collectives: CollectiveStats | None = None
+        self.collectives_history: list[CollectiveStats] = []
+        self._counter: CollectiveCounter | None = None
+        self._stage_runner: nn.Module | None = None
+        self._mesh: Any = None
+        self._layered_step: LayeredStep | None = None
+        self._counter_depth = 0
+        self._pending_sharded_checkpoint: str | None = None
         given = [n for n, v in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
                                 ("device_memory_budget", device_memory_budget)) if v is not None]
         if len(given) > 1:
@@ -130,15 +201,49 @@ class P2RStrategy(DDPStrategy):
                                        "to host memory", offload_fraction=0.5)
 
     # ------------------------------------------------------------------------------------------ environment
+    @property
+    def path(self) -> Literal["local", "ddp", "fsdp"]:
+        """Which engine runs this job (see the module docstring)."""
+        if uses_fsdp(self.sharding):
+            return "fsdp"
+        return "ddp" if self.world_size > 1 else "local"
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
     @override
     def setup_environment(self) -> None:
-        if self.world_size > 1:
+        if self.path == "local":
+            self.accelerator.setup_device(self.root_device)
+            self.set_world_ranks()  # one process and nothing sharded: no process group is needed
+            return
+        self._check_path_options()
+        super().setup_environment()  # DDPStrategy: device, ranks, process group (gloo on CPU, NCCL on CUDA)
+        if self.path == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+
+    def _check_path_options(self) -> None:
+        offloading = any(v is not None for v in (self.offload_fraction, self.offload_blocks,
+                                                  self.device_memory_budget))
+        if self.path == "ddp" and offloading:
             raise ValueError(
-                f"P2RStrategy runs one process per job for now ({self.world_size} requested); sharding across "
-                "ranks is not available yet"
+                f"P2RStrategy(sharding={self.sharding!r}) across {self.world_size} processes cannot offload blocks: "
+                "offloading across ranks keeps each rank's shard of a block in host memory through FSDP2; use "
+                "sharding='zero2' or 'zero3'"
             )
-        self.accelerator.setup_device(self.root_device)
-        self.set_world_ranks()  # one process: no process group is needed
+        if self.path == "ddp" and self.accumulation == "layered":
+            raise ValueError(
+                f"P2RStrategy(sharding={self.sharding!r}) across {self.world_size} processes supports standard "
+                "accumulation through Lightning's accumulate_grad_batches only: DDP's reducer runs inside the "
+                "model's forward, which the micro-batch executor bypasses; use sharding='zero2' or 'zero3' for "
+                "accumulation='layered'"
+            )
+        if self.path == "fsdp" and "params" not in self.offload_states:
+            raise ValueError("P2RStrategy: with sharding zero2/zero3 an offloaded block keeps its parameter shard in "
+                             "host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
 
     @property
     def resolved_pin_memory(self) -> bool:
@@ -152,12 +257,59 @@ class P2RStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: L.Trainer) -> None:
+        if self.accumulation == "layered":
+            if trainer.accumulate_grad_batches != 1:
+                raise ValueError(
+                    f"P2RStrategy(micro_batches={self.micro_batches}, accumulation={self.accumulation!r}) splits each "
+                    f"batch itself; set Trainer(accumulate_grad_batches=1), got {trainer.accumulate_grad_batches}"
+                )
+        if self.path == "ddp":
+            return self._setup_ddp(trainer)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
-        self._attach()
+        if self.path == "fsdp":
+            self._shard()
+        else:
+            self._attach()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+
+    def _setup_ddp(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)  # DDPStrategy: to the device, DDP wrap, optimizers
+        if trainer.state.fn == TrainerFn.FITTING and self.sharding == "zero1":
+            self.optimizers = [self._zero_redundancy(opt) for opt in self.optimizers]
+            for config in self.lr_scheduler_configs:
+                config.scheduler = rebind_scheduler(config.scheduler, self.optimizers[0])
+
+    @staticmethod
+    def _zero_redundancy(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
+        """The same optimizer class, groups and settings, with its states partitioned across the ranks."""
+        groups = [dict(g) for g in optimizer.param_groups]
+        for group in groups:
+            group.pop("initial_lr", None)
+        first, rest = groups[0], groups[1:]
+        kwargs = optimizer_constructor_kwargs(optimizer)
+        # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
+        kwargs |= {k: v for k, v in first.items() if k in kwargs}
+        zero = ZeroRedundancyOptimizer(first["params"], optimizer_class=type(optimizer), **kwargs)
+        for group in rest:
+            zero.add_param_group(group)
+        if optimizer.state:
+            zero.load_state_dict(optimizer.state_dict())
+        return zero
+
+    def _shard(self) -> None:
+        """Apply FSDP2 (zero2/zero3) after the model exists; offloaded blocks keep their shard on the host."""
+        holder = self._holder()
+        self.plan = self.make_plan(holder)
+        module = self.lightning_module
+        module.to(self.root_device)
+        layered = self.accumulation == "layered"
+        shard_blocks(holder.blocks, mesh=self._mesh, sharding=self.sharding, offloaded=self.plan.offloaded,
+                     layered=layered, pin_memory=self.resolved_pin_memory)
+        self._stage_runner = shard_rest(smallest_parameter_root(module), holder.blocks, mesh=self._mesh,
+                                        layered=layered)
 
     def _holder(self) -> nn.Module:
         module = self.lightning_module
@@ -242,6 +394,77 @@ class P2RStrategy(DDPStrategy):
             optimizer.submit_host_step(index)
 
     # ---------------------------------------------------------------------------------------------- steps
+    @contextlib.contextmanager
+    def _counting(self) -> Iterator[None]:
+        """Count collectives inside; re-entrant (a closure runs training_step and backward inside the step)."""
+        if not self.count_collectives or self._counter_depth:
+            yield
+            return
+        if self._counter is None:
+            self._counter = CollectiveCounter()
+        self._counter_depth += 1
+        try:
+            with self._counter:
+                yield
+        finally:
+            self._counter_depth -= 1
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self.accumulation == "standard":
+            with self._counting():
+                return super().training_step(*args, **kwargs)
+        # Layered: the forward of every micro-batch runs here, their backward in ``backward`` (Lightning zeroes the
+        # gradients between the two).
+        module = self.lightning_module
+        micro = split_micro_batches(args[0], self.micro_batches)
+        with self.precision_plugin.train_step_context(), self._counting():
+            stages = self._layered_stages(module)
+            events = self._block_events()
+            with events if isinstance(events, EngineEvents) else contextlib.nullcontext():
+                self._layered_step = layered_forward(stages, micro, events, recompute=self.recompute)
+        if stages.log_metrics is not None:
+            stages.log_metrics(self._layered_step.metrics)
+        return self._layered_step.loss
+
+    def _layered_stages(self, module: L.LightningModule) -> LayeredStages:
+        if not callable(getattr(module, "layered_stages", None)):
+            raise ValueError(
+                f"P2RStrategy(accumulation='layered') needs the LightningModule to define layered_stages() -> "
+                f"LayeredStages (embedding, per-layer and head stages); {type(module).__name__} does not"
+            )
+        stages = module.layered_stages()
+        runner = self._stage_runner
+        if runner is None:
+            return stages
+        # Through the FSDP2 root that holds the embedding and head parameters (see StageRunner).
+        return dataclasses.replace(stages, embed=lambda mb: runner(stages.embed, mb),
+                                   head=lambda hidden, context: runner(stages.head, hidden, context))
+
+    def _block_events(self) -> Any:
+        holder = self._holder()
+        if self.path == "fsdp":
+            return FSDPEvents(holder.blocks, self._stage_runner, reshard_after_forward=self.sharding == "zero3")
+        if self.engine is not None and self.engine.blocks:
+            return EngineEvents(self.engine)
+        return None
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        step, self._layered_step = self._layered_step, None
+        if step is None:
+            with self._counting():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        module = self.lightning_module
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        with self._counting():
+            events = step.events
+            with events if isinstance(events, EngineEvents) else contextlib.nullcontext():
+                step.backward()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:
@@ -249,9 +472,39 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        with self._counting():
+            output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._record_telemetry()
         return output
+
+    def _unshard_stage_runner(self) -> None:
+        if self._stage_runner is not None:  # evaluation runs the model's own forward, outside the runner
+            self._stage_runner.unshard()
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._unshard_stage_runner()
+        return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._unshard_stage_runner()
+        return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._unshard_stage_runner()
+        return super().predict_step(*args, **kwargs)
+
+    @override
+    def on_validation_end(self) -> None:
+        if self.path == "fsdp" and self.accumulation == "layered":
+            # Layered blocks never reshard in their own forward hook; evaluation leaves them gathered.
+            for module in fsdp_modules(self.lightning_module):
+                module.reshard()
+            if self._stage_runner is not None:
+                self._stage_runner.reshard()
+        super().on_validation_end()
 
     def _update_static_bytes(self) -> None:
         """Device model-state bytes that do not stream: resident parameters, their gradients, the device
@@ -264,14 +517,22 @@ class P2RStrategy(DDPStrategy):
         self.engine.static_device_bytes = self._resident_model_bytes + optimizer_state_bytes(optimizer)
 
     def _record_telemetry(self) -> None:
+        trainer = self.lightning_module.trainer
+        every = max(trainer.log_every_n_steps, 1)
+        log_now = self.log_telemetry and trainer.loggers and trainer.global_step % every == 0
+        if self._counter is not None:
+            self.collectives = self._counter.take()
+            self.collectives_history.append(self.collectives)
+            if log_now:
+                for logger in trainer.loggers:
+                    logger.log_metrics(self.collectives.as_metrics(), step=trainer.global_step)
         if self.engine is None:
             return
         self._update_static_bytes()
         stats = self.engine.take_stats()
         self.telemetry = stats
         self.telemetry_history.append(stats)
-        trainer = self.lightning_module.trainer
-        if self.log_telemetry and trainer.loggers and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
+        if log_now:
             for logger in trainer.loggers:
                 logger.log_metrics(stats.as_metrics(), step=trainer.global_step)
 
@@ -283,6 +544,13 @@ class P2RStrategy(DDPStrategy):
         The real model may not fit on the device (that is why it was trained pseudo first), so the copies are
         made on the host, where memory is plentiful, and only the blocks the new plan keeps resident move back.
         """
+        if self.path == "fsdp":
+            raise ValueError(
+                "P2RStrategy cannot delink a model sharded with zero2/zero3 during training yet; train the pseudo "
+                "phase with sharding='zero1' (or 'none'), or delink between runs from a checkpoint"
+            )
+        if self.path == "ddp":
+            return self._delink_replicated(pl_module, optimizer, num_unique_blocks, optimizer_state)
         plain = self._detach_to_host(optimizer)
         new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks,
                                optimizer_state=optimizer_state)
@@ -290,6 +558,30 @@ class P2RStrategy(DDPStrategy):
         self.optimizers = [new_optimizer]
         self._split_optimizer(carry_state_from=new_optimizer)
         return self.optimizers[0]
+
+    def _delink_replicated(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer,
+                           num_unique_blocks: int | None,
+                           optimizer_state: OptimizerStatePolicy) -> torch.optim.Optimizer:
+        """DDP / ZeRO-1: every rank holds the whole model, so every rank delinks the same way; the optimizer state
+        is gathered first (ZeRO-1 partitions it), and DDP is rebuilt over the new parameters (the old reducer
+        would silently skip them)."""
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            full = None
+            for rank in range(self.world_size):  # consolidate_state_dict hands the full state to one rank per call
+                optimizer.consolidate_state_dict(to=rank)
+                if rank == self.global_rank:
+                    full = optimizer.state_dict()
+            plain = type(optimizer.optim)([{k: v for k, v in g.items()} for g in optimizer.param_groups])
+            plain.load_state_dict(full)
+        else:
+            plain = optimizer
+        new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state)
+        self.model = pl_module
+        self.configure_ddp()
+        if self.sharding == "zero1":
+            new_optimizer = self._zero_redundancy(new_optimizer)
+        self.optimizers = [new_optimizer]
+        return new_optimizer
 
     def _detach_to_host(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(optimizer, SplitOptimizer):
@@ -312,6 +604,8 @@ class P2RStrategy(DDPStrategy):
     # ----------------------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self.path == "fsdp":
+            return {}  # save_checkpoint writes the shards through DCP
         state = self.lightning_module.state_dict()
         if self.engine is not None:
             for name, tensor in self.engine.host_tensors().items():
@@ -319,7 +613,45 @@ class P2RStrategy(DDPStrategy):
         return state
 
     @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if self.path == "fsdp":
+            return {}
+        return super().optimizer_state(optimizer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if self.path != "fsdp":
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        sharded_checkpoint.save_sharded(checkpoint, filepath, self.lightning_module, optimizers)
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            sharded_checkpoint.remove(filepath)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._pending_sharded_checkpoint = None
+        if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
+            if self.path != "fsdp":
+                raise ValueError(
+                    f"{checkpoint_path} is a sharded (zero2/zero3) checkpoint; resume it with "
+                    "P2RStrategy(sharding='zero2' or 'zero3'), on any number of processes (DCP reshards it)"
+                )
+            self._pending_sharded_checkpoint = str(checkpoint_path)
+            return sharded_checkpoint.load_meta(checkpoint_path)
+        if self.path == "fsdp":
+            raise ValueError(f"{checkpoint_path} is not a sharded checkpoint directory (with "
+                             f"{sharded_checkpoint.META_FILE}); P2RStrategy with zero2/zero3 resumes its own "
+                             "sharded checkpoints")
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+
+    @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        if self._pending_sharded_checkpoint is not None:
+            sharded_checkpoint.load_model_into(self.lightning_module, self._pending_sharded_checkpoint)
+            return
         if self.engine is None or not self.engine.blocks:
             return super().load_model_state_dict(checkpoint, strict=strict)
         state = dict(checkpoint["state_dict"])
@@ -335,6 +667,11 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        if self._pending_sharded_checkpoint is not None:
+            for index, optimizer in enumerate(self.optimizers):
+                sharded_checkpoint.load_optimizer_into(self.lightning_module, optimizer, index,
+                                                       self._pending_sharded_checkpoint)
+            return
         for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
             optimizer.load_state_dict(state)
             if not isinstance(optimizer, SplitOptimizer):  # a split optimizer keeps host state on the host

@@ -1,0 +1,76 @@
+"""Counting the collectives of a training step, measured where they are issued.
+
+FSDP2, DDP and ``ZeroRedundancyOptimizer`` all call torch.distributed, whose process-group operations go through
+the dispatcher as ``c10d`` ops. A dispatch mode sees each of them with its tensors, so the counts and bytes
+below are observed, not derived from a model of what the engines should do.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+# The payload of a collective: the whole (unsharded) buffer for gathers and scatters, the sum for list ops.
+_GATHER_SCATTER = ("allgather", "reduce_scatter", "_allgather_base", "_reduce_scatter_base")
+
+
+@dataclass
+class CollectiveStats:
+    """Collectives issued during one optimizer step (all of its micro-batches)."""
+
+    calls: Counter = field(default_factory=Counter)
+    """Number of calls per kind (all_gather, reduce_scatter, all_reduce, broadcast, ...)."""
+    bytes: Counter = field(default_factory=Counter)
+    """Payload bytes per kind: the full buffer a gather or scatter assembles or splits, the tensors reduced or sent."""
+
+    @property
+    def total_calls(self) -> int:
+        return sum(self.calls.values())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+    def as_metrics(self, prefix: str = "comm/") -> dict[str, float]:
+        metrics = {f"{prefix}calls": float(self.total_calls), f"{prefix}bytes": float(self.total_bytes)}
+        for kind in self.calls:
+            metrics[f"{prefix}{kind}_calls"] = float(self.calls[kind])
+            metrics[f"{prefix}{kind}_bytes"] = float(self.bytes[kind])
+        return metrics
+
+
+def _kind(op_name: str) -> str:
+    name = op_name.strip("_").split(".")[0].rstrip("_")
+    for prefix, kind in (("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
+                         ("allreduce", "all_reduce"), ("broadcast", "broadcast"), ("alltoall", "all_to_all")):
+        if name.startswith(prefix):
+            return kind
+    return name
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Enter around the code of a step (re-entering later in the same step is fine); ``take()`` ends the record."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stats = CollectiveStats()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace == "c10d" and "wait" not in func.__name__ and "barrier" not in func.__name__:
+            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            sizes = [t.numel() * t.element_size() for t in tensors]
+            name = func.__name__
+            payload = max(sizes, default=0) if name.startswith(_GATHER_SCATTER) else sum(sizes)
+            kind = _kind(name)
+            self.stats.calls[kind] += 1
+            self.stats.bytes[kind] += payload
+        return func(*args, **(kwargs or {}))
+
+    def take(self) -> CollectiveStats:
+        stats, self.stats = self.stats, CollectiveStats()
+        return stats

@@ -1,0 +1,322 @@
+"""Layered (breadth-first) gradient accumulation: a pure-torch executor for one optimizer step.
+
+Lamy-Poirier, "Layered gradient accumulation and modular pipeline parallelism: fast and efficient training of
+large language models" (2021, arXiv:2106.02679). Standard (depth-first) accumulation runs each micro-batch through
+every layer, forward then backward, so a block whose weights live elsewhere (offloaded to host memory, sharded
+across ranks) is fetched 2m times per step and its gradient reduced m times. Layered accumulation swaps the loops:
+forward runs every micro-batch through layer i before layer i + 1, backward every micro-batch through layer i
+before layer i - 1, so a strategy fetches each block once per direction and reduces its gradient once per step.
+The strategy moves the blocks through :class:`BlockEvents`; this module only orders the computation.
+
+Only block-boundary activations are kept per micro-batch. Each layer's output is detached and handed to the next
+layer as a fresh leaf that requires grad, which cuts the step into one small autograd graph per (layer,
+micro-batch): each can be backpropagated, and freed, in the order the schedule wants, and its input leaf's
+``.grad`` is the gradient to feed to the layer below. The boundary is also the least state from which a layer's
+interior can be rebuilt, which is what recomputation needs.
+
+Memory trade-off: with ``recompute=False`` the interior activations of every layer and every micro-batch are
+alive when forward ends, m times those of one micro-batch (as much as a step on the whole batch without
+accumulation). With ``recompute=True`` forward keeps only the boundaries (``num_layers`` hidden states of the
+whole batch, as full activation checkpointing would) and backward re-runs one layer for one micro-batch at a time,
+at the cost of one more forward pass. The RNG state is restored for the re-run so dropout draws the same masks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["AccumulationResult", "BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "run_depth_first",
+           "run_layered", "split_micro_batches"]
+
+
+@dataclass
+class LayeredStages:
+    """What the executor needs from a model beyond its block sequence.
+
+    The context returned by ``embed`` is handed to every ``layer`` call and to ``head`` of the same micro-batch;
+    it must not hold tensors that require grad (only the hidden state carries gradient from stage to stage). A
+    layer may be called twice per micro-batch (forward, then recompute): it must not accumulate into the context.
+    """
+
+    embed: Callable[[Any], tuple[torch.Tensor, Any]]
+    """micro-batch -> (hidden states, context)."""
+    layer: Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor | None]]
+    """(layer, hidden, context) -> (hidden, extra loss of this layer already weighted, or None)."""
+    head: Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    """(hidden, context) -> (micro-batch loss, detached metrics)."""
+    layer_to_block: Sequence[int]
+    """Which block each layer runs; its length is the number of layers."""
+    log_metrics: Callable[[dict[str, torch.Tensor]], None] | None = None
+    """The strategy calls it with the mean metrics of a step; the executor never does."""
+
+
+class BlockEvents:
+    """Callbacks a strategy overrides to move blocks; every method is a no-op here.
+
+    Events fire per layer with that layer's block index, so a block shared by several layers (pseudo model) sees
+    one before/after pair for each layer that runs it.
+    """
+
+    def before_forward(self, block: int) -> None:
+        """Before the first micro-batch runs this layer's block."""
+
+    def after_forward(self, block: int) -> None:
+        """After the last micro-batch ran this layer's block."""
+
+    def before_backward(self, block: int) -> None:
+        """Before the first micro-batch's backward (and recompute) through this layer's block."""
+
+    def before_micro_backward(self, block: int, micro_batch: int, last: bool) -> None:
+        """Before one micro-batch's backward through this layer; ``last`` marks the final one (e.g. to start the
+        gradient reduction with it, as DDP's ``no_sync`` does for the last micro-batch)."""
+
+    def after_backward(self, block: int) -> None:
+        """After the last micro-batch's backward through this layer."""
+
+    def before_head_backward(self) -> None:
+        """Before the backward of the first micro-batch's head (the first backward of the step)."""
+
+    def before_embed_backward(self, micro_batch: int, last: bool) -> None:
+        """Before one micro-batch's backward through the embedding stage; ``last`` marks the step's final one."""
+
+
+@dataclass
+class AccumulationResult:
+    loss: torch.Tensor
+    """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""
+    metrics: dict[str, torch.Tensor]
+    """Mean over micro-batches of the head metrics."""
+
+
+def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
+    """Split every tensor of ``batch`` along dim 0 into ``micro_batches`` equal parts.
+
+    Recurses through tuples (named ones too), lists and dicts; other leaves are shared by every micro-batch.
+    """
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
+    return _split(batch, micro_batches)
+
+
+def _split(obj: Any, parts: int) -> list[Any]:
+    if isinstance(obj, torch.Tensor):
+        if obj.dim() == 0:
+            raise ValueError("cannot split a 0-dim tensor into micro-batches: batch tensors need a batch dimension")
+        size = obj.shape[0]
+        if size % parts:
+            raise ValueError(f"batch size {size} is not divisible by micro_batches={parts}: choose a number of "
+                             f"micro-batches that divides it")
+        return list(obj.split(size // parts))
+    if isinstance(obj, dict):
+        columns = {key: _split(value, parts) for key, value in obj.items()}
+        return [type(obj)((key, column[i]) for key, column in columns.items()) for i in range(parts)]
+    if isinstance(obj, (tuple, list)):
+        columns = [_split(value, parts) for value in obj]
+        rows = [[column[i] for column in columns] for i in range(parts)]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple: positional constructor
+            return [type(obj)(*row) for row in rows]
+        return [type(obj)(row) for row in rows]
+    return [obj] * parts
+
+
+def _boundary(hidden: torch.Tensor) -> torch.Tensor:
+    """Cut the graph at a block boundary: a leaf the next layer can backpropagate into."""
+    leaf = hidden.detach()
+    return leaf.requires_grad_(leaf.is_floating_point() or leaf.is_complex())
+
+
+def _rng_state(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
+    return torch.get_rng_state(), cuda
+
+
+def _rerun(stages: LayeredStages, layer: int, leaf: torch.Tensor, context: Any,
+           rng: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Re-run one layer with grad under the RNG state of its first forward (torch.utils.checkpoint's
+    preserve_rng_state), leaving the global RNG stream as it was."""
+    cpu_state, cuda_state = rng
+    devices = [leaf.device] if cuda_state is not None else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(cpu_state)
+        if cuda_state is not None:
+            torch.cuda.set_rng_state(cuda_state, leaf.device)
+        with torch.enable_grad():
+            return stages.layer(layer, leaf, context)
+
+
+def _mean_metrics(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    if not per_micro_batch:
+        return {}
+    return {key: torch.stack([torch.as_tensor(m[key]).detach().float() for m in per_micro_batch]).mean()
+            for key in per_micro_batch[0]}
+
+
+def _check_can_train(micro_batches: list[Any]) -> None:
+    if not micro_batches:
+        raise ValueError("an accumulation step needs at least one micro-batch, got an empty list")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("gradient accumulation needs autograd: call it with gradients enabled, not under no_grad")
+
+
+class LayeredStep:
+    """One optimizer step of layered accumulation, split where Lightning splits a step: :func:`layered_forward`
+    runs the forward of every micro-batch (inside ``training_step``) and :meth:`backward` their backward (inside
+    ``backward``; Lightning zeroes gradients in between, so the backward must not start earlier).
+
+    The heads of all micro-batches keep their graphs until backward: their logits are as large as those of one
+    step on the whole batch without accumulation.
+    """
+
+    def __init__(self, stages: LayeredStages, events: BlockEvents, recompute: bool, m: int) -> None:
+        self.stages = stages
+        self.events = events
+        self.recompute = recompute
+        self.m = m
+        self.embedded: list[torch.Tensor | None] = []
+        self.contexts: list[Any] = []
+        # inputs[layer][i]: the boundary leaf layer `layer` reads for micro-batch i; inputs[L] feeds the head.
+        self.inputs: list[list[torch.Tensor | None]] = []
+        self.outputs: list[list[torch.Tensor | None]] = []  # with graph, only without recompute
+        self.extras: list[list[torch.Tensor | None]] = []
+        self.rng_states: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
+        self.head_losses: list[torch.Tensor | None] = []
+        self.loss = torch.zeros(())
+        """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""
+        self.metrics: dict[str, torch.Tensor] = {}
+        """Mean over micro-batches of the head metrics."""
+        self._done = False
+
+    def backward(self) -> AccumulationResult:
+        """Backward of every micro-batch, layer by layer from the head down; gradients accumulate into ``.grad``."""
+        if self._done:
+            raise RuntimeError("this layered step has already run its backward")
+        self._done = True
+        stages, events, m = self.stages, self.events, self.m
+        num_layers = len(stages.layer_to_block)
+        events.before_head_backward()
+        grads: list[torch.Tensor | None] = []
+        for i in range(m):
+            leaf = self.inputs[num_layers][i]
+            loss = self.head_losses[i]
+            if loss is not None and loss.requires_grad:
+                torch.autograd.backward(loss / m)
+            grads.append(leaf.grad)
+            self.inputs[num_layers][i] = self.head_losses[i] = None
+
+        for layer in reversed(range(num_layers)):
+            block = stages.layer_to_block[layer]
+            events.before_backward(block)
+            for i in range(m):
+                events.before_micro_backward(block, i, last=i == m - 1)
+                leaf = self.inputs[layer][i]
+                if self.recompute:
+                    hidden, extra = _rerun(stages, layer, leaf, self.contexts[i], self.rng_states[layer][i])
+                else:
+                    hidden, extra = self.outputs[layer][i], self.extras[layer][i]
+                tensors, grad_tensors = [], []
+                if grads[i] is not None and hidden.requires_grad:
+                    tensors.append(hidden)
+                    grad_tensors.append(grads[i])
+                if extra is not None and extra.requires_grad:
+                    tensors.append(extra / m)
+                    grad_tensors.append(None)
+                if tensors:
+                    torch.autograd.backward(tensors, grad_tensors)
+                # Drop this (layer, micro-batch)'s graph and the boundary above as soon as they are used.
+                grads[i] = leaf.grad
+                self.inputs[layer][i] = None
+                if not self.recompute:
+                    self.outputs[layer][i] = self.extras[layer][i] = None
+                del hidden, extra, tensors, grad_tensors, leaf
+            events.after_backward(block)
+
+        for i in range(m):
+            events.before_embed_backward(i, last=i == m - 1)
+            hidden = self.embedded[i]
+            if grads[i] is not None and hidden.requires_grad:
+                torch.autograd.backward(hidden, grads[i])
+            self.embedded[i] = grads[i] = None
+        return AccumulationResult(loss=self.loss, metrics=self.metrics)
+
+
+def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: BlockEvents | None = None, *,
+                    recompute: bool = False) -> LayeredStep:
+    """The forward half of one layered step: every micro-batch through layer i before layer i + 1, then the head.
+
+    Returns the step, whose ``loss`` and ``metrics`` are known now and whose ``backward()`` finishes it. Runs under
+    whatever autocast context the caller set.
+    """
+    _check_can_train(micro_batches)
+    events = events if events is not None else BlockEvents()
+    m = len(micro_batches)
+    step = LayeredStep(stages, events, recompute, m)
+    for micro_batch in micro_batches:
+        hidden, context = stages.embed(micro_batch)
+        step.embedded.append(hidden)
+        step.contexts.append(context)
+
+    step.inputs.append([_boundary(hidden) for hidden in step.embedded])
+    totals: list[torch.Tensor] = [torch.zeros(()) for _ in range(m)]  # detached losses per micro-batch
+    for layer, block in enumerate(stages.layer_to_block):
+        events.before_forward(block)
+        layer_out, layer_extra, layer_rng, next_inputs = [], [], [], []
+        for i in range(m):
+            leaf = step.inputs[layer][i]
+            if recompute:
+                layer_rng.append(_rng_state(leaf))
+                with torch.no_grad():
+                    hidden, extra = stages.layer(layer, leaf, step.contexts[i])
+            else:
+                hidden, extra = stages.layer(layer, leaf, step.contexts[i])
+                layer_out.append(hidden)
+                layer_extra.append(extra)
+            if extra is not None:
+                totals[i] = totals[i].to(extra.device) + extra.detach()
+            next_inputs.append(_boundary(hidden))
+        events.after_forward(block)
+        step.outputs.append(layer_out)
+        step.extras.append(layer_extra)
+        step.rng_states.append(layer_rng)
+        step.inputs.append(next_inputs)
+
+    metrics: list[dict[str, torch.Tensor]] = []
+    for i in range(m):
+        loss, head_metrics = stages.head(step.inputs[-1][i], step.contexts[i])
+        step.head_losses.append(loss)
+        totals[i] = totals[i].to(loss.device) + loss.detach()
+        metrics.append({key: value.detach() for key, value in head_metrics.items()})
+    step.loss = torch.stack([t.float() for t in totals]).mean()
+    step.metrics = _mean_metrics(metrics)
+    return step
+
+
+def run_layered(stages: LayeredStages, micro_batches: list[Any], events: BlockEvents | None = None, *,
+                recompute: bool = False) -> AccumulationResult:
+    """One optimizer step's forward and backward, layer by layer across all micro-batches.
+
+    Optimises the mean over micro-batches of (head loss + that micro-batch's extra layer losses): the gradients
+    accumulated into ``.grad`` equal those of ``run_depth_first`` on the same micro-batches (up to summation
+    order).
+    """
+    return layered_forward(stages, micro_batches, events, recompute=recompute).backward()
+
+
+def run_depth_first(loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                    micro_batches: list[Any]) -> AccumulationResult:
+    """Standard gradient accumulation: forward and backward of ``loss / m`` for one micro-batch after another.
+
+    The reference that :func:`run_layered` must match; ``loss_fn`` maps a micro-batch to (loss, metrics).
+    """
+    _check_can_train(micro_batches)
+    m = len(micro_batches)
+    losses, metrics = [], []
+    for micro_batch in micro_batches:
+        loss, loss_metrics = loss_fn(micro_batch)
+        (loss / m).backward()
+        losses.append(loss.detach().float())
+        metrics.append({key: value.detach() for key, value in loss_metrics.items()})
+    return AccumulationResult(loss=torch.stack(losses).mean(), metrics=_mean_metrics(metrics))

@@ -1,0 +1,188 @@
+"""ZeRO stages on the engines users already run: DDP + ``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard``.
+
+Pure functions over modules and optimizers; the strategy decides when to call them.
+
+| stage | parameters | gradients | optimizer states | built on |
+|---|---|---|---|---|
+| ``none`` | replicated | replicated (all-reduce) | replicated | ``DistributedDataParallel`` |
+| ``zero1`` | replicated | replicated (all-reduce) | 1/N per rank | DDP + ``ZeroRedundancyOptimizer`` |
+| ``zero2`` | 1/N at rest, gathered forward to backward | 1/N (reduce-scatter) | 1/N | FSDP2, no reshard after fwd |
+| ``zero3`` | 1/N, gathered one block at a time | 1/N (reduce-scatter) | 1/N | FSDP2, reshard after fwd |
+
+FSDP2 shards each parameter along dim 0 across the ranks; an offloaded block's shard (parameters, gradients and
+optimizer states) lives in host memory through FSDP2's ``CPUOffloadPolicy``, so its optimizer step runs on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .layered import BlockEvents
+
+Sharding = Literal["none", "zero1", "zero2", "zero3"]
+SHARDINGS: tuple[str, ...] = ("none", "zero1", "zero2", "zero3")
+
+
+def uses_fsdp(sharding: str) -> bool:
+    return sharding in ("zero2", "zero3")
+
+
+class StageRunner(nn.Module):
+    """Holds the modules that own parameters outside the blocks (embedding, final norm, head) as one FSDP2 root.
+
+    Layered accumulation calls the model's embedding and head stages directly rather than through the model's
+    ``forward``. FSDP2 gathers a unit's parameters in that unit's forward hooks and needs a single root per
+    group of units, so the stage functions run *through* this module's ``forward``: every stage call is a root
+    forward of the unit that holds the parameters it reads. The modules stay registered where they were; this
+    module only references them.
+    """
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.owners = nn.ModuleList(modules)
+
+    def forward(self, stage: Callable[..., Any], *args: Any) -> Any:
+        return stage(*args)
+
+
+def modules_outside_blocks(root: nn.Module, blocks: nn.ModuleList) -> list[nn.Module]:
+    """Modules under ``root`` that own parameters directly and are not part of a block."""
+    inside = {id(m) for m in blocks.modules()}
+    return [m for m in root.modules() if id(m) not in inside and any(True for _ in m.parameters(recurse=False))]
+
+
+def smallest_parameter_root(module: nn.Module) -> nn.Module:
+    """The deepest submodule that still contains every parameter of ``module`` (the FSDP2 root in standard mode):
+    sharding the LightningModule itself would change its class, which Lightning's hook checks look at."""
+    total = {id(p) for p in module.parameters()}
+    current = module
+    while True:
+        for child in current.children():
+            if {id(p) for p in child.parameters()} == total:
+                current = child
+                break
+        else:
+            return current
+
+
+def shard_blocks(blocks: nn.ModuleList, *, mesh: Any, sharding: str, offloaded: Iterable[int], layered: bool,
+                 pin_memory: bool, mp_policy: MixedPrecisionPolicy | None = None,
+                 indices: Iterable[int] | None = None) -> None:
+    """``fully_shard`` each block; offloaded blocks keep their shard in host memory.
+
+    In layered mode a block is never resharded by its own forward hook (the executor runs every micro-batch through
+    it and reshards once, explicitly, for zero3).
+    """
+    offloaded = set(offloaded)
+    reshard = sharding == "zero3" and not layered
+    for index in range(len(blocks)) if indices is None else indices:
+        policy = CPUOffloadPolicy(pin_memory=pin_memory) if index in offloaded else OffloadPolicy()
+        fully_shard(blocks[index], mesh=mesh, reshard_after_forward=reshard, offload_policy=policy,
+                    mp_policy=mp_policy or MixedPrecisionPolicy())
+
+
+def shard_rest(root: nn.Module, blocks: nn.ModuleList, *, mesh: Any, layered: bool,
+               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module | None:
+    """Shard the parameters outside the blocks. Standard mode: ``root`` becomes the FSDP2 root over the blocks.
+    Layered mode: a :class:`StageRunner` root holds them and each block is a root of its own."""
+    policy = mp_policy or MixedPrecisionPolicy()
+    if not layered:
+        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+        return None
+    owners = modules_outside_blocks(root, blocks)
+    if not owners:
+        return None
+    runner = StageRunner(owners)
+    fully_shard(runner, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
+    return runner
+
+
+class FSDPEvents(BlockEvents):
+    """Layered accumulation on FSDP2: each block is gathered once for the forward of all micro-batches (zero3
+    reshards it right after), once for their backward, and its gradient is reduce-scattered once, after the last
+    micro-batch; until then FSDP2 accumulates the unsharded gradient. The same for the stage runner's parameters
+    (embedding and head), whose backward opens and closes the step."""
+
+    def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_forward: bool) -> None:
+        self.blocks = blocks
+        self.runner = runner
+        self.reshard_after_forward = reshard_after_forward
+
+    def after_forward(self, block: int) -> None:
+        if self.reshard_after_forward:
+            self.blocks[block].reshard()
+
+    def before_micro_backward(self, block: int, micro_batch: int, last: bool) -> None:
+        module = self.blocks[block]
+        module.set_requires_gradient_sync(last, recurse=False)
+        module.set_reshard_after_backward(last, recurse=False)
+
+    def before_head_backward(self) -> None:
+        if self.runner is not None:
+            self.runner.set_requires_gradient_sync(False, recurse=False)
+            self.runner.set_reshard_after_backward(False, recurse=False)
+
+    def before_embed_backward(self, micro_batch: int, last: bool) -> None:
+        if self.runner is not None and last:
+            self.runner.set_requires_gradient_sync(True, recurse=False)
+            self.runner.set_reshard_after_backward(True, recurse=False)
+
+
+def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+# --------------------------------------------------------------------------------------------- accounting
+@dataclass
+class ModelStateBytes:
+    """Model-state bytes held by this rank (local shards only)."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
+
+def local_model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelStateBytes:
+    """What this rank stores of the parameters, gradients and optimizer states (a ZeroRedundancyOptimizer only
+    holds state for its own partition, FSDP2 only local shards)."""
+    params = list(module.parameters())
+    result = ModelStateBytes(params=sum(_local_bytes(p) for p in params),
+                             grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None))
+    if optimizer is not None:
+        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its partition's optimizer
+        for state in inner.state.values():
+            result.optimizer += sum(_local_bytes(v) for v in state.values()
+                                    if isinstance(v, torch.Tensor) and v.dim() > 0)
+    return result
+
+
+def zero_formula_bytes(sharding: str, *, param_bytes: int, state_bytes_per_param_byte: float,
+                       world_size: int) -> ModelStateBytes:
+    """Per-rank model-state bytes the ZeRO paper's accounting predicts for ``param_bytes`` of parameters (with
+    gradients of the same size) and optimizer states of ``state_bytes_per_param_byte`` times that (2 for Adam),
+    counted between steps, when zero2 holds only its shard as FSDP2 does."""
+    n = world_size
+    states = param_bytes * state_bytes_per_param_byte
+    if sharding == "none":
+        return ModelStateBytes(param_bytes, param_bytes, int(states))
+    if sharding == "zero1":
+        return ModelStateBytes(param_bytes, param_bytes, int(states / n))
+    if sharding in ("zero2", "zero3"):
+        return ModelStateBytes(int(param_bytes / n), int(param_bytes / n), int(states / n))
+    raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")

@@ -1,0 +1,101 @@
+"""Runs a list of P2RStrategy configurations on 1 or 2 CPU processes (gloo); launched by test_sharding.py.
+
+Lightning's launcher starts rank 1 by re-running this script, so both ranks run every configuration in the same
+order. For each configuration rank 0 writes ``<name>.pt`` (the full trained weights, gathered) and every rank
+adds what it measured (model-state bytes, collectives per step) to ``<name>.rank<r>.json``.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from helpers import TINY, tiny_data  # noqa: E402
+
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
+from lightning_p2r.strategy.sharding import local_model_state_bytes  # noqa: E402
+
+# Dense layers: the balance loss of an MoE layer is not additive across ranks, so it would not match one process.
+MODEL = TINY | {"num_layers": 4, "dim": 64, "moe_layers": [], "vocab_size": 128}
+
+
+class Probe(L.Callback):
+    """Model-state bytes after the last step; whether block parameters are gathered between forward and backward."""
+
+    def __init__(self) -> None:
+        self.bytes = None
+        self.gathered_before_backward = None
+
+    def on_before_backward(self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor) -> None:
+        blocks = pl_module.transformer.blocks
+        self.gathered_before_backward = sum(p.numel() * p.element_size() for p in blocks.parameters()
+                                            if not isinstance(p, DTensor))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        optimizer = trainer.strategy.optimizers[0]
+        self.bytes = vars(local_model_state_bytes(pl_module, optimizer))
+
+
+def full_weights(module: L.LightningModule, strategy: P2RStrategy) -> dict[str, torch.Tensor]:
+    if strategy.path == "fsdp":
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return {k: v.detach().clone() for k, v in strategy.lightning_module_state_dict().items()}
+
+
+def run(config: dict, out: Path, devices: int) -> None:
+    L.seed_everything(7)
+    model = MODEL | config.get("model", {})
+    module = M6LanguageModel(M6Config(**model), OptimizerConfig(lr=1e-2, warmup_steps=1, weight_decay=0.1))
+    probe = Probe()
+    callbacks = [probe]
+    if "delink_at" in config:
+        callbacks.append(PseudoToReal(delink_at_step=config["delink_at"]))
+    strategy = P2RStrategy(**config.get("strategy", {}))
+    checkpointing = "save" in config
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=config.get("steps", 3),
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=checkpointing, limit_val_batches=config.get("val_batches", 0),
+                        num_sanity_val_steps=0, accumulate_grad_batches=config.get("accumulate", 1),
+                        callbacks=callbacks, default_root_dir=out / config["name"])
+    batch_size = config.get("batch_size", 8) // devices
+    trainer.fit(module, datamodule=tiny_data(out, batch_size=batch_size), ckpt_path=config.get("resume"))
+    if checkpointing:
+        trainer.save_checkpoint(out / config["save"])
+    weights = full_weights(module, strategy)
+    rank = trainer.global_rank
+    if rank == 0:
+        torch.save({k: v.float() for k, v in weights.items()}, out / f"{config['name']}.pt")
+    report = {
+        "path": strategy.path,
+        "world_size": trainer.world_size,
+        "bytes": probe.bytes,
+        "gathered_before_backward": probe.gathered_before_backward,
+        "param_bytes": sum(v.numel() * v.element_size() for v in weights.values()),
+        "collectives": [{"calls": dict(c.calls), "bytes": dict(c.bytes)} for c in strategy.collectives_history],
+        "blocks": len(module.transformer.blocks),
+        "global_step": trainer.global_step,
+    }
+    (out / f"{config['name']}.rank{rank}.json").write_text(json.dumps(report))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--configs", type=str, required=True, help="JSON list of configurations")
+    args = parser.parse_args()
+    for config in json.loads(args.configs):
+        run(config, args.out, args.devices)
+
+
+if __name__ == "__main__":
+    main()
