@@ -23,6 +23,7 @@ from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrateg
 from lightning_p2r.strategy.sharding import local_model_state_bytes  # noqa: E402
 
 # Dense layers: the balance loss of an MoE layer is not additive across ranks, so it would not match one process.
+# A constant LR after warmup: resumed runs with a longer max_steps then follow the same schedule.
 MODEL = TINY | {"num_layers": 4, "dim": 64, "moe_layers": [], "vocab_size": 128}
 
 
@@ -52,7 +53,7 @@ def full_weights(module: L.LightningModule, strategy: P2RStrategy) -> dict[str, 
 def run(config: dict, out: Path, devices: int) -> None:
     L.seed_everything(7)
     model = MODEL | config.get("model", {})
-    module = M6LanguageModel(M6Config(**model), OptimizerConfig(lr=1e-2, warmup_steps=1, weight_decay=0.1))
+    module = M6LanguageModel(M6Config(**model), OptimizerConfig(lr=1e-2, warmup_steps=1, weight_decay=0.1, min_lr_ratio=1.0))
     probe = Probe()
     callbacks = [probe]
     if "delink_at" in config:
@@ -65,7 +66,7 @@ def run(config: dict, out: Path, devices: int) -> None:
                         num_sanity_val_steps=0, accumulate_grad_batches=config.get("accumulate", 1),
                         callbacks=callbacks, default_root_dir=out / config["name"])
     batch_size = config.get("batch_size", 8) // devices
-    trainer.fit(module, datamodule=tiny_data(out, batch_size=batch_size), ckpt_path=config.get("resume"))
+    trainer.fit(module, datamodule=tiny_data(out, batch_size=batch_size), ckpt_path=out / config["resume"] if "resume" in config else None)
     if checkpointing:
         trainer.save_checkpoint(out / config["save"])
     weights = full_weights(module, strategy)
