@@ -1,0 +1,116 @@
+"""P2RStrategy sharding and layered accumulation on one process: options, paths, errors and equivalence.
+
+The multi-process checks (ZeRO stages against one process, collectives, checkpoints) are in tests/distributed.
+"""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from helpers import TINY, tiny_data, tiny_trainer
+from lightning.fabric.plugins.environments import LightningEnvironment
+
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
+from lightning_p2r.strategy.sharding import ModelStateBytes, zero_formula_bytes
+
+DENSE = TINY | {"moe_layers": [], "num_layers": 3}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"sharding": "zero4"}, "sharding must be one of"),
+    ({"accumulation": "breadth"}, "accumulation must be 'standard' or 'layered'"),
+    ({"accumulation": "layered", "micro_batches": 0}, "micro_batches must be an integer >= 1"),
+    ({"recompute": True}, "recompute applies to accumulation='layered'"),
+    ({"micro_batches": 2}, "accumulate_grad_batches"),
+])
+def test_bad_options_fail_at_construction(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        P2RStrategy(**kwargs)
+
+
+def _with_world_size(strategy: P2RStrategy, world_size: int) -> P2RStrategy:
+    environment = LightningEnvironment()
+    environment.set_world_size(world_size)
+    strategy.cluster_environment = environment
+    return strategy
+
+
+@pytest.mark.parametrize(("sharding", "world_size", "path"), [
+    ("none", 1, "local"), ("zero1", 1, "local"), ("none", 2, "ddp"), ("zero1", 2, "ddp"),
+    ("zero2", 1, "fsdp"), ("zero3", 2, "fsdp"),
+])
+def test_engine_follows_sharding_and_world_size(sharding: str, world_size: int, path: str) -> None:
+    strategy = _with_world_size(P2RStrategy(sharding=sharding), world_size)
+    assert strategy.path == path
+    assert strategy.is_distributed == (world_size > 1)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"sharding": "zero1", "offload_fraction": 0.5}, "use sharding='zero2' or 'zero3'"),
+    ({"sharding": "none", "accumulation": "layered", "micro_batches": 2}, "for accumulation='layered'"),
+    ({"sharding": "zero3", "offload_fraction": 0.5, "offload_states": ["grads", "optimizer"]},
+     "offload_states must include 'params'"),
+])
+def test_combinations_across_ranks_that_cannot_work_are_refused(kwargs: dict, message: str) -> None:
+    strategy = _with_world_size(P2RStrategy(**kwargs), 2)
+    with pytest.raises(ValueError, match=message):
+        strategy._check_path_options()
+
+
+def test_layered_needs_lightning_accumulation_off(tmp_path: Path) -> None:
+    trainer = tiny_trainer(tmp_path, strategy=P2RStrategy(accumulation="layered", micro_batches=2),
+                           accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match="accumulate_grad_batches=1"):
+        trainer.fit(M6LanguageModel(M6Config(**DENSE)), datamodule=tiny_data(tmp_path))
+
+
+def test_layered_needs_a_module_that_declares_its_stages(tmp_path: Path) -> None:
+    class NoStages(M6LanguageModel):
+        layered_stages = None
+
+    trainer = tiny_trainer(tmp_path, strategy=P2RStrategy(accumulation="layered", micro_batches=2))
+    with pytest.raises(ValueError, match="layered_stages"):
+        trainer.fit(NoStages(M6Config(**DENSE)), datamodule=tiny_data(tmp_path))
+
+
+def _train(tmp_path: Path, strategy: P2RStrategy, batch_size: int, accumulate: int = 1) -> dict[str, torch.Tensor]:
+    L.seed_everything(3)
+    module = M6LanguageModel(M6Config(**DENSE), OptimizerConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=1.0))
+    trainer = tiny_trainer(tmp_path, strategy=strategy, max_steps=3, limit_val_batches=0,
+                           accumulate_grad_batches=accumulate)
+    trainer.fit(module, datamodule=tiny_data(tmp_path, batch_size=batch_size))
+    return {k: v.detach().clone() for k, v in trainer.strategy.lightning_module_state_dict().items()}
+
+
+@pytest.mark.parametrize("strategy_kwargs", [
+    {"accumulation": "layered", "micro_batches": 4},
+    {"accumulation": "layered", "micro_batches": 2, "recompute": True, "offload_blocks": [0, 2]},
+])
+def test_layered_equals_standard_accumulation_through_the_trainer(tmp_path: Path, strategy_kwargs: dict) -> None:
+    standard = _train(tmp_path / "standard", P2RStrategy(), batch_size=2, accumulate=strategy_kwargs["micro_batches"])
+    layered = _train(tmp_path / "layered", P2RStrategy(**strategy_kwargs),
+                     batch_size=2 * strategy_kwargs["micro_batches"])
+    for key in standard:
+        torch.testing.assert_close(layered[key], standard[key], rtol=1e-4, atol=1e-5)
+
+
+def test_layered_offload_fetches_each_block_once_per_direction(tmp_path: Path) -> None:
+    strategy = P2RStrategy(accumulation="layered", micro_batches=4, offload_fraction=1.0)
+    weights = _train(tmp_path, strategy, batch_size=8)
+    stats = strategy.telemetry_history[-1]
+    blocks = DENSE["num_layers"]
+    assert stats.fetches == 2 * blocks  # forward and backward, not 2 * blocks * micro_batches
+    block_bytes = sum(v.numel() * v.element_size() for k, v in weights.items() if ".blocks." in k)
+    assert stats.h2d_bytes == 2 * block_bytes
+
+
+def test_zero_formulas() -> None:
+    assert zero_formula_bytes("none", param_bytes=100, state_bytes_per_param_byte=2, world_size=4) == \
+        ModelStateBytes(100, 100, 200)
+    assert zero_formula_bytes("zero1", param_bytes=100, state_bytes_per_param_byte=2, world_size=4) == \
+        ModelStateBytes(100, 100, 50)
+    assert zero_formula_bytes("zero3", param_bytes=100, state_bytes_per_param_byte=2, world_size=4) == \
+        ModelStateBytes(25, 25, 50)
+    with pytest.raises(ValueError, match="sharding must be one of"):
+        zero_formula_bytes("zero9", param_bytes=1, state_bytes_per_param_byte=2, world_size=1)
