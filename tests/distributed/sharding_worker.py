@@ -53,7 +53,8 @@ def full_weights(module: L.LightningModule, strategy: P2RStrategy) -> dict[str, 
 def run(config: dict, out: Path, devices: int) -> None:
     L.seed_everything(7)
     model = MODEL | config.get("model", {})
-    module = M6LanguageModel(M6Config(**model), OptimizerConfig(lr=1e-2, warmup_steps=1, weight_decay=0.1, min_lr_ratio=1.0))
+    optimizer = OptimizerConfig(lr=1e-2, warmup_steps=1, weight_decay=0.1, min_lr_ratio=1.0)
+    module = M6LanguageModel(M6Config(**model), optimizer)
     probe = Probe()
     callbacks = [probe]
     if "delink_at" in config:
@@ -66,7 +67,8 @@ def run(config: dict, out: Path, devices: int) -> None:
                         num_sanity_val_steps=0, accumulate_grad_batches=config.get("accumulate", 1),
                         callbacks=callbacks, default_root_dir=out / config["name"])
     batch_size = config.get("batch_size", 8) // devices
-    trainer.fit(module, datamodule=tiny_data(out, batch_size=batch_size), ckpt_path=out / config["resume"] if "resume" in config else None)
+    resume = out / config["resume"] if "resume" in config else None
+    trainer.fit(module, datamodule=tiny_data(out, batch_size=batch_size), ckpt_path=resume)
     if checkpointing:
         trainer.save_checkpoint(out / config["save"])
     weights = full_weights(module, strategy)
