@@ -15,6 +15,9 @@ cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing
 - ``offload``: ``P2RStrategy`` with 0 to 100% of the blocks offloaded: tokens/s, telemetry (peak device
   model-state bytes, bytes moved, copy wait, host/device optimizer step) and, on CUDA, peak allocated memory;
   Lightning's ``ModelParallelStrategy`` with FSDP2's ``CPUOffloadPolicy`` as the peer; fused vs foreach host AdamW.
+- ``layered``: standard against layered gradient accumulation for m = 1, 2, 4, 8 micro-batches per step: the
+  collectives per optimizer step (calls and bytes, measured) and tokens/s of zero3 on 2 CPU processes, and the
+  host->device parameter bytes with every block offloaded on one process.
 
 Shared helpers (CSV, plain-text tables, plots, environment, timing) live in :mod:`lightning_p2r.benchmarks.report`.
 Timings belong here and never in tests: the tests only check that each benchmark runs and writes its outputs.

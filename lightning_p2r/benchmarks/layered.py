@@ -8,8 +8,8 @@ CPU processes (gloo) under ``P2RStrategy(sharding="zero3")``: "standard" is Ligh
 micro_batches=m`` with per-rank batches of 8. A first pass with ``count_collectives=True`` records rank 0's
 all-gather and reduce-scatter calls and bytes of the last optimizer step; a second pass without the counter (it
 costs a Python call per collective) gives tokens/s from the median optimizer-step time after warm-up. Last, one
-process (its own worker, also OMP_NUM_THREADS=1) with every block offloaded (``offload_fraction=1.0``) gives the host->device parameter
-bytes per step and its own tokens/s (``offload_tokens_per_s``, global batch 8).
+process (its own worker, also OMP_NUM_THREADS=1) with every block offloaded (``offload_fraction=1.0``) gives the
+host->device parameter bytes per step and its own tokens/s (``offload_tokens_per_s``, global batch 8).
 
 The parent process launches the 2-process worker (this same module with ``--worker``) through ``subprocess``;
 Lightning's launcher starts rank 1 by re-running the worker's command line.
