@@ -111,6 +111,11 @@ def next_token_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (batch, seq, vocab) against targets (batch, seq), computed in fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
 def routing_metrics(routing: dict[int, RoutingStats]) -> dict[str, torch.Tensor]:
     """Balance and drop rate averaged over MoE layers and per layer, keyed by their logged names (moe/...)."""
     if not routing:
@@ -198,7 +203,7 @@ class M6LanguageModel(L.LightningModule):
     def losses(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         inputs, targets = next_token_batch(batch)
         out = self(inputs)
-        ce = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+        ce = next_token_loss(out.logits, targets)
         total = ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
         return {"loss": total, "ce": ce, "aux": out.aux_loss, "z": out.z_loss, "output": out}
 
@@ -237,7 +242,7 @@ class M6LanguageModel(L.LightningModule):
 
         def head(hidden: torch.Tensor, context: _MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logits = transformer.head(hidden)
-            ce = F.cross_entropy(logits.float().flatten(0, 1), context.targets.flatten())
+            ce = next_token_loss(logits, context.targets)
             zero = ce.new_zeros(())
             aux = torch.stack([context.aux[k] for k in sorted(context.aux)]).mean() if context.aux else zero
             z = torch.stack([context.z[k] for k in sorted(context.z)]).mean() if context.z else zero
@@ -289,14 +294,14 @@ class M6LanguageModel(L.LightningModule):
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         inputs, targets = next_token_batch(batch)
         out = self(inputs)
-        loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten())
+        loss = next_token_loss(out.logits, targets)
         self.val_perplexity(out.logits.float(), targets)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", self.val_perplexity)
 
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         inputs, targets = next_token_batch(batch)
-        loss = F.cross_entropy(self(inputs).logits.float().flatten(0, 1), targets.flatten())
+        loss = next_token_loss(self(inputs).logits, targets)
         self.log("test/loss", loss, sync_dist=True)
 
     def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

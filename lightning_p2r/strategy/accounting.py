@@ -1,4 +1,4 @@
-"""Counting the collectives of a training step, measured where they are issued.
+"""Counting what a training step holds and moves: local tensor bytes, and the collectives it issues.
 
 FSDP2, DDP and ``ZeroRedundancyOptimizer`` all call torch.distributed, whose process-group operations go through
 the dispatcher as ``c10d`` ops. A dispatch mode sees each of them with its tensors, so the counts and bytes
@@ -12,8 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this rank stores for ``tensor``: its local shard for a DTensor (FSDP2), the whole tensor otherwise."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.numel() * local.element_size()
+
 
 # The payload of a collective: the whole (unsharded) buffer for gathers and scatters, the sum for list ops.
 _GATHER_SCATTER = ("allgather", "reduce_scatter", "_allgather_base", "_reduce_scatter_base")

@@ -62,7 +62,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
             previous = path.with_name(path.name + ".previous")
             path.rename(previous)
             staging.rename(path)
-            shutil.rmtree(previous) if previous.is_dir() else previous.unlink()
+            remove(previous)
         else:
             staging.rename(path)
     _barrier()

@@ -22,9 +22,10 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 
+from .accounting import local_bytes
 from .layered import BlockEvents
+from .split_optimizer import optimizer_state_bytes
 
 Sharding = Literal["none", "zero1", "zero2", "zero3"]
 SHARDINGS: tuple[str, ...] = ("none", "zero1", "zero2", "zero3")
@@ -55,7 +56,7 @@ class StageRunner(nn.Module):
 def modules_outside_blocks(root: nn.Module, blocks: nn.ModuleList) -> list[nn.Module]:
     """Modules under ``root`` that own parameters directly and are not part of a block."""
     inside = {id(m) for m in blocks.modules()}
-    return [m for m in root.modules() if id(m) not in inside and any(True for _ in m.parameters(recurse=False))]
+    return [m for m in root.modules() if id(m) not in inside and next(m.parameters(recurse=False), None) is not None]
 
 
 def smallest_parameter_root(module: nn.Module) -> nn.Module:
@@ -153,23 +154,15 @@ class ModelStateBytes:
         return self.params + self.grads + self.optimizer
 
 
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-    return local.numel() * local.element_size()
-
-
 def local_model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelStateBytes:
     """What this rank stores of the parameters, gradients and optimizer states (a ZeroRedundancyOptimizer only
     holds state for its own partition, FSDP2 only local shards)."""
     params = list(module.parameters())
-    result = ModelStateBytes(params=sum(_local_bytes(p) for p in params),
-                             grads=sum(_local_bytes(p.grad) for p in params if p.grad is not None))
-    if optimizer is not None:
-        inner = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer keeps its partition's optimizer
-        for state in inner.state.values():
-            result.optimizer += sum(_local_bytes(v) for v in state.values()
-                                    if isinstance(v, torch.Tensor) and v.dim() > 0)
-    return result
+    # A ZeroRedundancyOptimizer keeps its partition's state in an inner optimizer.
+    inner = getattr(optimizer, "optim", optimizer)
+    return ModelStateBytes(params=sum(local_bytes(p) for p in params),
+                           grads=sum(local_bytes(p.grad) for p in params if p.grad is not None),
+                           optimizer=optimizer_state_bytes(inner))
 
 
 def zero_formula_bytes(sharding: str, *, param_bytes: int, state_bytes_per_param_byte: float,

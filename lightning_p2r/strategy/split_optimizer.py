@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..sharing import optimizer_constructor_kwargs
+from .accounting import local_bytes
 from .offload import OffloadEngine
 
 # Group keys that choose an implementation rather than a hyperparameter: never copied between sides.
@@ -29,10 +30,11 @@ _IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differenti
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes of an optimizer's per-parameter state tensors (moments; scalar step counters left out)."""
+    """Bytes this rank holds of an optimizer's per-parameter state tensors (moments; scalar step counters left out;
+    local shards only for FSDP2's DTensors)."""
     if optimizer is None:
         return 0
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
+    return sum(local_bytes(v) for state in optimizer.state.values()
                for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
 
 

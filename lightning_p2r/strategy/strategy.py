@@ -442,9 +442,8 @@ class P2RStrategy(DDPStrategy):
                                    head=lambda hidden, context: runner(stages.head, hidden, context))
 
     def _block_events(self) -> Any:
-        holder = self._holder()
         if self.path == "fsdp":
-            return FSDPEvents(holder.blocks, self._stage_runner, reshard_after_forward=self.sharding == "zero3")
+            return FSDPEvents(self._holder().blocks, self._stage_runner, reshard_after_forward=self.sharding == "zero3")
         if self.engine is not None and self.engine.blocks:
             return EngineEvents(self.engine)
         return None
@@ -571,7 +570,7 @@ class P2RStrategy(DDPStrategy):
                 optimizer.consolidate_state_dict(to=rank)
                 if rank == self.global_rank:
                     full = optimizer.state_dict()
-            plain = type(optimizer.optim)([{k: v for k, v in g.items()} for g in optimizer.param_groups])
+            plain = type(optimizer.optim)([dict(g) for g in optimizer.param_groups])
             plain.load_state_dict(full)
         else:
             plain = optimizer
