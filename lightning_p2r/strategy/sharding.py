@@ -54,9 +54,10 @@ class StageRunner(nn.Module):
 
 
 def modules_outside_blocks(root: nn.Module, blocks: nn.ModuleList) -> list[nn.Module]:
-    """Modules under ``root`` that own parameters directly and are not part of a block."""
+    """Modules under ``root`` that own parameters or buffers directly and are not part of a block."""
     inside = {id(m) for m in blocks.modules()}
-    return [m for m in root.modules() if id(m) not in inside and next(m.parameters(recurse=False), None) is not None]
+    return [m for m in root.modules() if id(m) not in inside and (
+        next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None)]
 
 
 def smallest_parameter_root(module: nn.Module) -> nn.Module:

@@ -38,6 +38,13 @@ from .accounting import CollectiveCounter, CollectiveStats
 from .layered import LayeredStages, LayeredStep, layered_forward, split_micro_batches
 from .offload import EngineEvents, OffloadEngine, OffloadStats
 from .plan import OffloadPlan, block_footprints, device_total_memory, parameter_footprint, parse_bytes, plan_offload
+from .regather import (
+    gather_plain_module,
+    gather_plain_optimizer,
+    meta_template,
+    replace_submodule,
+    shard_optimizer,
+)
 from .sharding import (
     SHARDINGS,
     FSDPEvents,
@@ -148,6 +155,8 @@ class P2RStrategy(DDPStrategy):
         self._layered_step: LayeredStep | None = None
         self._counter_depth = 0
         self._pending_sharded_checkpoint: str | None = None
+        self._sharded_root: nn.Module | None = None
+        self._root_template: nn.Module | None = None
         given = [n for n, v in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
                                 ("device_memory_budget", device_memory_budget)) if v is not None]
         if len(given) > 1:
@@ -299,17 +308,28 @@ class P2RStrategy(DDPStrategy):
             zero.load_state_dict(optimizer.state_dict())
         return zero
 
-    def _shard(self) -> None:
-        """Apply FSDP2 (zero2/zero3) after the model exists; offloaded blocks keep their shard on the host."""
+    def _shard(self, *, move_module: bool = True) -> None:
+        """Apply FSDP2 (zero2/zero3) after the model exists; offloaded blocks keep their shard on the host.
+
+        ``move_module=False`` leaves the moving to FSDP2, which brings each unit's states to the device as it
+        shards them (one block at a time), for a model too large to move whole (after delinking).
+        """
         holder = self._holder()
         self.plan = self.make_plan(holder)
         module = self.lightning_module
-        module.to(self.root_device)
+        root = smallest_parameter_root(module)
+        self._sharded_root, self._root_template = root, meta_template(root)
+        if move_module:
+            module.to(self.root_device)
         layered = self.accumulation == "layered"
         shard_blocks(holder.blocks, mesh=self._mesh, sharding=self.sharding, offloaded=self.plan.offloaded,
                      layered=layered, pin_memory=self.resolved_pin_memory)
-        self._stage_runner = shard_rest(smallest_parameter_root(module), holder.blocks, mesh=self._mesh,
-                                        layered=layered)
+        self._stage_runner = shard_rest(root, holder.blocks, mesh=self._mesh, layered=layered)
+        if self._stage_runner is not None:
+            # The model's own forward (evaluation, a callback measuring a loss) reads the embedding and head
+            # outside the runner: gather them first. Training calls the stages through the runner instead.
+            runner = self._stage_runner
+            root.register_forward_pre_hook(lambda *_: runner.unshard())
 
     def _holder(self) -> nn.Module:
         module = self.lightning_module
@@ -476,34 +496,20 @@ class P2RStrategy(DDPStrategy):
         self._record_telemetry()
         return output
 
-    def _unshard_stage_runner(self) -> None:
-        if self._stage_runner is not None:  # evaluation runs the model's own forward, outside the runner
-            self._stage_runner.unshard()
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._unshard_stage_runner()
-        return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._unshard_stage_runner()
-        return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._unshard_stage_runner()
-        return super().predict_step(*args, **kwargs)
-
     @override
     def on_validation_end(self) -> None:
-        if self.path == "fsdp" and self.accumulation == "layered":
-            # Layered blocks never reshard in their own forward hook; evaluation leaves them gathered.
-            for module in fsdp_modules(self.lightning_module):
-                module.reshard()
-            if self._stage_runner is not None:
-                self._stage_runner.reshard()
+        if self.accumulation == "layered":
+            self._reshard_all()  # layered blocks never reshard in their own forward hook: evaluation left them gathered
         super().on_validation_end()
+
+    def _reshard_all(self) -> None:
+        """Every FSDP2 unit back to its shards (the stage runner is not inside the LightningModule)."""
+        if self.path != "fsdp":
+            return
+        for module in fsdp_modules(self.lightning_module):
+            module.reshard()
+        if self._stage_runner is not None:
+            self._stage_runner.reshard()
 
     def _update_static_bytes(self) -> None:
         """Device model-state bytes that do not stream: resident parameters, their gradients, the device
@@ -544,10 +550,7 @@ class P2RStrategy(DDPStrategy):
         made on the host, where memory is plentiful, and only the blocks the new plan keeps resident move back.
         """
         if self.path == "fsdp":
-            raise ValueError(
-                "P2RStrategy cannot delink a model sharded with zero2/zero3 during training yet; train the pseudo "
-                "phase with sharding='zero1' (or 'none'), or delink between runs from a checkpoint"
-            )
+            return self._delink_sharded(pl_module, optimizer, num_unique_blocks, optimizer_state)
         if self.path == "ddp":
             return self._delink_replicated(pl_module, optimizer, num_unique_blocks, optimizer_state)
         plain = self._detach_to_host(optimizer)
@@ -579,6 +582,31 @@ class P2RStrategy(DDPStrategy):
         self.configure_ddp()
         if self.sharding == "zero1":
             new_optimizer = self._zero_redundancy(new_optimizer)
+        self.optimizers = [new_optimizer]
+        return new_optimizer
+
+    def _delink_sharded(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer,
+                        num_unique_blocks: int | None,
+                        optimizer_state: OptimizerStatePolicy) -> torch.optim.Optimizer:
+        """zero2/zero3: FSDP2 cannot change the modules it manages, so the model is gathered into a plain host copy
+        (tensor by tensor), delinked there like any other model, and the copy replaces the sharded one and is
+        sharded afresh (a new plan places the new blocks); the optimizer is rebuilt over the new shards."""
+        root = self._sharded_root
+        if root is None or root is pl_module:
+            raise ValueError(
+                f"P2RStrategy delinks a zero2/zero3 model by rebuilding the submodule that holds its parameters; "
+                f"{type(pl_module).__name__} keeps parameters directly on the LightningModule"
+            )
+        self._reshard_all()
+        plain = gather_plain_module(root, self._root_template)
+        plain_optimizer = gather_plain_optimizer(optimizer, root, plain)
+        plain_optimizer = delink(plain, plain_optimizer, num_unique_blocks=num_unique_blocks,
+                                 optimizer_state=optimizer_state)
+        names = {id(p): name for name, p in plain.named_parameters()}
+        replace_submodule(pl_module, root, plain)
+        del root, optimizer
+        self._shard(move_module=False)
+        new_optimizer = shard_optimizer(plain_optimizer, names, plain)
         self.optimizers = [new_optimizer]
         return new_optimizer
 
@@ -622,6 +650,7 @@ class P2RStrategy(DDPStrategy):
         if self.path != "fsdp":
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        self._reshard_all()  # an evaluation forward (a callback's) may have left units gathered
         sharded_checkpoint.save_sharded(checkpoint, filepath, self.lightning_module, optimizers)
 
     @override

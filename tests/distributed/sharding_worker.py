@@ -59,6 +59,8 @@ def run(config: dict, out: Path, devices: int) -> None:
     callbacks = [probe]
     if "delink_at" in config:
         callbacks.append(PseudoToReal(delink_at_step=config["delink_at"]))
+    if "delink_schedule" in config:
+        callbacks.append(PseudoToReal(schedule={int(k): v for k, v in config["delink_schedule"].items()}))
     strategy = P2RStrategy(**config.get("strategy", {}))
     checkpointing = "save" in config
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=config.get("steps", 3),
@@ -83,6 +85,8 @@ def run(config: dict, out: Path, devices: int) -> None:
         "param_bytes": sum(v.numel() * v.element_size() for v in weights.values()),
         "collectives": [{"calls": dict(c.calls), "bytes": dict(c.bytes)} for c in strategy.collectives_history],
         "blocks": len(module.transformer.blocks),
+        "offloaded": sorted(strategy.plan.offloaded) if strategy.plan is not None else [],
+        "delinks": [event.blocks_after for c in callbacks if isinstance(c, PseudoToReal) for event in c.events],
         "global_step": trainer.global_step,
     }
     (out / f"{config['name']}.rank{rank}.json").write_text(json.dumps(report))

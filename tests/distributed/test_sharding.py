@@ -21,6 +21,8 @@ ONE_PROCESS = [
     {"name": "reference"},
     {"name": "reference_4_steps", "steps": 4},
     {"name": "reference_delink", "model": PSEUDO, "delink_at": 2, "steps": 4},
+    {"name": "reference_delink_5_steps", "model": PSEUDO, "delink_at": 2, "steps": 5},
+    {"name": "reference_staged", "model": PSEUDO, "delink_schedule": {1: 2, 3: 4}, "steps": 4},
     {"name": "local_layered", "strategy": {"accumulation": "layered", "micro_batches": 2}},
     {"name": "local_layered_offload", "strategy": {"accumulation": "layered", "micro_batches": 4, "recompute": True,
                                                    "offload_fraction": 0.5}},
@@ -44,8 +46,21 @@ TWO_PROCESSES = [
                                                              "accumulation": "layered", "micro_batches": 2,
                                                              "recompute": True}},
     {"name": "zero1_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"sharding": "zero1"}},
+    {"name": "zero3_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"sharding": "zero3"},
+     "save": "zero3_delink.ckpt"},
+    {"name": "zero2_layered_delink", "model": PSEUDO, "delink_at": 2, "steps": 4,
+     "strategy": {"sharding": "zero2", "accumulation": "layered", "micro_batches": 2}},
+    {"name": "zero3_offload_layered_recompute_delink", "model": PSEUDO, "delink_at": 2, "steps": 4,
+     "strategy": {"sharding": "zero3", "offload_fraction": 0.5, "accumulation": "layered", "micro_batches": 2,
+                  "recompute": True}},
+    {"name": "zero3_offload_staged", "model": PSEUDO, "delink_schedule": {1: 2, 3: 4}, "steps": 4,
+     "strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
 ]
-RESUME = [{"name": "zero3_resumed_on_one_rank", "steps": 4, "resume": "zero3.ckpt", "strategy": {"sharding": "zero3"}}]
+RESUME = [
+    {"name": "zero3_resumed_on_one_rank", "steps": 4, "resume": "zero3.ckpt", "strategy": {"sharding": "zero3"}},
+    {"name": "zero3_delinked_resumed_on_one_rank", "model": PSEUDO, "delink_at": 2, "steps": 5,
+     "resume": "zero3_delink.ckpt", "strategy": {"sharding": "zero3"}},
+]
 
 
 def _launch(out: Path, devices: int, configs: list[dict]) -> None:
@@ -83,7 +98,8 @@ def _assert_same_weights(runs: Path, name: str, reference: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", [c["name"] for c in ONE_PROCESS[3:] + TWO_PROCESSES if "delink_at" not in c])
+@pytest.mark.parametrize("name", [c["name"] for c in ONE_PROCESS[3:] + TWO_PROCESSES if "delink_at" not in c
+                                  and "delink_schedule" not in c])
 def test_matches_one_process_on_the_same_global_batch(runs: Path, name: str) -> None:
     _assert_same_weights(runs, name, "reference")
 
@@ -101,6 +117,38 @@ def test_the_weights_are_not_trivially_equal(runs: Path) -> None:
 def test_zero1_delinks_mid_training_like_one_process(runs: Path) -> None:
     assert _report(runs, "zero1_delink")["blocks"] == 4
     _assert_same_weights(runs, "zero1_delink", "reference_delink")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["zero3_delink", "zero2_layered_delink", "zero3_offload_layered_recompute_delink"])
+def test_sharded_model_delinks_mid_training_like_one_process(runs: Path, name: str) -> None:
+    """The new blocks are sharded (and offloaded by a new plan) without a restart; training goes on identically."""
+    for rank in (0, 1):
+        report = _report(runs, name, rank)
+        assert report["blocks"] == 4 and report["delinks"] == [4]
+        # After delinking each rank holds half of the real model's parameters (4 blocks, not 1).
+        assert abs(report["bytes"]["params"] - _report(runs, "zero3", rank)["bytes"]["params"]) <= 8
+    if "offload" in name:
+        assert _report(runs, name)["offloaded"] == [1, 3]  # re-planned over the 4 real blocks (was [0] of 1)
+    _assert_same_weights(runs, name, "reference_delink")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_sharded_model_delinks_in_stages_like_one_process(runs: Path) -> None:
+    assert _report(runs, "zero3_offload_staged")["delinks"] == [2, 4]
+    _assert_same_weights(runs, "zero3_offload_staged", "reference_staged")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_delinked_sharded_checkpoint_resumes_on_one_rank(runs: Path) -> None:
+    """A checkpoint of the real (delinked) model on 2 ranks resumes on 1: the module is rebuilt real before the
+    shards load, and the callback does not delink again."""
+    report = _report(runs, "zero3_delinked_resumed_on_one_rank")
+    assert report["world_size"] == 1 and report["global_step"] == 5 and report["delinks"] == [4]
+    _assert_same_weights(runs, "zero3_delinked_resumed_on_one_rank", "reference_delink_5_steps")
 
 
 @pytest.mark.distributed

@@ -1,0 +1,137 @@
+"""Gather an FSDP2-sharded module and its optimizer into plain host copies, and shard optimizer state back.
+
+Delinking a zero2/zero3 model mid-training changes its structure (new blocks, new parameters), which FSDP2 cannot
+do to a module it already manages. So the strategy gathers the model into a plain copy on the host (one tensor at a
+time: at most one full parameter is ever assembled on the device), delinks the copy with the same pure function as
+every other path, shards the copy as it sharded the original, and builds the optimizer over the new shards.
+
+The plain copy is built from a *meta template*, a copy of the module's structure taken before sharding that holds
+no data, because an FSDP2 module cannot be copied (its class and hooks belong to FSDP2). Deep-copying the template
+with every meta tensor mapped to a real one keeps tied parameters tied.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..sharing import optimizer_constructor_kwargs
+
+
+def meta_template(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s structure on the meta device (no memory), parameters and buffers included."""
+    memo: dict[int, object] = {}
+    for param in module.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    for buffer in module.buffers():
+        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+def full_tensor_on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor in host memory, gathered from every rank when it is a DTensor (collective: every rank of
+    its mesh must call this for the same tensors in the same order)."""
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().to("cpu", copy=True)
+    local = tensor.to_local()
+    mesh = tensor.device_mesh
+    if local.device.type != mesh.device_type:  # an offloaded shard lives on the host; the collective runs on the mesh
+        local = local.to(mesh.device_type)
+    whole = DTensor.from_local(local.detach(), mesh, tensor.placements, run_check=False, shape=tensor.shape,
+                               stride=tensor.stride())
+    return whole.full_tensor().to("cpu")
+
+
+def gather_plain_module(sharded: nn.Module, template: nn.Module) -> nn.Module:
+    """A plain host copy of ``sharded`` (built from ``template``, its meta copy taken before sharding)."""
+    live_params = dict(sharded.named_parameters())
+    live_buffers = dict(sharded.named_buffers())
+    memo: dict[int, object] = {}
+    for name, meta in template.named_parameters():
+        if name not in live_params:
+            raise ValueError(f"the sharded module has no parameter {name!r}: the template is out of date")
+        memo[id(meta)] = nn.Parameter(full_tensor_on_host(live_params[name]), requires_grad=meta.requires_grad)
+    for name, meta in template.named_buffers():
+        memo[id(meta)] = full_tensor_on_host(live_buffers[name])
+    return copy.deepcopy(template, memo)
+
+
+def _state_tensors(state: dict) -> Iterator[tuple[str, object]]:
+    yield from sorted(state.items())  # the same order on every rank: gathering is collective
+
+
+def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,
+                           plain: nn.Module) -> torch.optim.Optimizer:
+    """An optimizer of the same class, groups and hyperparameters over ``plain``'s parameters, with the whole
+    (gathered) state of ``optimizer``, which optimizes ``sharded``."""
+    name_of = {id(p): name for name, p in sharded.named_parameters()}
+    plain_params = dict(plain.named_parameters())
+    groups = []
+    for group in optimizer.param_groups:
+        missing = [p for p in group["params"] if id(p) not in name_of]
+        if missing:
+            raise ValueError("the optimizer holds parameters outside the sharded module; delinking a sharded model "
+                             "needs every optimized parameter under it")
+        groups.append({k: v for k, v in group.items() if k != "params"}
+                      | {"params": [plain_params[name_of[id(p)]] for p in group["params"]]})
+    result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if not state:
+                continue
+            target = plain_params[name_of[id(param)]]
+            result.state[target] = {key: full_tensor_on_host(value) if isinstance(value, torch.Tensor) else value
+                                    for key, value in _state_tensors(state)}
+    return result
+
+
+def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``full`` laid out as ``param`` is: this rank's shard, on the device the shard of ``param`` lives on."""
+    if not isinstance(param, DTensor):
+        return full.to(param.device)
+    mesh = param.device_mesh
+    # Every rank holds the whole tensor, so each cuts its own shard without communicating (src_data_rank=None).
+    local = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None).to_local()
+    local = local.to(param.to_local().device)
+    return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape,
+                              stride=param.stride())
+
+
+def shard_optimizer(plain_optimizer: torch.optim.Optimizer, names: dict[int, str],
+                    sharded: nn.Module) -> torch.optim.Optimizer:
+    """The optimizer ``plain_optimizer`` describes, over the parameters of ``sharded`` (``names`` maps the id of
+    each plain parameter to its name, recorded before sharding replaced the parameters)."""
+    live = dict(sharded.named_parameters())
+    groups = [{k: v for k, v in group.items() if k != "params"} | {"params": [live[names[id(p)]]
+                                                                              for p in group["params"]]}
+              for group in plain_optimizer.param_groups]
+    result = type(plain_optimizer)(groups, **optimizer_constructor_kwargs(plain_optimizer))
+    for group in plain_optimizer.param_groups:
+        for param in group["params"]:
+            state = plain_optimizer.state.get(param)
+            if not state:
+                continue
+            target = live[names[id(param)]]
+            result.state[target] = {
+                key: shard_like(value, target) if isinstance(value, torch.Tensor) and value.shape == target.shape
+                and value.dim() > 0 else value for key, value in state.items()
+            }
+    return result
+
+
+def replace_submodule(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put ``new`` wherever ``root`` (or one of its submodules) holds ``old``."""
+    found = False
+    for parent in list(root.modules()):
+        # named_children() lists a module once per parent; aliases (two attributes, one module) need every name.
+        for name, child in list(parent._modules.items()):
+            if child is old:
+                setattr(parent, name, new)
+                found = True
+    if not found:
+        raise ValueError(f"{type(old).__name__} is not a submodule of {type(root).__name__}")
