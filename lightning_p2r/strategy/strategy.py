@@ -28,6 +28,7 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
@@ -215,7 +216,24 @@ class P2RStrategy(DDPStrategy):
         """Which engine runs this job (see the module docstring)."""
         if uses_fsdp(self.sharding):
             return "fsdp"
-        return "ddp" if self.world_size > 1 else "local"
+        if self.world_size == 1:
+            return "local"
+        # DDP's reducer runs inside the model's forward, which the micro-batch executor bypasses, and cannot
+        # leave a block's gradient on the host: offload and layered accumulation across ranks run on FSDP2.
+        return "fsdp" if self.offloading or self.accumulation == "layered" else "ddp"
+
+    @property
+    def offloading(self) -> bool:
+        return any(v is not None for v in (self.offload_fraction, self.offload_blocks, self.device_memory_budget))
+
+    @property
+    def fsdp_layout(self) -> str:
+        """How FSDP2 lays the model out on the fsdp path: "zero3" or "zero2" (sharded, see ``shard_blocks``), or
+        "replicate" (sharding "none": a (ranks x 1) mesh, FSDP2's HSDP with shards of one rank, so every rank holds
+        everything and gradients are all-reduced). zero1 runs as "zero2": FSDP2 has no layout that shards optimizer
+        states but not gradients; sharding the gradients too only saves memory, the traffic is the same
+        (reduce-scatter + all-gather instead of all-reduce)."""
+        return {"none": "replicate", "zero1": "zero2"}.get(self.sharding, self.sharding)
 
     @property
     @override
@@ -232,27 +250,20 @@ class P2RStrategy(DDPStrategy):
         super().setup_environment()  # DDPStrategy: device, ranks, process group (gloo on CPU, NCCL on CUDA)
         if self.path == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
-            self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+            if self.fsdp_layout == "replicate":
+                self._mesh = init_device_mesh(self.root_device.type, (self.world_size, 1),
+                                              mesh_dim_names=("replicate", "shard"))
+            else:
+                self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+            if self.sharding == "zero1":
+                rank_zero_warn("P2RStrategy(sharding='zero1') with offload or layered accumulation across processes "
+                               "runs on FSDP2, which shards gradients too (ZeRO-2 memory, the same traffic)")
 
     def _check_path_options(self) -> None:
-        offloading = any(v is not None for v in (self.offload_fraction, self.offload_blocks,
-                                                  self.device_memory_budget))
-        if self.path == "ddp" and offloading:
-            raise ValueError(
-                f"P2RStrategy(sharding={self.sharding!r}) across {self.world_size} processes cannot offload blocks: "
-                "offloading across ranks keeps each rank's shard of a block in host memory through FSDP2; use "
-                "sharding='zero2' or 'zero3'"
-            )
-        if self.path == "ddp" and self.accumulation == "layered":
-            raise ValueError(
-                f"P2RStrategy(sharding={self.sharding!r}) across {self.world_size} processes supports standard "
-                "accumulation through Lightning's accumulate_grad_batches only: DDP's reducer runs inside the "
-                "model's forward, which the micro-batch executor bypasses; use sharding='zero2' or 'zero3' for "
-                "accumulation='layered'"
-            )
         if self.path == "fsdp" and "params" not in self.offload_states:
-            raise ValueError("P2RStrategy: with sharding zero2/zero3 an offloaded block keeps its parameter shard in "
-                             "host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
+            raise ValueError(
+                "P2RStrategy: with sharding zero2/zero3, or offloading across processes, an offloaded block keeps its "
+                "parameter shard in host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
 
     @property
     def resolved_pin_memory(self) -> bool:
@@ -322,7 +333,7 @@ class P2RStrategy(DDPStrategy):
         if move_module:
             module.to(self.root_device)
         layered = self.accumulation == "layered"
-        shard_blocks(holder.blocks, mesh=self._mesh, sharding=self.sharding, offloaded=self.plan.offloaded,
+        shard_blocks(holder.blocks, mesh=self._mesh, sharding=self.fsdp_layout, offloaded=self.plan.offloaded,
                      layered=layered, pin_memory=self.resolved_pin_memory)
         self._stage_runner = shard_rest(root, holder.blocks, mesh=self._mesh, layered=layered)
         if self._stage_runner is not None:
@@ -463,7 +474,8 @@ class P2RStrategy(DDPStrategy):
 
     def _block_events(self) -> Any:
         if self.path == "fsdp":
-            return FSDPEvents(self._holder().blocks, self._stage_runner, reshard_after_forward=self.sharding == "zero3")
+            return FSDPEvents(self._holder().blocks, self._stage_runner,
+                              reshard_after_forward=self.fsdp_layout == "zero3")
         if self.engine is not None and self.engine.blocks:
             return EngineEvents(self.engine)
         return None

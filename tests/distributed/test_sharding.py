@@ -45,6 +45,10 @@ TWO_PROCESSES = [
     {"name": "zero3_offload_layered_recompute", "strategy": {"sharding": "zero3", "offload_blocks": [1, 3],
                                                              "accumulation": "layered", "micro_batches": 2,
                                                              "recompute": True}},
+    {"name": "none_offload", "strategy": {"offload_fraction": 0.5, "count_collectives": True}},
+    {"name": "none_layered_m2", "strategy": {"accumulation": "layered", "micro_batches": 2, "count_collectives": True}},
+    {"name": "zero1_offload", "strategy": {"sharding": "zero1", "offload_fraction": 0.5}},
+    {"name": "zero1_layered_m2", "strategy": {"sharding": "zero1", "accumulation": "layered", "micro_batches": 2}},
     {"name": "zero1_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"sharding": "zero1"}},
     {"name": "zero3_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"sharding": "zero3"},
      "save": "zero3_delink.ckpt"},
@@ -178,6 +182,28 @@ def test_per_rank_model_state_bytes_match_the_zero_formulas(runs: Path, name: st
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
+def test_replicated_offload_and_layered_runs_keep_everything_on_every_rank(runs: Path) -> None:
+    """sharding="none" with offload or layered accumulation across ranks: FSDP2 with shards of one rank."""
+    zero1 = _report(runs, "zero1", 0)["bytes"]  # full parameters and gradients, half the optimizer states
+    full = zero1 | {"optimizer": 2 * zero1["optimizer"]}
+    for name in ("none_offload", "none_layered_m2"):
+        for rank in (0, 1):
+            report = _report(runs, name, rank)
+            assert report["path"] == "fsdp" and report["bytes"] == full, (name, rank)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_zero1_with_offload_or_layered_accumulation_runs_as_zero2(runs: Path) -> None:
+    """FSDP2 has no layout that shards optimizer states but not gradients; the documented substitute is zero2."""
+    for name in ("zero1_offload", "zero1_layered_m2"):
+        for rank in (0, 1):
+            report = _report(runs, name, rank)
+            assert report["path"] == "fsdp" and report["bytes"] == _report(runs, "zero2", rank)["bytes"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 def test_zero2_keeps_block_parameters_gathered_from_forward_to_backward(runs: Path) -> None:
     assert _report(runs, "zero2")["gathered_before_backward"] > 0
     assert _report(runs, "zero3")["gathered_before_backward"] == 0
@@ -198,6 +224,9 @@ def test_layered_accumulation_gathers_and_reduces_each_block_once_per_step(runs:
     # zero2 never re-gathers a block for backward.
     assert _report(runs, "zero2_layered_m2")["collectives"][-1]["calls"] == {"all_gather": blocks + 1,
                                                                              "reduce_scatter": blocks + 1}
+    # Replicated (sharding "none") on FSDP2: one all-reduce per unit per step, layered or not, nothing gathered.
+    assert _report(runs, "none_layered_m2")["collectives"][-1]["calls"] == {"all_reduce": blocks + 1}
+    assert _report(runs, "none_offload")["collectives"][-1]["calls"] == {"all_reduce": blocks + 1}
     # ZeRO-1: gradients all-reduced (one DDP bucket here), updated partitions broadcast by their owners.
     zero1 = _report(runs, "zero1")["collectives"][-1]["calls"]
     assert zero1["all_reduce"] >= 1 and zero1["broadcast"] >= 1 and "reduce_scatter" not in zero1

@@ -36,25 +36,29 @@ def _with_world_size(strategy: P2RStrategy, world_size: int) -> P2RStrategy:
     return strategy
 
 
-@pytest.mark.parametrize(("sharding", "world_size", "path"), [
-    ("none", 1, "local"), ("zero1", 1, "local"), ("none", 2, "ddp"), ("zero1", 2, "ddp"),
-    ("zero2", 1, "fsdp"), ("zero3", 2, "fsdp"),
+@pytest.mark.parametrize(("kwargs", "world_size", "path", "layout"), [
+    ({"sharding": "none"}, 1, "local", "replicate"), ({"sharding": "zero1"}, 1, "local", "zero2"),
+    ({"sharding": "none"}, 2, "ddp", "replicate"), ({"sharding": "zero1"}, 2, "ddp", "zero2"),
+    ({"sharding": "zero2"}, 1, "fsdp", "zero2"), ({"sharding": "zero3"}, 2, "fsdp", "zero3"),
+    # Offload and layered accumulation across ranks run on FSDP2 (DDP's reducer cannot drive them).
+    ({"sharding": "none", "offload_fraction": 0.5}, 1, "local", "replicate"),
+    ({"sharding": "none", "offload_fraction": 0.5}, 2, "fsdp", "replicate"),
+    ({"sharding": "zero1", "accumulation": "layered", "micro_batches": 2}, 2, "fsdp", "zero2"),
 ])
-def test_engine_follows_sharding_and_world_size(sharding: str, world_size: int, path: str) -> None:
-    strategy = _with_world_size(P2RStrategy(sharding=sharding), world_size)
+def test_engine_follows_sharding_and_world_size(kwargs: dict, world_size: int, path: str, layout: str) -> None:
+    strategy = _with_world_size(P2RStrategy(**kwargs), world_size)
     assert strategy.path == path
+    assert strategy.fsdp_layout == layout
     assert strategy.is_distributed == (world_size > 1)
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    ({"sharding": "zero1", "offload_fraction": 0.5}, "use sharding='zero2' or 'zero3'"),
-    ({"sharding": "none", "accumulation": "layered", "micro_batches": 2}, "for accumulation='layered'"),
-    ({"sharding": "zero3", "offload_fraction": 0.5, "offload_states": ["grads", "optimizer"]},
-     "offload_states must include 'params'"),
+@pytest.mark.parametrize(("kwargs", "world_size"), [
+    ({"sharding": "zero3", "offload_fraction": 0.5, "offload_states": ["grads", "optimizer"]}, 1),
+    ({"sharding": "none", "offload_fraction": 0.5, "offload_states": ["grads", "optimizer"]}, 2),
 ])
-def test_combinations_across_ranks_that_cannot_work_are_refused(kwargs: dict, message: str) -> None:
-    strategy = _with_world_size(P2RStrategy(**kwargs), 2)
-    with pytest.raises(ValueError, match=message):
+def test_fsdp_offload_must_keep_parameters_on_the_host(kwargs: dict, world_size: int) -> None:
+    strategy = _with_world_size(P2RStrategy(**kwargs), world_size)
+    with pytest.raises(ValueError, match="offload_states must include 'params'"):
         strategy._check_path_options()
 
 
