@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["AccumulationResult", "BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "run_depth_first",
-           "run_layered", "split_micro_batches"]
+__all__ = ["AccumulationResult", "BlockEvents", "LayeredStages", "LayeredStep", "check_accumulation_options",
+           "layered_forward", "run_depth_first", "run_layered", "split_micro_batches"]
 
 
 @dataclass
@@ -90,6 +90,20 @@ class AccumulationResult:
     """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""
     metrics: dict[str, torch.Tensor]
     """Mean over micro-batches of the head metrics."""
+
+
+def check_accumulation_options(accumulation: str, micro_batches: int, recompute: bool) -> None:
+    """Validate ``P2RStrategy``'s accumulation options when it is built (the messages name its arguments)."""
+    if accumulation not in ("standard", "layered"):
+        raise ValueError(f"P2RStrategy.accumulation must be 'standard' or 'layered', got {accumulation!r}")
+    if not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"P2RStrategy.micro_batches must be an integer >= 1, got {micro_batches!r}")
+    if recompute and accumulation != "layered":
+        raise ValueError("P2RStrategy.recompute applies to accumulation='layered' only")
+    if micro_batches > 1 and accumulation != "layered":
+        raise ValueError("P2RStrategy.micro_batches applies to accumulation='layered'; for standard (depth-first) "
+                         "accumulation use Trainer(accumulate_grad_batches=...)")
+
 
 
 def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:

@@ -158,3 +158,82 @@ def _plan_for_budget(footprints: list[BlockFootprint], budget: int, other_bytes:
         f"{activation_bytes:,}, streaming buffers for {min(prefetch + 1, num_blocks)} block(s)). Raise the "
         "budget, lower prefetch or the activation allowance, or shard the model"
     )
+
+
+def plan_for_model(model: nn.Module, blocks: nn.ModuleList, device: torch.device, *,
+                   offload_fraction: float | None, offload_blocks: list[int] | None,
+                   device_memory_budget: int | str | None, activation_allowance: int | str,
+                   prefetch: int) -> OffloadPlan:
+    """The offload plan for ``model`` (whose block sequence is ``blocks``) as it is now, also after delinking
+    changed its blocks. A budget may be a share of ``device``'s memory, and must also hold the trainable
+    parameters outside the blocks, which always stay on the device."""
+    budget = None
+    footprints = block_footprints(blocks)
+    other = []
+    if device_memory_budget is not None:
+        budget = parse_bytes(device_memory_budget, total=device_total_memory(device))
+        in_blocks = {id(p) for p in blocks.parameters()}
+        other = [p for p in model.parameters() if id(p) not in in_blocks and p.requires_grad]
+    return plan_offload(
+        len(blocks), offload_fraction=offload_fraction, offload_blocks=offload_blocks,
+        budget_bytes=budget, footprints=footprints,
+        other_bytes=parameter_footprint(other, 8).total if other else 0,
+        activation_bytes=parse_bytes(activation_allowance, name="activation_allowance"),
+        prefetch=prefetch,
+    )
+
+
+# ------------------------------------------------------------------------------------ P2RStrategy's options
+# Checked when the strategy is built, so a bad option fails before any process group or model exists; the
+# messages name the strategy's own arguments.
+def check_offload_options(*, offload_fraction: float | None, offload_blocks: list[int] | None,
+                          device_memory_budget: int | str | None, offload_states: list[str] | None, prefetch: int,
+                          pin_memory: object, overlap_host_step: object) -> set[str]:
+    """Validate ``P2RStrategy``'s offload options; returns the offload states to use (all three by default)."""
+    given = [n for n, v in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
+                            ("device_memory_budget", device_memory_budget)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"P2RStrategy takes one of offload_fraction, offload_blocks, device_memory_budget; "
+                         f"got {given}")
+    if offload_fraction is not None and not 0.0 <= offload_fraction <= 1.0:
+        raise ValueError(f"P2RStrategy.offload_fraction must be in [0, 1], got {offload_fraction}")
+    if offload_blocks is not None and any(not isinstance(i, int) or i < 0 for i in offload_blocks):
+        raise ValueError(f"P2RStrategy.offload_blocks must be block indices >= 0, got {offload_blocks}")
+    if device_memory_budget is not None and not isinstance(device_memory_budget, str):
+        if device_memory_budget <= 0:
+            raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")
+    if isinstance(device_memory_budget, str):
+        parse_bytes(device_memory_budget, total=1)  # syntax check now; the percentage base comes at setup
+    states = set(offload_states or ["params", "grads", "optimizer"])
+    unknown = states - {"params", "grads", "optimizer"}
+    if unknown or not {"grads", "optimizer"} <= states:
+        raise ValueError(
+            "P2RStrategy.offload_states must include 'grads' and 'optimizer' (an offloaded block's optimizer "
+            f"step runs on the host, from host gradients) and may add 'params'; got {sorted(states)}"
+        )
+    if prefetch < 0:
+        raise ValueError(f"P2RStrategy.prefetch must be >= 0, got {prefetch}")
+    if pin_memory not in (True, False, "auto"):
+        raise ValueError(f"P2RStrategy.pin_memory must be True, False or 'auto', got {pin_memory!r}")
+    if overlap_host_step not in (True, False, "auto"):
+        raise ValueError(f"P2RStrategy.overlap_host_step must be True, False or 'auto', got {overlap_host_step!r}")
+    return states
+
+
+def check_fsdp_offload_states(offload_states: set[str]) -> None:
+    """On FSDP2 an offloaded block keeps its parameter shard in host memory too (``CPUOffloadPolicy`` moves
+    parameters, gradients and optimizer states together), so "params" cannot be left out."""
+    if "params" not in offload_states:
+        raise ValueError(
+            "P2RStrategy: with sharding zero2/zero3, or offloading across processes, an offloaded block keeps its "
+            "parameter shard in host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
+
+
+def resolve_pin_memory(pin_memory: bool | str, device: torch.device) -> bool:
+    """Whether host buffers are page-locked: "auto" pins only with an accelerator (CPU-only torch cannot pin)."""
+    if pin_memory == "auto":
+        return device.type == "cuda"
+    if pin_memory and device.type == "cpu":
+        raise ValueError("P2RStrategy(pin_memory=True) needs an accelerator: CPU-only torch cannot pin memory; "
+                         "use pin_memory='auto' or False")
+    return bool(pin_memory)

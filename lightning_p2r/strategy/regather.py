@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..sharing import optimizer_constructor_kwargs
+from ..sharing import OptimizerStatePolicy, delink, optimizer_constructor_kwargs
 
 
 def meta_template(module: nn.Module) -> nn.Module:
@@ -88,6 +88,23 @@ def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,
             result.state[target] = {key: full_tensor_on_host(value) if isinstance(value, torch.Tensor) else value
                                     for key, value in _state_tensors(state)}
     return result
+
+
+def delinked_plain_copy(sharded: nn.Module, template: nn.Module, optimizer: torch.optim.Optimizer,
+                        num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
+                        ) -> tuple[nn.Module, torch.optim.Optimizer, dict[int, str]]:
+    """Gather ``sharded`` (and ``optimizer``, which optimizes it) into plain host copies and delink those.
+
+    Returns the delinked module, its optimizer, and the name of each of its parameters by ``id``: sharding the
+    module replaces its parameters, so :func:`shard_optimizer` finds the new ones by these names. Collective:
+    every rank must call it.
+    """
+    plain = gather_plain_module(sharded, template)
+    plain_optimizer = gather_plain_optimizer(optimizer, sharded, plain)
+    plain_optimizer = delink(plain, plain_optimizer, num_unique_blocks=num_unique_blocks,
+                             optimizer_state=optimizer_state)
+    names = {id(p): name for name, p in plain.named_parameters()}
+    return plain, plain_optimizer, names
 
 
 def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ optimizer states) lives in host memory through FSDP2's ``CPUOffloadPolicy``, so 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -22,9 +23,11 @@ from typing import Any, Literal
 import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from ..sharing import optimizer_constructor_kwargs
 from .accounting import local_bytes
-from .layered import BlockEvents
+from .layered import BlockEvents, LayeredStages
 from .split_optimizer import optimizer_state_bytes
 
 Sharding = Literal["none", "zero1", "zero2", "zero3"]
@@ -33,6 +36,73 @@ SHARDINGS: tuple[str, ...] = ("none", "zero1", "zero2", "zero3")
 
 def uses_fsdp(sharding: str) -> bool:
     return sharding in ("zero2", "zero3")
+
+
+def execution_path(sharding: str, world_size: int, *, offloading: bool,
+                   layered: bool) -> Literal["local", "ddp", "fsdp"]:
+    """Which engine runs a job: "local" (one process, the streaming engine), "ddp" (DDP, + ZeroRedundancyOptimizer
+    for zero1) or "fsdp" (FSDP2 per block)."""
+    if uses_fsdp(sharding):
+        return "fsdp"
+    if world_size == 1:
+        return "local"
+    # DDP's reducer runs inside the model's forward, which the micro-batch executor bypasses, and cannot
+    # leave a block's gradient on the host: offload and layered accumulation across ranks run on FSDP2.
+    return "fsdp" if offloading or layered else "ddp"
+
+
+def fsdp_layout_for(sharding: str) -> str:
+    """How FSDP2 lays the model out on the fsdp path: "zero3" or "zero2" (sharded, see ``shard_blocks``), or
+    "replicate" (sharding "none": a (ranks x 1) mesh, FSDP2's HSDP with shards of one rank, so every rank holds
+    everything and gradients are all-reduced). zero1 runs as "zero2": FSDP2 has no layout that shards optimizer
+    states but not gradients; sharding the gradients too only saves memory, the traffic is the same
+    (reduce-scatter + all-gather instead of all-reduce)."""
+    return {"none": "replicate", "zero1": "zero2"}.get(sharding, sharding)
+
+
+# ------------------------------------------------------------------------------------------ zero1 (DDP)
+def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
+    """The same optimizer class, groups and settings, with its states partitioned across the ranks."""
+    groups = [dict(g) for g in optimizer.param_groups]
+    for group in groups:
+        group.pop("initial_lr", None)
+    first, rest = groups[0], groups[1:]
+    kwargs = optimizer_constructor_kwargs(optimizer)
+    # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
+    kwargs |= {k: v for k, v in first.items() if k in kwargs}
+    zero = ZeroRedundancyOptimizer(first["params"], optimizer_class=type(optimizer), **kwargs)
+    for group in rest:
+        zero.add_param_group(group)
+    if optimizer.state:
+        zero.load_state_dict(optimizer.state_dict())
+    return zero
+
+
+def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: int,
+                                 rank: int) -> torch.optim.Optimizer:
+    """A plain optimizer (the class a ``ZeroRedundancyOptimizer`` wraps) holding the whole state on this rank;
+    any other optimizer is returned as it is. Collective for a ``ZeroRedundancyOptimizer``: every rank must call
+    it, because ``consolidate_state_dict`` hands the full state to one rank per call."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    full = None
+    for target in range(world_size):
+        optimizer.consolidate_state_dict(to=target)
+        if target == rank:
+            full = optimizer.state_dict()
+    plain = type(optimizer.optim)([dict(g) for g in optimizer.param_groups])
+    plain.load_state_dict(full)
+    return plain
+
+
+# ------------------------------------------------------------------------------------------ zero2/zero3 (FSDP2)
+def device_mesh(layout: str, device_type: str, world_size: int) -> Any:
+    """The FSDP2 mesh for ``layout``: "replicate" is a (ranks x 1) mesh (HSDP with shards of one rank, so every rank
+    holds everything); the sharded layouts shard across all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if layout == "replicate":
+        return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size,))
 
 
 class StageRunner(nn.Module):
@@ -51,6 +121,15 @@ class StageRunner(nn.Module):
 
     def forward(self, stage: Callable[..., Any], *args: Any) -> Any:
         return stage(*args)
+
+
+def stages_through_runner(stages: LayeredStages, runner: nn.Module | None) -> LayeredStages:
+    """``stages`` with the embedding and head called through ``runner`` (the FSDP2 root that holds their
+    parameters, see :class:`StageRunner`), so FSDP2 gathers those parameters first; unchanged without a runner."""
+    if runner is None:
+        return stages
+    return dataclasses.replace(stages, embed=lambda mb: runner(stages.embed, mb),
+                               head=lambda hidden, context: runner(stages.head, hidden, context))
 
 
 def modules_outside_blocks(root: nn.Module, blocks: nn.ModuleList) -> list[nn.Module]:
@@ -139,6 +218,15 @@ class FSDPEvents(BlockEvents):
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard_all(module: nn.Module, runner: nn.Module | None) -> None:
+    """Every FSDP2 unit of ``module`` back to its shards, and the stage runner's (which is not inside it): an
+    evaluation forward leaves layered blocks gathered, since their own forward hooks never reshard them."""
+    for unit in fsdp_modules(module):
+        unit.reshard()
+    if runner is not None:
+        runner.reshard()
 
 
 # --------------------------------------------------------------------------------------------- accounting

@@ -19,7 +19,11 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import lightning as L
 import torch
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch import nn
 
 from ..sharing import optimizer_constructor_kwargs
 from .accounting import local_bytes
@@ -36,6 +40,30 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
         return 0
     return sum(local_bytes(v) for state in optimizer.state.values()
                for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+
+
+def device_optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """Optimizer-state bytes on the device: only the device side of a :class:`SplitOptimizer` (its host
+    optimizers keep their state in host memory)."""
+    if isinstance(optimizer, SplitOptimizer):
+        optimizer = optimizer.device_optimizer
+    return optimizer_state_bytes(optimizer)
+
+
+def host_step_overlap_allowed(overlap_host_step: bool | str, device: torch.device, module: L.LightningModule,
+                              precision_plugin: Any) -> bool:
+    """Whether offloaded blocks' host steps may run during backward (:meth:`SplitOptimizer.submit_host_step`).
+
+    Only where wanted ("auto": with an accelerator; on a CPU the host step competes with backward for the same
+    cores) and where stepping a block during backward cannot skip anything that happens between backward and
+    step: gradient clipping, a gradient scaler, gradient accumulation, manual or custom optimizer steps.
+    """
+    trainer = module.trainer
+    wanted = device.type != "cpu" if overlap_host_step == "auto" else overlap_host_step
+    return (wanted and module.automatic_optimization and not trainer.gradient_clip_val
+            and trainer.accumulate_grad_batches == 1 and getattr(precision_plugin, "scaler", None) is None
+            and not is_overridden("configure_gradient_clipping", module, L.LightningModule)
+            and not is_overridden("optimizer_step", module, L.LightningModule))
 
 
 class SplitOptimizer(torch.optim.Optimizer):
@@ -254,3 +282,53 @@ class SplitOptimizer(torch.optim.Optimizer):
         plain = self.optimizer_class(groups, **self._kwargs)
         plain.load_state_dict(self.state_dict())
         return plain
+
+
+def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimizer,
+                   module: nn.Module) -> torch.optim.Optimizer:
+    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (which must not be used
+    afterwards), and return an ordinary optimizer over the module's own parameters with the full state.
+
+    A :class:`SplitOptimizer` steps the offloaded blocks' host masters; the plain optimizer must instead hold the
+    module's parameters in the same slots, so each master is mapped back to the parameter it stands for before the
+    engine lets go of them.
+    """
+    if isinstance(optimizer, SplitOptimizer):
+        by_master = {id(master): param for block in engine.blocks.values()
+                     for master, param in zip(block.host, block.params)}
+        slots = [by_master.get(id(p), p) for group in optimizer.param_groups for p in group["params"]]
+        engine.detach("cpu")
+        optimizer.shutdown()
+        module.to("cpu")
+        plain = optimizer.to_plain(slots)
+    else:
+        if engine is not None:
+            engine.detach("cpu")
+        module.to("cpu")
+        plain = optimizer
+    _optimizer_to_device(plain, torch.device("cpu"))
+    return plain
+
+
+def split_single_optimizer(optimizers: list[torch.optim.Optimizer], engine: OffloadEngine,
+                           carry_state_from: torch.optim.Optimizer | None = None) -> SplitOptimizer:
+    """The one optimizer in ``optimizers`` split between the device and ``engine``'s offloaded blocks, with the
+    state of ``carry_state_from`` (an optimizer over the same slots in canonical order, after delinking) if given."""
+    if len(optimizers) != 1:
+        raise ValueError(f"P2RStrategy offloading supports one optimizer, got {len(optimizers)}")
+    split = SplitOptimizer(optimizers[0], engine)
+    if carry_state_from is not None:
+        split.load_state_dict(carry_state_from.state_dict())
+    return split
+
+
+def release_to_host(optimizers: list[Any], engine: OffloadEngine | None) -> None:
+    """At teardown: stop the split optimizers' host-step threads and give every offloaded parameter its values
+    back as an ordinary tensor in host memory (``engine`` must not be used afterwards). To the host, because
+    putting every offloaded block on the device at once could run out of memory, and Lightning's teardown moves
+    the module to the CPU anyway."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, SplitOptimizer):
+            optimizer.shutdown()
+    if engine is not None:
+        engine.detach("cpu")

@@ -15,7 +15,6 @@ Three execution paths, chosen from ``sharding`` and the number of processes:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Literal
@@ -27,36 +26,41 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
 
-from ..sharing import OptimizerStatePolicy, delink, find_block_sequence, optimizer_constructor_kwargs, rebind_scheduler
+from ..sharing import OptimizerStatePolicy, delink, find_block_sequence, rebind_scheduler
 from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats
-from .layered import LayeredStages, LayeredStep, layered_forward, split_micro_batches
+from .host_state import blocks_prefix, full_state_dict, load_full_state_dict, resident_model_bytes
+from .layered import LayeredStages, LayeredStep, check_accumulation_options, layered_forward, split_micro_batches
 from .offload import EngineEvents, OffloadEngine, OffloadStats
-from .plan import OffloadPlan, block_footprints, device_total_memory, parameter_footprint, parse_bytes, plan_offload
-from .regather import (
-    gather_plain_module,
-    gather_plain_optimizer,
-    meta_template,
-    replace_submodule,
-    shard_optimizer,
-)
+from .plan import OffloadPlan, check_fsdp_offload_states, check_offload_options, plan_for_model, resolve_pin_memory
+from .regather import delinked_plain_copy, meta_template, replace_submodule, shard_optimizer
 from .sharding import (
     SHARDINGS,
     FSDPEvents,
     Sharding,
-    fsdp_modules,
+    consolidated_plain_optimizer,
+    device_mesh,
+    execution_path,
+    fsdp_layout_for,
+    reshard_all,
     shard_blocks,
     shard_rest,
     smallest_parameter_root,
-    uses_fsdp,
+    stages_through_runner,
+    zero_redundancy_optimizer,
 )
-from .split_optimizer import SplitOptimizer, optimizer_state_bytes
+from .split_optimizer import (
+    SplitOptimizer,
+    detach_to_host,
+    device_optimizer_state_bytes,
+    host_step_overlap_allowed,
+    release_to_host,
+    split_single_optimizer,
+)
 
 OffloadState = Literal["params", "grads", "optimizer"]
 Accumulation = Literal["standard", "layered"]
@@ -134,15 +138,7 @@ class P2RStrategy(DDPStrategy):
                          timeout=timeout)
         if sharding not in SHARDINGS:
             raise ValueError(f"P2RStrategy.sharding must be one of {SHARDINGS}, got {sharding!r}")
-        if accumulation not in ("standard", "layered"):
-            raise ValueError(f"P2RStrategy.accumulation must be 'standard' or 'layered', got {accumulation!r}")
-        if not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"P2RStrategy.micro_batches must be an integer >= 1, got {micro_batches!r}")
-        if recompute and accumulation != "layered":
-            raise ValueError("P2RStrategy.recompute applies to accumulation='layered' only")
-        if micro_batches > 1 and accumulation != "layered":
-            raise ValueError("P2RStrategy.micro_batches applies to accumulation='layered'; for standard (depth-first) "
-                             "accumulation use Trainer(accumulate_grad_batches=...)")
+        check_accumulation_options(accumulation, micro_batches, recompute)
         self.sharding = sharding
         self.accumulation = accumulation
         self.micro_batches = micro_batches
@@ -158,33 +154,10 @@ class P2RStrategy(DDPStrategy):
         self._pending_sharded_checkpoint: str | None = None
         self._sharded_root: nn.Module | None = None
         self._root_template: nn.Module | None = None
-        given = [n for n, v in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
-                                ("device_memory_budget", device_memory_budget)) if v is not None]
-        if len(given) > 1:
-            raise ValueError(f"P2RStrategy takes one of offload_fraction, offload_blocks, device_memory_budget; "
-                             f"got {given}")
-        if offload_fraction is not None and not 0.0 <= offload_fraction <= 1.0:
-            raise ValueError(f"P2RStrategy.offload_fraction must be in [0, 1], got {offload_fraction}")
-        if offload_blocks is not None and any(not isinstance(i, int) or i < 0 for i in offload_blocks):
-            raise ValueError(f"P2RStrategy.offload_blocks must be block indices >= 0, got {offload_blocks}")
-        if device_memory_budget is not None and not isinstance(device_memory_budget, str):
-            if device_memory_budget <= 0:
-                raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")
-        if isinstance(device_memory_budget, str):
-            parse_bytes(device_memory_budget, total=1)  # syntax check now; the percentage base comes at setup
-        states = set(offload_states or ["params", "grads", "optimizer"])
-        unknown = states - {"params", "grads", "optimizer"}
-        if unknown or not {"grads", "optimizer"} <= states:
-            raise ValueError(
-                "P2RStrategy.offload_states must include 'grads' and 'optimizer' (an offloaded block's optimizer "
-                f"step runs on the host, from host gradients) and may add 'params'; got {sorted(states)}"
-            )
-        if prefetch < 0:
-            raise ValueError(f"P2RStrategy.prefetch must be >= 0, got {prefetch}")
-        if pin_memory not in (True, False, "auto"):
-            raise ValueError(f"P2RStrategy.pin_memory must be True, False or 'auto', got {pin_memory!r}")
-        if overlap_host_step not in (True, False, "auto"):
-            raise ValueError(f"P2RStrategy.overlap_host_step must be True, False or 'auto', got {overlap_host_step!r}")
+        states = check_offload_options(
+            offload_fraction=offload_fraction, offload_blocks=offload_blocks, device_memory_budget=device_memory_budget,
+            offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
+            overlap_host_step=overlap_host_step)
         self.offload_fraction = offload_fraction
         self.offload_blocks = offload_blocks
         self.device_memory_budget = device_memory_budget
@@ -213,14 +186,9 @@ class P2RStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------ environment
     @property
     def path(self) -> Literal["local", "ddp", "fsdp"]:
-        """Which engine runs this job (see the module docstring)."""
-        if uses_fsdp(self.sharding):
-            return "fsdp"
-        if self.world_size == 1:
-            return "local"
-        # DDP's reducer runs inside the model's forward, which the micro-batch executor bypasses, and cannot
-        # leave a block's gradient on the host: offload and layered accumulation across ranks run on FSDP2.
-        return "fsdp" if self.offloading or self.accumulation == "layered" else "ddp"
+        """Which engine runs this job (see the module docstring and ``execution_path``)."""
+        return execution_path(self.sharding, self.world_size, offloading=self.offloading,
+                              layered=self.accumulation == "layered")
 
     @property
     def offloading(self) -> bool:
@@ -228,12 +196,8 @@ class P2RStrategy(DDPStrategy):
 
     @property
     def fsdp_layout(self) -> str:
-        """How FSDP2 lays the model out on the fsdp path: "zero3" or "zero2" (sharded, see ``shard_blocks``), or
-        "replicate" (sharding "none": a (ranks x 1) mesh, FSDP2's HSDP with shards of one rank, so every rank holds
-        everything and gradients are all-reduced). zero1 runs as "zero2": FSDP2 has no layout that shards optimizer
-        states but not gradients; sharding the gradients too only saves memory, the traffic is the same
-        (reduce-scatter + all-gather instead of all-reduce)."""
-        return {"none": "replicate", "zero1": "zero2"}.get(self.sharding, self.sharding)
+        """How FSDP2 lays the model out on the fsdp path (see ``fsdp_layout_for`` in sharding.py)."""
+        return fsdp_layout_for(self.sharding)
 
     @property
     @override
@@ -249,30 +213,18 @@ class P2RStrategy(DDPStrategy):
         self._check_path_options()
         super().setup_environment()  # DDPStrategy: device, ranks, process group (gloo on CPU, NCCL on CUDA)
         if self.path == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-            if self.fsdp_layout == "replicate":
-                self._mesh = init_device_mesh(self.root_device.type, (self.world_size, 1),
-                                              mesh_dim_names=("replicate", "shard"))
-            else:
-                self._mesh = init_device_mesh(self.root_device.type, (self.world_size,))
+            self._mesh = device_mesh(self.fsdp_layout, self.root_device.type, self.world_size)
             if self.sharding == "zero1":
                 rank_zero_warn("P2RStrategy(sharding='zero1') with offload or layered accumulation across processes "
                                "runs on FSDP2, which shards gradients too (ZeRO-2 memory, the same traffic)")
 
     def _check_path_options(self) -> None:
-        if self.path == "fsdp" and "params" not in self.offload_states:
-            raise ValueError(
-                "P2RStrategy: with sharding zero2/zero3, or offloading across processes, an offloaded block keeps its "
-                "parameter shard in host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
+        if self.path == "fsdp":
+            check_fsdp_offload_states(self.offload_states)
 
     @property
     def resolved_pin_memory(self) -> bool:
-        if self.pin_memory == "auto":
-            return self.root_device.type == "cuda"
-        if self.pin_memory and self.root_device.type == "cpu":
-            raise ValueError("P2RStrategy(pin_memory=True) needs an accelerator: CPU-only torch cannot pin memory; "
-                             "use pin_memory='auto' or False")
-        return bool(self.pin_memory)
+        return resolve_pin_memory(self.pin_memory, self.root_device)
 
     # ------------------------------------------------------------------------------------------------ setup
     @override
@@ -298,26 +250,9 @@ class P2RStrategy(DDPStrategy):
     def _setup_ddp(self, trainer: L.Trainer) -> None:
         super().setup(trainer)  # DDPStrategy: to the device, DDP wrap, optimizers
         if trainer.state.fn == TrainerFn.FITTING and self.sharding == "zero1":
-            self.optimizers = [self._zero_redundancy(opt) for opt in self.optimizers]
+            self.optimizers = [zero_redundancy_optimizer(opt) for opt in self.optimizers]
             for config in self.lr_scheduler_configs:
                 config.scheduler = rebind_scheduler(config.scheduler, self.optimizers[0])
-
-    @staticmethod
-    def _zero_redundancy(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
-        """The same optimizer class, groups and settings, with its states partitioned across the ranks."""
-        groups = [dict(g) for g in optimizer.param_groups]
-        for group in groups:
-            group.pop("initial_lr", None)
-        first, rest = groups[0], groups[1:]
-        kwargs = optimizer_constructor_kwargs(optimizer)
-        # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
-        kwargs |= {k: v for k, v in first.items() if k in kwargs}
-        zero = ZeroRedundancyOptimizer(first["params"], optimizer_class=type(optimizer), **kwargs)
-        for group in rest:
-            zero.add_param_group(group)
-        if optimizer.state:
-            zero.load_state_dict(optimizer.state_dict())
-        return zero
 
     def _shard(self, *, move_module: bool = True) -> None:
         """Apply FSDP2 (zero2/zero3) after the model exists; offloaded blocks keep their shard on the host.
@@ -351,37 +286,22 @@ class P2RStrategy(DDPStrategy):
 
     def make_plan(self, holder: nn.Module) -> OffloadPlan:
         """The offload plan for the model as it is now (also after delinking changed its blocks)."""
-        num_blocks = len(holder.blocks)
-        budget = None
-        footprints = block_footprints(holder.blocks)
-        other = []
-        if self.device_memory_budget is not None:
-            budget = parse_bytes(self.device_memory_budget, total=device_total_memory(self.root_device))
-            in_blocks = {id(p) for p in holder.blocks.parameters()}
-            other = [p for p in self.lightning_module.parameters() if id(p) not in in_blocks and p.requires_grad]
-        return plan_offload(
-            num_blocks, offload_fraction=self.offload_fraction, offload_blocks=self.offload_blocks,
-            budget_bytes=budget, footprints=footprints,
-            other_bytes=parameter_footprint(other, 8).total if other else 0,
-            activation_bytes=parse_bytes(self.activation_allowance, name="activation_allowance"),
-            prefetch=self.prefetch,
-        )
+        return plan_for_model(self.lightning_module, holder.blocks, self.root_device,
+                              offload_fraction=self.offload_fraction, offload_blocks=self.offload_blocks,
+                              device_memory_budget=self.device_memory_budget,
+                              activation_allowance=self.activation_allowance, prefetch=self.prefetch)
 
     def _attach(self) -> None:
         holder = self._holder()
         self.plan = self.make_plan(holder)
-        prefix = _blocks_prefix(self.lightning_module, holder)
+        prefix = blocks_prefix(self.lightning_module, holder)
         pin = self.resolved_pin_memory
         self.engine = OffloadEngine(holder, self.plan.offloaded, self.root_device, prefetch=self.prefetch,
                                     pin_memory=pin, param_prefix=prefix,
                                     offload_params="params" in self.offload_states)
         self.model_to_device()  # the offloaded blocks' parameters are already empty device placeholders
         self.engine.on_block_grads_ready = self._on_block_grads_ready
-        # Resident parameters and their gradients do not change size until the next re-plan: count them once.
-        offloaded = {id(p) for index in self.engine.blocks for p in holder.blocks[index].parameters()}
-        resident = [p for p in self.lightning_module.parameters() if id(p) not in offloaded]
-        self._resident_model_bytes = sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1)
-                                         for p in resident)
+        self._resident_model_bytes = resident_model_bytes(self.lightning_module, holder.blocks, self.engine.blocks)
 
     @override
     def model_to_device(self) -> None:
@@ -398,12 +318,7 @@ class P2RStrategy(DDPStrategy):
                 _optimizer_to_device(carry_state_from, self.root_device)
             self._update_static_bytes()
             return
-        if len(self.optimizers) != 1:
-            raise ValueError(f"P2RStrategy offloading supports one optimizer, got {len(self.optimizers)}")
-        original = self.optimizers[0]
-        split = SplitOptimizer(original, self.engine)
-        if carry_state_from is not None:
-            split.load_state_dict(carry_state_from.state_dict())
+        split = split_single_optimizer(self.optimizers, self.engine, carry_state_from)
         for config in self.lr_scheduler_configs:
             config.scheduler = rebind_scheduler(config.scheduler, split)
         self.optimizers = [split]
@@ -411,13 +326,8 @@ class P2RStrategy(DDPStrategy):
 
     def _overlap_allowed(self) -> bool:
         """Stepping a block during backward must not skip anything that happens between backward and step."""
-        module = self.lightning_module
-        trainer = module.trainer
-        wanted = self.root_device.type != "cpu" if self.overlap_host_step == "auto" else self.overlap_host_step
-        return (wanted and module.automatic_optimization and not trainer.gradient_clip_val
-                and trainer.accumulate_grad_batches == 1 and getattr(self.precision_plugin, "scaler", None) is None
-                and not is_overridden("configure_gradient_clipping", module, L.LightningModule)
-                and not is_overridden("optimizer_step", module, L.LightningModule))
+        return host_step_overlap_allowed(self.overlap_host_step, self.root_device, self.lightning_module,
+                                         self.precision_plugin)
 
     def _on_block_grads_ready(self, index: int) -> None:
         optimizer = self.optimizers[0] if self.optimizers else None
@@ -464,13 +374,7 @@ class P2RStrategy(DDPStrategy):
                 f"P2RStrategy(accumulation='layered') needs the LightningModule to define layered_stages() -> "
                 f"LayeredStages (embedding, per-layer and head stages); {type(module).__name__} does not"
             )
-        stages = module.layered_stages()
-        runner = self._stage_runner
-        if runner is None:
-            return stages
-        # Through the FSDP2 root that holds the embedding and head parameters (see StageRunner).
-        return dataclasses.replace(stages, embed=lambda mb: runner(stages.embed, mb),
-                                   head=lambda hidden, context: runner(stages.head, hidden, context))
+        return stages_through_runner(module.layered_stages(), self._stage_runner)
 
     def _block_events(self) -> Any:
         if self.path == "fsdp":
@@ -516,12 +420,8 @@ class P2RStrategy(DDPStrategy):
 
     def _reshard_all(self) -> None:
         """Every FSDP2 unit back to its shards (the stage runner is not inside the LightningModule)."""
-        if self.path != "fsdp":
-            return
-        for module in fsdp_modules(self.lightning_module):
-            module.reshard()
-        if self._stage_runner is not None:
-            self._stage_runner.reshard()
+        if self.path == "fsdp":
+            reshard_all(self.lightning_module, self._stage_runner)
 
     def _update_static_bytes(self) -> None:
         """Device model-state bytes that do not stream: resident parameters, their gradients, the device
@@ -529,9 +429,7 @@ class P2RStrategy(DDPStrategy):
         if self.engine is None:
             return
         optimizer = self.optimizers[0] if self.optimizers else None
-        if isinstance(optimizer, SplitOptimizer):
-            optimizer = optimizer.device_optimizer
-        self.engine.static_device_bytes = self._resident_model_bytes + optimizer_state_bytes(optimizer)
+        self.engine.static_device_bytes = self._resident_model_bytes + device_optimizer_state_bytes(optimizer)
 
     def _record_telemetry(self) -> None:
         trainer = self.lightning_module.trainer
@@ -565,7 +463,8 @@ class P2RStrategy(DDPStrategy):
             return self._delink_sharded(pl_module, optimizer, num_unique_blocks, optimizer_state)
         if self.path == "ddp":
             return self._delink_replicated(pl_module, optimizer, num_unique_blocks, optimizer_state)
-        plain = self._detach_to_host(optimizer)
+        plain = detach_to_host(self.engine, optimizer, self.lightning_module)
+        self.engine = None
         new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks,
                                optimizer_state=optimizer_state)
         self._attach()
@@ -579,21 +478,12 @@ class P2RStrategy(DDPStrategy):
         """DDP / ZeRO-1: every rank holds the whole model, so every rank delinks the same way; the optimizer state
         is gathered first (ZeRO-1 partitions it), and DDP is rebuilt over the new parameters (the old reducer
         would silently skip them)."""
-        if isinstance(optimizer, ZeroRedundancyOptimizer):
-            full = None
-            for rank in range(self.world_size):  # consolidate_state_dict hands the full state to one rank per call
-                optimizer.consolidate_state_dict(to=rank)
-                if rank == self.global_rank:
-                    full = optimizer.state_dict()
-            plain = type(optimizer.optim)([dict(g) for g in optimizer.param_groups])
-            plain.load_state_dict(full)
-        else:
-            plain = optimizer
+        plain = consolidated_plain_optimizer(optimizer, self.world_size, self.global_rank)
         new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state)
         self.model = pl_module
         self.configure_ddp()
         if self.sharding == "zero1":
-            new_optimizer = self._zero_redundancy(new_optimizer)
+            new_optimizer = zero_redundancy_optimizer(new_optimizer)
         self.optimizers = [new_optimizer]
         return new_optimizer
 
@@ -610,11 +500,8 @@ class P2RStrategy(DDPStrategy):
                 f"{type(pl_module).__name__} keeps parameters directly on the LightningModule"
             )
         self._reshard_all()
-        plain = gather_plain_module(root, self._root_template)
-        plain_optimizer = gather_plain_optimizer(optimizer, root, plain)
-        plain_optimizer = delink(plain, plain_optimizer, num_unique_blocks=num_unique_blocks,
-                                 optimizer_state=optimizer_state)
-        names = {id(p): name for name, p in plain.named_parameters()}
+        plain, plain_optimizer, names = delinked_plain_copy(root, self._root_template, optimizer, num_unique_blocks,
+                                                            optimizer_state)
         replace_submodule(pl_module, root, plain)
         del root, optimizer
         self._shard(move_module=False)
@@ -622,34 +509,12 @@ class P2RStrategy(DDPStrategy):
         self.optimizers = [new_optimizer]
         return new_optimizer
 
-    def _detach_to_host(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if isinstance(optimizer, SplitOptimizer):
-            by_master = {id(master): param for block in self.engine.blocks.values()
-                         for master, param in zip(block.host, block.params)}
-            slots = [by_master.get(id(p), p) for group in optimizer.param_groups for p in group["params"]]
-            self.engine.detach("cpu")
-            optimizer.shutdown()
-            self.lightning_module.to("cpu")
-            plain = optimizer.to_plain(slots)
-        else:
-            if self.engine is not None:
-                self.engine.detach("cpu")
-            self.lightning_module.to("cpu")
-            plain = optimizer
-        _optimizer_to_device(plain, torch.device("cpu"))
-        self.engine = None
-        return plain
-
     # ----------------------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self.path == "fsdp":
             return {}  # save_checkpoint writes the shards through DCP
-        state = self.lightning_module.state_dict()
-        if self.engine is not None:
-            for name, tensor in self.engine.host_tensors().items():
-                state[name] = tensor.detach()
-        return state
+        return full_state_dict(self.lightning_module, self.engine)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -694,16 +559,7 @@ class P2RStrategy(DDPStrategy):
             return
         if self.engine is None or not self.engine.blocks:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        state = dict(checkpoint["state_dict"])
-        with torch.no_grad():
-            for name, tensor in self.engine.host_tensors().items():
-                tensor.copy_(state.pop(name))
-        self.engine.refresh_resident_copies()
-        missing, unexpected = self.lightning_module.load_state_dict(state, strict=False)
-        offloaded = set(self.engine.host_tensors())
-        missing = [key for key in missing if key not in offloaded]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        load_full_state_dict(self.lightning_module, self.engine, checkpoint["state_dict"], strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
@@ -721,19 +577,7 @@ class P2RStrategy(DDPStrategy):
     # -------------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
-        for optimizer in self.optimizers:
-            if isinstance(optimizer, SplitOptimizer):
-                optimizer.shutdown()
-        if self.engine is not None:
-            # To the host: putting every offloaded block on the device at once could run out of memory, and
-            # Strategy.teardown moves the module to the CPU anyway.
-            self.engine.detach("cpu")
-            self.engine = None
+        release_to_host(self.optimizers, self.engine)
+        self.engine = None
         super().teardown()
 
-
-def _blocks_prefix(module: nn.Module, holder: nn.Module) -> str:
-    for name, candidate in module.named_modules():
-        if candidate is holder:
-            return f"{name}.blocks." if name else "blocks."
-    raise ValueError("the block sequence is not part of the LightningModule")
