@@ -9,7 +9,9 @@ micro_batches=m`` with per-rank batches of 8. A first pass with ``count_collecti
 all-gather and reduce-scatter calls and bytes of the last optimizer step; a second pass without the counter (it
 costs a Python call per collective) gives tokens/s from the median optimizer-step time after warm-up. Last, one
 process (its own worker, also OMP_NUM_THREADS=1) with every block offloaded (``offload_fraction=1.0``) gives the
-host->device parameter bytes per step and its own tokens/s (``offload_tokens_per_s``, global batch 8).
+host->device parameter bytes per step, its own tokens/s and median step time (``offload_tokens_per_s``,
+``offload_step_ms``, global batch 8), on the GPU when one is available (``--offload-device``): there the step time
+shows what moving each block once per step instead of once per micro-batch buys.
 
 The parent process launches the 2-process worker (this same module with ``--worker``) through ``subprocess``;
 Lightning's launcher starts rank 1 by re-running the worker's command line.
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, TextDataModule
 from lightning_p2r.benchmarks.report import (
@@ -47,13 +50,15 @@ from lightning_p2r.benchmarks.report import (
 MICRO_BATCHES = (1, 2, 4, 8)
 GLOBAL_BATCH = 16
 COLUMNS = ["mode", "m", "all_gather_calls", "all_gather_bytes", "reduce_scatter_calls", "reduce_scatter_bytes",
-           "collective_calls", "collective_bytes", "h2d_param_bytes", "tokens_per_s", "offload_tokens_per_s"]
+           "collective_calls", "collective_bytes", "h2d_param_bytes", "step_ms", "tokens_per_s", "offload_device",
+           "offload_step_ms", "offload_tokens_per_s"]
 RATIOS = ["collective_calls", "collective_bytes", "h2d_param_bytes", "tokens_per_s"]
 WORKER_TIMEOUT_S = 600
 
 
 class OptimizerStepTimer(L.Callback):
-    """``time.perf_counter()`` at the end of every batch that completed an optimizer step."""
+    """``time.perf_counter()`` at the end of every batch that completed an optimizer step (after the device
+    finished it: CUDA runs asynchronously)."""
 
     def __init__(self) -> None:
         self.ends: list[float] = []
@@ -62,6 +67,8 @@ class OptimizerStepTimer(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step != self._step:
             self._step = trainer.global_step
+            if trainer.strategy.root_device.type == "cuda":
+                torch.cuda.synchronize(trainer.strategy.root_device)
             self.ends.append(time.perf_counter())
 
 
@@ -92,7 +99,8 @@ def run_config(config: dict[str, Any], work: Path) -> dict[str, Any] | None:
     if layered:
         strategy_kwargs |= {"accumulation": "layered", "micro_batches": m}
     timer = OptimizerStepTimer()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=P2RStrategy(**strategy_kwargs),
+    trainer = L.Trainer(accelerator=config.get("accelerator", "cpu"), devices=devices,
+                        strategy=P2RStrategy(**strategy_kwargs),
                         max_steps=config["steps"], accumulate_grad_batches=1 if layered else m, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[timer],
@@ -155,7 +163,8 @@ def _configs(args: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
             two.append(base | {"name": f"{mode}_m{m}_time", "devices": 2, "count": False, "steps": args.steps,
                                "global_batch": GLOBAL_BATCH})
             one.append(base | {"name": f"{mode}_m{m}_offload", "devices": 1, "count": False, "offload": True,
-                               "steps": args.steps, "global_batch": GLOBAL_BATCH // 2})
+                               "steps": args.steps, "global_batch": GLOBAL_BATCH // 2,
+                               "accelerator": "gpu" if args.offload_device == "cuda" else "cpu"})
     return two, one
 
 
@@ -172,8 +181,9 @@ def _rows(args: Any, results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]
                          "reduce_scatter_bytes": sizes.get("reduce_scatter", 0),
                          "collective_calls": count.get("total_calls", 0),
                          "collective_bytes": count.get("total_bytes", 0),
-                         "h2d_param_bytes": offload.get("h2d_bytes", 0), "tokens_per_s": timing["tokens_per_s"],
-                         "offload_tokens_per_s": offload["tokens_per_s"]})
+                         "h2d_param_bytes": offload.get("h2d_bytes", 0), "step_ms": 1e3 * timing["step_s"],
+                         "tokens_per_s": timing["tokens_per_s"], "offload_device": args.offload_device,
+                         "offload_step_ms": 1e3 * offload["step_s"], "offload_tokens_per_s": offload["tokens_per_s"]})
     return rows
 
 
@@ -191,10 +201,11 @@ def _ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5), dpi=110)
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4.5), dpi=110)
     panels = (("collective_calls", "collectives per optimizer step (rank 0)", "calls"),
               ("h2d_param_bytes", "host->device parameter bytes per step (offload 1.0)", "MB"),
-              ("tokens_per_s", "throughput (2 processes, no counter)", "tokens/s"))
+              ("tokens_per_s", "throughput (2 CPU processes, no counter)", "tokens/s"),
+              ("offload_step_ms", f"step time, 1 process, offload 1.0 ({rows[0]['offload_device']})", "ms"))
     for ax, (column, label, unit) in zip(axes, panels):
         for mode, marker in (("standard", "o"), ("layered", "s")):
             mode_rows = [r for r in rows if r["mode"] == mode]
@@ -222,6 +233,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]] | Non
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--seq-len", type=int, default=64)
+    parser.add_argument("--offload-device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="where the one-process offload runs train (auto: CUDA when available)")
     parser.add_argument("--timeout", type=float, default=WORKER_TIMEOUT_S, help="seconds for the 2-process worker")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--configs", help=argparse.SUPPRESS)
@@ -234,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]] | Non
         args.micro_batches = [m for m in args.micro_batches if m <= 2]
     if any(GLOBAL_BATCH // 2 % m for m in args.micro_batches):
         parser.error(f"every m must divide the per-rank batch {GLOBAL_BATCH // 2}")
+    if args.offload_device == "auto":
+        args.offload_device = "cuda" if torch.cuda.is_available() else "cpu"
     apply_threads(args.threads)
     env = environment_info("cpu")
     print_environment(env)
