@@ -1,10 +1,10 @@
 """Sharded checkpoints through torch distributed checkpoint (DCP).
 
 A sharded checkpoint is a directory: DCP's files hold the model and optimizer states (each rank writes its own
-shards; DCP reshards on load, so a checkpoint of N ranks resumes on M), and ``meta.pt`` holds everything else
-Lightning saves (loops, callbacks, hyperparameters), written by rank 0 and read with ``weights_only=True``.
-The directory is written under a temporary name and renamed once complete, so an interrupted save never
-replaces an earlier checkpoint with a partial one.
+shards; DCP reshards on load, so a checkpoint of N ranks resumes on M, with any ``sharding``), and ``meta.pt``
+holds everything else Lightning saves (loops, callbacks, hyperparameters), written by rank 0 and read with
+``weights_only=True``. The directory is written under a temporary name and renamed once complete, so an
+interrupted save never replaces an earlier checkpoint with a partial one.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 META_FILE = "meta.pt"
 SHARDED_KEY = "lightning_p2r_sharded"
@@ -86,6 +88,44 @@ def load_optimizer_into(module: nn.Module, optimizer: torch.optim.Optimizer, ind
     state = get_optimizer_state_dict(module, optimizer)
     dcp.load({f"optimizer{index}": state}, checkpoint_id=str(path))
     set_optimizer_state_dict(module, optimizer, state)
+
+
+def load_optimizer_into_replicated(module: nn.Module, optimizer: torch.optim.Optimizer, index: int,
+                                   path: str | Path) -> None:
+    """Load a sharded checkpoint's optimizer state where every rank holds the whole model: into a plain optimizer,
+    or into a ``ZeroRedundancyOptimizer``, which takes the whole state and keeps its own partition."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        load_optimizer_into(module, optimizer, index, path)
+        return
+    # The same groups (each carries its hyperparameters) over the same parameters, as one plain optimizer.
+    whole = type(optimizer.optim)([dict(group) for group in optimizer.param_groups])
+    load_optimizer_into(module, whole, index, path)
+    optimizer.load_state_dict(whole.state_dict())
+
+
+def full_optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer,
+                                 state: dict[str, Any]) -> dict[str, Any]:
+    """A whole optimizer state dict of torch's own format (parameters numbered in ``optimizer``'s group order, as
+    Lightning's single-file checkpoints store it) keyed by parameter name instead, the form DCP's
+    ``set_optimizer_state_dict(..., full_state_dict=True)`` shards onto any layout."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
+    saved_groups = state["param_groups"]
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    if [len(g["params"]) for g in saved_groups] != sizes or None in ordered:
+        raise ValueError("the checkpoint's optimizer groups do not match this optimizer's (another model or "
+                         "optimizer configuration?)")
+    name_of_index = {index: ordered[position] for position, index in
+                     enumerate(i for group in saved_groups for i in group["params"])}
+    return {"state": {name_of_index[index]: value for index, value in state["state"].items()},
+            "param_groups": [group | {"params": [name_of_index[i] for i in group["params"]]}
+                             for group in saved_groups]}
+
+
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Shard a single-file checkpoint's whole optimizer state onto ``optimizer`` (over FSDP2 shards)."""
+    set_optimizer_state_dict(module, optimizer, full_optimizer_state_by_name(module, optimizer, state),
+                             options=StateDictOptions(full_state_dict=True))
 
 
 def remove(path: str | Path) -> None:

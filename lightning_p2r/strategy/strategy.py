@@ -537,23 +537,17 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Checkpoints move between stages: a sharded (DCP) one resumes with any ``sharding`` on any number of
+        processes, a single-file one on the FSDP2 path too (its whole states are sharded on load)."""
         self._pending_sharded_checkpoint = None
         if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
-            if self.path != "fsdp":
-                raise ValueError(
-                    f"{checkpoint_path} is a sharded (zero2/zero3) checkpoint; resume it with "
-                    "P2RStrategy(sharding='zero2' or 'zero3'), on any number of processes (DCP reshards it)"
-                )
             self._pending_sharded_checkpoint = str(checkpoint_path)
             return sharded_checkpoint.load_meta(checkpoint_path)
-        if self.path == "fsdp":
-            raise ValueError(f"{checkpoint_path} is not a sharded checkpoint directory (with "
-                             f"{sharded_checkpoint.META_FILE}); P2RStrategy with zero2/zero3 resumes its own "
-                             "sharded checkpoints")
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        # Lightning restores the weights before setup, into the plain module, which is sharded afterwards.
         if self._pending_sharded_checkpoint is not None:
             sharded_checkpoint.load_model_into(self.lightning_module, self._pending_sharded_checkpoint)
             return
@@ -563,15 +557,24 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._pending_sharded_checkpoint is not None:
-            for index, optimizer in enumerate(self.optimizers):
-                sharded_checkpoint.load_optimizer_into(self.lightning_module, optimizer, index,
-                                                       self._pending_sharded_checkpoint)
-            return
-        for optimizer, state in zip(self.optimizers, checkpoint["optimizer_states"]):
-            optimizer.load_state_dict(state)
-            if not isinstance(optimizer, SplitOptimizer):  # a split optimizer keeps host state on the host
-                _optimizer_to_device(optimizer, self.root_device)
+        module, pending = self.lightning_module, self._pending_sharded_checkpoint
+        for index, optimizer in enumerate(self.optimizers):
+            if isinstance(optimizer, LightningOptimizer):
+                optimizer = optimizer._optimizer
+            if pending is not None and self.path == "fsdp":
+                sharded_checkpoint.load_optimizer_into(module, optimizer, index, pending)
+            elif pending is not None:
+                if isinstance(optimizer, SplitOptimizer):
+                    raise ValueError(
+                        f"{pending} is a sharded checkpoint; a one-process run with offloaded blocks resumes it with "
+                        "P2RStrategy(sharding='zero2' or 'zero3') (FSDP2 on one process, the same offload plan)")
+                sharded_checkpoint.load_optimizer_into_replicated(module, optimizer, index, pending)
+            elif self.path == "fsdp":
+                sharded_checkpoint.load_full_optimizer_state(module, optimizer, checkpoint["optimizer_states"][index])
+            else:
+                optimizer.load_state_dict(checkpoint["optimizer_states"][index])
+                if not isinstance(optimizer, SplitOptimizer):  # a split optimizer keeps host state on the host
+                    _optimizer_to_device(optimizer, self.root_device)
         self._update_static_bytes()
 
     # -------------------------------------------------------------------------------------------- teardown

@@ -28,7 +28,7 @@ ONE_PROCESS = [
                                                    "offload_fraction": 0.5}},
 ]
 TWO_PROCESSES = [
-    {"name": "zero1", "strategy": {"sharding": "zero1", "count_collectives": True}},
+    {"name": "zero1", "strategy": {"sharding": "zero1", "count_collectives": True}, "save": "zero1.ckpt"},
     {"name": "zero2", "strategy": {"sharding": "zero2", "count_collectives": True}},
     {"name": "zero3", "strategy": {"sharding": "zero3", "count_collectives": True}, "save": "zero3.ckpt"},
     {"name": "zero3_standard_m2", "batch_size": 4, "accumulate": 2,
@@ -59,9 +59,13 @@ TWO_PROCESSES = [
                   "recompute": True}},
     {"name": "zero3_offload_staged", "model": PSEUDO, "delink_schedule": {1: 2, 3: 4}, "steps": 4,
      "strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
+    # Checkpoints move between stages: sharded into ZeRO-1 (DDP), single-file (ZeRO-1, consolidated) into zero3.
+    {"name": "zero1_resumes_zero3_checkpoint", "steps": 4, "resume": "zero3.ckpt", "strategy": {"sharding": "zero1"}},
+    {"name": "zero3_resumes_zero1_checkpoint", "steps": 4, "resume": "zero1.ckpt", "strategy": {"sharding": "zero3"}},
 ]
 RESUME = [
     {"name": "zero3_resumed_on_one_rank", "steps": 4, "resume": "zero3.ckpt", "strategy": {"sharding": "zero3"}},
+    {"name": "none_resumes_zero3_checkpoint_on_one_rank", "steps": 4, "resume": "zero3.ckpt"},
     {"name": "zero3_delinked_resumed_on_one_rank", "model": PSEUDO, "delink_at": 2, "steps": 5,
      "resume": "zero3_delink.ckpt", "strategy": {"sharding": "zero3"}},
 ]
@@ -103,7 +107,7 @@ def _assert_same_weights(runs: Path, name: str, reference: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", [c["name"] for c in ONE_PROCESS[3:] + TWO_PROCESSES if "delink_at" not in c
-                                  and "delink_schedule" not in c])
+                                  and "delink_schedule" not in c and "resume" not in c])
 def test_matches_one_process_on_the_same_global_batch(runs: Path, name: str) -> None:
     _assert_same_weights(runs, name, "reference")
 
@@ -162,6 +166,17 @@ def test_two_rank_sharded_checkpoint_resumes_on_one_rank(runs: Path) -> None:
     report = _report(runs, "zero3_resumed_on_one_rank")
     assert report["world_size"] == 1 and report["global_step"] == 4
     _assert_same_weights(runs, "zero3_resumed_on_one_rank", "reference_4_steps")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["zero1_resumes_zero3_checkpoint", "zero3_resumes_zero1_checkpoint",
+                                  "none_resumes_zero3_checkpoint_on_one_rank"])
+def test_checkpoints_resume_under_another_stage(runs: Path, name: str) -> None:
+    """A 3-step checkpoint of one stage resumed for a 4th step under another equals 4 uninterrupted steps."""
+    report = _report(runs, name)
+    assert report["global_step"] == 4
+    _assert_same_weights(runs, name, "reference_4_steps")
 
 
 @pytest.mark.distributed
