@@ -7,7 +7,9 @@ below are observed, not derived from a model of what the engines should do.
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +69,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.stats = CollectiveStats()
+        self.active = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace == "c10d" and "wait" not in func.__name__ and "barrier" not in func.__name__:
@@ -82,3 +85,18 @@ class CollectiveCounter(TorchDispatchMode):
     def take(self) -> CollectiveStats:
         stats, self.stats = self.stats, CollectiveStats()
         return stats
+
+
+@contextlib.contextmanager
+def counting(counter: CollectiveCounter | None) -> Iterator[None]:
+    """Count the collectives inside when a counter is given. Re-entrant: Lightning's closure runs training_step and
+    backward inside optimizer_step, and each of them counts."""
+    if counter is None or counter.active:
+        yield
+        return
+    counter.active = True
+    try:
+        with counter:
+            yield
+    finally:
+        counter.active = False

@@ -53,16 +53,17 @@ def execution_path(sharding: str, world_size: int, *, offloading: bool,
 
 def fsdp_layout_for(sharding: str) -> str:
     """How FSDP2 lays the model out on the fsdp path: "zero3" or "zero2" (sharded, see ``shard_blocks``), or
-    "replicate" (sharding "none": a (ranks x 1) mesh, FSDP2's HSDP with shards of one rank, so every rank holds
-    everything and gradients are all-reduced). zero1 runs as "zero2": FSDP2 has no layout that shards optimizer
-    states but not gradients; sharding the gradients too only saves memory, the traffic is the same
-    (reduce-scatter + all-gather instead of all-reduce)."""
-    return {"none": "replicate", "zero1": "zero2"}.get(sharding, sharding)
+    "replicate" for "none" and "zero1": a (ranks x 1) mesh, FSDP2's HSDP with shards of one rank, so every rank
+    holds every parameter and gradient whole and gradients are all-reduced; zero1 then partitions the optimizer
+    states with ``replicated_zero.ReplicatedZeroOptimizer``."""
+    return {"none": "replicate", "zero1": "replicate"}.get(sharding, sharding)
 
 
 # ------------------------------------------------------------------------------------------ zero1 (DDP)
-def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> ZeroRedundancyOptimizer:
-    """The same optimizer class, groups and settings, with its states partitioned across the ranks."""
+def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
+                              cls: type[ZeroRedundancyOptimizer] = ZeroRedundancyOptimizer) -> ZeroRedundancyOptimizer:
+    """The same optimizer class, groups and settings, with its states partitioned across the ranks (``cls``: a
+    subclass of ``ZeroRedundancyOptimizer`` to build instead)."""
     groups = [dict(g) for g in optimizer.param_groups]
     for group in groups:
         group.pop("initial_lr", None)
@@ -70,7 +71,7 @@ def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer) -> ZeroRedundanc
     kwargs = optimizer_constructor_kwargs(optimizer)
     # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
     kwargs |= {k: v for k, v in first.items() if k in kwargs}
-    zero = ZeroRedundancyOptimizer(first["params"], optimizer_class=type(optimizer), **kwargs)
+    zero = cls(first["params"], optimizer_class=type(optimizer), **kwargs)
     for group in rest:
         zero.add_param_group(group)
     if optimizer.state:

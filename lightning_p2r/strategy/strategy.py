@@ -2,20 +2,20 @@
 
 The hooks only decide *when*; what happens lives in ``plan.py`` (which blocks), ``offload.py`` (moving them on one
 process), ``split_optimizer.py`` (stepping them where they live), ``sharding.py`` (ZeRO stages on DDP and FSDP2),
-``layered.py`` (the breadth-first accumulation executor), ``checkpoint.py`` (sharded checkpoints) and
-``accounting.py`` (collectives per step).
+``replicated_zero.py`` (ZeRO-1 on FSDP2), ``layered.py`` (the breadth-first accumulation executor),
+``regather.py`` (delinking a sharded model), ``checkpoint.py`` (sharded checkpoints) and ``accounting.py``.
 
-Three execution paths, chosen from ``sharding`` and the number of processes:
+Three execution paths, chosen from ``sharding``, the number of processes, offload and accumulation:
 
-- *local*: one process, ``sharding`` "none" or "zero1" (nothing to shard): the streaming engine offloads blocks.
-- *ddp*: several processes, "none" or "zero1": ``DistributedDataParallel`` (+ ``ZeroRedundancyOptimizer``).
-- *fsdp*: "zero2" or "zero3", any number of processes: FSDP2 per block, ``CPUOffloadPolicy`` for offloaded ones.
+- *local*: one process, "none" or "zero1" (nothing to shard): the streaming engine offloads blocks.
+- *ddp*: several processes, "none" or "zero1", no offload, standard accumulation: DDP (+ ZeroRedundancyOptimizer).
+- *fsdp*: "zero2"/"zero3" on any number of processes, or "none"/"zero1" across processes with offload or layered
+  accumulation (a replicated FSDP2 layout): FSDP2 per block, ``CPUOffloadPolicy`` for offloaded ones.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -26,18 +26,18 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
 from ..sharing import OptimizerStatePolicy, delink, find_block_sequence, rebind_scheduler
 from . import checkpoint as sharded_checkpoint
-from .accounting import CollectiveCounter, CollectiveStats
+from .accounting import CollectiveCounter, CollectiveStats, counting
 from .host_state import blocks_prefix, full_state_dict, load_full_state_dict, resident_model_bytes
 from .layered import LayeredStages, LayeredStep, check_accumulation_options, layered_forward, split_micro_batches
 from .offload import EngineEvents, OffloadEngine, OffloadStats
 from .plan import OffloadPlan, check_fsdp_offload_states, check_offload_options, plan_for_model, resolve_pin_memory
 from .regather import delinked_plain_copy, meta_template, replace_submodule, shard_optimizer
+from .replicated_zero import ReplicatedZeroOptimizer, to_module_optimizer
 from .sharding import (
     SHARDINGS,
     FSDPEvents,
@@ -146,11 +146,10 @@ class P2RStrategy(DDPStrategy):
         self.count_collectives = count_collectives
         self.collectives: CollectiveStats | None = None
         self.collectives_history: list[CollectiveStats] = []
-        self._counter: CollectiveCounter | None = None
+        self._counter = CollectiveCounter() if count_collectives else None
         self._stage_runner: nn.Module | None = None
         self._mesh: Any = None
         self._layered_step: LayeredStep | None = None
-        self._counter_depth = 0
         self._pending_sharded_checkpoint: str | None = None
         self._sharded_root: nn.Module | None = None
         self._root_template: nn.Module | None = None
@@ -214,13 +213,15 @@ class P2RStrategy(DDPStrategy):
         super().setup_environment()  # DDPStrategy: device, ranks, process group (gloo on CPU, NCCL on CUDA)
         if self.path == "fsdp":
             self._mesh = device_mesh(self.fsdp_layout, self.root_device.type, self.world_size)
-            if self.sharding == "zero1":
-                rank_zero_warn("P2RStrategy(sharding='zero1') with offload or layered accumulation across processes "
-                               "runs on FSDP2, which shards gradients too (ZeRO-2 memory, the same traffic)")
 
     def _check_path_options(self) -> None:
         if self.path == "fsdp":
             check_fsdp_offload_states(self.offload_states)
+        if self._replicated_zero and self.offloading and self.root_device.type != "cpu":
+            raise ValueError(
+                "P2RStrategy(sharding='zero1') with offloaded blocks across processes on an accelerator: "
+                "ZeroRedundancyOptimizer broadcasts its partitions through the accelerator's process group, which "
+                "cannot send host-resident tensors; use sharding='zero2' (optimizer states and gradients sharded)")
 
     @property
     def resolved_pin_memory(self) -> bool:
@@ -310,7 +311,27 @@ class P2RStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         super().setup_optimizers(trainer)
+        if self._replicated_zero:
+            self._partition_optimizer_states()
         self._split_optimizer()
+
+    @property
+    def _replicated_zero(self) -> bool:
+        """ZeRO-1 on FSDP2's replicate layout (offload or layered accumulation across ranks)."""
+        return self.path == "fsdp" and self.sharding == "zero1"
+
+    def _partition_optimizer_states(self) -> None:
+        zero = ReplicatedZeroOptimizer.wrap(self.optimizers[0])
+        for config in self.lr_scheduler_configs:
+            config.scheduler = rebind_scheduler(config.scheduler, zero)
+        self.optimizers = [zero]
+
+    def _module_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        """The optimizer over the module's own parameters, as checkpoints and delinking read it (collective)."""
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # behind Lightning's wrapper
+        if isinstance(optimizer, ReplicatedZeroOptimizer):
+            return to_module_optimizer(optimizer, self.world_size, self.global_rank)
+        return optimizer
 
     def _split_optimizer(self, carry_state_from: torch.optim.Optimizer | None = None) -> None:
         if self.engine is None or not self.engine.blocks:
@@ -335,31 +356,16 @@ class P2RStrategy(DDPStrategy):
             optimizer.submit_host_step(index)
 
     # ---------------------------------------------------------------------------------------------- steps
-    @contextlib.contextmanager
-    def _counting(self) -> Iterator[None]:
-        """Count collectives inside; re-entrant (a closure runs training_step and backward inside the step)."""
-        if not self.count_collectives or self._counter_depth:
-            yield
-            return
-        if self._counter is None:
-            self._counter = CollectiveCounter()
-        self._counter_depth += 1
-        try:
-            with self._counter:
-                yield
-        finally:
-            self._counter_depth -= 1
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self.accumulation == "standard":
-            with self._counting():
+            with counting(self._counter):
                 return super().training_step(*args, **kwargs)
         # Layered: the forward of every micro-batch runs here, their backward in ``backward`` (Lightning zeroes the
         # gradients between the two).
         module = self.lightning_module
         micro = split_micro_batches(args[0], self.micro_batches)
-        with self.precision_plugin.train_step_context(), self._counting():
+        with self.precision_plugin.train_step_context(), counting(self._counter):
             stages = self._layered_stages(module)
             events = self._block_events()
             with events if isinstance(events, EngineEvents) else contextlib.nullcontext():
@@ -388,11 +394,11 @@ class P2RStrategy(DDPStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         step, self._layered_step = self._layered_step, None
         if step is None:
-            with self._counting():
+            with counting(self._counter):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        with self._counting():
+        with counting(self._counter):
             events = step.events
             with events if isinstance(events, EngineEvents) else contextlib.nullcontext():
                 step.backward()
@@ -404,10 +410,13 @@ class P2RStrategy(DDPStrategy):
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.engine is not None:
             self.engine.finish_backward()
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, ReplicatedZeroOptimizer):
+                optimizer.link_grads()  # FSDP2 has all-reduced the gradients by now
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        with self._counting():
+        with counting(self._counter):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._record_telemetry()
         return output
@@ -432,24 +441,20 @@ class P2RStrategy(DDPStrategy):
         self.engine.static_device_bytes = self._resident_model_bytes + device_optimizer_state_bytes(optimizer)
 
     def _record_telemetry(self) -> None:
-        trainer = self.lightning_module.trainer
-        every = max(trainer.log_every_n_steps, 1)
-        log_now = self.log_telemetry and trainer.loggers and trainer.global_step % every == 0
+        metrics: dict[str, float] = {}
         if self._counter is not None:
             self.collectives = self._counter.take()
             self.collectives_history.append(self.collectives)
-            if log_now:
-                for logger in trainer.loggers:
-                    logger.log_metrics(self.collectives.as_metrics(), step=trainer.global_step)
-        if self.engine is None:
-            return
-        self._update_static_bytes()
-        stats = self.engine.take_stats()
-        self.telemetry = stats
-        self.telemetry_history.append(stats)
-        if log_now:
+            metrics |= self.collectives.as_metrics()
+        if self.engine is not None:
+            self._update_static_bytes()
+            self.telemetry = self.engine.take_stats()
+            self.telemetry_history.append(self.telemetry)
+            metrics |= self.telemetry.as_metrics()
+        trainer = self.lightning_module.trainer
+        if metrics and self.log_telemetry and trainer.global_step % max(trainer.log_every_n_steps, 1) == 0:
             for logger in trainer.loggers:
-                logger.log_metrics(stats.as_metrics(), step=trainer.global_step)
+                logger.log_metrics(metrics, step=trainer.global_step)
 
     # ------------------------------------------------------------------------------------------ delinking
     def delink_model(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer,
@@ -500,14 +505,16 @@ class P2RStrategy(DDPStrategy):
                 f"{type(pl_module).__name__} keeps parameters directly on the LightningModule"
             )
         self._reshard_all()
+        optimizer = self._module_optimizer(optimizer)
         plain, plain_optimizer, names = delinked_plain_copy(root, self._root_template, optimizer, num_unique_blocks,
                                                             optimizer_state)
         replace_submodule(pl_module, root, plain)
         del root, optimizer
         self._shard(move_module=False)
-        new_optimizer = shard_optimizer(plain_optimizer, names, plain)
-        self.optimizers = [new_optimizer]
-        return new_optimizer
+        self.optimizers = [shard_optimizer(plain_optimizer, names, plain)]
+        if self._replicated_zero:
+            self._partition_optimizer_states()
+        return self.optimizers[0]
 
     # ----------------------------------------------------------------------------------------- checkpoints
     @override
@@ -526,7 +533,7 @@ class P2RStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         if self.path != "fsdp":
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        optimizers = [o._optimizer if isinstance(o, LightningOptimizer) else o for o in self.optimizers]
+        optimizers = [self._module_optimizer(o) for o in self.optimizers]
         self._reshard_all()  # an evaluation forward (a callback's) may have left units gathered
         sharded_checkpoint.save_sharded(checkpoint, filepath, self.lightning_module, optimizers)
 
@@ -561,16 +568,21 @@ class P2RStrategy(DDPStrategy):
         for index, optimizer in enumerate(self.optimizers):
             if isinstance(optimizer, LightningOptimizer):
                 optimizer = optimizer._optimizer
-            if pending is not None and self.path == "fsdp":
-                sharded_checkpoint.load_optimizer_into(module, optimizer, index, pending)
+            if self.path == "fsdp":
+                # Into an optimizer over the module's own parameters, then into the partitioned one if zero1.
+                target = self._module_optimizer(optimizer)
+                if pending is not None:
+                    sharded_checkpoint.load_optimizer_into(module, target, index, pending)
+                else:
+                    sharded_checkpoint.load_full_optimizer_state(module, target, checkpoint["optimizer_states"][index])
+                if isinstance(optimizer, ReplicatedZeroOptimizer):
+                    optimizer.load_whole_state(target)
             elif pending is not None:
                 if isinstance(optimizer, SplitOptimizer):
                     raise ValueError(
                         f"{pending} is a sharded checkpoint; a one-process run with offloaded blocks resumes it with "
                         "P2RStrategy(sharding='zero2' or 'zero3') (FSDP2 on one process, the same offload plan)")
                 sharded_checkpoint.load_optimizer_into_replicated(module, optimizer, index, pending)
-            elif self.path == "fsdp":
-                sharded_checkpoint.load_full_optimizer_state(module, optimizer, checkpoint["optimizer_states"][index])
             else:
                 optimizer.load_state_dict(checkpoint["optimizer_states"][index])
                 if not isinstance(optimizer, SplitOptimizer):  # a split optimizer keeps host state on the host

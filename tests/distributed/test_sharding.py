@@ -47,7 +47,8 @@ TWO_PROCESSES = [
                                                              "recompute": True}},
     {"name": "none_offload", "strategy": {"offload_fraction": 0.5, "count_collectives": True}},
     {"name": "none_layered_m2", "strategy": {"accumulation": "layered", "micro_batches": 2, "count_collectives": True}},
-    {"name": "zero1_offload", "strategy": {"sharding": "zero1", "offload_fraction": 0.5}},
+    {"name": "zero1_offload", "strategy": {"sharding": "zero1", "offload_fraction": 0.5, "count_collectives": True},
+     "save": "zero1_offload.ckpt"},
     {"name": "zero1_layered_m2", "strategy": {"sharding": "zero1", "accumulation": "layered", "micro_batches": 2}},
     {"name": "zero1_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"sharding": "zero1"}},
     {"name": "zero3_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"sharding": "zero3"},
@@ -62,10 +63,16 @@ TWO_PROCESSES = [
     # Checkpoints move between stages: sharded into ZeRO-1 (DDP), single-file (ZeRO-1, consolidated) into zero3.
     {"name": "zero1_resumes_zero3_checkpoint", "steps": 4, "resume": "zero3.ckpt", "strategy": {"sharding": "zero1"}},
     {"name": "zero3_resumes_zero1_checkpoint", "steps": 4, "resume": "zero1.ckpt", "strategy": {"sharding": "zero3"}},
+    {"name": "zero1_offload_resumes_zero3_checkpoint", "steps": 4, "resume": "zero3.ckpt",
+     "strategy": {"sharding": "zero1", "offload_fraction": 0.5}},
+    {"name": "zero1_offload_layered_delink", "model": PSEUDO, "delink_at": 2, "steps": 4,
+     "strategy": {"sharding": "zero1", "accumulation": "layered", "micro_batches": 2, "offload_fraction": 0.5}},
 ]
 RESUME = [
     {"name": "zero3_resumed_on_one_rank", "steps": 4, "resume": "zero3.ckpt", "strategy": {"sharding": "zero3"}},
     {"name": "none_resumes_zero3_checkpoint_on_one_rank", "steps": 4, "resume": "zero3.ckpt"},
+    {"name": "zero3_resumes_zero1_offload_checkpoint_on_one_rank", "steps": 4, "resume": "zero1_offload.ckpt",
+     "strategy": {"sharding": "zero3"}},
     {"name": "zero3_delinked_resumed_on_one_rank", "model": PSEUDO, "delink_at": 2, "steps": 5,
      "resume": "zero3_delink.ckpt", "strategy": {"sharding": "zero3"}},
 ]
@@ -129,14 +136,16 @@ def test_zero1_delinks_mid_training_like_one_process(runs: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["zero3_delink", "zero2_layered_delink", "zero3_offload_layered_recompute_delink"])
+@pytest.mark.parametrize("name", ["zero3_delink", "zero2_layered_delink", "zero3_offload_layered_recompute_delink",
+                                  "zero1_offload_layered_delink"])
 def test_sharded_model_delinks_mid_training_like_one_process(runs: Path, name: str) -> None:
     """The new blocks are sharded (and offloaded by a new plan) without a restart; training goes on identically."""
     for rank in (0, 1):
         report = _report(runs, name, rank)
         assert report["blocks"] == 4 and report["delinks"] == [4]
-        # After delinking each rank holds half of the real model's parameters (4 blocks, not 1).
-        assert abs(report["bytes"]["params"] - _report(runs, "zero3", rank)["bytes"]["params"]) <= 8
+        # After delinking each rank holds the real model's parameters (4 blocks, not 1): half of them with zero2/3.
+        same_stage = "zero1" if name.startswith("zero1") else "zero3"
+        assert abs(report["bytes"]["params"] - _report(runs, same_stage, rank)["bytes"]["params"]) <= 8
     if "offload" in name:
         assert _report(runs, name)["offloaded"] == [1, 3]  # re-planned over the 4 real blocks (was [0] of 1)
     _assert_same_weights(runs, name, "reference_delink")
@@ -171,7 +180,8 @@ def test_two_rank_sharded_checkpoint_resumes_on_one_rank(runs: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["zero1_resumes_zero3_checkpoint", "zero3_resumes_zero1_checkpoint",
-                                  "none_resumes_zero3_checkpoint_on_one_rank"])
+                                  "none_resumes_zero3_checkpoint_on_one_rank", "zero1_offload_resumes_zero3_checkpoint",
+                                  "zero3_resumes_zero1_offload_checkpoint_on_one_rank"])
 def test_checkpoints_resume_under_another_stage(runs: Path, name: str) -> None:
     """A 3-step checkpoint of one stage resumed for a 4th step under another equals 4 uninterrupted steps."""
     report = _report(runs, name)
@@ -209,12 +219,15 @@ def test_replicated_offload_and_layered_runs_keep_everything_on_every_rank(runs:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-def test_zero1_with_offload_or_layered_accumulation_runs_as_zero2(runs: Path) -> None:
-    """FSDP2 has no layout that shards optimizer states but not gradients; the documented substitute is zero2."""
+def test_zero1_with_offload_or_layered_accumulation_partitions_only_optimizer_states(runs: Path) -> None:
+    """On FSDP2's replicate layout, ZeroRedundancyOptimizer over the whole local tensors: the same bytes per rank as
+    ZeRO-1 on DDP, gradients all-reduced once per unit and step, updated partitions broadcast by their owners."""
     for name in ("zero1_offload", "zero1_layered_m2"):
         for rank in (0, 1):
             report = _report(runs, name, rank)
-            assert report["path"] == "fsdp" and report["bytes"] == _report(runs, "zero2", rank)["bytes"]
+            assert report["path"] == "fsdp" and report["bytes"] == _report(runs, "zero1", rank)["bytes"]
+    calls = _report(runs, "zero1_offload")["collectives"][-1]["calls"]
+    assert calls["all_reduce"] == 5 and calls["broadcast"] >= 1 and set(calls) == {"all_reduce", "broadcast"}
 
 
 @pytest.mark.distributed

@@ -37,19 +37,26 @@ def _with_world_size(strategy: P2RStrategy, world_size: int) -> P2RStrategy:
 
 
 @pytest.mark.parametrize(("kwargs", "world_size", "path", "layout"), [
-    ({"sharding": "none"}, 1, "local", "replicate"), ({"sharding": "zero1"}, 1, "local", "zero2"),
-    ({"sharding": "none"}, 2, "ddp", "replicate"), ({"sharding": "zero1"}, 2, "ddp", "zero2"),
+    ({"sharding": "none"}, 1, "local", "replicate"), ({"sharding": "zero1"}, 1, "local", "replicate"),
+    ({"sharding": "none"}, 2, "ddp", "replicate"), ({"sharding": "zero1"}, 2, "ddp", "replicate"),
     ({"sharding": "zero2"}, 1, "fsdp", "zero2"), ({"sharding": "zero3"}, 2, "fsdp", "zero3"),
     # Offload and layered accumulation across ranks run on FSDP2 (DDP's reducer cannot drive them).
     ({"sharding": "none", "offload_fraction": 0.5}, 1, "local", "replicate"),
     ({"sharding": "none", "offload_fraction": 0.5}, 2, "fsdp", "replicate"),
-    ({"sharding": "zero1", "accumulation": "layered", "micro_batches": 2}, 2, "fsdp", "zero2"),
+    ({"sharding": "zero1", "accumulation": "layered", "micro_batches": 2}, 2, "fsdp", "replicate"),
 ])
 def test_engine_follows_sharding_and_world_size(kwargs: dict, world_size: int, path: str, layout: str) -> None:
     strategy = _with_world_size(P2RStrategy(**kwargs), world_size)
     assert strategy.path == path
     assert strategy.fsdp_layout == layout
     assert strategy.is_distributed == (world_size > 1)
+
+
+def test_zero1_with_offload_across_ranks_on_an_accelerator_is_refused() -> None:
+    strategy = _with_world_size(P2RStrategy(sharding="zero1", offload_fraction=0.5), 2)
+    strategy.parallel_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]  # read only: no GPU needed
+    with pytest.raises(ValueError, match="use sharding='zero2'"):
+        strategy._check_path_options()
 
 
 @pytest.mark.parametrize(("kwargs", "world_size"), [

@@ -1,0 +1,111 @@
+"""ZeRO-1 where FSDP2 holds the model replicated: torch's ``ZeroRedundancyOptimizer`` over the ranks' whole tensors.
+
+Offload and layered accumulation across ranks run on FSDP2 (DDP's reducer cannot drive them). For ``sharding``
+"none" and "zero1" the model is laid out on a (ranks x 1) mesh, so every rank's local tensor of a parameter is the
+whole parameter and FSDP2 all-reduces the gradients. ZeRO-1 then only has to partition the optimizer states, which
+is what ``ZeroRedundancyOptimizer`` does, except that it cannot broadcast DTensors. So it runs over *views*: a
+plain parameter aliasing each DTensor's local storage. Each rank steps its partition in place and broadcasts it,
+which updates the DTensors' storage (and, for an offloaded unit, the host copy FSDP2 gathers from).
+
+Lightning and the checkpoint and delinking code see the module's own parameters elsewhere; they convert with
+:func:`to_module_optimizer` (a plain optimizer over the DTensor parameters with the whole state, collective) and
+:meth:`ReplicatedZeroOptimizer.load_whole_state`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from ..sharing import optimizer_constructor_kwargs
+from .sharding import consolidated_plain_optimizer, zero_redundancy_optimizer
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
+    """A ``ZeroRedundancyOptimizer`` over views of replicated DTensor parameters. Build it with :meth:`wrap`.
+
+    Two duties beyond its parent's: :meth:`link_grads` after every backward (points each view's gradient at the
+    reduced DTensor gradient's local tensor, no copy), and ``zero_grad`` clears the DTensor gradients too.
+    """
+
+    whole_params: list[nn.Parameter]
+    views: list[nn.Parameter]
+    group_extras: list[dict[str, Any]]
+
+    @classmethod
+    def wrap(cls, optimizer: torch.optim.Optimizer) -> ReplicatedZeroOptimizer:
+        """The same optimizer class, groups, settings and (whole) state, partitioned across the ranks."""
+        whole = [p for group in optimizer.param_groups for p in group["params"]]
+        for param in whole:
+            if isinstance(param, DTensor) and param.to_local().shape != param.shape:
+                raise ValueError("ReplicatedZeroOptimizer needs parameters replicated on every rank; this one is "
+                                 f"sharded (local {tuple(param.to_local().shape)} of {tuple(param.shape)})")
+        views = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in whole}
+        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [views[id(p)] for p in g["params"]]}
+                  for g in optimizer.param_groups]
+        plain = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
+        for param in whole:
+            state = optimizer.state.get(param)
+            if state:
+                plain.state[views[id(param)]] = {k: _local(v) if isinstance(v, torch.Tensor) else v
+                                                 for k, v in state.items()}
+        zero = zero_redundancy_optimizer(plain, cls=cls)
+        zero.whole_params = whole
+        zero.views = [views[id(p)] for p in whole]
+        # Group entries the partitioned optimizer does not keep (a scheduler's "initial_lr"), so a checkpoint of
+        # this optimizer has the groups of the user's (and loads into any stage's optimizer).
+        zero.group_extras = [{k: v for k, v in g.items() if k not in z} for g, z in zip(plain.param_groups,
+                                                                                           zero.param_groups)]
+        return zero
+
+    def link_grads(self) -> None:
+        for param, view in zip(self.whole_params, self.views):
+            view.grad = None if param.grad is None else _local(param.grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for param in getattr(self, "whole_params", ()):  # the parent's constructor may call this before wrap() ends
+            param.grad = None
+
+    def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take the whole state of ``optimizer`` (over the DTensor parameters, in the same group order)."""
+        index = {id(p): i for i, p in enumerate(self.whole_params)}
+        state = {index[id(p)]: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for p, s in optimizer.state.items()}
+        groups, start = [], 0
+        for group in self.param_groups:
+            size = len(group["params"])
+            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": list(range(start,
+                                                                                                   start + size))})
+            start += size
+        self.load_state_dict({"state": state, "param_groups": groups})
+
+
+def to_module_optimizer(optimizer: ReplicatedZeroOptimizer, world_size: int, rank: int) -> torch.optim.Optimizer:
+    """A plain optimizer of the same class and groups over the module's DTensor parameters, holding the whole state
+    (as DTensors laid out like their parameters). Collective: every rank must call it."""
+    plain_views = consolidated_plain_optimizer(optimizer, world_size, rank)
+    by_view = {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
+    groups = [extras | {k: v for k, v in g.items() if k != "params"} | {"params": [by_view[id(v)] for v in g["params"]]}
+              for g, extras in zip(plain_views.param_groups, optimizer.group_extras)]
+    result = type(plain_views)(groups)
+    for view, state in plain_views.state.items():
+        param = by_view[id(view)]
+        result.state[param] = {k: _like(v, param) if isinstance(v, torch.Tensor) and v.shape == param.shape
+                               and v.dim() > 0 else v for k, v in state.items()}
+    return result
+
+
+def _like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    if not isinstance(param, DTensor):
+        return whole
+    return DTensor.from_local(whole.to(param.to_local().device), param.device_mesh, param.placements,
+                              run_check=False, shape=param.shape, stride=param.stride())
