@@ -29,9 +29,10 @@ class P2RCLI(LightningCLI):
             self.parser.error(str(error))
 
 
-def main(args: list[str] | None = None) -> P2RCLI:
-    """Entry point of ``lightning-p2r {fit,validate,test,predict}``."""
-    return P2RCLI(
+def main(args: list[str] | None = None) -> None:
+    """Entry point of ``lightning-p2r {fit,validate,test,predict}``. Returns nothing: the console script passes the
+    return value to ``sys.exit``, which would turn an object into exit status 1."""
+    P2RCLI(
         M6LanguageModel,
         TextDataModule,
         save_config_kwargs={"overwrite": True},

@@ -1,6 +1,7 @@
 """The CLI as users run it: every recipe parses and instantiates; a short fit writes a checkpoint and a W&B run."""
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -81,8 +82,12 @@ def test_bad_corpus_fails_before_the_first_step(content: bytes, message: str, tm
 
 @pytest.mark.slow
 def test_quickstart_fit_writes_checkpoint_and_offline_wandb_run(tmp_path: Path) -> None:
+    # The console script the README runs: it passes main()'s return value to sys.exit, so this also checks the
+    # exit status of a successful run is 0.
+    script = shutil.which("lightning-p2r", path=str(Path(sys.executable).parent)) or shutil.which("lightning-p2r")
+    assert script, "the lightning-p2r console script is not installed (pip install -e .)"
     result = subprocess.run(
-        [sys.executable, "-m", "lightning_p2r.cli", "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
+        [script, "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
          "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
          "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--data.tokenizer=bytes",
          "--data.vocab_size=256"],
