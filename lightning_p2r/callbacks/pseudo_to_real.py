@@ -220,6 +220,10 @@ class PseudoToReal(L.Callback):
         self._probe = None
         if measured is None:
             return
+        if trainer.world_size > 1:
+            # Each rank measured its own batch; every rank must take the same decision (delinking is collective).
+            local = torch.tensor(measured, device=trainer.strategy.root_device)
+            measured = float(trainer.strategy.reduce(local, reduce_op="mean"))
         self.agreement = measured if self.agreement is None else (
             self.auto_smoothing * self.agreement + (1 - self.auto_smoothing) * measured)
         self.peak_agreement = max(self.agreement, self.peak_agreement or self.agreement)

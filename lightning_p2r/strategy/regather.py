@@ -54,10 +54,25 @@ def gather_plain_module(sharded: nn.Module, template: nn.Module) -> nn.Module:
     for name, meta in template.named_parameters():
         if name not in live_params:
             raise ValueError(f"the sharded module has no parameter {name!r}: the template is out of date")
-        memo[id(meta)] = nn.Parameter(full_tensor_on_host(live_params[name]), requires_grad=meta.requires_grad)
+        live = live_params[name]
+        memo[id(meta)] = nn.Parameter(full_tensor_on_host(live), requires_grad=live.requires_grad)
     for name, meta in template.named_buffers():
         memo[id(meta)] = full_tensor_on_host(live_buffers[name])
-    return copy.deepcopy(template, memo)
+    plain = copy.deepcopy(template, memo)
+    _share_plain_attributes(sharded, plain)
+    return plain
+
+
+def _share_plain_attributes(live: nn.Module, copied: nn.Module) -> None:
+    """Give the copy the live module's own attribute objects (a config shared with the LightningModule, say) rather
+    than the template's copies from setup time, so changes the delinking makes (``config.num_unique_blocks``) reach
+    everyone who holds them, as they do when an unsharded model is delinked in place."""
+    for source, target in zip(live.modules(), copied.modules()):
+        for key, value in list(vars(target).items()):
+            if key.startswith("_") or isinstance(value, (torch.Tensor, nn.Module)):
+                continue
+            if key in vars(source):
+                setattr(target, key, vars(source)[key])
 
 
 def _state_tensors(state: dict) -> Iterator[tuple[str, object]]:
@@ -152,3 +167,25 @@ def replace_submodule(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
                 found = True
     if not found:
         raise ValueError(f"{type(old).__name__} is not a submodule of {type(root).__name__}")
+
+
+def release_optimizer(optimizer: object) -> None:
+    """Drop an optimizer's state and parameter references (it is being replaced), so their memory can go before the
+    replacement is built even while someone still holds the object. Handles Lightning's and ZeRO's wrappers."""
+    optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+    for inner in (optimizer, getattr(optimizer, "optim", None)):  # ZeroRedundancyOptimizer's partition optimizer
+        if isinstance(inner, torch.optim.Optimizer):
+            inner.state.clear()
+            for group in inner.param_groups:
+                group["params"] = []
+    for attribute in ("views", "whole_params"):  # ReplicatedZeroOptimizer's aliases of the parameters
+        if isinstance(getattr(optimizer, attribute, None), list):
+            getattr(optimizer, attribute).clear()
+
+
+def release_model_state(module: nn.Module, optimizers: list[object]) -> None:
+    """Drop ``module``'s gradients and every optimizer's state and references (see :func:`release_optimizer`)."""
+    for optimizer in {id(o): o for o in optimizers}.values():
+        release_optimizer(optimizer)
+    for param in module.parameters():
+        param.grad = None

@@ -21,8 +21,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from ..sharing import optimizer_constructor_kwargs
-from .sharding import consolidated_plain_optimizer, zero_redundancy_optimizer
+from ..sharing import optimizer_constructor_kwargs, rebind_scheduler
+from .sharding import consolidated_state_dict, zero_redundancy_optimizer
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -76,36 +76,42 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
             param.grad = None
 
     def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Take the whole state of ``optimizer`` (over the DTensor parameters, in the same group order)."""
+        """Take the whole state and the group settings (learning rates included) of ``optimizer``, an optimizer over
+        the DTensor parameters in the same group order."""
         index = {id(p): i for i, p in enumerate(self.whole_params)}
         state = {index[id(p)]: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for p, s in optimizer.state.items()}
         groups, start = [], 0
-        for group in self.param_groups:
+        for group in optimizer.param_groups:
             size = len(group["params"])
             groups.append({k: v for k, v in group.items() if k != "params"} | {"params": list(range(start,
                                                                                                    start + size))})
             start += size
         self.load_state_dict({"state": state, "param_groups": groups})
+        self.group_extras = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(groups,
+                                                                                               self.param_groups)]
 
 
 def to_module_optimizer(optimizer: ReplicatedZeroOptimizer, world_size: int, rank: int) -> torch.optim.Optimizer:
-    """A plain optimizer of the same class and groups over the module's DTensor parameters, holding the whole state
-    (as DTensors laid out like their parameters). Collective: every rank must call it."""
-    plain_views = consolidated_plain_optimizer(optimizer, world_size, rank)
-    by_view = {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
-    groups = [extras | {k: v for k, v in g.items() if k != "params"} | {"params": [by_view[id(v)] for v in g["params"]]}
-              for g, extras in zip(plain_views.param_groups, optimizer.group_extras)]
-    result = type(plain_views)(groups)
-    for view, state in plain_views.state.items():
-        param = by_view[id(view)]
-        result.state[param] = {k: _like(v, param) if isinstance(v, torch.Tensor) and v.shape == param.shape
-                               and v.dim() > 0 else v for k, v in state.items()}
+    """A plain optimizer of the same class, settings and groups over the module's DTensor parameters, holding the
+    whole state in host memory (gathered from the partitions; it never all lands on the device). Collective: every
+    rank must call it."""
+    full = consolidated_state_dict(optimizer, world_size, rank)
+    params = optimizer.whole_params  # numbered as the views are, in group order
+    groups = [extras | {k: v for k, v in g.items() if k != "params"} | {"params": [params[i] for i in g["params"]]}
+              for g, extras in zip(full["param_groups"], optimizer.group_extras)]
+    result = type(optimizer.optim)(groups, **optimizer_constructor_kwargs(optimizer.optim))
+    for i, state in full["state"].items():
+        result.state[params[i]] = dict(state)
     return result
 
 
-def _like(whole: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    if not isinstance(param, DTensor):
-        return whole
-    return DTensor.from_local(whole.to(param.to_local().device), param.device_mesh, param.placements,
-                              run_check=False, shape=param.shape, stride=param.stride())
+def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], lr_scheduler_configs: list[Any]) -> list[
+        torch.optim.Optimizer]:
+    """The strategy's one optimizer wrapped as a :class:`ReplicatedZeroOptimizer`, its LR schedulers rebound."""
+    if len(optimizers) != 1:
+        raise ValueError(f"P2RStrategy(sharding='zero1') on FSDP2 supports one optimizer, got {len(optimizers)}")
+    zero = ReplicatedZeroOptimizer.wrap(optimizers[0])
+    for config in lr_scheduler_configs:
+        config.scheduler = rebind_scheduler(config.scheduler, zero)
+    return [zero]

@@ -79,19 +79,27 @@ def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
     return zero
 
 
-def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: int,
-                                 rank: int) -> torch.optim.Optimizer:
-    """A plain optimizer (the class a ``ZeroRedundancyOptimizer`` wraps) holding the whole state on this rank;
-    any other optimizer is returned as it is. Collective for a ``ZeroRedundancyOptimizer``: every rank must call
-    it, because ``consolidate_state_dict`` hands the full state to one rank per call."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer
-    full = None
+def consolidated_state_dict(optimizer: ZeroRedundancyOptimizer, world_size: int, rank: int) -> dict[str, Any]:
+    """The whole state dict of a ``ZeroRedundancyOptimizer`` on this rank, in host memory (torch keeps consolidated
+    states on the CPU). Collective: ``consolidate_state_dict`` hands the full state to one rank per call, so every
+    rank calls it once per rank."""
+    full: dict[str, Any] = {}
     for target in range(world_size):
         optimizer.consolidate_state_dict(to=target)
         if target == rank:
             full = optimizer.state_dict()
-    plain = type(optimizer.optim)([dict(g) for g in optimizer.param_groups])
+    return full
+
+
+def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: int,
+                                 rank: int) -> torch.optim.Optimizer:
+    """A plain optimizer (the class a ``ZeroRedundancyOptimizer`` wraps) holding the whole state on this rank;
+    any other optimizer is returned as it is. Collective for a ``ZeroRedundancyOptimizer`` (every rank calls it)."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    full = consolidated_state_dict(optimizer, world_size, rank)
+    plain = type(optimizer.optim)([dict(g) for g in optimizer.param_groups],
+                                  **optimizer_constructor_kwargs(optimizer.optim))
     plain.load_state_dict(full)
     return plain
 

@@ -36,8 +36,8 @@ from .host_state import blocks_prefix, full_state_dict, load_full_state_dict, re
 from .layered import LayeredStages, LayeredStep, check_accumulation_options, layered_forward, split_micro_batches
 from .offload import EngineEvents, OffloadEngine, OffloadStats
 from .plan import OffloadPlan, check_fsdp_offload_states, check_offload_options, plan_for_model, resolve_pin_memory
-from .regather import delinked_plain_copy, meta_template, replace_submodule, shard_optimizer
-from .replicated_zero import ReplicatedZeroOptimizer, to_module_optimizer
+from .regather import delinked_plain_copy, meta_template, release_model_state, replace_submodule, shard_optimizer
+from .replicated_zero import ReplicatedZeroOptimizer, partition_optimizer_states, to_module_optimizer
 from .sharding import (
     SHARDINGS,
     FSDPEvents,
@@ -139,11 +139,8 @@ class P2RStrategy(DDPStrategy):
         if sharding not in SHARDINGS:
             raise ValueError(f"P2RStrategy.sharding must be one of {SHARDINGS}, got {sharding!r}")
         check_accumulation_options(accumulation, micro_batches, recompute)
-        self.sharding = sharding
-        self.accumulation = accumulation
-        self.micro_batches = micro_batches
-        self.recompute = recompute
-        self.count_collectives = count_collectives
+        self.sharding, self.accumulation, self.micro_batches = sharding, accumulation, micro_batches
+        self.recompute, self.count_collectives = recompute, count_collectives
         self.collectives: CollectiveStats | None = None
         self.collectives_history: list[CollectiveStats] = []
         self._counter = CollectiveCounter() if count_collectives else None
@@ -157,15 +154,10 @@ class P2RStrategy(DDPStrategy):
             offload_fraction=offload_fraction, offload_blocks=offload_blocks, device_memory_budget=device_memory_budget,
             offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
             overlap_host_step=overlap_host_step)
-        self.offload_fraction = offload_fraction
-        self.offload_blocks = offload_blocks
-        self.device_memory_budget = device_memory_budget
-        self.activation_allowance = activation_allowance
-        self.offload_states = states
-        self.prefetch = prefetch
-        self.pin_memory = pin_memory
-        self.overlap_host_step = overlap_host_step
-        self.log_telemetry = log_telemetry
+        self.offload_fraction, self.offload_blocks = offload_fraction, offload_blocks
+        self.device_memory_budget, self.activation_allowance = device_memory_budget, activation_allowance
+        self.offload_states, self.prefetch, self.pin_memory = states, prefetch, pin_memory
+        self.overlap_host_step, self.log_telemetry = overlap_host_step, log_telemetry
         self.plan: OffloadPlan | None = None
         self.engine: OffloadEngine | None = None
         self.telemetry: OffloadStats | None = None
@@ -191,7 +183,8 @@ class P2RStrategy(DDPStrategy):
 
     @property
     def offloading(self) -> bool:
-        return any(v is not None for v in (self.offload_fraction, self.offload_blocks, self.device_memory_budget))
+        """Whether the options ask for offload (a zero fraction or an empty block list do not)."""
+        return bool(self.offload_fraction or self.offload_blocks or self.device_memory_budget is not None)
 
     @property
     def fsdp_layout(self) -> str:
@@ -312,19 +305,13 @@ class P2RStrategy(DDPStrategy):
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         super().setup_optimizers(trainer)
         if self._replicated_zero:
-            self._partition_optimizer_states()
+            self.optimizers = partition_optimizer_states(self.optimizers, self.lr_scheduler_configs)
         self._split_optimizer()
 
     @property
     def _replicated_zero(self) -> bool:
         """ZeRO-1 on FSDP2's replicate layout (offload or layered accumulation across ranks)."""
         return self.path == "fsdp" and self.sharding == "zero1"
-
-    def _partition_optimizer_states(self) -> None:
-        zero = ReplicatedZeroOptimizer.wrap(self.optimizers[0])
-        for config in self.lr_scheduler_configs:
-            config.scheduler = rebind_scheduler(config.scheduler, zero)
-        self.optimizers = [zero]
 
     def _module_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         """The optimizer over the module's own parameters, as checkpoints and delinking read it (collective)."""
@@ -358,6 +345,7 @@ class P2RStrategy(DDPStrategy):
     # ---------------------------------------------------------------------------------------------- steps
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._reshard_all()  # a forward outside training (a callback's loss) may have left units gathered
         if self.accumulation == "standard":
             with counting(self._counter):
                 return super().training_step(*args, **kwargs)
@@ -423,9 +411,18 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def on_validation_end(self) -> None:
-        if self.accumulation == "layered":
-            self._reshard_all()  # layered blocks never reshard in their own forward hook: evaluation left them gathered
+        self._reshard_all()  # layered blocks never reshard in their own forward hook: evaluation left them gathered
         super().on_validation_end()
+
+    @override
+    def on_test_end(self) -> None:
+        self._reshard_all()
+        super().on_test_end()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._reshard_all()
+        super().on_predict_end()
 
     def _reshard_all(self) -> None:
         """Every FSDP2 unit back to its shards (the stage runner is not inside the LightningModule)."""
@@ -501,7 +498,7 @@ class P2RStrategy(DDPStrategy):
         root = self._sharded_root
         if root is None or root is pl_module:
             raise ValueError(
-                f"P2RStrategy delinks a zero2/zero3 model by rebuilding the submodule that holds its parameters; "
+                f"P2RStrategy delinks a model on FSDP2 by rebuilding the submodule that holds its parameters; "
                 f"{type(pl_module).__name__} keeps parameters directly on the LightningModule"
             )
         self._reshard_all()
@@ -509,11 +506,15 @@ class P2RStrategy(DDPStrategy):
         plain, plain_optimizer, names = delinked_plain_copy(root, self._root_template, optimizer, num_unique_blocks,
                                                             optimizer_state)
         replace_submodule(pl_module, root, plain)
+        # Free the old model's gradients and optimizer state before the new model is sharded (the caller and
+        # Lightning still hold the old optimizer objects until this returns).
+        release_model_state(root, [optimizer, *self.optimizers])
+        self.optimizers, self._stage_runner, self._sharded_root = [], None, None
         del root, optimizer
         self._shard(move_module=False)
         self.optimizers = [shard_optimizer(plain_optimizer, names, plain)]
         if self._replicated_zero:
-            self._partition_optimizer_states()
+            self.optimizers = partition_optimizer_states(self.optimizers, self.lr_scheduler_configs)
         return self.optimizers[0]
 
     # ----------------------------------------------------------------------------------------- checkpoints

@@ -59,6 +59,8 @@ def run(config: dict, out: Path, devices: int) -> None:
     callbacks = [probe]
     if "delink_at" in config:
         callbacks.append(PseudoToReal(delink_at_step=config["delink_at"]))
+    if "delink_auto" in config:
+        callbacks.append(PseudoToReal(auto=True, **config["delink_auto"]))
     if "delink_schedule" in config:
         callbacks.append(PseudoToReal(schedule={int(k): v for k, v in config["delink_schedule"].items()}))
     strategy = P2RStrategy(**config.get("strategy", {}))
@@ -87,6 +89,8 @@ def run(config: dict, out: Path, devices: int) -> None:
         "blocks": len(module.transformer.blocks),
         "offloaded": sorted(strategy.plan.offloaded) if strategy.plan is not None else [],
         "delinks": [event.blocks_after for c in callbacks if isinstance(c, PseudoToReal) for event in c.events],
+        "delink_steps": [event.step for c in callbacks if isinstance(c, PseudoToReal) for event in c.events],
+        "agreement": [c.agreement for c in callbacks if isinstance(c, PseudoToReal)],
         "global_step": trainer.global_step,
     }
     (out / f"{config['name']}.rank{rank}.json").write_text(json.dumps(report))

@@ -23,6 +23,7 @@ ONE_PROCESS = [
     {"name": "reference_delink", "model": PSEUDO, "delink_at": 2, "steps": 4},
     {"name": "reference_delink_5_steps", "model": PSEUDO, "delink_at": 2, "steps": 5},
     {"name": "reference_staged", "model": PSEUDO, "delink_schedule": {1: 2, 3: 4}, "steps": 4},
+    {"name": "reference_delink_at_1", "model": PSEUDO, "delink_at": 1, "steps": 4},
     {"name": "local_layered", "strategy": {"accumulation": "layered", "micro_batches": 2}},
     {"name": "local_layered_offload", "strategy": {"accumulation": "layered", "micro_batches": 4, "recompute": True,
                                                    "offload_fraction": 0.5}},
@@ -60,6 +61,9 @@ TWO_PROCESSES = [
                   "recompute": True}},
     {"name": "zero3_offload_staged", "model": PSEUDO, "delink_schedule": {1: 2, 3: 4}, "steps": 4,
      "strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
+    # Automatic delinking (threshold 1.0: the first measurement, at step 0, triggers it at step 1).
+    {"name": "zero3_auto_delink", "model": PSEUDO, "steps": 4, "strategy": {"sharding": "zero3"},
+     "delink_auto": {"auto_threshold": 1.0, "auto_check_every": 1, "auto_drop_from_peak": None}},
     # Checkpoints move between stages: sharded into ZeRO-1 (DDP), single-file (ZeRO-1, consolidated) into zero3.
     {"name": "zero1_resumes_zero3_checkpoint", "steps": 4, "resume": "zero3.ckpt", "strategy": {"sharding": "zero1"}},
     {"name": "zero3_resumes_zero1_checkpoint", "steps": 4, "resume": "zero1.ckpt", "strategy": {"sharding": "zero3"}},
@@ -114,7 +118,8 @@ def _assert_same_weights(runs: Path, name: str, reference: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", [c["name"] for c in ONE_PROCESS[3:] + TWO_PROCESSES if "delink_at" not in c
-                                  and "delink_schedule" not in c and "resume" not in c])
+                                  and "delink_schedule" not in c and "delink_auto" not in c
+                                  and "resume" not in c])
 def test_matches_one_process_on_the_same_global_batch(runs: Path, name: str) -> None:
     _assert_same_weights(runs, name, "reference")
 
@@ -156,6 +161,17 @@ def test_sharded_model_delinks_mid_training_like_one_process(runs: Path, name: s
 def test_sharded_model_delinks_in_stages_like_one_process(runs: Path) -> None:
     assert _report(runs, "zero3_offload_staged")["delinks"] == [2, 4]
     _assert_same_weights(runs, "zero3_offload_staged", "reference_staged")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_automatic_delinking_decides_the_same_on_every_rank(runs: Path) -> None:
+    """Each rank measures the gradient agreement on its own batch; the callback averages it across ranks, so the
+    ranks agree on when to delink (a delink is collective: ranks that disagreed would hang)."""
+    ranks = [_report(runs, "zero3_auto_delink", rank) for rank in (0, 1)]
+    assert ranks[0]["agreement"] == ranks[1]["agreement"] and ranks[0]["agreement"][0] is not None
+    assert ranks[0]["delink_steps"] == ranks[1]["delink_steps"] == [1]
+    _assert_same_weights(runs, "zero3_auto_delink", "reference_delink_at_1")
 
 
 @pytest.mark.distributed

@@ -82,3 +82,15 @@ def test_replace_submodule_replaces_every_reference() -> None:
     assert outer.model is new and outer.alias is new
     with pytest.raises(ValueError, match="not a submodule"):
         replace_submodule(outer, inner, new)
+
+
+def test_gather_plain_module_shares_live_attributes_and_trainability() -> None:
+    """The copy holds the live module's own config object (delinking updates it for everyone) and its current
+    requires_grad flags, not the template's from setup time."""
+    model = Tied()
+    model.config = {"num_unique_blocks": 1}
+    template = meta_template(model)
+    model.norm.weight.requires_grad_(False)
+    plain = gather_plain_module(model, template)
+    assert plain.config is model.config
+    assert not plain.norm.weight.requires_grad and plain.norm.bias.requires_grad

@@ -63,6 +63,8 @@ def test_module_optimizer_round_trip_keeps_groups_and_state(process_group) -> No
     assert whole.param_groups[0]["params"][0] is model[0].weight
     assert whole.param_groups[0]["initial_lr"] == 0.1
     exp_avg = whole.state[model[0].weight]["exp_avg"]
-    again = ReplicatedZeroOptimizer.wrap(torch.optim.AdamW(model.parameters(), lr=0.1))
+    again = ReplicatedZeroOptimizer.wrap(torch.optim.AdamW(model.parameters(), lr=0.5))
     again.load_whole_state(whole)
+    assert again.param_groups[0]["lr"] == 0.1  # the checkpoint's settings, not the fresh optimizer's
+    assert again.optim.param_groups[0]["lr"] == 0.1
     torch.testing.assert_close(to_module_optimizer(again, 1, 0).state[model[0].weight]["exp_avg"], exp_avg)
