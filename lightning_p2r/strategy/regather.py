@@ -13,7 +13,7 @@ with every meta tensor mapped to a real one keeps tied parameters tied.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -75,8 +75,22 @@ def _share_plain_attributes(live: nn.Module, copied: nn.Module) -> None:
                 setattr(target, key, vars(source)[key])
 
 
-def _state_tensors(state: dict) -> Iterator[tuple[str, object]]:
-    yield from sorted(state.items())  # the same order on every rank: gathering is collective
+def remap_optimizer(optimizer: torch.optim.Optimizer, target_of: Callable[[torch.Tensor], torch.Tensor],
+                    convert: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.optim.Optimizer:
+    """An optimizer of the same class, settings and groups over other parameters (``target_of`` maps each of
+    ``optimizer``'s parameters to its counterpart), each state tensor passed through ``convert(value, target)``.
+    States are visited in group order and key order, the same on every rank, so ``convert`` may be collective."""
+    groups = [{k: v for k, v in group.items() if k != "params"} | {"params": [target_of(p) for p in group["params"]]}
+              for group in optimizer.param_groups]
+    result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param)
+            if state:
+                target = target_of(param)
+                result.state[target] = {key: convert(value, target) if isinstance(value, torch.Tensor) else value
+                                        for key, value in sorted(state.items())}
+    return result
 
 
 def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,
@@ -85,24 +99,11 @@ def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,
     (gathered) state of ``optimizer``, which optimizes ``sharded``."""
     name_of = {id(p): name for name, p in sharded.named_parameters()}
     plain_params = dict(plain.named_parameters())
-    groups = []
-    for group in optimizer.param_groups:
-        missing = [p for p in group["params"] if id(p) not in name_of]
-        if missing:
-            raise ValueError("the optimizer holds parameters outside the sharded module; delinking a sharded model "
-                             "needs every optimized parameter under it")
-        groups.append({k: v for k, v in group.items() if k != "params"}
-                      | {"params": [plain_params[name_of[id(p)]] for p in group["params"]]})
-    result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if not state:
-                continue
-            target = plain_params[name_of[id(param)]]
-            result.state[target] = {key: full_tensor_on_host(value) if isinstance(value, torch.Tensor) else value
-                                    for key, value in _state_tensors(state)}
-    return result
+    if any(id(p) not in name_of for group in optimizer.param_groups for p in group["params"]):
+        raise ValueError("the optimizer holds parameters outside the sharded module; delinking a sharded model "
+                         "needs every optimized parameter under it")
+    return remap_optimizer(optimizer, lambda p: plain_params[name_of[id(p)]],
+                           lambda value, _: full_tensor_on_host(value))
 
 
 def delinked_plain_copy(sharded: nn.Module, template: nn.Module, optimizer: torch.optim.Optimizer,
@@ -139,21 +140,12 @@ def shard_optimizer(plain_optimizer: torch.optim.Optimizer, names: dict[int, str
     """The optimizer ``plain_optimizer`` describes, over the parameters of ``sharded`` (``names`` maps the id of
     each plain parameter to its name, recorded before sharding replaced the parameters)."""
     live = dict(sharded.named_parameters())
-    groups = [{k: v for k, v in group.items() if k != "params"} | {"params": [live[names[id(p)]]
-                                                                              for p in group["params"]]}
-              for group in plain_optimizer.param_groups]
-    result = type(plain_optimizer)(groups, **optimizer_constructor_kwargs(plain_optimizer))
-    for group in plain_optimizer.param_groups:
-        for param in group["params"]:
-            state = plain_optimizer.state.get(param)
-            if not state:
-                continue
-            target = live[names[id(param)]]
-            result.state[target] = {
-                key: shard_like(value, target) if isinstance(value, torch.Tensor) and value.shape == target.shape
-                and value.dim() > 0 else value for key, value in state.items()
-            }
-    return result
+
+    def shard(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        # Per-element states are laid out like their parameter; scalars (Adam's step) stay as they are.
+        return shard_like(value, target) if value.shape == target.shape and value.dim() > 0 else value
+
+    return remap_optimizer(plain_optimizer, lambda p: live[names[id(p)]], shard)
 
 
 def replace_submodule(root: nn.Module, old: nn.Module, new: nn.Module) -> None:

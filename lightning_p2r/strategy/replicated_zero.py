@@ -22,6 +22,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..sharing import optimizer_constructor_kwargs, rebind_scheduler
+from .regather import remap_optimizer
 from .sharding import consolidated_state_dict, zero_redundancy_optimizer
 
 
@@ -49,14 +50,7 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
                 raise ValueError("ReplicatedZeroOptimizer needs parameters replicated on every rank; this one is "
                                  f"sharded (local {tuple(param.to_local().shape)} of {tuple(param.shape)})")
         views = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in whole}
-        groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [views[id(p)] for p in g["params"]]}
-                  for g in optimizer.param_groups]
-        plain = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-        for param in whole:
-            state = optimizer.state.get(param)
-            if state:
-                plain.state[views[id(param)]] = {k: _local(v) if isinstance(v, torch.Tensor) else v
-                                                 for k, v in state.items()}
+        plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: _local(value))
         zero = zero_redundancy_optimizer(plain, cls=cls)
         zero.whole_params = whole
         zero.views = [views[id(p)] for p in whole]
