@@ -80,6 +80,8 @@ class _OffloadedBlock:
     unwritten: set[int] = field(default_factory=set)
     """Host gradient buffers not yet written in this optimizer step (their contents are from an earlier one)."""
     ready_event: object | None = None
+    reload_release: bool = False
+    """Set while ``load_state_dict`` holds the block on the device only to write into it."""
 
 
 def _hidden_state(output: object) -> torch.Tensor | None:
@@ -203,6 +205,42 @@ class OffloadEngine:
             for position in block.trainable:
                 self._handles.append(block.params[position].register_post_accumulate_grad_hook(
                     self._grad_hook(index, position)))
+            # The module's own state dict must never read or write an empty placeholder (that is a segfault,
+            # not an error): the host master is the value, whoever asks for it.
+            module = self.holder.blocks[index]
+            self._handles.append(module.register_state_dict_post_hook(self._state_dict_hook(index)))
+            self._handles.append(module.register_load_state_dict_pre_hook(self._load_pre_hook(index)))
+            self._handles.append(module.register_load_state_dict_post_hook(self._load_post_hook(index)))
+
+    def _local_names(self, index: int) -> list[str]:
+        return [name for name, _ in self.holder.blocks[index].named_parameters()]
+
+    def _state_dict_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, state: dict, prefix: str, local_metadata: object) -> None:
+            for name, master in zip(self._local_names(index), self.blocks[index].host):
+                if prefix + name in state:
+                    state[prefix + name] = master.detach()
+        return hook
+
+    def _load_pre_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, state: dict, prefix: str, *args: object) -> None:
+            block = self.blocks[index]
+            with torch.no_grad():
+                for name, master in zip(self._local_names(index), block.host):
+                    if prefix + name in state:
+                        master.copy_(state[prefix + name])
+            # The module then copies the same values into its parameters: give them storage to land in.
+            block.reload_release = not block.resident
+            self.fetch(index, wait=True)
+        return hook
+
+    def _load_post_hook(self, index: int) -> Callable[..., None]:
+        def hook(module: nn.Module, incompatible_keys: object) -> None:
+            block = self.blocks[index]
+            if block.reload_release:
+                block.reload_release = False
+                self.release(index)
+        return hook
 
     def _start_forward(self, module: nn.Module, args: object) -> None:
         self._layer = 0

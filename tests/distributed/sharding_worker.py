@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from helpers import TINY, tiny_data  # noqa: E402
+from helpers import TINY, InitialWeights, tiny_data  # noqa: E402
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
 from lightning_p2r.strategy.sharding import local_model_state_bytes  # noqa: E402
@@ -44,6 +44,27 @@ class Probe(L.Callback):
         self.bytes = vars(local_model_state_bytes(pl_module, optimizer))
 
 
+class Corrupt(L.Callback):
+    """A deliberately wrong run, for the negative controls: at optimizer step ``step`` either zero one block's
+    gradients (that step's gradient dropped) or forget one block's optimizer state (Adam restarts its moments)."""
+
+    def __init__(self, kind: str, step: int, block: int) -> None:
+        self.kind, self.step, self.block = kind, step, block
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        if trainer.global_step != self.step:
+            return
+        params = list(pl_module.transformer.blocks[self.block].parameters())
+        optimizer = trainer.optimizers[0]
+        for param in params:
+            if self.kind == "drop_grad":
+                param.grad.zero_()
+            elif self.kind == "reset_state":
+                optimizer.state.pop(param, None)
+            else:
+                raise ValueError(self.kind)
+
+
 def full_weights(module: L.LightningModule, strategy: P2RStrategy) -> dict[str, torch.Tensor]:
     if strategy.path == "fsdp":
         return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -63,6 +84,11 @@ def run(config: dict, out: Path, devices: int) -> None:
         callbacks.append(PseudoToReal(auto=True, **config["delink_auto"]))
     if "delink_schedule" in config:
         callbacks.append(PseudoToReal(schedule={int(k): v for k, v in config["delink_schedule"].items()}))
+    if "corrupt" in config:
+        callbacks.append(Corrupt(**config["corrupt"]))
+    initial = InitialWeights() if config.get("save_initial") else None
+    if initial is not None:
+        callbacks.append(initial)
     strategy = P2RStrategy(**config.get("strategy", {}))
     checkpointing = "save" in config
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=config.get("steps", 3),
@@ -79,6 +105,8 @@ def run(config: dict, out: Path, devices: int) -> None:
     rank = trainer.global_rank
     if rank == 0:
         torch.save({k: v.float() for k, v in weights.items()}, out / f"{config['name']}.pt")
+        if initial is not None:
+            torch.save(initial.weights, out / f"{config['name']}.initial.pt")
     report = {
         "path": strategy.path,
         "world_size": trainer.world_size,

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from lightning_p2r import TextDataModule
 
@@ -27,3 +28,12 @@ def tiny_trainer(tmp_path: Path, **kwargs) -> L.Trainer:
                "enable_model_summary": False, "default_root_dir": tmp_path, "limit_val_batches": 2,
                "val_check_interval": 3, "check_val_every_n_epoch": None, "log_every_n_steps": 1}
     return L.Trainer(**(options | kwargs))
+
+
+class InitialWeights(L.Callback):
+    """Records the weights training starts from, for comparisons relative to how far training moved them."""
+
+    weights: dict[str, torch.Tensor]
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.weights = {k: v.detach().float().clone() for k, v in pl_module.state_dict().items()}

@@ -1,4 +1,13 @@
-"""Layered gradient accumulation must give the gradients of standard accumulation on the same micro-batches."""
+"""Layered gradient accumulation must give the gradients of standard accumulation on the same micro-batches.
+
+The comparisons are of gradients after one backward, not of trained weights: the two schedules add the
+micro-batches' contributions to a shared or accumulated gradient in another order, so they agree to fp32
+reduction-order noise (about 1e-7 relative to the tensor's largest entry), and nothing amplifies that noise before
+the comparison (no optimizer step). The tolerance, 1e-6 of the tensor's largest entry, is 10x above the noise on
+any CPU and far below a missing micro-batch (a quarter to a half of the gradient). Comparisons that must be
+exact (recompute against keeping activations, the stage methods against forward) use bit equality or the default
+fp32 tolerance of the same operations in the same order.
+"""
 
 import weakref
 from collections import namedtuple

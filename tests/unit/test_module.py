@@ -1,9 +1,14 @@
+"""M6LanguageModel through the Trainer. Checkpoint round trips and resumed runs are compared bit for bit: one process,
+the same kernels in the same order as the run that never stopped (tests/unit/equivalence.py says when a comparison
+may not be exact)."""
+
 import math
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from equivalence import assert_bit_identical
 from helpers import TINY
 from helpers import tiny_data as _data
 from helpers import tiny_trainer as _trainer
@@ -64,8 +69,7 @@ def test_checkpoint_round_trip_with_weights_only(tmp_path: Path) -> None:
     assert raw["hyper_parameters"]["config"]["num_unique_blocks"] == 1
     loaded = M6LanguageModel.load_from_checkpoint(path, weights_only=True)
     assert loaded.config == model.config
-    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items()):
-        torch.testing.assert_close(a, b, msg=name)
+    assert_bit_identical(loaded.state_dict(), model.state_dict())
 
 
 def test_resume_continues_to_the_same_weights(tmp_path: Path) -> None:
@@ -81,8 +85,7 @@ def test_resume_continues_to_the_same_weights(tmp_path: Path) -> None:
     resumed = M6LanguageModel(M6Config(**TINY))
     _trainer(tmp_path / "b", max_steps=6, val_check_interval=100).fit(
         resumed, datamodule=_data(tmp_path), ckpt_path=tmp_path / "mid.ckpt", weights_only=True)
-    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
-        torch.testing.assert_close(a, b, msg=name)
+    assert_bit_identical(resumed.state_dict(), straight.state_dict())
 
 
 def test_predict_returns_next_token_ids(tmp_path: Path) -> None:
@@ -137,5 +140,4 @@ def test_resume_after_a_max_steps_stop_across_an_epoch_boundary(tmp_path: Path) 
     trainer = _trainer(tmp_path / "b", max_steps=14, val_check_interval=None, check_val_every_n_epoch=100)
     trainer.fit(resumed, datamodule=data(), ckpt_path=tmp_path / "stopped.ckpt", weights_only=True)
     assert trainer.current_epoch >= 1
-    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
-        torch.testing.assert_close(a, b, msg=name)
+    assert_bit_identical(resumed.state_dict(), straight.state_dict())

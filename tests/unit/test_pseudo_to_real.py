@@ -1,8 +1,12 @@
+"""delink() and the PseudoToReal callback. A run resumed from a checkpoint (before or after the delink) must continue
+bit for bit like the uninterrupted one: one process, the same operations in the same order."""
+
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
+from equivalence import assert_bit_identical
 from helpers import TINY, tiny_data, tiny_trainer
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, PseudoToReal
@@ -163,9 +167,7 @@ def test_resume_before_and_after_delink_reaches_the_same_weights(tmp_path: Path,
     trainer.fit(resumed, datamodule=tiny_data(tmp_path), ckpt_path=path, weights_only=True)
     assert len(resumed_callback.events) == 1 and resumed_callback.events[0].step == 4
     expected, got = _weights(straight), _weights(resumed)
-    assert expected.keys() == got.keys()
-    for name in expected:
-        torch.testing.assert_close(got[name], expected[name], msg=name)
+    assert_bit_identical(got, expected)
 
 
 def test_load_from_checkpoint_after_delink(tmp_path: Path) -> None:
