@@ -75,6 +75,13 @@ class M6Config:
     init_std: float = 0.02
     """Standard deviation of the normal weight init; residual output projections get std / sqrt(2 * num_layers)."""
 
+    init_seed: int | None = None
+    """Seed of the weight init. Each parameter's initial value is drawn from a generator seeded by (init_seed, the
+    parameter's name), so the same seed gives bit-identical weights however the model is built and placed (eagerly,
+    on the meta device then materialized, block by block, sharded over ranks or offloaded to host memory). None
+    draws the seed from torch's global generator when the model is built (``seed_everything`` then decides it;
+    P2RStrategy hands rank 0's draw to every rank)."""
+
     moe_layers: list[int] | None = None
     """Layers whose FFN is a Mixture of Experts; None means every layer, [] a dense model. Layers that share a
     block must agree (a shared block is either MoE or dense)."""
@@ -133,6 +140,9 @@ class M6Config:
             raise ValueError(f"M6Config.norm_eps must be > 0, got {self.norm_eps!r}")
         if self.init_std <= 0:
             raise ValueError(f"M6Config.init_std must be > 0, got {self.init_std!r}")
+        if self.init_seed is not None and (not isinstance(self.init_seed, int) or isinstance(self.init_seed, bool)
+                                           or self.init_seed < 0):
+            raise ValueError(f"M6Config.init_seed must be a non-negative integer or None, got {self.init_seed!r}")
         self._validate_moe()
 
     def _validate_moe(self) -> None:

@@ -16,6 +16,7 @@ from torch import nn
 
 from .attention import CausalSelfAttention, rotary_tables
 from .config import M6Config
+from .init import InitRule, draw_seed, fill_parameters
 from .moe import MoEFeedForward, MoEOutput, RoutingStats
 
 
@@ -43,6 +44,14 @@ class Block(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
         self.ffn: MoEFeedForward | DenseFeedForward = MoEFeedForward(config) if moe else DenseFeedForward(config)
         self.dropout = nn.Dropout(config.dropout)
+        # Set by M6Transformer: the init rule of the whole model and this block's name in it ("blocks.3."), so a
+        # block materialized on its own gets exactly the values it would get inside the model.
+        self.init_rule = init_rule(config, config.init_seed if config.init_seed is not None else draw_seed())
+        self.name_in_model = ""
+
+    def init_weights(self) -> None:
+        """Write this block's initial values (a pure function of the model's init seed and parameter names)."""
+        fill_parameters(self, self.init_rule, self.name_in_model)
 
     @property
     def is_moe(self) -> bool:
@@ -80,12 +89,23 @@ class LayerContext:
     """Length of the sequences in this call."""
 
 
+def init_rule(config: M6Config, seed: int) -> InitRule:
+    """The M6 init distribution for ``config`` (see :class:`InitRule`)."""
+    return InitRule(seed=seed, std=config.init_std, residual_std=config.init_std / math.sqrt(2 * config.num_layers))
+
+
 class M6Transformer(nn.Module):
-    """GPT-like decoder of M6 / M6-T with optional cross-layer sharing (M6-10T's pseudo model)."""
+    """GPT-like decoder of M6 / M6-T with optional cross-layer sharing (M6-10T's pseudo model).
+
+    Construct it under ``torch.device("meta")`` to allocate nothing, then ``to_empty(device=...)`` and
+    ``init_weights()`` (or ``initial_value(name)`` per parameter, for a strategy that places each tensor itself):
+    the values are the same as the eager constructor's, bit for bit, whatever the placement.
+    """
 
     def __init__(self, config: M6Config) -> None:
         super().__init__()
         self.config = config
+        self.init_seed = config.init_seed if config.init_seed is not None else draw_seed()
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.pos_embeddings = (
             nn.Embedding(config.max_seq_len, config.dim) if config.position_embedding == "learned" else None
@@ -97,9 +117,10 @@ class M6Transformer(nn.Module):
         )
         self.norm = nn.LayerNorm(config.dim, eps=config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.tok_embeddings.weight
-        self.reset_parameters()
+        self._tie_embeddings()
+        self._name_blocks()
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
 
     @property
     def num_layers(self) -> int:
@@ -117,19 +138,44 @@ class M6Transformer(nn.Module):
         self._layer_to_block = list(value)
         # Keep the config truthful, so what is saved or logged describes the structure actually trained.
         self.config.num_unique_blocks = len(set(value))
+        self._name_blocks()
 
-    def reset_parameters(self) -> None:
-        std = self.config.init_std
-        # GPT-2: output projections of residual branches are scaled down with depth.
-        residual_std = std / math.sqrt(2 * self.config.num_layers)
-        for name, param in self.named_parameters():
-            if param.dim() < 2:
-                continue  # LayerNorm weights and biases keep their defaults
-            is_residual_out = name.endswith(("attn.out.weight", "fc_out.weight", "experts.w_out"))
-            nn.init.normal_(param, mean=0.0, std=residual_std if is_residual_out else std)
-        for module in self.modules():
-            if isinstance(module, nn.LayerNorm):
-                module.reset_parameters()
+    # ----------------------------------------------------------------------------------------------- init
+    @property
+    def init_rule(self) -> InitRule:
+        return init_rule(self.config, self.init_seed)
+
+    def _name_blocks(self) -> None:
+        """Give every block the model's init rule and its current name (delinking renumbers blocks)."""
+        for index, block in enumerate(self.blocks):
+            block.init_rule, block.name_in_model = self.init_rule, f"blocks.{index}."
+
+    def initial_value(self, name: str) -> torch.Tensor:
+        """The initial value of parameter ``name`` (as ``named_parameters()`` names it), full shape, fp32, on the
+        CPU. Reads only the parameter's shape, so it works on meta, sharded or offloaded parameters."""
+        return self.init_rule.value(name, self.get_parameter(name).shape)
+
+    def _tie_embeddings(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+
+    def init_weights(self) -> None:
+        """Write every parameter's initial value (plain tensors on any device). Ties the LM head to the embedding
+        again first: ``to_empty`` gives each module a tensor of its own."""
+        self._tie_embeddings()
+        self._name_blocks()
+        self.init_non_block_weights()
+        for block in self.blocks:
+            block.init_weights()
+
+    def init_non_block_weights(self) -> None:
+        """Write the initial values of the parameters outside the blocks (embeddings, final norm, head)."""
+        self._tie_embeddings()
+        in_blocks = {id(p) for p in self.blocks.parameters()}
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if id(param) not in in_blocks:
+                    param.copy_(self.initial_value(name))
 
     # ------------------------------------------------------------------------------------------------ stages
     # forward() is embed -> run_layer for each layer -> head. The stages are public so an executor outside the
