@@ -105,7 +105,7 @@ class M6Transformer(nn.Module):
     def __init__(self, config: M6Config) -> None:
         super().__init__()
         self.config = config
-        self.init_seed = config.init_seed if config.init_seed is not None else draw_seed()
+        self._init_seed = config.init_seed if config.init_seed is not None else draw_seed()
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.dim)
         self.pos_embeddings = (
             nn.Embedding(config.max_seq_len, config.dim) if config.position_embedding == "learned" else None
@@ -141,6 +141,17 @@ class M6Transformer(nn.Module):
         self._name_blocks()
 
     # ----------------------------------------------------------------------------------------------- init
+    @property
+    def init_seed(self) -> int:
+        """The seed the initial values come from (``config.init_seed``, or the one drawn at construction)."""
+        return self._init_seed
+
+    @init_seed.setter
+    def init_seed(self, value: int) -> None:
+        # A strategy hands rank 0's draw to every rank, so each rank materializes its part of the same model.
+        self._init_seed = int(value)
+        self._name_blocks()
+
     @property
     def init_rule(self) -> InitRule:
         return init_rule(self.config, self.init_seed)

@@ -84,6 +84,11 @@ def load_model_into(module: nn.Module, path: str | Path) -> None:
     set_model_state_dict(module, state)
 
 
+def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """Load a whole-model state dict (a single-file checkpoint) into ``module``'s shards: each rank keeps its part."""
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True, strict=strict))
+
+
 def load_optimizer_into(module: nn.Module, optimizer: torch.optim.Optimizer, index: int, path: str | Path) -> None:
     state = get_optimizer_state_dict(module, optimizer)
     dcp.load({f"optimizer{index}": state}, checkpoint_id=str(path))

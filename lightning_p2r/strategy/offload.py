@@ -70,7 +70,7 @@ class _OffloadedBlock:
     names: list[str]
     params: list[nn.Parameter]
     host: list[torch.Tensor]
-    host_grads: list[torch.Tensor]
+    host_grads: list[torch.Tensor | None]
     trainable: frozenset[int]
     """Positions of the parameters that take gradients (frozen ones are streamed but never offloaded back)."""
     param_bytes: int
@@ -157,10 +157,13 @@ class OffloadEngine:
         block = self.holder.blocks[index]
         names, params, host, host_grads, trainable = [], [], [], [], set()
         for position, (name, param) in enumerate(block.named_parameters()):
-            master = param.detach().to("cpu", copy=True)
-            grad_buffer = torch.zeros_like(master)
+            master = param.detach()
+            if master.device.type != "cpu" or not self.offload_params:
+                master = master.to("cpu", copy=True)
+            # else: the parameter already lives in host memory (built there, or on a CPU-only machine) and its
+            # storage is about to be replaced by a placeholder, so it becomes the master as it is (no second copy).
             if self.pin_memory:
-                master, grad_buffer = master.pin_memory(), grad_buffer.pin_memory()
+                master = master.pin_memory()
             if self.offload_params:
                 placeholder = torch.empty(param.shape, dtype=param.dtype, device=self.device)
                 placeholder.untyped_storage().resize_(0)
@@ -172,7 +175,7 @@ class OffloadEngine:
             names.append(f"{param_prefix}{index}.{name}")
             params.append(param)
             host.append(master)
-            host_grads.append(grad_buffer)
+            host_grads.append(None)  # allocated by the first gradient: setup holds only the parameters
         param_bytes = sum(h.numel() * h.element_size() for h in host)
         return _OffloadedBlock(index, names, params, host, host_grads, frozenset(trainable), param_bytes,
                                resident=not self.offload_params, unwritten=set(trainable))
@@ -397,6 +400,8 @@ class OffloadEngine:
         for position, (param, buffer) in enumerate(zip(block.params, block.host_grads)):
             if param.grad is None:
                 continue
+            if buffer is None:
+                buffer = self._new_grad_buffer(block, position)
             if position in block.unwritten:
                 buffer.copy_(param.grad)  # synchronous: the host step reads the buffer right after
                 block.unwritten.discard(position)
@@ -412,6 +417,16 @@ class OffloadEngine:
         self.release(block.index)
         if self.on_block_grads_ready is not None:
             self.on_block_grads_ready(block.index)
+
+    def _new_grad_buffer(self, block: _OffloadedBlock, position: int) -> torch.Tensor:
+        """The persistent host gradient buffer of one parameter, made when its first gradient arrives (a model
+        that is only evaluated never needs one); linked as the host master's ``.grad`` for the host optimizer."""
+        master = block.host[position]
+        buffer = torch.empty(master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pin_memory)
+        block.host_grads[position] = buffer
+        if isinstance(master, nn.Parameter):
+            master.grad = buffer
+        return buffer
 
     def flush_grads(self, index: int) -> None:
         """Layered accumulation: the block's gradient of every micro-batch is complete; copy it to the host."""

@@ -34,6 +34,7 @@ from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
 from .host_state import blocks_prefix, full_state_dict, load_full_state_dict, resident_model_bytes
 from .layered import LayeredStages, LayeredStep, check_accumulation_options, layered_forward, split_micro_batches
+from .materialize import Initializer, allocate, has_meta_tensors
 from .offload import EngineEvents, OffloadEngine, OffloadStats
 from .plan import OffloadPlan, check_fsdp_offload_states, check_offload_options, plan_for_model, resolve_pin_memory
 from .regather import delinked_plain_copy, meta_template, release_model_state, replace_submodule, shard_optimizer
@@ -148,6 +149,9 @@ class P2RStrategy(DDPStrategy):
         self._mesh: Any = None
         self._layered_step: LayeredStep | None = None
         self._pending_sharded_checkpoint: str | None = None
+        # Weights of a checkpoint restored before setup into a model still on the meta device: setup writes them
+        # into the tensors where they will live (a state dict, or the sharded checkpoint's path), then drops them.
+        self._deferred_weights: tuple[dict[str, Any] | str, bool] | None = None
         self._sharded_root: nn.Module | None = None
         self._root_template: nn.Module | None = None
         states = check_offload_options(
@@ -216,6 +220,19 @@ class P2RStrategy(DDPStrategy):
                 "ZeroRedundancyOptimizer broadcasts its partitions through the accelerator's process group, which "
                 "cannot send host-resident tensors; use sharding='zero2' (optimizer states and gradients sharded)")
 
+    @contextlib.contextmanager
+    @override
+    def tensor_init_context(self, empty_init: bool | None = None) -> Any:
+        """The model is built on the meta device (no memory anywhere): ``setup`` plans the placement from its shapes,
+        then allocates each tensor once, where it will live (see ``materialize.py``). ``empty_init=False`` (a
+        user who needs real values while building) keeps Lightning's behaviour: built whole on the root device."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"):
+            yield
+
     @property
     def resolved_pin_memory(self) -> bool:
         return resolve_pin_memory(self.pin_memory, self.root_device)
@@ -229,6 +246,7 @@ class P2RStrategy(DDPStrategy):
                     f"P2RStrategy(micro_batches={self.micro_batches}, accumulation={self.accumulation!r}) splits each "
                     f"batch itself; set Trainer(accumulate_grad_batches=1), got {trainer.accumulate_grad_batches}"
                 )
+        self._share_init_seed()
         if self.path == "ddp":
             return self._setup_ddp(trainer)
         self.accelerator.setup(trainer)
@@ -241,7 +259,22 @@ class P2RStrategy(DDPStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
 
+    def _share_init_seed(self) -> None:
+        """Every rank materializes its part of the same model: hand rank 0's init seed (maybe drawn from an
+        unseeded generator) to the others."""
+        if self.world_size > 1 and has_meta_tensors(self.lightning_module):
+            holder = self._holder()
+            if hasattr(holder, "init_seed"):
+                holder.init_seed = self.broadcast(holder.init_seed, src=0)
+
     def _setup_ddp(self, trainer: L.Trainer) -> None:
+        module = self.lightning_module
+        if has_meta_tensors(module):  # every rank holds the whole model: allocate it on the device, fill it
+            initializer = Initializer(module, self._holder_or_none())
+            params = allocate(module, self.root_device)
+            if self._deferred_weights is None:
+                initializer.fill(params)
+            self._load_deferred_weights()
         super().setup(trainer)  # DDPStrategy: to the device, DDP wrap, optimizers
         if trainer.state.fn == TrainerFn.FITTING and self.sharding == "zero1":
             self.optimizers = [zero_redundancy_optimizer(opt) for opt in self.optimizers]
@@ -259,17 +292,57 @@ class P2RStrategy(DDPStrategy):
         module = self.lightning_module
         root = smallest_parameter_root(module)
         self._sharded_root, self._root_template = root, meta_template(root)
-        if move_module:
+        lazy = has_meta_tensors(module)
+        if move_module and not lazy:
             module.to(self.root_device)
         layered = self.accumulation == "layered"
         shard_blocks(holder.blocks, mesh=self._mesh, sharding=self.fsdp_layout, offloaded=self.plan.offloaded,
                      layered=layered, pin_memory=self.resolved_pin_memory)
         self._stage_runner = shard_rest(root, holder.blocks, mesh=self._mesh, layered=layered)
+        if lazy:
+            self._materialize_shards(holder)
         if self._stage_runner is not None:
             # The model's own forward (evaluation, a callback measuring a loss) reads the embedding and head
             # outside the runner: gather them first. Training calls the stages through the runner instead.
             runner = self._stage_runner
             root.register_forward_pre_hook(lambda *_: runner.unshard())
+
+    def _materialize_shards(self, holder: nn.Module) -> None:
+        """After ``fully_shard`` on the meta model: each unit in turn gets storage for this rank's shards only (an
+        offloaded block's in host memory, as FSDP2's CPU offload keeps them) and its values, so the peak is the
+        shards plus one whole tensor being cut."""
+        module = self.lightning_module
+        initializer = Initializer(module, holder)  # after fully_shard: the parameters are DTensors now
+        fill = self._deferred_weights is None
+        for index, block in enumerate(holder.blocks):
+            params = allocate(block, "cpu" if index in self.plan.offloaded else self.root_device)
+            if fill:
+                initializer.fill(params)
+        params = allocate(module, self.root_device, skip=[holder.blocks])
+        if fill:
+            initializer.fill(params)
+        self._load_deferred_weights()
+
+    def _load_deferred_weights(self) -> None:
+        """Write a checkpoint restored before setup into the placed tensors (no whole copy of the model)."""
+        if self._deferred_weights is None:
+            return
+        (source, strict), self._deferred_weights = self._deferred_weights, None
+        module = self.lightning_module
+        if isinstance(source, str):
+            sharded_checkpoint.load_model_into(module, source)
+        elif self.path == "fsdp":
+            sharded_checkpoint.load_full_model_state(module, source, strict)
+        elif self.engine is not None and self.engine.blocks:
+            load_full_state_dict(module, self.engine, source, strict)
+        else:
+            module.load_state_dict(source, strict=strict)
+
+    def _holder_or_none(self) -> nn.Module | None:
+        try:
+            return find_block_sequence(self.lightning_module)
+        except ValueError:
+            return None
 
     def _holder(self) -> nn.Module:
         module = self.lightning_module
@@ -287,13 +360,28 @@ class P2RStrategy(DDPStrategy):
 
     def _attach(self) -> None:
         holder = self._holder()
-        self.plan = self.make_plan(holder)
-        prefix = blocks_prefix(self.lightning_module, holder)
+        self.plan = self.make_plan(holder)  # from the shapes alone: the model may still be on the meta device
+        module = self.lightning_module
+        lazy = has_meta_tensors(module)
+        initializer = Initializer(module, holder) if lazy else None
+        fill = lazy and self._deferred_weights is None
+        offloaded = [holder.blocks[i] for i in self.plan.offloaded]
+        if lazy:  # offloaded blocks straight into host memory: the engine keeps these tensors as its masters
+            for block in offloaded:
+                params = allocate(block, "cpu")
+                if fill:
+                    initializer.fill(params)
+        prefix = blocks_prefix(module, holder)
         pin = self.resolved_pin_memory
         self.engine = OffloadEngine(holder, self.plan.offloaded, self.root_device, prefetch=self.prefetch,
                                     pin_memory=pin, param_prefix=prefix,
                                     offload_params="params" in self.offload_states)
+        if lazy:
+            params = allocate(module, self.root_device)
+            if fill:
+                initializer.fill(params)
         self.model_to_device()  # the offloaded blocks' parameters are already empty device placeholders
+        self._load_deferred_weights()
         self.engine.on_block_grads_ready = self._on_block_grads_ready
         self._resident_model_bytes = resident_model_bytes(self.lightning_module, holder.blocks, self.engine.blocks)
 
@@ -555,7 +643,13 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        # Lightning restores the weights before setup, into the plain module, which is sharded afterwards.
+        if has_meta_tensors(self.lightning_module):
+            # Lightning restores the weights before setup, while the model is still on the meta device: setup
+            # writes them into the tensors where they will live.
+            source = self._pending_sharded_checkpoint or checkpoint["state_dict"]
+            self._deferred_weights = (source, strict)
+            return
+        # A model built eagerly: load into the plain module, which setup then places.
         if self._pending_sharded_checkpoint is not None:
             sharded_checkpoint.load_model_into(self.lightning_module, self._pending_sharded_checkpoint)
             return
@@ -595,5 +689,15 @@ class P2RStrategy(DDPStrategy):
     def teardown(self) -> None:
         release_to_host(self.optimizers, self.engine)
         self.engine = None
+        module = self.lightning_module
+        if module is not None and has_meta_tensors(module):
+            # Setup stopped (a bad option) before every tensor was placed: a meta tensor cannot move to the host,
+            # so the model stays where it is and only the environment is torn down.
+            self.model = module
+            self.cluster_environment.teardown()
+            self.precision_plugin.teardown()
+            self.accelerator.teardown()
+            self.checkpoint_io.teardown()
+            return
         super().teardown()
 

@@ -1,0 +1,118 @@
+"""Materializing a model built on the meta device: each tensor allocated once, where the plan puts it, and filled
+once, with its initial value or the checkpoint's.
+
+``P2RStrategy`` builds the LightningModule's model under ``torch.device("meta")`` (no memory), makes the offload
+plan and the sharding layout from the meta shapes, then allocates block by block: offloaded blocks straight into
+host memory (where they become the engine's host masters), FSDP2 units after ``fully_shard`` (each rank only its
+shard), the rest on the device. The values come from the model (``initial_value(name)``, a pure function of the
+model's init seed and the parameter's name, see ``lightning_p2r.models.init``), so they do not depend on the
+placement; a model without that method gets its modules' own ``reset_parameters()`` instead (torch's convention,
+which draws from the global generator and so depends on the order of materialization).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
+
+
+@contextlib.contextmanager
+def _swap_on_conversion() -> Iterator[None]:
+    """``to_empty`` swaps each tensor in place instead of giving each module a new Parameter: a parameter shared by
+    two modules (a tied LM head) stays one object, and FSDP2's references to its DTensors stay valid."""
+    previous = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(previous)
+
+
+def allocate(module: nn.Module, device: torch.device | str, *, skip: Iterable[nn.Module] = ()) -> list[nn.Parameter]:
+    """Give every meta parameter and buffer of ``module`` (outside the ``skip`` subtrees) uninitialized storage on
+    ``device``; returns the parameters allocated (each once)."""
+    skipped = {id(m) for tree in skip for m in tree.modules()}
+    allocated: dict[int, nn.Parameter] = {}
+    with _swap_on_conversion():
+        for submodule in module.modules():
+            if id(submodule) in skipped:
+                continue
+            own = [p for p in submodule.parameters(recurse=False) if p.device.type == "meta"]
+            if own or any(b.device.type == "meta" for b in submodule.buffers(recurse=False)):
+                submodule.to_empty(device=device, recurse=False)
+                allocated.update((id(p), p) for p in own)
+    return list(allocated.values())
+
+
+def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """The part of ``full`` (the whole tensor) that ``like``'s rank holds, for FSDP2's dim-0 shards and replicas
+    (``torch.chunk`` semantics: the last ranks may hold less, or nothing)."""
+    mesh, part = like.device_mesh, full
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise ValueError("this rank is not part of the parameter's device mesh")
+    for mesh_dim, placement in enumerate(like.placements):
+        if isinstance(placement, Shard):
+            chunks = torch.chunk(part, mesh.size(mesh_dim), dim=placement.dim)
+            index = coordinate[mesh_dim]
+            part = chunks[index] if index < len(chunks) else part.narrow(placement.dim, 0, 0)
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"cannot place an initial value for placement {placement}")
+    return part
+
+
+@torch.no_grad()
+def write(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the whole value ``full`` into ``param``: all of it, or this rank's part of a DTensor."""
+    if isinstance(param, DTensor):
+        local = param.to_local()
+        local.copy_(local_part(full, param).to(local.dtype))
+    else:
+        param.copy_(full.to(param.dtype))
+
+
+class Initializer:
+    """Writes the initial values of ``root``'s parameters once they have storage.
+
+    ``values_from`` is the module that knows its parameters' initial values by name (``initial_value(name)``, the
+    block-sequence holder of an M6 model); parameters it does not hold, or all of them when it has no such method,
+    are initialized by their modules' ``reset_parameters()``.
+    """
+
+    def __init__(self, root: nn.Module, values_from: nn.Module | None) -> None:
+        self.root = root
+        self.values_from = values_from if callable(getattr(values_from, "initial_value", None)) else None
+        self._names = ({id(p): n for n, p in self.values_from.named_parameters()}
+                       if self.values_from is not None else {})
+
+    def fill(self, params: Iterable[nn.Parameter]) -> None:
+        pending = []
+        for param in params:
+            name = self._names.get(id(param))
+            if name is None:
+                pending.append(param)
+            else:
+                write(param, self.values_from.initial_value(name))
+        if pending:
+            self._reset_owners(pending)
+
+    def _reset_owners(self, params: list[nn.Parameter]) -> None:
+        wanted = {id(p) for p in params}
+        for module in self.root.modules():
+            if any(id(p) in wanted for p in module.parameters(recurse=False)):
+                reset = getattr(module, "reset_parameters", None)
+                if not callable(reset):
+                    names = [n for n, p in module.named_parameters(recurse=False) if id(p) in wanted]
+                    raise ValueError(
+                        f"{type(module).__name__} was built on the meta device, but neither the model "
+                        f"(initial_value(name)) nor the module (reset_parameters()) can initialize {names}")
+                with torch.no_grad():
+                    reset()
