@@ -47,6 +47,7 @@ from .sharding import (
     device_mesh,
     execution_path,
     fsdp_layout_for,
+    fsdp_modules,
     reshard_all,
     shard_blocks,
     shard_rest,
@@ -87,6 +88,12 @@ class P2RStrategy(DDPStrategy):
             Standard accumulation is Lightning's own ``accumulate_grad_batches``.
         recompute: layered only: keep just each block's input per micro-batch and recompute the block's interior
             in backward (activation checkpointing at block granularity).
+        reduce_every_micro_batch: standard accumulation on FSDP2 (zero2/zero3, or offload/layered across ranks):
+            reduce(-scatter) the gradients after every micro-batch, which keeps only gradient shards between
+            micro-batches (ZeRO-2's memory) at the cost of one reduction per unit per micro-batch. False (the
+            default) reduces once, after the last micro-batch, as DDP's ``no_sync`` does: each unit then holds its
+            whole unsharded gradient between micro-batches. Offloaded units always reduce every micro-batch (their
+            gradients must not stay on the device).
         count_collectives: record the collectives (calls and bytes, per kind) of every optimizer step in
             ``strategy.collectives``; costs a Python call per operator, so it is for measurements.
         offload_fraction: share of the blocks kept in host memory, spread evenly through the depth.
@@ -115,6 +122,7 @@ class P2RStrategy(DDPStrategy):
         accumulation: Accumulation = "standard",
         micro_batches: int = 1,
         recompute: bool = False,
+        reduce_every_micro_batch: bool = False,
         count_collectives: bool = False,
         offload_fraction: float | None = None,
         offload_blocks: list[int] | None = None,
@@ -142,6 +150,7 @@ class P2RStrategy(DDPStrategy):
         check_accumulation_options(accumulation, micro_batches, recompute)
         self.sharding, self.accumulation, self.micro_batches = sharding, accumulation, micro_batches
         self.recompute, self.count_collectives = recompute, count_collectives
+        self.reduce_every_micro_batch = reduce_every_micro_batch
         self.collectives: CollectiveStats | None = None
         self.collectives_history: list[CollectiveStats] = []
         self._counter = CollectiveCounter() if count_collectives else None
@@ -431,6 +440,25 @@ class P2RStrategy(DDPStrategy):
             optimizer.submit_host_step(index)
 
     # ---------------------------------------------------------------------------------------------- steps
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Any:
+        """Lightning enters this around the backward of every micro-batch but the last (standard accumulation)."""
+        if self.path != "fsdp" or self.reduce_every_micro_batch:
+            with super().block_backward_sync():  # DDP's no_sync on the ddp path
+                yield
+            return
+        holder = self._holder()
+        offloaded = {id(m) for i in self.plan.offloaded for m in holder.blocks[i].modules()}
+        units = [u for u in fsdp_modules(self.lightning_module) if id(u) not in offloaded]
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._reshard_all()  # a forward outside training (a callback's loss) may have left units gathered

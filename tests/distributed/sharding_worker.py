@@ -76,6 +76,8 @@ def run(config: dict, out: Path, devices: int) -> None:
     model = MODEL | config.get("model", {})
     optimizer = OptimizerConfig(lr=1e-2, warmup_steps=1, weight_decay=0.1, min_lr_ratio=1.0)
     module = M6LanguageModel(M6Config(**model), optimizer)
+    if config.get("eager"):
+        module.configure_model()  # built whole, here, before the strategy could build it on the meta device
     probe = Probe()
     callbacks = [probe]
     if "delink_at" in config:

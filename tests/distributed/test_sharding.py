@@ -23,13 +23,14 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from equivalence import MOVEMENT_FRACTION, assert_trained_alike, divergence  # noqa: E402
+from equivalence import MOVEMENT_FRACTION, assert_bit_identical, assert_trained_alike, divergence  # noqa: E402
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 PSEUDO = {"num_unique_blocks": 1}
 
 ONE_PROCESS = [
     {"name": "reference", "save_initial": True},
+    {"name": "reference_eager", "eager": True, "save_initial": True},
     {"name": "reference_4_steps", "steps": 4},
     {"name": "reference_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "save_initial": True},
     # Negative controls: runs with a real bug, which the comparisons must reject by a wide margin.
@@ -39,28 +40,37 @@ ONE_PROCESS = [
     {"name": "reference_staged", "model": PSEUDO, "delink_schedule": {1: 2, 3: 4}, "steps": 4},
     {"name": "reference_delink_at_1", "model": PSEUDO, "delink_at": 1, "steps": 4},
     {"name": "local_layered", "strategy": {"accumulation": "layered", "micro_batches": 2}},
-    {"name": "local_layered_offload", "strategy": {"accumulation": "layered", "micro_batches": 4, "recompute": True,
-                                                   "offload_fraction": 0.5}},
+    {"name": "local_layered_offload", "save_initial": True,
+     "strategy": {"accumulation": "layered", "micro_batches": 4, "recompute": True, "offload_fraction": 0.5}},
 ]
 TWO_PROCESSES = [
     {"name": "zero1", "strategy": {"sharding": "zero1", "count_collectives": True}, "save": "zero1.ckpt"},
     {"name": "zero2", "strategy": {"sharding": "zero2", "count_collectives": True}},
-    {"name": "zero3", "strategy": {"sharding": "zero3", "count_collectives": True}, "save": "zero3.ckpt"},
+    {"name": "zero3", "strategy": {"sharding": "zero3", "count_collectives": True}, "save": "zero3.ckpt",
+     "save_initial": True},
     {"name": "zero3_standard_m2", "batch_size": 4, "accumulate": 2,
      "strategy": {"sharding": "zero3", "count_collectives": True}},
+    {"name": "zero3_standard_m2_reduce_each", "batch_size": 4, "accumulate": 2,
+     "strategy": {"sharding": "zero3", "count_collectives": True, "reduce_every_micro_batch": True}},
+    {"name": "zero2_standard_m2", "batch_size": 4, "accumulate": 2,
+     "strategy": {"sharding": "zero2", "count_collectives": True}},
+    {"name": "zero3_offload_standard_m2", "batch_size": 4, "accumulate": 2,
+     "strategy": {"sharding": "zero3", "offload_blocks": [1, 3], "count_collectives": True}},
+    {"name": "zero1_offload_standard_m2", "batch_size": 4, "accumulate": 2,
+     "strategy": {"sharding": "zero1", "offload_fraction": 0.5}},
     {"name": "zero3_layered_m2", "strategy": {"sharding": "zero3", "accumulation": "layered", "micro_batches": 2,
                                               "count_collectives": True}},
     {"name": "zero3_layered_m4", "strategy": {"sharding": "zero3", "accumulation": "layered", "micro_batches": 4,
                                               "count_collectives": True}},
     {"name": "zero2_layered_m2", "strategy": {"sharding": "zero2", "accumulation": "layered", "micro_batches": 2,
                                               "count_collectives": True}},
-    {"name": "zero3_offload", "strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
+    {"name": "zero3_offload", "strategy": {"sharding": "zero3", "offload_fraction": 0.5}, "save_initial": True},
     {"name": "zero2_offload_layered", "strategy": {"sharding": "zero2", "offload_fraction": 0.5,
                                                    "accumulation": "layered", "micro_batches": 2}},
     {"name": "zero3_offload_layered_recompute", "strategy": {"sharding": "zero3", "offload_blocks": [1, 3],
                                                              "accumulation": "layered", "micro_batches": 2,
                                                              "recompute": True}},
-    {"name": "none_offload", "strategy": {"offload_fraction": 0.5, "count_collectives": True}},
+    {"name": "none_offload", "strategy": {"offload_fraction": 0.5, "count_collectives": True}, "save_initial": True},
     {"name": "none_layered_m2", "strategy": {"accumulation": "layered", "micro_batches": 2, "count_collectives": True}},
     {"name": "zero1_offload", "strategy": {"sharding": "zero1", "offload_fraction": 0.5, "count_collectives": True},
      "save": "zero1_offload.ckpt"},
@@ -140,6 +150,17 @@ def _assert_same_weights(runs: Path, name: str, reference: str) -> None:
                                   and "resume" not in c])
 def test_matches_one_process_on_the_same_global_batch(runs: Path, name: str) -> None:
     _assert_same_weights(runs, name, "reference")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["reference", "local_layered_offload", "zero3", "zero3_offload", "none_offload"])
+def test_every_placement_starts_from_the_eagerly_built_weights(runs: Path, name: str) -> None:
+    """Built on the meta device and materialized where each tensor lives (one process, offloaded blocks in host
+    memory, ZeRO-3 shards on 2 ranks, offloaded shards), the model starts bit for bit where an eagerly built one
+    does: the init is a function of the seed and the parameter names, not of the placement."""
+    assert_bit_identical(torch.load(runs / f"{name}.initial.pt", weights_only=True),
+                         torch.load(runs / "reference_eager.initial.pt", weights_only=True))
 
 
 @pytest.mark.distributed
@@ -284,8 +305,16 @@ def test_layered_accumulation_gathers_and_reduces_each_block_once_per_step(runs:
     layered = [_report(runs, n)["collectives"][-1]["calls"] for n in ("zero3_layered_m2", "zero3_layered_m4")]
     # zero3, one micro-batch: each block gathered for forward and again for backward, reduced once.
     assert one == {"all_gather": 2 * blocks + 1, "reduce_scatter": blocks + 1}
-    # Standard accumulation repeats all of it per micro-batch; layered does it once per step, whatever m.
-    assert standard == {"all_gather": 2 * (2 * blocks + 1), "reduce_scatter": 2 * (blocks + 1)}
+    # Standard accumulation gathers per micro-batch but reduces once, after the last one (FSDP2's
+    # set_requires_gradient_sync(False) before the others); asked to, it reduces after every micro-batch.
+    # Offloaded blocks always reduce per micro-batch. Layered does everything once per step, whatever m.
+    assert standard == {"all_gather": 2 * (2 * blocks + 1), "reduce_scatter": blocks + 1}
+    each = _report(runs, "zero3_standard_m2_reduce_each")["collectives"][-1]["calls"]
+    assert each == {"all_gather": 2 * (2 * blocks + 1), "reduce_scatter": 2 * (blocks + 1)}
+    offload = _report(runs, "zero3_offload_standard_m2")["collectives"][-1]["calls"]
+    assert offload == {"all_gather": 2 * (2 * blocks + 1), "reduce_scatter": blocks + 1 + 2}
+    assert _report(runs, "zero2_standard_m2")["collectives"][-1]["calls"] == {"all_gather": 2 * (blocks + 1),
+                                                                              "reduce_scatter": blocks + 1}
     assert layered[0] == layered[1] == one
     # zero2 never re-gathers a block for backward.
     assert _report(runs, "zero2_layered_m2")["collectives"][-1]["calls"] == {"all_gather": blocks + 1,

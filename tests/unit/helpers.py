@@ -4,6 +4,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_p2r import TextDataModule
 
@@ -36,4 +37,6 @@ class InitialWeights(L.Callback):
     weights: dict[str, torch.Tensor]
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.weights = {k: v.detach().float().clone() for k, v in pl_module.state_dict().items()}
+        # A sharded parameter is gathered whole (every rank calls this hook, in the same order).
+        self.weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone()
+                        for k, v in pl_module.state_dict().items()}
