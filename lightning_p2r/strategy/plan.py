@@ -237,3 +237,30 @@ def resolve_pin_memory(pin_memory: bool | str, device: torch.device) -> bool:
         raise ValueError("P2RStrategy(pin_memory=True) needs an accelerator: CPU-only torch cannot pin memory; "
                          "use pin_memory='auto' or False")
     return bool(pin_memory)
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def setup_summary(*, engine: str, sharding: str, world_size: int, plan: OffloadPlan, model: nn.Module,
+                  blocks: nn.ModuleList, prefetch: int, budget: int | None) -> str:
+    """The one line P2RStrategy logs at setup: which engine, which layout, which blocks live in host memory, and the
+    model-state bytes (parameters, gradients, AdamW states) the plan keeps on each rank's device, against the
+    budget. Sharded layouts divide the states by the ranks (FSDP2's shards at rest)."""
+    footprints = block_footprints(blocks)
+    in_blocks = {id(p) for p in blocks.parameters()}
+    other = [p for p in model.parameters() if id(p) not in in_blocks and p.requires_grad]
+    other_bytes = parameter_footprint(other, 8).total if other else 0
+    device = device_bytes_needed(footprints, plan.offloaded, other_bytes, 0, prefetch)
+    if sharding in ("zero2", "zero3"):
+        device //= world_size
+    offloaded = list(plan.offloaded)
+    limit = "no budget" if budget is None else f"budget {format_bytes(budget)}"
+    return (f"P2RStrategy: engine {engine}, sharding {sharding} on {world_size} process(es), offloaded blocks "
+            f"{offloaded} of {plan.num_blocks}, planned device model states {format_bytes(device)} per rank "
+            f"({limit})")

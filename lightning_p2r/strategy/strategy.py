@@ -26,6 +26,7 @@ from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
@@ -36,7 +37,16 @@ from .host_state import blocks_prefix, full_state_dict, load_full_state_dict, re
 from .layered import LayeredStages, LayeredStep, check_accumulation_options, layered_forward, split_micro_batches
 from .materialize import Initializer, allocate, has_meta_tensors
 from .offload import EngineEvents, OffloadEngine, OffloadStats
-from .plan import OffloadPlan, check_fsdp_offload_states, check_offload_options, plan_for_model, resolve_pin_memory
+from .plan import (
+    OffloadPlan,
+    check_fsdp_offload_states,
+    check_offload_options,
+    device_total_memory,
+    parse_bytes,
+    plan_for_model,
+    resolve_pin_memory,
+    setup_summary,
+)
 from .regather import delinked_plain_copy, meta_template, release_model_state, replace_submodule, shard_optimizer
 from .replicated_zero import ReplicatedZeroOptimizer, partition_optimizer_states, to_module_optimizer
 from .sharding import (
@@ -267,6 +277,21 @@ class P2RStrategy(DDPStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        self._log_setup()
+
+    def _log_setup(self) -> None:
+        holder = self._holder_or_none()
+        if holder is None:
+            rank_zero_info(f"P2RStrategy: engine {self.path}, sharding {self.sharding} on {self.world_size} "
+                           "process(es)")
+            return
+        budget = None
+        if self.device_memory_budget is not None:
+            budget = parse_bytes(self.device_memory_budget, total=device_total_memory(self.root_device))
+        rank_zero_info(setup_summary(engine=self.path, sharding=self.sharding, world_size=self.world_size,
+                                     plan=self.plan or OffloadPlan(len(holder.blocks), ()),
+                                     model=self.lightning_module, blocks=holder.blocks,
+                                     prefetch=self.prefetch, budget=budget))
 
     def _share_init_seed(self) -> None:
         """Every rank materializes its part of the same model: hand rank 0's init seed (maybe drawn from an
@@ -285,6 +310,7 @@ class P2RStrategy(DDPStrategy):
                 initializer.fill(params)
             self._load_deferred_weights()
         super().setup(trainer)  # DDPStrategy: to the device, DDP wrap, optimizers
+        self._log_setup()
         if trainer.state.fn == TrainerFn.FITTING and self.sharding == "zero1":
             self.optimizers = [zero_redundancy_optimizer(opt) for opt in self.optimizers]
             for config in self.lr_scheduler_configs:

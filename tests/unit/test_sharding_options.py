@@ -130,3 +130,14 @@ def test_zero_formulas() -> None:
         ModelStateBytes(25, 25, 50)
     with pytest.raises(ValueError, match="sharding must be one of"):
         zero_formula_bytes("zero9", param_bytes=1, state_bytes_per_param_byte=2, world_size=1)
+
+
+def test_setup_logs_one_line_with_engine_layout_and_planned_bytes(tmp_path: Path, caplog) -> None:
+    import logging
+    caplog.set_level(logging.INFO)
+    strategy = P2RStrategy(offload_blocks=[0, 2])
+    _train(tmp_path, strategy, batch_size=2)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("P2RStrategy: engine")]
+    assert len(lines) == 1
+    assert "engine local" in lines[0] and "offloaded blocks [0, 2] of 3" in lines[0] and "no budget" in lines[0]
+    assert "MiB per rank" in lines[0] or "KiB per rank" in lines[0]
