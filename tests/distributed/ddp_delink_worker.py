@@ -50,6 +50,10 @@ def main() -> None:
         "max_rank_difference": float((gathered[0] - gathered[1]).abs().max()),
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    # Close the process group before the interpreter exits: left to exit-time destructors, gloo's threads were
+    # seen to abort the process (SIGABRT, "terminate called without an active exception") after a good run.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,10 @@ def test_layered_benchmark_writes_its_outputs_and_counts(tmp_path: Path) -> None
     for column in ("all_gather_calls", "reduce_scatter_calls", "collective_calls", "collective_bytes",
                    "h2d_param_bytes"):
         assert by[("layered", 2)][column] == by[("layered", 1)][column], column
+    # Standard accumulation gathers every block again for each micro-batch, but reduces once per step (the
+    # non-final micro-batches skip the reduce-scatter).
+    for column in ("all_gather_calls", "h2d_param_bytes"):
         assert by[("standard", 2)][column] == 2 * by[("standard", 1)][column], column
+    assert by[("standard", 2)]["reduce_scatter_calls"] == by[("standard", 1)]["reduce_scatter_calls"]
     assert [r["m"] for r in result["ratios"]] == [1, 2]
-    assert result["ratios"][1]["collective_calls layered/standard"] == pytest.approx(0.5)
+    assert 0.5 < result["ratios"][1]["collective_calls layered/standard"] < 1.0

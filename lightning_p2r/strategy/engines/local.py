@@ -1,0 +1,172 @@
+"""One process, nothing sharded: the streaming engine (``offload.py``) keeps the planned blocks in host memory and
+the split optimizer (``split_optimizer.py``) steps them there."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.optimizer import _optimizer_to_device
+from lightning.pytorch.trainer.states import TrainerFn
+
+from ...sharing import OptimizerStatePolicy, delink, rebind_scheduler
+from .. import checkpoint as sharded_checkpoint
+from ..host_state import blocks_prefix, full_state_dict, load_full_state_dict, resident_model_bytes
+from ..layered import BlockEvents
+from ..materialize import Initializer, allocate, has_meta_tensors
+from ..offload import EngineEvents, OffloadEngine
+from ..split_optimizer import (
+    SplitOptimizer,
+    detach_to_host,
+    device_optimizer_state_bytes,
+    split_single_optimizer,
+)
+from .base import Engine
+
+
+class LocalEngine(Engine):
+    name = "local"
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.streaming: OffloadEngine | None = None
+        self._resident_model_bytes = 0
+
+    def setup_environment(self) -> None:
+        strategy = self.strategy
+        strategy.accelerator.setup_device(strategy.root_device)
+        strategy.set_world_ranks()  # one process and nothing sharded: no process group is needed
+
+    def offload_engine(self) -> OffloadEngine | None:
+        return self.streaming
+
+    def teardown(self) -> None:
+        self.streaming = None  # release_to_host gave every offloaded parameter its values back
+
+    def setup(self, trainer: L.Trainer) -> None:
+        strategy = self.strategy
+        strategy.accelerator.setup(trainer)
+        strategy.model = strategy.precision_plugin.convert_module(strategy.model)
+        self.attach()
+        if trainer.state.fn == TrainerFn.FITTING:
+            strategy.setup_optimizers(trainer)
+        strategy.setup_precision_plugin()
+
+    def attach(self) -> None:
+        """Plan (from the shapes alone: the model may still be on the meta device), materialize offloaded blocks
+        straight into host memory, where the streaming engine keeps them as its masters, and the rest on the
+        device."""
+        strategy = self.strategy
+        holder = strategy.holder()
+        strategy.plan = plan = strategy.make_plan(holder)
+        module = strategy.lightning_module
+        lazy = has_meta_tensors(module)
+        initializer = Initializer(module, holder) if lazy else None
+        fill = lazy and not strategy.has_deferred_weights
+        if lazy:
+            for index in plan.offloaded:
+                params = allocate(holder.blocks[index], "cpu")
+                if fill:
+                    initializer.fill(params)
+        self.streaming = OffloadEngine(holder, plan.offloaded, strategy.root_device, prefetch=strategy.prefetch,
+                                       pin_memory=strategy.resolved_pin_memory,
+                                       param_prefix=blocks_prefix(module, holder),
+                                       offload_params="params" in strategy.offload_states)
+        if lazy:
+            params = allocate(module, strategy.root_device)
+            if fill:
+                initializer.fill(params)
+        strategy.model.to(strategy.root_device)  # the offloaded blocks' parameters are empty device placeholders
+        strategy.load_deferred_weights()
+        self.streaming.on_block_grads_ready = self._on_block_grads_ready
+        self._resident_model_bytes = resident_model_bytes(module, holder.blocks, self.streaming.blocks)
+
+    # --------------------------------------------------------------------------------------------- optimizer
+    def adapt_optimizers(self) -> None:
+        self.split_optimizer(rebind_schedulers=True)
+
+    def split_optimizer(self, carry_state_from: torch.optim.Optimizer | None = None, *,
+                        rebind_schedulers: bool) -> None:
+        """Give the offloaded blocks' parameters to a host optimizer (the split optimizer), carrying the state of
+        ``carry_state_from`` (after delinking) or of the strategy's optimizer."""
+        strategy = self.strategy
+        if self.streaming is None or not self.streaming.blocks:
+            if carry_state_from is not None:
+                _optimizer_to_device(carry_state_from, strategy.root_device)
+            self.update_static_bytes()
+            return
+        split = split_single_optimizer(strategy.optimizers, self.streaming, carry_state_from)
+        if rebind_schedulers:
+            for config in strategy.lr_scheduler_configs:
+                config.scheduler = rebind_scheduler(config.scheduler, split)
+        strategy.optimizers = [split]
+        self.update_static_bytes()
+
+    def _on_block_grads_ready(self, index: int) -> None:
+        strategy = self.strategy
+        optimizer = strategy.optimizers[0] if strategy.optimizers else None
+        if (isinstance(optimizer, SplitOptimizer) and strategy.lightning_module.trainer.training
+                and strategy.overlap_allowed()):
+            optimizer.submit_host_step(index)
+
+    def update_static_bytes(self) -> None:
+        """Device model-state bytes that do not stream: resident parameters, their gradients, the device
+        optimizer's state (which grows at the first step)."""
+        if self.streaming is None:
+            return
+        optimizer = self.strategy.optimizers[0] if self.strategy.optimizers else None
+        self.streaming.static_device_bytes = self._resident_model_bytes + device_optimizer_state_bytes(optimizer)
+
+    # ---------------------------------------------------------------------------------------------- training
+    def block_events(self) -> BlockEvents | None:
+        if self.streaming is not None and self.streaming.blocks:
+            return EngineEvents(self.streaming)
+        return None
+
+    def post_backward(self) -> None:
+        if self.streaming is not None:
+            self.streaming.finish_backward()
+
+    # --------------------------------------------------------------------------------------------- delinking
+    def delink(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
+               optimizer_state: OptimizerStatePolicy) -> torch.optim.Optimizer:
+        """Delink with the whole model in host memory, then re-plan and re-offload: the real model may not fit
+        on the device (that is why it was trained pseudo first), so the copies are made on the host and only the
+        blocks the new plan keeps resident move back."""
+        strategy = self.strategy
+        plain = detach_to_host(self.streaming, optimizer, strategy.lightning_module)
+        self.streaming = None
+        new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state)
+        self.attach()
+        strategy.optimizers = [new_optimizer]
+        self.split_optimizer(carry_state_from=new_optimizer, rebind_schedulers=False)
+        return strategy.optimizers[0]
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def module_state_dict(self) -> dict[str, Any]:
+        return full_state_dict(self.strategy.lightning_module, self.streaming)
+
+    def load_weights(self, source: dict[str, Any] | str, strict: bool) -> None:
+        module = self.strategy.lightning_module
+        if isinstance(source, str):
+            sharded_checkpoint.load_model_into(module, source)
+        elif self.streaming is not None and self.streaming.blocks:
+            load_full_state_dict(module, self.streaming, source, strict)
+        else:
+            module.load_state_dict(source, strict=strict)
+
+    def load_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any],
+                             sharded_path: str | None) -> None:
+        module = self.strategy.lightning_module
+        if sharded_path is not None:
+            if isinstance(optimizer, SplitOptimizer):
+                raise ValueError(
+                    f"{sharded_path} is a sharded checkpoint; a one-process run with offloaded blocks resumes it "
+                    "with P2RStrategy(sharding='zero2' or 'zero3') (FSDP2 on one process, the same offload plan)")
+            sharded_checkpoint.load_optimizer_into_replicated(module, optimizer, index, sharded_path)
+            return
+        optimizer.load_state_dict(checkpoint["optimizer_states"][index])
+        if not isinstance(optimizer, SplitOptimizer):  # a split optimizer keeps host state on the host
+            _optimizer_to_device(optimizer, self.strategy.root_device)
+        self.update_static_bytes()
