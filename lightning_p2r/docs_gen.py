@@ -10,11 +10,9 @@ into the reference page. ``tests/unit/test_docs.py`` fails when the page is stal
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
 import inspect
 import sys
-import textwrap
 import typing
 from pathlib import Path
 from typing import Any
@@ -24,21 +22,9 @@ from .data import TextDataModule
 from .models import M6Config
 from .module import OptimizerConfig
 from .strategy import P2RStrategy
+from .strategy.options import field_docstrings
 
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
-
-
-def field_docstrings(cls: type) -> dict[str, str]:
-    """Map each dataclass field to the string literal written right under it."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs: dict[str, str] = {}
-    for statement, following in zip(body, body[1:]):
-        if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
-                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
-                and isinstance(following.value.value, str)):
-            docs[statement.target.id] = " ".join(following.value.value.split())
-    return docs
 
 
 def init_arg_docstrings(cls: type) -> dict[str, str]:

@@ -10,6 +10,7 @@ across processes), ``plan.py`` (which blocks), ``materialize.py`` (placing a met
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -26,69 +27,39 @@ from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
 from .engines import Engine, engine_name, select_engine
 from .engines.base import unwrapped
-from .layered import LayeredStages, LayeredStep, check_accumulation_options, layered_forward, split_micro_batches
+from .layered import LayeredStages, LayeredStep, layered_forward, split_micro_batches
 from .materialize import has_meta_tensors
 from .offload import EngineEvents, OffloadEngine, OffloadStats
+from .options import (
+    SECTIONS,
+    Accumulation,
+    AccumulationConfig,
+    OffloadConfig,
+    OffloadState,
+    ShardingConfig,
+    args_section,
+)
 from .plan import (
     OffloadPlan,
-    check_offload_options,
     device_total_memory,
     parse_bytes,
     plan_for_model,
     resolve_pin_memory,
     setup_summary,
 )
-from .sharding import SHARDINGS, Sharding, fsdp_layout_for, stages_through_runner
+from .sharding import Sharding, fsdp_layout_for, stages_through_runner
 from .split_optimizer import host_step_overlap_allowed, release_to_host
-
-OffloadState = Literal["params", "grads", "optimizer"]
-Accumulation = Literal["standard", "layered"]
 
 
 class P2RStrategy(DDPStrategy):
     """Granular CPU offloading (M6-10T), ZeRO sharding and layered gradient accumulation (Lamy-Poirier 2021) for
     any LightningModule whose model declares a block sequence.
 
-    Give at most one of ``offload_fraction``, ``offload_blocks`` and ``device_memory_budget``; none keeps every
-    block on the device.
-
-    Args:
-        sharding: "none" (replicated, DDP), "zero1" (optimizer states sharded: DDP + ZeroRedundancyOptimizer),
-            "zero2" (+ gradients: FSDP2 without resharding after forward) or "zero3" (+ parameters: FSDP2). On one
-            process "none" and "zero1" are the same thing; "zero2"/"zero3" then still run FSDP2 (on a group of one),
-            so their checkpoints and layouts match a multi-process run.
-        accumulation: "standard" (depth-first: each micro-batch runs forward and backward through the whole model)
-            or "layered" (breadth-first: every micro-batch passes block i before block i+1, so each offloaded or
-            sharded block is fetched and its gradient reduced once per optimizer step).
-        micro_batches: layered only: the micro-batches each training batch is split into (the batch size must
-            divide), all accumulated into one optimizer step; Lightning's ``accumulate_grad_batches`` must then be 1.
-            Standard accumulation is Lightning's own ``accumulate_grad_batches``.
-        recompute: layered only: keep just each block's input per micro-batch and recompute the block's interior
-            in backward (activation checkpointing at block granularity).
-        reduce_every_micro_batch: standard accumulation on FSDP2 (zero2/zero3, or offload/layered across ranks):
-            reduce(-scatter) the gradients after every micro-batch, which keeps only gradient shards between
-            micro-batches (ZeRO-2's memory) at the cost of one reduction per unit per micro-batch. False (the
-            default) reduces once, after the last micro-batch, as DDP's ``no_sync`` does: each unit then holds its
-            whole unsharded gradient between micro-batches. Offloaded units always reduce every micro-batch (their
-            gradients must not stay on the device).
-        count_collectives: record the collectives (calls and bytes, per kind) of every optimizer step in
-            ``strategy.collectives``; costs a Python call per operator, so it is for measurements.
-        offload_fraction: share of the blocks kept in host memory, spread evenly through the depth.
-        offload_blocks: explicit block indices to keep in host memory.
-        device_memory_budget: bytes (or "12GB", "512MiB", "80%" of the device) for model states on the device;
-            the planner keeps as many blocks resident as fit.
-        activation_allowance: bytes (or a size string) the budget reserves for activations.
-        offload_states: what offloaded blocks keep on the host: always "grads" and "optimizer" (their optimizer
-            step runs on the host), and "params" unless the parameters should stay resident on the device.
-        prefetch: offloaded blocks copied in ahead of use (in forward and in backward order).
-        pin_memory: page-locked host buffers for asynchronous copies; "auto" pins only when an accelerator exists
-            (CPU-only torch cannot pin memory).
-        overlap_host_step: run an offloaded block's host optimizer step as soon as its gradients reach the host,
-            while the device computes the backward of earlier blocks. Used only where it cannot change the result:
-            no gradient clipping, no gradient scaler, no gradient accumulation. "auto" turns it on only with an
-            accelerator: on a CPU-only machine the host step would compete with the backward for the same cores
-            (measured: 476 ms instead of 345 ms per step on 2 cores).
-        log_telemetry: log the offload statistics (``offload/*``) through the Trainer's loggers.
+    The keywords are sorted into three typed, frozen sections (``strategy.sharding_config``,
+    ``strategy.accumulation_config``, ``strategy.offload_config``; see ``options.py``), validated when the strategy
+    is built, and readable back under their own names (``strategy.sharding``). Lightning's own DDP arguments
+    (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
+    timeout) are accepted too and set by the Trainer.
     """
 
     strategy_name = "p2r"
@@ -118,32 +89,28 @@ class P2RStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        # Validated first, so a bad option fails before Lightning sets anything up.
+        self.sharding_config = ShardingConfig(sharding=sharding, count_collectives=count_collectives)
+        self.accumulation_config = AccumulationConfig(accumulation=accumulation, micro_batches=micro_batches,
+                                                      recompute=recompute,
+                                                      reduce_every_micro_batch=reduce_every_micro_batch)
+        self.offload_config = OffloadConfig(
+            offload_fraction=offload_fraction, offload_blocks=offload_blocks,
+            device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
+            offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
+            overlap_host_step=overlap_host_step, log_telemetry=log_telemetry)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout)
-        if sharding not in SHARDINGS:
-            raise ValueError(f"P2RStrategy.sharding must be one of {SHARDINGS}, got {sharding!r}")
-        check_accumulation_options(accumulation, micro_batches, recompute)
-        self.sharding, self.accumulation, self.micro_batches = sharding, accumulation, micro_batches
-        self.recompute, self.count_collectives = recompute, count_collectives
-        self.reduce_every_micro_batch = reduce_every_micro_batch
         self.collectives: CollectiveStats | None = None
         self.collectives_history: list[CollectiveStats] = []
         self._counter = CollectiveCounter() if count_collectives else None
         self._layered_step: LayeredStep | None = None
         self._pending_sharded_checkpoint: str | None = None
-        # Weights of a checkpoint restored before setup into a model still on the meta device: setup writes them
-        # into the tensors where they will live (a state dict, or the sharded checkpoint's path), then drops them.
+        # Weights of a checkpoint restored before setup: setup writes them into the tensors where they will live
+        # (a state dict, or the sharded checkpoint's path), then drops them.
         self._deferred_weights: tuple[dict[str, Any] | str, bool] | None = None
-        states = check_offload_options(
-            offload_fraction=offload_fraction, offload_blocks=offload_blocks, device_memory_budget=device_memory_budget,
-            offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
-            overlap_host_step=overlap_host_step)
-        self.offload_fraction, self.offload_blocks = offload_fraction, offload_blocks
-        self.device_memory_budget, self.activation_allowance = device_memory_budget, activation_allowance
-        self.offload_states, self.prefetch, self.pin_memory = states, prefetch, pin_memory
-        self.overlap_host_step, self.log_telemetry = overlap_host_step, log_telemetry
         self.plan: OffloadPlan | None = None
         self.layout: Engine | None = None
         """The engine of this job's parallel layout (chosen in ``setup_environment``)."""
@@ -174,7 +141,7 @@ class P2RStrategy(DDPStrategy):
     @property
     def offloading(self) -> bool:
         """Whether the options ask for offload (a zero fraction or an empty block list do not)."""
-        return bool(self.offload_fraction or self.offload_blocks or self.device_memory_budget is not None)
+        return self.offload_config.offloading
 
     @property
     def fsdp_layout(self) -> str:
@@ -459,3 +426,15 @@ class P2RStrategy(DDPStrategy):
             self.checkpoint_io.teardown()
             return
         super().teardown()
+
+
+def _read_option(section: str, name: str) -> property:
+    return property(lambda self: getattr(getattr(self, section), name),
+                    doc=f"``{section}.{name}`` (read only: build a new strategy to change it).")
+
+
+# The flat names users pass to the constructor read back from their sections.
+for _section, _cls in SECTIONS.items():
+    for _field in dataclasses.fields(_cls):
+        setattr(P2RStrategy, _field.name, _read_option(_section, _field.name))
+P2RStrategy.__doc__ = f"{P2RStrategy.__doc__.rstrip()}\n\n{args_section()}\n"

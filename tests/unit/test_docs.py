@@ -30,8 +30,9 @@ def test_configuration_reference_is_up_to_date() -> None:
 
 def test_every_config_field_is_documented() -> None:
     from lightning_p2r import M6Config, OptimizerConfig
+    from lightning_p2r.strategy.options import SECTIONS
 
-    for cls in (M6Config, OptimizerConfig):
+    for cls in (M6Config, OptimizerConfig, *SECTIONS.values()):
         docs = docs_gen.field_docstrings(cls)
         missing = [f for f in cls.__dataclass_fields__ if not docs.get(f)]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
