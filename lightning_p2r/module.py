@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning as L
 import torch
@@ -16,10 +16,8 @@ from torchmetrics.text import Perplexity
 
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.transformer import LayerContext
+from .protocols import LayeredStages
 from .sharing import delink
-
-if TYPE_CHECKING:
-    from .strategy.layered import LayeredStages
 
 STRUCTURE_KEY = "lightning_p2r_structure"
 
@@ -215,7 +213,6 @@ class M6LanguageModel(L.LightningModule):
         which sums to the weighted means ``losses()`` adds. The stages snapshot the sharing map: build them again
         after the structure changes (``delink``).
         """
-        from .strategy.layered import LayeredStages  # light: torch only, and only when a strategy asks
 
         if self.transformer is None:
             self.configure_model()

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
+from ..protocols import DelinksInPlace
 from ..sharing import OptimizerStatePolicy, check_delink_target, delink, find_block_sequence, rebind_scheduler
 from .gradient_agreement import GradientAgreementProbe
 
@@ -157,8 +158,7 @@ class PseudoToReal(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         holder = find_block_sequence(pl_module)
         num_layers = len(holder.layer_to_block)
-        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy)) and not hasattr(
-                trainer.strategy, "delink_model"):
+        if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy, DelinksInPlace)):
             raise ValueError(
                 f"PseudoToReal cannot re-apply {type(trainer.strategy).__name__}'s wrapping after delinking; "
                 "use a single device, DDP, or lightning_p2r's P2RStrategy"
@@ -242,10 +242,9 @@ class PseudoToReal(L.Callback):
         loss_before = _batch_loss(pl_module, batch)
         if len(trainer.optimizers) != 1:
             raise ValueError(f"PseudoToReal supports one optimizer, the module configured {len(trainer.optimizers)}")
-        strategy_delink = getattr(trainer.strategy, "delink_model", None)
-        if strategy_delink is not None:
+        if isinstance(trainer.strategy, DelinksInPlace):
             # A strategy that places blocks itself (P2RStrategy) delinks and re-places them in one go.
-            optimizer = strategy_delink(pl_module, trainer.optimizers[0], target, self.optimizer_state)
+            optimizer = trainer.strategy.delink_model(pl_module, trainer.optimizers[0], target, self.optimizer_state)
         else:
             optimizer = delink(pl_module, trainer.optimizers[0], num_unique_blocks=target,
                                optimizer_state=self.optimizer_state)

@@ -23,35 +23,16 @@ at the cost of one more forward pass. The RNG state is restored for the re-run s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..protocols import LayeredStages  # noqa: F401  (defined with the other contracts; imported here too)
+
 __all__ = ["AccumulationResult", "BlockEvents", "LayeredStages", "LayeredStep", "check_accumulation_options",
            "layered_forward", "run_depth_first", "run_layered", "split_micro_batches"]
-
-
-@dataclass
-class LayeredStages:
-    """What the executor needs from a model beyond its block sequence.
-
-    The context returned by ``embed`` is handed to every ``layer`` call and to ``head`` of the same micro-batch;
-    it must not hold tensors that require grad (only the hidden state carries gradient from stage to stage). A
-    layer may be called twice per micro-batch (forward, then recompute): it must not accumulate into the context.
-    """
-
-    embed: Callable[[Any], tuple[torch.Tensor, Any]]
-    """micro-batch -> (hidden states, context)."""
-    layer: Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor | None]]
-    """(layer, hidden, context) -> (hidden, extra loss of this layer already weighted, or None)."""
-    head: Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-    """(hidden, context) -> (micro-batch loss, detached metrics)."""
-    layer_to_block: Sequence[int]
-    """Which block each layer runs; its length is the number of layers."""
-    log_metrics: Callable[[dict[str, torch.Tensor]], None] | None = None
-    """The strategy calls it with the mean metrics of a step; the executor never does."""
 
 
 class BlockEvents:

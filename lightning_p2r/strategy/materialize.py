@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from ..protocols import InitializesByName
+
 
 def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
@@ -89,7 +91,7 @@ class Initializer:
 
     def __init__(self, root: nn.Module, values_from: nn.Module | None) -> None:
         self.root = root
-        self.values_from = values_from if callable(getattr(values_from, "initial_value", None)) else None
+        self.values_from = values_from if isinstance(values_from, InitializesByName) else None
         self._names = ({id(p): n for n, p in self.values_from.named_parameters()}
                        if self.values_from is not None else {})
 

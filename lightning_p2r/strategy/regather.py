@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..sharing import OptimizerStatePolicy, delink, optimizer_constructor_kwargs
+from .optimizers import unwrapped
 
 
 def meta_template(module: nn.Module) -> nn.Module:
@@ -150,21 +151,19 @@ def shard_optimizer(plain_optimizer: torch.optim.Optimizer, names: dict[int, str
 
 def replace_submodule(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
     """Put ``new`` wherever ``root`` (or one of its submodules) holds ``old``."""
-    found = False
-    for parent in list(root.modules()):
-        # named_children() lists a module once per parent; aliases (two attributes, one module) need every name.
-        for name, child in list(parent._modules.items()):
-            if child is old:
-                setattr(parent, name, new)
-                found = True
-    if not found:
+    # Every name, aliases included (two attributes holding one module): each must point to the new module.
+    names = [name for name, module in root.named_modules(remove_duplicate=False) if module is old and name]
+    for name in names:
+        parent_name, _, attribute = name.rpartition(".")
+        setattr(root.get_submodule(parent_name), attribute, new)
+    if not names:
         raise ValueError(f"{type(old).__name__} is not a submodule of {type(root).__name__}")
 
 
 def release_optimizer(optimizer: object) -> None:
     """Drop an optimizer's state and parameter references (it is being replaced), so their memory can go before the
     replacement is built even while someone still holds the object. Handles Lightning's and ZeRO's wrappers."""
-    optimizer = getattr(optimizer, "_optimizer", optimizer)  # Lightning's LightningOptimizer
+    optimizer = unwrapped(optimizer)  # behind Lightning's LightningOptimizer
     for inner in (optimizer, getattr(optimizer, "optim", None)):  # ZeroRedundancyOptimizer's partition optimizer
         if isinstance(inner, torch.optim.Optimizer):
             inner.state.clear()

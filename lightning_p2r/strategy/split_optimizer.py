@@ -21,13 +21,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import nn
 
 from ..sharing import optimizer_constructor_kwargs
 from .accounting import local_bytes
 from .offload import OffloadEngine
+from .optimizers import optimizer_state_to
 
 # Group keys that choose an implementation rather than a hyperparameter: never copied between sides.
 _IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differentiable"})
@@ -306,7 +306,7 @@ def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimize
             engine.detach("cpu")
         module.to("cpu")
         plain = optimizer
-    _optimizer_to_device(plain, torch.device("cpu"))
+    optimizer_state_to(plain, torch.device("cpu"))
     return plain
 
 

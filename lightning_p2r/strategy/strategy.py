@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from ..protocols import DefinesLayeredStages, InitializesByName
 from ..sharing import OptimizerStatePolicy, find_block_sequence
 from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
@@ -160,9 +161,7 @@ class P2RStrategy(DDPStrategy):
 
     def _check_path_options(self) -> None:
         """The checks the chosen engine makes before any process group exists."""
-        check = getattr(select_engine(self), "check_options", None)
-        if check is not None:
-            check()
+        select_engine(self).check_options()
 
     @contextlib.contextmanager
     @override
@@ -215,7 +214,7 @@ class P2RStrategy(DDPStrategy):
         unseeded generator) to the others."""
         if self.world_size > 1 and has_meta_tensors(self.lightning_module):
             holder = self.holder()
-            if hasattr(holder, "init_seed"):
+            if isinstance(holder, InitializesByName):
                 holder.init_seed = self.broadcast(holder.init_seed, src=0)
 
     @property
@@ -294,7 +293,7 @@ class P2RStrategy(DDPStrategy):
         return self._layered_step.loss
 
     def _layered_stages(self, module: L.LightningModule) -> LayeredStages:
-        if not callable(getattr(module, "layered_stages", None)):
+        if not isinstance(module, DefinesLayeredStages):
             raise ValueError(
                 f"P2RStrategy(accumulation='layered') needs the LightningModule to define layered_stages() -> "
                 f"LayeredStages (embedding, per-layer and head stages); {type(module).__name__} does not"

@@ -8,21 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 import lightning as L
 import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from ...sharing import OptimizerStatePolicy
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate
+from ..optimizers import unwrapped  # noqa: F401  (engines import it from here)
 
 if TYPE_CHECKING:
     from ..strategy import P2RStrategy
-
-
-def unwrapped(optimizer: Any) -> torch.optim.Optimizer:
-    """The optimizer behind Lightning's wrapper."""
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class Engine:
@@ -39,6 +34,9 @@ class Engine:
         self.strategy = strategy
 
     # ------------------------------------------------------------------------------------------ lifecycle
+    def check_options(self) -> None:
+        """Refuse option combinations this layout cannot run, before any process group exists."""
+
     def setup_environment(self) -> None:
         """``Strategy.setup_environment``: the device, the ranks and the process group (if any)."""
         DDPStrategy.setup_environment(self.strategy)

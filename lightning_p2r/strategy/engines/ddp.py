@@ -9,13 +9,13 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ...sharing import OptimizerStatePolicy, delink, rebind_scheduler
 from .. import checkpoint as sharded_checkpoint
 from ..materialize import has_meta_tensors
+from ..optimizers import optimizer_state_to
 from ..sharding import consolidated_plain_optimizer, zero_redundancy_optimizer
 from .base import Engine
 
@@ -68,4 +68,4 @@ class DDPEngine(Engine):
             sharded_checkpoint.load_optimizer_into_replicated(module, optimizer, index, sharded_path)
         else:
             optimizer.load_state_dict(checkpoint["optimizer_states"][index])
-            _optimizer_to_device(optimizer, self.strategy.root_device)
+            optimizer_state_to(optimizer, self.strategy.root_device)

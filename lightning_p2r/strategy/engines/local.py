@@ -7,7 +7,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.optimizer import _optimizer_to_device
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ...sharing import OptimizerStatePolicy, delink, rebind_scheduler
@@ -16,6 +15,7 @@ from ..host_state import blocks_prefix, full_state_dict, load_full_state_dict, r
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate, has_meta_tensors
 from ..offload import EngineEvents, OffloadEngine
+from ..optimizers import optimizer_state_to
 from ..split_optimizer import (
     SplitOptimizer,
     detach_to_host,
@@ -93,7 +93,7 @@ class LocalEngine(Engine):
         strategy = self.strategy
         if self.streaming is None or not self.streaming.blocks:
             if carry_state_from is not None:
-                _optimizer_to_device(carry_state_from, strategy.root_device)
+                optimizer_state_to(carry_state_from, strategy.root_device)
             self.update_static_bytes()
             return
         split = split_single_optimizer(strategy.optimizers, self.streaming, carry_state_from)
@@ -168,5 +168,5 @@ class LocalEngine(Engine):
             return
         optimizer.load_state_dict(checkpoint["optimizer_states"][index])
         if not isinstance(optimizer, SplitOptimizer):  # a split optimizer keeps host state on the host
-            _optimizer_to_device(optimizer, self.strategy.root_device)
+            optimizer_state_to(optimizer, self.strategy.root_device)
         self.update_static_bytes()

@@ -1,0 +1,70 @@
+"""What the strategy and the callbacks need from a model or a strategy, as contracts (``typing.Protocol``) instead of
+attribute probes. A module that satisfies them is placed, offloaded, sharded, delinked and run layer by layer;
+nothing here imports the strategy, so model and module code can depend on it freely.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+
+@runtime_checkable
+class BlockSequence(Protocol):
+    """A model made of blocks: ``blocks`` holds the unique blocks, ``layer_to_block[layer]`` says which one each
+    layer runs (several layers share a block in a pseudo model). Delinking, offload and sharding work per block."""
+
+    blocks: nn.ModuleList
+    layer_to_block: list[int]
+
+
+@runtime_checkable
+class InitializesByName(Protocol):
+    """A model that knows each parameter's initial value from its name (``lightning_p2r.models.init``), so a
+    strategy can materialize it piece by piece, anywhere, with the values an eager build gives."""
+
+    init_seed: int
+
+    def initial_value(self, name: str) -> torch.Tensor: ...
+
+
+@dataclass
+class LayeredStages:
+    """What the executor needs from a model beyond its block sequence.
+
+    The context returned by ``embed`` is handed to every ``layer`` call and to ``head`` of the same micro-batch;
+    it must not hold tensors that require grad (only the hidden state carries gradient from stage to stage). A
+    layer may be called twice per micro-batch (forward, then recompute): it must not accumulate into the context.
+    """
+
+    embed: Callable[[Any], tuple[torch.Tensor, Any]]
+    """micro-batch -> (hidden states, context)."""
+    layer: Callable[[int, torch.Tensor, Any], tuple[torch.Tensor, torch.Tensor | None]]
+    """(layer, hidden, context) -> (hidden, extra loss of this layer already weighted, or None)."""
+    head: Callable[[torch.Tensor, Any], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    """(hidden, context) -> (micro-batch loss, detached metrics)."""
+    layer_to_block: Sequence[int]
+    """Which block each layer runs; its length is the number of layers."""
+    log_metrics: Callable[[dict[str, torch.Tensor]], None] | None = None
+    """The strategy calls it with the mean metrics of a step; the executor never does."""
+
+
+
+@runtime_checkable
+class DefinesLayeredStages(Protocol):
+    """A LightningModule that layered gradient accumulation can run stage by stage."""
+
+    def layered_stages(self) -> LayeredStages: ...
+
+
+@runtime_checkable
+class DelinksInPlace(Protocol):
+    """A strategy that delinks a model where it lives (placed, offloaded, sharded) and re-places the new blocks;
+    ``PseudoToReal`` hands the delinking to it and then rebinds the learning-rate schedulers itself."""
+
+    def delink_model(self, pl_module: Any, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
+                     optimizer_state: str) -> torch.optim.Optimizer: ...
