@@ -29,7 +29,9 @@ class InitializesByName(Protocol):
 
     init_seed: int
 
-    def initial_value(self, name: str) -> torch.Tensor: ...
+    def initial_value(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole initial value of parameter ``name``: a new tensor, or written into ``out``."""
+        ...
 
 
 @dataclass

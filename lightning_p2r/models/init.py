@@ -40,12 +40,20 @@ class InitRule:
 
     def value(self, name: str, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """The initial value of parameter ``name`` (its name inside the model), fp32 on the CPU."""
-        if len(shape) < 2:
-            fill = 0.0 if name.endswith("bias") else 1.0
-            return torch.full(tuple(shape), fill, dtype=torch.float32, device="cpu")
+        return self.fill_(name, torch.empty(tuple(shape), dtype=torch.float32, device="cpu"))
+
+    @torch.no_grad()
+    def fill_(self, name: str, out: torch.Tensor) -> torch.Tensor:
+        """Write the initial value of ``name`` into ``out`` (its whole shape): drawn in place when ``out`` is a
+        contiguous fp32 CPU tensor (no temporary: a model of many GB is filled without a second copy), else drawn
+        on the CPU and copied."""
+        if out.dim() < 2:
+            return out.fill_(0.0 if name.endswith("bias") else 1.0)
+        if out.device.type != "cpu" or out.dtype != torch.float32 or not out.is_contiguous():
+            return out.copy_(self.value(name, out.shape))
         std = self.residual_std if name.endswith(self.residual_outputs) else self.std
         generator = torch.Generator(device="cpu").manual_seed(parameter_seed(self.seed, name))
-        return torch.empty(tuple(shape), dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
+        return out.normal_(0.0, std, generator=generator)
 
 
 @torch.no_grad()
@@ -53,4 +61,4 @@ def fill_parameters(module: torch.nn.Module, rule: InitRule, prefix: str) -> Non
     """Write every parameter of ``module`` (plain tensors, on any device) from ``rule``, naming each
     ``prefix + its name inside module``."""
     for name, param in module.named_parameters():
-        param.copy_(rule.value(prefix + name, param.shape))
+        rule.fill_(prefix + name, param)

@@ -161,9 +161,12 @@ class M6Transformer(nn.Module):
         for index, block in enumerate(self.blocks):
             block.init_rule, block.name_in_model = self.init_rule, f"blocks.{index}."
 
-    def initial_value(self, name: str) -> torch.Tensor:
-        """The initial value of parameter ``name`` (as ``named_parameters()`` names it), full shape, fp32, on the
-        CPU. Reads only the parameter's shape, so it works on meta, sharded or offloaded parameters."""
+    def initial_value(self, name: str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The initial value of parameter ``name`` (as ``named_parameters()`` names it), full shape: a new fp32 CPU
+        tensor, or written into ``out`` (a plain tensor of that shape, on any device). Reads only the parameter's
+        shape, so it works on meta, sharded or offloaded parameters."""
+        if out is not None:
+            return self.init_rule.fill_(name, out)
         return self.init_rule.value(name, self.get_parameter(name).shape)
 
     def _tie_embeddings(self) -> None:
@@ -186,7 +189,7 @@ class M6Transformer(nn.Module):
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if id(param) not in in_blocks:
-                    param.copy_(self.initial_value(name))
+                    self.initial_value(name, out=param)
 
     # ------------------------------------------------------------------------------------------------ stages
     # forward() is embed -> run_layer for each layer -> head. The stages are public so an executor outside the

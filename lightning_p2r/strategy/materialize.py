@@ -101,8 +101,11 @@ class Initializer:
             name = self._names.get(id(param))
             if name is None:
                 pending.append(param)
+            elif isinstance(param, DTensor):
+                write(param, self.values_from.initial_value(name))  # whole value, then this rank's part
             else:
-                write(param, self.values_from.initial_value(name))
+                with torch.no_grad():
+                    self.values_from.initial_value(name, out=param)  # in place: no temporary copy
         if pending:
             self._reset_owners(pending)
 
