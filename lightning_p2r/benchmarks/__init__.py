@@ -18,6 +18,9 @@ cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing
 - ``layered``: standard against layered gradient accumulation for m = 1, 2, 4, 8 micro-batches per step: the
   collectives per optimizer step (calls and bytes, measured) and tokens/s of zero3 on 2 CPU processes, and the
   host->device parameter bytes with every block offloaded on one process.
+- ``capacity``: the largest dense M6 that trains a few steps under a per-rank memory limit, for one process, ZeRO-3
+  on 2 ranks, full offload and both; per rank the memory growth while the model is built and placed (over its fp32
+  parameter bytes) and the peak of the run.
 
 Shared helpers (CSV, plain-text tables, plots, environment, timing) live in :mod:`lightning_p2r.benchmarks.report`.
 Timings belong here and never in tests: the tests only check that each benchmark runs and writes its outputs.
