@@ -405,6 +405,9 @@ class OffloadEngine:
             if position in block.unwritten:
                 buffer.copy_(param.grad)  # synchronous: the host step reads the buffer right after
                 block.unwritten.discard(position)
+                master = block.host[position]
+                if isinstance(master, nn.Parameter):
+                    master.grad = buffer  # a gradient of this step again (zero_grad unlinked it)
             else:
                 buffer.add_(param.grad.to(buffer.device))
             size = param.grad.numel() * param.grad.element_size()
@@ -441,15 +444,29 @@ class OffloadEngine:
                 self._offload_grads(block)
             self.release(block.index)
 
-    def start_accumulation(self) -> None:
-        """A new optimizer step begins: the next gradients overwrite the host buffers instead of adding."""
+    def start_accumulation(self, set_to_none: bool = True) -> None:
+        """A new optimizer step begins (the optimizer's ``zero_grad``). ``set_to_none``: the host masters lose their
+        ``.grad`` until a gradient of the new step arrives (which overwrites the buffer instead of adding), so
+        clipping and the optimizer never see last step's gradient of a parameter that gets none now. Otherwise the
+        buffers are zeroed and stay linked, as ``zero_grad(set_to_none=False)`` leaves zero gradients."""
         for block in self.blocks.values():
-            block.unwritten = set(block.trainable)
+            if set_to_none:
+                block.unwritten = set(block.trainable)
+                for master in block.host:
+                    if isinstance(master, nn.Parameter):
+                        master.grad = None
+            else:
+                block.unwritten = set()
+                for buffer in block.host_grads:
+                    if buffer is not None:
+                        buffer.zero_()
 
     def received_gradient(self, index: int, position: int) -> bool:
-        """Whether the parameter's host buffer holds a gradient of the current optimizer step."""
+        """Whether the parameter's host buffer holds a gradient of the current optimizer step (zeros count, after
+        ``start_accumulation(set_to_none=False)``)."""
         block = self.blocks[index]
-        return position in block.trainable and position not in block.unwritten
+        return (position in block.trainable and position not in block.unwritten
+                and block.host_grads[position] is not None)
 
     def wait_for_copies(self) -> None:
         if self._copy_stream is not None:
@@ -471,14 +488,30 @@ class OffloadEngine:
 
 class EngineEvents(BlockEvents):
     """Layered accumulation on one process: an offloaded block is copied in once for the forward of every
-    micro-batch and once for their backward, and its gradient goes to the host once (Lamy-Poirier 2021)."""
+    micro-batch and once for their backward, and its gradient goes to the host once (Lamy-Poirier 2021).
+
+    A block that several layers run (a pseudo model) stays on the device from its first layer to its last in each
+    direction, and its gradient goes to the host (and its host step may start) only after the last layer's
+    backward: before that it is a partial sum."""
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
+        self._uses_left: dict[str, dict[int, int]] = {}
 
     def __enter__(self) -> EngineEvents:
+        # Each block's layers left to run in each direction (the strategy enters once for the forward pass and
+        # once for the backward pass of a step; either way the counts start full).
         self.engine.manual = True
+        counts: dict[int, int] = {}
+        for block in self.engine.holder.layer_to_block:
+            counts[block] = counts.get(block, 0) + 1
+        self._uses_left = {"forward": dict(counts), "backward": dict(counts)}
         return self
+
+    def _last_use(self, direction: str, block: int) -> bool:
+        left = self._uses_left.setdefault(direction, {})
+        left[block] = left.get(block, 1) - 1
+        return left[block] <= 0
 
     def __exit__(self, *exc: object) -> None:
         self.engine.manual = False
@@ -488,7 +521,7 @@ class EngineEvents(BlockEvents):
             self.engine.fetch(block, wait=True)
 
     def after_forward(self, block: int) -> None:
-        if block in self.engine.blocks:
+        if block in self.engine.blocks and self._last_use("forward", block):
             self.engine.release(block)
 
     def before_backward(self, block: int) -> None:
@@ -497,7 +530,7 @@ class EngineEvents(BlockEvents):
             self.engine.fetch(block, wait=True)
 
     def after_backward(self, block: int) -> None:
-        if block in self.engine.blocks:
+        if block in self.engine.blocks and self._last_use("backward", block):
             self.engine.flush_grads(block)
 
 

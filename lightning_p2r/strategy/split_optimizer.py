@@ -204,8 +204,9 @@ class SplitOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.device_optimizer is not None:
             self.device_optimizer.zero_grad(set_to_none=set_to_none)
-        # Host gradient buffers are persistent: the next step's first micro-batch overwrites them.
-        self.engine.start_accumulation()
+        # Host gradient buffers are persistent: the next step's first micro-batch overwrites them, and until it
+        # does the masters show no gradient (or a zero one), as the plain optimizer's parameters would.
+        self.engine.start_accumulation(set_to_none=set_to_none)
 
     # -------------------------------------------------------------------------------------------- state
     def _optimizer_of(self, slot: int) -> torch.optim.Optimizer | None:
