@@ -26,6 +26,19 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in (*module.parameters(), *module.buffers()))
 
 
+def check_no_meta_buffers(module: nn.Module) -> None:
+    """Refuse buffers built on the meta device: their values (a mask, a position table) were computed when the
+    module was built, and allocating them later gives uninitialized memory, silently. Parameters are fine: their
+    initial values come from the model or from ``reset_parameters()``."""
+    names = [name for name, buffer in module.named_buffers() if buffer.device.type == "meta"]
+    if names:
+        raise ValueError(
+            f"P2RStrategy builds the model on the meta device (no memory) and places each tensor afterwards, but "
+            f"the buffers {names} were computed while it was built and cannot be recomputed there. Compute them "
+            "in forward (as M6's rotary tables are), or build the model in the LightningModule's __init__ instead of "
+            "configure_model (it is then built whole, eagerly)")
+
+
 @contextlib.contextmanager
 def _swap_on_conversion() -> Iterator[None]:
     """``to_empty`` swaps each tensor in place instead of giving each module a new Parameter: a parameter shared by

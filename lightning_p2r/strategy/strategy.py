@@ -29,7 +29,7 @@ from .accounting import CollectiveCounter, CollectiveStats, counting
 from .engines import Engine, engine_name, select_engine
 from .engines.base import unwrapped
 from .layered import LayeredStages, LayeredStep, layered_forward, split_micro_batches
-from .materialize import has_meta_tensors
+from .materialize import check_no_meta_buffers, has_meta_tensors
 from .offload import EngineEvents, OffloadEngine, OffloadStats
 from .options import (
     SECTIONS,
@@ -191,6 +191,7 @@ class P2RStrategy(DDPStrategy):
                 )
         if self.layout is None:
             self.layout = select_engine(self)
+        check_no_meta_buffers(self.lightning_module)
         self._share_init_seed()
         self.layout.setup(trainer)
         self._log_setup()

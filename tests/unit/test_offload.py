@@ -352,3 +352,39 @@ def test_the_module_state_dict_reads_and_writes_host_masters(tmp_path: Path) -> 
     offloaded, _ = _fit(tmp_path / "off2", P2RStrategy(offload_blocks=[0, 2]), max_steps=4, callbacks=[probe])
     reference, _ = _fit(tmp_path / "ref2", max_steps=4)
     _assert_same_weights(reference, offloaded)  # loading mid-run kept training on the same values
+
+
+class _BufferedBlocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(2)])
+        self.layer_to_block = [0, 1]
+        self.register_buffer("scale", torch.full((4,), 2.0))  # computed at build time
+
+    def forward(self, x):
+        for index in self.layer_to_block:
+            x = self.blocks[index](x) * self.scale
+        return x
+
+
+class _BuildsInConfigureModel(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = None
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = _BufferedBlocks()
+
+    def training_step(self, batch, batch_idx):
+        return self.net(batch.float()[:, :4]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters())
+
+
+def test_buffers_computed_at_build_time_are_refused_before_training(tmp_path: Path) -> None:
+    """Built on the meta device, a buffer's value is lost; silently training with garbage would be worse."""
+    trainer = tiny_trainer(tmp_path, strategy=P2RStrategy(), max_steps=1)
+    with pytest.raises(ValueError, match=r"buffers \['net.scale'\].*cannot be recomputed"):
+        trainer.fit(_BuildsInConfigureModel(), torch.utils.data.DataLoader(torch.ones(4, 8), batch_size=2))
