@@ -23,6 +23,8 @@ cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing
   parameter bytes) and the peak of the run. Its measurement, :mod:`lightning_p2r.benchmarks.memory_probe`
   (``SetupMemoryProbe``, a callback: peak RSS growth from ``setup`` to the first batch, and on CUDA
   ``max_memory_allocated``), is shared with the tests.
+- ``accumulation_sync``: standard accumulation under ZeRO-3 on 2 CPU processes, gradients reduced once per step
+  (the default) against after every micro-batch (``reduce_every_micro_batch=True``): median step time.
 
 Shared helpers (CSV, plain-text tables, plots, environment, timing) live in :mod:`lightning_p2r.benchmarks.report`.
 Timings belong here and never in tests: the tests only check that each benchmark runs and writes its outputs.

@@ -120,3 +120,15 @@ def test_pseudo_to_real_benchmark_writes_curves_memory_and_png(tmp_path: Path, m
     assert {row["variant"] for row in result["summary"]} == {"scratch", "p2r_f0.25_scale"}
     _assert_png(out / "pseudo_to_real.png")
     assert "steps_to_target" in capsys.readouterr().out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_accumulation_sync_benchmark_writes_its_outputs(tmp_path) -> None:
+    from lightning_p2r.benchmarks import accumulation_sync
+
+    result = accumulation_sync.main(["--quick", "--out", str(tmp_path)])
+    for name in ("accumulation_sync.csv", "accumulation_sync.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert [r["reduce"] for r in result["rows"]] == ["every micro-batch", "once per step"]
+    assert all(r["step_ms"] > 0 for r in result["rows"]) and result["ratio"] > 0
