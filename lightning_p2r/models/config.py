@@ -98,9 +98,10 @@ class M6Config:
     gated outputs are summed. 1 is plain top-k routing; k with moe_top_k=1 is M6-T's "k top-1"."""
 
     capacity_factor: float | None = 1.25
-    """Each expert takes at most capacity_factor * (its fair share of the token assignments); later tokens beyond
-    that are dropped and pass through on the residual (earlier tokens win, so dropping stays causal). None means
-    dropless (no token is ever dropped)."""
+    """Each expert takes at most capacity_factor * (its fair share of the token assignments); assignments beyond
+    that are dropped and pass through on the residual. Priority is by position across the batch (every sequence's
+    position 0, then position 1, ...), so dropping stays causal in every sequence and spreads evenly over the batch.
+    None means dropless (no token is ever dropped)."""
 
     router_aux_loss_coef: float = 0.01
     """Weight of the Switch load-balancing loss (computed per MoE layer, then averaged over layers)."""

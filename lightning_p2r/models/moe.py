@@ -85,6 +85,16 @@ def expert_positions(experts: torch.Tensor, num_experts: int) -> tuple[torch.Ten
     return positions, counts
 
 
+def position_major_assignments(shape: torch.Size, per_token: int, device: torch.device) -> torch.Tensor:
+    """The token-major assignment indices of a (batch, seq, dim) input in capacity priority order: position-major
+    (every sequence's position 0 first), each token's ``per_token`` picks together. A (tokens, dim) input is one
+    sequence: its order is already by position."""
+    batch, seq = (shape[0], shape[1]) if len(shape) == 3 else (1, shape[0])
+    tokens = torch.arange(batch * seq, device=device).view(batch, seq).t().reshape(-1)
+    picks = torch.arange(per_token, device=device)
+    return (tokens[:, None] * per_token + picks).reshape(-1)
+
+
 def expert_capacity(num_assignments: int, num_experts: int, capacity_factor: float | None,
                     counts: torch.Tensor, num_tokens: int | None = None) -> int:
     """Slots per expert: capacity_factor times the fair share, or (dropless) the busiest expert's load; never more
@@ -162,10 +172,12 @@ class MoEFeedForward(nn.Module):
             logits = F.linear(router_input.float(), self.router.weight.float())  # (tokens, experts)
         gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k)
 
-        # Flatten assignments token-major: a token competes for capacity only with tokens before it, so dropping
-        # never lets a later position change an earlier one's output. (GShard's choice-major order, every first
-        # choice before any second, would let future tokens' first choices push out a token's second choice:
-        # a causality leak in a language model.)
+        # Assignments are flattened token-major (a token's picks together). Capacity goes by priority, position-major
+        # over the batch: every sequence's position 0, then every sequence's position 1, ... A token then competes
+        # only with tokens at earlier positions (or the same position in earlier sequences), so dropping never lets
+        # a later position change an earlier one's output in any sequence, and drops spread evenly over the batch
+        # instead of falling on its last rows. (GShard's choice-major order, every first choice before any second,
+        # would let future tokens' first choices push out a token's second choice: a causality leak.)
         experts_flat = experts.reshape(-1)  # (assignments,) = (tokens * prototypes * top_k,)
         gates_flat = gates.reshape(-1)
         token_ids = torch.arange(num_tokens, device=x.device).view(num_tokens, 1, 1)
@@ -175,7 +187,10 @@ class MoEFeedForward(nn.Module):
             counts = torch.bincount(experts_flat, minlength=self.num_experts)
             kept = torch.ones_like(experts_flat, dtype=torch.bool)
         else:
-            positions, counts = expert_positions(experts_flat, self.num_experts)
+            priority = position_major_assignments(shape, self.num_prototypes * self.top_k, x.device)
+            ranked, counts = expert_positions(experts_flat[priority], self.num_experts)
+            positions = torch.empty_like(ranked)
+            positions[priority] = ranked
             capacity = expert_capacity(experts_flat.numel(), self.num_experts, self.capacity_factor, counts,
                                        num_tokens)
             kept = positions < capacity

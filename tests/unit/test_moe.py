@@ -175,3 +175,45 @@ def test_stats_shape_and_balance_metric() -> None:
     assert out.output.shape == (2, 5, 16)
     assert out.stats.tokens_per_expert.shape == (4,)
     assert float(out.stats.load_max_over_mean) >= 1.0
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_capacity_dropping_is_causal_across_the_batch(top_k: int) -> None:
+    """Changing any sequence's tokens from position t on leaves every sequence's logits before t unchanged, with
+    capacity binding (position-major priority: a later token never displaces an earlier one in another row)."""
+    from lightning_p2r.models import M6Transformer
+
+    config = M6Config(vocab_size=64, max_seq_len=16, num_layers=2, dim=32, num_heads=4, num_experts=4,
+                      moe_top_k=top_k, capacity_factor=0.5, init_seed=1)
+    model = M6Transformer(config).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.ffn.router.weight.normal_(std=2.0)  # a skewed router, so capacity binds
+    tokens = torch.randint(0, 64, (6, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = model(tokens)
+        assert max(float(s.dropped_fraction) for s in base.routing.values()) > 0.1
+        for t in (3, 8, 13):
+            changed = tokens.clone()
+            changed[0, t:] = torch.randint(0, 64, (16 - t,), generator=torch.Generator().manual_seed(t))
+            out = model(changed).logits
+            assert torch.equal(out[:, :t], base.logits[:, :t]), t
+
+
+def test_capacity_drops_spread_over_the_batch_rows() -> None:
+    moe = _moe(capacity_factor=0.5)
+    with torch.no_grad():
+        moe.router.weight.normal_(std=3.0)
+    x = torch.randn(8, 16, 16, generator=torch.Generator().manual_seed(0))
+    from lightning_p2r.models.moe import expert_capacity, expert_positions, position_major_assignments
+
+    with torch.no_grad():
+        logits = torch.nn.functional.linear(x.reshape(-1, 16), moe.router.weight)
+    experts = logits.argmax(-1)
+    order = position_major_assignments(x.shape, 1, x.device)
+    ranked, counts = expert_positions(experts[order], moe.num_experts)
+    positions = torch.empty_like(ranked)
+    positions[order] = ranked
+    dropped = (positions >= expert_capacity(experts.numel(), moe.num_experts, 0.5, counts, experts.numel()))
+    per_row = dropped.view(8, 16).float().mean(dim=1)
+    assert per_row.max() - per_row.min() <= 0.25, per_row  # token-major priority dropped only the last rows
