@@ -2,7 +2,8 @@
 
 Every comparison here is bit-exact: on one CPU process the streaming engine runs the same kernels in the same order
 as plain training (the host optimizer step of an offloaded block is the same AdamW kernel on the same CPU), and a
-checkpoint resumed under another plan continues the same arithmetic. (The CUDA twin in tests/gpu compares a host
+checkpoint resumed under another plan continues the same arithmetic. One exception, said where it is:
+``test_clipping_never_counts_a_stale_host_gradient`` with accumulation, a few ulps apart (not yet explained). (The CUDA twin in tests/gpu compares a host
 step with a device step, different kernels, so it uses the trained-alike bound of tests/unit/equivalence.py.)
 """
 
@@ -388,3 +389,49 @@ def test_buffers_computed_at_build_time_are_refused_before_training(tmp_path: Pa
     trainer = tiny_trainer(tmp_path, strategy=P2RStrategy(), max_steps=1)
     with pytest.raises(ValueError, match=r"buffers \['net.scale'\].*cannot be recomputed"):
         trainer.fit(_BuildsInConfigureModel(), torch.utils.data.DataLoader(torch.ones(4, 8), batch_size=2))
+
+
+class GatedBlock(TinyBlock):
+    """Its ``extra`` layer takes part only while ``gate`` is on: otherwise its parameters get no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = torch.nn.Linear(8, 8)
+        self.gate = True
+
+    def forward(self, x):
+        h = torch.tanh(self.used(x))
+        return (h + self.extra(x) if self.gate else h), None
+
+
+class GatedModule(TinyModule):
+    """Every other optimizer step, the blocks' ``extra`` layers sit out."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.blocks = torch.nn.ModuleList([GatedBlock() for _ in range(3)])
+
+    def training_step(self, batch, batch_idx):
+        for block in self.model.blocks:
+            block.gate = self.trainer.global_step % 2 == 0
+        return self.model(batch[:, :8].float() / 255).square().mean()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_clipping_never_counts_a_stale_host_gradient(tmp_path: Path, accumulate: int) -> None:
+    """With offload, clipping reads the host masters' gradients: a block that gets no gradient in a step must show
+    none (not last step's), or the norm, and so every update, is wrong (issue 13 item 5)."""
+    L.seed_everything(0)
+    initial = GatedModule()
+    options = {"max_steps": 4, "gradient_clip_val": 0.05, "accumulate_grad_batches": accumulate}
+    reference, _ = _fit(tmp_path / "ref", module=copy.deepcopy(initial), **options)
+    offloaded, _ = _fit(tmp_path / "off", P2RStrategy(offload_fraction=1.0), module=copy.deepcopy(initial),
+                        **options)
+    if accumulate == 1:
+        _assert_same_weights(reference, offloaded)
+        return
+    # With accumulation, a block that sits out a step ends up a few ulps away from plain training (2e-9 without
+    # clipping, 3e-8 after clipping scales it; not explained yet, and the same before the stale-gradient fix). The
+    # stale host gradient this test guards against moved the weights by 1.8e-4: the tolerance separates the two.
+    for key, want in reference.state_dict().items():
+        torch.testing.assert_close(offloaded.state_dict()[key], want, rtol=0, atol=1e-6, msg=key)
