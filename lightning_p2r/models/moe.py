@@ -201,8 +201,9 @@ class MoEFeedForward(nn.Module):
         segment_sizes = torch.bincount(kept_experts, minlength=self.num_experts).tolist()
 
         expert_out = self.experts(x[kept_tokens], segment_sizes)
-        # Under autocast the experts compute in bf16/fp16 while x may be fp32: combine in x's dtype.
-        weighted = (expert_out * kept_gates.unsqueeze(-1).to(expert_out.dtype)).to(x.dtype)
+        # Under autocast the experts compute in bf16/fp16: the gates (fp32 router probabilities) weigh their outputs
+        # in fp32, and the sum goes back in x's dtype (a bf16 gate would round each token's mix to 3 digits).
+        weighted = (expert_out.float() * kept_gates.unsqueeze(-1).float()).to(x.dtype)
         output = x.new_zeros(x.shape).index_add(0, kept_tokens, weighted)
 
         stats = RoutingStats(

@@ -217,3 +217,27 @@ def test_capacity_drops_spread_over_the_batch_rows() -> None:
     dropped = (positions >= expert_capacity(experts.numel(), moe.num_experts, 0.5, counts, experts.numel()))
     per_row = dropped.view(8, 16).float().mean(dim=1)
     assert per_row.max() - per_row.min() <= 0.25, per_row  # token-major priority dropped only the last rows
+
+
+def test_gates_combine_expert_outputs_in_fp32_under_bf16_autocast() -> None:
+    """The experts run in bf16 under autocast; their outputs are weighted by the fp32 gates in fp32 (issue 13 4c)."""
+    moe = _moe(moe_top_k=2, capacity_factor=None)
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(0))
+    captured = {}
+    original = moe.experts.forward
+
+    def spy(rows, counts):
+        out = original(rows, counts)
+        captured["out"] = out
+        return out
+
+    moe.experts.forward = spy
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        result = moe(x)
+    assert captured["out"].dtype == torch.bfloat16 and result.output.dtype == torch.float32
+    logits = torch.nn.functional.linear(x, moe.router.weight)
+    gates, experts, _ = route_tokens(logits, 1, 2)
+    order = torch.argsort(experts.reshape(-1), stable=True)
+    tokens = torch.arange(32).repeat_interleave(2)[order]
+    expected = torch.zeros(32, 16).index_add(0, tokens, captured["out"].float() * gates.reshape(-1)[order, None])
+    assert torch.equal(result.output, expected)
