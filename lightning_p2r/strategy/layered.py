@@ -23,6 +23,7 @@ at the cost of one more forward pass. The RNG state is restored for the re-run s
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -124,21 +125,34 @@ def _boundary(hidden: torch.Tensor) -> torch.Tensor:
     return leaf.requires_grad_(leaf.is_floating_point() or leaf.is_complex())
 
 
-def _rng_state(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+@dataclass(frozen=True)
+class _RerunState:
+    """What a recomputed layer must see again: the RNG state and the autocast settings of its first forward."""
+
+    cpu_rng: torch.Tensor
+    cuda_rng: torch.Tensor | None
+    autocast: tuple[tuple[str, bool, torch.dtype], ...]
+
+
+def _rng_state(hidden: torch.Tensor) -> _RerunState:
     cuda = torch.cuda.get_rng_state(hidden.device) if hidden.is_cuda else None
-    return torch.get_rng_state(), cuda
+    # Backward (where the rerun happens) runs outside the training step's autocast context: record it here.
+    kinds = ("cpu", "cuda") if hidden.is_cuda else ("cpu",)
+    autocast = tuple((kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) for kind in kinds)
+    return _RerunState(torch.get_rng_state(), cuda, autocast)
 
 
 def _rerun(stages: LayeredStages, layer: int, leaf: torch.Tensor, context: Any,
-           rng: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Re-run one layer with grad under the RNG state of its first forward (torch.utils.checkpoint's
-    preserve_rng_state), leaving the global RNG stream as it was."""
-    cpu_state, cuda_state = rng
-    devices = [leaf.device] if cuda_state is not None else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(cpu_state)
-        if cuda_state is not None:
-            torch.cuda.set_rng_state(cuda_state, leaf.device)
+           state: _RerunState) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Re-run one layer with grad under the RNG state and autocast settings of its first forward
+    (torch.utils.checkpoint's preserve_rng_state), leaving the global RNG stream as it was."""
+    devices = [leaf.device] if state.cuda_rng is not None else []
+    with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as autocast:
+        torch.set_rng_state(state.cpu_rng)
+        if state.cuda_rng is not None:
+            torch.cuda.set_rng_state(state.cuda_rng, leaf.device)
+        for kind, enabled, dtype in state.autocast:
+            autocast.enter_context(torch.autocast(kind, dtype=dtype, enabled=enabled))
         with torch.enable_grad():
             return stages.layer(layer, leaf, context)
 
@@ -177,7 +191,7 @@ class LayeredStep:
         self.inputs: list[list[torch.Tensor | None]] = []
         self.outputs: list[list[torch.Tensor | None]] = []  # with graph, only without recompute
         self.extras: list[list[torch.Tensor | None]] = []
-        self.rng_states: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
+        self.rng_states: list[list[_RerunState]] = []
         self.head_losses: list[torch.Tensor | None] = []
         self.loss = torch.zeros(())
         """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""

@@ -302,3 +302,22 @@ def test_layered_stages_metrics_and_logging_keys() -> None:
     dense = _module(moe_layers=[]).layered_stages()
     metrics = run_layered(dense, [_batch(rows=2)]).metrics
     assert float(metrics["aux"]) == 0.0 and float(metrics["z"]) == 0.0
+
+
+def test_recompute_reruns_layers_under_the_first_forwards_autocast() -> None:
+    """The forward runs inside the training step's bf16 autocast, the backward (and the rerun) outside it: the rerun
+    must use the same autocast settings, so recompute=True is bit-identical to keeping activations (issue 13 3)."""
+    from lightning_p2r.strategy.layered import layered_forward
+
+    module = _module(num_layers=2, moe_layers=[1], capacity_factor=None, **ROUTER)
+    parts = split_micro_batches(_batch(), 2)
+    runs = {}
+    for recompute in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            step = layered_forward(module.layered_stages(), parts, recompute=recompute)
+        step.backward()  # outside autocast, as P2RStrategy.backward runs it
+        runs[recompute] = _grads(module)
+    for name, grad in runs[False].items():
+        assert (grad is None) == (runs[True][name] is None), name
+        if grad is not None:
+            assert torch.equal(grad, runs[True][name]), name
