@@ -91,7 +91,12 @@ class M6Config:
 
     moe_top_k: int = 1
     """Experts each token picks (token-choice top-k); with prototyping, picks inside each prototype. Gates are the
-    router's softmax probabilities, not renormalized over the k picks."""
+    router's softmax probabilities, renormalized over the k picks only with ``normalize_gates``."""
+
+    normalize_gates: bool = False
+    """With ``moe_top_k > 1``: divide each token's k gates (per prototype) by their sum, so they add up to 1 as in
+    GShard and Mixtral. False keeps the raw softmax probabilities (Switch's convention; at k = 1 the two differ:
+    a normalized single gate is always 1, which stops the router learning from the expert output)."""
 
     num_prototypes: int = 1
     """M6-T expert prototyping: experts are split into this many equal groups, each routes top-k on its own and the
@@ -168,6 +173,8 @@ class M6Config:
             raise ValueError(
                 f"M6Config.moe_top_k ({self.moe_top_k}) must be <= experts per prototype ({self.experts_per_prototype})"
             )
+        if not isinstance(self.normalize_gates, bool):
+            raise ValueError(f"M6Config.normalize_gates must be True or False, got {self.normalize_gates!r}")
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             raise ValueError(f"M6Config.capacity_factor must be > 0 or None (dropless), got {self.capacity_factor!r}")
         for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter"):

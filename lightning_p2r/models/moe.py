@@ -51,7 +51,7 @@ class MoEOutput:
     stats: RoutingStats
 
 
-def route_tokens(logits: torch.Tensor, num_prototypes: int, top_k: int
+def route_tokens(logits: torch.Tensor, num_prototypes: int, top_k: int, normalize: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick experts for each token.
 
@@ -66,6 +66,8 @@ def route_tokens(logits: torch.Tensor, num_prototypes: int, top_k: int
     per_group = num_experts // num_prototypes
     probs = logits.float().view(tokens, num_prototypes, per_group).softmax(dim=-1)
     gates, local = probs.topk(top_k, dim=-1)  # (tokens, prototypes, top_k)
+    if normalize:  # GShard / Mixtral: the k picks' gates sum to 1 within each prototype
+        gates = gates / gates.sum(dim=-1, keepdim=True)
     offsets = torch.arange(num_prototypes, device=logits.device).view(1, num_prototypes, 1) * per_group
     return gates, local + offsets, probs
 
@@ -154,6 +156,7 @@ class MoEFeedForward(nn.Module):
         self.num_experts = config.num_experts
         self.num_prototypes = config.num_prototypes
         self.top_k = config.moe_top_k
+        self.normalize_gates = config.normalize_gates
         self.capacity_factor = config.capacity_factor
         self.jitter = config.router_jitter
         self.router = nn.Linear(config.dim, config.num_experts, bias=False)
@@ -170,7 +173,7 @@ class MoEFeedForward(nn.Module):
         # differences decide the routing.
         with torch.autocast(device_type=x.device.type, enabled=False):
             logits = F.linear(router_input.float(), self.router.weight.float())  # (tokens, experts)
-        gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k)
+        gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k, self.normalize_gates)
 
         # Assignments are flattened token-major (a token's picks together). Capacity goes by priority, position-major
         # over the batch: every sequence's position 0, then every sequence's position 1, ... A token then competes

@@ -241,3 +241,16 @@ def test_gates_combine_expert_outputs_in_fp32_under_bf16_autocast() -> None:
     tokens = torch.arange(32).repeat_interleave(2)[order]
     expected = torch.zeros(32, 16).index_add(0, tokens, captured["out"].float() * gates.reshape(-1)[order, None])
     assert torch.equal(result.output, expected)
+
+
+@pytest.mark.parametrize("prototypes", [1, 2])
+def test_normalize_gates_makes_the_k_gates_sum_to_one(prototypes: int) -> None:
+    logits = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    raw, experts, _ = route_tokens(logits, prototypes, 2)
+    normalized, same_experts, _ = route_tokens(logits, prototypes, 2, normalize=True)
+    assert torch.equal(experts, same_experts)
+    torch.testing.assert_close(normalized.sum(-1), torch.ones(64, prototypes))
+    assert (raw.sum(-1) < 1).all()  # the default keeps the raw probabilities
+    torch.testing.assert_close(normalized, raw / raw.sum(-1, keepdim=True))
+    moe = _moe(moe_top_k=2, num_prototypes=prototypes, normalize_gates=True, capacity_factor=None)
+    assert moe(torch.randn(16, 16)).output.shape == (16, 16)
