@@ -199,8 +199,12 @@ class LayeredStep:
         """Mean over micro-batches of the head metrics."""
         self._done = False
 
-    def backward(self) -> AccumulationResult:
-        """Backward of every micro-batch, layer by layer from the head down; gradients accumulate into ``.grad``."""
+    def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AccumulationResult:
+        """Backward of every micro-batch, layer by layer from the head down; gradients accumulate into ``.grad``.
+
+        ``scale`` multiplies every loss term before its backward (a ``GradScaler``'s ``scale``): the gradients then
+        carry the scale the optimizer step's unscaling divides out, exactly as a scaled loss's backward would."""
+        scale = scale if scale is not None else (lambda tensor: tensor)
         if self._done:
             raise RuntimeError("this layered step has already run its backward")
         self._done = True
@@ -212,7 +216,7 @@ class LayeredStep:
             leaf = self.inputs[num_layers][i]
             loss = self.head_losses[i]
             if loss is not None and loss.requires_grad:
-                torch.autograd.backward(loss / m)
+                torch.autograd.backward(scale(loss / m))
             grads.append(leaf.grad)
             self.inputs[num_layers][i] = self.head_losses[i] = None
 
@@ -231,7 +235,7 @@ class LayeredStep:
                     tensors.append(hidden)
                     grad_tensors.append(grads[i])
                 if extra is not None and extra.requires_grad:
-                    tensors.append(extra / m)
+                    tensors.append(scale(extra / m))
                     grad_tensors.append(None)
                 if tensors:
                     torch.autograd.backward(tensors, grad_tensors)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
@@ -309,10 +310,13 @@ class P2RStrategy(DDPStrategy):
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         module = self.lightning_module
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        # The micro-batch losses are backpropagated one by one, not the returned loss: a gradient scaler (fp16)
+        # must scale each of them, or the optimizer step unscales gradients that were never scaled.
+        scaler = self.precision_plugin.scaler if isinstance(self.precision_plugin, MixedPrecision) else None
         with counting(self._counter):
             events = step.events
             with events if isinstance(events, EngineEvents) else contextlib.nullcontext():
-                step.backward()
+                step.backward(scale=scaler.scale if scaler is not None else None)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -141,3 +141,32 @@ def test_setup_logs_one_line_with_engine_layout_and_planned_bytes(tmp_path: Path
     assert len(lines) == 1
     assert "engine local" in lines[0] and "offloaded blocks [0, 2] of 3" in lines[0] and "no budget" in lines[0]
     assert "MiB per rank" in lines[0] or "KiB per rank" in lines[0]
+
+
+class _SGDModule(M6LanguageModel):
+    """SGD: its update is the gradient itself, so a gradient off by the loss scale shows (Adam would hide it)."""
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+
+@pytest.mark.parametrize("module_class", [_SGDModule, M6LanguageModel], ids=["sgd", "fused-adamw"])
+def test_layered_equals_standard_under_fp16_and_a_gradient_scaler(tmp_path: Path, module_class: type) -> None:
+    """With a GradScaler, layered accumulation must hand the optimizer gradients scaled like standard accumulation's
+    (it backpropagates each micro-batch's loss itself): the same update, unscaled once (issue 13 item 2)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    weights = {}
+    for name, strategy, batch_size, accumulate in (("standard", P2RStrategy(), 2, 2),
+                                                   ("layered", P2RStrategy(accumulation="layered", micro_batches=2),
+                                                    4, 1)):
+        L.seed_everything(3)
+        module = module_class(M6Config(**DENSE), OptimizerConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=1.0))
+        initial = InitialWeights()
+        precision = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+        trainer = tiny_trainer(tmp_path / name, strategy=strategy, max_steps=2, limit_val_batches=0,
+                               accumulate_grad_batches=accumulate, callbacks=[initial], plugins=[precision])
+        trainer.fit(module, datamodule=tiny_data(tmp_path, batch_size=batch_size))
+        weights[name] = ({k: v.detach().float().clone() for k, v in module.state_dict().items()}, initial.weights)
+    (standard, start), (layered, _) = weights["standard"], weights["layered"]
+    assert_trained_alike(layered, standard, start, name="fp16 layered vs standard")
