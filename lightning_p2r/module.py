@@ -209,8 +209,8 @@ class M6LanguageModel(L.LightningModule):
         """The model cut into stages for layered gradient accumulation (``lightning_p2r.strategy.layered``).
 
         Each micro-batch is a token-window batch (batch, seq + 1). The stages optimise the same objective as
-        :meth:`losses`: the cross-entropy, plus per MoE layer ``(aux_coef * aux + z_coef * z) / num_moe_layers``,
-        which sums to the weighted means ``losses()`` adds. The stages snapshot the sharing map: build them again
+        :meth:`losses`: the cross-entropy, plus per MoE layer ``aux_coef * aux + z_coef * z``, which sums to the
+        weighted sums ``losses()`` adds. The stages snapshot the sharing map: build them again
         after the structure changes (``delink``).
         """
 
@@ -219,7 +219,6 @@ class M6LanguageModel(L.LightningModule):
         transformer = self.transformer
         config = self.config
         layer_to_block = list(transformer.layer_to_block)
-        num_moe_layers = sum(transformer.blocks[block].is_moe for block in layer_to_block)
 
         def embed(batch: torch.Tensor) -> tuple[torch.Tensor, _MicroBatchContext]:
             inputs, targets = next_token_batch(batch)
@@ -235,14 +234,14 @@ class M6LanguageModel(L.LightningModule):
             context.z[index] = moe.z_loss.detach()
             context.routing[index] = moe.stats
             extra = config.router_aux_loss_coef * moe.aux_loss + config.router_z_loss_coef * moe.z_loss
-            return hidden, extra / num_moe_layers
+            return hidden, extra
 
         def head(hidden: torch.Tensor, context: _MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logits = transformer.head(hidden)
             ce = next_token_loss(logits, context.targets)
             zero = ce.new_zeros(())
-            aux = torch.stack([context.aux[k] for k in sorted(context.aux)]).mean() if context.aux else zero
-            z = torch.stack([context.z[k] for k in sorted(context.z)]).mean() if context.z else zero
+            aux = torch.stack([context.aux[k] for k in sorted(context.aux)]).sum() if context.aux else zero
+            z = torch.stack([context.z[k] for k in sorted(context.z)]).sum() if context.z else zero
             total = ce.detach() + config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
             routing = {k: context.routing[k] for k in sorted(context.routing)}
             return ce, {"ce": ce.detach(), "loss": total, "aux": aux, "z": z} | routing_metrics(routing)

@@ -109,10 +109,12 @@ class M6Config:
     None means dropless (no token is ever dropped)."""
 
     router_aux_loss_coef: float = 0.01
-    """Weight of the Switch load-balancing loss (computed per MoE layer, then averaged over layers)."""
+    """Weight of the Switch load-balancing loss of each MoE layer; the layers' weighted losses are summed, as in
+    Switch Transformer (0.01 there) and ST-MoE, so the value means what the papers' does whatever the depth."""
 
     router_z_loss_coef: float = 0.001
-    """Weight of the router z-loss (ST-MoE): mean squared log-sum-exp of the router logits."""
+    """Weight of the router z-loss (ST-MoE, 0.001 there) of each MoE layer: mean squared log-sum-exp of the router
+    logits, summed over MoE layers like the balancing loss."""
 
     router_jitter: float = 0.0
     """Multiplicative uniform noise on the router input during training (Switch); 0 turns it off."""

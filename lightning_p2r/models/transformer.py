@@ -71,9 +71,10 @@ class M6Output:
     logits: torch.Tensor
     """(batch, seq, vocab_size)."""
     aux_loss: torch.Tensor
-    """Load-balancing loss, computed per MoE layer and averaged over MoE layers (0 for a dense model)."""
+    """Load-balancing loss, computed per MoE layer and summed over MoE layers, as Switch and ST-MoE apply their
+    coefficient per layer (0 for a dense model)."""
     z_loss: torch.Tensor
-    """Router z-loss, averaged over MoE layers (0 for a dense model)."""
+    """Router z-loss, summed over MoE layers (0 for a dense model)."""
     routing: dict[int, RoutingStats] = field(default_factory=dict)
     """Routing statistics per MoE layer index."""
 
@@ -232,9 +233,9 @@ class M6Transformer(nn.Module):
         zero = x.new_zeros((), dtype=torch.float32)
         return M6Output(
             logits=self.head(x),
-            # Per layer, then averaged: balancing over the concatenation of layers would let one layer's
-            # imbalance hide behind another's.
-            aux_loss=torch.stack(aux_losses).mean() if aux_losses else zero,
-            z_loss=torch.stack(z_losses).mean() if z_losses else zero,
+            # Per layer, then summed (Switch / ST-MoE: the coefficient weighs each layer's loss): balancing over the
+            # concatenation of layers would let one layer's imbalance hide behind another's.
+            aux_loss=torch.stack(aux_losses).sum() if aux_losses else zero,
+            z_loss=torch.stack(z_losses).sum() if z_losses else zero,
             routing=routing,
         )

@@ -88,3 +88,20 @@ def test_tiny_model_overfits_one_batch(changes: dict) -> None:
         optimizer.zero_grad()
         first = first if first is not None else float(loss)
     assert float(loss) < 0.1 * first, (first, float(loss))
+
+
+def test_router_losses_are_summed_over_moe_layers_as_in_switch() -> None:
+    """Switch and ST-MoE weigh each MoE layer's loss by the coefficient: the model's aux and z losses are the sums
+    of the layers' (issue 13 item 4b), so router_aux_loss_coef=0.01 means what it means in the papers."""
+    from lightning_p2r.models import M6Transformer
+
+    model = M6Transformer(M6Config(vocab_size=64, max_seq_len=8, num_layers=3, dim=16, num_heads=2, num_experts=4,
+                                   moe_layers=[0, 2], init_seed=0))
+    per_layer = []
+    for block in model.blocks:
+        if block.is_moe:
+            block.ffn.register_forward_hook(lambda module, args, out: per_layer.append(out))
+    out = model(torch.randint(0, 64, (2, 8)))
+    assert len(per_layer) == 2
+    torch.testing.assert_close(out.aux_loss, per_layer[0].aux_loss + per_layer[1].aux_loss, rtol=0, atol=0)
+    torch.testing.assert_close(out.z_loss, per_layer[0].z_loss + per_layer[1].z_loss, rtol=0, atol=0)
