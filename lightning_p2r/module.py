@@ -27,7 +27,7 @@ class OptimizerConfig:
     """AdamW with linear warmup and cosine decay, stepped once per optimizer step."""
 
     lr: float = 3e-3
-    """Peak learning rate, reached at the end of warmup."""
+    """Peak learning rate, reached at the end of warmup. 0 is allowed (the weights stay put: measuring a run)."""
 
     weight_decay: float = 0.1
     """Decoupled weight decay for matrices; norms and biases are never decayed."""
@@ -48,8 +48,8 @@ class OptimizerConfig:
     """Use torch's fused AdamW kernel; None uses it where the device supports it (CPU and CUDA do)."""
 
     def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"OptimizerConfig.lr must be > 0, got {self.lr!r}")
+        if self.lr < 0:  # 0 is legitimate: the weights stay put (measuring a run's cost, or its data)
+            raise ValueError(f"OptimizerConfig.lr must be >= 0, got {self.lr!r}")
         if self.weight_decay < 0:
             raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay!r}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -166,6 +166,15 @@ class M6LanguageModel(L.LightningModule):
         self._last_batch_end: float | None = None
 
     # ------------------------------------------------------------------------------------------------ model
+    def setup(self, stage: str) -> None:
+        # Before the model is built: a vocabulary larger than the embedding would fail with an IndexError mid-step.
+        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)  # Lightning calls setup attached
+        if isinstance(data_vocab, int) and data_vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the data's tokenizer has {data_vocab} ids but M6Config.vocab_size is {self.config.vocab_size}: ids "
+                f">= {self.config.vocab_size} would index past the embedding. Set model.config.vocab_size to at "
+                f"least {data_vocab} (or data.vocab_size to at most {self.config.vocab_size})")
+
     def configure_model(self) -> None:
         # Built here rather than in __init__ so a strategy can create it on the meta device or per rank.
         if self.transformer is None:

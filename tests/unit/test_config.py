@@ -36,7 +36,7 @@ def test_invalid_model_config_names_the_field(changes: dict, field: str) -> None
 @pytest.mark.parametrize(
     ("changes", "field"),
     [
-        ({"lr": 0.0}, "lr"),
+        ({"lr": -1e-3}, "lr"),
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"betas": (0.9, 1.0)}, "betas"),
         ({"warmup_steps": -1}, "warmup_steps"),

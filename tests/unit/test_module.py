@@ -141,3 +141,20 @@ def test_resume_after_a_max_steps_stop_across_an_epoch_boundary(tmp_path: Path) 
     trainer.fit(resumed, datamodule=data(), ckpt_path=tmp_path / "stopped.ckpt", weights_only=True)
     assert trainer.current_epoch >= 1
     assert_bit_identical(resumed.state_dict(), straight.state_dict())
+
+
+def test_zero_learning_rate_is_accepted_and_moves_nothing(tmp_path) -> None:
+    module = M6LanguageModel(M6Config(**TINY), OptimizerConfig(lr=0.0, weight_decay=0.0, warmup_steps=1))
+    module.configure_model()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    _trainer(tmp_path, max_steps=2, limit_val_batches=0).fit(module, datamodule=_data(tmp_path))
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+
+
+def test_a_vocabulary_larger_than_the_model_is_refused_before_training(tmp_path) -> None:
+    module = M6LanguageModel(M6Config(**(TINY | {"vocab_size": 128})))  # the byte tokenizer has 256 ids
+    steps = []
+    module.on_train_batch_start = lambda *args: steps.append(1)
+    with pytest.raises(ValueError, match=r"256 ids but M6Config.vocab_size is 128"):
+        _trainer(tmp_path, max_steps=1).fit(module, datamodule=_data(tmp_path))
+    assert steps == []
