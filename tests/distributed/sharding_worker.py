@@ -24,7 +24,7 @@ from lightning_p2r.strategy.sharding import local_model_state_bytes  # noqa: E40
 
 # Dense layers: the balance loss of an MoE layer is not additive across ranks, so it would not match one process.
 # A constant LR after warmup: resumed runs with a longer max_steps then follow the same schedule.
-MODEL = TINY | {"num_layers": 4, "dim": 64, "moe_layers": [], "vocab_size": 128}
+MODEL = TINY | {"num_layers": 4, "dim": 64, "moe_layers": [], "vocab_size": 256}  # the byte tokenizer has 256 ids
 
 
 class Probe(L.Callback):
