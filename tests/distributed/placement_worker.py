@@ -1,50 +1,20 @@
 """Worker of test_placement.py: host-memory growth while P2RStrategy builds and places a model of several hundred MB.
 
-Samples this process's resident memory (VmRSS) every 2 ms from the start of Lightning's ``setup`` (before
-``configure_model``) to the first training batch, and writes the peak growth and the model's fp32 parameter bytes.
+Measures this process's resident-memory growth from the start of Lightning's ``setup`` (before ``configure_model``)
+to the first training batch with the benchmarks' ``SetupMemoryProbe``, and writes it with the model's fp32 bytes.
 """
 
 import argparse
 import json
-import threading
-import time
 from pathlib import Path
 
 import lightning as L
 import torch
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
+from lightning_p2r.benchmarks.memory_probe import SetupMemoryProbe
 
 MODEL = {"vocab_size": 256, "max_seq_len": 16, "num_layers": 12, "dim": 1024, "num_heads": 16, "moe_layers": []}
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-class SetupGrowth(L.Callback):
-    """Peak RSS growth from ``setup`` to the first batch (sampled: VmHWM cannot be reset per phase)."""
-
-    def setup(self, trainer, pl_module, stage) -> None:
-        self.start = self.peak = rss_bytes()
-        self._running = True
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> None:
-        while self._running:
-            self.peak = max(self.peak, rss_bytes())
-            time.sleep(0.002)
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if batch_idx == 0 and self._running:
-            self._running = False
-            self._thread.join()
-            self.peak = max(self.peak, rss_bytes())
 
 
 def main() -> None:
@@ -55,14 +25,14 @@ def main() -> None:
     args = parser.parse_args()
     L.seed_everything(0)
     module = M6LanguageModel(M6Config(**MODEL), OptimizerConfig(warmup_steps=1))
-    probe = SetupGrowth()
+    probe = SetupMemoryProbe()
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=P2RStrategy(**json.loads(args.strategy)),
                         max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
                         enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[probe])
     data = torch.randint(0, MODEL["vocab_size"], (4 * args.devices, MODEL["max_seq_len"] + 1))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
     param_bytes = sum(p.numel() * 4 for p in module.parameters())
-    report = {"growth": probe.peak - probe.start, "param_bytes": param_bytes, "steps": trainer.global_step}
+    report = {"growth": probe.result.setup_growth, "param_bytes": param_bytes, "steps": trainer.global_step}
     (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 

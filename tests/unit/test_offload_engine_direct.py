@@ -23,14 +23,7 @@ CPU = torch.device("cpu")
 DIM = 8
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tensors of a few hundred elements: one intra-op thread, since waking a second costs more than the work
-    (0.45 s against 6 ms for three steps on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_intraop_thread")  # tiny tensors (see tests/conftest.py)
 
 
 class MLPBlock(nn.Module):

@@ -12,9 +12,10 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
 from ...sharing import OptimizerStatePolicy
+from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate
-from ..optimizers import unwrapped  # noqa: F401  (engines import it from here)
+from ..optimizers import optimizer_state_to, unwrapped  # noqa: F401  (engines import unwrapped from here)
 
 if TYPE_CHECKING:
     from ..strategy import P2RStrategy
@@ -96,12 +97,24 @@ class Engine:
         DDPStrategy.save_checkpoint(self.strategy, checkpoint, filepath, storage_options)
 
     def load_weights(self, source: dict[str, Any] | str, strict: bool) -> None:
-        """Write a checkpoint's weights (a state dict, or a sharded checkpoint's path) into the placed model."""
-        raise NotImplementedError
+        """Write a checkpoint's weights (a state dict, or a sharded checkpoint's path) into the placed model. This
+        default serves layouts where every rank holds the whole model (an offloaded block's state-dict hooks write
+        its host masters)."""
+        module = self.strategy.lightning_module
+        if isinstance(source, str):
+            sharded_checkpoint.load_model_into(module, source)
+        else:
+            module.load_state_dict(source, strict=strict)
 
     def load_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any],
                              sharded_path: str | None) -> None:
-        raise NotImplementedError
+        """Restore optimizer ``index`` from a checkpoint (whole-model layouts, like ``load_weights``)."""
+        if sharded_path is not None:
+            sharded_checkpoint.load_optimizer_into_replicated(self.strategy.lightning_module, optimizer, index,
+                                                              sharded_path)
+        else:
+            optimizer.load_state_dict(checkpoint["optimizer_states"][index])
+            optimizer_state_to(optimizer, self.strategy.root_device)
 
     # --------------------------------------------------------------------------------------------- shared
     def materialize_whole(self, device: torch.device) -> None:

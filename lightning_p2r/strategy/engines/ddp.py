@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import lightning as L
 import torch
@@ -13,9 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ...sharing import OptimizerStatePolicy, delink, rebind_scheduler
-from .. import checkpoint as sharded_checkpoint
 from ..materialize import has_meta_tensors
-from ..optimizers import optimizer_state_to
 from ..sharding import consolidated_plain_optimizer, zero_redundancy_optimizer
 from .base import Engine
 
@@ -53,19 +50,3 @@ class DDPEngine(Engine):
             new_optimizer = zero_redundancy_optimizer(new_optimizer)
         strategy.optimizers = [new_optimizer]
         return new_optimizer
-
-    def load_weights(self, source: dict[str, Any] | str, strict: bool) -> None:
-        module = self.strategy.lightning_module
-        if isinstance(source, str):
-            sharded_checkpoint.load_model_into(module, source)
-        else:
-            module.load_state_dict(source, strict=strict)
-
-    def load_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any],
-                             sharded_path: str | None) -> None:
-        module = self.strategy.lightning_module
-        if sharded_path is not None:
-            sharded_checkpoint.load_optimizer_into_replicated(module, optimizer, index, sharded_path)
-        else:
-            optimizer.load_state_dict(checkpoint["optimizer_states"][index])
-            optimizer_state_to(optimizer, self.strategy.root_device)

@@ -10,8 +10,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
 from ...sharing import OptimizerStatePolicy, delink, rebind_scheduler
-from .. import checkpoint as sharded_checkpoint
-from ..host_state import blocks_prefix, full_state_dict, load_full_state_dict, resident_model_bytes
+from ..host_state import blocks_prefix, resident_model_bytes
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate, has_meta_tensors
 from ..offload import EngineEvents, OffloadEngine
@@ -144,29 +143,16 @@ class LocalEngine(Engine):
         return strategy.optimizers[0]
 
     # ------------------------------------------------------------------------------------------- checkpoints
-    def module_state_dict(self) -> dict[str, Any]:
-        return full_state_dict(self.strategy.lightning_module, self.streaming)
-
-    def load_weights(self, source: dict[str, Any] | str, strict: bool) -> None:
-        module = self.strategy.lightning_module
-        if isinstance(source, str):
-            sharded_checkpoint.load_model_into(module, source)
-        elif self.streaming is not None and self.streaming.blocks:
-            load_full_state_dict(module, self.streaming, source, strict)
-        else:
-            module.load_state_dict(source, strict=strict)
-
+    # The module's own state_dict()/load_state_dict() read and write the host masters (the streaming engine's
+    # state-dict hooks), so the base class's whole-model save and load serve this layout as they are.
     def load_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any],
                              sharded_path: str | None) -> None:
-        module = self.strategy.lightning_module
-        if sharded_path is not None:
-            if isinstance(optimizer, SplitOptimizer):
+        if isinstance(optimizer, SplitOptimizer):
+            if sharded_path is not None:
                 raise ValueError(
                     f"{sharded_path} is a sharded checkpoint; a one-process run with offloaded blocks resumes it "
                     "with P2RStrategy(sharding='zero2' or 'zero3') (FSDP2 on one process, the same offload plan)")
-            sharded_checkpoint.load_optimizer_into_replicated(module, optimizer, index, sharded_path)
-            return
-        optimizer.load_state_dict(checkpoint["optimizer_states"][index])
-        if not isinstance(optimizer, SplitOptimizer):  # a split optimizer keeps host state on the host
-            optimizer_state_to(optimizer, self.strategy.root_device)
+            optimizer.load_state_dict(checkpoint["optimizer_states"][index])  # host state stays on the host
+        else:
+            super().load_optimizer_state(index, optimizer, checkpoint, sharded_path)
         self.update_static_bytes()
