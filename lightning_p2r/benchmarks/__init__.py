@@ -1,7 +1,8 @@
 """Speed and memory benchmarks: each is a module run as ``python -m lightning_p2r.benchmarks.<name>``.
 
 Every benchmark prints the environment and a table of what it measured, and writes ``<name>.csv`` and
-``<name>.png`` to ``--out`` (default ``docs/benchmarks``). Common flags: ``--device`` (cuda when available, else
+``<name>.png`` to ``--out`` (default ``runs/benchmarks``; ``--update-docs`` writes to ``docs/benchmarks``, the figures
+the docs show, and is the only way a benchmark changes them). Common flags: ``--device`` (cuda when available, else
 cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing).
 
 - ``moe``: forward + backward tokens/s of one :class:`~lightning_p2r.models.moe.MoEFeedForward` layer (top-1,
@@ -25,6 +26,9 @@ cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing
   ``max_memory_allocated``), is shared with the tests.
 - ``accumulation_sync``: standard accumulation under ZeRO-3 on 2 CPU processes, gradients reduced once per step
   (the default) against after every micro-batch (``reduce_every_micro_batch=True``): median step time.
+
+- ``attention``: locally banded attention, chunked (cost grows with T x window) and through a dense (T, T) mask,
+  against dense causal attention: forward + backward seconds over the sequence length.
 
 Shared helpers (CSV, plain-text tables, plots, environment, timing) live in :mod:`lightning_p2r.benchmarks.report`.
 Timings belong here and never in tests: the tests only check that each benchmark runs and writes its outputs.

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-DEFAULT_OUT = Path("docs/benchmarks")
+DEFAULT_OUT = Path("runs/benchmarks")
+DOCS_OUT = Path("docs/benchmarks")
 
 
 def default_device() -> str:
@@ -27,7 +28,11 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     # allow_abbrev=False: the quickstart benchmark forwards unknown flags to LightningCLI, and abbreviation
     # matching could otherwise swallow one of them.
     parser = argparse.ArgumentParser(description=description, allow_abbrev=False)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for CSV and PNG (default: %(default)s)")
+    outputs = parser.add_mutually_exclusive_group()
+    outputs.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder for CSV and PNG (default: %(default)s)")
+    # The committed figures change only when asked: a casual run must not overwrite what docs/benchmarks.md cites.
+    outputs.add_argument("--update-docs", dest="out", action="store_const", const=DOCS_OUT,
+                         help=f"write to {DOCS_OUT}, the figures docs/benchmarks.md shows")
     parser.add_argument("--device", default=default_device(), help="torch device (default: %(default)s)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes for smoke tests; the numbers mean nothing")
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")

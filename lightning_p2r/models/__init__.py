@@ -1,6 +1,6 @@
 """Pure PyTorch model code: nothing here imports Lightning or torch.distributed."""
 
-from .attention import CausalSelfAttention, local_causal_mask
+from .attention import CausalSelfAttention, band_chunk_size, banded_attention, local_causal_mask
 from .config import M6Config
 from .moe import MoEFeedForward, MoEOutput, RoutingStats
 from .transformer import Block, M6Output, M6Transformer
@@ -14,5 +14,7 @@ __all__ = [
     "MoEFeedForward",
     "MoEOutput",
     "RoutingStats",
+    "band_chunk_size",
+    "banded_attention",
     "local_causal_mask",
 ]

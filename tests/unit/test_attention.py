@@ -1,7 +1,14 @@
 import pytest
 import torch
 
-from lightning_p2r.models import CausalSelfAttention, M6Config, M6Transformer, local_causal_mask
+from lightning_p2r.models import (
+    CausalSelfAttention,
+    M6Config,
+    M6Transformer,
+    band_chunk_size,
+    banded_attention,
+    local_causal_mask,
+)
 
 
 def test_local_mask_matches_its_definition() -> None:
@@ -64,3 +71,33 @@ def test_banded_layer_cannot_see_past_its_window() -> None:
 def test_alternating_pattern_is_dense_on_even_layers() -> None:
     config = M6Config(num_layers=4, attention="alternating", sparse_window=8)
     assert [config.attention_window(layer) for layer in range(4)] == [None, 8, None, 8]
+
+
+@pytest.mark.parametrize(("seq_len", "window"), [(300, 1), (300, 16), (257, 64), (200, 100), (130, 129), (64, 200)])
+def test_chunked_band_equals_the_masked_band_with_gradients(seq_len: int, window: int) -> None:
+    generator = torch.Generator().manual_seed(seq_len + window)
+    q, k, v = (torch.randn(2, 3, seq_len, 8, generator=generator, requires_grad=True) for _ in range(3))
+    mask = local_causal_mask(seq_len, window)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    got = banded_attention(q, k, v, window)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    upstream = torch.randn(expected.shape, generator=generator)
+    expected_grads = torch.autograd.grad(expected, (q, k, v), upstream)
+    for got_grad, expected_grad in zip(torch.autograd.grad(got, (q, k, v), upstream), expected_grads):
+        torch.testing.assert_close(got_grad, expected_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_long_banded_layer_takes_the_chunked_path_and_keeps_its_outputs() -> None:
+    config = M6Config(dim=32, num_heads=4)
+    attn = CausalSelfAttention(config).eval()
+    seq_len, window = 400, 16
+    assert band_chunk_size(window) + window < seq_len // 2  # the layer chunks at this length
+    x = torch.randn(1, seq_len, 32)
+    torch.testing.assert_close(attn(x, window=window), _explicit_attention(attn, x, local_causal_mask(seq_len, window)),
+                               atol=1e-5, rtol=1e-5)
+    changed = x.clone()
+    changed[:, 100] += 1.0
+    out, out_changed = attn(x, window=window), attn(changed, window=window)
+    torch.testing.assert_close(out[:, : 100], out_changed[:, : 100], atol=0, rtol=0)  # causal
+    torch.testing.assert_close(out[:, 100 + window:], out_changed[:, 100 + window:], atol=0, rtol=0)  # banded
+    assert not torch.allclose(out[:, 100 + window - 1], out_changed[:, 100 + window - 1])

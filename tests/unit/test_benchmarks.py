@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_p2r.benchmarks import moe, quickstart
+from lightning_p2r.benchmarks import attention, moe, quickstart
 from lightning_p2r.benchmarks.report import format_table, median_seconds, write_csv
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -132,3 +132,25 @@ def test_accumulation_sync_benchmark_writes_its_outputs(tmp_path) -> None:
         assert (tmp_path / name).stat().st_size > 0
     assert [r["reduce"] for r in result["rows"]] == ["every micro-batch", "once per step"]
     assert all(r["step_ms"] > 0 for r in result["rows"]) and result["ratio"] > 0
+
+
+def test_attention_benchmark_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    attention.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    rows = _read_csv(tmp_path / "attention.csv")
+    assert set(attention.COLUMNS) <= set(rows[0])
+    assert [int(row["seq_len"]) for row in rows] == [128, 256]
+    for row in rows:
+        assert float(row["max_abs_diff"]) < 1e-4  # the chunked kernel computes the masked band
+        assert float(row["chunked_ratio"]) > 0
+    _assert_png(tmp_path / "attention.png")
+    assert "chunked_ratio" in capsys.readouterr().out
+
+
+def test_benchmarks_write_to_runs_unless_asked_to_update_the_docs() -> None:
+    from lightning_p2r.benchmarks.report import DOCS_OUT, base_parser
+
+    parser = base_parser("test")
+    assert parser.parse_args([]).out == Path("runs/benchmarks")
+    assert parser.parse_args(["--update-docs"]).out == DOCS_OUT
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--update-docs", "--out", "elsewhere"])
