@@ -128,6 +128,19 @@ def router_z_loss(logits: torch.Tensor, num_prototypes: int) -> torch.Tensor:
     return grouped.logsumexp(dim=-1).square().mean()
 
 
+class Router(nn.Linear):
+    """The gate's linear map, computed in fp32 even under autocast (which would cast it to bf16): small logit
+    differences decide the routing. An ``nn.Linear`` like any other, so hooks and parallel plans that handle linear
+    layers (the gradient-agreement probe, tensor-parallel styles) see it as one."""
+
+    def __init__(self, dim: int, num_experts: int) -> None:
+        super().__init__(dim, num_experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())
+
+
 class Experts(nn.Module):
     """``num_experts`` two-layer GELU MLPs held as stacked weights."""
 
@@ -159,7 +172,7 @@ class MoEFeedForward(nn.Module):
         self.normalize_gates = config.normalize_gates
         self.capacity_factor = config.capacity_factor
         self.jitter = config.router_jitter
-        self.router = nn.Linear(config.dim, config.num_experts, bias=False)
+        self.router = Router(config.dim, config.num_experts)
         self.experts = Experts(config.num_experts, config.dim, config.hidden_dim)
 
     def forward(self, x: torch.Tensor) -> MoEOutput:
@@ -169,10 +182,7 @@ class MoEFeedForward(nn.Module):
         router_input = x
         if self.training and self.jitter > 0:
             router_input = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
-        # The router runs in fp32 even under autocast (which would cast F.linear to bf16): small logit
-        # differences decide the routing.
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            logits = F.linear(router_input.float(), self.router.weight.float())  # (tokens, experts)
+        logits = self.router(router_input)  # (tokens, experts), fp32
         gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k, self.normalize_gates)
 
         # Assignments are flattened token-major (a token's picks together). Capacity goes by priority, position-major

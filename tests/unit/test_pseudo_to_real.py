@@ -116,22 +116,41 @@ def test_auto_relative_drop_from_the_peak(tmp_path: Path, monkeypatch) -> None:
     assert callback.events[0].step == 5 and "peak" in callback.events[0].reason  # 0.62 < 0.9 * 0.7
 
 
-def test_probe_recovers_per_layer_gradients() -> None:
-    model = M6LanguageModel(M6Config(**PSEUDO))
+def test_probe_recovers_each_layers_gradient_of_every_linear_router_and_expert_weight() -> None:
+    model = M6LanguageModel(M6Config(**(PSEUDO | {"num_experts": 4, "moe_layers": None, "router_jitter": 0.1})))
     model.configure_model()
+    model.train()
     probe = GradientAgreementProbe(model.transformer)
     model.losses(torch.randint(0, 256, (2, 17)))["loss"].backward()
+    contributions = dict(probe.contributions)
     agreement = probe.finish()
     assert agreement is not None and -1.0 <= agreement <= 1.0
-    # per-layer contributions add up to the shared gradient autograd computed
-    probe = GradientAgreementProbe(model.transformer)
-    model.zero_grad()
-    model.losses(torch.randint(0, 256, (2, 17)))["loss"].backward()
-    qkv = model.transformer.blocks[0].attn.qkv
-    calls = probe._calls[qkv]
-    total = sum(grad.reshape(-1, grad.shape[-1]).T @ x.reshape(-1, x.shape[-1]) for x, grad in calls)
-    torch.testing.assert_close(total, qkv.weight.grad, atol=1e-5, rtol=1e-4)
-    probe.remove()
+    block = model.transformer.blocks[0]
+    expected = {"blocks.0.attn.qkv.weight", "blocks.0.attn.out.weight", "blocks.0.ffn.router.weight",
+                "blocks.0.ffn.experts.w_in", "blocks.0.ffn.experts.w_out"}
+    assert set(contributions) == expected
+    parameters = dict(block.named_parameters(prefix="blocks.0"))
+    for name, calls in contributions.items():
+        assert len(calls) == 4, name  # one contribution per layer
+        # The per-layer contributions add up to the shared gradient autograd computed (aux and z losses included).
+        torch.testing.assert_close(sum(calls), parameters[name].grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert not any(handle for handle in probe._handles)  # finish removed every hook
+
+
+def test_probe_agreement_is_one_when_layers_pull_alike_and_low_when_they_do_not() -> None:
+    from lightning_p2r.callbacks.gradient_agreement import expert_weight_gradients
+
+    x = torch.randn(6, 4)
+    hidden = x @ torch.randn(2, 4, 8)[0]
+    w_out = torch.randn(2, 8, 4)
+    grad = torch.randn(6, 4)
+    first = expert_weight_gradients(x, hidden, grad, w_out, [6, 0])
+    doubled = expert_weight_gradients(x, hidden, 2 * grad, w_out, [6, 0])
+    opposite = expert_weight_gradients(x, hidden, -grad, w_out, [6, 0])
+    for a, b, c in zip(first, doubled, opposite):
+        assert float(mean_pairwise_cosine(torch.stack([a.flatten(), b.flatten()]))) == pytest.approx(1.0)
+        assert float(mean_pairwise_cosine(torch.stack([a.flatten(), c.flatten()]))) == pytest.approx(-1.0)
+        assert torch.all(a[1] == 0)  # an expert with no rows gets no gradient
 
 
 def test_mean_pairwise_cosine() -> None:
