@@ -1,24 +1,96 @@
-"""The ``lightning-p2r`` command: a LightningCLI over :class:`M6LanguageModel` and :class:`TextDataModule`."""
+"""The ``lightning-p2r`` command: a LightningCLI over :class:`M6LanguageModel` and :class:`TextDataModule`.
+
+Where a run's files go: everything under ``trainer.default_root_dir`` (the recipes set ``runs/<recipe>``). A
+logger whose ``save_dir`` is unset or ``"."`` and a ``ModelCheckpoint`` without a ``dirpath`` are pointed there
+(checkpoints in ``<root>/checkpoints``), so ``--trainer.default_root_dir`` moves a whole run. ``config.yaml`` is
+written to the root once the first batch has trained (the options, the data, the strategy's setup and the
+checkpoint were accepted), atomically, and only by ``fit``: a call that fails, or a ``validate``/``test``/
+``predict`` of the run, leaves the training run's config alone. Several fits in one root keep each other's
+checkpoints (Lightning names the newer ``last-v1.ckpt``, ...); ``--ckpt_path last`` resumes from the newest.
+"""
 
 from __future__ import annotations
 
-from jsonargparse import set_parsing_settings
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+import copy
+import os
+import tempfile
+from typing import Any
+
+from jsonargparse import Namespace, set_parsing_settings
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 from .data import TextDataModule
 from .module import M6LanguageModel
+from .options_diff import describe_differences, differing_options
 
 # The dataclass fields' docstrings become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
 
+# Loggers whose output folder is their ``save_dir`` init argument: None or "." (W&B's default; CSVLogger requires
+# a value, so recipes write ".") means the root dir.
+_LOGGERS_WITH_SAVE_DIR = ("WandbLogger", "CSVLogger", "TensorBoardLogger")
+
+
+class SaveConfigWhenTraining(SaveConfigCallback):
+    """Writes ``config.yaml`` into ``trainer.default_root_dir`` once ``fit`` has trained its first batch,
+    atomically (a temporary file renamed over the old one). Lightning's callback writes at ``setup``, before the
+    strategy, the checkpoint and the first batch were accepted, and for every subcommand: a failing call or an
+    evaluation would replace the config of the run whose checkpoints sit beside it."""
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        pass  # deferred to the end of the first training batch
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        if self.already_saved:
+            return
+        if trainer.is_global_zero:
+            root = str(trainer.default_root_dir)
+            os.makedirs(root, exist_ok=True)
+            text = self.parser.dump(self.config, skip_none=False)
+            with tempfile.NamedTemporaryFile("w", dir=root, prefix=".config-", suffix=".yaml", delete=False,
+                                             encoding="utf-8") as f:
+                f.write(text)
+            os.replace(f.name, os.path.join(root, self.config_filename))
+            self.save_config(trainer, pl_module, "fit")
+        self.already_saved = True
+
 
 class P2RCLI(LightningCLI):
-    """LightningCLI with the data module's vocabulary size linked into the model config."""
+    """LightningCLI with the data module's vocabulary size linked into the model config, outputs under the root
+    dir, and model options checked against the checkpoint's before a resume."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_callback", SaveConfigWhenTraining)
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The embedding must cover every id the tokenizer emits; linking removes the chance to set them apart.
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.config.max_seq_len", apply_on="parse")
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        # LightningCLI next replaces the model options by a checkpoint's hyperparameters (--ckpt_path): keep what
+        # the user asked for, to compare.
+        section = self.config.get(self.config.get("subcommand") or "", self.config)
+        self._requested_model = copy.deepcopy(_as_dict(section.get("model")))
+
+    def before_instantiate_classes(self) -> None:
+        section = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+        self._refuse_dropped_overrides(_as_dict(section.get("model")))
+        place_outputs_under_root(section.trainer)
+
+    def _refuse_dropped_overrides(self, merged: dict[str, Any] | None) -> None:
+        if not merged or not self._requested_model:
+            return
+        differences = [d for d in differing_options(self._requested_model, merged) if d[0] != "config.vocab_size"]
+        if differences:
+            self.parser.error(
+                f"--ckpt_path: the checkpoint was trained with other model options: "
+                f"{describe_differences(differences)}. Resuming uses the checkpoint's; drop these options to resume "
+                "it, or leave out --ckpt_path to train a new model with them")
 
     def instantiate_classes(self) -> None:
         # A bad value that only the class can judge (a range, a divisibility, a missing corpus) ends the command
@@ -29,15 +101,39 @@ class P2RCLI(LightningCLI):
             self.parser.error(str(error))
 
 
+def _as_dict(value: Any) -> dict[str, Any] | None:
+    if isinstance(value, Namespace):
+        return value.as_dict()
+    return value if isinstance(value, dict) else None
+
+
+def place_outputs_under_root(trainer: Namespace) -> None:
+    """Point loggers without a ``save_dir`` at ``trainer.default_root_dir`` and ``ModelCheckpoint`` callbacks without
+    a ``dirpath`` at ``<root>/checkpoints``, in the parsed config (before anything is instantiated)."""
+    root = trainer.get("default_root_dir") or "."
+    root = str(root)
+    loggers = trainer.get("logger")
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        if _is_class(logger, _LOGGERS_WITH_SAVE_DIR) and logger.init_args.get("save_dir") in (None, "."):
+            logger.init_args.save_dir = root
+        if _is_class(logger, ("WandbLogger",)):
+            # W&B's service writes its own debug logs under $WANDB_DIR (default: the working directory).
+            os.environ.setdefault("WANDB_DIR", str(logger.init_args.save_dir))
+    callbacks = trainer.get("callbacks")
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        if _is_class(callback, ("ModelCheckpoint",)) and callback.init_args.get("dirpath") is None:
+            callback.init_args.dirpath = os.path.join(root, "checkpoints")
+
+
+def _is_class(entry: Any, names: tuple[str, ...]) -> bool:
+    return (isinstance(entry, Namespace) and isinstance(entry.get("class_path"), str)
+            and entry.class_path.rsplit(".", 1)[-1] in names and entry.get("init_args") is not None)
+
+
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``lightning-p2r {fit,validate,test,predict}``. Returns nothing: the console script passes the
     return value to ``sys.exit``, which would turn an object into exit status 1."""
-    P2RCLI(
-        M6LanguageModel,
-        TextDataModule,
-        save_config_kwargs={"overwrite": True},
-        args=args,
-    )
+    P2RCLI(M6LanguageModel, TextDataModule, args=args)
 
 
 if __name__ == "__main__":

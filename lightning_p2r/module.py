@@ -16,6 +16,7 @@ from torchmetrics.text import Perplexity
 
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.transformer import LayerContext
+from .options_diff import describe_differences, differing_options
 from .protocols import LayeredStages
 from .sharing import delink
 
@@ -181,6 +182,25 @@ class M6LanguageModel(L.LightningModule):
             self.transformer = M6Transformer(self.config)
 
     # -------------------------------------------------------------------------------------------- structure
+    def _check_resumed_options(self, saved: dict[str, Any] | None) -> None:
+        """Resuming training with model or optimizer options other than the checkpoint's is refused: the weights,
+        the optimizer state and the LR schedule all come from the checkpoint, so the new options would be partly
+        ignored. Loading for evaluation, or ``load_from_checkpoint(..., config=...)``, may change them."""
+        try:
+            resuming = self.trainer.state.fn == "fit"
+        except RuntimeError:  # not attached to a Trainer: load_from_checkpoint
+            return
+        if not resuming or not saved:
+            return
+        requested = {"config": self.config.to_dict(), "optimizer": dataclasses.asdict(self.optimizer_config)}
+        differences = differing_options(requested, saved)
+        if differences:
+            raise ValueError(
+                f"this run's options differ from the checkpoint's: {describe_differences(differences)}. A resumed "
+                "run continues the checkpoint's model and optimizer: drop these options (or set them to the "
+                "checkpoint's values) to resume it, or leave out --ckpt_path / ckpt_path to start a new run")
+
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The hyperparameters describe the model as it was created (maybe pseudo); record the structure it has
         # now, so loading rebuilds it before the weights arrive.
@@ -188,6 +208,7 @@ class M6LanguageModel(L.LightningModule):
             checkpoint[STRUCTURE_KEY] = {"num_unique_blocks": len(self.transformer.blocks)}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self._check_resumed_options(checkpoint.get("hyper_parameters"))
         # Lightning calls this before load_state_dict: a checkpoint taken after delinking needs the real shape.
         saved = checkpoint.get(STRUCTURE_KEY, {}).get("num_unique_blocks")
         if saved is None:

@@ -190,6 +190,14 @@ class P2RStrategy(DDPStrategy):
                     f"P2RStrategy(micro_batches={self.micro_batches}, accumulation={self.accumulation!r}) splits each "
                     f"batch itself; set Trainer(accumulate_grad_batches=1), got {trainer.accumulate_grad_batches}"
                 )
+            # A data module that declares its batch size is checked now, before any work; other data at the first
+            # batch (split_micro_batches).
+            batch_size = getattr(trainer.datamodule, "batch_size", None)
+            if isinstance(batch_size, int) and batch_size % self.micro_batches:
+                raise ValueError(
+                    f"P2RStrategy(micro_batches={self.micro_batches}) must divide the batch size, and the data's "
+                    f"batch_size is {batch_size}: choose micro_batches among "
+                    f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]} or change data.batch_size")
         if self.layout is None:
             self.layout = select_engine(self)
         check_no_meta_buffers(self.lightning_module)

@@ -5,6 +5,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import yaml
@@ -122,3 +123,78 @@ def _small_corpus(tmp_path: Path) -> Path:
     path = tmp_path / "small.txt"
     path.write_text("And the evening and the morning were the first day. " * 300, encoding="utf-8")
     return path
+
+
+def _fit_args(tmp_path: Path, *extra: str) -> list[str]:
+    return ["fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"), "--trainer.max_steps=2",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--data.tokenizer=bytes",
+            "--data.vocab_size=256", f"--data.corpus={_small_corpus(tmp_path)}", *extra]
+
+
+def test_outputs_follow_the_root_dir_and_a_failing_call_leaves_the_run_alone(tmp_path: Path, monkeypatch,
+                                                                             capsys) -> None:
+    from lightning_p2r.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    # wandb.init in this process exports its service's address (WANDB_SERVICE...): restore the environment after,
+    # or later subprocess tests would talk to this process's W&B service.
+    with mock.patch.dict(os.environ):
+        main(_fit_args(tmp_path, "--trainer.default_root_dir=elsewhere/run"))
+    run = tmp_path / "elsewhere" / "run"
+    assert (run / "checkpoints" / "last.ckpt").is_file()
+    assert (run / "config.yaml").is_file() and list((run / "wandb").glob("offline-run-*"))
+    assert list((run / "csv").glob("version_*/metrics.csv"))
+    assert not (tmp_path / "runs").exists()  # nothing under the recipe's own root
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
+
+    # A call that fails in setup (micro-batches that do not divide the batch) must not touch the run's files.
+    with pytest.raises(BaseException):  # noqa: B017 (a ValueError from setup, or SystemExit from the parser)
+        main(_fit_args(tmp_path, "--trainer.default_root_dir=elsewhere/run", "--model.config.num_heads=5"))
+    with pytest.raises(BaseException):  # noqa: B017
+        main(_fit_args(tmp_path, "--trainer.default_root_dir=elsewhere/run",
+                       "--trainer.strategy=lightning_p2r.P2RStrategy", "--trainer.strategy.accumulation=layered",
+                       "--trainer.strategy.micro_batches=5"))
+    after = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and "wandb" not in p.parts}
+    assert after == before
+
+
+def test_ckpt_path_last_resumes_the_newest_run_and_overrides_are_refused(tmp_path: Path, monkeypatch,
+                                                                         capsys) -> None:
+    import torch
+
+    from lightning_p2r.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    main(_fit_args(tmp_path, "--trainer.logger=false"))
+    main(_fit_args(tmp_path, "--trainer.logger=false", "--trainer.max_steps=3"))  # a second run, same root
+    checkpoints = tmp_path / "runs" / "quickstart" / "checkpoints"
+    assert {p.name for p in checkpoints.glob("last*.ckpt")} == {"last.ckpt", "last-v1.ckpt"}
+    newest = torch.load(checkpoints / "last-v1.ckpt", weights_only=True)["global_step"]
+    assert newest == 3
+
+    cli = P2RCLI(M6LanguageModel, TextDataModule, run=False, args=_fit_args(
+        tmp_path, "--trainer.logger=false", "--trainer.max_steps=5")[1:])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path="last")
+    assert cli.trainer.global_step == 5  # resumed at 3 (the newest), not at 2
+
+    with pytest.raises(SystemExit):
+        main(_fit_args(tmp_path, "--trainer.logger=false", "--model.config.num_layers=6",
+                       "--model.optimizer.lr=0.01", f"--ckpt_path={checkpoints / 'last.ckpt'}"))
+    err = capsys.readouterr().err
+    assert "model.config.num_layers=6 (the checkpoint has 4)" in err
+    assert "model.optimizer.lr=0.01 (the checkpoint has 0.003)" in err
+    assert "drop these options" in err
+
+
+def test_resuming_with_other_options_through_the_python_api_is_refused(tmp_path: Path, monkeypatch) -> None:
+    from lightning_p2r.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    main(_fit_args(tmp_path, "--trainer.logger=false"))
+    cli = P2RCLI(M6LanguageModel, TextDataModule, run=False, args=_fit_args(
+        tmp_path, "--trainer.logger=false", "--trainer.max_steps=4", "--model.config.dropout=0.3")[1:])
+    with pytest.raises(ValueError, match=r"model.config.dropout=0.3 \(the checkpoint has 0.0\)"):
+        cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path="last")
