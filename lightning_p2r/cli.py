@@ -12,13 +12,17 @@ checkpoints (Lightning names the newer ``last-v1.ckpt``, ...); ``--ckpt_path las
 from __future__ import annotations
 
 import copy
+import difflib
+import importlib
 import os
+import sys
 import tempfile
-from typing import Any
+from typing import IO, Any, NoReturn
 
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from lightning.pytorch.strategies import Strategy
 
 from .data import TextDataModule
 from .module import M6LanguageModel
@@ -30,6 +34,31 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 # Loggers whose output folder is their ``save_dir`` init argument: None or "." (W&B's default; CSVLogger requires
 # a value, so recipes write ".") means the root dir.
 _LOGGERS_WITH_SAVE_DIR = ("WandbLogger", "CSVLogger", "TensorBoardLogger")
+
+
+class P2RArgumentParser(LightningArgumentParser):
+    """A mistyped option gets one usage line and a "did you mean" instead of the whole option list (about 90 lines
+    that hid the error itself); ``--help`` still prints everything."""
+
+    def print_usage(self, file: IO[str] | None = None) -> None:
+        (file or sys.stderr).write(f"usage: {self.prog} [--config RECIPE] [--section.option VALUE ...]\n")
+
+    def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        parser = getattr(ex, "subcommand_parser", None) or self
+        super().error(message + _suggestion(parser, message), ex)
+
+
+def _suggestion(parser: LightningArgumentParser, message: str) -> str:
+    """`` (did you mean --trainer.max_steps?)`` for an unrecognized option close to a known one."""
+    if "unrecognized arguments" not in message:
+        return ""
+    known = [option for action in parser._actions for option in action.option_strings]  # noqa: SLF001
+    hints = []
+    for word in message.split(":", 1)[-1].split():
+        if word.startswith("--"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.75)
+            hints += [f"{word.split('=', 1)[0]} -> {close[0]}"] if close else []
+    return f" (did you mean: {', '.join(hints)}?)" if hints else ""
 
 
 class SaveConfigWhenTraining(SaveConfigCallback):
@@ -61,6 +90,7 @@ class P2RCLI(LightningCLI):
     dir, and model options checked against the checkpoint's before a resume."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("parser_class", P2RArgumentParser)
         kwargs.setdefault("save_config_callback", SaveConfigWhenTraining)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
@@ -80,6 +110,7 @@ class P2RCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         section = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
         self._refuse_dropped_overrides(_as_dict(section.get("model")))
+        section.trainer.strategy = strategy_from_class_path(section.trainer.get("strategy"))
         place_outputs_under_root(section.trainer)
 
     def _refuse_dropped_overrides(self, merged: dict[str, Any] | None) -> None:
@@ -101,6 +132,22 @@ class P2RCLI(LightningCLI):
             self.parser.error(str(error))
 
 
+def strategy_from_class_path(strategy: Any) -> Any:
+    """``--trainer.strategy=lightning_p2r.P2RStrategy`` with no init args: the Trainer's ``strategy`` also accepts a
+    registry name (a str), so the parser keeps the class path as a plain string, which the Trainer then refuses. A
+    dotted path to a Strategy class becomes that class with its defaults."""
+    if not isinstance(strategy, str) or "." not in strategy:
+        return strategy
+    module_name, _, class_name = strategy.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError):
+        return strategy  # not a class path: the Trainer judges the name
+    if isinstance(cls, type) and issubclass(cls, Strategy):
+        return Namespace(class_path=strategy, init_args=Namespace())
+    return strategy
+
+
 def _as_dict(value: Any) -> dict[str, Any] | None:
     if isinstance(value, Namespace):
         return value.as_dict()
@@ -117,8 +164,10 @@ def place_outputs_under_root(trainer: Namespace) -> None:
         if _is_class(logger, _LOGGERS_WITH_SAVE_DIR) and logger.init_args.get("save_dir") in (None, "."):
             logger.init_args.save_dir = root
         if _is_class(logger, ("WandbLogger",)):
-            # W&B's service writes its own debug logs under $WANDB_DIR (default: the working directory).
+            # W&B's service writes its own debug logs under $WANDB_DIR (default: the working directory), and warns
+            # "git root ... does not exist" when its folder is not there yet: an empty folder is all it needs.
             os.environ.setdefault("WANDB_DIR", str(logger.init_args.save_dir))
+            os.makedirs(logger.init_args.save_dir, exist_ok=True)
     callbacks = trainer.get("callbacks")
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         if _is_class(callback, ("ModelCheckpoint",)) and callback.init_args.get("dirpath") is None:

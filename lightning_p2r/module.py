@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
 from torchmetrics.text import Perplexity
 
+from .known_warnings import silence_known_noise
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.transformer import LayerContext
 from .options_diff import describe_differences, differing_options
@@ -157,6 +158,7 @@ class M6LanguageModel(L.LightningModule):
 
     def __init__(self, config: M6Config = _DEFAULT_CONFIG, optimizer: OptimizerConfig = _DEFAULT_OPTIMIZER) -> None:
         super().__init__()
+        silence_known_noise()  # again here: a test runner or notebook may have reset the filters set on import
         # Checkpoints are loaded with weights_only=True, so hyperparameters are stored as plain dicts.
         self.config = _as_dataclass(M6Config, config)
         self.optimizer_config = _as_dataclass(OptimizerConfig, optimizer)

@@ -29,6 +29,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from .known_warnings import silence_rebound_scheduler_notice
+
 OptimizerStatePolicy = Literal["copy", "scale", "reset"]
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 _LINEAR_STATE = ("exp_avg", "momentum_buffer")
@@ -227,6 +229,7 @@ def rebind_scheduler(
         raise ValueError("the new optimizer must have as many parameter groups as the scheduler's optimizer")
     rebound = copy.copy(scheduler)
     rebound.optimizer = optimizer
+    silence_rebound_scheduler_notice()  # torch's "optimizer.step() overridden" check does not apply here
     # Composite schedulers (SequentialLR, ChainedScheduler) drive the optimizer through their children.
     children = getattr(scheduler, "_schedulers", None)
     if isinstance(children, list):

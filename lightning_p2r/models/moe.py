@@ -217,14 +217,17 @@ class MoEFeedForward(nn.Module):
         # Under autocast the experts compute in bf16/fp16: the gates (fp32 router probabilities) weigh their outputs
         # in fp32, and the sum goes back in x's dtype (a bf16 gate would round each token's mix to 3 digits).
         weighted = (expert_out.float() * kept_gates.unsqueeze(-1).float()).to(x.dtype)
-        output = x.new_zeros(x.shape).index_add(0, kept_tokens, weighted)
+        # Allocated in the input's shape and filled through a flat view, so the returned tensor is not a view: FSDP2
+        # warns on (and an in-place op by a caller would break) a view returned from a wrapped block.
+        output = x.new_zeros(shape)
+        output.view(num_tokens, shape[-1]).index_add_(0, kept_tokens, weighted)
 
         stats = RoutingStats(
             tokens_per_expert=counts.detach(),
             dropped_fraction=(1.0 - kept.float().mean()).detach(),
         )
         return MoEOutput(
-            output=output.view(shape),
+            output=output,
             aux_loss=load_balancing_loss(probs, counts),
             z_loss=router_z_loss(logits, self.num_prototypes),
             stats=stats,

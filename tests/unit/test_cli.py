@@ -198,3 +198,28 @@ def test_resuming_with_other_options_through_the_python_api_is_refused(tmp_path:
         tmp_path, "--trainer.logger=false", "--trainer.max_steps=4", "--model.config.dropout=0.3")[1:])
     with pytest.raises(ValueError, match=r"model.config.dropout=0.3 \(the checkpoint has 0.0\)"):
         cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path="last")
+
+
+@pytest.mark.parametrize("name", ["lightning_p2r.P2RStrategy", "p2r"])
+def test_the_strategy_by_class_path_or_name_with_no_init_args_uses_its_defaults(name: str, tmp_path: Path,
+                                                                                monkeypatch) -> None:
+    from lightning_p2r import P2RStrategy
+
+    monkeypatch.chdir(tmp_path)
+    cli = _cli(["--config", str(ROOT / "recipes" / "quickstart.yaml"), f"--trainer.strategy={name}",
+                "--trainer.logger=false"])
+    assert isinstance(cli.trainer.strategy, P2RStrategy)
+    assert cli.trainer.strategy.sharding == "none" and cli.trainer.strategy.offload_fraction is None
+
+
+def test_a_mistyped_option_gets_one_short_error_with_a_suggestion(tmp_path: Path, monkeypatch, capsys) -> None:
+    from lightning_p2r.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"), "--trainer.max_stpes=3"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) <= 3, err  # usage line, --help tip, the error; not the whole option list
+    assert "unrecognized arguments: --trainer.max_stpes=3" in err[-1]
+    assert "--trainer.max_steps" in err[-1]

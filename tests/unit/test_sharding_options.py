@@ -195,3 +195,26 @@ def test_layered_skips_the_same_overflowing_steps_as_standard(tmp_path: Path) ->
     assert standard_scale == layered_scale < 2.0**40  # the same steps overflowed and were skipped
     assert any(not torch.equal(standard[k], start[k]) for k in start)  # and the later ones trained
     assert_trained_alike(layered, standard, start, name="fp16 layered vs standard after skipped steps")
+
+
+@pytest.mark.parametrize("strategy_kwargs", [{"offload_fraction": 1.0}, {"sharding": "zero3"},
+                                             {"accumulation": "layered", "micro_batches": 2}])
+def test_a_run_prints_none_of_the_known_misleading_warnings(tmp_path: Path, strategy_kwargs: dict) -> None:
+    """The notices every run printed and that asked nothing of the user (issue 13 item 13) stay quiet, including on
+    a mid-epoch resume; the package's filters are the only ones in force (everything else is shown every time)."""
+    import warnings
+
+    misleading = ("overridden after learning rate scheduler", "LeafSpec", "not resumable", "returned a view tensor")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.filterwarnings("always", append=True)  # after the package's filters: they still win
+        checkpoint = tmp_path / "mid_epoch.ckpt"
+        for max_steps, ckpt_path in ((3, None), (4, checkpoint)):
+            module = M6LanguageModel(M6Config(**DENSE), OptimizerConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=1.0))
+            trainer = tiny_trainer(tmp_path, strategy=P2RStrategy(**strategy_kwargs), max_steps=max_steps,
+                                   limit_val_batches=0)
+            trainer.fit(module, datamodule=tiny_data(tmp_path, batch_size=4), ckpt_path=ckpt_path)
+            if ckpt_path is None:
+                assert trainer.global_step < trainer.num_training_batches  # mid-epoch
+                trainer.save_checkpoint(checkpoint)
+    shown = [str(w.message) for w in caught if any(text in str(w.message) for text in misleading)]
+    assert shown == []
