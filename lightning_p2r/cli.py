@@ -15,6 +15,7 @@ import copy
 import difflib
 import importlib
 import os
+import re
 import sys
 import tempfile
 from typing import IO, Any, NoReturn
@@ -27,6 +28,7 @@ from lightning.pytorch.strategies import Strategy
 from .data import TextDataModule
 from .module import M6LanguageModel
 from .options_diff import describe_differences, differing_options
+from .strategy.checkpoint import check_checkpoint_path, to_single_file
 
 # The dataclass fields' docstrings become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -45,7 +47,34 @@ class P2RArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
-        super().error(message + _suggestion(parser, message), ex)
+        super().error(condense(message) + _suggestion(parser, message), ex)
+
+
+def condense(message: str) -> str:
+    """jsonargparse reports a bad value inside a class given by path (``--trainer.strategy.sharding=zero4``) as a
+    dozen lines of union subtypes; keep the one that matters: ``trainer.strategy.sharding: expected one of [...]``."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    if len(lines) < 2:
+        return message
+    names = list(dict.fromkeys(re.findall(r'Parser key "([^"]+)"', message)))
+    problems = [i for i, line in enumerate(lines) if line.startswith("- Problem with given class_path")]
+    if problems and problems[-1] + 1 < len(lines):
+        # The class's own parser already condensed its error ("sharding: expected ..."): prefix the outer key.
+        return f"{names[0]}.{lines[problems[-1] + 1]}" if names else lines[problems[-1] + 1]
+    if "Union subtypes" in message:
+        # The reason the class itself gave (its constructor's ValueError), not "expected a str".
+        reasons = [line[2:] for line in lines if line.startswith("- ")
+                   and not line.startswith(("- Expected a <class 'str'>", "- Problem with given class_path"))]
+        if reasons:
+            return f"{names[0]}: {reasons[-1]}" if names else reasons[-1]
+    keyed = [i for i, line in enumerate(lines) if line.startswith("Parser key")]
+    if not keyed:
+        return message
+    last = lines[keyed[-1]]
+    detail = last.split(":", 1)[1].strip() if not last.endswith(":") else (
+        lines[keyed[-1] + 1] if keyed[-1] + 1 < len(lines) else "")
+    detail = detail.replace("Expected a typing.Literal[", "expected one of [").replace("Expected a", "expected a")
+    return f"{'.'.join(names)}: {detail}"
 
 
 def _suggestion(parser: LightningArgumentParser, message: str) -> str:
@@ -106,12 +135,27 @@ class P2RCLI(LightningCLI):
         # the user asked for, to compare.
         section = self.config.get(self.config.get("subcommand") or "", self.config)
         self._requested_model = copy.deepcopy(_as_dict(section.get("model")))
+        # Before LightningCLI reads the checkpoint's hyperparameters (an empty or corrupt file would fail there
+        # with a bare EOFError or a weights-only lecture).
+        ckpt_path = section.get("ckpt_path")
+        if ckpt_path:
+            try:
+                check_checkpoint_path(ckpt_path, loads_sharded=_is_p2r_strategy(section.trainer.get("strategy")))
+            except ValueError as error:
+                self.parser.error(f"--ckpt_path: {error}")
 
     def before_instantiate_classes(self) -> None:
         section = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
         self._refuse_dropped_overrides(_as_dict(section.get("model")))
         section.trainer.strategy = strategy_from_class_path(section.trainer.get("strategy"))
         place_outputs_under_root(section.trainer)
+
+    def after_instantiate_classes(self) -> None:
+        # W&B warns "git root ... does not exist" when its folder is not there yet; created only now that every
+        # option was accepted, so a refused call leaves no folder behind.
+        for logger in getattr(self.trainer, "loggers", []):
+            if type(logger).__name__ == "WandbLogger" and logger.save_dir:
+                os.makedirs(logger.save_dir, exist_ok=True)
 
     def _refuse_dropped_overrides(self, merged: dict[str, Any] | None) -> None:
         if not merged or not self._requested_model:
@@ -148,6 +192,11 @@ def strategy_from_class_path(strategy: Any) -> Any:
     return strategy
 
 
+def _is_p2r_strategy(strategy: Any) -> bool:
+    name = strategy.get("class_path") if isinstance(strategy, Namespace) else strategy
+    return isinstance(name, str) and (name == "p2r" or name.rsplit(".", 1)[-1] == "P2RStrategy")
+
+
 def _as_dict(value: Any) -> dict[str, Any] | None:
     if isinstance(value, Namespace):
         return value.as_dict()
@@ -164,10 +213,8 @@ def place_outputs_under_root(trainer: Namespace) -> None:
         if _is_class(logger, _LOGGERS_WITH_SAVE_DIR) and logger.init_args.get("save_dir") in (None, "."):
             logger.init_args.save_dir = root
         if _is_class(logger, ("WandbLogger",)):
-            # W&B's service writes its own debug logs under $WANDB_DIR (default: the working directory), and warns
-            # "git root ... does not exist" when its folder is not there yet: an empty folder is all it needs.
+            # W&B's service writes its own debug logs under $WANDB_DIR (default: the working directory).
             os.environ.setdefault("WANDB_DIR", str(logger.init_args.save_dir))
-            os.makedirs(logger.init_args.save_dir, exist_ok=True)
     callbacks = trainer.get("callbacks")
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         if _is_class(callback, ("ModelCheckpoint",)) and callback.init_args.get("dirpath") is None:
@@ -179,9 +226,33 @@ def _is_class(entry: Any, names: tuple[str, ...]) -> bool:
             and entry.class_path.rsplit(".", 1)[-1] in names and entry.get("init_args") is not None)
 
 
+def convert_checkpoint(argv: list[str]) -> None:
+    """``lightning-p2r convert-checkpoint SHARDED_DIR OUT.ckpt``: a sharded checkpoint as one file any strategy
+    loads (plain Lightning, DDP, one device)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="lightning-p2r convert-checkpoint", description=convert_checkpoint.__doc__)
+    parser.add_argument("source", help="a sharded checkpoint directory written by P2RStrategy")
+    parser.add_argument("destination", help="the single checkpoint file to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    args = parser.parse_args(argv)
+    if os.path.exists(args.destination) and not args.overwrite:
+        parser.error(f"{args.destination} exists: pass --overwrite to replace it, or choose another name")
+    try:
+        checkpoint = to_single_file(args.source, args.destination)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"wrote {args.destination}: {len(checkpoint['state_dict'])} tensors, "
+          f"{len(checkpoint['optimizer_states'])} optimizer state(s), step {checkpoint.get('global_step')}")
+
+
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``lightning-p2r {fit,validate,test,predict}``. Returns nothing: the console script passes the
-    return value to ``sys.exit``, which would turn an object into exit status 1."""
+    """Entry point of ``lightning-p2r {fit,validate,test,predict,convert-checkpoint}``. Returns nothing: the console
+    script passes the return value to ``sys.exit``, which would turn an object into exit status 1."""
+    argv = sys.argv[1:] if args is None else args
+    if argv[:1] == ["convert-checkpoint"]:
+        convert_checkpoint(argv[1:])
+        return
     P2RCLI(M6LanguageModel, TextDataModule, args=args)
 
 

@@ -12,6 +12,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.text import Perplexity
 
 from .known_warnings import silence_known_noise
@@ -354,7 +355,12 @@ class M6LanguageModel(L.LightningModule):
             # unscale inside step, after clipping): use the foreach kernel then.
             config = dataclasses.replace(config, fused=False)
         optimizer = build_adamw(parameter_groups(self, config.weight_decay), config)
-        schedule = WarmupCosine(config.warmup_steps, self.total_optimizer_steps(), config.min_lr_ratio)
+        total_steps = self.total_optimizer_steps()
+        if config.warmup_steps >= total_steps:
+            rank_zero_warn(f"OptimizerConfig.warmup_steps={config.warmup_steps} is not shorter than the run "
+                           f"({total_steps} optimizer steps): the learning rate never reaches its peak lr="
+                           f"{config.lr} or decays. Lower model.optimizer.warmup_steps (a few % of the run is usual).")
+        schedule = WarmupCosine(config.warmup_steps, total_steps, config.min_lr_ratio)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -42,9 +42,14 @@ def find_block_sequence(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(getattr(module, "blocks", None), nn.ModuleList) and hasattr(module, "layer_to_block"):
             return module
+    hint = ""
+    if callable(getattr(model, "configure_model", None)):
+        # A LightningModule builds its layers in configure_model (Lightning calls it at the start of fit).
+        hint = (f"; {type(model).__name__} builds its model in configure_model(): call model.configure_model() "
+                "first, or delink from a callback once training has started")
     raise ValueError(
         f"{type(model).__name__} has no block sequence: delinking and the strategy need a submodule with "
-        "`blocks` (an nn.ModuleList) and `layer_to_block` (a list mapping each layer to its block)"
+        f"`blocks` (an nn.ModuleList) and `layer_to_block` (a list mapping each layer to its block){hint}"
     )
 
 

@@ -139,3 +139,79 @@ def remove(path: str | Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any]:
+    """Write the sharded checkpoint ``source`` as one Lightning checkpoint file, loadable by any strategy.
+
+    DCP's ``dcp_to_torch_save`` gathers the shards (one process, no process group); the optimizer states, keyed by
+    parameter name in the sharded form, are numbered in their groups' order, torch's own format. The file is
+    written under a temporary name and renamed, so an interrupted conversion leaves no partial checkpoint.
+    Returns the checkpoint written.
+    """
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    source, destination = Path(source), Path(destination)
+    if not is_sharded_checkpoint(source):
+        raise ValueError(f"{source} is not a sharded checkpoint (a directory with {META_FILE} and DCP files)")
+    checkpoint = {k: v for k, v in torch.load(source / META_FILE, map_location="cpu", weights_only=True).items()
+                  if k != SHARDED_KEY}
+    partial = destination.with_name(destination.name + ".partial")
+    dcp_to_torch_save(source, partial)
+    states = torch.load(partial, map_location="cpu", weights_only=True)
+    checkpoint["state_dict"] = states["model"]
+    optimizers = sorted((k for k in states if k.startswith("optimizer")), key=lambda k: int(k[len("optimizer"):]))
+    checkpoint["optimizer_states"] = [optimizer_state_by_number(states[k]) for k in optimizers]
+    torch.save(checkpoint, partial)
+    partial.replace(destination)
+    return checkpoint
+
+
+def optimizer_state_by_number(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict keyed by parameter name (DCP's form) in torch's numbered form: parameters numbered
+    0, 1, ... in their groups' order."""
+    number = {name: i for i, name in enumerate(name for group in state["param_groups"] for name in group["params"])}
+    return {"state": {number[name]: value for name, value in state["state"].items()},
+            "param_groups": [group | {"params": [number[name] for name in group["params"]]}
+                             for group in state["param_groups"]]}
+
+
+# Values of ckpt_path that Lightning resolves itself (to a file it found), not paths.
+_SPECIAL_PATHS = ("last", "best", "hpc", "registry")
+
+
+def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
+    """Raise a ``ValueError`` that names the problem and the fix if ``path`` cannot be resumed from, before anything
+    else is built: missing, empty or corrupt files, directories that are not sharded checkpoints, and sharded
+    checkpoints given to a strategy that does not read them (``loads_sharded``: P2RStrategy reads both forms)."""
+    if str(path) in _SPECIAL_PATHS or str(path).startswith("registry:"):
+        return
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"checkpoint {path} does not exist (for the newest of a run, pass --ckpt_path last)")
+    if path.is_dir():
+        if not is_sharded_checkpoint(path):
+            raise ValueError(f"checkpoint {path} is a directory but not a sharded checkpoint (no {META_FILE}): pass "
+                             "a checkpoint file or a sharded checkpoint directory")
+        if not loads_sharded:
+            raise ValueError(
+                f"checkpoint {path} is a sharded checkpoint (torch distributed checkpoint, written by P2RStrategy "
+                "with zero2/zero3): load it with strategy lightning_p2r.P2RStrategy (any sharding, any number of "
+                f"processes), or write a single file any strategy loads: lightning-p2r convert-checkpoint {path} "
+                f"{path.with_suffix('')}-single.ckpt")
+        return
+    if path.stat().st_size == 0:
+        raise ValueError(f"checkpoint {path} is empty (0 bytes; an interrupted copy?): use another checkpoint")
+    try:
+        # mmap: only the pickled index is read here, not the tensors.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # noqa: BLE001 (every way a file fails to load gets the same clear message)
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if "weights_only" in str(error) or "Unsupported global" in str(error):
+            reason = ("it holds Python objects that a weights-only load refuses (checkpoints are loaded with "
+                      "weights_only=True, for safety)")
+        else:
+            reason = f"it is truncated or not a torch checkpoint ({type(error).__name__}: {first_line})"
+        raise ValueError(f"checkpoint {path} cannot be loaded: {reason}") from error
+    if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"checkpoint {path} is not a Lightning checkpoint (no 'state_dict' entry)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -19,6 +20,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
@@ -184,6 +186,11 @@ class P2RStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: L.Trainer) -> None:
+        cores = os.cpu_count() or 1
+        if self.root_device.type == "cpu" and self.num_processes > cores:
+            rank_zero_warn(f"P2RStrategy: {self.num_processes} CPU processes on {cores} cores: each waits for the "
+                           "others at every collective, so steps slow down many times over. Use at most "
+                           f"--trainer.devices={cores} (and OMP_NUM_THREADS=1 per process) on this machine.")
         if self.accumulation == "layered":
             if trainer.accumulate_grad_batches != 1:
                 raise ValueError(
@@ -403,6 +410,7 @@ class P2RStrategy(DDPStrategy):
         """Checkpoints move between stages: a sharded (DCP) one resumes with any ``sharding`` on any number of
         processes, a single-file one on the FSDP2 engine too (its whole states are sharded on load)."""
         self._pending_sharded_checkpoint = None
+        sharded_checkpoint.check_checkpoint_path(checkpoint_path, loads_sharded=True)
         if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
             self._pending_sharded_checkpoint = str(checkpoint_path)
             return sharded_checkpoint.load_meta(checkpoint_path)
