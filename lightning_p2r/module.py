@@ -6,7 +6,7 @@ import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import lightning as L
 import torch
@@ -50,6 +50,10 @@ class OptimizerConfig:
     fused: bool | None = None
     """Use torch's fused AdamW kernel; None uses it where the device supports it (CPU and CUDA do)."""
 
+    nonfinite_loss: Literal["stop", "skip"] = "stop"
+    """A NaN or infinite training loss: "stop" ends the run with an error naming the step (before its update, so the
+    last checkpoint holds good weights); "skip" drops that step's update, warns and goes on."""
+
     def __post_init__(self) -> None:
         if self.lr < 0:  # 0 is legitimate: the weights stay put (measuring a run's cost, or its data)
             raise ValueError(f"OptimizerConfig.lr must be >= 0, got {self.lr!r}")
@@ -63,6 +67,8 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.nonfinite_loss not in ("stop", "skip"):
+            raise ValueError(f"OptimizerConfig.nonfinite_loss must be 'stop' or 'skip', got {self.nonfinite_loss!r}")
         self.betas = tuple(self.betas)
 
 
@@ -283,11 +289,31 @@ class M6LanguageModel(L.LightningModule):
                              log_metrics=self.log_train_metrics)
 
     # ------------------------------------------------------------------------------------------------ steps
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
         result = self.losses(batch)
         self.log_train_metrics({"ce": result["ce"], "loss": result["loss"], "aux": result["aux"], "z": result["z"]}
                                | routing_metrics(result["output"].routing))
-        return result["loss"]
+        return result["loss"] if self.loss_is_usable(result["loss"]) else None  # None: Lightning skips the step
+
+    def loss_is_usable(self, loss: torch.Tensor) -> bool:
+        """Whether this step's loss may update the weights: True when finite. A NaN or infinite loss raises
+        (``nonfinite_loss="stop"``) or returns False (``"skip"``). Every rank decides alike (the decision is reduced),
+        as a step skipped on one rank only would hang the others' gradient reduction. The layered path calls this
+        too."""
+        finite = bool(torch.isfinite(loss.detach()).all())
+        finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
+        if finite:
+            return True
+        step = self.trainer.global_step
+        if self.optimizer_config.nonfinite_loss == "skip":
+            rank_zero_warn(f"non-finite training loss ({float(loss)}) at step {step}: its update is skipped "
+                           "(model.optimizer.nonfinite_loss=skip)")
+            return False
+        raise FloatingPointError(
+            f"the training loss is {float(loss)} at step {step}: stopping before this step's update (the last "
+            "checkpoint holds the weights before it). Lower model.optimizer.lr, clip gradients "
+            "(--trainer.gradient_clip_val=1.0), use bf16 rather than fp16, or set model.optimizer.nonfinite_loss="
+            "skip to skip such steps")
 
     def log_train_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
         """Log one training step's metrics: ``ce``, ``loss`` (total), ``aux``, ``z`` and any ``moe/...`` keys.

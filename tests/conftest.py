@@ -30,3 +30,14 @@ def one_intraop_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def _no_process_group_left_behind():
+    """A one-process run on the FSDP2 path (zero2/zero3) initializes torch.distributed and Lightning leaves it up;
+    a later test that initializes its own group would fail, so each test ends with none."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

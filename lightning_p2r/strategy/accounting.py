@@ -70,9 +70,21 @@ class CollectiveCounter(TorchDispatchMode):
         super().__init__()
         self.stats = CollectiveStats()
         self.active = False
+        self.paused = False
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Leave out the collectives inside: bookkeeping that is not part of the training layout (the ranks'
+        agreement on whether a loss is finite)."""
+        self.paused, before = True, self.paused
+        try:
+            yield
+        finally:
+            self.paused = before
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.namespace == "c10d" and "wait" not in func.__name__ and "barrier" not in func.__name__:
+        if (not self.paused and func.namespace == "c10d" and "wait" not in func.__name__
+                and "barrier" not in func.__name__):
             tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             sizes = [t.numel() * t.element_size() for t in tensors]
             name = func.__name__

@@ -3,12 +3,14 @@
 A sharded checkpoint is a directory: DCP's files hold the model and optimizer states (each rank writes its own
 shards; DCP reshards on load, so a checkpoint of N ranks resumes on M, with any ``sharding``), and ``meta.pt``
 holds everything else Lightning saves (loops, callbacks, hyperparameters), written by rank 0 and read with
-``weights_only=True``. The directory is written under a temporary name and renamed once complete, so an
-interrupted save never replaces an earlier checkpoint with a partial one.
+``weights_only=True``. The directory is written under a hidden name and the checkpoint path is a symbolic link to
+it, switched atomically once it is complete, so an interrupted save never replaces an earlier checkpoint with a
+partial one.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning.pytorch.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -34,6 +37,25 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / META_FILE).is_file()
 
 
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Single-file checkpoints written next to their destination under a hidden temporary name, flushed to disk
+    and renamed over it: a process killed mid-save leaves the previous file intact, and the temporary name
+    (``.<name>.partial``) never matches a checkpoint pattern such as ``last*.ckpt``. (Lightning's own save goes
+    through a temporary file in the system temp folder, which a move across file systems copies non-atomically.)"""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.name}.partial")
+        with open(partial, "wb") as f:
+            torch.save(checkpoint, f)
+            f.flush()
+            os.fsync(f.fileno())
+        partial.replace(path)
+
+
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
@@ -46,28 +68,45 @@ def _is_rank_zero() -> bool:
 def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module,
                  optimizers: list[torch.optim.Optimizer]) -> None:
     """Every rank calls this. ``checkpoint`` is Lightning's dict; its model and optimizer entries are replaced by
-    the module's and optimizers' own (sharded) states."""
+    the module's and optimizers' own (sharded) states.
+
+    Crash safety: the states go to a hidden sibling directory (``.<name>.<step>``), and ``path`` is a symbolic link
+    to it, switched in one atomic rename once the directory is complete. At every instant ``path`` is either the
+    previous complete checkpoint or the new one; a process killed mid-save leaves only a hidden directory, which no
+    checkpoint pattern (``last*.ckpt``) matches and the next save removes.
+    """
     path = Path(path)
-    staging = path.with_name(path.name + ".partial")
-    if _is_rank_zero() and staging.exists():
-        shutil.rmtree(staging)
+    current = path.resolve() if path.is_symlink() else None
+    target = path.with_name(f".{path.name}.{checkpoint.get('global_step', 0)}")
+    if current is not None and current.name == target.name:  # saved again at the same step: alternate
+        target = target.with_name(target.name + "b")
+    if _is_rank_zero():
+        _remove_stale_targets(path, keep=current)
     _barrier()
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for index, optimizer in enumerate(optimizers):
         state[f"optimizer{index}"] = get_optimizer_state_dict(module, optimizer)
-    dcp.save(state, checkpoint_id=str(staging))
+    dcp.save(state, checkpoint_id=str(target))
     if _is_rank_zero():
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         meta[SHARDED_KEY] = {"optimizers": len(optimizers)}
-        torch.save(meta, staging / META_FILE)
-        if path.exists():
-            previous = path.with_name(path.name + ".previous")
-            path.rename(previous)
-            staging.rename(path)
-            remove(previous)
-        else:
-            staging.rename(path)
+        torch.save(meta, target / META_FILE)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)  # a checkpoint directory of an earlier version of this function: replaced
+        link = path.with_name(f".{path.name}.link")
+        link.unlink(missing_ok=True)
+        link.symlink_to(target.name)  # relative: the checkpoint folder can be moved or copied whole
+        link.replace(path)
+        if current is not None:
+            shutil.rmtree(current, ignore_errors=True)
     _barrier()
+
+
+def _remove_stale_targets(path: Path, keep: Path | None) -> None:
+    """Hidden state directories of ``path`` that no link points to: left by a save that was interrupted."""
+    for stale in path.parent.glob(f".{path.name}.*"):
+        if stale.is_dir() and (keep is None or stale.resolve() != keep):
+            shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_meta(path: str | Path) -> dict[str, Any]:
@@ -135,7 +174,11 @@ def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimize
 
 def remove(path: str | Path) -> None:
     path = Path(path)
-    if path.is_dir():
+    if path.is_symlink():  # a sharded checkpoint: the link and the directory it points to
+        target = path.resolve()
+        path.unlink()
+        shutil.rmtree(target, ignore_errors=True)
+    elif path.is_dir():
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()

@@ -104,7 +104,8 @@ class P2RStrategy(DDPStrategy):
             offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
             overlap_host_step=overlap_host_step, log_telemetry=log_telemetry)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         cluster_environment=cluster_environment,
+                         checkpoint_io=checkpoint_io or sharded_checkpoint.AtomicCheckpointIO(),
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout)
         self.collectives: CollectiveStats | None = None
@@ -307,6 +308,10 @@ class P2RStrategy(DDPStrategy):
                 self._layered_step = layered_forward(stages, micro, events, recompute=self.recompute)
         if stages.log_metrics is not None:
             stages.log_metrics(self._layered_step.metrics)
+        usable = getattr(module, "loss_is_usable", None)  # the module's non-finite loss policy, as in training_step
+        if usable is not None and not usable(self._layered_step.loss):
+            self._layered_step = None
+            return None  # Lightning skips the backward and the optimizer step
         return self._layered_step.loss
 
     def _layered_stages(self, module: L.LightningModule) -> LayeredStages:
@@ -335,6 +340,12 @@ class P2RStrategy(DDPStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 (Lightning's name)
+        # Not counted with the step's collectives: the counts describe the training layout (docs/sharding.md).
+        with self._counter.pause() if self._counter is not None else contextlib.nullcontext():
+            return super().reduce_boolean_decision(decision, all=all)
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -158,3 +158,40 @@ def test_a_vocabulary_larger_than_the_model_is_refused_before_training(tmp_path)
     with pytest.raises(ValueError, match=r"256 ids but M6Config.vocab_size is 128"):
         _trainer(tmp_path, max_steps=1).fit(module, datamodule=_data(tmp_path))
     assert steps == []
+
+
+class _NanAtStep(M6LanguageModel):
+    """The logits of the batch at optimizer step 2 are NaN (as after an overflow), on the standard and the layered
+    path alike (both run the final norm)."""
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == 2:
+            self._nan = self.transformer.norm.register_forward_hook(lambda module, args, out: out * float("nan"))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if getattr(self, "_nan", None) is not None:
+            self._nan.remove()
+            self._nan = None
+
+
+@pytest.mark.parametrize("layered", [False, True], ids=["standard", "layered"])
+def test_a_non_finite_loss_stops_naming_the_step_or_is_skipped(tmp_path: Path, layered: bool) -> None:
+    from lightning_p2r import P2RStrategy
+
+    def strategy():
+        return P2RStrategy(accumulation="layered", micro_batches=2) if layered else P2RStrategy()
+
+    config = M6Config(**(TINY | {"moe_layers": []}))
+    module = _NanAtStep(config, OptimizerConfig(warmup_steps=1))
+    trainer = _trainer(tmp_path / "stop", strategy=strategy(), max_steps=4, limit_val_batches=0)
+    with pytest.raises(FloatingPointError, match=r"training loss is nan at step 2: stopping.*nonfinite_loss=skip"):
+        trainer.fit(module, datamodule=_data(tmp_path))
+    assert trainer.global_step == 2
+
+    module = _NanAtStep(config, OptimizerConfig(warmup_steps=1, nonfinite_loss="skip"))
+    trainer = _trainer(tmp_path / "skip", strategy=strategy(), max_steps=4, limit_val_batches=0)
+    with pytest.warns(UserWarning, match="non-finite training loss .* at step 2: its update is skipped"):
+        trainer.fit(module, datamodule=_data(tmp_path))
+    assert trainer.global_step == 4
+    assert all(torch.isfinite(p).all() for p in module.parameters())
