@@ -55,6 +55,15 @@ from .sharding import Sharding, fsdp_layout_for, stages_through_runner
 from .split_optimizer import host_step_overlap_allowed, release_to_host
 
 
+def oversubscription_warning(device_type: str, processes: int, cores: int) -> str | None:
+    """The warning for more CPU processes than cores on this node, or None."""
+    if device_type != "cpu" or processes <= cores:
+        return None
+    return (f"P2RStrategy: {processes} CPU processes on {cores} cores: each waits for the others at every "
+            f"collective, so steps slow down many times over. Use at most --trainer.devices={cores} (and "
+            "OMP_NUM_THREADS=1 per process) on this machine.")
+
+
 class P2RStrategy(DDPStrategy):
     """Granular CPU offloading (M6-10T), ZeRO sharding and layered gradient accumulation (Lamy-Poirier 2021) for
     any LightningModule whose model declares a block sequence.
@@ -187,11 +196,9 @@ class P2RStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: L.Trainer) -> None:
-        cores = os.cpu_count() or 1
-        if self.root_device.type == "cpu" and self.num_processes > cores:
-            rank_zero_warn(f"P2RStrategy: {self.num_processes} CPU processes on {cores} cores: each waits for the "
-                           "others at every collective, so steps slow down many times over. Use at most "
-                           f"--trainer.devices={cores} (and OMP_NUM_THREADS=1 per process) on this machine.")
+        warning = oversubscription_warning(self.root_device.type, self.num_processes, os.cpu_count() or 1)
+        if warning:
+            rank_zero_warn(warning)
         if self.accumulation == "layered":
             if trainer.accumulate_grad_batches != 1:
                 raise ValueError(

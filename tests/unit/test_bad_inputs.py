@@ -230,3 +230,20 @@ def test_a_sharded_checkpoint_converts_to_a_file_any_strategy_resumes(earlier_ru
     for name, value in expected.state_dict().items():
         torch.testing.assert_close(loaded["state_dict"][name], value, atol=0, rtol=0)
     assert len(loaded["optimizer_states"][0]["state"]) == len(list(module.parameters()))
+
+
+def test_more_cpu_processes_than_cores_is_warned_about() -> None:
+    from lightning_p2r.strategy.strategy import oversubscription_warning
+
+    assert oversubscription_warning("cpu", 4, 2) is not None and "--trainer.devices=2" in oversubscription_warning(
+        "cpu", 4, 2)
+    assert oversubscription_warning("cpu", 2, 2) is None
+    assert oversubscription_warning("cuda", 8, 2) is None
+
+
+def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path: Path) -> None:
+    module = M6LanguageModel(M6Config(**DENSE), OptimizerConfig(warmup_steps=50))
+    trainer = tiny_trainer(tmp_path, max_steps=3, limit_val_batches=0)
+    with pytest.warns(UserWarning, match=r"warmup_steps=50 is not shorter than the run \(3 optimizer steps\)"):
+        trainer.fit(module, datamodule=tiny_data(tmp_path))
+    assert trainer.global_step == 3  # a warning, not a failure
