@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from .known_warnings import silence_rebound_scheduler_notice
+from .models.config import sharing_map
 
 OptimizerStatePolicy = Literal["copy", "scale", "reset"]
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
@@ -68,23 +69,23 @@ def check_delink_target(num_layers: int, current: int, target: int | None) -> in
     return target
 
 
-def _new_layout(layer_to_block: list[int], target: int) -> list[int]:
-    """For each new block, the old block it is copied from (new blocks group consecutive layers).
+def _new_layout(layer_to_block: list[int], target: int, layout: str) -> tuple[list[int], list[int]]:
+    """The sharing map after delinking into ``target`` blocks in ``layout`` ("sequence" or "cycle"), and for each
+    new block the old block it is copied from.
 
-    Every new group of layers must run a single old block, or the copies could not reproduce the function.
+    Every new block's layers must all have run a single old block, or the copies could not reproduce the function.
     """
-    group = len(layer_to_block) // target
+    new_map = sharing_map(len(layer_to_block), target, layout)
     sources = []
     for new in range(target):
-        olds = set(layer_to_block[new * group:(new + 1) * group])
+        layers = [layer for layer, block in enumerate(new_map) if block == new]
+        olds = {layer_to_block[layer] for layer in layers}
         if len(olds) != 1:
             raise ValueError(
-                f"layer_to_block {layer_to_block} does not share blocks among groups of consecutive layers, which "
-                f"delinking into {target} blocks needs (layers {new * group}..{(new + 1) * group - 1} run blocks "
-                f"{sorted(olds)})"
-            )
+                f"layer_to_block {layer_to_block} cannot be delinked into {target} blocks in the {layout!r} layout "
+                f"and keep its function: layers {layers} would share a new block but run blocks {sorted(olds)}")
         sources.append(olds.pop())
-    return sources
+    return new_map, sources
 
 
 @torch.no_grad()
@@ -122,7 +123,8 @@ def delink(
     copies_per_block = target // current
 
     # Remember where every parameter came from, by name, before the structure changes.
-    sources = _new_layout(layer_to_block, target)  # validates the layout before anything changes
+    # The holder's layout ("sequence" unless it says otherwise) is kept; validated before anything changes.
+    new_map, sources = _new_layout(layer_to_block, target, getattr(holder, "sharing", "sequence"))
     prefix = _prefix_of(model, holder)
     old_params = dict(model.named_parameters(remove_duplicate=False))
     new_blocks: list[nn.Module] = []
@@ -133,8 +135,7 @@ def delink(
         new_blocks.append(block if source not in used else copy.deepcopy(block))
         used.add(source)
     holder.blocks = nn.ModuleList(new_blocks)
-    group = len(layer_to_block) // target
-    holder.layer_to_block = [layer // group for layer in range(len(layer_to_block))]
+    holder.layer_to_block = new_map
 
     if optimizer is None:
         return None

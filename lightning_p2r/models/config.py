@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 AttentionPattern = Literal["dense", "alternating", "local"]
+SharingLayout = Literal["sequence", "cycle"]
 PositionEmbedding = Literal["rotary", "learned"]
 
 
@@ -22,6 +23,14 @@ def _choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
 def _at_least(name: str, value: float, minimum: float) -> None:
     if value < minimum:
         raise ValueError(f"M6Config.{name} must be >= {minimum}, got {value!r}")
+
+
+def sharing_map(num_layers: int, num_blocks: int, layout: str) -> list[int]:
+    """The block each of ``num_layers`` layers runs when ``num_blocks`` blocks are shared in ``layout``."""
+    if layout == "cycle":
+        return [layer % num_blocks for layer in range(num_layers)]
+    group = num_layers // num_blocks
+    return [layer // group for layer in range(num_layers)]
 
 
 @dataclass(kw_only=True)
@@ -39,7 +48,13 @@ class M6Config:
 
     num_unique_blocks: int | None = None
     """Distinct sets of block weights. 1 is the fully shared "pseudo" model of M6-10T, ``num_layers`` (or None) the
-    "real" model; values between share each block among a group of consecutive layers. Must divide num_layers."""
+    "real" model; values between share each block among several layers, as ``sharing`` says. Must divide
+    num_layers."""
+
+    sharing: SharingLayout = "sequence"
+    """How layers share the unique blocks: "sequence" gives each block a run of consecutive layers (1,1,2,2,3,3);
+    "cycle" runs the blocks in turn through the depth (1,2,3,1,2,3), as stacking studies found better. Delinking
+    keeps the layout: each new block copies the old block its layers ran."""
 
     dim: int = 128
     """Hidden size of the residual stream."""
@@ -142,6 +157,7 @@ class M6Config:
             raise ValueError(f"M6Config.dropout must be in [0, 1), got {self.dropout!r}")
         _choice("position_embedding", self.position_embedding, ("rotary", "learned"))
         _choice("attention", self.attention, ("dense", "alternating", "local"))
+        _choice("sharing", self.sharing, ("sequence", "cycle"))
         if self.rope_theta <= 0:
             raise ValueError(f"M6Config.rope_theta must be > 0, got {self.rope_theta!r}")
         if self.norm_eps <= 0:
@@ -202,9 +218,8 @@ class M6Config:
 
     @property
     def layer_to_block(self) -> list[int]:
-        """Which block each layer runs: groups of consecutive layers share one block."""
-        group = self.num_layers // self.num_blocks
-        return [layer // group for layer in range(self.num_layers)]
+        """Which block each layer runs, under the ``sharing`` layout."""
+        return sharing_map(self.num_layers, self.num_blocks, self.sharing)
 
     def layers_of_block(self, block: int) -> list[int]:
         return [layer for layer, b in enumerate(self.layer_to_block) if b == block]

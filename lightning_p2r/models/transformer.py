@@ -128,6 +128,11 @@ class M6Transformer(nn.Module):
         return len(self.layer_to_block)
 
     @property
+    def sharing(self) -> str:
+        """The sharing layout ("sequence" or "cycle"): ``delink`` keeps it."""
+        return self.config.sharing
+
+    @property
     def layer_to_block(self) -> list[int]:
         """Which block each layer runs (the sharing map); ``delink`` sets it together with ``blocks``."""
         return self._layer_to_block

@@ -9,7 +9,7 @@ import torch
 from equivalence import assert_bit_identical
 from helpers import TINY, tiny_data, tiny_trainer
 
-from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, PseudoToReal
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, PseudoToReal, delink
 from lightning_p2r.callbacks.gradient_agreement import GradientAgreementProbe, mean_pairwise_cosine
 from lightning_p2r.callbacks.pseudo_to_real import plan_stages
 
@@ -246,3 +246,49 @@ def test_plan_stages_is_pure() -> None:
     assert plan_stages(8, 1, 100, None, None, {60: 8, 20: 2}) == [(20, 2), (60, 8)]
     with pytest.raises(ValueError, match="max_steps"):
         plan_stages(8, 1, -1, None, 0.5, None)
+
+
+@pytest.mark.parametrize("strategy", ["single", "offload", "zero3"])
+def test_cycled_sharing_delinks_in_stages_and_resumes_between_them(tmp_path: Path, strategy: str) -> None:
+    """sharing="cycle": staged delinking 1 -> 2 -> 4 keeps the layout (layer i runs block i mod U) through the
+    callback, a checkpoint taken between the stages (also sharded, also offloaded) and its resume."""
+    from lightning_p2r import P2RStrategy
+
+    def make_strategy():
+        return {"single": None, "offload": P2RStrategy(offload_fraction=0.5),
+                "zero3": P2RStrategy(sharding="zero3")}[strategy]
+
+    def options():
+        return {"strategy": make_strategy()} if strategy != "single" else {}
+
+    schedule = {2: 2, 5: 4}
+    L.seed_everything(11)
+    straight, _, _ = _fit(tmp_path / "straight", PseudoToReal(schedule=schedule), max_steps=7,
+                          module=_module(sharing="cycle"), **options())
+    assert straight.transformer.layer_to_block == [0, 1, 2, 3]
+
+    L.seed_everything(11)
+    checkpoints = tmp_path / "ckpt"
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_top_k=-1,
+                                                save_on_train_epoch_end=False)
+    module = _module(sharing="cycle")
+    watch = Watch()
+    trainer = tiny_trainer(tmp_path / "first", max_steps=7, val_check_interval=100,
+                           callbacks=[PseudoToReal(schedule=schedule), saver, watch], **options())
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    assert [blocks for step, blocks, *_ in watch.rows] == [1, 1, 2, 2, 2, 4, 4]
+    path = next(checkpoints.glob("*step=3.ckpt"))  # between the stages: 2 blocks
+
+    layout = M6LanguageModel(M6Config(**(PSEUDO | {"sharing": "cycle"})))
+    layout.configure_model()
+    delink(layout.transformer, num_unique_blocks=2)
+    assert layout.transformer.layer_to_block == [0, 1, 0, 1]  # what the resume rebuilds before loading
+
+    resumed_callback = PseudoToReal(schedule=schedule)
+    resumed = _module(sharing="cycle")
+    trainer = tiny_trainer(tmp_path / "second", max_steps=7, val_check_interval=100, callbacks=[resumed_callback],
+                           **options())
+    trainer.fit(resumed, datamodule=tiny_data(tmp_path), ckpt_path=path, weights_only=True)
+    assert [e.step for e in resumed_callback.events] == [2, 5]
+    assert resumed.transformer.layer_to_block == [0, 1, 2, 3]
+    assert_bit_identical(_weights(resumed), _weights(straight))

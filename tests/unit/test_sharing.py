@@ -168,13 +168,36 @@ def test_interleaved_sharing_delinks_fully_but_not_into_groups() -> None:
     model = UserModel()
     model.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
     model.layer_to_block = [0, 1] * 4
-    with pytest.raises(ValueError, match="consecutive"):
+    with pytest.raises(ValueError, match=r"cannot be delinked into 4 blocks in the 'sequence' layout"):
         delink(model, num_unique_blocks=4)  # layers 0 and 1 would have to share one copy
     assert len(model.blocks) == 2
     x = torch.randn(3, 8)
     before = model(x)
+    model.sharing = "cycle"  # a model that says its layout is cycled delinks into groups that keep it
+    delink(model, num_unique_blocks=4)
+    assert model.layer_to_block == [0, 1, 2, 3] * 2
+    torch.testing.assert_close(model(x), before)
     delink(model)
     torch.testing.assert_close(model(x), before)
+
+
+def test_cycled_sharing_runs_the_blocks_in_turn_and_delinks_in_stages_keeping_the_function() -> None:
+    model = _model(1, layers=8, sharing="cycle").eval()
+    assert M6Config(num_layers=6, num_unique_blocks=3, sharing="cycle").layer_to_block == [0, 1, 2, 0, 1, 2]
+    assert M6Config(num_layers=6, num_unique_blocks=3).layer_to_block == [0, 0, 1, 1, 2, 2]
+    tokens = torch.randint(0, 64, (3, 16))
+    before = model(tokens).logits
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for target, expected in ((2, [0, 1] * 4), (4, [0, 1, 2, 3] * 2), (8, list(range(8)))):
+        blocks_before = [model.blocks[b] for b in model.layer_to_block]
+        optimizer = delink(model, optimizer, num_unique_blocks=target)
+        assert model.layer_to_block == expected and model.config.num_unique_blocks == target
+        # New block j copies the old block that its layers ran (j mod the old count).
+        for layer, block in enumerate(model.layer_to_block):
+            for new, old in zip(model.blocks[block].parameters(), blocks_before[layer].parameters()):
+                assert torch.equal(new, old)
+        torch.testing.assert_close(model(tokens).logits, before, atol=1e-6, rtol=0)
+    assert len(optimizer.param_groups[0]["params"]) == len(list(model.parameters()))
 
 
 def test_composite_schedulers_are_rebound_with_their_children() -> None:
