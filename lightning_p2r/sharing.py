@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import inspect
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -31,8 +32,25 @@ from torch import nn
 
 from .known_warnings import silence_rebound_scheduler_notice
 from .models.config import sharing_map
+from .models.init import parameter_seed
 
 OptimizerStatePolicy = Literal["copy", "scale", "reset"]
+
+
+@dataclass(frozen=True)
+class Perturbation:
+    """Symmetry breaking at delinking: every copy of a split block gets Gaussian noise of standard deviation
+    ``relative_scale`` times the tensor's RMS, drawn from a generator seeded by (``seed``, parameter name), so every
+    rank draws the same noise and each copy its own. It costs function preservation: the delinked model is no longer
+    exactly the shared one (the loss moves by roughly the square of the scale for a trained model)."""
+
+    relative_scale: float
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.relative_scale < 1.0:
+            raise ValueError(f"delink noise must be in [0, 1) (relative to each tensor's RMS), got "
+                             f"{self.relative_scale!r}")
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 _LINEAR_STATE = ("exp_avg", "momentum_buffer")
 _QUADRATIC_STATE = ("exp_avg_sq", "max_exp_avg_sq")
@@ -95,6 +113,7 @@ def delink(
     *,
     num_unique_blocks: int | None = None,
     optimizer_state: OptimizerStatePolicy = "scale",
+    perturb: Perturbation | None = None,
 ) -> torch.optim.Optimizer | None:
     """Give shared blocks their own copies, in place, keeping the function exactly.
 
@@ -136,6 +155,11 @@ def delink(
         used.add(source)
     holder.blocks = nn.ModuleList(new_blocks)
     holder.layer_to_block = new_map
+    if perturb is not None and perturb.relative_scale > 0:
+        # Seeded by the name inside the block sequence, which is the same in every layout (a sharded model is
+        # delinked as a plain copy of a submodule, whose names lack the outer prefix).
+        for name, param in holder.blocks.named_parameters(prefix="blocks"):
+            _add_relative_noise(param, perturb, name)
 
     if optimizer is None:
         return None
@@ -143,6 +167,13 @@ def delink(
     for name, param in model.named_parameters():
         origin[param] = old_params[_source_name(name, prefix, sources)]
     return _rebuild_optimizer(optimizer, model, origin, copies_per_block, optimizer_state)
+
+
+def _add_relative_noise(param: torch.Tensor, perturb: Perturbation, name: str) -> None:
+    generator = torch.Generator().manual_seed(parameter_seed(perturb.seed, name))
+    noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+    rms = param.detach().float().square().mean().sqrt().cpu()
+    param.add_((noise * (perturb.relative_scale * rms)).to(param.device, param.dtype))
 
 
 def _prefix_of(model: nn.Module, holder: nn.Module) -> str:

@@ -34,10 +34,15 @@ def one_intraop_thread():
 
 @pytest.fixture(autouse=True)
 def _no_process_group_left_behind():
-    """A one-process run on the FSDP2 path (zero2/zero3) initializes torch.distributed and Lightning leaves it up;
-    a later test that initializes its own group would fail, so each test ends with none."""
+    """A one-process run on the FSDP2 path (zero2/zero3) initializes torch.distributed and Lightning leaves it up,
+    with MASTER_PORT, WORLD_SIZE and friends exported; a later test that initializes its own group, or starts
+    worker processes that inherit the environment, would fail or hang. Each test ends with neither."""
+    environment = dict(os.environ)
     yield
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    if os.environ != environment:
+        os.environ.clear()
+        os.environ.update(environment)

@@ -18,7 +18,14 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from typing_extensions import override
 
 from ..protocols import DelinksInPlace
-from ..sharing import OptimizerStatePolicy, check_delink_target, delink, find_block_sequence, rebind_scheduler
+from ..sharing import (
+    OptimizerStatePolicy,
+    Perturbation,
+    check_delink_target,
+    delink,
+    find_block_sequence,
+    rebind_scheduler,
+)
 from .gradient_agreement import GradientAgreementProbe
 
 
@@ -66,6 +73,11 @@ def plan_stages(
     return stages
 
 
+def rewarm_scale(steps_since_delink: int, rewarm_steps: int) -> float:
+    """The LR factor of the ``steps_since_delink``-th step after delinking: linear from 1/rewarm_steps to 1."""
+    return min(1.0, (steps_since_delink + 1) / rewarm_steps)
+
+
 class PseudoToReal(L.Callback):
     """Delink the model's shared blocks mid-training (M6-10T "Pseudo-to-Real").
 
@@ -93,6 +105,12 @@ class PseudoToReal(L.Callback):
         auto_smoothing: weight of the history in the moving average (0 uses the last measurement alone).
         optimizer_state: how AdamW/SGD state is carried to the copies: "scale", "copy" or "reset" (see ``delink``).
         restart_schedule: start the LR schedule (warmup included) over at delinking; by default it continues.
+        delink_noise: break the copies' symmetry: Gaussian noise of this standard deviation relative to each
+            tensor's RMS on every copy (0 keeps the function exactly; see ``sharing.Perturbation``).
+        rewarm_steps: after each delinking, scale the learning rate by (k + 1) / rewarm_steps at the k-th step, so
+            the copies start with small, diverging updates; 0 leaves the schedule alone. The scale multiplies the
+            LR the scheduler set for that step (a schedule that sets the LR from its own state, as
+            ``M6LanguageModel``'s ``LambdaLR`` does) and is logged as ``p2r/lr_scale``.
     """
 
     def __init__(
@@ -109,6 +127,8 @@ class PseudoToReal(L.Callback):
         auto_smoothing: float = 0.8,
         optimizer_state: OptimizerStatePolicy = "scale",
         restart_schedule: bool = False,
+        delink_noise: float = 0.0,
+        rewarm_steps: int = 0,
     ) -> None:
         chosen = [name for name, value in (("delink_at_step", delink_at_step),
                                            ("delink_at_fraction", delink_at_fraction),
@@ -135,6 +155,13 @@ class PseudoToReal(L.Callback):
             raise ValueError(f"PseudoToReal.auto_smoothing must be in [0, 1), got {auto_smoothing}")
         if auto_max_step is not None and auto_max_step < auto_min_step:
             raise ValueError("PseudoToReal.auto_max_step must be >= auto_min_step")
+        if not 0.0 <= delink_noise < 1.0:
+            raise ValueError(f"PseudoToReal.delink_noise must be in [0, 1) (relative to each tensor's RMS), got "
+                             f"{delink_noise!r}")
+        if isinstance(rewarm_steps, bool) or not isinstance(rewarm_steps, int) or rewarm_steps < 0:
+            raise ValueError(f"PseudoToReal.rewarm_steps must be an integer >= 0, got {rewarm_steps!r}")
+        self.delink_noise = delink_noise
+        self.rewarm_steps = rewarm_steps
         self.delink_at_step = delink_at_step
         self.delink_at_fraction = delink_at_fraction
         self.schedule = dict(schedule) if schedule else None
@@ -190,6 +217,20 @@ class PseudoToReal(L.Callback):
             self._delink(trainer, pl_module, batch, target, reason=f"planned at step {step}")
         elif self.auto and not self.events:
             self._auto_step(trainer, pl_module, batch, step)
+        self._rewarm(trainer)
+
+    def _rewarm(self, trainer: L.Trainer) -> None:
+        if not self.rewarm_steps or not self.events:
+            return
+        since = trainer.global_step - self.events[-1].step
+        if not 0 <= since < self.rewarm_steps:
+            return
+        scale = rewarm_scale(since, self.rewarm_steps)
+        for optimizer in trainer.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = group["lr"] * scale
+        for logger in trainer.loggers:
+            logger.log_metrics({"p2r/lr_scale": scale}, step=trainer.global_step)
 
     def _auto_step(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, step: int) -> None:
         if self.auto_max_step is not None and step >= self.auto_max_step:
@@ -242,12 +283,15 @@ class PseudoToReal(L.Callback):
         loss_before = _batch_loss(pl_module, batch)
         if len(trainer.optimizers) != 1:
             raise ValueError(f"PseudoToReal supports one optimizer, the module configured {len(trainer.optimizers)}")
+        # Seeded by the step: every rank draws the same noise, and each stage of a staged plan new noise.
+        perturb = Perturbation(self.delink_noise, seed=trainer.global_step) if self.delink_noise else None
         if isinstance(trainer.strategy, DelinksInPlace):
             # A strategy that places blocks itself (P2RStrategy) delinks and re-places them in one go.
-            optimizer = trainer.strategy.delink_model(pl_module, trainer.optimizers[0], target, self.optimizer_state)
+            optimizer = trainer.strategy.delink_model(pl_module, trainer.optimizers[0], target, self.optimizer_state,
+                                                      perturb)
         else:
             optimizer = delink(pl_module, trainer.optimizers[0], num_unique_blocks=target,
-                               optimizer_state=self.optimizer_state)
+                               optimizer_state=self.optimizer_state, perturb=perturb)
             _rewrap(trainer, pl_module)
         trainer.strategy.optimizers = [optimizer]
         for config in trainer.lr_scheduler_configs:

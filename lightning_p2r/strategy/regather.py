@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..sharing import OptimizerStatePolicy, delink, optimizer_constructor_kwargs
+from ..sharing import OptimizerStatePolicy, Perturbation, delink, optimizer_constructor_kwargs
 from .optimizers import unwrapped
 
 
@@ -109,7 +109,7 @@ def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,
 
 def delinked_plain_copy(sharded: nn.Module, template: nn.Module, optimizer: torch.optim.Optimizer,
                         num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
-                        ) -> tuple[nn.Module, torch.optim.Optimizer, dict[int, str]]:
+                        perturb: Perturbation | None = None) -> tuple[nn.Module, torch.optim.Optimizer, dict[int, str]]:
     """Gather ``sharded`` (and ``optimizer``, which optimizes it) into plain host copies and delink those.
 
     Returns the delinked module, its optimizer, and the name of each of its parameters by ``id``: sharding the
@@ -119,7 +119,7 @@ def delinked_plain_copy(sharded: nn.Module, template: nn.Module, optimizer: torc
     plain = gather_plain_module(sharded, template)
     plain_optimizer = gather_plain_optimizer(optimizer, sharded, plain)
     plain_optimizer = delink(plain, plain_optimizer, num_unique_blocks=num_unique_blocks,
-                             optimizer_state=optimizer_state)
+                             optimizer_state=optimizer_state, perturb=perturb)
     names = {id(p): name for name, p in plain.named_parameters()}
     return plain, plain_optimizer, names
 

@@ -26,7 +26,7 @@ from torch import nn
 from typing_extensions import override
 
 from ..protocols import DefinesLayeredStages, InitializesByName
-from ..sharing import OptimizerStatePolicy, find_block_sequence
+from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
 from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
 from .engines import Engine, engine_name, select_engine
@@ -399,11 +399,12 @@ class P2RStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ delinking
     def delink_model(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer,
-                     num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy) -> torch.optim.Optimizer:
+                     num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
+                     perturb: Perturbation | None = None) -> torch.optim.Optimizer:
         """Delink the model where it lives and re-place the new blocks (the engine decides how); returns the
         optimizer over the new parameters. The caller (the ``PseudoToReal`` callback) rebinds the learning-rate
         schedulers to it: it is their one owner after delinking."""
-        return self.layout.delink(pl_module, unwrapped(optimizer), num_unique_blocks, optimizer_state)
+        return self.layout.delink(pl_module, unwrapped(optimizer), num_unique_blocks, optimizer_state, perturb)
 
     # ----------------------------------------------------------------------------------------- checkpoints
     @override

@@ -292,3 +292,35 @@ def test_cycled_sharing_delinks_in_stages_and_resumes_between_them(tmp_path: Pat
     assert [e.step for e in resumed_callback.events] == [2, 5]
     assert resumed.transformer.layer_to_block == [0, 1, 2, 3]
     assert_bit_identical(_weights(resumed), _weights(straight))
+
+
+def test_rewarm_ramps_the_learning_rate_after_delinking_and_noise_reaches_every_layout(tmp_path: Path) -> None:
+    from torch.distributed.tensor import DTensor
+
+    from lightning_p2r import P2RStrategy
+    from lightning_p2r.callbacks.pseudo_to_real import rewarm_scale
+
+    assert [rewarm_scale(k, 4) for k in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    lrs = {}
+    for name, kwargs in (("plain", {}), ("rewarm", {"rewarm_steps": 3})):
+        _, _, watch = _fit(tmp_path / name, PseudoToReal(delink_at_step=3, **kwargs), max_steps=8)
+        lrs[name] = [lr for _, _, _, lr in watch.rows]
+    for step in range(8):
+        scale = rewarm_scale(step - 3, 3) if 3 <= step < 6 else 1.0
+        assert lrs["rewarm"][step] == pytest.approx(lrs["plain"][step] * scale), step
+
+    weights = {}
+    for name, strategy in (("single", None), ("offload", P2RStrategy(offload_fraction=0.5)),
+                           ("zero3", P2RStrategy(sharding="zero3"))):
+        L.seed_everything(5)
+        options = {"strategy": strategy} if strategy is not None else {}
+        module, _, _ = _fit(tmp_path / f"noise_{name}", PseudoToReal(delink_at_step=2, delink_noise=0.01),
+                            max_steps=3, **options)
+        weights[name] = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                         for k, v in module.state_dict().items()}
+    assert_bit_identical(weights["offload"], weights["single"])  # the same noise on every placement
+    assert_bit_identical(weights["zero3"], weights["single"])
+    with pytest.raises(ValueError, match="delink_noise"):
+        PseudoToReal(delink_at_step=1, delink_noise=2.0)
+    with pytest.raises(ValueError, match="rewarm_steps"):
+        PseudoToReal(delink_at_step=1, rewarm_steps=-1)

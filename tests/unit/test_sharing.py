@@ -213,3 +213,32 @@ def test_composite_schedulers_are_rebound_with_their_children() -> None:
         rebound.step()
     assert new_optimizer.param_groups[0]["lr"] == pytest.approx(rebound.get_last_lr()[0])
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5)  # the old optimizer is left alone
+
+
+def test_delink_noise_breaks_the_copies_symmetry_reproducibly() -> None:
+    from lightning_p2r.sharing import Perturbation
+
+    def delinked(perturb):
+        torch.manual_seed(0)
+        model = _model(1, layers=4).eval()
+        delink(model, perturb=perturb)
+        return model
+
+    exact, noisy, again = delinked(None), delinked(Perturbation(0.01, seed=3)), delinked(Perturbation(0.01, seed=3))
+    other_seed = delinked(Perturbation(0.01, seed=4))
+    for (name, a), b, c, d in zip(exact.blocks.named_parameters(), noisy.blocks.parameters(),
+                                  again.blocks.parameters(), other_seed.blocks.parameters()):
+        assert torch.equal(b, c), name  # same seed, same noise (every rank draws alike)
+        if not a.any():
+            assert torch.equal(a, b), name  # relative to the RMS: a zero tensor (a fresh bias) stays zero
+            continue
+        assert not torch.equal(b, d), name
+        relative = (b - a).float().square().mean().sqrt() / a.float().square().mean().sqrt()
+        assert 0.005 < float(relative) < 0.02, (name, float(relative))  # about 1% of the tensor's RMS
+    first, second = noisy.blocks[0].attn.qkv.weight, noisy.blocks[1].attn.qkv.weight
+    assert not torch.equal(first, second)  # each copy its own noise
+    tokens = torch.randint(0, 64, (2, 16))
+    drift = (noisy(tokens).logits - exact(tokens).logits).abs().max()
+    assert 0 < float(drift) < 0.1  # the function moves a little: what the option costs
+    with pytest.raises(ValueError, match="delink noise must be in"):
+        Perturbation(1.5)

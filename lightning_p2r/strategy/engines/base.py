@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from ...sharing import OptimizerStatePolicy
+from ...sharing import OptimizerStatePolicy, Perturbation
 from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate
@@ -81,7 +81,7 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ delinking
     def delink(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
-               optimizer_state: OptimizerStatePolicy) -> torch.optim.Optimizer:
+               optimizer_state: OptimizerStatePolicy, perturb: Perturbation | None = None) -> torch.optim.Optimizer:
         """Delink the model in place and return the optimizer over the new parameters (the caller rebinds the
         learning-rate schedulers to it)."""
         raise NotImplementedError

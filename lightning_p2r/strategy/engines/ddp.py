@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ...sharing import OptimizerStatePolicy, delink, rebind_scheduler
+from ...sharing import OptimizerStatePolicy, Perturbation, delink, rebind_scheduler
 from ..materialize import has_meta_tensors
 from ..sharding import consolidated_plain_optimizer, zero_redundancy_optimizer
 from .base import Engine
@@ -38,12 +38,13 @@ class DDPEngine(Engine):
             yield
 
     def delink(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
-               optimizer_state: OptimizerStatePolicy) -> torch.optim.Optimizer:
+               optimizer_state: OptimizerStatePolicy, perturb: Perturbation | None = None) -> torch.optim.Optimizer:
         """Every rank delinks the same way; the optimizer state is gathered first (ZeRO-1 partitions it), and DDP
         is rebuilt over the new parameters (the old reducer would silently skip them)."""
         strategy = self.strategy
         plain = consolidated_plain_optimizer(optimizer, strategy.world_size, strategy.global_rank)
-        new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state)
+        new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state,
+                               perturb=perturb)
         strategy.model = pl_module
         strategy.configure_ddp()
         if strategy.sharding == "zero1":

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
-from ...sharing import OptimizerStatePolicy
+from ...sharing import OptimizerStatePolicy, Perturbation
 from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate, has_meta_tensors
@@ -169,7 +169,7 @@ class FSDPEngine(Engine):
 
     # --------------------------------------------------------------------------------------------- delinking
     def delink(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
-               optimizer_state: OptimizerStatePolicy) -> torch.optim.Optimizer:
+               optimizer_state: OptimizerStatePolicy, perturb: Perturbation | None = None) -> torch.optim.Optimizer:
         """FSDP2 cannot change the modules it manages, so the model is gathered into a plain host copy (tensor by
         tensor), delinked there like any other model, and the copy replaces the sharded one and is sharded afresh
         (a new plan places the new blocks); the optimizer is rebuilt over the new shards."""
@@ -183,7 +183,7 @@ class FSDPEngine(Engine):
         self.reshard()
         optimizer = self.module_optimizer(optimizer)
         plain, plain_optimizer, names = delinked_plain_copy(root, self._root_template, optimizer, num_unique_blocks,
-                                                            optimizer_state)
+                                                            optimizer_state, perturb)
         replace_submodule(pl_module, root, plain)
         # Free the old model's gradients and optimizer state before the new model is sharded (the caller and
         # Lightning still hold the old optimizer objects until this returns).

@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 
-from ...sharing import OptimizerStatePolicy, delink, rebind_scheduler
+from ...sharing import OptimizerStatePolicy, Perturbation, delink, rebind_scheduler
 from ..host_state import blocks_prefix, resident_model_bytes
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate, has_meta_tensors
@@ -129,14 +129,15 @@ class LocalEngine(Engine):
 
     # --------------------------------------------------------------------------------------------- delinking
     def delink(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
-               optimizer_state: OptimizerStatePolicy) -> torch.optim.Optimizer:
+               optimizer_state: OptimizerStatePolicy, perturb: Perturbation | None = None) -> torch.optim.Optimizer:
         """Delink with the whole model in host memory, then re-plan and re-offload: the real model may not fit
         on the device (that is why it was trained pseudo first), so the copies are made on the host and only the
         blocks the new plan keeps resident move back."""
         strategy = self.strategy
         plain = detach_to_host(self.streaming, optimizer, strategy.lightning_module)
         self.streaming = None
-        new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state)
+        new_optimizer = delink(pl_module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state,
+                               perturb=perturb)
         self.attach()
         strategy.optimizers = [new_optimizer]
         self.split_optimizer(carry_state_from=new_optimizer, rebind_schedulers=False)
