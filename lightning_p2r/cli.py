@@ -151,10 +151,12 @@ class P2RCLI(LightningCLI):
         place_outputs_under_root(section.trainer)
 
     def after_instantiate_classes(self) -> None:
-        # W&B warns "git root ... does not exist" when its folder is not there yet; created only now that every
-        # option was accepted, so a refused call leaves no folder behind.
+        # Before W&B starts (at the first log): its service writes debug logs under $WANDB_DIR (default: the
+        # working directory), and it warns "git root ... does not exist" when its folder is not there yet. Done only
+        # now that every option was accepted, so a refused call leaves no folder behind.
         for logger in getattr(self.trainer, "loggers", []):
             if type(logger).__name__ == "WandbLogger" and logger.save_dir:
+                os.environ.setdefault("WANDB_DIR", str(logger.save_dir))
                 os.makedirs(logger.save_dir, exist_ok=True)
 
     def _refuse_dropped_overrides(self, merged: dict[str, Any] | None) -> None:
@@ -206,15 +208,11 @@ def _as_dict(value: Any) -> dict[str, Any] | None:
 def place_outputs_under_root(trainer: Namespace) -> None:
     """Point loggers without a ``save_dir`` at ``trainer.default_root_dir`` and ``ModelCheckpoint`` callbacks without
     a ``dirpath`` at ``<root>/checkpoints``, in the parsed config (before anything is instantiated)."""
-    root = trainer.get("default_root_dir") or "."
-    root = str(root)
+    root = str(trainer.get("default_root_dir") or ".")
     loggers = trainer.get("logger")
     for logger in loggers if isinstance(loggers, list) else [loggers]:
         if _is_class(logger, _LOGGERS_WITH_SAVE_DIR) and logger.init_args.get("save_dir") in (None, "."):
             logger.init_args.save_dir = root
-        if _is_class(logger, ("WandbLogger",)):
-            # W&B's service writes its own debug logs under $WANDB_DIR (default: the working directory).
-            os.environ.setdefault("WANDB_DIR", str(logger.init_args.save_dir))
     callbacks = trainer.get("callbacks")
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         if _is_class(callback, ("ModelCheckpoint",)) and callback.init_args.get("dirpath") is None:

@@ -209,7 +209,6 @@ class M6LanguageModel(L.LightningModule):
                 "run continues the checkpoint's model and optimizer: drop these options (or set them to the "
                 "checkpoint's values) to resume it, or leave out --ckpt_path / ckpt_path to start a new run")
 
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # The hyperparameters describe the model as it was created (maybe pseudo); record the structure it has
         # now, so loading rebuilds it before the weights arrive.

@@ -227,8 +227,21 @@ def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
     """Raise a ``ValueError`` that names the problem and the fix if ``path`` cannot be resumed from, before anything
     else is built: missing, empty or corrupt files, directories that are not sharded checkpoints, and sharded
     checkpoints given to a strategy that does not read them (``loads_sharded``: P2RStrategy reads both forms)."""
-    if str(path) in _SPECIAL_PATHS or str(path).startswith("registry:"):
+    if not check_checkpoint_location(path, loads_sharded):
         return
+    try:
+        # mmap: only the pickled index is read here, not the tensors.
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # noqa: BLE001 (every way a file fails to load gets the same clear message)
+        raise unloadable(path, error) from error
+    check_lightning_checkpoint(path, checkpoint)
+
+
+def check_checkpoint_location(path: str | Path, loads_sharded: bool) -> bool:
+    """The checks that need no load (see :func:`check_checkpoint_path`); True when ``path`` is a file still to be
+    read, False when there is nothing more to check (a sharded checkpoint, or a name Lightning resolves)."""
+    if str(path) in _SPECIAL_PATHS or str(path).startswith("registry:"):
+        return False
     path = Path(path)
     if not path.exists():
         raise ValueError(f"checkpoint {path} does not exist (for the newest of a run, pass --ckpt_path last)")
@@ -242,19 +255,23 @@ def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
                 "with zero2/zero3): load it with strategy lightning_p2r.P2RStrategy (any sharding, any number of "
                 f"processes), or write a single file any strategy loads: lightning-p2r convert-checkpoint {path} "
                 f"{path.with_suffix('')}-single.ckpt")
-        return
+        return False
     if path.stat().st_size == 0:
         raise ValueError(f"checkpoint {path} is empty (0 bytes; an interrupted copy?): use another checkpoint")
-    try:
-        # mmap: only the pickled index is read here, not the tensors.
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # noqa: BLE001 (every way a file fails to load gets the same clear message)
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        if "weights_only" in str(error) or "Unsupported global" in str(error):
-            reason = ("it holds Python objects that a weights-only load refuses (checkpoints are loaded with "
-                      "weights_only=True, for safety)")
-        else:
-            reason = f"it is truncated or not a torch checkpoint ({type(error).__name__}: {first_line})"
-        raise ValueError(f"checkpoint {path} cannot be loaded: {reason}") from error
+    return True
+
+
+def unloadable(path: str | Path, error: Exception) -> ValueError:
+    """The clear error for a checkpoint file that ``torch.load`` refused."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    if "weights_only" in str(error) or "Unsupported global" in str(error):
+        reason = ("it holds Python objects that a weights-only load refuses (checkpoints are loaded with "
+                  "weights_only=True, for safety)")
+    else:
+        reason = f"it is truncated or not a torch checkpoint ({type(error).__name__}: {first_line})"
+    return ValueError(f"checkpoint {path} cannot be loaded: {reason}")
+
+
+def check_lightning_checkpoint(path: str | Path, checkpoint: Any) -> None:
     if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"checkpoint {path} is not a Lightning checkpoint (no 'state_dict' entry)")

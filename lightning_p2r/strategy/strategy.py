@@ -429,11 +429,21 @@ class P2RStrategy(DDPStrategy):
         """Checkpoints move between stages: a sharded (DCP) one resumes with any ``sharding`` on any number of
         processes, a single-file one on the FSDP2 engine too (its whole states are sharded on load)."""
         self._pending_sharded_checkpoint = None
-        sharded_checkpoint.check_checkpoint_path(checkpoint_path, loads_sharded=True)
+        # Checked as it is read (one load): a missing, empty, corrupt or foreign file gets a clear error.
+        is_file = sharded_checkpoint.check_checkpoint_location(checkpoint_path, loads_sharded=True)
         if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
             self._pending_sharded_checkpoint = str(checkpoint_path)
             return sharded_checkpoint.load_meta(checkpoint_path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        try:
+            # weights_only unless the caller asked otherwise (Lightning's own default is a full unpickling).
+            checkpoint = super().load_checkpoint(checkpoint_path,
+                                                 weights_only=True if weights_only is None else weights_only)
+        except Exception as error:  # noqa: BLE001 (every way a file fails to load gets the same clear message)
+            if not is_file:
+                raise
+            raise sharded_checkpoint.unloadable(checkpoint_path, error) from error
+        sharded_checkpoint.check_lightning_checkpoint(checkpoint_path, checkpoint)
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:

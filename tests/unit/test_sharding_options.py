@@ -150,31 +150,10 @@ class _SGDModule(M6LanguageModel):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
 
-@pytest.mark.parametrize("module_class", [_SGDModule, M6LanguageModel], ids=["sgd", "fused-adamw"])
-def test_layered_equals_standard_under_fp16_and_a_gradient_scaler(tmp_path: Path, module_class: type) -> None:
-    """With a GradScaler, layered accumulation must hand the optimizer gradients scaled like standard accumulation's
-    (it backpropagates each micro-batch's loss itself): the same update, unscaled once (issue 13 item 2)."""
-    from lightning.pytorch.plugins.precision import MixedPrecision
-
-    weights = {}
-    for name, strategy, batch_size, accumulate in (("standard", P2RStrategy(), 2, 2),
-                                                   ("layered", P2RStrategy(accumulation="layered", micro_batches=2),
-                                                    4, 1)):
-        L.seed_everything(3)
-        module = module_class(M6Config(**DENSE), OptimizerConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=1.0))
-        initial = InitialWeights()
-        precision = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
-        trainer = tiny_trainer(tmp_path / name, strategy=strategy, max_steps=2, limit_val_batches=0,
-                               accumulate_grad_batches=accumulate, callbacks=[initial], plugins=[precision])
-        trainer.fit(module, datamodule=tiny_data(tmp_path, batch_size=batch_size))
-        weights[name] = ({k: v.detach().float().clone() for k, v in module.state_dict().items()}, initial.weights)
-    (standard, start), (layered, _) = weights["standard"], weights["layered"]
-    assert_trained_alike(layered, standard, start, name="fp16 layered vs standard")
-
-
-def test_layered_skips_the_same_overflowing_steps_as_standard(tmp_path: Path) -> None:
-    """A loss scale too large for fp16 makes the first steps' gradients inf: the scaler must skip those steps and back
-    off its scale identically under layered and standard accumulation, then train alike (issue 13 item 2)."""
+def _fp16_standard_and_layered(tmp_path: Path, module_class: type, scaler_kwargs: dict, max_steps: int
+                               ) -> dict[str, tuple[dict, dict, float]]:
+    """The same fp16 run with standard accumulation (2 batches of 2) and layered (1 batch of 4, 2 micro-batches):
+    per mode the final weights, the initial ones and the GradScaler's final scale."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
     results = {}
@@ -182,15 +161,32 @@ def test_layered_skips_the_same_overflowing_steps_as_standard(tmp_path: Path) ->
                                                    ("layered", P2RStrategy(accumulation="layered", micro_batches=2),
                                                     4, 1)):
         L.seed_everything(3)
-        module = _SGDModule(M6Config(**DENSE), OptimizerConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=1.0))
+        module = module_class(M6Config(**DENSE), OptimizerConfig(lr=1e-2, warmup_steps=1, min_lr_ratio=1.0))
         initial = InitialWeights()
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
-        trainer = tiny_trainer(tmp_path / name, strategy=strategy, max_steps=30, limit_val_batches=0,
+        scaler = torch.amp.GradScaler("cpu", **scaler_kwargs)
+        trainer = tiny_trainer(tmp_path / name, strategy=strategy, max_steps=max_steps, limit_val_batches=0,
                                accumulate_grad_batches=accumulate, callbacks=[initial],
                                plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)])
         trainer.fit(module, datamodule=tiny_data(tmp_path, batch_size=batch_size))
         weights = {k: v.detach().float().clone() for k, v in module.state_dict().items()}
         results[name] = (weights, initial.weights, scaler.get_scale())
+    return results
+
+
+@pytest.mark.parametrize("module_class", [_SGDModule, M6LanguageModel], ids=["sgd", "fused-adamw"])
+def test_layered_equals_standard_under_fp16_and_a_gradient_scaler(tmp_path: Path, module_class: type) -> None:
+    """With a GradScaler, layered accumulation must hand the optimizer gradients scaled like standard accumulation's
+    (it backpropagates each micro-batch's loss itself): the same update, unscaled once (issue 13 item 2)."""
+    results = _fp16_standard_and_layered(tmp_path, module_class, {"init_scale": 1024.0}, max_steps=2)
+    (standard, start, _), (layered, _, _) = results["standard"], results["layered"]
+    assert_trained_alike(layered, standard, start, name="fp16 layered vs standard")
+
+
+def test_layered_skips_the_same_overflowing_steps_as_standard(tmp_path: Path) -> None:
+    """A loss scale too large for fp16 makes the first steps' gradients inf: the scaler must skip those steps and back
+    off its scale identically under layered and standard accumulation, then train alike (issue 13 item 2)."""
+    results = _fp16_standard_and_layered(tmp_path, _SGDModule, {"init_scale": 2.0**40, "growth_interval": 1000},
+                                         max_steps=30)
     (standard, start, standard_scale), (layered, _, layered_scale) = results["standard"], results["layered"]
     assert standard_scale == layered_scale < 2.0**40  # the same steps overflowed and were skipped
     assert any(not torch.equal(standard[k], start[k]) for k in start)  # and the later ones trained
