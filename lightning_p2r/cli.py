@@ -18,8 +18,10 @@ import os
 import re
 import sys
 import tempfile
+from pathlib import Path
 from typing import IO, Any, NoReturn
 
+import torch
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
@@ -28,7 +30,7 @@ from lightning.pytorch.strategies import Strategy
 from .data import TextDataModule
 from .module import M6LanguageModel
 from .options_diff import describe_differences, differing_options
-from .strategy.checkpoint import check_checkpoint_path, to_single_file
+from .strategy.checkpoint import META_FILE, check_checkpoint_path, to_single_file
 
 # The dataclass fields' docstrings become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -40,7 +42,12 @@ _LOGGERS_WITH_SAVE_DIR = ("WandbLogger", "CSVLogger", "TensorBoardLogger")
 
 class P2RArgumentParser(LightningArgumentParser):
     """A mistyped option gets one usage line and a "did you mean" instead of the whole option list (about 90 lines
-    that hid the error itself); ``--help`` still prints everything."""
+    that hid the error itself); ``--help`` still prints everything. Options are never abbreviated."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # No prefix matching: a truncated name (--model.config.num_expert) must be an error, not a silent match.
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def print_usage(self, file: IO[str] | None = None) -> None:
         (file or sys.stderr).write(f"usage: {self.prog} [--config RECIPE] [--section.option VALUE ...]\n")
@@ -146,9 +153,13 @@ class P2RCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         section = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
-        self._refuse_dropped_overrides(_as_dict(section.get("model")))
         section.trainer.strategy = strategy_from_class_path(section.trainer.get("strategy"))
         place_outputs_under_root(section.trainer)
+        resumed = _as_dict(section.get("model"))  # a checkpoint file's options, merged in by LightningCLI
+        if section.get("ckpt_path") == "last":
+            # Lightning resolves "last" only once fit starts, after the model was built: compare with it now.
+            resumed = newest_last_hyperparameters(section.trainer) or resumed
+        self._refuse_dropped_overrides(resumed)
 
     def after_instantiate_classes(self) -> None:
         # Before W&B starts (at the first log): its service writes debug logs under $WANDB_DIR (default: the
@@ -217,6 +228,26 @@ def place_outputs_under_root(trainer: Namespace) -> None:
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         if _is_class(callback, ("ModelCheckpoint",)) and callback.init_args.get("dirpath") is None:
             callback.init_args.dirpath = os.path.join(root, "checkpoints")
+
+
+def newest_last_hyperparameters(trainer: Namespace) -> dict[str, Any] | None:
+    """The hyperparameters of the checkpoint ``--ckpt_path last`` will resume: the newest ``last*.ckpt`` in the
+    configured ``ModelCheckpoint`` folders, as Lightning picks it. None when there is none or it cannot be read
+    (the strategy then reports that with the file's name)."""
+    callbacks = trainer.get("callbacks")
+    folders = [Path(c.init_args.dirpath) for c in (callbacks if isinstance(callbacks, list) else [callbacks])
+               if _is_class(c, ("ModelCheckpoint",)) and c.init_args.get("dirpath")]
+    candidates = [p for folder in folders if folder.is_dir() for p in folder.iterdir()
+                  if p.suffix == ".ckpt" and re.match(r"^last(-v?\d+)?$", p.stem)]
+    if not candidates:
+        return None
+    newest = max(candidates, key=lambda p: p.lstat().st_mtime)
+    try:
+        source = newest / META_FILE if newest.is_dir() else newest
+        return torch.load(source, map_location="cpu", weights_only=True, mmap=not newest.is_dir()).get(
+            "hyper_parameters")
+    except Exception:  # noqa: BLE001 (an unreadable file is the strategy's to report, with its name)
+        return None
 
 
 def _is_class(entry: Any, names: tuple[str, ...]) -> bool:

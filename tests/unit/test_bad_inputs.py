@@ -126,6 +126,8 @@ def earlier_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 CLI_CASES: list[tuple[str, list[str], str]] = [
     ("typo in an option", ["--trainer.max_stpes=3"], r"did you mean: --trainer.max_stpes -> --trainer.max_steps"),
+    ("a truncated option name", ["--model.config.num_expert=8"],
+     r"unrecognized arguments: --model.config.num_expert=8 .*-> --model.config.num_experts"),
     ("heads not dividing dim", ["--model.config.num_heads=5"], r"num_heads \(5\) must divide dim \(128\)"),
     ("unknown ZeRO stage", ["--trainer.strategy=lightning_p2r.P2RStrategy", "--trainer.strategy.sharding=zero4"],
      r"trainer.strategy.sharding: expected one of \['none', 'zero1', 'zero2', 'zero3'\]. Got value: zero4"),
@@ -146,6 +148,8 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
      r"sharded checkpoint.*strategy lightning_p2r.P2RStrategy.*lightning-p2r convert-checkpoint"),
     ("resume with another depth", ["--ckpt_path={root}/runs/quickstart/checkpoints/last.ckpt",
                                    "--model.config.num_layers=6"],
+     r"model.config.num_layers=6 \(the checkpoint has 4\).*drop these options"),
+    ("resume the newest run with another depth", ["--ckpt_path=last", "--model.config.num_layers=6"],
      r"model.config.num_layers=6 \(the checkpoint has 4\).*drop these options"),
 ]
 
