@@ -27,7 +27,7 @@ STRUCTURE_KEY = "lightning_p2r_structure"
 
 @dataclass(kw_only=True)
 class OptimizerConfig:
-    """AdamW with linear warmup and cosine decay, stepped once per optimizer step."""
+    """AdamW with linear warmup, then cosine decay or warmup-stable-decay, stepped once per optimizer step."""
 
     lr: float = 3e-3
     """Peak learning rate, reached at the end of warmup. 0 is allowed (the weights stay put: measuring a run)."""
@@ -45,7 +45,15 @@ class OptimizerConfig:
     """Optimizer steps of linear warmup from 0 to lr."""
 
     min_lr_ratio: float = 0.1
-    """The cosine decays to lr * min_lr_ratio at the last step."""
+    """The schedule decays to lr * min_lr_ratio at the last step (0 decays fully)."""
+
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """After warmup: "cosine" decays over the whole rest of the run; "wsd" (warmup-stable-decay) holds lr, then
+    decays linearly over the last ``decay_fraction`` of the run. WSD lets runs of different lengths, or arms that
+    branch from one trunk, share the stable phase and still end fully decayed."""
+
+    decay_fraction: float = 0.2
+    """"wsd" only: the share of all optimizer steps spent decaying at the end of the run."""
 
     fused: bool | None = None
     """Use torch's fused AdamW kernel; None uses it where the device supports it (CPU and CUDA do)."""
@@ -67,6 +75,10 @@ class OptimizerConfig:
             raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"OptimizerConfig.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio!r}")
+        if self.schedule not in ("cosine", "wsd"):
+            raise ValueError(f"OptimizerConfig.schedule must be 'cosine' or 'wsd', got {self.schedule!r}")
+        if not 0.0 < self.decay_fraction <= 1.0:
+            raise ValueError(f"OptimizerConfig.decay_fraction must be in (0, 1], got {self.decay_fraction!r}")
         if self.nonfinite_loss not in ("stop", "skip"):
             raise ValueError(f"OptimizerConfig.nonfinite_loss must be 'stop' or 'skip', got {self.nonfinite_loss!r}")
         self.betas = tuple(self.betas)
@@ -90,6 +102,34 @@ class WarmupCosine:
         # Steps run 0 .. total_steps - 1: the last one trains at lr * min_lr_ratio.
         progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - 1 - self.warmup_steps))
         return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class WarmupStableDecay:
+    """LR multiplier: linear warmup, 1 until the last ``decay_fraction`` of the run, then linear to ``min_lr_ratio``
+    at the last step (Hu et al. 2024, MiniCPM's "WSD"). A class for the same reason as :class:`WarmupCosine`."""
+
+    def __init__(self, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay_fraction: float) -> None:
+        self.warmup_steps = warmup_steps
+        self.total_steps = max(total_steps, warmup_steps + 2)
+        self.min_lr_ratio = min_lr_ratio
+        # The decay never starts inside the warmup, and spans at least one step.
+        decay_steps = max(1, round(decay_fraction * self.total_steps))
+        self.decay_start = max(warmup_steps, self.total_steps - 1 - decay_steps)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if step <= self.decay_start:
+            return 1.0
+        progress = min(1.0, (step - self.decay_start) / (self.total_steps - 1 - self.decay_start))
+        return 1.0 - (1.0 - self.min_lr_ratio) * progress
+
+
+def lr_multiplier(config: OptimizerConfig, total_steps: int) -> WarmupCosine | WarmupStableDecay:
+    """The LR multiplier ``config.schedule`` names, over a run of ``total_steps`` optimizer steps."""
+    if config.schedule == "wsd":
+        return WarmupStableDecay(config.warmup_steps, total_steps, config.min_lr_ratio, config.decay_fraction)
+    return WarmupCosine(config.warmup_steps, total_steps, config.min_lr_ratio)
 
 
 def parameter_groups(module: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -385,8 +425,7 @@ class M6LanguageModel(L.LightningModule):
             rank_zero_warn(f"OptimizerConfig.warmup_steps={config.warmup_steps} is not shorter than the run "
                            f"({total_steps} optimizer steps): the learning rate never reaches its peak lr="
                            f"{config.lr} or decays. Lower model.optimizer.warmup_steps (a few % of the run is usual).")
-        schedule = WarmupCosine(config.warmup_steps, total_steps, config.min_lr_ratio)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config, total_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

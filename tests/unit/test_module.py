@@ -14,7 +14,7 @@ from helpers import tiny_data as _data
 from helpers import tiny_trainer as _trainer
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig
-from lightning_p2r.module import WarmupCosine, parameter_groups
+from lightning_p2r.module import WarmupCosine, WarmupStableDecay, lr_multiplier, parameter_groups
 
 
 def test_warmup_cosine_schedule() -> None:
@@ -27,6 +27,24 @@ def test_warmup_cosine_schedule() -> None:
     assert schedule(108) > 0.1
     assert schedule(500) == pytest.approx(0.1)
     assert WarmupCosine(0, 10, 0.0)(0) == pytest.approx(1.0)
+
+
+def test_warmup_stable_decay_schedule() -> None:
+    schedule = WarmupStableDecay(warmup_steps=10, total_steps=110, min_lr_ratio=0.0, decay_fraction=0.2)
+    assert schedule(0) == pytest.approx(0.1)
+    assert schedule(9) == pytest.approx(1.0)
+    assert schedule(50) == schedule(87) == 1.0  # stable until the last 22 steps
+    assert schedule(98) == pytest.approx(1.0 - 11 / 22)
+    assert schedule(109) == 0.0  # the last step is fully decayed
+    assert all(schedule(s) > schedule(s + 1) for s in range(87, 109))
+    # A decay longer than the run after warmup starts right after warmup.
+    assert WarmupStableDecay(10, 20, 0.0, 1.0).decay_start == 10
+    assert isinstance(lr_multiplier(OptimizerConfig(schedule="wsd"), 100), WarmupStableDecay)
+    assert isinstance(lr_multiplier(OptimizerConfig(), 100), WarmupCosine)
+    with pytest.raises(ValueError, match="schedule must be 'cosine' or 'wsd'"):
+        OptimizerConfig(schedule="linear")
+    with pytest.raises(ValueError, match="decay_fraction"):
+        OptimizerConfig(schedule="wsd", decay_fraction=0.0)
 
 
 def test_parameter_groups_list_each_tensor_once() -> None:
