@@ -88,7 +88,15 @@ class M6Config:
     """Epsilon of the LayerNorms."""
 
     init_std: float = 0.02
-    """Standard deviation of the normal weight init; residual output projections get std / sqrt(2 * num_layers)."""
+    """Standard deviation of the normal weight init; residual output projections get a smaller one, as
+    ``residual_init`` says."""
+
+    residual_init: Literal["depth", "applications", "blocks"] = "depth"
+    """Std of the residual output projections (attention out, FFN out, experts' w_out), by what it counts: "depth"
+    std / sqrt(2 * num_layers) (GPT-2; every layer adds two branches); "applications" std / sqrt(2 * num_layers * g)
+    with g = num_layers / num_unique_blocks, for a shared block whose g applications add correlated, not independent,
+    branches to the residual stream (equal to "depth" for the real model); "blocks" std / sqrt(2 *
+    num_unique_blocks), treating a shared block as one layer. Only the init differs: delinking copies weights."""
 
     init_seed: int | None = None
     """Seed of the weight init. Each parameter's initial value is drawn from a generator seeded by (init_seed, the
@@ -158,6 +166,7 @@ class M6Config:
         _choice("position_embedding", self.position_embedding, ("rotary", "learned"))
         _choice("attention", self.attention, ("dense", "alternating", "local"))
         _choice("sharing", self.sharing, ("sequence", "cycle"))
+        _choice("residual_init", self.residual_init, ("depth", "applications", "blocks"))
         if self.rope_theta <= 0:
             raise ValueError(f"M6Config.rope_theta must be > 0, got {self.rope_theta!r}")
         if self.norm_eps <= 0:

@@ -31,7 +31,8 @@ def draw_seed() -> int:
 @dataclass(frozen=True)
 class InitRule:
     """The init distribution of the M6 model: LayerNorm weights 1 and biases 0, every matrix normal(0, std), and
-    the output projections of residual branches normal(0, std / sqrt(2 * num_layers)) (GPT-2)."""
+    the output projections of residual branches normal(0, residual_std) (GPT-2's std / sqrt(2 * num_layers) by
+    default; ``M6Config.residual_init``)."""
 
     seed: int
     std: float

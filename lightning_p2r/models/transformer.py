@@ -92,7 +92,15 @@ class LayerContext:
 
 def init_rule(config: M6Config, seed: int) -> InitRule:
     """The M6 init distribution for ``config`` (see :class:`InitRule`)."""
-    return InitRule(seed=seed, std=config.init_std, residual_std=config.init_std / math.sqrt(2 * config.num_layers))
+    residual_std = config.init_std / math.sqrt(2 * residual_count(config))
+    return InitRule(seed=seed, std=config.init_std, residual_std=residual_std)
+
+
+def residual_count(config: M6Config) -> int:
+    """How many residual layers the output-projection init divides by (``M6Config.residual_init``)."""
+    applications_per_block = config.num_layers // config.num_blocks
+    return {"depth": config.num_layers, "applications": config.num_layers * applications_per_block,
+            "blocks": config.num_blocks}[config.residual_init]
 
 
 class M6Transformer(nn.Module):

@@ -114,3 +114,19 @@ def test_seeds_are_stable_and_distinct() -> None:
 def test_a_bad_seed_is_refused(bad) -> None:
     with pytest.raises(ValueError, match="init_seed"):
         M6Config(**(TINY | {"init_seed": bad}))
+
+
+@pytest.mark.parametrize(("residual_init", "blocks", "count"), [
+    ("depth", 2, 8), ("applications", 2, 32), ("blocks", 2, 2), ("applications", None, 8), ("blocks", None, 8)])
+def test_residual_init_divides_by_what_it_names(residual_init: str, blocks: int | None, count: int) -> None:
+    """A shared block applied g times can start its residual outputs smaller ("applications") or larger
+    ("blocks"); the real model is the same under every choice but "blocks" with fewer blocks than layers."""
+    config = M6Config(**(TINY | {"num_layers": 8, "dim": 256, "num_heads": 4, "moe_layers": [], "init_seed": 3,
+                                 "num_unique_blocks": blocks, "residual_init": residual_init}))
+    out = dict(M6Transformer(config).named_parameters())["blocks.0.attn.out.weight"]
+    assert out.std().item() == pytest.approx(0.02 / (2 * count) ** 0.5, rel=0.03)
+
+
+def test_unknown_residual_init_is_refused() -> None:
+    with pytest.raises(ValueError, match="residual_init"):
+        M6Config(**(TINY | {"residual_init": "sqrt"}))
