@@ -34,7 +34,20 @@ from .known_warnings import silence_rebound_scheduler_notice
 from .models.config import sharing_map
 from .models.init import parameter_seed
 
-OptimizerStatePolicy = Literal["copy", "scale", "reset"]
+OptimizerStatePolicy = Literal["copy", "scale", "reset", "per_layer"]
+POLICIES = ("copy", "scale", "reset", "per_layer")
+
+
+@dataclass(frozen=True)
+class MeasuredSecondMoments:
+    """The "per_layer" policy with its measurement: for each copy's tensor (named inside the block sequence, e.g.
+    ``blocks.3.attn.qkv.weight``), the factor its ``exp_avg_sq`` gets from the shared tensor's, measured from the
+    layers' own gradients before delinking (``callbacks.per_layer_moments``). Tensors it does not name (norm
+    weights) follow "scale"; first moments always follow "scale" (``exp_avg / n``: they forget in ~1/(1 - beta1)
+    steps)."""
+
+    ratios: dict[str, torch.Tensor]
+    steps: int = 0
 
 
 @dataclass(frozen=True)
@@ -87,7 +100,7 @@ def check_delink_target(num_layers: int, current: int, target: int | None) -> in
     return target
 
 
-def _new_layout(layer_to_block: list[int], target: int, layout: str) -> tuple[list[int], list[int]]:
+def new_layout(layer_to_block: list[int], target: int, layout: str) -> tuple[list[int], list[int]]:
     """The sharing map after delinking into ``target`` blocks in ``layout`` ("sequence" or "cycle"), and for each
     new block the old block it is copied from.
 
@@ -112,7 +125,7 @@ def delink(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     num_unique_blocks: int | None = None,
-    optimizer_state: OptimizerStatePolicy = "scale",
+    optimizer_state: OptimizerStatePolicy | MeasuredSecondMoments = "scale",
     perturb: Perturbation | None = None,
 ) -> torch.optim.Optimizer | None:
     """Give shared blocks their own copies, in place, keeping the function exactly.
@@ -123,15 +136,18 @@ def delink(
         num_unique_blocks: blocks after delinking; None means one per layer (the real model). Must divide the
             number of layers and be a multiple of the current number of blocks (staged delinking: 1 -> 2 -> 4).
         optimizer_state: what each copy's per-parameter state becomes: "scale" (moments divided by the number of
-            copies, squared for second moments), "copy" (unchanged) or "reset" (fresh).
+            copies, squared for second moments), "copy" (unchanged), "reset" (fresh), or a
+            :class:`MeasuredSecondMoments` (the "per_layer" policy: second moments from the layers' own gradients;
+            the string "per_layer" alone, without a measurement, falls back to "scale").
 
     Returns:
         A new optimizer of the same class and hyperparameters over the new parameters, with state carried over,
         or None when no optimizer was given. Parameter groups list parameters in ``model.parameters()`` order,
         so a fresh ``configure_optimizers`` on the delinked model orders them the same way (checkpoints match).
     """
-    if optimizer_state not in ("copy", "scale", "reset"):
-        raise ValueError(f"optimizer_state must be one of 'copy', 'scale', 'reset', got {optimizer_state!r}")
+    if not isinstance(optimizer_state, MeasuredSecondMoments) and optimizer_state not in POLICIES:
+        raise ValueError(f"optimizer_state must be one of {', '.join(map(repr, POLICIES))} or a "
+                         f"MeasuredSecondMoments, got {optimizer_state!r}")
     if optimizer is not None and type(optimizer) not in SUPPORTED_OPTIMIZERS:
         names = ", ".join(cls.__name__ for cls in SUPPORTED_OPTIMIZERS)
         raise ValueError(f"delink cannot carry the state of {type(optimizer).__name__}; supported: {names}")
@@ -143,7 +159,7 @@ def delink(
 
     # Remember where every parameter came from, by name, before the structure changes.
     # The holder's layout ("sequence" unless it says otherwise) is kept; validated before anything changes.
-    new_map, sources = _new_layout(layer_to_block, target, getattr(holder, "sharing", "sequence"))
+    new_map, sources = new_layout(layer_to_block, target, getattr(holder, "sharing", "sequence"))
     prefix = _prefix_of(model, holder)
     old_params = dict(model.named_parameters(remove_duplicate=False))
     new_blocks: list[nn.Module] = []
@@ -166,7 +182,12 @@ def delink(
     origin = {}
     for name, param in model.named_parameters():
         origin[param] = old_params[_source_name(name, prefix, sources)]
-    return _rebuild_optimizer(optimizer, model, origin, copies_per_block, optimizer_state)
+    ratios = {}
+    if isinstance(optimizer_state, MeasuredSecondMoments):
+        # Named inside the block sequence, like the noise: the same names in every layout and placement.
+        ratios = {param: optimizer_state.ratios[name] for name, param in holder.blocks.named_parameters(prefix="blocks")
+                  if name in optimizer_state.ratios}
+    return _rebuild_optimizer(optimizer, model, origin, copies_per_block, optimizer_state, ratios)
 
 
 def _add_relative_noise(param: torch.Tensor, perturb: Perturbation, name: str) -> None:
@@ -202,7 +223,8 @@ def _rebuild_optimizer(
     model: nn.Module,
     origin: dict[nn.Parameter, nn.Parameter],
     copies: int,
-    policy: OptimizerStatePolicy,
+    policy: OptimizerStatePolicy | MeasuredSecondMoments,
+    ratios: dict[nn.Parameter, torch.Tensor],
 ) -> torch.optim.Optimizer:
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     new_groups = [{key: value for key, value in group.items() if key != "params"} | {"params": []}
@@ -228,17 +250,21 @@ def _rebuild_optimizer(
             is_split = id(param) in split_ids
             if is_split and policy == "reset":
                 continue
-            new_optimizer.state[param] = _carry_state(state, copies if is_split and policy == "scale" else 1)
+            scaled = is_split and policy not in ("copy", "reset")  # scale, per_layer (measured or not)
+            new_optimizer.state[param] = _carry_state(state, copies if scaled else 1,
+                                                      ratios.get(param) if is_split else None)
     return new_optimizer
 
 
-def _carry_state(state: dict, copies: int) -> dict:
+def _carry_state(state: dict, copies: int, second_moment_ratio: torch.Tensor | None = None) -> dict:
     carried = {}
     for key, value in state.items():
         if not isinstance(value, torch.Tensor):
             carried[key] = value
         elif key in _LINEAR_STATE:
             carried[key] = value / copies
+        elif key in _QUADRATIC_STATE and second_moment_ratio is not None:
+            carried[key] = value * second_moment_ratio.to(value.device, value.dtype)
         elif key in _QUADRATIC_STATE:
             carried[key] = value / copies**2
         else:

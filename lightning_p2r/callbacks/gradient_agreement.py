@@ -34,14 +34,33 @@ from lightning_p2r.models.moe import Experts
 
 
 class GradientAgreementProbe:
-    """Hooks the linear layers and experts of ``holder``'s shared blocks until :meth:`finish` or :meth:`remove`."""
+    """Hooks the linear layers and experts of ``holder``'s shared blocks until :meth:`finish` or :meth:`remove`.
 
-    def __init__(self, holder: nn.Module) -> None:
+    With ``by_layer=True`` it also records which layer made each call, in ``layers`` (parallel to
+    ``contributions``): the holder must run its layers through ``run_layer(layer, ...)``, as ``M6Transformer``
+    and the layered executor do; the probe wraps that method on the instance while it is attached.
+    """
+
+    def __init__(self, holder: nn.Module, by_layer: bool = False) -> None:
         uses = [holder.layer_to_block.count(index) for index in range(len(holder.blocks))]
         # (weight name, per-call contribution) appended as each call's output gradient arrives.
         self.contributions: dict[str, list[torch.Tensor]] = defaultdict(list)
+        self.layers: dict[str, list[int]] = defaultdict(list)
         self._handles: list[RemovableHandle] = []
         self._expert_out_weights: dict[nn.Module, torch.Tensor] = {}
+        self._holder: nn.Module | None = None
+        self._current_layer: int | None = None
+        if by_layer:
+            run_layer = getattr(holder, "run_layer", None)
+            if not callable(run_layer):
+                raise ValueError(f"{type(holder).__name__} has no run_layer(layer, ...) method: the probe cannot tell "
+                                 "which layer made each call")
+
+            def tagged(layer: int, *args, **kwargs):
+                self._current_layer = layer
+                return run_layer(layer, *args, **kwargs)
+            holder.run_layer = tagged
+            self._holder = holder
         for index, block in enumerate(holder.blocks):
             if uses[index] < 2:
                 continue
@@ -56,9 +75,11 @@ class GradientAgreementProbe:
             if not output.requires_grad:
                 return  # a no-grad forward (the first pass of a recomputed layer) has no gradient to split
             x = inputs[0].detach()
+            layer = self._current_layer
 
             def on_grad(grad: torch.Tensor) -> None:
                 self.contributions[weight_name].append(_flat(grad).T @ _flat(x))
+                self._tag(weight_name, layer)
             output.register_hook(on_grad)
         return record
 
@@ -74,19 +95,37 @@ class GradientAgreementProbe:
                 if module not in self._expert_out_weights:
                     self._expert_out_weights[module] = module.w_out.detach().float().clone()
             w_out = self._expert_out_weights[module]
+            layer = self._current_layer
 
             def on_grad(grad: torch.Tensor) -> None:
                 grad_in, grad_out = expert_weight_gradients(x, hidden, grad.float(), w_out, counts)
                 self.contributions[f"{name}.w_in"].append(grad_in)
                 self.contributions[f"{name}.w_out"].append(grad_out)
+                self._tag(f"{name}.w_in", layer)
+                self._tag(f"{name}.w_out", layer)
             output.register_hook(on_grad)
         return record
+
+    def drain(self) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[int]]]:
+        """Hand over what was recorded since the last drain and start afresh, hooks kept (the cached expert
+        weights too are dropped: the next pass runs after an optimizer step)."""
+        contributions, layers = dict(self.contributions), dict(self.layers)
+        self.contributions, self.layers = defaultdict(list), defaultdict(list)
+        self._expert_out_weights.clear()
+        return contributions, layers
+
+    def _tag(self, weight_name: str, layer: int | None) -> None:
+        if self._holder is not None:
+            self.layers[weight_name].append(layer)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
         self._expert_out_weights.clear()
+        if self._holder is not None:
+            del self._holder.run_layer  # the class's own method again
+            self._holder = None
 
     def finish(self) -> float | None:
         """Remove the hooks; the mean pairwise cosine similarity of per-layer gradients (None if not measured)."""

@@ -15,18 +15,23 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from ..protocols import DelinksInPlace
 from ..sharing import (
+    POLICIES,
+    MeasuredSecondMoments,
     OptimizerStatePolicy,
     Perturbation,
     check_delink_target,
     delink,
     find_block_sequence,
+    new_layout,
     rebind_scheduler,
 )
 from .gradient_agreement import GradientAgreementProbe
+from .per_layer_moments import SecondMomentTracker
 
 
 @dataclass
@@ -103,7 +108,12 @@ class PseudoToReal(L.Callback):
         auto_max_step: delink at this step at the latest (None: no bound).
         auto_check_every: steps between two measurements.
         auto_smoothing: weight of the history in the moving average (0 uses the last measurement alone).
-        optimizer_state: how AdamW/SGD state is carried to the copies: "scale", "copy" or "reset" (see ``delink``).
+        optimizer_state: how AdamW/SGD state is carried to the copies: "scale", "copy", "reset" (see ``delink``) or
+            "per_layer": during the ``per_layer_steps`` steps before each planned delinking, each layer's own
+            gradient on the shared linear and expert weights is rebuilt, and each copy's second moment is the
+            shared one times the share its layers' gradients measured (``callbacks.per_layer_moments``); costs
+            one fp32 tensor per layer and probed weight while measuring. Needs a planned delink (not ``auto``).
+        per_layer_steps: optimizer steps "per_layer" measures before each planned delinking.
         restart_schedule: start the LR schedule (warmup included) over at delinking; by default it continues.
         delink_noise: break the copies' symmetry: Gaussian noise of this standard deviation relative to each
             tensor's RMS on every copy (0 keeps the function exactly; see ``sharing.Perturbation``).
@@ -129,6 +139,7 @@ class PseudoToReal(L.Callback):
         restart_schedule: bool = False,
         delink_noise: float = 0.0,
         rewarm_steps: int = 0,
+        per_layer_steps: int = 20,
     ) -> None:
         chosen = [name for name, value in (("delink_at_step", delink_at_step),
                                            ("delink_at_fraction", delink_at_fraction),
@@ -141,9 +152,15 @@ class PseudoToReal(L.Callback):
             )
         if delink_at_fraction is not None and not 0.0 <= delink_at_fraction < 1.0:
             raise ValueError(f"PseudoToReal.delink_at_fraction must be in [0, 1), got {delink_at_fraction}")
-        if optimizer_state not in ("copy", "scale", "reset"):
-            raise ValueError(
-                f"PseudoToReal.optimizer_state must be 'copy', 'scale' or 'reset', got {optimizer_state!r}")
+        if optimizer_state not in POLICIES:
+            raise ValueError(f"PseudoToReal.optimizer_state must be one of {', '.join(map(repr, POLICIES))}, got "
+                             f"{optimizer_state!r}")
+        if optimizer_state == "per_layer" and auto:
+            raise ValueError("PseudoToReal(optimizer_state='per_layer') measures the steps before a planned delinking; "
+                             "with auto=True the step is not known in advance: give delink_at_step, "
+                             "delink_at_fraction or schedule, or use 'scale'")
+        if isinstance(per_layer_steps, bool) or not isinstance(per_layer_steps, int) or per_layer_steps < 1:
+            raise ValueError(f"PseudoToReal.per_layer_steps must be an integer >= 1, got {per_layer_steps!r}")
         if not -1.0 <= auto_threshold <= 1.0:
             raise ValueError(
                 f"PseudoToReal.auto_threshold must be a cosine similarity in [-1, 1], got {auto_threshold}")
@@ -162,6 +179,8 @@ class PseudoToReal(L.Callback):
             raise ValueError(f"PseudoToReal.rewarm_steps must be an integer >= 0, got {rewarm_steps!r}")
         self.delink_noise = delink_noise
         self.rewarm_steps = rewarm_steps
+        self.per_layer_steps = per_layer_steps
+        self._tracker: SecondMomentTracker | None = None
         self.delink_at_step = delink_at_step
         self.delink_at_fraction = delink_at_fraction
         self.schedule = dict(schedule) if schedule else None
@@ -217,7 +236,40 @@ class PseudoToReal(L.Callback):
             self._delink(trainer, pl_module, batch, target, reason=f"planned at step {step}")
         elif self.auto and not self.events:
             self._auto_step(trainer, pl_module, batch, step)
+        self._track_moments(pl_module, step)
         self._rewarm(trainer)
+
+    def _track_moments(self, pl_module: L.LightningModule, step: int) -> None:
+        """"per_layer": attach the tracker ``per_layer_steps`` before the next planned delinking; fold each step."""
+        if self.optimizer_state != "per_layer" or not self._stages:
+            return
+        if self._tracker is not None:
+            self._tracker.fold()
+            return
+        delink_step, target = self._stages[0]
+        if delink_step - self.per_layer_steps <= step < delink_step:
+            holder = find_block_sequence(pl_module)
+            new_map, _ = new_layout(list(holder.layer_to_block), target or len(holder.layer_to_block),
+                                     getattr(holder, "sharing", "sequence"))
+            self._tracker = SecondMomentTracker(holder, new_map)
+
+    def _measured_policy(self, trainer: L.Trainer) -> OptimizerStatePolicy | MeasuredSecondMoments:
+        """The policy ``delink`` gets: the measurement for "per_layer" (averaged over ranks), else the name."""
+        if self.optimizer_state != "per_layer":
+            return self.optimizer_state
+        if self._tracker is None:
+            rank_zero_warn("PseudoToReal(optimizer_state='per_layer'): no step was measured before this delinking "
+                           "(a run resumed inside the measuring window, or a delink at step 0); using 'scale'")
+            return "scale"
+        measured = self._tracker.finish()
+        self._tracker = None
+        if trainer.world_size > 1:
+            # Each rank measured its own batch; every rank must carry the same state into the copies.
+            device = trainer.strategy.root_device
+            ratios = {name: trainer.strategy.reduce(ratio.to(device), reduce_op="mean").cpu()
+                      for name, ratio in sorted(measured.ratios.items())}
+            measured = MeasuredSecondMoments(ratios, measured.steps)
+        return measured
 
     def _rewarm(self, trainer: L.Trainer) -> None:
         if not self.rewarm_steps or not self.events:
@@ -278,6 +330,7 @@ class PseudoToReal(L.Callback):
         if self._probe is not None:
             self._probe.remove()
             self._probe = None
+        policy = self._measured_policy(trainer)
         blocks_before = len(find_block_sequence(pl_module).blocks)
         params_before = _count(pl_module)
         loss_before = _batch_loss(pl_module, batch)
@@ -287,11 +340,10 @@ class PseudoToReal(L.Callback):
         perturb = Perturbation(self.delink_noise, seed=trainer.global_step) if self.delink_noise else None
         if isinstance(trainer.strategy, DelinksInPlace):
             # A strategy that places blocks itself (P2RStrategy) delinks and re-places them in one go.
-            optimizer = trainer.strategy.delink_model(pl_module, trainer.optimizers[0], target, self.optimizer_state,
-                                                      perturb)
+            optimizer = trainer.strategy.delink_model(pl_module, trainer.optimizers[0], target, policy, perturb)
         else:
-            optimizer = delink(pl_module, trainer.optimizers[0], num_unique_blocks=target,
-                               optimizer_state=self.optimizer_state, perturb=perturb)
+            optimizer = delink(pl_module, trainer.optimizers[0], num_unique_blocks=target, optimizer_state=policy,
+                               perturb=perturb)
             _rewrap(trainer, pl_module)
         trainer.strategy.optimizers = [optimizer]
         for config in trainer.lr_scheduler_configs:
