@@ -1,40 +1,47 @@
-"""Pseudo-to-Real against training the real model from scratch: validation loss per step and per training second.
+"""Does Pseudo-to-Real pay off? Seeded arms at their best learning rate, paired against the real model from scratch.
 
-    python -m lightning_p2r.benchmarks.pseudo_to_real [--out DIR] [--device cpu|cuda] [--quick] [--steps N]
-        [--fractions F ...] [--policy-fraction F] [--variants NAME ...] [--val-every N] [--val-batches N]
-        [--config YAML] [LightningCLI overrides ...]
+    python -m lightning_p2r.benchmarks.pseudo_to_real [--quick] [--out DIR | --update-docs] [--jobs N]
+        [--steps N] [--seeds N] [--lrs LR ...] [--no-ablations] [--no-timing] [--config YAML]
 
-Every variant is the model of ``recipes/pseudo_to_real.yaml`` (8 layers, dim 128, 4 experts; BPE 2048 on the KJV,
-sequences of 64, batches of 16), built by the project's LightningCLI from that recipe with the same seed, hence the
-same data order, the same token budget (``--steps``) and the same warmup + cosine schedule over ``--steps``:
+The protocol (``p2r_protocol.py`` holds its pure parts):
 
-- ``scratch``: the real model (one block per layer) from the first step; no PseudoToReal.
-- ``p2r_f<F>_scale``: the pseudo model (every layer shares one block), delinked at ``round(F * steps)`` with
-  ``optimizer_state="scale"``, one variant per value in ``--fractions``.
-- ``p2r_f<F>_copy`` / ``p2r_f<F>_reset``: the same at ``--policy-fraction`` with the other optimizer-state policies.
-- ``pseudo_only``: the pseudo model never delinked: what sharing alone reaches on the same budget.
+1. **Arms** (``recipes/pseudo_to_real.yaml``'s model: 16 layers, pre-LN, MoE): ``scratch`` (real from step 0),
+   ``p2r`` (one shared block, delinked at 10%), ``cycled`` (L/4 blocks cycled through the depth, L/2 at 5%, real
+   at 10%) and ``pseudo_only``. ``p2r`` resumes from ``pseudo_only``'s checkpoint at the delink step (the shared
+   stage is trained once per LR and seed). Every run uses a warmup-stable-decay schedule that decays to 0 at its
+   last step, and less than one epoch of the corpus (no repeated data).
+2. **LR sweep**: every arm at each ``--lrs`` value with seed 0; each arm's best LR is the one with the lowest final
+   validation loss. 3. **Seeds**: seeds 1 .. ``--seeds``-1 at each arm's best LR. Seed s fixes init and data order
+   for every arm, so differences are paired by seed. 4. **Ablations** (at ``p2r``'s best LR, every seed): the
+   optimizer-state policies (copy, reset, per_layer), delink noise, LR re-warmup and the shared block's residual
+   init, one lever at a time.
+5. **Timing**: per memory setting, each arm's seconds per step in each of its stages, measured alone on the
+   machine (the training runs above run ``--jobs`` at a time, so their clocks are not used): ``single`` (one
+   process, nothing offloaded), ``zero3`` (2 ranks, ZeRO-3: the pseudo model gathers 1/L of the block bytes) and
+   ``offload`` (one process, ``device_memory_budget`` that fits the pseudo model's states but only a quarter of
+   the real blocks'). Time to a loss is then (steps in each stage) x (that stage's seconds per step) + the measured
+   cost of each delinking, from the validation curves of step 2-3.
 
-Validation runs every ``--val-every`` steps on the same first ``--val-batches`` validation batches for every
-variant. "Training seconds" is wall time from ``on_train_start`` with validation time taken out, so it counts the
-steps, the dataloader and the delinking itself. The target of the "to reach" columns is the scratch run's final
-validation loss; the step (and second) where a variant first gets there is interpolated linearly between the two
-validation points around the crossing. Unknown flags go to the CLI of every variant alike (e.g.
-``--model.optimizer.lr=0.001``), so a changed setting never favours one side.
-
-The memory table counts the pseudo and the real model's parameters from built models and prices the training state
-in fp32: 4 bytes of parameter, 4 of gradient and 8 of AdamW moments (exp_avg + exp_avg_sq) per parameter.
+Output: ``pseudo_to_real.csv`` (validation curves: arm, lr, seed, step, val_loss, and the seconds under each
+setting), ``pseudo_to_real_summary.csv`` (per arm and setting at the best LR), ``pseudo_to_real_sweep.csv``,
+``pseudo_to_real_ablations.csv``, ``pseudo_to_real_timing.csv``, a PNG of the curves with seed bands, and tables.
+Finished runs are kept under ``<out>/p2r_runs`` and reused when the command is run again with the same settings.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -42,106 +49,144 @@ from unittest import mock
 import lightning as L
 import torch
 
+from lightning_p2r.benchmarks.p2r_protocol import (
+    Arm,
+    Phase,
+    Run,
+    ablation_arms,
+    best_lr,
+    first_crossing,
+    main_arms,
+    paired_difference,
+    seconds_to,
+    waves,
+    wins_on_time,
+)
 from lightning_p2r.benchmarks.report import (
-    apply_threads,
     base_parser,
     environment_info,
     print_environment,
     print_table,
     pyplot,
     save_figure,
-    synchronize,
     with_environment,
     write_csv,
 )
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pseudo_to_real.yaml"
-POLICIES = ("scale", "copy", "reset")
-CURVE_COLUMNS = ["variant", "delink_step", "optimizer_state", "step", "train_seconds", "wall_seconds", "val_loss"]
-SUMMARY_COLUMNS = ["variant", "delink_step", "final_val_loss", "steps_to_target", "seconds_to_target",
-                   "steps_saved_%", "time_saved_%", "train_s", "pseudo_s_per_step", "real_s_per_step", "load_1m"]
-MEMORY_COLUMNS = ["model", "part", "params", "param_MiB", "grad_MiB", "adamw_MiB", "total_MiB"]
-BYTES_PARAM, BYTES_GRAD, BYTES_ADAMW = 4, 4, 8
+SETTINGS = ("single", "zero3", "offload")
+TIMED_ARMS = ("scratch", "p2r", "cycled")
 # --quick: a tiny model on a tiny byte-level corpus; the smoke test checks plumbing, the numbers mean nothing.
 QUICK_OVERRIDES = ["--model.config.num_layers=4", "--model.config.dim=32", "--model.config.num_heads=2",
                    "--model.config.num_experts=2", "--model.config.sparse_window=8", "--model.optimizer.warmup_steps=2",
                    "--data.tokenizer=bytes", "--data.vocab_size=256", "--data.seq_len=16", "--data.batch_size=4"]
 QUICK_TEXT = ("And the benchmark said, let there be a loss curve: and there was a loss curve, and it went down.\n"
               "The pseudo model shared one block among its layers, and afterwards every layer had its own.\n")
+MOMENT_CHECK_STEPS = 20
+MOMENT_WEIGHT = "attn.qkv.weight"
 
 
-@dataclass(frozen=True)
-class Variant:
-    name: str
-    num_unique_blocks: int | None  # 1 = pseudo (shared), None = real
-    delink_fraction: float | None = None
-    optimizer_state: str | None = None
-
-
-def plan_variants(fractions: Sequence[float], policy_fraction: float) -> list[Variant]:
-    """Every variant the benchmark knows, in run order: scratch first (it defines the target)."""
-    variants = [Variant("scratch", None)]
-    variants += [Variant(f"p2r_f{f:g}_scale", 1, f, "scale") for f in fractions]
-    variants += [Variant(f"p2r_f{policy_fraction:g}_{policy}", 1, policy_fraction, policy)
-                 for policy in POLICIES if policy != "scale"]
-    variants.append(Variant("pseudo_only", 1))
-    unique: dict[str, Variant] = {}
-    for variant in variants:
-        unique.setdefault(variant.name, variant)
-    return list(unique.values())
-
-
+# ------------------------------------------------------------------------------------------- in the worker
 class ValidationRecorder(L.Callback):
-    """Training clock (wall time since ``on_train_start`` minus time spent validating) at every step and validation.
+    """Training clock (wall time minus validation) at each step end, and (step, val loss) at each validation."""
 
-    ``step_clock[i]`` is the clock at the end of optimizer step ``i``; ``points`` holds one
-    ``(global_step, train_seconds, wall_seconds, val_loss)`` per validation, sanity check excluded.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self) -> None:
         self.start: float | None = None
         self.validating_since: float | None = None
         self.validation_seconds = 0.0
         self.step_clock: list[float] = []
-        self.points: list[tuple[int, float, float, float]] = []
-
-    def _now(self) -> float:
-        synchronize(self.device)
-        return time.perf_counter()
+        self.points: list[tuple[int, float]] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.start = self._now()
+        self.start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         assert self.start is not None
-        self.step_clock.append(self._now() - self.start - self.validation_seconds)
+        self.step_clock.append(time.perf_counter() - self.start - self.validation_seconds)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not trainer.sanity_checking and self.start is not None:
-            self.validating_since = self._now()
+        if not trainer.sanity_checking:
+            self.validating_since = time.perf_counter()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or self.validating_since is None or self.start is None:
+        if trainer.sanity_checking or self.validating_since is None:
             return
-        now = self._now()
-        train_seconds = self.validating_since - self.start - self.validation_seconds
-        self.validation_seconds += now - self.validating_since
+        self.validation_seconds += time.perf_counter() - self.validating_since
         self.validating_since = None
-        loss = float(trainer.callback_metrics["val/loss"])
-        self.points.append((trainer.global_step, train_seconds, now - self.start, loss))
+        self.points.append((trainer.global_step, float(trainer.callback_metrics["val/loss"])))
 
 
-def first_crossing(xs: Sequence[float], losses: Sequence[float], target: float) -> float | None:
-    """Where ``losses`` (sampled at ``xs``) first reach ``target`` or below, linear between samples; None if never."""
-    for i, loss in enumerate(losses):
-        if loss <= target:
-            if i == 0 or losses[i - 1] == loss:
-                return xs[i]
-            frac = (losses[i - 1] - target) / (losses[i - 1] - loss)
-            return xs[i - 1] + frac * (xs[i] - xs[i - 1])
-    return None
+class SaveAtSteps(L.Callback):
+    """Save a full checkpoint when ``global_step`` reaches each key of ``paths`` (the trunk a branch resumes)."""
+
+    def __init__(self, paths: dict[int, str]) -> None:
+        self.paths = paths
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        path = self.paths.get(trainer.global_step)
+        if path is not None and not Path(path).exists():
+            trainer.save_checkpoint(path)
+
+
+class SecondMomentCheck(L.Callback):
+    """How well each copy's AdamW second moment at the last delinking matches the gradients it then gets.
+
+    At the delink step it reads each layer's bias-corrected ``exp_avg_sq`` of ``attn.qkv.weight`` (mean over the
+    tensor); over the next ``steps`` steps it averages the same tensor's squared gradient as the optimizer sees it
+    (after clipping). The ratio is 1 when the carried moment is what the copy's own gradients give; "scale"'s rule
+    assumes the layers' gradients are identical, so it is below 1 when they are not.
+    """
+
+    def __init__(self, delink_step: int, steps: int) -> None:
+        self.delink_step, self.steps = delink_step, steps
+        self.carried: list[float] = []
+        self.squares: list[float] = []
+        self.count = 0
+
+    def _weights(self, pl_module: L.LightningModule) -> list[torch.Tensor]:
+        from lightning_p2r.sharing import find_block_sequence
+
+        holder = find_block_sequence(pl_module)
+        return [holder.blocks[block].get_parameter(MOMENT_WEIGHT) for block in holder.layer_to_block]
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.global_step != self.delink_step or self.carried:
+            return
+        beta2 = trainer.optimizers[0].param_groups[0]["betas"][1]
+        for weight in self._weights(pl_module):
+            state = trainer.optimizers[0].state.get(weight, {})
+            if "exp_avg_sq" not in state:
+                self.carried.append(0.0)
+                continue
+            correction = 1.0 - beta2 ** float(state["step"])
+            self.carried.append(float(state["exp_avg_sq"].mean()) / correction)
+        self.squares = [0.0] * len(self.carried)
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if not self.carried or self.count >= self.steps:
+            return
+        clip = trainer.gradient_clip_val
+        coef = 1.0
+        if clip:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+            coef = min(1.0, clip / (norm + 1e-6))
+        for index, weight in enumerate(self._weights(pl_module)):
+            if weight.grad is not None:
+                self.squares[index] += float((weight.grad * coef).square().mean())
+        self.count += 1
+
+    def ratio(self) -> float | None:
+        """Geometric mean over layers of carried / observed (None before the check has run)."""
+        if not self.count:
+            return None
+        ratios = [c / (s / self.count) for c, s in zip(self.carried, self.squares) if s > 0]
+        if not ratios or min(ratios) <= 0:
+            return 0.0 if ratios else None
+        return math.exp(statistics.fmean(math.log(r) for r in ratios))
 
 
 def build_cli(cli_args: list[str]) -> Any:
@@ -150,225 +195,451 @@ def build_cli(cli_args: list[str]) -> Any:
     from lightning_p2r.data import TextDataModule
     from lightning_p2r.module import M6LanguageModel
 
-    # sys.argv holds this benchmark's own flags; LightningCLI would warn that they are ignored.
-    with mock.patch.object(sys, "argv", sys.argv[:1]):
+    with mock.patch.object(sys, "argv", sys.argv[:1]):  # our own flags are not LightningCLI's
         return P2RCLI(M6LanguageModel, TextDataModule, args=cli_args, run=False, save_config_callback=None)
 
 
-def run_variant(variant: Variant, base_args: list[str], device: torch.device) -> dict[str, Any]:
-    """Train one variant; return its validation curve, per-step clock and delink step."""
+def _worker(spec: dict[str, Any]) -> None:
+    """One run, in its own process (and, for 2 ranks, the process Lightning launches for rank 1)."""
     from lightning_p2r import PseudoToReal
 
-    load_1m = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else math.nan
-    blocks = "null" if variant.num_unique_blocks is None else str(variant.num_unique_blocks)
-    with tempfile.TemporaryDirectory(prefix=f"p2r-bench-{variant.name}-") as root:
-        cli = build_cli([*base_args, f"--trainer.default_root_dir={root}",
-                         f"--model.config.num_unique_blocks={blocks}"])
-        recorder = ValidationRecorder(device)
-        callback = None
-        if variant.delink_fraction is not None:
-            callback = PseudoToReal(delink_at_fraction=variant.delink_fraction, optimizer_state=variant.optimizer_state)
-            cli.trainer.callbacks.append(callback)
-        cli.trainer.callbacks.append(recorder)
-        cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    if not recorder.points:
-        raise RuntimeError(f"{variant.name}: no validation ran; check --val-every against --steps")
-    delink_step = None
-    if callback is not None:
-        if not callback.events:
-            raise RuntimeError(f"{variant.name}: PseudoToReal never delinked")
-        delink_step = callback.events[0].step
-    return {"variant": variant, "points": recorder.points, "step_clock": recorder.step_clock,
-            "delink_step": delink_step, "config": cli.model.config, "load_1m": load_1m}
+    torch.set_num_threads(spec["threads"])
+    cli = build_cli(spec["args"])
+    num_layers = cli.model.config.num_layers
+    recorder = ValidationRecorder()
+    callbacks: list[L.Callback] = []
+    schedule = {int(step): blocks or num_layers for step, blocks in spec["schedule"].items()}
+    moment_check = None
+    if schedule:
+        arm = spec["arm"]
+        callbacks.append(PseudoToReal(schedule=schedule, optimizer_state=arm["optimizer_state"],
+                                      delink_noise=arm["delink_noise"], rewarm_steps=arm["rewarm_steps"]))
+        if spec["moment_check"]:
+            moment_check = SecondMomentCheck(max(schedule), MOMENT_CHECK_STEPS)
+            callbacks.append(moment_check)
+    if spec["save_at"]:
+        callbacks.append(SaveAtSteps({int(step): path for step, path in spec["save_at"].items()}))
+    cli.trainer.callbacks.extend([*callbacks, recorder])
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path=spec["resume"])
+    if cli.trainer.global_rank:
+        return
+    plan = getattr(cli.trainer.strategy, "plan", None)
+    result = {"points": recorder.points, "step_clock": recorder.step_clock, "delinks": sorted(schedule),
+              "moment_ratio": moment_check.ratio() if moment_check else None,
+              "offloaded_blocks": len(plan.offloaded) if plan is not None else 0}
+    Path(spec["result"]).write_text(json.dumps(result), encoding="utf-8")
 
 
-def _mean_step_seconds(step_clock: Sequence[float], first: int, stop: int) -> float:
-    """Mean duration of steps ``first..stop-1``; step 0 (first batch, lazy setup) is always left out."""
-    first = max(first, 1)
-    durations = [step_clock[i] - step_clock[i - 1] for i in range(first, min(stop, len(step_clock)))]
-    return statistics.fmean(durations) if durations else math.nan
+# ------------------------------------------------------------------------------------------- in the parent
+def _launch(spec: dict[str, Any], timeout: int = 7200) -> dict[str, Any]:
+    """Run ``spec`` in a fresh process; the result JSON it wrote."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(spec["threads"])}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)  # inherited launcher variables would make the worker think it is a rank of our run
+    command = [sys.executable, "-m", "lightning_p2r.benchmarks.pseudo_to_real", "--worker", json.dumps(spec)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+    path = Path(spec["result"])
+    if result.returncode or not path.exists():
+        raise RuntimeError(f"run {spec['name']} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    return json.loads(path.read_text(encoding="utf-8"))
 
 
-def summarize(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per variant (columns as ``SUMMARY_COLUMNS``); "to target" columns need a scratch run."""
-    scratch = next((r for r in results if r["variant"].name == "scratch"), None)
-    target = scratch["points"][-1][3] if scratch else None
-    crossings = []
-    for result in results:
-        steps, seconds, _, losses = zip(*result["points"])
-        crossings.append((first_crossing(steps, losses, target), first_crossing(seconds, losses, target))
-                         if target is not None else (None, None))
-    reference = crossings[results.index(scratch)] if scratch else (None, None)
-    rows = []
-    for result, (at_step, at_second) in zip(results, crossings):
-        clock = result["step_clock"]
-        delink = result["delink_step"]
-        pseudo = result["variant"].num_unique_blocks == 1
-        # First step of the real stage: the delink step; never for pseudo_only; 0 for scratch.
-        switch = delink if delink is not None else (len(clock) if pseudo else 0)
-        row: dict[str, Any] = {"variant": result["variant"].name, "delink_step": delink,
-                               "final_val_loss": result["points"][-1][3]}
-        if target is None:
-            row |= dict.fromkeys(("steps_to_target", "seconds_to_target", "steps_saved_%", "time_saved_%"), "-")
-        else:
-            row["steps_to_target"] = "never" if at_step is None else f"{at_step:.0f}"
-            row["seconds_to_target"] = "never" if at_second is None else f"{at_second:.1f}"
-            for key, value, ref in (("steps_saved_%", at_step, reference[0]),
-                                    ("time_saved_%", at_second, reference[1])):
-                row[key] = "-" if value is None or not ref else f"{100.0 * (1.0 - value / ref):.1f}"
-        row["train_s"] = clock[-1] if clock else math.nan
-        row["pseudo_s_per_step"] = _mean_step_seconds(clock, 0, switch) if switch else math.nan
-        row["real_s_per_step"] = _mean_step_seconds(clock, switch, len(clock)) if switch < len(clock) else math.nan
-        row["load_1m"] = result["load_1m"]
-        rows.append(row)
-    return rows
+def settings_key(base_args: Sequence[str], steps: int) -> str:
+    """A short hash of a run's settings, with the temporary folder they mention replaced by a placeholder."""
+    root = next((a.split("=", 1)[1] for a in base_args if a.startswith("--trainer.default_root_dir=")), None)
+    stable = [a.replace(root, "<tmp>") if root else a for a in base_args]
+    return hashlib.sha256(json.dumps([stable, steps]).encode()).hexdigest()[:10]
 
 
-def memory_rows(config: Any) -> list[dict[str, Any]]:
-    """fp32 parameter + gradient + AdamW bytes of the pseudo (1 block) and real model, from built models."""
+class Runner:
+    """Trains runs ``jobs`` at a time in subprocesses, keeping each finished result under ``folder``."""
+
+    def __init__(self, folder: Path, base_args: list[str], steps: int, jobs: int, arms: dict[str, Arm],
+                 timeout: int) -> None:
+        self.folder, self.base_args, self.steps, self.jobs, self.arms = folder, base_args, steps, jobs, arms
+        self.timeout = timeout
+        folder.mkdir(parents=True, exist_ok=True)
+        # Results are reused only under the same settings: the hash covers every argument a run gets, except the
+        # per-invocation temporary folder (the root dir, and the --quick corpus inside it).
+        self.key = settings_key(base_args, steps)
+
+    def _paths(self, run: Run) -> tuple[Path, Path]:
+        stem = f"{run.name}_{self.key}"  # names hold dots (lr0.002): no with_suffix
+        return self.folder / f"{stem}.json", self.folder / f"{stem}.ckpt"
+
+    def _spec(self, run: Run, save_at: dict[int, str]) -> dict[str, Any]:
+        arm = run.arm
+        delinks = arm.delink_steps(self.steps)
+        blocks = "null" if arm.blocks is None else str(arm.blocks)
+        args = [*self.base_args, f"--seed_everything={run.seed}", f"--data.seed={run.seed}",
+                f"--model.optimizer.lr={run.lr}", f"--model.config.num_unique_blocks={blocks}",
+                f"--model.config.sharing={arm.sharing}", f"--model.config.residual_init={arm.residual_init}"]
+        trunk = None if arm.trunk is None else Run(self.arms[arm.trunk], run.lr, run.seed)
+        return {"name": run.name, "args": args, "threads": 1, "arm": asdict(arm), "schedule": delinks,
+                "save_at": save_at, "moment_check": bool(delinks),
+                "resume": str(self._paths(trunk)[1]) if trunk else None, "result": str(self._paths(run)[0])}
+
+    def result(self, run: Run) -> dict[str, Any]:
+        """The run's validation curve, the trunk's points before the branch included."""
+        data = json.loads(self._paths(run)[0].read_text(encoding="utf-8"))
+        if run.arm.trunk is not None:
+            branch = min(run.arm.delink_steps(self.steps))
+            trunk = self.result(Run(self.arms[run.arm.trunk], run.lr, run.seed))
+            data["points"] = ([p for p in trunk["points"] if p[0] <= branch]
+                              + [p for p in data["points"] if p[0] > branch])
+        return data
+
+    def run_all(self, runs: Sequence[Run]) -> None:
+        branches: dict[str, set[int]] = {}
+        for run in runs:
+            if run.arm.trunk is not None:
+                trunk = Run(self.arms[run.arm.trunk], run.lr, run.seed)
+                branches.setdefault(trunk.name, set()).add(min(run.arm.delink_steps(self.steps)))
+        for wave in waves(runs, self.arms):
+            todo = []
+            for run in wave:
+                result_path, ckpt_path = self._paths(run)
+                needs_ckpt = run.name in branches and not ckpt_path.exists()
+                if result_path.exists() and not needs_ckpt:
+                    continue
+                save_at = {step: str(ckpt_path) for step in branches.get(run.name, ())}
+                if len(save_at) > 1:
+                    raise ValueError(f"{run.name}: branches at several steps are not supported")
+                todo.append((run, self._spec(run, save_at)))
+            with ThreadPoolExecutor(max_workers=self.jobs) as pool:
+                list(pool.map(self._one, [spec for _, spec in todo]))  # list(): re-raise a failed run here
+
+    def _one(self, spec: dict[str, Any]) -> None:
+        began = time.perf_counter()
+        data = _launch(spec, self.timeout)
+        final = data["points"][-1] if data["points"] else None
+        print(f"  {spec['name']}: final val loss {final[1] if final else float('nan'):.4f}, "
+              f"{time.perf_counter() - began:.0f} s", flush=True)
+
+
+def sizes(config: Any) -> dict[str, int]:
+    """fp32 training-state bytes (param 4 + grad 4 + AdamW 8 per parameter) of the pseudo and the real model."""
     from lightning_p2r.models import M6Transformer
 
-    rows = []
+    out = {}
     for label, blocks in (("pseudo", 1), ("real", None)):
-        model = M6Transformer(config.replace(num_unique_blocks=blocks))
-        total = sum(p.numel() for p in model.parameters())  # a tied tensor counts once
+        with torch.device("meta"):
+            model = M6Transformer(config.replace(num_unique_blocks=blocks))
+        total = sum(p.numel() for p in model.parameters())
         in_blocks = sum(p.numel() for p in model.blocks.parameters())
-        for part, count in (("blocks", in_blocks), ("rest", total - in_blocks), ("total", total)):
-            rows.append({"model": label, "part": part, "params": count,
-                         "param_bytes": count * BYTES_PARAM, "grad_bytes": count * BYTES_GRAD,
-                         "adamw_bytes": count * BYTES_ADAMW,
-                         "total_bytes": count * (BYTES_PARAM + BYTES_GRAD + BYTES_ADAMW)})
-    for row in rows:
-        for key in ("param", "grad", "adamw", "total"):
-            row[f"{key}_MiB"] = row[f"{key}_bytes"] / 2**20
+        out[f"{label}_total"], out[f"{label}_blocks"] = total * 16, in_blocks * 16
+    return out
+
+
+def timing_specs(arms: dict[str, Arm], base_args: list[str], folder: Path, phase_steps: int, num_layers: int,
+                 budget: int, threads: int) -> list[dict[str, Any]]:
+    """One timing run per (memory setting, arm): each stage of the arm gets ``phase_steps`` steps."""
+    specs = []
+    for setting in SETTINGS:
+        extra = {"single": [],
+                 "zero3": ["--trainer.devices=2", "--trainer.strategy=lightning_p2r.P2RStrategy",
+                           "--trainer.strategy.sharding=zero3"],
+                 "offload": ["--trainer.strategy=lightning_p2r.P2RStrategy",
+                             f"--trainer.strategy.device_memory_budget={budget}"]}[setting]
+        for name in TIMED_ARMS:
+            arm = arms[name]
+            stages = len(arm.schedule) + 1
+            schedule = {phase_steps * (i + 1): blocks for i, (_, blocks) in enumerate(arm.schedule)}
+            blocks = "null" if arm.blocks is None else str(arm.blocks)
+            args = [*base_args, f"--trainer.max_steps={phase_steps * stages}", "--trainer.limit_val_batches=0",
+                    f"--model.config.num_unique_blocks={blocks}", f"--model.config.sharing={arm.sharing}", *extra]
+            if setting == "zero3":
+                args.append(f"--data.batch_size={_batch_size(base_args) // 2}")  # same tokens per optimizer step
+            specs.append({"name": f"timing_{setting}_{name}", "setting": setting, "arm": asdict(arm),
+                          "args": args, "threads": 1 if setting == "zero3" else threads, "schedule": schedule,
+                          "save_at": {}, "moment_check": False, "resume": None,
+                          "result": str(folder / f"timing_{setting}_{name}.json")})
+    return specs
+
+
+def _batch_size(args: Sequence[str]) -> int:
+    value = 16
+    for arg in args:
+        if arg.startswith("--data.batch_size="):
+            value = int(arg.split("=", 1)[1])
+    return value
+
+
+def phase_times(clock: Sequence[float], boundaries: Sequence[int], skip: int = 2) -> tuple[list[float], float]:
+    """Mean seconds per step of each stage (its first ``skip`` steps left out: allocation, re-planning) and the mean
+    extra cost of a delink step over the stage it starts."""
+    steps = [clock[0]] + [clock[i] - clock[i - 1] for i in range(1, len(clock))]
+    edges = [0, *boundaries, len(steps)]
+    means = []
+    for start, stop in zip(edges, edges[1:]):
+        window = steps[start + skip:stop] or steps[start:stop]
+        means.append(statistics.fmean(window))
+    extra = [steps[b] - means[i + 1] for i, b in enumerate(boundaries) if b < len(steps)]
+    return means, statistics.fmean(extra) if extra else 0.0
+
+
+# ------------------------------------------------------------------------------------------------- analysis
+def final_loss(result: dict[str, Any]) -> float:
+    return result["points"][-1][1] if result["points"] else math.nan
+
+
+def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence[float], seeds: int,
+            timing: dict[str, dict[str, Any]], ablations: list[str]) -> dict[str, Any]:
+    steps = runner.steps
+    sweep_rows, best = [], {}
+    for name in main:
+        finals = {lr: [final_loss(runner.result(Run(arms[name], lr, 0)))] for lr in lrs}
+        best[name] = best_lr(finals)
+        sweep_rows += [{"arm": name, "lr": lr, "seed": 0, "final_val_loss": finals[lr][0], "best": lr == best[name]}
+                       for lr in lrs]
+    results = {name: {s: runner.result(Run(arms[name], best[name], s)) for s in range(seeds)} for name in main}
+    p2r_lr = best["p2r"]
+    for name in ablations:
+        results[name] = {s: runner.result(Run(arms[name], p2r_lr, s)) for s in range(seeds)}
+        best[name] = p2r_lr
+    finals = {name: {s: final_loss(r) for s, r in per_seed.items()} for name, per_seed in results.items()}
+    scratch = finals["scratch"]
+    summary, ablation_rows, time_rows = [], [], []
+    for name in [*main, *ablations]:
+        arm = arms[name]
+        diff = paired_difference(finals[name], scratch)
+        crossings = {s: first_crossing([p[0] for p in r["points"]], [p[1] for p in r["points"]], scratch[s])
+                     for s, r in results[name].items()}
+        reached = [c for c in crossings.values() if c is not None]
+        step_ratio = statistics.fmean(c / steps for c in reached) if len(reached) == len(crossings) else math.nan
+        tau = min(arm.delink_steps(steps)) / steps if arm.schedule else (1.0 if arm.blocks is not None else 0.0)
+        row = {"arm": name, "lr": best[name], "seeds": len(finals[name]),
+               "final_mean": statistics.fmean(finals[name].values()),
+               "final_sd": statistics.stdev(finals[name].values()) if len(finals[name]) > 1 else math.nan,
+               "diff_vs_scratch": diff.mean, "diff_se": diff.se, "lower_by_2se": diff.significant,
+               "steps_to_scratch_final": step_ratio, "tau": tau,
+               "moment_ratio": _mean_or_nan([r.get("moment_ratio") for r in results[name].values()])}
+        if name in ablations:
+            vs = paired_difference(finals[name], finals["p2r"])
+            ablation_rows.append(row | {"note": arm.note, "diff_vs_p2r": vs.mean, "diff_vs_p2r_se": vs.se})
+            continue
+        summary.append(row)
+        for setting, measured in timing.items():
+            if name in measured:
+                time_rows.append(_time_row(row, arm, measured, setting, reached, len(crossings), step_ratio, steps))
+    return {"best": best, "results": results, "sweep": sweep_rows, "summary": summary, "ablations": ablation_rows,
+            "time": time_rows}
+
+
+def _time_row(row: dict[str, Any], arm: Arm, measured: dict[str, Any], setting: str, reached: list[float],
+              seeds: int, step_ratio: float, steps: int) -> dict[str, Any]:
+    """Seconds to scratch's final loss under one memory setting, from the measured seconds per step of each stage."""
+    phases, delink_s = measured[arm.name]["phases"], measured[arm.name]["delink_s"]
+    starts = [0, *sorted(arm.delink_steps(steps))]
+    timeline = [Phase(start, s) for start, s in zip(starts, phases)]
+    real_s = measured["scratch"]["phases"][0] if "scratch" in measured else phases[-1]
+    scratch_time = steps * real_s
+    all_reached = len(reached) == seeds
+    seconds = statistics.fmean(seconds_to(c, timeline, delink_s) for c in reached) if all_reached else math.inf
+    r = phases[0] / phases[-1] if len(phases) > 1 else 1.0
+    delta = step_ratio - 1.0 if math.isfinite(step_ratio) else math.inf
+    return {"arm": arm.name, "setting": setting, "s_per_step_first_stage": phases[0], "s_per_step_real": phases[-1],
+            "delink_s": delink_s, "r": r, "tau": row["tau"], "delta": delta,
+            "criterion_wins": wins_on_time(delta, row["tau"], r) if arm.schedule else "-",
+            "time_to_scratch_final_s": seconds, "scratch_time_s": scratch_time,
+            "time_ratio": seconds / scratch_time if scratch_time else math.nan}
+
+
+def _mean_or_nan(values: Sequence[float | None]) -> float:
+    kept = [v for v in values if v is not None]
+    return statistics.fmean(kept) if kept else math.nan
+
+
+def curve_rows(analysis: dict[str, Any], timing: dict[str, dict[str, Any]], arms: dict[str, Arm],
+               steps: int) -> list[dict[str, Any]]:
+    rows = []
+    for name, per_seed in analysis["results"].items():
+        arm = arms[name]
+        for seed, result in per_seed.items():
+            for step, loss in result["points"]:
+                row = {"arm": name, "lr": analysis["best"][name], "seed": seed, "step": step, "val_loss": loss}
+                for setting, measured in timing.items():
+                    if name in measured:
+                        starts = [0, *sorted(arm.delink_steps(steps))]
+                        timeline = [Phase(s, t) for s, t in zip(starts, measured[name]["phases"])]
+                        row[f"seconds_{setting}"] = seconds_to(step, timeline, measured[name]["delink_s"])
+                rows.append(row)
     return rows
 
 
-def save_plot(path: Path, results: Sequence[dict[str, Any]], target: float | None, title: str) -> Path:
+def save_plot(path: Path, analysis: dict[str, Any], names: Sequence[str], timing: dict[str, dict[str, Any]],
+              arms: dict[str, Arm], steps: int, title: str) -> Path:
     plt = pyplot()
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(13, 5.5), dpi=110, sharey=True)
-    for i, result in enumerate(results):
-        steps, seconds, _, losses = zip(*result["points"])
-        color = f"C{i % 10}"
-        name = result["variant"].name
-        by_step.plot(steps, losses, marker=".", color=color, label=name)
-        by_time.plot(seconds, losses, marker=".", color=color, label=name)
-        delink = result["delink_step"]
-        if delink is not None:
-            clock = result["step_clock"]
-            delink_s = clock[delink - 1] if 0 < delink <= len(clock) else 0.0
-            by_step.axvline(delink, color=color, linestyle=":", alpha=0.7)
-            by_time.axvline(delink_s, color=color, linestyle=":", alpha=0.7)
-    for ax, xlabel in ((by_step, "optimizer step"), (by_time, "training seconds (validation excluded)")):
-        if target is not None:
-            ax.axhline(target, color="black", linestyle="--", linewidth=0.8, label="scratch final val loss")
-        ax.set_xlabel(xlabel)
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3, which="both")
-    by_step.set_ylabel("validation loss (log scale); dotted: delink")
-    by_step.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    panels = ["steps", *[s for s in ("zero3", "offload") if s in timing]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 5), dpi=110, sharey=True, squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for i, name in enumerate(names):
+            per_seed = analysis["results"][name]
+            curves = [r["points"] for r in per_seed.values()]
+            xs = [p[0] for p in curves[0]]
+            if any([p[0] for p in c] != xs for c in curves):
+                continue
+            if panel != "steps":
+                if name not in timing[panel]:
+                    continue
+                starts = [0, *sorted(arms[name].delink_steps(steps))]
+                timeline = [Phase(s, t) for s, t in zip(starts, timing[panel][name]["phases"])]
+                xs = [seconds_to(x, timeline, timing[panel][name]["delink_s"]) for x in xs]
+            losses = list(zip(*[[p[1] for p in c] for c in curves]))
+            mean = [statistics.fmean(v) for v in losses]
+            ax.plot(xs, mean, color=f"C{i}", label=f"{name} (lr {analysis['best'][name]:g}, {len(curves)} seeds)")
+            ax.fill_between(xs, [min(v) for v in losses], [max(v) for v in losses], color=f"C{i}", alpha=0.2)
+        ax.set_xlabel("optimizer step" if panel == "steps" else f"seconds ({panel}, from measured step times)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("validation loss (mean; band: min-max over seeds)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     return save_figure(fig, path)
+
+
+SUMMARY_COLUMNS = ["arm", "lr", "seeds", "final_mean", "final_sd", "diff_vs_scratch", "diff_se", "lower_by_2se",
+                   "steps_to_scratch_final", "tau", "moment_ratio"]
+TIME_COLUMNS = ["arm", "setting", "s_per_step_first_stage", "s_per_step_real", "delink_s", "r", "tau", "delta",
+                "criterion_wins", "time_to_scratch_final_s", "scratch_time_s", "time_ratio"]
+ABLATION_COLUMNS = ["arm", "lr", "seeds", "final_mean", "final_sd", "diff_vs_p2r", "diff_vs_p2r_se",
+                    "diff_vs_scratch", "diff_se", "steps_to_scratch_final", "moment_ratio", "note"]
+TIMING_COLUMNS = ["setting", "arm", "stage", "blocks", "s_per_step", "delink_s", "offloaded_blocks_at_end"]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--worker", help=argparse_hidden())
     parser.add_argument("--config", type=Path, default=RECIPE, help="recipe YAML (default: pseudo_to_real.yaml)")
-    parser.add_argument("--steps", type=int, help="optimizer steps of every run (default 600, 12 with --quick)")
-    parser.add_argument("--fractions", type=float, nargs="+",
-                        help="delink points as fractions of --steps (default 0.1 0.25 0.5; 0.25 with --quick)")
-    parser.add_argument("--policy-fraction", type=float, default=0.25,
-                        help="fraction at which copy and reset are also run (default %(default)s)")
-    parser.add_argument("--variants", nargs="+",
-                        help="variant names to run (default all; scratch + p2r_f0.25_scale with --quick)")
-    parser.add_argument("--val-every", type=int, help="steps between validations (default 25, 4 with --quick)")
-    parser.add_argument("--val-batches", type=int, help="validation batches (default 20, 2 with --quick)")
+    parser.add_argument("--steps", type=int, help="optimizer steps of every run (default 400, 40 with --quick)")
+    parser.add_argument("--seeds", type=int, help="seeds per arm at its best LR (default 3, 2 with --quick)")
+    parser.add_argument("--lrs", type=float, nargs="+", help="the LR sweep (default 0.002 0.004 0.008)")
+    parser.add_argument("--jobs", type=int, default=2, help="training runs at a time, 1 thread each (default 2)")
+    parser.add_argument("--val-every", type=int, help="steps between validations (default 25, 10 with --quick)")
+    parser.add_argument("--val-batches", type=int, help="validation batches (default 12, 2 with --quick)")
+    parser.add_argument("--timing-steps", type=int, help="steps per stage in the timing runs (default 16)")
+    parser.add_argument("--no-ablations", action="store_true", help="skip the one-lever-at-a-time runs")
+    parser.add_argument("--no-timing", action="store_true", help="skip the per-setting step timings")
+    parser.add_argument("--timeout", type=int, default=7200, help="seconds one run may take (default %(default)s)")
     args, cli_overrides = parser.parse_known_args(argv)
-    steps = args.steps or (12 if args.quick else 600)
-    fractions = args.fractions or ([0.25] if args.quick else [0.1, 0.25, 0.5])
-    val_every = args.val_every or (4 if args.quick else 25)
-    val_batches = args.val_batches or (2 if args.quick else 20)
-    device = torch.device(args.device)
-    apply_threads(args.threads)
-
-    known = plan_variants(fractions, args.policy_fraction)
-    wanted = args.variants or (["scratch", f"p2r_f{fractions[0]:g}_scale"] if args.quick else None)
-    if wanted is not None:
-        unknown = sorted(set(wanted) - {v.name for v in known})
-        if unknown:
-            parser.error(f"unknown variants {unknown}; known: {[v.name for v in known]}")
-        known = [v for v in known if v.name in wanted]
-
-    env = environment_info(device)
+    if args.worker:
+        _worker(json.loads(args.worker))
+        return {}
+    quick = args.quick
+    steps = args.steps or (40 if quick else 400)
+    seeds = args.seeds or (2 if quick else 3)
+    lrs = args.lrs or ([0.002, 0.008] if quick else [0.002, 0.004, 0.008])
+    val_every = args.val_every or (10 if quick else 25)
+    val_batches = args.val_batches or (2 if quick else 12)
+    phase_steps = args.timing_steps or (4 if quick else 16)
+    if steps % val_every:
+        parser.error(f"--steps ({steps}) must be a multiple of --val-every ({val_every}): the last step is measured")
+    env = environment_info("cpu")
     print_environment(env)
-    with tempfile.TemporaryDirectory(prefix="p2r-bench-data-") as data_dir:
-        quick_args: list[str] = []
-        if args.quick:
-            corpus = Path(data_dir) / "corpus.txt"
+    out: Path = args.out
+    with tempfile.TemporaryDirectory(prefix="p2r-bench-") as scratch_dir:
+        extra: list[str] = []
+        if quick:
+            corpus = Path(scratch_dir) / "corpus.txt"
             corpus.write_text(QUICK_TEXT * 40, encoding="utf-8")
-            quick_args = [*QUICK_OVERRIDES, f"--data.corpus={corpus}"]
-        base_args = [
-            "--config", str(args.config),
-            f"--trainer.accelerator={device.type}",
-            f"--trainer.max_steps={steps}",
-            f"--trainer.val_check_interval={val_every}",
-            f"--trainer.limit_val_batches={val_batches}",
-            "--trainer.num_sanity_val_steps=0",
-            "--trainer.logger=false",
-            "--trainer.enable_checkpointing=false",
-            "--trainer.callbacks=[]",
-            "--trainer.enable_progress_bar=false",
-            "--trainer.enable_model_summary=false",
-            *quick_args,
-            *cli_overrides,
-        ]
-        print("cli args (every variant): " + " ".join(base_args))
-        results = []
-        for variant in known:
-            print(f"\n=== {variant.name} ===", flush=True)
-            result = run_variant(variant, base_args, device)
-            points = result["points"]
-            print(f"{variant.name}: delink step {result['delink_step']}, final val loss {points[-1][3]:.4f} at step "
-                  f"{points[-1][0]}, {result['step_clock'][-1]:.1f} training s", flush=True)
-            results.append(result)
+            extra = [*QUICK_OVERRIDES, f"--data.corpus={corpus}"]
+        common = ["--config", str(args.config), "--trainer.accelerator=cpu", "--trainer.devices=1",
+                  "--trainer.num_sanity_val_steps=0", "--trainer.logger=false",
+                  "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]",
+                  "--trainer.enable_progress_bar=false",
+                  "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={scratch_dir}",
+                  "--model.optimizer.schedule=wsd", "--model.optimizer.min_lr_ratio=0.0", *extra, *cli_overrides]
+        train_args = [*common, f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={val_every}",
+                      f"--trainer.limit_val_batches={val_batches}"]
+        probe = build_cli([*common, "--trainer.max_steps=1"])
+        config = probe.model.config
+        probe.datamodule.setup("fit")
+        batches = len(probe.datamodule.train_dataloader())
+        if steps > batches:
+            parser.error(f"--steps={steps} is more than one epoch ({batches} batches): the protocol never repeats data")
+        arms = {arm.name: arm for arm in main_arms(config.num_layers)}
+        main_names = list(arms)
+        warmup = probe.model.optimizer_config.warmup_steps
+        if warmup >= min(arms["p2r"].delink_steps(steps)):
+            parser.error(f"warmup ({warmup} steps) must end before the first delinking")
+        ablations = [] if args.no_ablations else ablation_arms(arms["p2r"], rewarm_steps=max(2, steps // 20),
+                                                                  noise=0.02)
+        arms.update({arm.name: arm for arm in ablations})
+        runner = Runner(out / "p2r_runs", train_args, steps, args.jobs, arms, args.timeout)
+        print(f"{steps} steps per run (one epoch is {batches}), {config.num_layers} layers, dim {config.dim}; "
+              f"runs kept in {runner.folder} (key {runner.key})")
 
-    rows = summarize(results)
-    scratch = next((r for r in results if r["variant"].name == "scratch"), None)
-    target = scratch["points"][-1][3] if scratch else None
-    print(f"\n{steps} steps per run, validation every {val_every} steps on {val_batches} batches; target = scratch's "
-          f"final val loss {'-' if target is None else f'{target:.4f}'}")
-    print("s_per_step: mean over the stage's steps (step 0 left out; the delink step counts as real); load_1m: "
-          "1-minute load average when the run started\n")
-    print_table(rows, SUMMARY_COLUMNS)
+        print("\n== LR sweep (seed 0) ==", flush=True)
+        runner.run_all([Run(arms[name], lr, 0) for name in main_names for lr in lrs])
+        best = {name: best_lr({lr: [final_loss(runner.result(Run(arms[name], lr, 0)))] for lr in lrs})
+                for name in main_names}
+        print("best LR per arm: " + ", ".join(f"{k} {v:g}" for k, v in best.items()))
+        print(f"\n== seeds 1..{seeds - 1} at each arm's best LR ==", flush=True)
+        runner.run_all([Run(arms[name], best[name], s) for name in main_names for s in range(1, seeds)])
+        if ablations:
+            print(f"\n== ablations at p2r's best LR {best['p2r']:g}, {seeds} seeds ==", flush=True)
+            runner.run_all([Run(arm, best["p2r"], s) for arm in ablations for s in range(seeds)])
 
-    # The model config as the CLI resolved it (vocabulary linked from the data); memory_rows sets the sharing.
-    memory = memory_rows(results[0]["config"])
-    print("\ntraining state in fp32 (params 4 B + grads 4 B + AdamW 8 B per parameter)\n")
-    print_table(memory, MEMORY_COLUMNS)
-    totals = {row["model"]: row["total_bytes"] for row in memory if row["part"] == "total"}
-    block_bytes = {row["model"]: row["total_bytes"] for row in memory if row["part"] == "blocks"}
-    print(f"real / pseudo: {totals['real'] / totals['pseudo']:.2f}x in total, "
-          f"{block_bytes['real'] / block_bytes['pseudo']:.2f}x in the blocks")
+        timing: dict[str, dict[str, Any]] = {}
+        timing_rows = []
+        if not args.no_timing:
+            size = sizes(config)
+            budget = size["pseudo_total"] + (size["real_blocks"] - size["pseudo_blocks"]) // 4
+            threads = os.cpu_count() or 1
+            print(f"\n== timing: {phase_steps} steps per stage, offload budget {budget / 2**20:.2f} MiB (pseudo "
+                  f"{size['pseudo_total'] / 2**20:.2f} MiB, real {size['real_total'] / 2**20:.2f} MiB) ==", flush=True)
+            for spec in timing_specs(arms, common, runner.folder, phase_steps, config.num_layers, budget, threads):
+                data = _launch(spec, args.timeout)
+                phases, delink_s = phase_times(data["step_clock"], sorted(int(s) for s in spec["schedule"]))
+                timing.setdefault(spec["setting"], {})[spec["arm"]["name"]] = {"phases": phases, "delink_s": delink_s}
+                blocks = [spec["arm"]["blocks"] or config.num_layers,
+                          *[b or config.num_layers for b in spec["schedule"].values()]]
+                for stage, (count, seconds) in enumerate(zip(blocks, phases)):
+                    timing_rows.append({"setting": spec["setting"], "arm": spec["arm"]["name"], "stage": stage,
+                                        "blocks": count, "s_per_step": seconds, "delink_s": delink_s if stage else 0.0,
+                                        "offloaded_blocks_at_end": data["offloaded_blocks"]})
+                print(f"  {spec['name']}: " + ", ".join(f"{s:.3f}" for s in phases) + " s/step", flush=True)
 
-    curve_rows = []
-    for result in results:
-        variant = result["variant"]
-        for step, train_s, wall_s, loss in result["points"]:
-            curve_rows.append({"variant": variant.name, "delink_step": result["delink_step"],
-                               "optimizer_state": variant.optimizer_state, "step": step, "train_seconds": train_s,
-                               "wall_seconds": wall_s, "val_loss": loss})
-    csv_path = write_csv(with_environment(curve_rows, env), args.out / "pseudo_to_real.csv")
-    summary_path = write_csv(with_environment(rows, env), args.out / "pseudo_to_real_summary.csv")
-    memory_path = write_csv(with_environment(memory, env), args.out / "pseudo_to_real_memory.csv")
-    png_path = save_plot(
-        args.out / "pseudo_to_real.png", results, target,
-        title=(f"Pseudo-to-Real vs real from scratch: {steps} steps, same data order and LR schedule; val every "
-               f"{val_every} steps on {val_batches} batches\n{env['device_name']} ({env['device']}, "
-               f"{env['threads']} threads, load avg 1m {env['load_avg_1m']}), torch {env['torch']}"
-               + (" -- QUICK: numbers mean nothing" if args.quick else "")),
-    )
-    print(f"\nwrote {csv_path}, {summary_path}, {memory_path} and {png_path}")
-    return {"summary": rows, "memory": memory, "env": env, "target": target}
+    analysis = analyse(runner, arms, main_names, lrs, seeds, timing, [a.name for a in ablations])
+    print("\nLR sweep (seed 0, final validation loss)\n")
+    print_table(analysis["sweep"], ["arm", "lr", "final_val_loss", "best"])
+    print(f"\nat each arm's best LR, {seeds} seeds, paired against scratch (diff < 0: lower than scratch)\n")
+    print_table(analysis["summary"], SUMMARY_COLUMNS)
+    print("steps_to_scratch_final: mean over seeds of (first step at or below that seed's scratch final loss) / "
+          "steps; '-' if some seed never gets there. moment_ratio: qkv exp_avg_sq carried at the (last) delinking "
+          f"/ mean squared gradient over the next {MOMENT_CHECK_STEPS} steps, geometric mean over layers")
+    if analysis["time"]:
+        print("\ntime to scratch's final loss per memory setting, from each stage's measured seconds per step; "
+              "criterion: delta < tau (1 - r)\n")
+        print_table(analysis["time"], TIME_COLUMNS)
+    if analysis["ablations"]:
+        print(f"\nablations at lr {best['p2r']:g}: one lever each on top of p2r\n")
+        print_table(analysis["ablations"], ABLATION_COLUMNS)
+    if timing_rows:
+        print("\nseconds per step by stage (measured alone; step 0-1 of each stage left out)\n")
+        print_table(timing_rows, TIMING_COLUMNS)
+    written = [
+        write_csv(with_environment(curve_rows(analysis, timing, arms, steps), env), out / "pseudo_to_real.csv"),
+        write_csv(with_environment(analysis["summary"], env), out / "pseudo_to_real_summary.csv"),
+        write_csv(with_environment(analysis["sweep"], env), out / "pseudo_to_real_sweep.csv"),
+    ]
+    if analysis["ablations"]:
+        written.append(write_csv(with_environment(analysis["ablations"], env), out / "pseudo_to_real_ablations.csv"))
+    if timing_rows:
+        written.append(write_csv(with_environment(timing_rows, env), out / "pseudo_to_real_timing.csv"))
+        written.append(write_csv(with_environment(analysis["time"], env), out / "pseudo_to_real_time.csv"))
+    written.append(save_plot(
+        out / "pseudo_to_real.png", analysis, main_names, timing, arms, steps,
+        title=(f"Pseudo-to-Real vs scratch: {config.num_layers} layers, dim {config.dim}, {steps} steps (WSD), "
+               f"each arm at its best LR, {seeds} seeds\n{env['device_name']}, torch {env['torch']}"
+               + (" -- QUICK: numbers mean nothing" if quick else ""))))
+    print("\nwrote " + ", ".join(str(p) for p in written))
+    return analysis | {"timing": timing, "env": env}
+
+
+def argparse_hidden() -> str:
+    import argparse
+
+    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

@@ -98,9 +98,10 @@ class PseudoToReal(L.Callback):
             measured; when the moving average of their mean pairwise cosine similarity drops below
             ``auto_threshold``, or falls ``auto_drop_from_peak`` (a fraction) below the highest average seen so
             far (and at least ``auto_min_step`` steps have run), or at ``auto_max_step``, delink. Measured on
-            ``recipes/pseudo_to_real.yaml``: the average rises from 0.57 to a peak of 0.71 near step 90 and
-            drifts down to 0.62 by step 600, so an absolute threshold of 0.2 never fires there, while a 5% drop
-            from the peak fired at step 131; the relative test adapts to the model's own level.
+            the earlier 8-layer ``recipes/pseudo_to_real.yaml`` (dim 128, 600 steps): the average rose from 0.57
+            to a peak of 0.71 near step 90 and drifted down to 0.62 by step 600, so an absolute threshold of 0.2
+            never fired there, while a 5% drop from the peak fired at step 131; the relative test adapts to the
+            model's own level.
         auto_threshold: cosine similarity under which the layers are judged to want different weights.
         auto_drop_from_peak: relative drop of the average below its running peak that triggers delinking
             (e.g. 0.05); None disables the relative test.

@@ -1,0 +1,185 @@
+"""The Pseudo-to-Real benchmark's protocol as pure functions: which runs, which LR wins, and what the seeds say.
+
+Kept apart from the runner (``pseudo_to_real.py``) so the statistics a reader trusts are unit-tested on numbers
+made up for the test, not on a training run.
+
+- An :class:`Arm` is a training recipe: the sharing it starts with, when it delinks, and how.
+- A :class:`Run` is an arm at one learning rate and one seed. Seed ``s`` fixes the model init and the data order,
+  and is the same for every arm, so differences between arms are *paired* by seed.
+- An arm with a ``trunk`` starts from the trunk arm's checkpoint at its first delink step (same seed and LR): the
+  shared stage is trained once, and a resumed run is bit-identical to an uninterrupted one (tested in
+  ``tests/unit/test_pseudo_to_real.py``), so branching saves time without changing a figure.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One way to train the model: where it starts and when (and how) it delinks."""
+
+    name: str
+    blocks: int | None
+    """Unique blocks at step 0; None is the real model (one per layer)."""
+    sharing: str = "sequence"
+    schedule: tuple[tuple[float, int | None], ...] = ()
+    """(fraction of the run, unique blocks after; None = real) for each delinking, in order."""
+    optimizer_state: str = "scale"
+    delink_noise: float = 0.0
+    rewarm_steps: int = 0
+    residual_init: str = "depth"
+    trunk: str | None = None
+    """The arm whose checkpoint at this arm's first delink step it resumes from (its shared stage)."""
+    note: str = ""
+
+    def delink_steps(self, steps: int) -> dict[int, int | None]:
+        """{optimizer step: unique blocks after} for a run of ``steps`` steps."""
+        return {round(fraction * steps): blocks for fraction, blocks in self.schedule}
+
+    def model_options(self) -> dict[str, object]:
+        """The model options this arm sets (everything else is the recipe's)."""
+        return {"num_unique_blocks": self.blocks, "sharing": self.sharing, "residual_init": self.residual_init}
+
+
+@dataclass(frozen=True)
+class Run:
+    arm: Arm
+    lr: float
+    seed: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm.name}_lr{self.lr:g}_s{self.seed}"
+
+
+def main_arms(num_layers: int, delink_fraction: float = 0.1) -> list[Arm]:
+    """The four arms the issue asks for: scratch, pseudo delinked at ``delink_fraction``, a cycled model of L/4
+    unique blocks delinked in two stages (L/2 at half the fraction, L at the fraction), and pseudo only."""
+    if num_layers % 4:
+        raise ValueError(f"the cycled arm needs num_layers divisible by 4, got {num_layers}")
+    return [
+        Arm("scratch", None, note="the real model from step 0"),
+        Arm("pseudo_only", 1, note="one block shared by every layer, never delinked"),
+        Arm("p2r", 1, schedule=((delink_fraction, None),), trunk="pseudo_only",
+            note=f"pseudo, delinked at {delink_fraction:.0%}"),
+        Arm("cycled", num_layers // 4, sharing="cycle",
+            schedule=((delink_fraction / 2, num_layers // 2), (delink_fraction, None)),
+            note=f"L/4 blocks cycled, L/2 at {delink_fraction / 2:.0%}, real at {delink_fraction:.0%}"),
+    ]
+
+
+def ablation_arms(p2r: Arm, rewarm_steps: int, noise: float) -> list[Arm]:
+    """One lever at a time on top of the ``p2r`` arm: the optimizer-state policy, symmetry breaking, and the
+    residual init of the shared block (which changes the shared stage, so those arms train their own trunk, as
+    does per_layer, which measures during the shared stage)."""
+    return [
+        replace(p2r, name="p2r_copy", optimizer_state="copy", note="moments kept as they were"),
+        replace(p2r, name="p2r_reset", optimizer_state="reset", note="moments dropped"),
+        # per_layer measures the steps before the delink: it cannot start from a checkpoint taken at the delink.
+        replace(p2r, name="p2r_per_layer", optimizer_state="per_layer", trunk=None,
+                note="each copy's own second moment, measured over the 20 steps before"),
+        replace(p2r, name="p2r_noise", delink_noise=noise, note=f"noise {noise:g} x RMS on every copy"),
+        replace(p2r, name="p2r_rewarm", rewarm_steps=rewarm_steps, note=f"LR re-warmup over {rewarm_steps} steps"),
+        replace(p2r, name="p2r_init_applications", residual_init="applications", trunk=None,
+                note="residual outputs std / sqrt(2 L g)"),
+        replace(p2r, name="p2r_init_blocks", residual_init="blocks", trunk=None,
+                note="residual outputs std / sqrt(2U)"),
+    ]
+
+
+def trunk_of(run: Run, arms: Mapping[str, Arm]) -> Run | None:
+    """The run this one branches from, or None."""
+    return None if run.arm.trunk is None else Run(arms[run.arm.trunk], run.lr, run.seed)
+
+
+def waves(runs: Sequence[Run], arms: Mapping[str, Arm]) -> list[list[Run]]:
+    """``runs`` and the trunks they need, in dependency order: every trunk in a wave before its branches."""
+    needed: dict[str, Run] = {}
+    for run in runs:
+        trunk = trunk_of(run, arms)
+        if trunk is not None:
+            needed.setdefault(trunk.name, trunk)
+        needed.setdefault(run.name, run)
+    first = [run for run in needed.values() if run.arm.trunk is None]
+    second = [run for run in needed.values() if run.arm.trunk is not None]
+    return [wave for wave in (first, second) if wave]
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def first_crossing(xs: Sequence[float], losses: Sequence[float], target: float) -> float | None:
+    """Where ``losses`` (sampled at ``xs``) first reach ``target`` or below, linear between samples; None if never."""
+    for i, loss in enumerate(losses):
+        if loss <= target:
+            if i == 0 or losses[i - 1] == loss:
+                return xs[i]
+            frac = (losses[i - 1] - target) / (losses[i - 1] - loss)
+            return xs[i - 1] + frac * (xs[i] - xs[i - 1])
+    return None
+
+
+def best_lr(final_losses: Mapping[float, Sequence[float]]) -> float:
+    """The LR with the lowest mean final loss (ties: the smaller LR); a non-finite loss counts as a failure."""
+    def score(lr: float) -> tuple[float, float]:
+        values = final_losses[lr]
+        mean = statistics.fmean(values) if values and all(math.isfinite(v) for v in values) else math.inf
+        return mean, lr
+    return min(final_losses, key=score)
+
+
+@dataclass(frozen=True)
+class Paired:
+    """Mean and standard error of per-seed differences ``arm - reference`` (negative: the arm is lower)."""
+
+    mean: float
+    se: float
+    n: int
+    diffs: tuple[float, ...] = field(default=())
+
+    @property
+    def significant(self) -> bool:
+        """Lower by more than 2 standard errors (needs at least 2 seeds)."""
+        return self.n >= 2 and self.mean < -2 * self.se
+
+
+def paired_difference(arm: Mapping[int, float], reference: Mapping[int, float]) -> Paired:
+    """Per-seed ``arm[s] - reference[s]`` over the seeds both have."""
+    seeds = sorted(set(arm) & set(reference))
+    diffs = tuple(arm[s] - reference[s] for s in seeds)
+    if not diffs:
+        return Paired(math.nan, math.nan, 0)
+    se = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else math.nan
+    return Paired(statistics.fmean(diffs), se, len(diffs), diffs)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of training with one model shape: it runs from ``start`` (an optimizer step) to the next phase."""
+
+    start: int
+    seconds_per_step: float
+
+
+def seconds_to(step: float, phases: Sequence[Phase], delink_seconds: float = 0.0) -> float:
+    """Training seconds to reach ``step`` (fractional) when each phase costs its own time per step; every phase
+    boundary crossed after step 0 adds ``delink_seconds``."""
+    total = 0.0
+    for index, phase in enumerate(phases):
+        end = phases[index + 1].start if index + 1 < len(phases) else math.inf
+        if step <= phase.start:
+            break
+        total += (min(step, end) - phase.start) * phase.seconds_per_step
+        if index > 0:
+            total += delink_seconds
+    return total
+
+
+def wins_on_time(step_gap: float, pseudo_fraction: float, step_time_ratio: float) -> bool:
+    """The issue's criterion: P2R reaches scratch's final loss sooner iff ``delta < tau (1 - r)``, with ``delta``
+    the extra steps it needs (as a fraction of the run), ``tau`` the fraction of the run spent pseudo and ``r`` the
+    pseudo/real step-time ratio (delinking itself taken as free)."""
+    return step_gap < pseudo_fraction * (1.0 - step_time_ratio)

@@ -1,0 +1,94 @@
+"""The Pseudo-to-Real benchmark's protocol: run planning, LR choice, paired statistics and the time model."""
+
+import math
+
+import pytest
+
+from lightning_p2r.benchmarks.p2r_protocol import (
+    Phase,
+    Run,
+    ablation_arms,
+    best_lr,
+    first_crossing,
+    main_arms,
+    paired_difference,
+    seconds_to,
+    trunk_of,
+    waves,
+    wins_on_time,
+)
+from lightning_p2r.benchmarks.pseudo_to_real import phase_times, timing_specs
+
+
+def test_main_arms_and_their_delink_steps() -> None:
+    arms = {arm.name: arm for arm in main_arms(16)}
+    assert list(arms) == ["scratch", "pseudo_only", "p2r", "cycled"]
+    assert arms["p2r"].delink_steps(400) == {40: None}
+    assert arms["cycled"].blocks == 4 and arms["cycled"].sharing == "cycle"
+    assert arms["cycled"].delink_steps(400) == {20: 8, 40: None}
+    assert arms["scratch"].delink_steps(400) == {} and arms["pseudo_only"].blocks == 1
+    with pytest.raises(ValueError, match="divisible by 4"):
+        main_arms(6)
+
+
+def test_branches_wait_for_their_trunk() -> None:
+    arms = {arm.name: arm for arm in main_arms(8)}
+    arms |= {arm.name: arm for arm in ablation_arms(arms["p2r"], rewarm_steps=5, noise=0.01)}
+    runs = [Run(arms["p2r_reset"], 0.01, 1), Run(arms["p2r_init_blocks"], 0.01, 1), Run(arms["scratch"], 0.01, 1),
+            Run(arms["p2r_per_layer"], 0.01, 1)]
+    first, second = waves(runs, arms)
+    assert {r.name for r in first} == {"pseudo_only_lr0.01_s1", "p2r_init_blocks_lr0.01_s1", "scratch_lr0.01_s1",
+                                       "p2r_per_layer_lr0.01_s1"}
+    assert [r.name for r in second] == ["p2r_reset_lr0.01_s1"]
+    assert trunk_of(runs[0], arms) == Run(arms["pseudo_only"], 0.01, 1)
+    assert trunk_of(runs[1], arms) is None  # another init: its own shared stage
+
+
+def test_first_crossing_interpolates_and_says_never() -> None:
+    assert first_crossing([0, 10, 20], [5.0, 4.0, 3.0], 3.5) == pytest.approx(15.0)
+    assert first_crossing([0, 10], [3.0, 2.0], 3.5) == 0
+    assert first_crossing([0, 10], [5.0, 4.0], 3.0) is None
+
+
+def test_best_lr_takes_the_lowest_mean_and_treats_divergence_as_failure() -> None:
+    assert best_lr({0.001: [3.0, 3.2], 0.002: [3.0, 3.0], 0.004: [math.nan]}) == 0.002
+    assert best_lr({0.001: [3.0], 0.002: [3.0]}) == 0.001  # ties: the smaller LR
+
+
+def test_paired_difference_and_its_significance() -> None:
+    diff = paired_difference({0: 3.0, 1: 3.1, 2: 2.9, 3: 9.9}, {0: 3.2, 1: 3.25, 2: 3.15})
+    assert diff.n == 3 and diff.diffs == pytest.approx((-0.2, -0.15, -0.25))
+    assert diff.mean == pytest.approx(-0.2) and diff.se == pytest.approx(0.05 / math.sqrt(3))
+    assert diff.significant
+    assert not paired_difference({0: 3.0, 1: 3.3}, {0: 3.2, 1: 3.2}).significant  # -0.2 and +0.1: noise
+    assert not paired_difference({0: 1.0}, {0: 2.0}).significant  # one seed proves nothing
+
+
+def test_seconds_to_prices_each_stage_and_each_delink() -> None:
+    phases = [Phase(0, 0.5), Phase(40, 1.0)]
+    assert seconds_to(20, phases) == pytest.approx(10.0)
+    assert seconds_to(100, phases, delink_seconds=2.0) == pytest.approx(40 * 0.5 + 60 * 1.0 + 2.0)
+    assert seconds_to(40, phases, delink_seconds=2.0) == pytest.approx(20.0)  # the delink not crossed yet
+    # The criterion: 10% pseudo at half the cost buys 5% of the run.
+    assert wins_on_time(0.04, 0.1, 0.5) and not wins_on_time(0.06, 0.1, 0.5)
+    assert not wins_on_time(0.0, 0.1, 1.0)  # no cheaper steps: no time to win
+
+
+def test_phase_times_leave_out_warmup_steps_and_price_the_delink() -> None:
+    steps = [1.0, 0.5, 0.5, 0.5, 0.5, 3.0, 1.0, 1.0, 1.0, 1.0]  # a delink (+2 s) at step 5
+    clock = [sum(steps[: i + 1]) for i in range(len(steps))]
+    means, delink = phase_times(clock, [5])
+    assert means == pytest.approx([0.5, 1.0])
+    assert delink == pytest.approx(2.0)
+
+
+def test_timing_specs_keep_the_tokens_per_step_and_the_budget(tmp_path) -> None:
+    arms = {arm.name: arm for arm in main_arms(8)}
+    specs = timing_specs(arms, ["--data.batch_size=16"], tmp_path, phase_steps=5, num_layers=8, budget=1234, threads=2)
+    by_name = {spec["name"]: spec for spec in specs}
+    settings, arm_names = ("single", "zero3", "offload"), ("scratch", "p2r", "cycled")
+    assert set(by_name) == {f"timing_{s}_{a}" for s in settings for a in arm_names}
+    zero3 = by_name["timing_zero3_cycled"]
+    assert "--trainer.devices=2" in zero3["args"] and "--data.batch_size=8" in zero3["args"]
+    assert zero3["schedule"] == {5: 4, 10: None} and "--trainer.max_steps=15" in zero3["args"]
+    assert "--trainer.strategy.device_memory_budget=1234" in by_name["timing_offload_p2r"]["args"]
