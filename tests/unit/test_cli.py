@@ -109,13 +109,13 @@ def test_pseudo_to_real_recipe_delinks_during_a_short_fit(tmp_path: Path, monkey
 
     monkeypatch.chdir(tmp_path)
     cli = _cli(["--config", str(ROOT / "recipes" / "pseudo_to_real.yaml"), "--trainer.logger=false",
-                "--trainer.max_steps=4", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+                "--trainer.max_steps=41", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
                 "--data.tokenizer=bytes", "--data.vocab_size=256", f"--data.corpus={_small_corpus(tmp_path)}"])
     callback = next(c for c in cli.trainer.callbacks if isinstance(c, PseudoToReal))
-    assert cli.model.config.num_unique_blocks == 1
+    assert cli.model.config.num_unique_blocks == 4 and cli.model.config.sharing == "cycle"
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    assert [e.step for e in callback.events] == [1]
-    assert len(cli.model.transformer.blocks) == 8
+    assert [(e.step, e.blocks_after) for e in callback.events] == [(20, 8), (40, 16)]  # staged, as the recipe says
+    assert len(cli.model.transformer.blocks) == 16
     assert (tmp_path / "runs" / "pseudo_to_real" / "checkpoints" / "last.ckpt").exists()
 
 
