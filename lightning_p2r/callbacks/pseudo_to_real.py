@@ -361,6 +361,21 @@ class PseudoToReal(L.Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._unhook()
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._unhook()
+
+    def _unhook(self) -> None:
+        """A run that ends or fails inside a measuring window leaves no hooks or wrapped run_layer behind."""
+        for probe in (self._tracker, self._probe):
+            if probe is not None:
+                probe.remove()
+        self._tracker = self._probe = None
+
     # ------------------------------------------------------------------------------------------- checkpoint
     @override
     def state_dict(self) -> dict[str, Any]:

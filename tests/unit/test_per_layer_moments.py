@@ -111,6 +111,19 @@ def test_per_layer_bad_arguments_and_fallback(tmp_path: Path) -> None:
         PseudoToReal(delink_at_step=2, optimizer_state="per_layer", per_layer_steps=0)
     with pytest.raises(ValueError, match="optimizer_state must be one of"):
         PseudoToReal(delink_at_step=2, optimizer_state="per-layer")
+    # A run that fails inside the measuring window unhooks the model.
+    class FailAtStep3(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 3:
+                assert "run_layer" in vars(pl_module.transformer)  # measuring
+                raise RuntimeError("stop here")
+
+    callback = PseudoToReal(delink_at_step=5, optimizer_state="per_layer", per_layer_steps=3)
+    module = M6LanguageModel(M6Config(**MOE), OptimizerConfig(lr=3e-3, warmup_steps=2))
+    trainer = tiny_trainer(tmp_path / "fails", max_steps=6, callbacks=[callback, FailAtStep3()], val_check_interval=100)
+    with pytest.raises(RuntimeError, match="stop here"):
+        trainer.fit(module, datamodule=tiny_data(tmp_path / "fails"))
+    assert callback._tracker is None and "run_layer" not in vars(module.transformer)
     # Delinking at step 0 leaves nothing to measure: a warning, and "scale".
     with pytest.warns(UserWarning, match="no step was measured"):
         _fit(tmp_path, PseudoToReal(delink_at_step=0, optimizer_state="per_layer"), max_steps=1)
