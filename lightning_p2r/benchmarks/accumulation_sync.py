@@ -11,7 +11,6 @@ table gives the median optimizer-step time after 4 warm-up steps, per run, and t
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,6 +25,7 @@ from lightning_p2r.benchmarks.report import (
     print_table,
     save_bar_chart,
     with_environment,
+    worker_env,
     write_csv,
 )
 
@@ -63,9 +63,7 @@ def _worker(spec: dict[str, Any]) -> None:
 
 
 def _run(spec: dict[str, Any]) -> float:
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
+    env = worker_env(threads=1)
     command = [sys.executable, "-m", "lightning_p2r.benchmarks.accumulation_sync", "--worker", json.dumps(spec)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     if result.returncode != 0:

@@ -52,6 +52,7 @@ from lightning_p2r.benchmarks.report import (
     pyplot,
     save_figure,
     with_environment,
+    worker_env,
     write_csv,
 )
 
@@ -146,9 +147,7 @@ def _worker(spec: dict[str, Any]) -> None:
 def _run(spec: dict[str, Any], timeout: int) -> list[dict[str, Any]]:
     """Start one run in a fresh process (which launches its other ranks) and collect every rank's report."""
     threads = max(1, (os.cpu_count() or 2) // spec["devices"])  # ranks share the cores rather than oversubscribe
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # inherited launcher variables would make the worker think it is a rank of our run
+    env = worker_env(threads)
     command = [sys.executable, "-m", "lightning_p2r.benchmarks.capacity", "--worker", json.dumps(spec)]
     try:
         result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)

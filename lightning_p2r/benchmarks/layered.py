@@ -44,6 +44,7 @@ from lightning_p2r.benchmarks.report import (
     pyplot,
     save_figure,
     with_environment,
+    worker_env,
     write_csv,
 )
 
@@ -139,9 +140,7 @@ def _worker(args: Any) -> None:
 
 def _launch(configs: list[dict[str, Any]], work: Path, timeout: float) -> None:
     """Run configurations in sequence in one worker launch: ``python -m lightning_p2r.benchmarks.layered``."""
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "GLOBAL_RANK"):
-        env.pop(key, None)
+    env = worker_env(threads=1)
     root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     command = [sys.executable, "-m", "lightning_p2r.benchmarks.layered", "--worker", "--out", str(work),

@@ -30,6 +30,7 @@ Finished runs are kept under ``<out>/p2r_runs`` and reused when the command is r
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -70,6 +71,7 @@ from lightning_p2r.benchmarks.report import (
     pyplot,
     save_figure,
     with_environment,
+    worker_env,
     write_csv,
 )
 
@@ -233,9 +235,7 @@ def _worker(spec: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------------------- in the parent
 def _launch(spec: dict[str, Any], timeout: int = 7200) -> dict[str, Any]:
     """Run ``spec`` in a fresh process; the result JSON it wrote."""
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(spec["threads"])}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)  # inherited launcher variables would make the worker think it is a rank of our run
+    env = worker_env(spec["threads"])
     command = [sys.executable, "-m", "lightning_p2r.benchmarks.pseudo_to_real", "--worker", json.dumps(spec)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     path = Path(spec["result"])
@@ -296,7 +296,7 @@ class Runner:
                 trunk = Run(self.arms[run.arm.trunk], run.lr, run.seed)
                 branches.setdefault(trunk.name, set()).add(min(run.arm.delink_steps(self.steps)))
         for wave in waves(runs, self.arms):
-            todo = []
+            specs = []
             for run in wave:
                 result_path, ckpt_path = self._paths(run)
                 needs_ckpt = run.name in branches and not ckpt_path.exists()
@@ -305,9 +305,9 @@ class Runner:
                 save_at = {step: str(ckpt_path) for step in branches.get(run.name, ())}
                 if len(save_at) > 1:
                     raise ValueError(f"{run.name}: branches at several steps are not supported")
-                todo.append((run, self._spec(run, save_at)))
+                specs.append(self._spec(run, save_at))
             with ThreadPoolExecutor(max_workers=self.jobs) as pool:
-                list(pool.map(self._one, [spec for _, spec in todo]))  # list(): re-raise a failed run here
+                list(pool.map(self._one, specs))  # list(): re-raise a failed run here
 
     def _one(self, spec: dict[str, Any]) -> None:
         began = time.perf_counter()
@@ -331,8 +331,8 @@ def sizes(config: Any) -> dict[str, int]:
     return out
 
 
-def timing_specs(arms: dict[str, Arm], base_args: list[str], folder: Path, phase_steps: int, num_layers: int,
-                 budget: int, threads: int) -> list[dict[str, Any]]:
+def timing_specs(arms: dict[str, Arm], base_args: list[str], folder: Path, phase_steps: int, budget: int,
+                 threads: int) -> list[dict[str, Any]]:
     """One timing run per (memory setting, arm): each stage of the arm gets ``phase_steps`` steps."""
     specs = []
     for setting in SETTINGS:
@@ -426,16 +426,22 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
             "time": time_rows}
 
 
+def clock(arm: Arm, steps: int, times: dict[str, Any]) -> Callable[[float], float]:
+    """Training seconds to reach a (fractional) step of ``arm``, from one setting's measured stage times."""
+    starts = [0, *sorted(arm.delink_steps(steps))]
+    timeline = [Phase(start, seconds) for start, seconds in zip(starts, times["phases"])]
+    return lambda step: seconds_to(step, timeline, times["delink_s"])
+
+
 def _time_row(row: dict[str, Any], arm: Arm, measured: dict[str, Any], setting: str, reached: list[float],
               seeds: int, step_ratio: float, steps: int) -> dict[str, Any]:
     """Seconds to scratch's final loss under one memory setting, from the measured seconds per step of each stage."""
     phases, delink_s = measured[arm.name]["phases"], measured[arm.name]["delink_s"]
-    starts = [0, *sorted(arm.delink_steps(steps))]
-    timeline = [Phase(start, s) for start, s in zip(starts, phases)]
+    seconds_at = clock(arm, steps, measured[arm.name])
     real_s = measured["scratch"]["phases"][0] if "scratch" in measured else phases[-1]
     scratch_time = steps * real_s
     all_reached = len(reached) == seeds
-    seconds = statistics.fmean(seconds_to(c, timeline, delink_s) for c in reached) if all_reached else math.inf
+    seconds = statistics.fmean(seconds_at(c) for c in reached) if all_reached else math.inf
     r = phases[0] / real_s
     delta = step_ratio - 1.0 if math.isfinite(step_ratio) else math.inf
     return {"arm": arm.name, "setting": setting, "s_per_step_first_stage": phases[0], "s_per_step_real": phases[-1],
@@ -454,15 +460,12 @@ def curve_rows(analysis: dict[str, Any], timing: dict[str, dict[str, Any]], arms
                steps: int) -> list[dict[str, Any]]:
     rows = []
     for name, per_seed in analysis["results"].items():
-        arm = arms[name]
+        clocks = {setting: clock(arms[name], steps, measured[name])
+                  for setting, measured in timing.items() if name in measured}
         for seed, result in per_seed.items():
             for step, loss in result["points"]:
                 row = {"arm": name, "lr": analysis["best"][name], "seed": seed, "step": step, "val_loss": loss}
-                for setting, measured in timing.items():
-                    if name in measured:
-                        starts = [0, *sorted(arm.delink_steps(steps))]
-                        timeline = [Phase(s, t) for s, t in zip(starts, measured[name]["phases"])]
-                        row[f"seconds_{setting}"] = seconds_to(step, timeline, measured[name]["delink_s"])
+                row |= {f"seconds_{setting}": seconds_at(step) for setting, seconds_at in clocks.items()}
                 rows.append(row)
     return rows
 
@@ -482,9 +485,8 @@ def save_plot(path: Path, analysis: dict[str, Any], names: Sequence[str], timing
             if panel != "steps":
                 if name not in timing[panel]:
                     continue
-                starts = [0, *sorted(arms[name].delink_steps(steps))]
-                timeline = [Phase(s, t) for s, t in zip(starts, timing[panel][name]["phases"])]
-                xs = [seconds_to(x, timeline, timing[panel][name]["delink_s"]) for x in xs]
+                seconds_at = clock(arms[name], steps, timing[panel][name])
+                xs = [seconds_at(x) for x in xs]
             losses = list(zip(*[[p[1] for p in c] for c in curves]))
             mean = [statistics.fmean(v) for v in losses]
             ax.plot(xs, mean, color=f"C{i}", label=f"{name} (lr {analysis['best'][name]:g}, {len(curves)} seeds)")
@@ -508,7 +510,7 @@ TIMING_COLUMNS = ["setting", "arm", "stage", "blocks", "s_per_step", "delink_s",
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse_hidden())
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--config", type=Path, default=RECIPE, help="recipe YAML (default: pseudo_to_real.yaml)")
     parser.add_argument("--steps", type=int, help="optimizer steps of every run (default 400, 40 with --quick)")
     parser.add_argument("--seeds", type=int, help="seeds per arm at its best LR (default 3, 2 with --quick)")
@@ -587,7 +589,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             threads = os.cpu_count() or 1
             print(f"\n== timing: {phase_steps} steps per stage, offload budget {budget / 2**20:.2f} MiB (pseudo "
                   f"{size['pseudo_total'] / 2**20:.2f} MiB, real {size['real_total'] / 2**20:.2f} MiB) ==", flush=True)
-            for spec in timing_specs(arms, common, runner.folder, phase_steps, config.num_layers, budget, threads):
+            for spec in timing_specs(arms, common, runner.folder, phase_steps, budget, threads):
                 data = _launch(spec, args.timeout)
                 phases, delink_s = phase_times(data["step_clock"], sorted(int(s) for s in spec["schedule"]))
                 timing.setdefault(spec["setting"], {})[spec["arm"]["name"]] = {"phases": phases, "delink_s": delink_s}
@@ -642,12 +644,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                + (" -- QUICK: numbers mean nothing" if quick else ""))))
     print("\nwrote " + ", ".join(str(p) for p in written))
     return analysis | {"timing": timing, "env": env}
-
-
-def argparse_hidden() -> str:
-    import argparse
-
-    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

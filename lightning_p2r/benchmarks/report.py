@@ -39,6 +39,15 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
+def worker_env(threads: int) -> dict[str, str]:
+    """The environment of a benchmark's worker subprocess: unbuffered output, ``threads`` OpenMP threads, and none of
+    the launcher variables a parent may have inherited (they would make the worker think it is a rank of our run)."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
 def apply_threads(threads: int | None) -> None:
     """Set torch's thread count when asked: on a shared machine 1 thread can beat 2 stalled at every barrier."""
     if threads:

@@ -84,7 +84,7 @@ def test_phase_times_leave_out_warmup_steps_and_price_the_delink() -> None:
 
 def test_timing_specs_keep_the_tokens_per_step_and_the_budget(tmp_path) -> None:
     arms = {arm.name: arm for arm in main_arms(8)}
-    specs = timing_specs(arms, ["--data.batch_size=16"], tmp_path, phase_steps=5, num_layers=8, budget=1234, threads=2)
+    specs = timing_specs(arms, ["--data.batch_size=16"], tmp_path, phase_steps=5, budget=1234, threads=2)
     by_name = {spec["name"]: spec for spec in specs}
     settings, arm_names = ("single", "zero3", "offload"), ("scratch", "p2r", "cycled")
     assert set(by_name) == {f"timing_{s}_{a}" for s in settings for a in arm_names}
