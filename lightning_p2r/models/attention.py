@@ -95,8 +95,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 window: int | None = None) -> torch.Tensor:
-        batch, seq_len, dim = x.shape
-        qkv = self.qkv(x).view(batch, seq_len, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        batch, seq_len, _ = x.shape
+        # Head-major projection rows (head 0's q, k, v, then head 1's, ...), as Megatron-LM lays them out: a
+        # column-parallel split of qkv then hands each tensor-parallel rank whole heads, and the head count here is
+        # read from the projection's width, so the same code runs on all heads or on a rank's share of them.
+        qkv = self.qkv(x).view(batch, seq_len, -1, 3, self.head_dim).permute(3, 0, 2, 1, 4)
         q, k, v = qkv.unbind(0)  # each (batch, heads, seq, head_dim)
         if rotary is not None:
             cos, sin = rotary
@@ -110,4 +113,4 @@ class CausalSelfAttention(nn.Module):
         else:
             mask = local_causal_mask(seq_len, window, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        return self.out(y.transpose(1, 2).reshape(batch, seq_len, dim))
+        return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))

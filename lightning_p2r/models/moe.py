@@ -114,10 +114,15 @@ def load_balancing_loss(probs: torch.Tensor, counts: torch.Tensor) -> torch.Tens
     expert. f_e is the share of the group's assignments that went to e (not differentiable), P_e the mean router
     probability of e. Uniform routing gives exactly 1.0, whatever the tie-breaking.
     """
-    tokens, groups, per_group = probs.shape
+    return balance_loss_from_means(probs.mean(dim=0), counts)
+
+
+def balance_loss_from_means(mean_prob: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """:func:`load_balancing_loss` from the mean router probabilities (groups, per_group) and the counts (experts,)
+    (summed over processes, when a strategy computes it over every process's tokens)."""
+    groups, per_group = mean_prob.shape
     fraction = counts.view(groups, per_group).float()
     fraction = fraction / fraction.sum(dim=-1, keepdim=True).clamp_min(1.0)
-    mean_prob = probs.mean(dim=0)  # (groups, per_group)
     return (per_group * (fraction * mean_prob).sum(dim=-1)).mean()
 
 
@@ -175,6 +180,11 @@ class MoEFeedForward(nn.Module):
         self.router = Router(config.dim, config.num_experts)
         self.experts = Experts(config.num_experts, config.dim, config.hidden_dim)
 
+    def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The load-balancing loss of this call's tokens (:func:`load_balancing_loss`). A strategy that splits the
+        batch over processes may compute it over every process's tokens instead, as one process would."""
+        return load_balancing_loss(probs, counts)
+
     def forward(self, x: torch.Tensor) -> MoEOutput:
         shape = x.shape
         x = x.reshape(-1, shape[-1])  # (tokens, dim)
@@ -228,7 +238,7 @@ class MoEFeedForward(nn.Module):
         )
         return MoEOutput(
             output=output,
-            aux_loss=load_balancing_loss(probs, counts),
+            aux_loss=self.balance_loss(probs, counts),
             z_loss=router_z_loss(logits, self.num_prototypes),
             stats=stats,
         )

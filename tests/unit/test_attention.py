@@ -25,7 +25,8 @@ def test_local_mask_with_wide_window_is_dense_causal() -> None:
 
 def _explicit_attention(attn: CausalSelfAttention, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     batch, seq, dim = x.shape
-    q, k, v = attn.qkv(x).view(batch, seq, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+    # Head-major projection rows: head h's q, k, v are rows [3h, 3h + 3) x head_dim (see CausalSelfAttention).
+    q, k, v = attn.qkv(x).view(batch, seq, attn.num_heads, 3, attn.head_dim).permute(3, 0, 2, 1, 4)
     scores = (q @ k.transpose(-1, -2)) / attn.head_dim**0.5
     scores = scores.masked_fill(~mask, float("-inf"))
     y = scores.softmax(-1) @ v
