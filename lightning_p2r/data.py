@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning.pytorch.strategies import ParallelStrategy
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 if TYPE_CHECKING:
@@ -531,7 +532,12 @@ class TextDataModule(pl.LightningDataModule):
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         sampler = None
         if shuffle:
-            world, rank = (self.trainer.world_size, self.trainer.global_rank) if self.trainer else (1, 0)
+            world, rank = 1, 0
+            strategy = self.trainer.strategy if self.trainer else None
+            if isinstance(strategy, ParallelStrategy):
+                # The strategy's data-parallel ranks (tensor-parallel ranks share their batches).
+                kwargs = strategy.distributed_sampler_kwargs
+                world, rank = kwargs["num_replicas"], kwargs["rank"]
             sampler = EpochShuffleSampler(rows.shape[0], self.seed, num_replicas=world, rank=rank)
             epoch, done = self._resume_position
             if 0 < done < len(sampler) // self.batch_size:

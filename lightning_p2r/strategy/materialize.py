@@ -17,7 +17,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..protocols import InitializesByName
 
@@ -89,7 +89,14 @@ def write(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the whole value ``full`` into ``param``: all of it, or this rank's part of a DTensor."""
     if isinstance(param, DTensor):
         local = param.to_local()
-        local.copy_(local_part(full, param).to(local.dtype))
+        if all(type(p) in (Shard, Replicate) for p in param.placements):
+            local.copy_(local_part(full, param).to(local.dtype))
+        else:
+            # FSDP2 over a tensor-parallel dimension of the same tensor dimension (a strided shard): DTensor cuts
+            # this rank's part itself, locally, since every rank holds the whole value (src_data_rank=None).
+            mesh = param.device_mesh
+            part = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None)
+            local.copy_(part.to_local().to(local.dtype))
     else:
         param.copy_(full.to(param.dtype))
 

@@ -44,6 +44,31 @@ class ShardingConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """How the model itself is split across ranks (Megatron-LM tensor parallel, expert parallel); the remaining ranks
+    are data parallel, with ``sharding`` applying to them."""
+
+    tensor_parallel: int = 1
+    """Ranks that split each layer: attention by heads, FFNs and experts by hidden units, embedding and output by
+    vocabulary (Megatron-LM). Must divide the number of processes, ``num_heads`` and ``vocab_size``."""
+
+    expert_parallel: int = 1
+    """Ranks that split the experts of each MoE layer (each holds ``num_experts / expert_parallel`` of them; tokens
+    reach their experts by all-to-all). Borrowed from the data-parallel ranks: must divide processes /
+    tensor_parallel, and ``num_experts``."""
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel", "expert_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"P2RStrategy.{name} must be a positive integer (1 turns it off), got {value!r}")
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tensor_parallel > 1 or self.expert_parallel > 1
+
+
+@dataclass(frozen=True)
 class AccumulationConfig:
     """How the micro-batches of one optimizer step are scheduled."""
 
@@ -128,8 +153,8 @@ class OffloadConfig:
         return bool(self.offload_fraction or self.offload_blocks or self.device_memory_budget is not None)
 
 
-SECTIONS: dict[str, type] = {"sharding_config": ShardingConfig, "accumulation_config": AccumulationConfig,
-                             "offload_config": OffloadConfig}
+SECTIONS: dict[str, type] = {"sharding_config": ShardingConfig, "parallel_config": ParallelConfig,
+                             "accumulation_config": AccumulationConfig, "offload_config": OffloadConfig}
 """The strategy's attribute holding each section."""
 
 

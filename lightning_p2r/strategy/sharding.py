@@ -38,10 +38,13 @@ def uses_fsdp(sharding: str) -> bool:
     return sharding in ("zero2", "zero3")
 
 
-def execution_path(sharding: str, world_size: int, *, offloading: bool,
-                   layered: bool) -> Literal["local", "ddp", "fsdp"]:
+def execution_path(sharding: str, world_size: int, *, offloading: bool, layered: bool,
+                   model_parallel: bool = False) -> Literal["local", "ddp", "fsdp", "model_parallel"]:
     """Which engine runs a job: "local" (one process, the streaming engine), "ddp" (DDP, + ZeroRedundancyOptimizer
-    for zero1) or "fsdp" (FSDP2 per block)."""
+    for zero1), "fsdp" (FSDP2 per block) or "model_parallel" (tensor / expert parallel on a device mesh, FSDP2
+    over its data ranks)."""
+    if model_parallel:
+        return "model_parallel"
     if uses_fsdp(sharding):
         return "fsdp"
     if world_size == 1:
@@ -207,12 +210,13 @@ class FSDPEvents(BlockEvents):
 
     def after_forward(self, block: int) -> None:
         if self.reshard_after_forward:
-            self.blocks[block].reshard()
+            for unit in fsdp_modules(self.blocks[block]):  # the block, and a unit inside it (experts under EP)
+                unit.reshard()
 
     def before_micro_backward(self, block: int, micro_batch: int, last: bool) -> None:
         module = self.blocks[block]
-        module.set_requires_gradient_sync(last, recurse=False)
-        module.set_reshard_after_backward(last, recurse=False)
+        module.set_requires_gradient_sync(last, recurse=True)
+        module.set_reshard_after_backward(last, recurse=True)
 
     def before_head_backward(self) -> None:
         if self.runner is not None:

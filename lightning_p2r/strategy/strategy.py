@@ -40,9 +40,11 @@ from .options import (
     AccumulationConfig,
     OffloadConfig,
     OffloadState,
+    ParallelConfig,
     ShardingConfig,
     args_section,
 )
+from .parallel import ParallelDims
 from .plan import (
     OffloadPlan,
     device_total_memory,
@@ -68,9 +70,10 @@ class P2RStrategy(DDPStrategy):
     """Granular CPU offloading (M6-10T), ZeRO sharding and layered gradient accumulation (Lamy-Poirier 2021) for
     any LightningModule whose model declares a block sequence.
 
-    The keywords are sorted into three typed, frozen sections (``strategy.sharding_config``,
-    ``strategy.accumulation_config``, ``strategy.offload_config``; see ``options.py``), validated when the strategy
-    is built, and readable back under their own names (``strategy.sharding``). Lightning's own DDP arguments
+    The keywords are sorted into four typed, frozen sections (``strategy.sharding_config``,
+    ``strategy.parallel_config``, ``strategy.accumulation_config``, ``strategy.offload_config``; see
+    ``options.py``), validated when the strategy is built, and readable back under their own names
+    (``strategy.sharding``). Lightning's own DDP arguments
     (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
     timeout) are accepted too and set by the Trainer.
     """
@@ -80,6 +83,8 @@ class P2RStrategy(DDPStrategy):
     def __init__(
         self,
         sharding: Sharding = "none",
+        tensor_parallel: int = 1,
+        expert_parallel: int = 1,
         accumulation: Accumulation = "standard",
         micro_batches: int = 1,
         recompute: bool = False,
@@ -104,6 +109,7 @@ class P2RStrategy(DDPStrategy):
     ) -> None:
         # Validated first, so a bad option fails before Lightning sets anything up.
         self.sharding_config = ShardingConfig(sharding=sharding, count_collectives=count_collectives)
+        self.parallel_config = ParallelConfig(tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
         self.accumulation_config = AccumulationConfig(accumulation=accumulation, micro_batches=micro_batches,
                                                       recompute=recompute,
                                                       reduce_every_micro_batch=reduce_every_micro_batch)
@@ -143,7 +149,7 @@ class P2RStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ environment
     @property
-    def path(self) -> Literal["local", "ddp", "fsdp"]:
+    def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel"]:
         """The name of the engine that runs this job (see ``engines.engine_name``)."""
         return engine_name(self)  # type: ignore[return-value]
 
@@ -220,7 +226,20 @@ class P2RStrategy(DDPStrategy):
         self.layout.setup(trainer)
         self._log_setup()
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Ranks of one tensor-parallel group read the same batch: the sampler splits the data over the
+        data-parallel ranks only."""
+        if self.parallel_config.model_parallel and self.world_size > 1:
+            dims = ParallelDims(self.world_size, self.tensor_parallel, self.expert_parallel)
+            return {"num_replicas": dims.data_parallel, "rank": dims.data_rank(self.global_rank)}
+        return super().distributed_sampler_kwargs
+
     def _log_setup(self) -> None:
+        if self.parallel_config.model_parallel:
+            rank_zero_info("P2RStrategy " + ParallelDims(self.world_size, self.tensor_parallel,
+                                                         self.expert_parallel).describe())
         holder = self.holder_or_none()
         if holder is None:
             rank_zero_info(f"P2RStrategy: engine {self.path}, sharding {self.sharding} on {self.world_size} "

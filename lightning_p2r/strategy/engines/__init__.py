@@ -2,7 +2,7 @@
 
 ``P2RStrategy`` picks one at setup from the options and the number of processes (``select_engine``), logs the
 choice and delegates every layout-dependent step to it: placing the model, syncing gradients, saving and loading,
-delinking. Tensor, expert and pipeline parallelism add engines here.
+delinking.
 """
 
 from __future__ import annotations
@@ -14,21 +14,25 @@ from .base import Engine
 from .ddp import DDPEngine
 from .fsdp import FSDPEngine
 from .local import LocalEngine
+from .model_parallel import ModelParallelEngine
 
 if TYPE_CHECKING:
     from ..strategy import P2RStrategy
 
-ENGINES: dict[str, type[Engine]] = {"local": LocalEngine, "ddp": DDPEngine, "fsdp": FSDPEngine}
+ENGINES: dict[str, type[Engine]] = {"local": LocalEngine, "ddp": DDPEngine, "fsdp": FSDPEngine,
+                                 "model_parallel": ModelParallelEngine}
 
 
 def engine_name(strategy: P2RStrategy) -> str:
     """Which engine runs a job (see ``execution_path``)."""
     return execution_path(strategy.sharding, strategy.world_size, offloading=strategy.offloading,
-                          layered=strategy.accumulation == "layered")
+                          layered=strategy.accumulation == "layered",
+                          model_parallel=strategy.tensor_parallel > 1 or strategy.expert_parallel > 1)
 
 
 def select_engine(strategy: P2RStrategy) -> Engine:
     return ENGINES[engine_name(strategy)](strategy)
 
 
-__all__ = ["ENGINES", "DDPEngine", "Engine", "FSDPEngine", "LocalEngine", "engine_name", "select_engine"]
+__all__ = ["ENGINES", "DDPEngine", "Engine", "FSDPEngine", "LocalEngine", "ModelParallelEngine", "engine_name",
+           "select_engine"]

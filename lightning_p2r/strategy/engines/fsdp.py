@@ -87,6 +87,7 @@ class FSDPEngine(Engine):
         module = strategy.lightning_module
         root = smallest_parameter_root(module)
         self.sharded_root, self._root_template = root, meta_template(root)
+        self.parallelize(holder)
         lazy = has_meta_tensors(module)
         if move_module and not lazy:
             module.to(strategy.root_device)
@@ -103,6 +104,10 @@ class FSDPEngine(Engine):
             # outside the runner: gather them first. Training calls the stages through the runner instead.
             runner = self.runner
             root.register_forward_pre_hook(lambda *_: runner.unshard())
+
+    def parallelize(self, holder: nn.Module) -> None:
+        """Split the model over model-parallel mesh dimensions before FSDP2 shards it (none here; see
+        ``model_parallel.py``)."""
 
     def _materialize_shards(self, holder: nn.Module) -> None:
         """Each unit in turn gets storage for this rank's shards only (an offloaded block's in host memory, as

@@ -1,0 +1,78 @@
+"""Tensor and expert parallelism on a device mesh, composed with FSDP2 over the data ranks (ZeRO-2/3, or the
+replicated layout for "none"), offload and layered accumulation: the FSDP2 engine, with the model split by
+``parallel.parallelize_model`` before it is sharded."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+from ..parallel import ParallelDims, ParallelMeshes, build_meshes, parallelize_model
+from ..parallel.clipping import clip_grad_norm_across_meshes
+from ..parallel.parallelize import moe_layers
+from .base import Engine
+from .fsdp import FSDPEngine
+
+
+class ModelParallelEngine(FSDPEngine):
+    name = "model_parallel"
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.meshes: ParallelMeshes | None = None
+
+    @property
+    def dims(self) -> ParallelDims:
+        strategy = self.strategy
+        return ParallelDims(strategy.world_size, strategy.tensor_parallel, strategy.expert_parallel)
+
+    def check_options(self) -> None:
+        super().check_options()
+        if self.replicated_zero:
+            raise ValueError(
+                "P2RStrategy(sharding='zero1') with tensor_parallel or expert_parallel: ZeRO-1's partitioned optimizer "
+                "does not take parameters split over a device mesh; use sharding='zero2' (optimizer states and "
+                "gradients sharded, parameters whole between forward and backward) or 'zero3'")
+        self.dims  # noqa: B018  (validates the degrees against the number of processes)
+
+    def setup_environment(self) -> None:
+        self.check_options()
+        Engine.setup_environment(self)
+        self.meshes = build_meshes(self.dims, self.strategy.root_device.type, replicate=self.layout == "replicate")
+        self.mesh = self.meshes.data
+
+    def parallelize(self, holder: nn.Module) -> None:
+        """Split the model over the tensor and expert dimensions, then give each MoE layer's experts an FSDP2 unit
+        of their own over the ranks that hold the same experts (FSDP2 then shards the rest of the block over all
+        data ranks)."""
+        meshes = self.meshes
+        parallelize_model(holder, meshes)
+        strategy = self.strategy
+        offloaded = set(strategy.plan.offloaded)
+        blocks = list(holder.blocks)
+        for moe in moe_layers(holder):
+            index = next(i for i, block in enumerate(blocks) if any(m is moe for m in block.modules()))
+            pinned = strategy.resolved_pin_memory
+            policy = CPUOffloadPolicy(pin_memory=pinned) if index in offloaded else OffloadPolicy()
+            fully_shard(moe.experts, mesh=meshes.expert_data, offload_policy=policy,
+                        reshard_after_forward=self.layout == "zero3" and strategy.accumulation != "layered")
+
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)
+        # Lightning clips through the precision plugin, which calls torch's clip_grad_norm_; that cannot combine
+        # norms of tensors on different meshes (see parallel/clipping.py). The plugin offers no strategy hook, so
+        # this job's plugin instance gets the mesh-aware norm (its class and every other method are unchanged).
+        plugin = self.strategy.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_across_meshes(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), clip_val)
+
+    def data_parallel_rank(self) -> tuple[int, int]:
+        """(ranks that see different batches, this rank's index among them)."""
+        dims = self.dims
+        return dims.data_parallel, dims.data_rank(self.strategy.global_rank)
+
+    def describe_mesh(self) -> str:
+        return self.dims.describe()

@@ -1,0 +1,171 @@
+"""Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied to an M6 MoE layer from outside.
+
+The model's MoE layer routes its own tokens, ranks them for capacity and sorts the kept assignments by expert
+before calling ``Experts(rows, counts)``; that call is where parallelism enters. :class:`ParallelExperts` (the
+same module and parameters, its class switched the way FSDP2's ``fully_shard`` switches classes) sends each row to
+the expert-parallel rank that holds its expert with ``all_to_all_single`` (uneven splits: the counts are exchanged
+first), regroups the received rows by local expert, computes them, and sends the results back in the order they
+came. Routing, capacity and drop order are therefore exactly those of the same tokens on one process: each rank
+routes its own micro-batch, and capacity is counted per rank over its own tokens (as data parallelism already
+counts it); the all-to-all only moves the rows that were kept.
+
+Under tensor parallelism each expert's hidden dimension is split too (``w_in`` by columns, ``w_out`` by rows): the
+rows are the same on every tensor-parallel rank, each computes its share of the hidden units, and the partial
+outputs are all-reduced, Megatron's column/row pattern inside every expert.
+
+:class:`ParallelMoE` computes the load-balancing loss over every data-parallel rank's tokens (counts summed, mean
+router probabilities over all tokens), so the loss and its gradient are those of the global batch on one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as differentiable
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+from ...models.moe import Experts, MoEFeedForward, balance_loss_from_means
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a parameter (the whole parameter when it is not distributed)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def copy_to_tensor_parallel(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """Megatron's f: identity forward; the backward sums the ranks' partial input gradients."""
+    return DTensor.from_local(x, tp_mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+
+
+def reduce_from_tensor_parallel(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """Megatron's g: all-reduce the partial outputs forward; the backward passes the (replicated) gradient on."""
+    partial = DTensor.from_local(x, tp_mesh, [Partial()], run_check=False)
+    return partial.redistribute(tp_mesh, [Replicate()]).to_local()
+
+
+def rank_splits(counts: list[int], ranks: int) -> list[int]:
+    """Rows for each expert-parallel rank, from the rows per (global) expert: rank j holds experts
+    ``[j * E / ranks, (j + 1) * E / ranks)``."""
+    per_rank = len(counts) // ranks
+    return [sum(counts[j * per_rank:(j + 1) * per_rank]) for j in range(ranks)]
+
+
+def expert_major_order(received: torch.Tensor) -> torch.Tensor:
+    """The permutation that turns rows received source-major (for each source rank, its rows for each local
+    expert, ``received[s, e]`` of them) into expert-major order (every source's rows for expert 0, then for 1...)."""
+    sources, experts = received.shape
+    sizes = received.reshape(-1).tolist()
+    starts = [0]
+    for size in sizes[:-1]:
+        starts.append(starts[-1] + size)
+    pieces = [torch.arange(starts[s * experts + e], starts[s * experts + e] + sizes[s * experts + e])
+              for e in range(experts) for s in range(sources)]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
+class ParallelExperts(Experts):
+    """:class:`Experts` whose weights are split over expert-parallel ranks (by expert) and tensor-parallel ranks (by
+    hidden unit). Made by :func:`parallelize_experts`, never constructed directly."""
+
+    expert_group: Any
+    """The all-to-all's process group (None without expert parallelism)."""
+    tp_mesh: Any
+    """The tensor-parallel mesh (None without tensor parallelism)."""
+    gradient_scale: float
+    """1 / expert_parallel. Through the all-to-all an expert's gradient sums the tokens of every rank of its expert
+    group, while FSDP2 averages it only over the ranks holding the same expert; the dense weights' gradients are
+    averaged over all data ranks. The scale makes the experts' average the same (one process's gradient). (FSDP2's
+    ``set_gradient_divide_factor`` would do it in the reduction, but needs a reduce op gloo lacks.)"""
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x: (rows, dim) sorted by global expert, ``counts[e]`` rows for expert e -> (rows, dim) in the same order."""
+        w_in, w_out = local_tensor(self.w_in), local_tensor(self.w_out)
+        if self.gradient_scale != 1.0:
+            w_in, w_out = (_ScaleGradient.apply(w, self.gradient_scale) for w in (w_in, w_out))
+        if self.expert_group is None:
+            return self._compute(x, counts, w_in, w_out)
+        ranks = dist.get_world_size(self.expert_group)
+        local_experts = w_in.shape[0]
+        device = x.device
+        # The counts first (each rank learns how many rows it receives for each of its experts from each source).
+        send = torch.tensor(counts, dtype=torch.long, device=device)
+        received = torch.empty(ranks * local_experts, dtype=torch.long, device=device)
+        dist.all_to_all_single(received, send, group=self.expert_group)
+        received = received.cpu()
+        received = received.view(ranks, local_experts)  # (source rank, local expert)
+        send_splits = rank_splits(counts, ranks)
+        recv_splits = received.sum(dim=1).tolist()
+        rows = x.new_empty(sum(recv_splits), x.shape[1])
+        rows = differentiable.all_to_all_single(rows, x.contiguous(), recv_splits, send_splits,
+                                                group=self.expert_group)
+        order = expert_major_order(received).to(device)
+        out = self._compute(rows.index_select(0, order), received.sum(dim=0).tolist(), w_in, w_out)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel(), device=device)
+        out = out.index_select(0, back)  # source-major again, as the rows arrived
+        result = x.new_empty(x.shape[0], out.shape[1])
+        return differentiable.all_to_all_single(result, out.contiguous(), send_splits, recv_splits,
+                                                group=self.expert_group)
+
+    def _compute(self, x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+        if self.tp_mesh is not None:
+            x = copy_to_tensor_parallel(x, self.tp_mesh)
+        segments = x.split(counts)
+        out = torch.cat([F.gelu(segment @ w_in[e]) @ w_out[e] for e, segment in enumerate(segments)])
+        if self.tp_mesh is not None:
+            out = reduce_from_tensor_parallel(out, self.tp_mesh)
+        return out
+
+
+class ParallelMoE(MoEFeedForward):
+    """:class:`MoEFeedForward` whose load-balancing loss counts every data-parallel rank's tokens. Made by
+    :func:`parallelize_experts`."""
+
+    data_group: Any
+    """The process group of the ranks that see different batches (None: this process's tokens only)."""
+
+    def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.data_group is None:
+            return super().balance_loss(probs, counts)
+        counts = counts.clone()
+        dist.all_reduce(counts, group=self.data_group)  # not differentiable: the fractions are counts
+        tokens = torch.tensor([float(probs.shape[0])], device=probs.device)
+        dist.all_reduce(tokens, group=self.data_group)
+        # Summed with a differentiable all-reduce: its backward sums every rank's gradient for this rank's
+        # probabilities, which the data-parallel gradient average then divides back to one process's gradient.
+        prob_sum = differentiable.all_reduce(probs.sum(dim=0), group=self.data_group)
+        return balance_loss_from_means(prob_sum / tokens, counts)
+
+
+def parallelize_experts(moe: MoEFeedForward, *, expert_tensor_mesh: Any, expert_group: Any, tp_mesh: Any,
+                        data_group: Any) -> None:
+    """Switch one MoE layer to :class:`ParallelMoE` and its experts to :class:`ParallelExperts`, with the expert
+    weights placed on ``expert_tensor_mesh`` (("ep", "tp"): experts split over "ep", hidden units over "tp"). Any of
+    the groups may be None (that kind of parallelism is off). Works on the meta device."""
+    experts = moe.experts
+    for name, hidden_dim in (("w_in", 2), ("w_out", 1)):
+        param = getattr(experts, name)
+        placed = distribute_tensor(param.data, expert_tensor_mesh, [Shard(0), Shard(hidden_dim)], src_data_rank=None)
+        setattr(experts, name, nn.Parameter(placed, requires_grad=param.requires_grad))
+    experts.__class__ = ParallelExperts
+    experts.expert_group, experts.tp_mesh = expert_group, tp_mesh
+    experts.gradient_scale = 1.0 / dist.get_world_size(expert_group) if expert_group is not None else 1.0
+    moe.__class__ = ParallelMoE
+    moe.data_group = data_group

@@ -1,0 +1,149 @@
+"""The device mesh of a tensor / expert parallel job: which ranks hold which part of the model.
+
+Ranks are laid out ``(data, tensor)``, tensor-parallel ranks adjacent (on a multi-GPU node they share the fastest
+links, as Megatron-LM places them). Expert parallelism borrows ranks from the data dimension (DeepSpeed-MoE,
+torchtitan): the data dimension of size ``dp`` is read as ``(dp / ep, ep)``, so the ``ep`` ranks of one expert group
+see different batches and send each other the tokens routed to the experts they hold, and the ``dp / ep`` ranks
+with the same position in their expert groups hold the same experts (FSDP2 shards or replicates the experts over
+them, as it does the dense parameters over all ``dp`` ranks).
+
+Two meshes describe this, each made by ``init_device_mesh`` over the same ranks: the dense mesh
+``(data..., "tp")`` and the expert mesh ``(expert data..., "ep", "tp")``. A parameter's sharding (FSDP2) and its
+model-parallel placement (tensor / expert) must come from one mesh, and the two kinds of parameters are sharded
+over different data dimensions, hence two meshes rather than one with flattened dimensions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """How ``world_size`` ranks split into data, expert and tensor parallel groups."""
+
+    world_size: int
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("world_size", "tensor_parallel", "expert_parallel"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"P2RStrategy.{name} must be a positive integer, got {value!r}")
+        if self.world_size % self.tensor_parallel:
+            raise ValueError(
+                f"P2RStrategy(tensor_parallel={self.tensor_parallel}) must divide the number of processes "
+                f"({self.world_size}): use tensor_parallel in {divisors(self.world_size)} or change the devices")
+        if self.data_parallel % self.expert_parallel:
+            raise ValueError(
+                f"P2RStrategy(expert_parallel={self.expert_parallel}) borrows ranks from the data-parallel dimension, "
+                f"so it must divide processes / tensor_parallel = {self.world_size} / {self.tensor_parallel} = "
+                f"{self.data_parallel}: use expert_parallel in {divisors(self.data_parallel)}")
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks that see different batches (expert-parallel ranks included)."""
+        return self.world_size // self.tensor_parallel
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Ranks that hold the same experts (and see different batches)."""
+        return self.data_parallel // self.expert_parallel
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tensor_parallel > 1 or self.expert_parallel > 1
+
+    def data_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank`` (which share of the batch it reads)."""
+        return rank // self.tensor_parallel
+
+    def check_model(self, *, num_heads: int, num_experts: int, vocab_size: int, moe: bool) -> None:
+        """Refuse a model these degrees cannot split, naming the numbers."""
+        tp, ep = self.tensor_parallel, self.expert_parallel
+        if num_heads % tp:
+            raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: M6Config.num_heads="
+                             f"{num_heads} must be divisible by it (use tensor_parallel in {divisors(num_heads)})")
+        if vocab_size % tp:
+            raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the embedding and output by vocabulary: "
+                             f"M6Config.vocab_size={vocab_size} must be divisible by it")
+        if ep > 1 and not moe:
+            raise ValueError(f"P2RStrategy(expert_parallel={ep}) needs MoE layers, and the model has none "
+                             "(M6Config.moe_layers is empty)")
+        if ep > 1 and num_experts % ep:
+            raise ValueError(f"P2RStrategy(expert_parallel={ep}) gives each expert-parallel rank num_experts / "
+                             f"expert_parallel experts: M6Config.num_experts={num_experts} must be divisible by it "
+                             f"(use expert_parallel in {divisors(num_experts)})")
+
+    def describe(self) -> str:
+        """One line for the setup log."""
+        return (f"mesh: {self.world_size} ranks = data {self.data_parallel} (of which expert {self.expert_parallel} "
+                f"x expert-data {self.expert_data_parallel}) x tensor {self.tensor_parallel}")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class ParallelMeshes:
+    """The dense and expert meshes of one job (see the module docstring), and the sub-meshes the engine uses."""
+
+    dims: ParallelDims
+    dense: Any
+    experts: Any
+    data_dims: tuple[str, ...]
+    """The dense mesh's data dimensions, as FSDP2 takes them: ("replicate", "shard") or ("shard",)."""
+    expert_data_dims: tuple[str, ...]
+
+    @property
+    def tensor(self) -> Any:
+        return self.dense["tp"]
+
+    @property
+    def data(self) -> Any:
+        """Where FSDP2 lays out the dense parameters."""
+        return self.dense[self.data_dims]
+
+    @property
+    def expert_data(self) -> Any:
+        """Where FSDP2 lays out the experts (the ranks holding the same experts)."""
+        return self.experts[self.expert_data_dims]
+
+    @property
+    def expert(self) -> Any:
+        """The ranks of one expert group (the all-to-all's group)."""
+        return self.experts["ep"]
+
+    @property
+    def expert_tensor(self) -> Any:
+        """The 2-d ("ep", "tp") mesh the expert weights are placed on."""
+        return self.experts["ep", "tp"]
+
+    def data_group(self) -> Any:
+        """The process group of every rank that sees a different batch (expert ranks included)."""
+        return self.data_dims_group(self.dense, self.data_dims)
+
+    @staticmethod
+    def data_dims_group(mesh: Any, names: tuple[str, ...]) -> Any:
+        # FSDP2's replicate layout has a second data dimension of size 1: its group is the first one.
+        sized = [name for name in names if mesh[name].size() > 1] or [names[0]]
+        return mesh[sized[0]].get_group()
+
+
+def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> ParallelMeshes:
+    """The two meshes of ``dims``. ``replicate``: FSDP2's replicate layout (every data rank holds every parameter, as
+    ``fsdp_layout_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp, ep, tp, edp = dims.data_parallel, dims.expert_parallel, dims.tensor_parallel, dims.expert_data_parallel
+    if replicate:
+        dense = init_device_mesh(device_type, (dp, 1, tp), mesh_dim_names=("replicate", "shard", "tp"))
+        experts = init_device_mesh(device_type, (edp, 1, ep, tp),
+                                   mesh_dim_names=("expert_replicate", "expert_shard", "ep", "tp"))
+        return ParallelMeshes(dims, dense, experts, ("replicate", "shard"), ("expert_replicate", "expert_shard"))
+    dense = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("shard", "tp"))
+    experts = init_device_mesh(device_type, (edp, ep, tp), mesh_dim_names=("expert_shard", "ep", "tp"))
+    return ParallelMeshes(dims, dense, experts, ("shard",), ("expert_shard",))

@@ -1,0 +1,45 @@
+"""Apply tensor and expert parallelism to a model, in a fixed order, before FSDP2 shards it over the data ranks."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ...models.moe import MoEFeedForward
+from .experts import parallelize_experts
+from .mesh import ParallelMeshes
+from .tensor import apply_tensor_parallel
+
+
+def moe_layers(holder: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in holder.blocks.modules() if isinstance(m, MoEFeedForward)]
+
+
+def check_model(holder: nn.Module, meshes: ParallelMeshes) -> None:
+    """Refuse a model the mesh cannot split (before any parameter is placed)."""
+    config = getattr(holder, "config", None)
+    dims = meshes.dims
+    if config is None:
+        if dims.model_parallel:
+            raise ValueError(f"P2RStrategy(tensor_parallel={dims.tensor_parallel}, expert_parallel="
+                             f"{dims.expert_parallel}) splits M6 models (lightning_p2r.M6Transformer); "
+                             f"{type(holder).__name__} has no M6Config")
+        return
+    dims.check_model(num_heads=config.num_heads, num_experts=config.num_experts, vocab_size=config.vocab_size,
+                     moe=bool(moe_layers(holder)))
+
+
+def parallelize_model(holder: nn.Module, meshes: ParallelMeshes) -> None:
+    """Tensor parallelism first (``parallelize_module`` places the linear layers' weights as DTensors on the "tp"
+    dimension), then the MoE layers (experts split over "ep" and "tp", tokens exchanged by all-to-all, the balance
+    loss over all data ranks). FSDP2 comes after, over the data dimensions of the same meshes, as torchtitan orders
+    them: it shards the already-placed DTensors further. Works on the meta device."""
+    check_model(holder, meshes)
+    dims = meshes.dims
+    if dims.tensor_parallel > 1:
+        apply_tensor_parallel(holder, meshes.tensor)
+    data_group = meshes.data_group() if dims.data_parallel > 1 else None
+    for moe in moe_layers(holder):
+        parallelize_experts(
+            moe, expert_tensor_mesh=meshes.expert_tensor,
+            expert_group=meshes.expert.get_group() if dims.expert_parallel > 1 else None,
+            tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None, data_group=data_group)

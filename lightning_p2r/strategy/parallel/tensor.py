@@ -1,0 +1,54 @@
+"""Tensor parallelism (Megatron-LM) for a block-sequence model, applied from outside with ``parallelize_module``.
+
+Per block: the attention's fused qkv projection is split column-wise (its rows are head-major, so each rank gets
+whole heads), the output projection row-wise; a dense FFN's first matrix column-wise, its second row-wise. Each
+pair costs one all-reduce of the block's activations in forward and one in backward (Megatron's f and g). Norms,
+the router and position embeddings stay replicated: their inputs are the same on every tensor-parallel rank.
+MoE experts are split along their hidden dimension by :mod:`.experts` (the same column/row pattern inside each
+expert). Outside the blocks the token embedding is split by vocabulary rows (each rank looks up its rows, the
+partial embeddings are all-reduced) and the LM head by vocabulary columns; the head's logits are gathered whole
+(one all-gather per step of (tokens, vocab / tp) per rank), so any loss and metric code reads ordinary logits.
+
+Rotary embeddings and the banded attention act per head, so they run unchanged on a rank's heads.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+def block_plan(block: nn.Module) -> dict[str, Any]:
+    """The ``parallelize_module`` plan of one block: the linear layers it has, by their names in the block."""
+    plan: dict[str, Any] = {}
+    names = {name for name, _ in block.named_modules()}
+    if {"attn.qkv", "attn.out"} <= names:
+        plan |= {"attn.qkv": ColwiseParallel(), "attn.out": RowwiseParallel()}
+    if {"ffn.fc_in", "ffn.fc_out"} <= names:
+        plan |= {"ffn.fc_in": ColwiseParallel(), "ffn.fc_out": RowwiseParallel()}
+    return plan
+
+
+def apply_tensor_parallel(transformer: nn.Module, tp_mesh: Any) -> None:
+    """Split ``transformer``'s blocks, embedding and head over ``tp_mesh`` (in place; works on the meta device)."""
+    missing = [name for name in ("tok_embeddings", "lm_head") if not isinstance(getattr(transformer, name, None),
+                                                                             nn.Module)]
+    if missing:
+        raise ValueError(f"P2RStrategy(tensor_parallel>1) splits an M6-style model (blocks, tok_embeddings, lm_head); "
+                         f"{type(transformer).__name__} has no {missing}")
+    for block in transformer.blocks:
+        parallelize_module(block, tp_mesh, block_plan(block))
+    tied = transformer.lm_head.weight is transformer.tok_embeddings.weight
+    parallelize_module(transformer, tp_mesh, {
+        # Vocabulary rows: each rank looks up the ids it holds (zeros for the others); the sum is the embedding.
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+        # Vocabulary columns, gathered whole after the matmul.
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    })
+    if tied:
+        # Both styles place the shared weight as vocabulary rows (Shard(0)) but each wraps it in a Parameter of its
+        # own: tie them again, so the embedding and the head update one tensor, as on one process.
+        transformer.lm_head.weight = transformer.tok_embeddings.weight

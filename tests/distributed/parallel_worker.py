@@ -1,0 +1,119 @@
+"""Runs a list of tensor / expert parallel configurations on 1, 2 or 4 CPU processes (gloo); launched by
+test_parallel.py.
+
+Lightning's launcher starts the other ranks by re-running this script, so every rank runs every configuration in
+the same order. Rank 0 writes ``<name>.json`` for each: the loss of every step (averaged over the ranks: each
+data-parallel rank's loss is its own batch's, tensor-parallel ranks repeat theirs), the gradient norm before each
+optimizer step (taken over every mesh the parameters live on), the full trained weights (``<name>.pt``), and what
+each rank holds of the parameters.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.tensor import DTensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from helpers import TINY, tiny_data  # noqa: E402
+
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
+from lightning_p2r.strategy.parallel.clipping import total_grad_norm  # noqa: E402
+from lightning_p2r.strategy.parallel.experts import ParallelExperts  # noqa: E402
+
+# Every layer MoE (dropless, so routing does not depend on how the batch is split), 4 experts, a large balance-loss
+# weight (so an error in its cross-rank reduction shows in the loss), fp32, no dropout, a constant LR after warmup
+# (resumed runs with a longer max_steps follow the same schedule).
+MODEL = TINY | {"num_layers": 2, "dim": 32, "num_heads": 4, "moe_layers": [0, 1], "num_experts": 4,
+                "capacity_factor": None, "router_aux_loss_coef": 0.5, "dropout": 0.0}
+GLOBAL_BATCH = 8
+
+
+class Record(L.Callback):
+    """Per step: the loss averaged over the ranks, and the gradient norm (the same on every rank)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.grad_norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        self.grad_norms.append(float(total_grad_norm(pl_module.parameters())))
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, *args) -> None:
+        loss = outputs["loss"].detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= dist.get_world_size()
+        self.losses.append(float(loss))
+
+
+class ForgetExpertGradientScale(L.Callback):
+    """Negative control: the experts' gradients summed over the expert group instead of averaged (the bug the
+    gradient scale prevents). Adam hides a constant factor, so only the gradient norms and clipping show it."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for module in pl_module.modules():
+            if isinstance(module, ParallelExperts):
+                module.gradient_scale = 1.0
+
+
+def held(module: torch.nn.Module) -> dict[str, list[int]]:
+    """Per parameter: (elements this rank holds, elements of the whole parameter)."""
+    return {name: [(p.to_local() if isinstance(p, DTensor) else p).numel(), p.numel()]
+            for name, p in module.named_parameters()}
+
+
+def run(config: dict, out: Path, devices: int) -> None:
+    L.seed_everything(0)
+    model = MODEL | config.get("model", {})
+    module = M6LanguageModel(M6Config(**model, init_seed=7), OptimizerConfig(lr=1e-2, warmup_steps=1,
+                                                                             min_lr_ratio=1.0))
+    record = Record()
+    callbacks = [record]
+    if config.get("forget_expert_gradient_scale"):
+        callbacks.append(ForgetExpertGradientScale())
+    if "delink_at" in config:
+        callbacks.append(PseudoToReal(delink_at_step=config["delink_at"]))
+    strategy = P2RStrategy(**config.get("strategy", {}))
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=config.get("steps", 3),
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        gradient_clip_val=0.5, callbacks=callbacks, default_root_dir=out / config["name"])
+    data_ranks = devices // strategy.tensor_parallel
+    resume = out / config["resume"] if "resume" in config else None
+    trainer.fit(module, datamodule=tiny_data(out, batch_size=GLOBAL_BATCH // data_ranks), ckpt_path=resume)
+    if "save" in config:
+        trainer.save_checkpoint(out / config["save"])
+    holdings = [None] * trainer.world_size
+    local = held(module)
+    if dist.is_initialized():
+        dist.all_gather_object(holdings, local)
+    else:
+        holdings = [local]
+    weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if trainer.global_rank == 0:
+        torch.save({k: v.float() for k, v in weights.items()}, out / f"{config['name']}.pt")
+        report = {"losses": record.losses, "grad_norms": record.grad_norms, "held": holdings,
+                  "path": strategy.path, "blocks": len(module.transformer.blocks)}
+        (out / f"{config['name']}.json").write_text(json.dumps(report))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--configs", type=str, required=True, help="JSON list of configurations")
+    args = parser.parse_args()
+    for config in json.loads(args.configs):
+        run(config, args.out, args.devices)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Tensor and expert parallelism on 2 and 4 gloo processes against one process on the same global batch.
+
+Four worker launches: one process for the references (and a checkpoint), two processes, four processes (and a
+checkpoint saved at tensor_parallel=2 x expert_parallel=2), one process again to resume that checkpoint. The model
+is MoE in every layer, dropless and fp32, with a large balance-loss weight, and the gradients are clipped: the
+losses and the gradient norms of every step must then equal one process's within a relative 1e-4. (Adam hides a
+constant factor on a gradient, so the losses alone could not catch one: the norms and the clipping can, as the
+negative control shows.) Each rank must hold only its share of every split parameter.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from equivalence import assert_trained_alike  # noqa: E402
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+PSEUDO = {"num_layers": 4, "num_unique_blocks": 1, "moe_layers": [0, 1, 2, 3]}
+TOLERANCE = 1e-4
+
+ONE_PROCESS = [
+    {"name": "reference", "save": "one_process.ckpt"},
+    {"name": "reference_4_steps", "steps": 4},
+    {"name": "reference_delink", "model": PSEUDO, "delink_at": 2, "steps": 4},
+    {"name": "reference_layered_m2", "strategy": {"accumulation": "layered", "micro_batches": 2}},
+]
+TWO_PROCESSES = [
+    {"name": "tp2", "strategy": {"tensor_parallel": 2}},
+    {"name": "ep2", "strategy": {"expert_parallel": 2}},
+    {"name": "tp2_zero3", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
+    {"name": "ep2_zero3_offload", "strategy": {"expert_parallel": 2, "sharding": "zero3", "offload_fraction": 0.5}},
+    {"name": "tp2_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"tensor_parallel": 2}},
+    {"name": "ep2_zero2_layered_m2", "strategy": {"expert_parallel": 2, "sharding": "zero2",
+                                                  "accumulation": "layered", "micro_batches": 2}},
+    {"name": "ep2_forgets_gradient_scale", "strategy": {"expert_parallel": 2}, "forget_expert_gradient_scale": True},
+]
+FOUR_PROCESSES = [
+    {"name": "tp2_ep2_zero3", "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "sharding": "zero3"},
+     "save": "tp2_ep2.ckpt"},
+    {"name": "ep2_zero2_on_4", "strategy": {"expert_parallel": 2, "sharding": "zero2"}},
+    {"name": "tp2_ep2_delink_offload", "model": PSEUDO, "delink_at": 2, "steps": 4,
+     "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "offload_fraction": 0.5}},
+    {"name": "tp2_ep2_resumes_one_process", "steps": 4, "resume": "one_process.ckpt",
+     "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
+]
+RESUME = [{"name": "one_process_resumes_tp2_ep2", "steps": 4, "resume": "tp2_ep2.ckpt"}]
+
+REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_ep2_delink_offload": "reference_delink",
+                "ep2_zero2_layered_m2": "reference_layered_m2"}
+
+
+def _launch(out: Path, devices: int, configs: list[dict]) -> None:
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
+        env.pop(key, None)
+    result = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--devices", str(devices),
+                             "--configs", json.dumps(configs)], capture_output=True, text=True, timeout=420, env=env)
+    assert result.returncode == 0, result.stderr[-6000:]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("parallel")
+    _launch(out, 1, ONE_PROCESS)
+    _launch(out, 2, TWO_PROCESSES)
+    _launch(out, 4, FOUR_PROCESSES)
+    _launch(out, 1, RESUME)
+    return out
+
+
+def _report(runs: Path, name: str) -> dict:
+    return json.loads((runs / f"{name}.json").read_text())
+
+
+def _relative_differences(values: list[float], reference: list[float]) -> list[float]:
+    assert len(values) == len(reference), (values, reference)
+    return [abs(v - r) / abs(r) for v, r in zip(values, reference)]
+
+
+def _assert_matches(runs: Path, name: str, reference: str) -> None:
+    run, ref = _report(runs, name), _report(runs, reference)
+    for key in ("losses", "grad_norms"):
+        worst = max(_relative_differences(run[key], ref[key]))
+        assert worst < TOLERANCE, f"{name} {key}: {run[key]} vs {reference} {ref[key]}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [c["name"] for c in TWO_PROCESSES + FOUR_PROCESSES
+                                  if "resume" not in c and "forget" not in c["name"]])
+def test_every_layout_gives_the_one_process_losses_and_gradient_norms(runs: Path, name: str) -> None:
+    reference = REFERENCE_OF.get(name, "reference")
+    _assert_matches(runs, name, reference)
+    assert _report(runs, name)["path"] == "model_parallel"
+    initial = torch.load(runs / f"{reference}.pt", weights_only=True)  # only its keys and shapes matter here
+    trained = torch.load(runs / f"{name}.pt", weights_only=True)
+    assert trained.keys() == initial.keys()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_delinking_under_tensor_parallel_re_splits_the_real_blocks(runs: Path) -> None:
+    for name in ("tp2_delink", "tp2_ep2_delink_offload"):
+        report = _report(runs, name)
+        assert report["blocks"] == 4
+        for rank in report["held"]:
+            local, whole = rank["transformer.blocks.3.attn.qkv.weight"]
+            assert local * 2 == whole  # the new block is split over the tensor-parallel ranks too
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_a_summed_expert_gradient_fails_the_comparison(runs: Path) -> None:
+    """Negative control: without the experts' gradient scale the losses of an unclipped run would still match (Adam
+    divides a constant factor out), but the gradient norms are off and the clipped steps differ."""
+    run, ref = _report(runs, "ep2_forgets_gradient_scale"), _report(runs, "reference")
+    assert max(_relative_differences(run["grad_norms"], ref["grad_norms"])) > 100 * TOLERANCE
+    with pytest.raises(AssertionError):
+        _assert_matches(runs, "ep2_forgets_gradient_scale", "reference")
+
+
+# Elements of each parameter a rank holds, as a fraction of the whole: (tensor split) x (expert split) x (FSDP2).
+SHARE = {
+    "tp2": {"attn.qkv.weight": 2, "attn.out.weight": 2, "experts.w_in": 2, "experts.w_out": 2, "attn_norm.weight": 1,
+            "router.weight": 1, "tok_embeddings.weight": 2},
+    "ep2": {"attn.qkv.weight": 1, "experts.w_in": 2, "experts.w_out": 2, "router.weight": 1},
+    "tp2_zero3": {"attn.qkv.weight": 2, "experts.w_in": 2, "attn_norm.weight": 1},
+    "tp2_ep2_zero3": {"attn.qkv.weight": 4, "experts.w_in": 4, "experts.w_out": 4, "attn_norm.weight": 2,
+                      "tok_embeddings.weight": 4},
+    "ep2_zero2_on_4": {"attn.qkv.weight": 4, "experts.w_in": 4, "router.weight": 4},
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", sorted(SHARE))
+def test_each_rank_holds_only_its_share(runs: Path, name: str) -> None:
+    for rank, holdings in enumerate(_report(runs, name)["held"]):
+        for suffix, split in SHARE[name].items():
+            matches = [v for k, v in holdings.items() if k.endswith(suffix)]
+            assert matches, suffix
+            for local, whole in matches:
+                assert local * split == whole, (name, rank, suffix, local, whole)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_checkpoints_reshard_between_one_process_and_a_tp2_ep2_mesh(runs: Path) -> None:
+    """Saved at tp=2 x ep=2 (4 ranks, ZeRO-3), resumed on one process; saved on one process, resumed at tp=2 x
+    ep=2: both continue with the loss the uninterrupted run has at step 4."""
+    reference = _report(runs, "reference_4_steps")
+    for name in ("one_process_resumes_tp2_ep2", "tp2_ep2_resumes_one_process"):
+        resumed = _report(runs, name)
+        assert len(resumed["losses"]) == 1
+        assert _relative_differences(resumed["losses"], reference["losses"][3:])[0] < TOLERANCE, name
+    initial = torch.load(runs / "reference.pt", weights_only=True)
+    assert_trained_alike(torch.load(runs / "one_process_resumes_tp2_ep2.pt", weights_only=True),
+                         torch.load(runs / "reference_4_steps.pt", weights_only=True), initial,
+                         name="one_process_resumes_tp2_ep2")

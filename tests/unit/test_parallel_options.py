@@ -1,0 +1,105 @@
+"""Tensor / expert parallel options, the mesh arithmetic and the pure parts of the expert dispatch (one process)."""
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+
+from lightning_p2r import P2RStrategy
+from lightning_p2r.strategy.parallel.clipping import clip_grad_norm_across_meshes
+from lightning_p2r.strategy.parallel.experts import expert_major_order, rank_splits
+from lightning_p2r.strategy.parallel.mesh import ParallelDims
+
+
+def _with_world_size(strategy: P2RStrategy, world_size: int, rank: int = 0) -> P2RStrategy:
+    environment = LightningEnvironment()
+    environment.set_world_size(world_size)
+    environment.set_global_rank(rank)
+    strategy.cluster_environment = environment
+    return strategy
+
+
+@pytest.mark.parametrize("kwargs", [{"tensor_parallel": 0}, {"expert_parallel": -2}, {"tensor_parallel": 1.5},
+                                    {"expert_parallel": True}, {"tensor_parallel": "2"}])
+def test_degrees_must_be_positive_integers(kwargs: dict) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(ValueError, match=f"P2RStrategy.{name} must be a positive integer"):
+        P2RStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(("world", "tp", "ep", "message"), [
+    (4, 3, 1, r"tensor_parallel=3\) must divide the number of processes \(4\): use tensor_parallel in \[1, 2, 4\]"),
+    (4, 2, 4, r"expert_parallel=4\) borrows ranks .* processes / tensor_parallel = 4 / 2 = 2"),
+    (6, 2, 2, r"expert_parallel=2\) borrows ranks .* = 3: use expert_parallel in \[1, 3\]"),
+])
+def test_mesh_degrees_that_do_not_divide_are_refused(world: int, tp: int, ep: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        ParallelDims(world, tp, ep)
+    strategy = _with_world_size(P2RStrategy(tensor_parallel=tp, expert_parallel=ep), world)
+    with pytest.raises(ValueError, match=message):
+        strategy._check_path_options()  # at setup, before any process group exists
+
+
+def test_mesh_arithmetic() -> None:
+    dims = ParallelDims(8, tensor_parallel=2, expert_parallel=2)
+    assert (dims.data_parallel, dims.expert_data_parallel) == (4, 2)
+    # Tensor-parallel ranks are adjacent and read the same batch.
+    assert [dims.data_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert "data 4 (of which expert 2 x expert-data 2) x tensor 2" in dims.describe()
+
+
+@pytest.mark.parametrize(("model", "message"), [
+    ({"num_heads": 5, "num_experts": 4, "vocab_size": 256, "moe": True}, r"num_heads=5 must be divisible"),
+    ({"num_heads": 4, "num_experts": 4, "vocab_size": 255, "moe": True}, r"vocab_size=255 must be divisible"),
+    ({"num_heads": 4, "num_experts": 6, "vocab_size": 256, "moe": True}, r"num_experts=6 must be divisible"),
+    ({"num_heads": 4, "num_experts": 4, "vocab_size": 256, "moe": False}, r"needs MoE layers"),
+])
+def test_a_model_the_mesh_cannot_split_is_refused(model: dict, message: str) -> None:
+    dims = ParallelDims(8, tensor_parallel=2, expert_parallel=4)
+    with pytest.raises(ValueError, match=message):
+        dims.check_model(**model)
+
+
+def test_model_parallel_runs_on_its_engine_and_samples_by_data_rank() -> None:
+    strategy = _with_world_size(P2RStrategy(tensor_parallel=2, sharding="zero3"), 4, rank=3)
+    assert strategy.path == "model_parallel"
+    # Rank 3 is the second rank of the second tensor-parallel pair: it reads data shard 1 of 2.
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+    assert _with_world_size(P2RStrategy(sharding="zero3"), 4).path == "fsdp"
+
+
+def test_zero1_with_model_parallel_is_refused() -> None:
+    strategy = _with_world_size(P2RStrategy(tensor_parallel=2, sharding="zero1"), 2)
+    with pytest.raises(ValueError, match="use sharding='zero2'"):
+        strategy._check_path_options()
+
+
+def test_rows_go_to_the_rank_that_holds_their_expert() -> None:
+    # 6 experts over 3 ranks: rank j holds experts 2j and 2j + 1.
+    assert rank_splits([1, 2, 0, 4, 3, 0], 3) == [3, 4, 3]
+
+
+def test_received_rows_are_regrouped_by_local_expert() -> None:
+    # From 2 source ranks, rows for 2 local experts: source 0 sent 1 row for expert 0 and 2 for expert 1, source 1
+    # sent 2 for expert 0 and 0 for expert 1. Received order: s0e0, s0e1, s0e1, s1e0, s1e0.
+    received = torch.tensor([[1, 2], [2, 0]])
+    order = expert_major_order(received)
+    assert order.tolist() == [0, 3, 4, 1, 2]  # expert 0 (from s0, then s1), then expert 1
+    empty = expert_major_order(torch.zeros(2, 3, dtype=torch.long))
+    assert empty.numel() == 0
+
+
+def test_clipping_across_meshes_equals_torch_on_plain_tensors() -> None:
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]
+    for p in params:
+        p.grad = torch.randn_like(p) * 3
+    expected = [p.grad.clone() for p in params]
+    copies = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for c, g in zip(copies, expected):
+        c.grad = g.clone()
+    torch.nn.utils.clip_grad_norm_(copies, 1.0)
+    total = clip_grad_norm_across_meshes(params, 1.0)
+    torch.testing.assert_close(total, torch.linalg.vector_norm(torch.cat([g.flatten() for g in expected])))
+    for p, c in zip(params, copies):
+        torch.testing.assert_close(p.grad, c.grad)
+    assert total > 1.0  # the case that clips
