@@ -54,10 +54,33 @@ class CollectiveStats:
         return metrics
 
 
+def collective_payload(namespace: str, name: str, args: Any, kwargs: dict[str, Any]) -> tuple[str, int]:
+    """The kind of a collective op and its payload in bytes (see :class:`CollectiveStats`). Process-group ops
+    ("c10d": FSDP2, DDP, ``torch.distributed`` calls) carry their input and output tensors; functional ops
+    ("_c10d_functional": DTensor's redistributions under tensor parallelism) carry only their input, so a functional
+    gather's payload is its input times the group size. An all-to-all's payload is what this rank sends."""
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    kind = _kind(name)
+    if kind == "all_to_all":
+        if namespace == "_c10d_functional":
+            return kind, sizes[0]  # (input, split sizes, group)
+        if name.startswith("alltoall_base"):
+            return kind, sizes[1]  # (output, input, ...)
+        return kind, sum(sizes[len(sizes) // 2:])  # (outputs, inputs, ...)
+    if namespace == "_c10d_functional":
+        if kind == "all_gather":
+            return kind, sizes[0] * int(args[1])
+        return kind, sizes[0]
+    return kind, max(sizes, default=0) if name.startswith(_GATHER_SCATTER) else sum(sizes)
+
+
 def _kind(op_name: str) -> str:
     name = op_name.strip("_").split(".")[0].rstrip("_")
-    for prefix, kind in (("allgather", "all_gather"), ("reduce_scatter", "reduce_scatter"),
-                         ("allreduce", "all_reduce"), ("broadcast", "broadcast"), ("alltoall", "all_to_all")):
+    for prefix, kind in (("allgather", "all_gather"), ("all_gather", "all_gather"),
+                         ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
+                         ("all_reduce", "all_reduce"), ("broadcast", "broadcast"), ("alltoall", "all_to_all"),
+                         ("all_to_all", "all_to_all")):
         if name.startswith(prefix):
             return kind
     return name
@@ -83,13 +106,9 @@ class CollectiveCounter(TorchDispatchMode):
             self.paused = before
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if (not self.paused and func.namespace == "c10d" and "wait" not in func.__name__
-                and "barrier" not in func.__name__):
-            tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            sizes = [t.numel() * t.element_size() for t in tensors]
-            name = func.__name__
-            payload = max(sizes, default=0) if name.startswith(_GATHER_SCATTER) else sum(sizes)
-            kind = _kind(name)
+        if not self.paused and func.namespace in ("c10d", "_c10d_functional") and not func.__name__.startswith(
+                ("wait", "barrier")):
+            kind, payload = collective_payload(func.namespace, func.__name__, args, kwargs or {})
             self.stats.calls[kind] += 1
             self.stats.bytes[kind] += payload
         return func(*args, **(kwargs or {}))

@@ -135,15 +135,23 @@ class ParallelMeshes:
 
 def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> ParallelMeshes:
     """The two meshes of ``dims``. ``replicate``: FSDP2's replicate layout (every data rank holds every parameter, as
-    ``fsdp_layout_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks."""
+    ``fsdp_layout_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks. A
+    data dimension of one rank is a plain size-1 shard dimension either way: FSDP2 then issues no collective for
+    it (a replicate dimension of one rank would all-reduce every gradient with itself)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     dp, ep, tp, edp = dims.data_parallel, dims.expert_parallel, dims.tensor_parallel, dims.expert_data_parallel
-    if replicate:
+    if replicate and dp > 1:
         dense = init_device_mesh(device_type, (dp, 1, tp), mesh_dim_names=("replicate", "shard", "tp"))
+        dense_data: tuple[str, ...] = ("replicate", "shard")
+    else:
+        dense = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("shard", "tp"))
+        dense_data = ("shard",)
+    if replicate and edp > 1:
         experts = init_device_mesh(device_type, (edp, 1, ep, tp),
                                    mesh_dim_names=("expert_replicate", "expert_shard", "ep", "tp"))
-        return ParallelMeshes(dims, dense, experts, ("replicate", "shard"), ("expert_replicate", "expert_shard"))
-    dense = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("shard", "tp"))
-    experts = init_device_mesh(device_type, (edp, ep, tp), mesh_dim_names=("expert_shard", "ep", "tp"))
-    return ParallelMeshes(dims, dense, experts, ("shard",), ("expert_shard",))
+        expert_data: tuple[str, ...] = ("expert_replicate", "expert_shard")
+    else:
+        experts = init_device_mesh(device_type, (edp, ep, tp), mesh_dim_names=("expert_shard", "ep", "tp"))
+        expert_data = ("expert_shard",)
+    return ParallelMeshes(dims, dense, experts, dense_data, expert_data)

@@ -1,0 +1,228 @@
+"""Tensor and expert parallelism on CPU processes: collective bytes per step (counted) against the formulas,
+per-rank model-state bytes, and tokens/s.
+
+    python -m lightning_p2r.benchmarks.parallel [--steps 8] [--layouts tp2,ep2,...] [--out DIR] [--quick]
+
+Each layout trains the same MoE M6 (every other layer MoE, dropless, M6-T prototyping with 2 prototypes of top-1,
+fp32) for a few steps on 2 or 4 gloo processes with ``P2RStrategy(count_collectives=True)``, one thread each, the
+same global batch. Per layout the table gives, averaged over the ranks, the bytes of each collective kind in the
+last step next to what ``lightning_p2r.strategy.parallel.traffic`` predicts from the model's sizes (tensor
+parallel's activation all-reduces and the logits' gather, expert parallel's all-to-alls, the balance loss's
+all-reduces, and FSDP2's gathers, reduce-scatters or all-reduces over the data ranks, from the bytes of the
+parameter parts more than one data rank holds); each rank's parameter and optimizer-state bytes
+against one process's; and tokens/s (global batch tokens over the median step time after warm-up). On 2 cores,
+4 processes share 2 cores: their tokens/s measure the overhead, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from lightning_p2r.benchmarks.report import (
+    base_parser,
+    environment_info,
+    print_environment,
+    print_table,
+    save_bar_chart,
+    with_environment,
+    worker_env,
+    write_csv,
+)
+
+WARMUP = 3
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "one process": {"devices": 1, "strategy": {}},
+    "dp2": {"devices": 2, "strategy": {}},
+    "tp2": {"devices": 2, "strategy": {"tensor_parallel": 2}},
+    "ep2": {"devices": 2, "strategy": {"expert_parallel": 2}},
+    "tp2 zero3": {"devices": 2, "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
+    "tp4": {"devices": 4, "strategy": {"tensor_parallel": 4}},
+    "ep4": {"devices": 4, "strategy": {"expert_parallel": 4}},
+    "tp2 x ep2": {"devices": 4, "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
+    "tp2 x ep2 zero3": {"devices": 4, "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "sharding": "zero3"}},
+}
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+def model_config(quick: bool) -> dict[str, Any]:
+    size = {"dim": 64, "num_layers": 2, "max_seq_len": 32} if quick else {"dim": 256, "num_layers": 4,
+                                                                          "max_seq_len": 128}
+    return size | {"vocab_size": 256, "num_heads": 4, "num_experts": 8, "num_prototypes": 2, "moe_top_k": 1,
+                   "moe_layers": list(range(1, size["num_layers"], 2)), "capacity_factor": None, "init_seed": 0}
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    import lightning as L
+    import torch
+    import torch.distributed as dist
+
+    from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
+    from lightning_p2r.strategy.sharding import local_model_state_bytes
+
+    class StepEnds(L.Callback):
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            self.ends.append(time.perf_counter())
+
+    L.seed_everything(0)
+    config = M6Config(**spec["model"])
+    module = M6LanguageModel(config, OptimizerConfig(warmup_steps=1))
+    ends = StepEnds()
+    strategy = P2RStrategy(count_collectives=True, **spec["strategy"])
+    trainer = L.Trainer(accelerator="cpu", devices=spec["devices"], max_steps=spec["steps"], strategy=strategy,
+                        logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[ends])
+    data_ranks = spec["devices"] // strategy.tensor_parallel
+    seq = config.max_seq_len
+    data = torch.randint(0, config.vocab_size, (spec["steps"] * spec["global_batch"], seq + 1),
+                         generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=spec["global_batch"] // data_ranks))
+    steps = [b - a for a, b in zip(ends.ends[WARMUP - 1:], ends.ends[WARMUP:])]
+    state = local_model_state_bytes(module, trainer.strategy.optimizers[0])
+    last = strategy.collectives_history[-1]
+    block_bytes, root_bytes = data_parallel_parts(module)
+    report = {"rank": trainer.global_rank, "step_s": statistics.median(steps), "bytes": dict(last.bytes),
+              "calls": dict(last.calls), "param_bytes": state.params, "optimizer_bytes": state.optimizer,
+              "block_bytes": block_bytes, "root_bytes": root_bytes, "path": strategy.path,
+              "fsdp_layout": strategy.fsdp_layout}
+    Path(spec["out"]).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def data_parallel_parts(module: Any) -> tuple[int, int]:
+    """Bytes of the parameters' tensor / expert-parallel parts that more than one data rank holds: (in blocks,
+    outside blocks). Read from each DTensor's mesh: its "tp" and "ep" dimensions split it, the others are data."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    block_bytes = root_bytes = 0
+    for name, param in module.named_parameters():
+        if not isinstance(param, DTensor):
+            continue
+        mesh, split, holders = param.device_mesh, 1, 1
+        for dim_name, placement in zip(mesh.mesh_dim_names, param.placements):
+            size = mesh[dim_name].size()
+            if dim_name in ("tp", "ep"):
+                split *= size if isinstance(placement, Shard) else 1
+            else:
+                holders *= size
+        if holders > 1:
+            part = param.numel() // split * param.element_size()
+            if ".blocks." in f".{name}":
+                block_bytes += part
+            else:
+                root_bytes += part
+    return block_bytes, root_bytes
+
+
+def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    command = [sys.executable, "-m", "lightning_p2r.benchmarks.parallel", "--worker", json.dumps(spec)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=worker_env(threads=1))
+    if result.returncode != 0:
+        raise RuntimeError(f"{spec['name']} failed: {result.stderr[-3000:]}")
+    out = Path(spec["out"])
+    reports = []
+    for rank in range(spec["devices"]):
+        path = out.with_suffix(f".rank{rank}.json")
+        reports.append(json.loads(path.read_text()))
+        path.unlink()
+    return reports
+
+
+def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: int, global_batch: int,
+                    report: dict[str, Any]) -> dict[str, float]:
+    """The formulas' bytes per kind for one rank (the mean over the ranks, as the table compares them); empty for
+    layouts without tensor or expert parallelism."""
+    from lightning_p2r.strategy.parallel import ParallelDims
+    from lightning_p2r.strategy.parallel.traffic import (
+        StepShape,
+        balance_loss_bytes,
+        data_parallel_bytes,
+        expert_parallel_bytes,
+        tensor_parallel_bytes,
+    )
+
+    dims = ParallelDims(devices, strategy.get("tensor_parallel", 1), strategy.get("expert_parallel", 1))
+    if not dims.model_parallel:
+        return {}
+    shape = StepShape(tokens=global_batch // dims.data_parallel * model["max_seq_len"], dim=model["dim"],
+                      vocab_size=model["vocab_size"], num_layers=model["num_layers"],
+                      moe_layers=len(model["moe_layers"]), num_experts=model["num_experts"],
+                      assignments_per_token=model["num_prototypes"] * model["moe_top_k"])
+    predicted = dict.fromkeys(KINDS, 0.0)
+    parts = (tensor_parallel_bytes(shape, dims.tensor_parallel), expert_parallel_bytes(shape, dims.expert_parallel),
+             balance_loss_bytes(shape, dims.data_parallel),
+             data_parallel_bytes(report["fsdp_layout"], block_bytes=report["block_bytes"],
+                                 root_bytes=report["root_bytes"]))
+    for part in parts:
+        for kind, value in part.items():
+            predicted[kind] += value
+    return predicted
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker(json.loads(sys.argv[2]))
+        return {}
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--layouts", type=str, default=",".join(LAYOUTS), help="comma-separated, of: " +
+                        ", ".join(LAYOUTS))
+    args = parser.parse_args(argv)
+    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LAYOUTS]
+    if unknown:
+        parser.error(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
+    if args.quick:
+        args.steps = WARMUP + 2
+    model = model_config(args.quick)
+    env = environment_info("cpu")
+    print_environment(env)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in names:
+        layout = LAYOUTS[name]
+        spec = {"name": name, "model": model, "steps": args.steps, "global_batch": args.global_batch,
+                "out": str(out / ".parallel_run"), **layout}
+        reports = _run(spec)
+        ranks = len(reports)
+        mean = {kind: sum(r["bytes"].get(kind, 0) for r in reports) / ranks for kind in KINDS}
+        predicted = predicted_bytes(model, layout["strategy"], layout["devices"], args.global_batch, reports[0])
+        step_s = statistics.median(r["step_s"] for r in reports)
+        row: dict[str, Any] = {"layout": name, "processes": layout["devices"], "engine": reports[0]["path"]}
+        for kind in KINDS:
+            row[f"{kind}_bytes"] = round(mean[kind])
+            row[f"{kind}_formula"] = round(predicted[kind]) if predicted else None
+        row |= {"param_bytes_per_rank": max(r["param_bytes"] for r in reports),
+                "optimizer_bytes_per_rank": max(r["optimizer_bytes"] for r in reports),
+                "step_s": round(step_s, 4),
+                "tokens_per_s": round(args.global_batch * model["max_seq_len"] / step_s, 1)}
+        rows.append(row)
+        print(f"{name}: done", flush=True)
+    columns = ["layout", "processes"] + [f"{k}_{s}" for k in KINDS for s in ("bytes", "formula")] + [
+        "param_bytes_per_rank", "optimizer_bytes_per_rank", "step_s", "tokens_per_s"]
+    print_table(rows, columns)
+    mismatched = [r["layout"] for r in rows if r["all_reduce_formula"] is not None and any(
+        r[f"{k}_bytes"] != r[f"{k}_formula"] for k in KINDS)]
+    print("counted bytes equal the formulas for every model-parallel layout" if not mismatched else
+          f"counted bytes differ from the formulas for: {mismatched}")
+    write_csv(with_environment(rows, env), out / "parallel.csv")
+    save_bar_chart(out / "parallel.png", [r["layout"] for r in rows],
+                   {"tokens/s": [r["tokens_per_s"] for r in rows]}, ylabel="tokens/s (global batch)",
+                   title="M6 MoE, tensor / expert parallel on CPU processes (gloo, 1 thread each)")
+    print(f"wrote {out / 'parallel.csv'}, {out / 'parallel.png'}")
+    return {"rows": rows, "mismatched": mismatched}
+
+
+if __name__ == "__main__":
+    main()

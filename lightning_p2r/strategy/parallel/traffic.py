@@ -1,0 +1,93 @@
+"""Bytes each tensor / expert parallel collective moves in one training step, from the model's sizes (analytic).
+
+Counted the way :class:`~lightning_p2r.strategy.accounting.CollectiveCounter` counts them: an all-reduce's payload
+is the tensor reduced, a gather's the whole tensor assembled, an all-to-all's what this rank sends. (A ring
+all-reduce then puts about ``2 (n - 1) / n`` times its payload on each rank's link, an all-gather ``(n - 1) / n``.)
+One forward and one backward of ``tokens`` tokens per rank, no recompute, no sequence parallelism.
+
+Tensor parallel (Megatron-LM's f and g: one all-reduce of (tokens, dim) in forward where a row-parallel layer
+ends, one in backward where a column-parallel layer begins):
+
+- every layer's attention, and every dense FFN: 2 x tokens x dim,
+- every MoE layer: 2 x rows x dim, rows = the assignments the rank computes (tokens x prototypes x top_k when
+  dropless, without expert parallelism),
+- the vocabulary-parallel embedding (forward) and the head's input (backward): 2 x tokens x dim,
+- the head's logits, gathered whole: an all-gather of tokens x vocab.
+
+Expert parallel, per MoE layer: the counts (num_experts int64), then the rows out to their experts and back, in
+forward and in backward: 2 x (tokens x k + received) x dim. Over an expert group the received rows sum to the sent
+ones, so the group's mean is 4 x tokens x k x dim + 8 x num_experts.
+
+Data parallel (FSDP2 over the data ranks), from the bytes of the parameter parts (after the tensor / expert split)
+that more than one data rank holds, per FSDP2 unit: the replicated layout all-reduces their gradients once; ZeRO-2
+gathers them once (forward) and reduce-scatters the gradients once; ZeRO-3 gathers each block (and each experts
+unit) again in backward, while the root unit (embedding, final norm, head) stays gathered from forward to backward.
+
+The balance loss over all data ranks, per MoE layer: the counts (int64), the token count (fp32) and the router
+probabilities' sums in forward and backward (fp32): 16 x num_experts + 4 bytes in 4 all-reduces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one rank runs in one step."""
+
+    tokens: int
+    """Tokens this rank processes (its data shard: batch x sequence)."""
+    dim: int
+    vocab_size: int
+    num_layers: int
+    """Layer applications (a shared block counts once per layer it runs)."""
+    moe_layers: int
+    num_experts: int
+    assignments_per_token: int
+    """num_prototypes x moe_top_k."""
+    element_bytes: int = 4
+
+
+def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *,
+                          moe_rows_per_layer: float | None = None) -> dict[str, float]:
+    """{"all_reduce": ..., "all_gather": ...} of tensor parallelism in one step (zero without it).
+    ``moe_rows_per_layer``: the rows an MoE layer computes on this rank (default tokens x k, dropless)."""
+    if tensor_parallel == 1:
+        return {"all_reduce": 0.0, "all_gather": 0.0}
+    b, t, d = shape.element_bytes, shape.tokens, shape.dim
+    rows = shape.tokens * shape.assignments_per_token if moe_rows_per_layer is None else moe_rows_per_layer
+    dense_ffn = shape.num_layers - shape.moe_layers
+    activations = b * t * d * (2 * shape.num_layers + 2 * dense_ffn + 2)
+    experts = b * 2 * rows * d * shape.moe_layers
+    return {"all_reduce": float(activations + experts), "all_gather": float(b * t * shape.vocab_size)}
+
+
+def expert_parallel_bytes(shape: StepShape, expert_parallel: int) -> dict[str, float]:
+    """{"all_to_all": ...}: an expert group's mean per rank in one step (zero without expert parallelism)."""
+    if expert_parallel == 1:
+        return {"all_to_all": 0.0}
+    rows = shape.tokens * shape.assignments_per_token
+    per_layer = 4 * rows * shape.dim * shape.element_bytes + 8 * shape.num_experts
+    return {"all_to_all": float(per_layer * shape.moe_layers)}
+
+
+def balance_loss_bytes(shape: StepShape, data_parallel: int) -> dict[str, float]:
+    """{"all_reduce": ...} of the balance loss over all data ranks in one step (zero on one data rank)."""
+    if data_parallel == 1:
+        return {"all_reduce": 0.0}
+    return {"all_reduce": float((16 * shape.num_experts + 4) * shape.moe_layers)}
+
+
+def data_parallel_bytes(layout: str, *, block_bytes: float, root_bytes: float) -> dict[str, float]:
+    """{"all_reduce", "all_gather", "reduce_scatter": ...} of FSDP2 in one step for ``layout`` ("replicate", "zero2"
+    or "zero3"): ``block_bytes`` are the blocks' (and experts') parameter bytes held by more than one data rank,
+    ``root_bytes`` those of the parameters outside the blocks."""
+    total = block_bytes + root_bytes
+    if layout == "replicate":
+        return {"all_reduce": total, "all_gather": 0.0, "reduce_scatter": 0.0}
+    if layout == "zero2":
+        return {"all_reduce": 0.0, "all_gather": total, "reduce_scatter": total}
+    if layout == "zero3":
+        return {"all_reduce": 0.0, "all_gather": 2 * block_bytes + root_bytes, "reduce_scatter": total}
+    raise ValueError(f"layout must be 'replicate', 'zero2' or 'zero3', got {layout!r}")

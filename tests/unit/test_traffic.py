@@ -1,0 +1,54 @@
+"""The tensor / expert / data parallel byte formulas on hand-computed cases (the distributed test checks them
+against the counted collectives)."""
+
+import pytest
+
+from lightning_p2r.strategy.accounting import collective_payload
+from lightning_p2r.strategy.parallel.traffic import (
+    StepShape,
+    balance_loss_bytes,
+    data_parallel_bytes,
+    expert_parallel_bytes,
+    tensor_parallel_bytes,
+)
+
+# 10 tokens, width 4, vocab 16; 3 layers of which 1 MoE with 8 experts, 2 assignments per token; fp32.
+SHAPE = StepShape(tokens=10, dim=4, vocab_size=16, num_layers=3, moe_layers=1, num_experts=8,
+                  assignments_per_token=2)
+
+
+def test_tensor_parallel_bytes_by_hand() -> None:
+    # Attention 3 layers x 2 + dense FFN 2 layers x 2 + embedding and head input 2 = 12 all-reduces of 10 x 4 fp32
+    # (1920 bytes); the MoE layer 2 x 20 rows x 4 fp32 = 640; the logits 10 x 16 fp32 = 640.
+    assert tensor_parallel_bytes(SHAPE, 2) == {"all_reduce": 1920 + 640, "all_gather": 640}
+    assert tensor_parallel_bytes(SHAPE, 1) == {"all_reduce": 0, "all_gather": 0}
+    # Under expert parallelism a rank computes the rows it received.
+    assert tensor_parallel_bytes(SHAPE, 4, moe_rows_per_layer=5)["all_reduce"] == 1920 + 2 * 5 * 4 * 4
+
+
+def test_expert_parallel_bytes_by_hand() -> None:
+    # 4 x 20 rows x 4 fp32 (out and back, forward and backward) + the 8 int64 counts.
+    assert expert_parallel_bytes(SHAPE, 2) == {"all_to_all": 4 * 20 * 4 * 4 + 64}
+    assert expert_parallel_bytes(SHAPE, 1) == {"all_to_all": 0}
+
+
+def test_balance_loss_and_data_parallel_bytes_by_hand() -> None:
+    assert balance_loss_bytes(SHAPE, 2) == {"all_reduce": 16 * 8 + 4}
+    assert balance_loss_bytes(SHAPE, 1) == {"all_reduce": 0}
+    assert data_parallel_bytes("replicate", block_bytes=100, root_bytes=10) == {
+        "all_reduce": 110, "all_gather": 0, "reduce_scatter": 0}
+    assert data_parallel_bytes("zero2", block_bytes=100, root_bytes=10)["all_gather"] == 110
+    assert data_parallel_bytes("zero3", block_bytes=100, root_bytes=10) == {
+        "all_reduce": 0, "all_gather": 210, "reduce_scatter": 110}
+    with pytest.raises(ValueError, match="layout must be"):
+        data_parallel_bytes("zero1", block_bytes=1, root_bytes=1)
+
+
+def test_collective_payloads() -> None:
+    import torch
+
+    x = torch.zeros(6)  # 24 bytes
+    assert collective_payload("_c10d_functional", "all_gather_into_tensor", (x, 4, "g"), {}) == ("all_gather", 96)
+    assert collective_payload("_c10d_functional", "all_reduce", (x, "sum", "g"), {}) == ("all_reduce", 24)
+    assert collective_payload("c10d", "alltoall_base_", (torch.zeros(2), x, None, [], []), {}) == ("all_to_all", 24)
+    assert collective_payload("c10d", "allreduce_", ([x],), {}) == ("all_reduce", 24)
