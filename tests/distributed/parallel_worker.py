@@ -4,8 +4,8 @@ test_parallel.py.
 Lightning's launcher starts the other ranks by re-running this script, so every rank runs every configuration in
 the same order. Rank 0 writes ``<name>.json`` for each: the loss of every step (averaged over the ranks: each
 data-parallel rank's loss is its own batch's, tensor-parallel ranks repeat theirs), the gradient norm before each
-optimizer step (taken over every mesh the parameters live on), the full trained weights (``<name>.pt``), and what
-each rank holds of the parameters.
+optimizer step (taken over every mesh the parameters live on), the full trained weights (``<name>.pt``), what
+each rank holds of the parameters, and the bytes of each collective kind in the last step on every rank.
 """
 
 import argparse
@@ -23,14 +23,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from helpers import TINY, tiny_data  # noqa: E402
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
+from lightning_p2r.benchmarks.parallel import data_parallel_parts  # noqa: E402
 from lightning_p2r.strategy.parallel.clipping import total_grad_norm  # noqa: E402
 from lightning_p2r.strategy.parallel.experts import ParallelExperts  # noqa: E402
 
-# Every layer MoE (dropless, so routing does not depend on how the batch is split), 4 experts, a large balance-loss
-# weight (so an error in its cross-rank reduction shows in the loss), fp32, no dropout, a constant LR after warmup
-# (resumed runs with a longer max_steps follow the same schedule).
+# Every layer MoE with M6-T prototyping (2 prototypes of top-1), dropless (so routing does not depend on how the
+# batch is split), 4 experts, a large balance-loss weight (so an error in its cross-rank reduction shows in the
+# loss), fp32, no dropout, a constant LR after warmup (resumed runs with a longer max_steps follow the same
+# schedule).
 MODEL = TINY | {"num_layers": 2, "dim": 32, "num_heads": 4, "moe_layers": [0, 1], "num_experts": 4,
-                "capacity_factor": None, "router_aux_loss_coef": 0.5, "dropout": 0.0}
+                "num_prototypes": 2, "moe_top_k": 1, "capacity_factor": None, "router_aux_loss_coef": 0.5,
+                "dropout": 0.0}
 GLOBAL_BATCH = 8
 
 
@@ -79,7 +82,7 @@ def run(config: dict, out: Path, devices: int) -> None:
         callbacks.append(ForgetExpertGradientScale())
     if "delink_at" in config:
         callbacks.append(PseudoToReal(delink_at_step=config["delink_at"]))
-    strategy = P2RStrategy(**config.get("strategy", {}))
+    strategy = P2RStrategy(count_collectives=True, **config.get("strategy", {}))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=config.get("steps", 3),
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
@@ -95,11 +98,21 @@ def run(config: dict, out: Path, devices: int) -> None:
         dist.all_gather_object(holdings, local)
     else:
         holdings = [local]
+    # The collectives of the last step (bytes per kind, each rank's own), and what FSDP2 reduces over the data ranks.
+    counted = [None] * trainer.world_size
+    local_counts = dict(strategy.collectives_history[-1].bytes) if strategy.collectives_history else {}
+    if dist.is_initialized():
+        dist.all_gather_object(counted, local_counts)
+    else:
+        counted = [local_counts]
+    block_bytes, root_bytes = data_parallel_parts(module)
     weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
         torch.save({k: v.float() for k, v in weights.items()}, out / f"{config['name']}.pt")
         report = {"losses": record.losses, "grad_norms": record.grad_norms, "held": holdings,
-                  "path": strategy.path, "blocks": len(module.transformer.blocks)}
+                  "path": strategy.path, "blocks": len(module.transformer.blocks), "counted_bytes": counted,
+                  "block_bytes": block_bytes, "root_bytes": root_bytes, "fsdp_layout": strategy.fsdp_layout,
+                  "model": MODEL | config.get("model", {}), "devices": trainer.world_size}
         (out / f"{config['name']}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.barrier()

@@ -20,7 +20,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from equivalence import assert_trained_alike  # noqa: E402
 
+from lightning_p2r.benchmarks.parallel import KINDS, predicted_bytes  # noqa: E402
+
 WORKER = Path(__file__).with_name("parallel_worker.py")
+GLOBAL_BATCH = 8  # the worker's
 PSEUDO = {"num_layers": 4, "num_unique_blocks": 1, "moe_layers": [0, 1, 2, 3]}
 TOLERANCE = 1e-4
 
@@ -163,3 +166,20 @@ def test_checkpoints_reshard_between_one_process_and_a_tp2_ep2_mesh(runs: Path) 
     assert_trained_alike(torch.load(runs / "one_process_resumes_tp2_ep2.pt", weights_only=True),
                          torch.load(runs / "reference_4_steps.pt", weights_only=True), initial,
                          name="one_process_resumes_tp2_ep2")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["tp2", "ep2", "tp2_zero3", "tp2_ep2_zero3", "ep2_zero2_on_4"])
+def test_counted_collective_bytes_equal_the_formulas(runs: Path, name: str) -> None:
+    """Tensor parallel's all-reduces and gather, expert parallel's all-to-alls, the balance loss's all-reduces and
+    FSDP2's data-parallel traffic, counted in the last step and averaged over the ranks, equal
+    ``lightning_p2r.strategy.parallel.traffic`` (the parallel benchmark's comparison)."""
+    report = _report(runs, name)
+    config = next(c for c in TWO_PROCESSES + FOUR_PROCESSES if c["name"] == name)
+    predicted = predicted_bytes(report["model"], config["strategy"], report["devices"], GLOBAL_BATCH, report)
+    ranks = report["counted_bytes"]
+    for kind in KINDS:
+        mean = sum(rank.get(kind, 0) for rank in ranks) / len(ranks)
+        assert mean == predicted[kind], (name, kind, mean, predicted[kind])
+    assert predicted["all_reduce"] > 0

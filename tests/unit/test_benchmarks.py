@@ -163,3 +163,18 @@ def test_benchmarks_write_to_runs_unless_asked_to_update_the_docs() -> None:
     assert parser.parse_args(["--update-docs"]).out == DOCS_OUT
     with pytest.raises(SystemExit):
         parser.parse_args(["--update-docs", "--out", "elsewhere"])
+
+
+def test_parallel_benchmark_writes_its_outputs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One layout on one process (the multi-process layouts' bytes are checked against the formulas in
+    tests/distributed/test_parallel.py, through the same ``predicted_bytes``)."""
+    from lightning_p2r.benchmarks import parallel
+
+    result = parallel.main(["--quick", "--layouts", "one process", "--out", str(tmp_path)])
+    rows = _read_csv(tmp_path / "parallel.csv")
+    assert rows[0]["layout"] == "one process" and float(rows[0]["tokens_per_s"]) > 0
+    assert int(rows[0]["param_bytes_per_rank"]) > 0 and result["mismatched"] == []
+    _assert_png(tmp_path / "parallel.png")
+    assert "tokens_per_s" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        parallel.main(["--layouts", "tp3", "--out", str(tmp_path)])

@@ -69,10 +69,6 @@ class ModelParallelEngine(FSDPEngine):
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_across_meshes(  # type: ignore[method-assign]
             plugin.main_params(optimizer), clip_val)
 
-    def data_parallel_rank(self) -> tuple[int, int]:
-        """(ranks that see different batches, this rank's index among them)."""
-        dims = self.dims
-        return dims.data_parallel, dims.data_rank(self.strategy.global_rank)
-
-    def describe_mesh(self) -> str:
-        return self.dims.describe()
+    def teardown(self) -> None:
+        vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)  # the class's method again
+        super().teardown()
