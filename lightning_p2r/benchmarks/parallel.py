@@ -138,13 +138,14 @@ def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: int, global_batch: int,
-                    report: dict[str, Any]) -> dict[str, float]:
+                    report: dict[str, Any], *, clipping: bool = False) -> dict[str, float]:
     """The formulas' bytes per kind for one rank (the mean over the ranks, as the table compares them); empty for
-    layouts without tensor or expert parallelism."""
+    layouts without tensor or expert parallelism. ``clipping``: the run clips gradients by norm."""
     from lightning_p2r.strategy.parallel import ParallelDims
     from lightning_p2r.strategy.parallel.traffic import (
         StepShape,
         balance_loss_bytes,
+        clipping_bytes,
         data_parallel_bytes,
         expert_parallel_bytes,
         tensor_parallel_bytes,
@@ -159,7 +160,7 @@ def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: in
                       assignments_per_token=model["num_prototypes"] * model["moe_top_k"])
     predicted = dict.fromkeys(KINDS, 0.0)
     parts = (tensor_parallel_bytes(shape, dims.tensor_parallel), expert_parallel_bytes(shape, dims.expert_parallel),
-             balance_loss_bytes(shape, dims.data_parallel),
+             balance_loss_bytes(shape, dims.data_parallel), clipping_bytes(clipping),
              data_parallel_bytes(report["fsdp_layout"], block_bytes=report["block_bytes"],
                                  root_bytes=report["root_bytes"]))
     for part in parts:

@@ -370,8 +370,15 @@ class P2RStrategy(DDPStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 (Lightning's name)
         # Not counted with the step's collectives: the counts describe the training layout (docs/sharding.md).
-        with self._counter.pause() if self._counter is not None else contextlib.nullcontext():
+        with self.uncounted():
             return super().reduce_boolean_decision(decision, all=all)
+
+    @contextlib.contextmanager
+    def uncounted(self) -> Any:
+        """Collectives issued inside are left out of ``collectives`` (``count_collectives=True``): for a measurement's
+        own communication (a callback that reduces a metric), which is not part of the training layout."""
+        with self._counter.pause() if self._counter is not None else contextlib.nullcontext():
+            yield
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:

@@ -45,7 +45,8 @@ class Record(L.Callback):
         self.grad_norms: list[float] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        self.grad_norms.append(float(total_grad_norm(pl_module.parameters())))
+        with trainer.strategy.uncounted():  # this callback's own collective, not the layout's
+            self.grad_norms.append(float(total_grad_norm(pl_module.parameters())))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, *args) -> None:
         loss = outputs["loss"].detach().clone()

@@ -2,35 +2,57 @@
 
 ``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms, and DTensors on different meshes cannot be stacked:
 under tensor / expert parallelism the dense weights live on the (data, tensor) mesh, the experts on the (expert
-data, expert, tensor) mesh and the norms on the data mesh alone. So the norm is taken per mesh (each a DTensor
-reduction over its own ranks, made whole), the per-mesh norms combine into the global one, and every gradient is
-scaled by the same factor, as on one process.
+data, expert, tensor) mesh and the norms on the data mesh alone. (Reducing each mesh's norm through DTensor would
+work, but runs one all-reduce per mesh dimension in sequence.) Here each rank sums ``|g|^p`` over its local parts,
+divides each part by the number of ranks that hold the same part (the sizes of the mesh dimensions it is
+replicated over, times the slices of the world outside its mesh: a parameter kept on the data ranks only is
+repeated on every tensor-parallel slice), and a single all-reduce over all ranks gives the global sum.
+Every gradient is then scaled by the same factor, as on one process.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
-from torch.distributed.tensor import DTensor
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+
+def _copies(grad: torch.Tensor) -> int:
+    """How many ranks hold the same local part of ``grad`` (all of them for a plain tensor)."""
+    if not isinstance(grad, DTensor):
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    mesh = grad.device_mesh
+    replicated = math.prod(mesh.size(i) for i, placement in enumerate(grad.placements)
+                           if isinstance(placement, Replicate))
+    # A parameter on a sub-mesh (a norm weight on the data ranks only) is repeated on each of the other slices of
+    # the world (the tensor-parallel ranks), which its own placements do not show.
+    return replicated * dist.get_world_size() // mesh.size()
 
 
 def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    """The norm of all the gradients of ``params`` together, the same on every rank (collective per mesh)."""
-    by_mesh: dict[object, list[torch.Tensor]] = {}
-    for param in params:
-        if param.grad is not None:
-            key = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
-            by_mesh.setdefault(key, []).append(param.grad)
-    norms = []
-    # Every rank holds parameters on the same meshes, in the same order (the model's), so the per-mesh collectives
-    # run in the same order everywhere.
-    for grads in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type)
-        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
-    if not norms:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(norms, norm_type)
+    """The ``norm_type`` norm of all the gradients of ``params`` together, the same on every rank (collective:
+    every rank calls it with its parameters, in any order)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    inf = math.isinf(norm_type)
+    local = torch.zeros((), dtype=torch.float64)
+    for grad in grads:
+        part = (grad.to_local() if isinstance(grad, DTensor) else grad).detach()
+        if part.numel() == 0:
+            continue
+        if inf:
+            local = torch.maximum(local, part.abs().max().double().cpu())
+        else:
+            local += part.double().abs().pow(norm_type).sum().cpu() / _copies(grad)
+    if dist.is_available() and dist.is_initialized():
+        # On the process group's device: NCCL reduces device tensors only (an offloaded gradient lives on the host).
+        nccl = dist.get_backend() == "nccl"
+        reduced = local.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+        dist.all_reduce(reduced, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        local = reduced.cpu()
+    return (local if inf else local.pow(1.0 / norm_type)).float()
 
 
 def clip_grad_norm_across_meshes(params: Iterable[torch.Tensor], max_norm: float,

@@ -23,6 +23,9 @@ that more than one data rank holds, per FSDP2 unit: the replicated layout all-re
 gathers them once (forward) and reduce-scatters the gradients once; ZeRO-3 gathers each block (and each experts
 unit) again in backward, while the root unit (embedding, final norm, head) stays gathered from forward to backward.
 
+Gradient clipping (``gradient_clip_val``) under tensor / expert parallelism: one all-reduce of the 8-byte sum of
+squares (``parallel/clipping.py``) per step.
+
 The balance loss over all data ranks, per MoE layer: the counts (int64), the token count (fp32) and the router
 probabilities' sums in forward and backward (fp32): 16 x num_experts + 4 bytes in 4 all-reduces.
 """
@@ -91,3 +94,8 @@ def data_parallel_bytes(layout: str, *, block_bytes: float, root_bytes: float) -
     if layout == "zero3":
         return {"all_reduce": 0.0, "all_gather": 2 * block_bytes + root_bytes, "reduce_scatter": total}
     raise ValueError(f"layout must be 'replicate', 'zero2' or 'zero3', got {layout!r}")
+
+
+def clipping_bytes(clipping: bool) -> dict[str, float]:
+    """{"all_reduce": ...} of gradient-norm clipping in one step under tensor / expert parallelism."""
+    return {"all_reduce": 8.0 if clipping else 0.0}
