@@ -162,8 +162,14 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: (rows, dim) sorted by expert, ``counts[e]`` rows for expert e -> (rows, dim)."""
-        segments = x.split(counts)
-        return torch.cat([F.gelu(segment @ self.w_in[e]) @ self.w_out[e] for e, segment in enumerate(segments)])
+        return expert_mlps(x, counts, self.w_in, self.w_out)
+
+
+def expert_mlps(x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    """Each expert's GELU MLP on its segment: x (rows, dim) sorted by expert, ``counts[e]`` rows for expert e,
+    weights (experts, dim, hidden) and (experts, hidden, dim) -> (rows, dim)."""
+    segments = x.split(counts)
+    return torch.cat([F.gelu(segment @ w_in[e]) @ w_out[e] for e, segment in enumerate(segments)])
 
 
 class MoEFeedForward(nn.Module):

@@ -24,11 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as differentiable
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ...models.moe import Experts, MoEFeedForward, balance_loss_from_means
+from ...models.moe import Experts, MoEFeedForward, balance_loss_from_means, expert_mlps
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
@@ -108,8 +107,7 @@ class ParallelExperts(Experts):
         send = torch.tensor(counts, dtype=torch.long, device=device)
         received = torch.empty(ranks * local_experts, dtype=torch.long, device=device)
         dist.all_to_all_single(received, send, group=self.expert_group)
-        received = received.cpu()
-        received = received.view(ranks, local_experts)  # (source rank, local expert)
+        received = received.cpu().view(ranks, local_experts)  # (source rank, local expert)
         send_splits = rank_splits(counts, ranks)
         recv_splits = received.sum(dim=1).tolist()
         rows = x.new_empty(sum(recv_splits), x.shape[1])
@@ -127,8 +125,7 @@ class ParallelExperts(Experts):
     def _compute(self, x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is not None:
             x = copy_to_tensor_parallel(x, self.tp_mesh)
-        segments = x.split(counts)
-        out = torch.cat([F.gelu(segment @ w_in[e]) @ w_out[e] for e, segment in enumerate(segments)])
+        out = expert_mlps(x, counts, w_in, w_out)
         if self.tp_mesh is not None:
             out = reduce_from_tensor_parallel(out, self.tp_mesh)
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ...models.config import M6Config
 from ...models.moe import MoEFeedForward
 from .experts import parallelize_experts
 from .mesh import ParallelMeshes
@@ -18,7 +19,7 @@ def check_model(holder: nn.Module, meshes: ParallelMeshes) -> None:
     """Refuse a model the mesh cannot split (before any parameter is placed)."""
     config = getattr(holder, "config", None)
     dims = meshes.dims
-    if config is None:
+    if not isinstance(config, M6Config):
         if dims.model_parallel:
             raise ValueError(f"P2RStrategy(tensor_parallel={dims.tensor_parallel}, expert_parallel="
                              f"{dims.expert_parallel}) splits M6 models (lightning_p2r.M6Transformer); "
