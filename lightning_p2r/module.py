@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -212,6 +213,9 @@ class M6LanguageModel(L.LightningModule):
         self.save_hyperparameters({"config": self.config.to_dict(),
                                    "optimizer": dataclasses.asdict(self.optimizer_config)})
         self.transformer: M6Transformer | None = None
+        self.token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
+        """The training cross-entropy of logits against targets. A strategy whose LM head leaves each rank a
+        vocabulary shard of the logits in training (tensor parallelism) puts a vocabulary-parallel one here."""
         self.val_perplexity = Perplexity()
         self._last_batch_end: float | None = None
 
@@ -279,7 +283,7 @@ class M6LanguageModel(L.LightningModule):
     def losses(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         inputs, targets = next_token_batch(batch)
         out = self(inputs)
-        ce = next_token_loss(out.logits, targets)
+        ce = self.token_loss(out.logits, targets)
         total = ce + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
         return {"loss": total, "ce": ce, "aux": out.aux_loss, "z": out.z_loss, "output": out}
 
@@ -316,7 +320,7 @@ class M6LanguageModel(L.LightningModule):
 
         def head(hidden: torch.Tensor, context: _MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logits = transformer.head(hidden)
-            ce = next_token_loss(logits, context.targets)
+            ce = self.token_loss(logits, context.targets)
             zero = ce.new_zeros(())
             aux = torch.stack([context.aux[k] for k in sorted(context.aux)]).sum() if context.aux else zero
             z = torch.stack([context.z[k] for k in sorted(context.z)]).sum() if context.z else zero

@@ -70,3 +70,11 @@ class DelinksInPlace(Protocol):
 
     def delink_model(self, pl_module: Any, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
                      optimizer_state: str, perturb: Any = None) -> torch.optim.Optimizer: ...
+
+
+@runtime_checkable
+class ComputesTokenLoss(Protocol):
+    """A LightningModule whose training loss reads its cross-entropy from ``token_loss(logits, targets)``, so a
+    tensor-parallel strategy can give it a vocabulary-parallel one (the logits then stay sharded)."""
+
+    token_loss: Any

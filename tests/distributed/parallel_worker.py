@@ -86,7 +86,9 @@ def run(config: dict, out: Path, devices: int) -> None:
     strategy = P2RStrategy(count_collectives=True, **config.get("strategy", {}))
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=config.get("steps", 3),
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        enable_checkpointing=False, limit_val_batches=2 if config.get("validate") else 0,
+                        val_check_interval=config.get("steps", 3), check_val_every_n_epoch=None,
+                        num_sanity_val_steps=0,
                         gradient_clip_val=0.5, callbacks=callbacks, default_root_dir=out / config["name"])
     data_ranks = devices // strategy.tensor_parallel
     resume = out / config["resume"] if "resume" in config else None
@@ -111,6 +113,7 @@ def run(config: dict, out: Path, devices: int) -> None:
     if trainer.global_rank == 0:
         torch.save({k: v.float() for k, v in weights.items()}, out / f"{config['name']}.pt")
         report = {"losses": record.losses, "grad_norms": record.grad_norms, "held": holdings,
+                  "val_loss": float(trainer.callback_metrics["val/loss"]) if config.get("validate") else None,
                   "path": strategy.path, "blocks": len(module.transformer.blocks), "counted_bytes": counted,
                   "block_bytes": block_bytes, "root_bytes": root_bytes, "fsdp_layout": strategy.fsdp_layout,
                   "model": MODEL | config.get("model", {}), "devices": trainer.world_size}

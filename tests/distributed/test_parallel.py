@@ -28,13 +28,14 @@ PSEUDO = {"num_layers": 4, "num_unique_blocks": 1, "moe_layers": [0, 1, 2, 3]}
 TOLERANCE = 1e-4
 
 ONE_PROCESS = [
-    {"name": "reference", "save": "one_process.ckpt"},
+    {"name": "reference", "save": "one_process.ckpt", "validate": True},
     {"name": "reference_4_steps", "steps": 4},
     {"name": "reference_delink", "model": PSEUDO, "delink_at": 2, "steps": 4},
     {"name": "reference_layered_m2", "strategy": {"accumulation": "layered", "micro_batches": 2}},
 ]
 TWO_PROCESSES = [
-    {"name": "tp2", "strategy": {"tensor_parallel": 2}},
+    {"name": "tp2", "strategy": {"tensor_parallel": 2}, "validate": True},
+    {"name": "tp2_layered_m2", "strategy": {"tensor_parallel": 2, "accumulation": "layered", "micro_batches": 2}},
     {"name": "ep2", "strategy": {"expert_parallel": 2}},
     {"name": "tp2_zero3", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
     {"name": "ep2_zero3_offload", "strategy": {"expert_parallel": 2, "sharding": "zero3", "offload_fraction": 0.5}},
@@ -45,7 +46,7 @@ TWO_PROCESSES = [
 ]
 FOUR_PROCESSES = [
     {"name": "tp2_ep2_zero3", "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "sharding": "zero3"},
-     "save": "tp2_ep2.ckpt"},
+     "save": "tp2_ep2.ckpt", "validate": True},
     {"name": "ep2_zero2_on_4", "strategy": {"expert_parallel": 2, "sharding": "zero2"}},
     {"name": "tp2_ep2_delink_offload", "model": PSEUDO, "delink_at": 2, "steps": 4,
      "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "offload_fraction": 0.5}},
@@ -55,7 +56,7 @@ FOUR_PROCESSES = [
 RESUME = [{"name": "one_process_resumes_tp2_ep2", "steps": 4, "resume": "tp2_ep2.ckpt"}]
 
 REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_ep2_delink_offload": "reference_delink",
-                "ep2_zero2_layered_m2": "reference_layered_m2"}
+                "ep2_zero2_layered_m2": "reference_layered_m2", "tp2_layered_m2": "reference_layered_m2"}
 
 
 def _launch(out: Path, devices: int, configs: list[dict]) -> None:
@@ -184,3 +185,13 @@ def test_counted_collective_bytes_equal_the_formulas(runs: Path, name: str) -> N
         mean = sum(rank.get(kind, 0) for rank in ranks) / len(ranks)
         assert mean == predicted[kind], (name, kind, mean, predicted[kind])
     assert predicted["all_reduce"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["tp2", "tp2_ep2_zero3"])
+def test_validation_gathers_the_logits_and_gives_the_one_process_loss(runs: Path, name: str) -> None:
+    """In training each rank keeps its vocabulary shard of the logits (loss parallel: no all-gather is counted, see
+    the byte test); in evaluation the head gathers them, so the validation loss and metrics read whole logits."""
+    run, reference = _report(runs, name), _report(runs, "reference")
+    assert abs(run["val_loss"] - reference["val_loss"]) / reference["val_loss"] < TOLERANCE

@@ -19,11 +19,13 @@ SHAPE = StepShape(tokens=10, dim=4, vocab_size=16, num_layers=3, moe_layers=1, n
 
 def test_tensor_parallel_bytes_by_hand() -> None:
     # Attention 3 layers x 2 + dense FFN 2 layers x 2 + embedding and head input 2 = 12 all-reduces of 10 x 4 fp32
-    # (1920 bytes); the MoE layer 2 x 20 rows x 4 fp32 = 640; the logits 10 x 16 fp32 = 640.
-    assert tensor_parallel_bytes(SHAPE, 2) == {"all_reduce": 1920 + 640, "all_gather": 640}
+    # (1920 bytes); the MoE layer 2 x 20 rows x 4 fp32 = 640; the loss's 3 x 10 fp32 = 120, or without loss
+    # parallel the logits 10 x 16 fp32 = 640 gathered.
+    assert tensor_parallel_bytes(SHAPE, 2) == {"all_reduce": 1920 + 640 + 120, "all_gather": 0}
+    assert tensor_parallel_bytes(SHAPE, 2, loss_parallel=False) == {"all_reduce": 1920 + 640, "all_gather": 640}
     assert tensor_parallel_bytes(SHAPE, 1) == {"all_reduce": 0, "all_gather": 0}
     # Under expert parallelism a rank computes the rows it received.
-    assert tensor_parallel_bytes(SHAPE, 4, moe_rows_per_layer=5)["all_reduce"] == 1920 + 2 * 5 * 4 * 4
+    assert tensor_parallel_bytes(SHAPE, 4, moe_rows_per_layer=5)["all_reduce"] == 1920 + 2 * 5 * 4 * 4 + 120
 
 
 def test_expert_parallel_bytes_by_hand() -> None:

@@ -10,8 +10,10 @@ import lightning as L
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+from ...protocols import ComputesTokenLoss
 from ..parallel import ParallelDims, ParallelMeshes, build_meshes, parallelize_model
 from ..parallel.clipping import clip_grad_norm_across_meshes
+from ..parallel.loss import VocabParallelCrossEntropy
 from ..parallel.parallelize import moe_layers
 from .base import Engine
 from .fsdp import FSDPEngine
@@ -49,8 +51,14 @@ class ModelParallelEngine(FSDPEngine):
         of their own over the ranks that hold the same experts (FSDP2 then shards the rest of the block over all
         data ranks)."""
         meshes = self.meshes
-        parallelize_model(holder, meshes)
         strategy = self.strategy
+        module = strategy.lightning_module
+        # Loss parallel needs a module that takes its training cross-entropy from ``token_loss``; another module
+        # gets whole logits.
+        loss_parallel = meshes.dims.tensor_parallel > 1 and isinstance(module, ComputesTokenLoss)
+        parallelize_model(holder, meshes, loss_parallel=loss_parallel)
+        if loss_parallel:
+            module.token_loss = VocabParallelCrossEntropy(meshes.tensor, holder.config.vocab_size)
         offloaded = set(strategy.plan.offloaded)
         blocks = list(holder.blocks)
         for moe in moe_layers(holder):

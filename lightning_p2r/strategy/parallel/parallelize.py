@@ -29,15 +29,16 @@ def check_model(holder: nn.Module, meshes: ParallelMeshes) -> None:
                      moe=bool(moe_layers(holder)))
 
 
-def parallelize_model(holder: nn.Module, meshes: ParallelMeshes) -> None:
+def parallelize_model(holder: nn.Module, meshes: ParallelMeshes, *, loss_parallel: bool = False) -> None:
     """Tensor parallelism first (``parallelize_module`` places the linear layers' weights as DTensors on the "tp"
     dimension), then the MoE layers (experts split over "ep" and "tp", tokens exchanged by all-to-all, the balance
     loss over all data ranks). FSDP2 comes after, over the data dimensions of the same meshes, as torchtitan orders
-    them: it shards the already-placed DTensors further. Works on the meta device."""
+    them: it shards the already-placed DTensors further. Works on the meta device. ``loss_parallel``: the module
+    computes its loss with ``loss.VocabParallelCrossEntropy`` (see ``tensor.apply_tensor_parallel``)."""
     check_model(holder, meshes)
     dims = meshes.dims
     if dims.tensor_parallel > 1:
-        apply_tensor_parallel(holder, meshes.tensor)
+        apply_tensor_parallel(holder, meshes.tensor, loss_parallel=loss_parallel)
     data_group = meshes.data_group() if dims.data_parallel > 1 else None
     for moe in moe_layers(holder):
         parallelize_experts(

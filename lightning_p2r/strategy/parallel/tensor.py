@@ -6,8 +6,10 @@ pair costs one all-reduce of the block's activations in forward and one in backw
 the router and position embeddings stay replicated: their inputs are the same on every tensor-parallel rank.
 MoE experts are split along their hidden dimension by :mod:`.experts` (the same column/row pattern inside each
 expert). Outside the blocks the token embedding is split by vocabulary rows (each rank looks up its rows, the
-partial embeddings are all-reduced) and the LM head by vocabulary columns; the head's logits are gathered whole
-(one all-gather per step of (tokens, vocab / tp) per rank), so any loss and metric code reads ordinary logits.
+partial embeddings are all-reduced) and the LM head by vocabulary columns. In training each rank keeps its
+vocabulary shard of the logits and the loss is computed from the shards (``loss.py``, Megatron's
+vocabulary-parallel cross-entropy), so the logits are never gathered whole; in evaluation they are gathered, so
+metrics and generation read ordinary logits.
 
 Rotary embeddings and the banded attention act per head, so they run unchanged on a rank's heads.
 """
@@ -16,9 +18,22 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+
+def _gather_logits_outside_training(tp_mesh: Any) -> Any:
+    """A forward hook for the head: in evaluation (metrics, generation, a validation loss) the vocabulary shards are
+    gathered into whole logits; in training each rank keeps its shard for the vocabulary-parallel loss."""
+
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
+        if module.training:
+            return None
+        return DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False).full_tensor()
+
+    return hook
 
 
 def block_plan(block: nn.Module) -> dict[str, Any]:
@@ -32,8 +47,10 @@ def block_plan(block: nn.Module) -> dict[str, Any]:
     return plan
 
 
-def apply_tensor_parallel(transformer: nn.Module, tp_mesh: Any) -> None:
-    """Split ``transformer``'s blocks, embedding and head over ``tp_mesh`` (in place; works on the meta device)."""
+def apply_tensor_parallel(transformer: nn.Module, tp_mesh: Any, *, loss_parallel: bool) -> None:
+    """Split ``transformer``'s blocks, embedding and head over ``tp_mesh`` (in place; works on the meta device).
+    ``loss_parallel``: in training the head leaves each rank its vocabulary shard of the logits (the loss is then
+    computed by ``loss.VocabParallelCrossEntropy``); in evaluation, and without it, the logits are gathered."""
     missing = [name for name in ("tok_embeddings", "lm_head") if not isinstance(getattr(transformer, name, None),
                                                                              nn.Module)]
     if missing:
@@ -45,9 +62,11 @@ def apply_tensor_parallel(transformer: nn.Module, tp_mesh: Any) -> None:
     parallelize_module(transformer, tp_mesh, {
         # Vocabulary rows: each rank looks up the ids it holds (zeros for the others); the sum is the embedding.
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-        # Vocabulary columns, gathered whole after the matmul.
-        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+        # Vocabulary columns: each rank's shard of the logits (loss parallel), or gathered whole after the matmul.
+        "lm_head": ColwiseParallel(output_layouts=Shard(-1) if loss_parallel else Replicate()),
     })
+    if loss_parallel:
+        transformer.lm_head.register_forward_hook(_gather_logits_outside_training(tp_mesh))
     if tied:
         # Both styles place the shared weight as vocabulary rows (Shard(0)) but each wraps it in a Parameter of its
         # own: tie them again, so the embedding and the head update one tensor, as on one process.

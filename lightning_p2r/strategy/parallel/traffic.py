@@ -12,7 +12,9 @@ ends, one in backward where a column-parallel layer begins):
 - every MoE layer: 2 x rows x dim, rows = the assignments the rank computes (tokens x prototypes x top_k when
   dropless, without expert parallelism),
 - the vocabulary-parallel embedding (forward) and the head's input (backward): 2 x tokens x dim,
-- the head's logits, gathered whole: an all-gather of tokens x vocab.
+- the vocabulary-parallel cross-entropy (loss parallel): 3 x tokens (the maximum, the sum of exponentials and the
+  target logit, fp32, forward only); without loss parallel, the logits gathered whole instead: an all-gather of
+  tokens x vocab.
 
 Expert parallel, per MoE layer: the counts (num_experts int64), then the rows out to their experts and back, in
 forward and in backward: 2 x (tokens x k + received) x dim. Over an expert group the received rows sum to the sent
@@ -52,10 +54,11 @@ class StepShape:
     element_bytes: int = 4
 
 
-def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *,
-                          moe_rows_per_layer: float | None = None) -> dict[str, float]:
+def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *, moe_rows_per_layer: float | None = None,
+                          loss_parallel: bool = True) -> dict[str, float]:
     """{"all_reduce": ..., "all_gather": ...} of tensor parallelism in one step (zero without it).
-    ``moe_rows_per_layer``: the rows an MoE layer computes on this rank (default tokens x k, dropless)."""
+    ``moe_rows_per_layer``: the rows an MoE layer computes on this rank (default tokens x k, dropless).
+    ``loss_parallel``: the loss is computed from the logits' vocabulary shards (else they are gathered)."""
     if tensor_parallel == 1:
         return {"all_reduce": 0.0, "all_gather": 0.0}
     b, t, d = shape.element_bytes, shape.tokens, shape.dim
@@ -63,6 +66,8 @@ def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *,
     dense_ffn = shape.num_layers - shape.moe_layers
     activations = b * t * d * (2 * shape.num_layers + 2 * dense_ffn + 2)
     experts = b * 2 * rows * d * shape.moe_layers
+    if loss_parallel:
+        return {"all_reduce": float(activations + experts + 3 * 4 * t), "all_gather": 0.0}
     return {"all_reduce": float(activations + experts), "all_gather": float(b * t * shape.vocab_size)}
 
 

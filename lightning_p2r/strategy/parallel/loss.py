@@ -1,0 +1,52 @@
+"""Vocabulary-parallel cross-entropy (Megatron-LM): the loss from each tensor-parallel rank's shard of the logits,
+so the logits are never gathered whole.
+
+Each rank holds the logits of every token for its ``vocab / tp`` vocabulary entries. The softmax's normaliser and
+the target's logit are sums over the vocabulary, so three all-reduces of one number per token give them: the
+maximum (for stability, no gradient), the sum of exponentials and the target logit (the rank holding the target
+contributes it, the others zero). Their backward is the identity (every rank computes the same loss from the
+reduced values), so each rank's gradient is ``softmax - one_hot`` on its own shard, as on one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from .experts import reduce_from_tensor_parallel
+
+
+class VocabParallelCrossEntropy:
+    """``loss(logits, targets)``: mean cross-entropy of logits (batch, seq, vocab or vocab / tp) against targets
+    (batch, seq), in fp32. Whole logits (evaluation, where the head gathers them) take the ordinary path."""
+
+    def __init__(self, tp_mesh: Any, vocab_size: int) -> None:
+        self.tp_mesh = tp_mesh
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if logits.shape[-1] == self.vocab_size:
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_mesh)
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """Mean cross-entropy from this rank's vocabulary shard of the logits (…, vocab / tp); collective over
+    ``tp_mesh`` (every rank of it calls this with its shard of the same tokens' logits)."""
+    group = tp_mesh.get_group()
+    shard = local_logits.shape[-1]
+    start = dist.get_rank(group) * shard
+    logits = local_logits.float().reshape(-1, shard)  # (tokens, shard)
+    targets = targets.reshape(-1)
+    peak = logits.detach().max(dim=-1).values
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - peak.unsqueeze(-1)
+    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), tp_mesh)
+    local = targets - start
+    here = (local >= 0) & (local < shard)
+    picked = shifted.gather(1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * here
+    target_logit = reduce_from_tensor_parallel(picked, tp_mesh)
+    return (sum_exp.log() - target_logit).mean()
