@@ -7,7 +7,7 @@ Each layout trains the same MoE M6 (every other layer MoE, dropless, M6-T protot
 fp32) for a few steps on 2 or 4 gloo processes with ``P2RStrategy(count_collectives=True)``, one thread each, the
 same global batch. Per layout the table gives, averaged over the ranks, the bytes of each collective kind in the
 last step next to what ``lightning_p2r.strategy.parallel.traffic`` predicts from the model's sizes (tensor
-parallel's activation all-reduces and the logits' gather, expert parallel's all-to-alls, the balance loss's
+parallel's activation and vocabulary-parallel loss all-reduces, expert parallel's all-to-alls, the balance loss's
 all-reduces, and FSDP2's gathers, reduce-scatters or all-reduces over the data ranks, from the bytes of the
 parameter parts more than one data rank holds); each rank's parameter and optimizer-state bytes
 against one process's; and tokens/s (global batch tokens over the median step time after warm-up). On 2 cores,
