@@ -152,6 +152,10 @@ def build_adamw(params: list[dict[str, Any]], config: OptimizerConfig) -> torch.
         return torch.optim.AdamW(params, **kwargs)
 
 
+QKV_LAYOUT = "head_major"
+"""How ``CausalSelfAttention.qkv``'s output rows are laid out, recorded in checkpoints (see ``on_load_checkpoint``)."""
+
+
 def next_token_batch(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A packed window (batch, seq + 1) -> inputs (batch, seq) and targets shifted by one."""
     if batch.dim() != 2 or batch.shape[1] < 2:
@@ -257,10 +261,18 @@ class M6LanguageModel(L.LightningModule):
         # The hyperparameters describe the model as it was created (maybe pseudo); record the structure it has
         # now, so loading rebuilds it before the weights arrive.
         if self.transformer is not None:
-            checkpoint[STRUCTURE_KEY] = {"num_unique_blocks": len(self.transformer.blocks)}
+            checkpoint[STRUCTURE_KEY] = {"num_unique_blocks": len(self.transformer.blocks),
+                                         "qkv_layout": QKV_LAYOUT}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._check_resumed_options(checkpoint.get("hyper_parameters"))
+        structure = checkpoint.get(STRUCTURE_KEY)
+        if structure is not None and structure.get("qkv_layout") != QKV_LAYOUT:
+            raise ValueError(
+                "this checkpoint was saved before the attention's qkv rows became head-major (each head's q, k, v "
+                "together, for tensor parallelism): its weights would load without error but the attention would "
+                "read them as other heads' q, k and v. Train it again with this version, or use the lightning-p2r "
+                "commit that saved it")
         # Lightning calls this before load_state_dict: a checkpoint taken after delinking needs the real shape.
         saved = checkpoint.get(STRUCTURE_KEY, {}).get("num_unique_blocks")
         if saved is None:
