@@ -27,13 +27,13 @@ from lightning_p2r.benchmarks.parallel import data_parallel_parts  # noqa: E402
 from lightning_p2r.strategy.parallel.clipping import total_grad_norm  # noqa: E402
 from lightning_p2r.strategy.parallel.experts import ParallelExperts  # noqa: E402
 
-# Every layer MoE with M6-T prototyping (2 prototypes of top-1), dropless (so routing does not depend on how the
-# batch is split), 4 experts, a large balance-loss weight (so an error in its cross-rank reduction shows in the
-# loss), fp32, no dropout, a constant LR after warmup (resumed runs with a longer max_steps follow the same
-# schedule).
+# Rotary positions, dense and banded (window 4) attention alternating, every layer MoE with M6-T prototyping
+# (2 prototypes of top-1), dropless (so routing does not depend on how the batch is split), 4 experts, a large
+# balance-loss weight (so an error in its cross-rank reduction shows in the loss), fp32, no dropout, a constant LR
+# after warmup (resumed runs with a longer max_steps follow the same schedule).
 MODEL = TINY | {"num_layers": 2, "dim": 32, "num_heads": 4, "moe_layers": [0, 1], "num_experts": 4,
                 "num_prototypes": 2, "moe_top_k": 1, "capacity_factor": None, "router_aux_loss_coef": 0.5,
-                "dropout": 0.0}
+                "dropout": 0.0, "attention": "alternating", "sparse_window": 4}
 GLOBAL_BATCH = 8
 
 
