@@ -84,7 +84,8 @@ def run(config: dict, out: Path, devices: int) -> None:
     if "delink_at" in config:
         callbacks.append(PseudoToReal(delink_at_step=config["delink_at"]))
     strategy = P2RStrategy(count_collectives=True, **config.get("strategy", {}))
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=config.get("steps", 3),
+    trainer = L.Trainer(accelerator=config.get("accelerator", "cpu"), devices=devices, strategy=strategy,
+                        max_steps=config.get("steps", 3),
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, limit_val_batches=2 if config.get("validate") else 0,
                         val_check_interval=config.get("steps", 3), check_val_every_n_epoch=None,
