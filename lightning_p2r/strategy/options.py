@@ -57,7 +57,17 @@ class ParallelConfig:
     reach their experts by all-to-all). Borrowed from the data-parallel ranks: must divide processes /
     tensor_parallel, and ``num_experts``."""
 
+    sequence_parallel: bool = False
+    """With tensor_parallel > 1: keep the activations between layers split by sequence position over the
+    tensor-parallel ranks (Megatron-LM's sequence parallelism), so norms and dropout run on a rank's positions and
+    the activations' memory divides by tensor_parallel; the all-reduces become all-gathers and reduce-scatters of the
+    same bytes. Needs rotary positions and sequence lengths divisible by tensor_parallel."""
+
     def __post_init__(self) -> None:
+        _check_bool("sequence_parallel", self.sequence_parallel)
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("P2RStrategy(sequence_parallel=True) splits activations over the tensor-parallel ranks: "
+                             "set tensor_parallel > 1 as well")
         for name in ("tensor_parallel", "expert_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -85,6 +85,7 @@ class P2RStrategy(DDPStrategy):
         sharding: Sharding = "none",
         tensor_parallel: int = 1,
         expert_parallel: int = 1,
+        sequence_parallel: bool = False,
         accumulation: Accumulation = "standard",
         micro_batches: int = 1,
         recompute: bool = False,
@@ -109,7 +110,8 @@ class P2RStrategy(DDPStrategy):
     ) -> None:
         # Validated first, so a bad option fails before Lightning sets anything up.
         self.sharding_config = ShardingConfig(sharding=sharding, count_collectives=count_collectives)
-        self.parallel_config = ParallelConfig(tensor_parallel=tensor_parallel, expert_parallel=expert_parallel)
+        self.parallel_config = ParallelConfig(tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
+                                              sequence_parallel=sequence_parallel)
         self.accumulation_config = AccumulationConfig(accumulation=accumulation, micro_batches=micro_batches,
                                                       recompute=recompute,
                                                       reduce_every_micro_batch=reduce_every_micro_batch)

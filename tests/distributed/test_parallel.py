@@ -36,6 +36,8 @@ ONE_PROCESS = [
 TWO_PROCESSES = [
     {"name": "tp2", "strategy": {"tensor_parallel": 2}, "validate": True},
     {"name": "tp2_layered_m2", "strategy": {"tensor_parallel": 2, "accumulation": "layered", "micro_batches": 2}},
+    {"name": "tp2_sequence_parallel", "strategy": {"tensor_parallel": 2, "sequence_parallel": True},
+     "validate": True},
     {"name": "ep2", "strategy": {"expert_parallel": 2}},
     {"name": "tp2_zero3", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
     {"name": "ep2_zero3_offload", "strategy": {"expert_parallel": 2, "sharding": "zero3", "offload_fraction": 0.5}},
@@ -48,6 +50,9 @@ FOUR_PROCESSES = [
     {"name": "tp2_ep2_zero3", "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "sharding": "zero3"},
      "save": "tp2_ep2.ckpt", "validate": True},
     {"name": "ep2_zero2_on_4", "strategy": {"expert_parallel": 2, "sharding": "zero2"}},
+    {"name": "tp2_ep2_sequence_parallel_zero3_layered", "strategy": {
+        "tensor_parallel": 2, "expert_parallel": 2, "sequence_parallel": True, "sharding": "zero3",
+        "accumulation": "layered", "micro_batches": 2}},
     {"name": "tp2_ep2_delink_offload", "model": PSEUDO, "delink_at": 2, "steps": 4,
      "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "offload_fraction": 0.5}},
     {"name": "tp2_ep2_resumes_one_process", "steps": 4, "resume": "one_process.ckpt",
@@ -56,7 +61,8 @@ FOUR_PROCESSES = [
 RESUME = [{"name": "one_process_resumes_tp2_ep2", "steps": 4, "resume": "tp2_ep2.ckpt"}]
 
 REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_ep2_delink_offload": "reference_delink",
-                "ep2_zero2_layered_m2": "reference_layered_m2", "tp2_layered_m2": "reference_layered_m2"}
+                "ep2_zero2_layered_m2": "reference_layered_m2", "tp2_layered_m2": "reference_layered_m2",
+                "tp2_ep2_sequence_parallel_zero3_layered": "reference_layered_m2"}
 
 
 def _launch(out: Path, devices: int, configs: list[dict]) -> None:
@@ -189,9 +195,26 @@ def test_counted_collective_bytes_equal_the_formulas(runs: Path, name: str) -> N
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["tp2", "tp2_ep2_zero3"])
+@pytest.mark.parametrize("name", ["tp2", "tp2_ep2_zero3", "tp2_sequence_parallel"])
 def test_validation_gathers_the_logits_and_gives_the_one_process_loss(runs: Path, name: str) -> None:
     """In training each rank keeps its vocabulary shard of the logits (loss parallel: no all-gather is counted, see
     the byte test); in evaluation the head gathers them, so the validation loss and metrics read whole logits."""
     run, reference = _report(runs, name), _report(runs, "reference")
     assert abs(run["val_loss"] - reference["val_loss"]) / reference["val_loss"] < TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_sequence_parallel_exchanges_positions_instead_of_all_reducing(runs: Path) -> None:
+    """Sequence parallelism turns tensor parallelism's activation all-reduces into reduce-scatters and all-gathers
+    of the same activations (one data rank here, so FSDP2 issues none of them), and the norms' weights, now seeing
+    a rank's positions only, have their gradients all-reduced."""
+    plain = _report(runs, "tp2")["counted_bytes"][0]
+    sequence = _report(runs, "tp2_sequence_parallel")["counted_bytes"][0]
+    assert plain.get("reduce_scatter", 0) == 0 and plain.get("all_gather", 0) == 0
+    assert sequence["reduce_scatter"] > 0 and sequence["all_gather"] > 0
+    # What stays an all-reduce: the MoE layers' (they gather the whole sequence), the loss's and the norms' gradients.
+    assert sequence["all_reduce"] < plain["all_reduce"]
+    for local, whole in (v for k, v in _report(runs, "tp2_sequence_parallel")["held"][0].items()
+                         if k.endswith("attn.qkv.weight")):
+        assert local * 2 == whole

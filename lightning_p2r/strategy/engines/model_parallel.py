@@ -56,7 +56,8 @@ class ModelParallelEngine(FSDPEngine):
         # Loss parallel needs a module that takes its training cross-entropy from ``token_loss``; another module
         # gets whole logits.
         loss_parallel = meshes.dims.tensor_parallel > 1 and isinstance(module, ComputesTokenLoss)
-        parallelize_model(holder, meshes, loss_parallel=loss_parallel)
+        parallelize_model(holder, meshes, loss_parallel=loss_parallel,
+                          sequence_parallel=strategy.sequence_parallel)
         if loss_parallel:
             module.token_loss = VocabParallelCrossEntropy(meshes.tensor, holder.config.vocab_size)
         offloaded = set(strategy.plan.offloaded)

@@ -15,7 +15,7 @@ def moe_layers(holder: nn.Module) -> list[MoEFeedForward]:
     return [m for m in holder.blocks.modules() if isinstance(m, MoEFeedForward)]
 
 
-def check_model(holder: nn.Module, meshes: ParallelMeshes) -> None:
+def check_model(holder: nn.Module, meshes: ParallelMeshes, *, sequence_parallel: bool = False) -> None:
     """Refuse a model the mesh cannot split (before any parameter is placed)."""
     config = getattr(holder, "config", None)
     dims = meshes.dims
@@ -27,18 +27,26 @@ def check_model(holder: nn.Module, meshes: ParallelMeshes) -> None:
         return
     dims.check_model(num_heads=config.num_heads, num_experts=config.num_experts, vocab_size=config.vocab_size,
                      moe=bool(moe_layers(holder)))
+    if sequence_parallel and config.position_embedding != "rotary":
+        raise ValueError("P2RStrategy(sequence_parallel=True) needs M6Config.position_embedding='rotary': learned "
+                         "positions are added to the whole sequence, which no rank holds")
+    if sequence_parallel and config.max_seq_len % dims.tensor_parallel:
+        raise ValueError(f"P2RStrategy(sequence_parallel=True) splits sequences over tensor_parallel="
+                         f"{dims.tensor_parallel} ranks: M6Config.max_seq_len={config.max_seq_len} must be divisible "
+                         "by it (and so must every batch's sequence length)")
 
 
-def parallelize_model(holder: nn.Module, meshes: ParallelMeshes, *, loss_parallel: bool = False) -> None:
+def parallelize_model(holder: nn.Module, meshes: ParallelMeshes, *, loss_parallel: bool = False,
+                      sequence_parallel: bool = False) -> None:
     """Tensor parallelism first (``parallelize_module`` places the linear layers' weights as DTensors on the "tp"
     dimension), then the MoE layers (experts split over "ep" and "tp", tokens exchanged by all-to-all, the balance
     loss over all data ranks). FSDP2 comes after, over the data dimensions of the same meshes, as torchtitan orders
     them: it shards the already-placed DTensors further. Works on the meta device. ``loss_parallel``: the module
     computes its loss with ``loss.VocabParallelCrossEntropy`` (see ``tensor.apply_tensor_parallel``)."""
-    check_model(holder, meshes)
+    check_model(holder, meshes, sequence_parallel=sequence_parallel)
     dims = meshes.dims
     if dims.tensor_parallel > 1:
-        apply_tensor_parallel(holder, meshes.tensor, loss_parallel=loss_parallel)
+        apply_tensor_parallel(holder, meshes.tensor, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
     data_group = meshes.data_group() if dims.data_parallel > 1 else None
     for moe in moe_layers(holder):
         parallelize_experts(
