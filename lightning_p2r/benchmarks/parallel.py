@@ -42,6 +42,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2": {"devices": 2, "strategy": {"tensor_parallel": 2}},
     "ep2": {"devices": 2, "strategy": {"expert_parallel": 2}},
     "tp2 zero3": {"devices": 2, "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
+    "tp2 sp": {"devices": 2, "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
     "tp4": {"devices": 4, "strategy": {"tensor_parallel": 4}},
     "ep4": {"devices": 4, "strategy": {"expert_parallel": 4}},
     "tp2 x ep2": {"devices": 4, "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
@@ -159,7 +160,9 @@ def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: in
                       moe_layers=len(model["moe_layers"]), num_experts=model["num_experts"],
                       assignments_per_token=model["num_prototypes"] * model["moe_top_k"])
     predicted = dict.fromkeys(KINDS, 0.0)
-    parts = (tensor_parallel_bytes(shape, dims.tensor_parallel), expert_parallel_bytes(shape, dims.expert_parallel),
+    sequence_parallel = strategy.get("sequence_parallel", False)
+    parts = (tensor_parallel_bytes(shape, dims.tensor_parallel, sequence_parallel=sequence_parallel),
+             expert_parallel_bytes(shape, dims.expert_parallel),
              balance_loss_bytes(shape, dims.data_parallel), clipping_bytes(clipping),
              data_parallel_bytes(report["fsdp_layout"], block_bytes=report["block_bytes"],
                                  root_bytes=report["root_bytes"]))

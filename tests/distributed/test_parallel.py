@@ -177,7 +177,8 @@ def test_checkpoints_reshard_between_one_process_and_a_tp2_ep2_mesh(runs: Path) 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["tp2", "ep2", "tp2_zero3", "tp2_ep2_zero3", "ep2_zero2_on_4"])
+@pytest.mark.parametrize("name", ["tp2", "ep2", "tp2_zero3", "tp2_ep2_zero3", "ep2_zero2_on_4",
+                                  "tp2_sequence_parallel"])
 def test_counted_collective_bytes_equal_the_formulas(runs: Path, name: str) -> None:
     """Tensor parallel's all-reduces and gather, expert parallel's all-to-alls, the balance loss's all-reduces, the
     clipping norm's all-reduce and FSDP2's data-parallel traffic, counted in the last step and averaged over the

@@ -54,3 +54,13 @@ def test_collective_payloads() -> None:
     assert collective_payload("_c10d_functional", "all_reduce", (x, "sum", "g"), {}) == ("all_reduce", 24)
     assert collective_payload("c10d", "alltoall_base_", (torch.zeros(2), x, None, [], []), {}) == ("all_to_all", 24)
     assert collective_payload("c10d", "allreduce_", ([x],), {}) == ("all_reduce", 24)
+
+
+def test_sequence_parallel_bytes_by_hand() -> None:
+    # 12 activation all-reduces of 160 bytes become 12 reduce-scatters and 12 all-gathers (1920 each); the MoE
+    # layer adds 2 gathers (320); the experts' 640 and the loss's 120 stay all-reduces, plus the norms' gradients:
+    # 4 x (4 x 4 x 3 blocks + 2 x 4) = 224.
+    assert tensor_parallel_bytes(SHAPE, 2, sequence_parallel=True) == {
+        "all_reduce": 640 + 120 + 224, "all_gather": 1920 + 320, "reduce_scatter": 1920}
+    two_blocks = StepShape(**{**vars(SHAPE), "num_blocks": 2})
+    assert tensor_parallel_bytes(two_blocks, 2, sequence_parallel=True)["all_reduce"] == 640 + 120 + 4 * (32 + 8)

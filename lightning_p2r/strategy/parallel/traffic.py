@@ -12,6 +12,11 @@ ends, one in backward where a column-parallel layer begins):
 - every MoE layer: 2 x rows x dim, rows = the assignments the rank computes (tokens x prototypes x top_k when
   dropless, without expert parallelism),
 - the vocabulary-parallel embedding (forward) and the head's input (backward): 2 x tokens x dim,
+- with sequence parallelism, every one of those activation all-reduces becomes a reduce-scatter plus an
+  all-gather of tokens x dim, an MoE layer adds an all-gather in forward and one in backward (it gathers the
+  sequence and cuts its output back), and the norms' weight gradients are all-reduced once per step
+  (4 x dim per block plus 2 x dim for the final norm, in a model whose blocks are not shared and with standard
+  accumulation),
 - the vocabulary-parallel cross-entropy (loss parallel): 3 x tokens (the maximum, the sum of exponentials and the
   target logit, fp32, forward only); without loss parallel, the logits gathered whole instead: an all-gather of
   tokens x vocab.
@@ -52,10 +57,12 @@ class StepShape:
     assignments_per_token: int
     """num_prototypes x moe_top_k."""
     element_bytes: int = 4
+    num_blocks: int | None = None
+    """Unique blocks (the norms' weights are per block); None: one per layer."""
 
 
 def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *, moe_rows_per_layer: float | None = None,
-                          loss_parallel: bool = True) -> dict[str, float]:
+                          loss_parallel: bool = True, sequence_parallel: bool = False) -> dict[str, float]:
     """{"all_reduce": ..., "all_gather": ...} of tensor parallelism in one step (zero without it).
     ``moe_rows_per_layer``: the rows an MoE layer computes on this rank (default tokens x k, dropless).
     ``loss_parallel``: the loss is computed from the logits' vocabulary shards (else they are gathered)."""
@@ -66,6 +73,16 @@ def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *, moe_rows_pe
     dense_ffn = shape.num_layers - shape.moe_layers
     activations = b * t * d * (2 * shape.num_layers + 2 * dense_ffn + 2)
     experts = b * 2 * rows * d * shape.moe_layers
+    if sequence_parallel:
+        # Each activation all-reduce becomes a reduce-scatter and an all-gather of the same (tokens, dim); an MoE
+        # layer gathers its input and cuts its output (an all-gather in forward and one in backward).
+        whole = b * t * d
+        exchanges = whole * (2 * shape.num_layers + 2 * dense_ffn + 2)
+        blocks = shape.num_layers if shape.num_blocks is None else shape.num_blocks
+        norms = b * (4 * d * blocks + 2 * d)  # each norm's weight and bias gradient, all-reduced once per step
+        return {"all_reduce": float(experts + 3 * 4 * t + norms), "all_gather": float(exchanges + 2 * whole *
+                                                                                        shape.moe_layers),
+                "reduce_scatter": float(exchanges)}
     if loss_parallel:
         return {"all_reduce": float(activations + experts + 3 * 4 * t), "all_gather": 0.0}
     return {"all_reduce": float(activations + experts), "all_gather": float(b * t * shape.vocab_size)}
