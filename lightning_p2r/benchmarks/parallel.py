@@ -20,7 +20,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +63,13 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
+    from lightning_p2r.benchmarks.layered import OptimizerStepTimer
     from lightning_p2r.strategy.sharding import local_model_state_bytes
-
-    class StepEnds(L.Callback):
-        def __init__(self) -> None:
-            self.ends: list[float] = []
-
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            self.ends.append(time.perf_counter())
 
     L.seed_everything(0)
     config = M6Config(**spec["model"])
     module = M6LanguageModel(config, OptimizerConfig(warmup_steps=1))
-    ends = StepEnds()
+    ends = OptimizerStepTimer()
     strategy = P2RStrategy(count_collectives=True, **spec["strategy"])
     trainer = L.Trainer(accelerator="cpu", devices=spec["devices"], max_steps=spec["steps"], strategy=strategy,
                         logger=False, enable_progress_bar=False, enable_checkpointing=False,

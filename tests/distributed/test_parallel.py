@@ -9,8 +9,6 @@ negative control shows.) Each rank must hold only its share of every split param
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from equivalence import assert_trained_alike  # noqa: E402
+from worker_launch import launch_configs  # noqa: E402
 
 from lightning_p2r.benchmarks.parallel import KINDS, predicted_bytes  # noqa: E402
 
@@ -66,12 +65,7 @@ REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_ep2_delink_offload": "ref
 
 
 def _launch(out: Path, devices: int, configs: list[dict]) -> None:
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
-    result = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--devices", str(devices),
-                             "--configs", json.dumps(configs)], capture_output=True, text=True, timeout=420, env=env)
-    assert result.returncode == 0, result.stderr[-6000:]
+    launch_configs(WORKER, out, devices, configs)
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,6 @@ real bugs by a wide margin.
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from equivalence import MOVEMENT_FRACTION, assert_bit_identical, assert_trained_alike, divergence  # noqa: E402
+from worker_launch import launch_configs  # noqa: E402
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 PSEUDO = {"num_unique_blocks": 1}
@@ -107,12 +106,7 @@ RESUME = [
 
 
 def _launch(out: Path, devices: int, configs: list[dict]) -> None:
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
-    result = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--devices", str(devices),
-                             "--configs", json.dumps(configs)], capture_output=True, text=True, timeout=420, env=env)
-    assert result.returncode == 0, result.stderr[-6000:]
+    launch_configs(WORKER, out, devices, configs)
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ def engine_name(strategy: P2RStrategy) -> str:
     """Which engine runs a job (see ``execution_path``)."""
     return execution_path(strategy.sharding, strategy.world_size, offloading=strategy.offloading,
                           layered=strategy.accumulation == "layered",
-                          model_parallel=strategy.tensor_parallel > 1 or strategy.expert_parallel > 1)
+                          model_parallel=strategy.parallel_config.model_parallel)
 
 
 def select_engine(strategy: P2RStrategy) -> Engine:

@@ -10,11 +10,11 @@ import lightning as L
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+from ...models.moe import MoEFeedForward
 from ...protocols import ComputesTokenLoss
 from ..parallel import ParallelDims, ParallelMeshes, build_meshes, parallelize_model
 from ..parallel.clipping import clip_grad_norm_across_meshes
 from ..parallel.loss import VocabParallelCrossEntropy
-from ..parallel.parallelize import moe_layers
 from .base import Engine
 from .fsdp import FSDPEngine
 
@@ -61,13 +61,12 @@ class ModelParallelEngine(FSDPEngine):
         if loss_parallel:
             module.token_loss = VocabParallelCrossEntropy(meshes.tensor, holder.config.vocab_size)
         offloaded = set(strategy.plan.offloaded)
-        blocks = list(holder.blocks)
-        for moe in moe_layers(holder):
-            index = next(i for i, block in enumerate(blocks) if any(m is moe for m in block.modules()))
-            pinned = strategy.resolved_pin_memory
-            policy = CPUOffloadPolicy(pin_memory=pinned) if index in offloaded else OffloadPolicy()
-            fully_shard(moe.experts, mesh=meshes.expert_data, offload_policy=policy,
-                        reshard_after_forward=self.layout == "zero3" and strategy.accumulation != "layered")
+        for index, block in enumerate(holder.blocks):
+            policy = (CPUOffloadPolicy(pin_memory=strategy.resolved_pin_memory) if index in offloaded
+                      else OffloadPolicy())
+            for moe in (m for m in block.modules() if isinstance(m, MoEFeedForward)):
+                fully_shard(moe.experts, mesh=meshes.expert_data, offload_policy=policy,
+                            reshard_after_forward=self.layout == "zero3" and strategy.accumulation != "layered")
 
     def setup(self, trainer: L.Trainer) -> None:
         super().setup(trainer)
