@@ -20,7 +20,7 @@ from .known_warnings import silence_known_noise
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.transformer import LayerContext
 from .options_diff import describe_differences, differing_options
-from .protocols import LayeredStages
+from .protocols import LayeredStages, PipelineParts
 from .sharing import delink
 
 STRUCTURE_KEY = "lightning_p2r_structure"
@@ -333,15 +333,49 @@ class M6LanguageModel(L.LightningModule):
         def head(hidden: torch.Tensor, context: _MicroBatchContext) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             logits = transformer.head(hidden)
             ce = self.token_loss(logits, context.targets)
-            zero = ce.new_zeros(())
-            aux = torch.stack([context.aux[k] for k in sorted(context.aux)]).sum() if context.aux else zero
-            z = torch.stack([context.z[k] for k in sorted(context.z)]).sum() if context.z else zero
-            total = ce.detach() + config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
-            routing = {k: context.routing[k] for k in sorted(context.routing)}
-            return ce, {"ce": ce.detach(), "loss": total, "aux": aux, "z": z} | routing_metrics(routing)
+            return ce, self.micro_batch_metrics(ce, context)
 
         return LayeredStages(embed=embed, layer=layer, head=head, layer_to_block=layer_to_block,
                              log_metrics=self.log_train_metrics)
+
+    def micro_batch_metrics(self, ce: torch.Tensor, context: _MicroBatchContext) -> dict[str, torch.Tensor]:
+        """One micro-batch's detached metrics from its cross-entropy and the router records of its layers."""
+        config = self.config
+        zero = ce.new_zeros(())
+        aux = torch.stack([context.aux[k] for k in sorted(context.aux)]).sum() if context.aux else zero
+        z = torch.stack([context.z[k] for k in sorted(context.z)]).sum() if context.z else zero
+        total = ce.detach() + config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
+        routing = {k: context.routing[k] for k in sorted(context.routing)}
+        return {"ce": ce.detach(), "loss": total, "aux": aux, "z": z} | routing_metrics(routing)
+
+    def pipeline_parts(self) -> PipelineParts:
+        """The model as pipeline parallelism cuts it (``lightning_p2r.strategy.pipeline``): the layered stages, the
+        modules of the first and last stage, and how a stage after the first rebuilds a micro-batch's context."""
+        stages = self.layered_stages()
+        transformer = self.transformer
+
+        def context(batch: torch.Tensor) -> _MicroBatchContext:
+            inputs, targets = next_token_batch(batch)
+            return _MicroBatchContext(layer=transformer.layer_context(inputs), targets=targets)
+
+        def records(context: _MicroBatchContext) -> dict[str, Any]:
+            return {"aux": dict(context.aux), "z": dict(context.z), "routing": dict(context.routing)}
+
+        def absorb(context: _MicroBatchContext, other: dict[str, Any]) -> None:
+            context.aux.update(other["aux"])
+            context.z.update(other["z"])
+            context.routing.update(other["routing"])
+
+        def output(logits: torch.Tensor) -> M6Output:
+            # Evaluation reads the logits; the router losses stay on the stages that computed them.
+            zero = logits.new_zeros((), dtype=torch.float32)
+            return M6Output(logits=logits, aux_loss=zero, z_loss=zero)
+
+        embed = [m for m in (transformer.tok_embeddings, transformer.pos_embeddings) if m is not None]
+        return PipelineParts(stages=stages, context=context, embed_modules=embed,
+                             head_modules=[transformer.norm, transformer.lm_head], logits=transformer.head,
+                             window=lambda inputs: F.pad(inputs, (0, 1)), output=output, records=records,
+                             absorb=absorb, metrics=self.micro_batch_metrics)
 
     # ------------------------------------------------------------------------------------------------ steps
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:

@@ -63,6 +63,47 @@ class DefinesLayeredStages(Protocol):
     def layered_stages(self) -> LayeredStages: ...
 
 
+@dataclass
+class PipelineParts:
+    """What pipeline parallelism needs from a model beyond its layered stages: which modules the first and last
+    stages hold, how a later stage rebuilds a micro-batch's context without the embedding, and how the router
+    records of the stages on other ranks come together into one step's metrics.
+
+    Every rank of a pipeline reads the same batch, so a stage computes a micro-batch's context (positions, targets)
+    from the micro-batch itself; only the hidden states travel between stages.
+    """
+
+    stages: LayeredStages
+    """embed, layer and head as layered accumulation runs them (the head returns the micro-batch's loss)."""
+    context: Callable[[Any], Any]
+    """micro-batch -> the context ``stages.embed`` would return with it, without running the embedding."""
+    embed_modules: list[nn.Module]
+    """The modules ``stages.embed`` reads (held by the first stage)."""
+    head_modules: list[nn.Module]
+    """The modules ``stages.head`` and ``logits`` read (held by the last stage)."""
+    logits: Callable[[torch.Tensor], torch.Tensor]
+    """last hidden states -> logits (evaluation runs the pipeline up to here)."""
+    window: Callable[[torch.Tensor], Any]
+    """the model forward's input -> a micro-batch the stages take, for evaluation (its targets are not read)."""
+    output: Callable[[torch.Tensor], Any]
+    """logits -> what the model's forward returns (so evaluation code that calls the model reads the same type)."""
+    records: Callable[[Any], dict[str, Any]]
+    """context -> the detached per-layer records its layers left (router losses and statistics), to send to the
+    last stage's rank."""
+    absorb: Callable[[Any, dict[str, Any]], None]
+    """Add another stage's records to a context of the same micro-batch."""
+    metrics: Callable[[torch.Tensor, Any], dict[str, torch.Tensor]]
+    """(micro-batch loss, context holding every layer's records) -> the detached metrics ``stages.head`` gives on
+    one process; ``metrics["loss"]`` is the micro-batch's total loss."""
+
+
+@runtime_checkable
+class DefinesPipelineStages(Protocol):
+    """A LightningModule that pipeline parallelism can cut into stages."""
+
+    def pipeline_parts(self) -> PipelineParts: ...
+
+
 @runtime_checkable
 class DelinksInPlace(Protocol):
     """A strategy that delinks a model where it lives (placed, offloaded, sharded) and re-places the new blocks;

@@ -217,12 +217,18 @@ class M6Transformer(nn.Module):
         if seq_len > self.config.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds M6Config.max_seq_len={self.config.max_seq_len}")
         x = self.tok_embeddings(input_ids)
-        rotary = None
         if self.pos_embeddings is not None:
             x = x + self.pos_embeddings(torch.arange(seq_len, device=input_ids.device))
-        else:
+        return x, self.layer_context(input_ids)
+
+    def layer_context(self, input_ids: torch.Tensor) -> LayerContext:
+        """The per-call layer context of ``input_ids`` (batch, seq), without running the embedding (a pipeline
+        stage after the first rebuilds it from the micro-batch)."""
+        seq_len = input_ids.shape[1]
+        rotary = None
+        if self.config.position_embedding != "learned":  # read from the config: a stage may lack the tables' owner
             rotary = rotary_tables(seq_len, self.config.head_dim, self.config.rope_theta, device=input_ids.device)
-        return x, LayerContext(rotary=rotary, seq_len=seq_len)
+        return LayerContext(rotary=rotary, seq_len=seq_len)
 
     def run_layer(self, layer: int, x: torch.Tensor, context: LayerContext) -> tuple[torch.Tensor, MoEOutput | None]:
         """Run layer ``layer`` (its block under the sharing map, with its own attention window) on x."""

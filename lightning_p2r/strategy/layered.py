@@ -74,18 +74,23 @@ class AccumulationResult:
     """Mean over micro-batches of the head metrics."""
 
 
-def check_accumulation_options(accumulation: str, micro_batches: int, recompute: bool) -> None:
-    """Validate ``P2RStrategy``'s accumulation options when it is built (the messages name its arguments)."""
+def check_accumulation_options(accumulation: str, micro_batches: int, recompute: bool, *,
+                               pipelined: bool = False) -> None:
+    """Validate ``P2RStrategy``'s accumulation options when it is built (the messages name its arguments).
+    ``pipelined``: pipeline parallelism is on, and ``micro_batches`` counts the pipeline's micro-batches."""
     if accumulation not in ("standard", "layered"):
         raise ValueError(f"P2RStrategy.accumulation must be 'standard' or 'layered', got {accumulation!r}")
-    if not isinstance(micro_batches, int) or micro_batches < 1:
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"P2RStrategy.micro_batches must be an integer >= 1, got {micro_batches!r}")
+    if pipelined:
+        if recompute:
+            raise ValueError("P2RStrategy.recompute is not available with pipeline_parallel > 1 in this version")
+        return
     if recompute and accumulation != "layered":
         raise ValueError("P2RStrategy.recompute applies to accumulation='layered' only")
     if micro_batches > 1 and accumulation != "layered":
-        raise ValueError("P2RStrategy.micro_batches applies to accumulation='layered'; for standard (depth-first) "
-                         "accumulation use Trainer(accumulate_grad_batches=...)")
-
+        raise ValueError("P2RStrategy.micro_batches applies to accumulation='layered' (or to pipeline_parallel > 1); "
+                         "for standard (depth-first) accumulation use Trainer(accumulate_grad_batches=...)")
 
 
 def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
-from dataclasses import dataclass, fields
+from dataclasses import InitVar, dataclass, fields
 from typing import Literal
 
 from .layered import check_accumulation_options
@@ -21,6 +21,8 @@ from .sharding import SHARDINGS, Sharding
 
 OffloadState = Literal["params", "grads", "optimizer"]
 Accumulation = Literal["standard", "layered"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"]
+PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
 
 
 @dataclass(frozen=True)
@@ -63,19 +65,45 @@ class ParallelConfig:
     the activations' memory divides by tensor_parallel; the all-reduces become all-gathers and reduce-scatters of the
     same bytes. Needs rotary positions and sequence lengths divisible by tensor_parallel."""
 
+    pipeline_parallel: int = 1
+    """Ranks that split the model by depth into stages of whole layers (modular pipeline parallelism, Lamy-Poirier
+    2021), run by ``torch.distributed.pipelining``; the embedding is in the first stage, the head in the last. Must
+    divide the number of processes; the rest are data parallel."""
+
+    pipeline_schedule: PipelineSchedule = "1f1b"
+    """With pipeline_parallel > 1: "gpipe" (all forwards, then all backwards), "1f1b" (depth-first), or, with
+    stages_per_rank > 1, "interleaved_1f1b" (depth-first) or "looped_bfs" (breadth-first: each stage runs every
+    micro-batch before the next stage, so a sharded or offloaded stage is fetched once per direction per step)."""
+
+    stages_per_rank: int = 1
+    """Stages each pipeline rank holds, looped: rank r holds stages r, r + p, r + 2p, ... (p = pipeline_parallel),
+    which divides the bubble by this number. ``num_layers`` must divide into pipeline_parallel * stages_per_rank."""
+
     def __post_init__(self) -> None:
         _check_bool("sequence_parallel", self.sequence_parallel)
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("P2RStrategy(sequence_parallel=True) splits activations over the tensor-parallel ranks: "
                              "set tensor_parallel > 1 as well")
-        for name in ("tensor_parallel", "expert_parallel"):
+        for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel", "stages_per_rank"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"P2RStrategy.{name} must be a positive integer (1 turns it off), got {value!r}")
+        check_pipeline_options(self.pipeline_parallel, self.pipeline_schedule, self.stages_per_rank)
+        if self.pipelined and self.model_parallel:
+            raise ValueError(
+                f"P2RStrategy(pipeline_parallel={self.pipeline_parallel}) with tensor_parallel={self.tensor_parallel} "
+                f"/ expert_parallel={self.expert_parallel}: pipeline stages do not yet compose with tensor or expert "
+                "parallelism in this version; use one of them, with data parallelism (sharding) beside it")
 
     @property
     def model_parallel(self) -> bool:
+        """Tensor or expert parallelism (the model_parallel engine)."""
         return self.tensor_parallel > 1 or self.expert_parallel > 1
+
+    @property
+    def pipelined(self) -> bool:
+        """Pipeline parallelism (the pipeline engine)."""
+        return self.pipeline_parallel > 1
 
 
 @dataclass(frozen=True)
@@ -103,8 +131,11 @@ class AccumulationConfig:
     does: each unit then holds its whole unsharded gradient between micro-batches. Offloaded units always reduce
     every micro-batch (their gradients must not stay on the device)."""
 
-    def __post_init__(self) -> None:
-        check_accumulation_options(self.accumulation, self.micro_batches, self.recompute)
+    pipelined: InitVar[bool] = False
+    """Whether pipeline_parallel > 1 (set by the strategy): micro_batches is then the pipeline's."""
+
+    def __post_init__(self, pipelined: bool) -> None:
+        check_accumulation_options(self.accumulation, self.micro_batches, self.recompute, pipelined=pipelined)
         _check_bool("recompute", self.recompute)
         _check_bool("reduce_every_micro_batch", self.reduce_every_micro_batch)
 
@@ -166,6 +197,22 @@ class OffloadConfig:
 SECTIONS: dict[str, type] = {"sharding_config": ShardingConfig, "parallel_config": ParallelConfig,
                              "accumulation_config": AccumulationConfig, "offload_config": OffloadConfig}
 """The strategy's attribute holding each section."""
+
+
+def check_pipeline_options(pipeline_parallel: int, schedule: str, stages_per_rank: int) -> None:
+    """The schedule against the stages per rank (the counts themselves are checked by the caller)."""
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"P2RStrategy.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
+    if stages_per_rank > 1 and schedule in ("gpipe", "1f1b"):
+        raise ValueError(
+            f"P2RStrategy(pipeline_schedule={schedule!r}) runs one stage per rank, got stages_per_rank="
+            f"{stages_per_rank}: use pipeline_schedule='looped_bfs' or 'interleaved_1f1b' for looped stages")
+    if stages_per_rank == 1 and schedule == "interleaved_1f1b":
+        raise ValueError("P2RStrategy(pipeline_schedule='interleaved_1f1b') interleaves several stages per rank: set "
+                         "stages_per_rank > 1, or use pipeline_schedule='1f1b' for one stage per rank")
+    if stages_per_rank > 1 and pipeline_parallel == 1:
+        raise ValueError(f"P2RStrategy(stages_per_rank={stages_per_rank}) loops stages over pipeline ranks: set "
+                         "pipeline_parallel > 1 as well")
 
 
 def _check_bool(name: str, value: object) -> None:

@@ -39,10 +39,13 @@ def uses_fsdp(sharding: str) -> bool:
 
 
 def execution_path(sharding: str, world_size: int, *, offloading: bool, layered: bool,
-                   model_parallel: bool = False) -> Literal["local", "ddp", "fsdp", "model_parallel"]:
+                   model_parallel: bool = False,
+                   pipelined: bool = False) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
     """Which engine runs a job: "local" (one process, the streaming engine), "ddp" (DDP, + ZeroRedundancyOptimizer
     for zero1), "fsdp" (FSDP2 per block) or "model_parallel" (tensor / expert parallel on a device mesh, FSDP2
-    over its data ranks)."""
+    over its data ranks) or "pipeline" (stages over pipeline ranks, FSDP2 over each stage's data ranks)."""
+    if pipelined:
+        return "pipeline"
     if model_parallel:
         return "model_parallel"
     if uses_fsdp(sharding):

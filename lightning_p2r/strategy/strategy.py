@@ -41,10 +41,12 @@ from .options import (
     OffloadConfig,
     OffloadState,
     ParallelConfig,
+    PipelineSchedule,
     ShardingConfig,
     args_section,
 )
 from .parallel import ParallelDims
+from .pipeline.layout import check_micro_batches
 from .plan import (
     OffloadPlan,
     device_total_memory,
@@ -86,6 +88,9 @@ class P2RStrategy(DDPStrategy):
         tensor_parallel: int = 1,
         expert_parallel: int = 1,
         sequence_parallel: bool = False,
+        pipeline_parallel: int = 1,
+        pipeline_schedule: PipelineSchedule = "1f1b",
+        stages_per_rank: int = 1,
         accumulation: Accumulation = "standard",
         micro_batches: int = 1,
         recompute: bool = False,
@@ -111,10 +116,15 @@ class P2RStrategy(DDPStrategy):
         # Validated first, so a bad option fails before Lightning sets anything up.
         self.sharding_config = ShardingConfig(sharding=sharding, count_collectives=count_collectives)
         self.parallel_config = ParallelConfig(tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                              sequence_parallel=sequence_parallel)
+                                              sequence_parallel=sequence_parallel,
+                                              pipeline_parallel=pipeline_parallel,
+                                              pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
         self.accumulation_config = AccumulationConfig(accumulation=accumulation, micro_batches=micro_batches,
                                                       recompute=recompute,
-                                                      reduce_every_micro_batch=reduce_every_micro_batch)
+                                                      reduce_every_micro_batch=reduce_every_micro_batch,
+                                                      pipelined=self.parallel_config.pipelined)
+        if self.parallel_config.pipelined:
+            check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         self.offload_config = OffloadConfig(
             offload_fraction=offload_fraction, offload_blocks=offload_blocks,
             device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
@@ -151,7 +161,7 @@ class P2RStrategy(DDPStrategy):
 
     # ------------------------------------------------------------------------------------------ environment
     @property
-    def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel"]:
+    def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
         """The name of the engine that runs this job (see ``engines.engine_name``)."""
         return engine_name(self)  # type: ignore[return-value]
 
@@ -207,7 +217,7 @@ class P2RStrategy(DDPStrategy):
         warning = oversubscription_warning(self.root_device.type, self.num_processes, os.cpu_count() or 1)
         if warning:
             rank_zero_warn(warning)
-        if self.accumulation == "layered":
+        if self.accumulation == "layered" or self.parallel_config.pipelined:
             if trainer.accumulate_grad_batches != 1:
                 raise ValueError(
                     f"P2RStrategy(micro_batches={self.micro_batches}, accumulation={self.accumulation!r}) splits each "
@@ -236,12 +246,20 @@ class P2RStrategy(DDPStrategy):
         if self.parallel_config.model_parallel and self.world_size > 1:
             dims = ParallelDims(self.world_size, self.tensor_parallel, self.expert_parallel)
             return {"num_replicas": dims.data_parallel, "rank": dims.data_rank(self.global_rank)}
+        if self.parallel_config.pipelined and self.world_size % self.pipeline_parallel == 0:
+            # Ranks are laid out (pipeline, data): the stages of one pipeline read the same batch.
+            data_parallel = self.world_size // self.pipeline_parallel
+            return {"num_replicas": data_parallel, "rank": self.global_rank % data_parallel}
         return super().distributed_sampler_kwargs
 
     def _log_setup(self) -> None:
         if self.parallel_config.model_parallel:
             rank_zero_info("P2RStrategy " + ParallelDims(self.world_size, self.tensor_parallel,
                                                          self.expert_parallel).describe())
+        layout = getattr(self.layout, "stages_layout", None)
+        if layout is not None:
+            rank_zero_info(f"P2RStrategy pipeline: {layout.describe()}, schedule {self.pipeline_schedule}, "
+                           f"{self.micro_batches} micro-batches")
         holder = self.holder_or_none()
         if holder is None:
             rank_zero_info(f"P2RStrategy: engine {self.path}, sharding {self.sharding} on {self.world_size} "
@@ -322,6 +340,8 @@ class P2RStrategy(DDPStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self.layout.reshard()  # a forward outside training (a callback's loss) may have left units gathered
+        if self.parallel_config.pipelined:
+            return self._pipeline_training_step(args[0])
         if self.accumulation == "standard":
             with counting(self._counter):
                 return super().training_step(*args, **kwargs)
@@ -342,6 +362,19 @@ class P2RStrategy(DDPStrategy):
             return None  # Lightning skips the backward and the optimizer step
         return self._layered_step.loss
 
+    def _pipeline_training_step(self, batch: Any) -> torch.Tensor | None:
+        """The whole step's forward and backward run here, through the pipeline's schedule; ``backward`` then only
+        hands the gradients back (see ``PipelineEngine.train_step``)."""
+        module = self.lightning_module
+        with self.precision_plugin.train_step_context(), counting(self._counter):
+            result = self.layout.train_step(batch)
+        module.log_train_metrics(result.metrics) if hasattr(module, "log_train_metrics") else None
+        usable = getattr(module, "loss_is_usable", None)
+        if usable is not None and not usable(result.loss):
+            self.layout.drop_gradients()
+            return None
+        return result.loss
+
     def _layered_stages(self, module: L.LightningModule) -> LayeredStages:
         if not isinstance(module, DefinesLayeredStages):
             raise ValueError(
@@ -352,6 +385,10 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.parallel_config.pipelined:
+            self.layout.restore_gradients()
+            self.post_backward(closure_loss)
+            return closure_loss
         step, self._layered_step = self._layered_step, None
         if step is None:
             with counting(self._counter):
@@ -392,6 +429,21 @@ class P2RStrategy(DDPStrategy):
             output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._record_telemetry()
         return output
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.layout.evaluation_forward():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.layout.evaluation_forward():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.layout.evaluation_forward():
+            return super().predict_step(*args, **kwargs)
 
     @override
     def on_validation_end(self) -> None:

@@ -45,8 +45,9 @@ class Record(L.Callback):
         self.grad_norms: list[float] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
+        copies = getattr(trainer.strategy.layout, "copies", None)  # pipeline replicas are counted once
         with trainer.strategy.uncounted():  # this callback's own collective, not the layout's
-            self.grad_norms.append(float(total_grad_norm(pl_module.parameters())))
+            self.grad_norms.append(float(total_grad_norm(pl_module.parameters(), copies=copies)))
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, *args) -> None:
         loss = outputs["loss"].detach().clone()
@@ -91,7 +92,7 @@ def run(config: dict, out: Path, devices: int) -> None:
                         val_check_interval=config.get("steps", 3), check_val_every_n_epoch=None,
                         num_sanity_val_steps=0,
                         gradient_clip_val=0.5, callbacks=callbacks, default_root_dir=out / config["name"])
-    data_ranks = devices // strategy.tensor_parallel
+    data_ranks = devices // (strategy.tensor_parallel * strategy.pipeline_parallel)
     resume = out / config["resume"] if "resume" in config else None
     trainer.fit(module, datamodule=tiny_data(out, batch_size=GLOBAL_BATCH // data_ranks), ckpt_path=resume)
     if "save" in config:

@@ -15,24 +15,26 @@ from .ddp import DDPEngine
 from .fsdp import FSDPEngine
 from .local import LocalEngine
 from .model_parallel import ModelParallelEngine
+from .pipeline import PipelineEngine
 
 if TYPE_CHECKING:
     from ..strategy import P2RStrategy
 
 ENGINES: dict[str, type[Engine]] = {"local": LocalEngine, "ddp": DDPEngine, "fsdp": FSDPEngine,
-                                 "model_parallel": ModelParallelEngine}
+                                 "model_parallel": ModelParallelEngine, "pipeline": PipelineEngine}
 
 
 def engine_name(strategy: P2RStrategy) -> str:
     """Which engine runs a job (see ``execution_path``)."""
     return execution_path(strategy.sharding, strategy.world_size, offloading=strategy.offloading,
                           layered=strategy.accumulation == "layered",
-                          model_parallel=strategy.parallel_config.model_parallel)
+                          model_parallel=strategy.parallel_config.model_parallel,
+                          pipelined=strategy.parallel_config.pipelined)
 
 
 def select_engine(strategy: P2RStrategy) -> Engine:
     return ENGINES[engine_name(strategy)](strategy)
 
 
-__all__ = ["ENGINES", "DDPEngine", "Engine", "FSDPEngine", "LocalEngine", "ModelParallelEngine", "engine_name",
-           "select_engine"]
+__all__ = ["ENGINES", "DDPEngine", "Engine", "FSDPEngine", "LocalEngine", "ModelParallelEngine", "PipelineEngine",
+           "engine_name", "select_engine"]

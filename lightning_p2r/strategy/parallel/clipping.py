@@ -13,7 +13,7 @@ Every gradient is then scaled by the same factor, as on one process.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -32,20 +32,33 @@ def _copies(grad: torch.Tensor) -> int:
     return replicated * dist.get_world_size() // mesh.size()
 
 
-def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def replicas_on_mesh(grad: torch.Tensor) -> int:
+    """How many ranks of its own mesh hold the same local part of ``grad`` (1 for a plain tensor)."""
+    if not isinstance(grad, DTensor):
+        return 1
+    return math.prod(grad.device_mesh.size(i) for i, placement in enumerate(grad.placements)
+                     if isinstance(placement, Replicate))
+
+
+def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
+                    copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
     """The ``norm_type`` norm of all the gradients of ``params`` together, the same on every rank (collective:
-    every rank calls it with its parameters, in any order)."""
-    grads = [p.grad for p in params if p.grad is not None]
+    every rank calls it with its parameters, in any order). ``copies(param)``: how many ranks hold the same local
+    part of the parameter's gradient, when the layout knows better than its mesh (pipeline stages)."""
     inf = math.isinf(norm_type)
     local = torch.zeros((), dtype=torch.float64)
-    for grad in grads:
+    for param in params:
+        grad = param.grad
+        if grad is None:
+            continue
         part = (grad.to_local() if isinstance(grad, DTensor) else grad).detach()
         if part.numel() == 0:
             continue
         if inf:
             local = torch.maximum(local, part.abs().max().double().cpu())
         else:
-            local += part.double().abs().pow(norm_type).sum().cpu() / _copies(grad)
+            held = copies(param) if copies is not None else _copies(grad)
+            local += part.double().abs().pow(norm_type).sum().cpu() / held
     if dist.is_available() and dist.is_initialized():
         # On the process group's device: NCCL reduces device tensors only (an offloaded gradient lives on the host).
         nccl = dist.get_backend() == "nccl"
@@ -55,11 +68,11 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0) -> t
     return (local if inf else local.pow(1.0 / norm_type)).float()
 
 
-def clip_grad_norm_across_meshes(params: Iterable[torch.Tensor], max_norm: float,
-                                 norm_type: float = 2.0) -> torch.Tensor:
+def clip_grad_norm_across_meshes(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+                                 copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
     """Scale the gradients of ``params`` so their total norm is at most ``max_norm``; returns the norm before."""
     params = [p for p in params if p.grad is not None]
-    total = total_grad_norm(params, norm_type)
+    total = total_grad_norm(params, norm_type, copies)
     scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
     with torch.no_grad():
         for param in params:

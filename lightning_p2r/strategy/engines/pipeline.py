@@ -1,0 +1,355 @@
+"""Modular pipeline parallelism (Lamy-Poirier 2021): the model cut by depth into stages of whole layers, looped over
+the pipeline ranks, run by ``torch.distributed.pipelining``; FSDP2 over each stage's data-parallel ranks.
+
+Each rank keeps only what its stages use: the other blocks (and the embedding or head, where another rank holds
+them) are replaced by :class:`~..pipeline.stage.AbsentModule` while the model is still on the meta device, so no
+rank ever allocates them. A parameter used by stages on several ranks (the block a pseudo model shares between all
+its layers, an embedding tied to the head) is a replica on each of them and its gradient is all-reduced among
+them after the step. See docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from ...protocols import DefinesPipelineStages, PipelineParts
+from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
+from ..materialize import Initializer, allocate, has_meta_tensors
+from ..parallel.clipping import clip_grad_norm_across_meshes, replicas_on_mesh
+from ..pipeline.layout import PipelineLayout, block_holders, check_local_sharing, check_micro_batches
+from ..pipeline.runner import BREADTH_FIRST, PipelineRunner, PipelineStepResult
+from ..pipeline.stage import AbsentModule, PipelineStageModule
+from ..regather import delinked_plain_copy, meta_template, release_model_state, replace_submodule, shard_optimizer
+from ..sharding import fsdp_modules, smallest_parameter_root
+from .base import Engine
+from .fsdp import FSDPEngine
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class PipelineEngine(FSDPEngine):
+    name = "pipeline"
+
+    def __init__(self, strategy: Any) -> None:
+        super().__init__(strategy)
+        self.stages_layout: PipelineLayout | None = None
+        self.pipeline_group: dist.ProcessGroup | None = None
+        self.pipeline: PipelineRunner | None = None
+        self.stage_modules: list[PipelineStageModule] = []
+        self.parts: PipelineParts | None = None
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._replicas: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
+        self._holders_of: dict[int, int] = {}
+        self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+
+    @property
+    def breadth_first(self) -> bool:
+        return self.strategy.pipeline_schedule in BREADTH_FIRST
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def check_options(self) -> None:
+        super().check_options()
+        strategy = self.strategy
+        if self.replicated_zero:
+            raise ValueError(
+                "P2RStrategy(sharding='zero1') with pipeline_parallel > 1: ZeRO-1's partitioned optimizer spans every "
+                "rank, while each pipeline stage holds different parameters; use sharding='zero2' (optimizer states "
+                "and gradients sharded over the stage's data-parallel ranks) or 'zero3'")
+        if strategy.accumulation == "layered" and not self.breadth_first:
+            raise ValueError(
+                f"P2RStrategy(accumulation='layered', pipeline_schedule={strategy.pipeline_schedule!r}): across "
+                "pipeline stages, layered accumulation is the breadth-first schedule itself; use pipeline_schedule="
+                "'looped_bfs' (or 'gpipe' with one stage per rank)")
+        if strategy.reduce_every_micro_batch:
+            raise ValueError("P2RStrategy(reduce_every_micro_batch=True) does not apply with pipeline_parallel > 1: "
+                             "the schedule reduces each stage's gradients once, after its last micro-batch")
+        world, pp = strategy.world_size, strategy.pipeline_parallel
+        if world % pp:
+            raise ValueError(
+                f"P2RStrategy(pipeline_parallel={pp}) must divide the number of processes ({world}): use "
+                f"pipeline_parallel in {[d for d in range(1, world + 1) if world % d == 0]} or change the devices")
+
+    def setup_environment(self) -> None:
+        self.check_options()
+        Engine.setup_environment(self)
+        from torch.distributed.device_mesh import init_device_mesh
+        strategy = self.strategy
+        pp = strategy.pipeline_parallel
+        dp = strategy.world_size // pp
+        device = strategy.root_device.type
+        if self.layout == "replicate":  # "none": every rank of a stage holds it whole (HSDP, shards of one rank)
+            mesh = init_device_mesh(device, (pp, dp, 1), mesh_dim_names=("pp", "replicate", "shard"))
+            self.mesh = mesh["replicate", "shard"]
+        else:
+            mesh = init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))
+            self.mesh = mesh["dp"]
+        self.pipeline_group = mesh["pp"].get_group()
+
+    def setup(self, trainer: L.Trainer) -> None:
+        plugin = self.strategy.precision_plugin
+        if isinstance(plugin, MixedPrecision) and plugin.scaler is not None:
+            raise ValueError("P2RStrategy(pipeline_parallel > 1) with precision='16-mixed': the pipeline's schedule "
+                             "runs the backward itself, where a gradient scaler cannot scale the loss; use "
+                             "precision='bf16-mixed' (or 32)")
+        super().setup(trainer)
+        # Lightning clips through the precision plugin, whose norm would count a stage's parameters only: this job's
+        # plugin instance gets one over all stages, each replica counted once (as in model_parallel.py).
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_across_meshes(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), clip_val, copies=self.copies)
+
+    def teardown(self) -> None:
+        vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)
+        super().teardown()
+
+    # ------------------------------------------------------------------------------------------- placement
+    def _pipeline_parts(self) -> PipelineParts:
+        module = self.strategy.lightning_module
+        if not isinstance(module, DefinesPipelineStages):
+            raise ValueError(
+                f"P2RStrategy(pipeline_parallel > 1) needs the LightningModule to define pipeline_parts() -> "
+                f"PipelineParts (see lightning_p2r.protocols); {type(module).__name__} does not")
+        return module.pipeline_parts()
+
+    def shard(self, *, move_module: bool = True) -> None:
+        """Cut the model into this rank's stages, drop what other ranks hold, shard each block and each stage (its
+        FSDP2 root) over the stage's data-parallel ranks, then allocate this rank's shards."""
+        strategy = self.strategy
+        module = strategy.lightning_module
+        holder = strategy.holder()
+        parts = self._pipeline_parts()
+        layer_to_block = list(holder.layer_to_block)
+        layout = PipelineLayout(strategy.world_size, strategy.pipeline_parallel, strategy.stages_per_rank,
+                                len(layer_to_block))
+        check_local_sharing(layer_to_block, layout)
+        check_micro_batches(strategy.pipeline_schedule, strategy.micro_batches, strategy.pipeline_parallel)
+        self.stages_layout = layout
+        pipeline_rank = layout.pipeline_rank(strategy.global_rank)
+        stages = layout.stages_of(pipeline_rank)
+        last = layout.num_stages - 1
+        embed = list(parts.embed_modules)
+        head = self._with_tied(holder, list(parts.head_modules))
+        tied = {id(p) for m in embed for p in m.parameters()} & {id(p) for m in head for p in m.parameters()}
+        holders = block_holders(layer_to_block, layout)
+        ends = tuple(sorted({layout.owner(0), layout.owner(last)}))
+        self._create_groups([r for r in holders.values() if len(r) > 1] + ([ends] if tied and len(ends) > 1 else []))
+
+        # Which rank holds each parameter (by name, stable through sharding), then drop what this rank does not.
+        ranks_of: dict[str, tuple[int, ...]] = {}
+        for block, ranks in holders.items():
+            for name, _ in holder.blocks[block].named_parameters():
+                ranks_of[f"blocks.{block}.{name}"] = ranks
+        for modules, stage in ((embed, 0), (head, last)):
+            for m in modules:
+                for p in m.parameters():
+                    name = next(n for n, q in holder.named_parameters() if q is p)
+                    ranks_of[name] = tuple(sorted(set(ranks_of.get(name, ())) | {layout.owner(stage)}))
+        mine = {layer_to_block[layer] for stage in stages for layer in layout.stage_layers(stage)}
+        for index in range(len(holder.blocks)):
+            if index not in mine:
+                holder.blocks[index] = AbsentModule()
+        keep = {id(m) for m in (embed if 0 in stages else []) + (head if last in stages else [])}
+        for name, child in list(holder.named_children()):
+            if child is not holder.blocks and id(child) not in keep and next(child.parameters(), None) is not None:
+                setattr(holder, name, AbsentModule())
+
+        strategy.plan = strategy.make_plan(holder)
+        root = smallest_parameter_root(module)
+        self.sharded_root, self._root_template = root, meta_template(root)
+        lazy = has_meta_tensors(module)
+        if move_module and not lazy:
+            module.to(strategy.root_device)
+        self.parts = parts
+        self.stage_modules = [PipelineStageModule(parts, holder.blocks, layout.stage_layers(s), first=s == 0,
+                                                  last=s == last, embed_modules=embed, head_modules=head)
+                              for s in stages]
+        offloaded = set(strategy.plan.offloaded)
+        # Breadth-first schedules run every micro-batch through a stage in a row: zero3 gathers its blocks once for
+        # them all and reshards after the last (as layered accumulation does); depth-first ones reshard each time.
+        per_micro_batch = self.layout == "zero3" and not self.breadth_first
+        for index in sorted(mine):
+            policy = (CPUOffloadPolicy(pin_memory=strategy.resolved_pin_memory) if index in offloaded
+                      else OffloadPolicy())
+            fully_shard(holder.blocks[index], mesh=self.mesh, reshard_after_forward=per_micro_batch,
+                        offload_policy=policy)
+        for stage_module in self.stage_modules:
+            fully_shard(stage_module, mesh=self.mesh, reshard_after_forward=False)
+            if self.layout == "zero3" and self.breadth_first:
+                stage_module.after_last_forward = _reshard_blocks
+        if lazy:
+            self._materialize_stages(holder, mine, offloaded)
+        else:
+            strategy.load_deferred_weights()
+
+        params = dict(holder.named_parameters())
+        self._holders_of = {id(p): len(ranks_of[name]) for name, p in params.items()}
+        pipeline_rank_to_replicas: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for name, p in params.items():
+            if len(ranks_of[name]) > 1:
+                pipeline_rank_to_replicas.setdefault(ranks_of[name], []).append(p)
+        self._replicas = [(self._groups[ranks], replicas) for ranks, replicas in sorted(
+            pipeline_rank_to_replicas.items())]
+        self.pipeline = PipelineRunner(self.stage_modules, stages, layout.num_stages, strategy.root_device,
+                                       self.pipeline_group, strategy.pipeline_schedule, strategy.micro_batches, parts)
+
+    @staticmethod
+    def _with_tied(holder: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
+        """``modules`` and any other module outside the blocks holding a parameter of theirs (a tied embedding), so
+        the stage's FSDP2 root manages every module that holds the shared tensor."""
+        shared = {id(p) for m in modules for p in m.parameters()}
+        extra = [child for child in holder.children() if child is not holder.blocks and not any(
+            child is m for m in modules) and any(id(p) in shared for p in child.parameters())]
+        return modules + extra
+
+    def _create_groups(self, rank_sets: list[tuple[int, ...]]) -> None:
+        """One process group per set of pipeline ranks sharing replicas and per data-parallel column (collective:
+        every rank creates every group, in the same order)."""
+        layout_ranks = self.strategy.global_rank
+        dp = self.strategy.world_size // self.strategy.pipeline_parallel
+        for ranks in sorted(set(rank_sets) - set(self._groups)):
+            for data_rank in range(dp):
+                group = dist.new_group([r * dp + data_rank for r in ranks])
+                if layout_ranks % dp == data_rank:
+                    self._groups[ranks] = group
+
+    def _materialize_stages(self, holder: nn.Module, mine: set[int], offloaded: set[int]) -> None:
+        strategy = self.strategy
+        module = strategy.lightning_module
+        initializer = Initializer(module, holder)
+        fill = not strategy.has_deferred_weights
+        for index in sorted(mine):
+            params = allocate(holder.blocks[index], "cpu" if index in offloaded else strategy.root_device)
+            if fill:
+                initializer.fill(params)
+        params = allocate(module, strategy.root_device, skip=[holder.blocks])
+        if fill:
+            initializer.fill(params)
+        strategy.load_deferred_weights()
+
+    def copies(self, param: torch.Tensor) -> int:
+        """Ranks holding the same local part of ``param``'s gradient: its mesh's replicas times its pipeline
+        replicas."""
+        return replicas_on_mesh(param.grad) * self._holders_of.get(id(param), 1)
+
+    # ---------------------------------------------------------------------------------------------- training
+    def block_events(self) -> None:
+        return None
+
+    def stage_runner(self) -> None:
+        return None
+
+    @contextlib.contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        yield
+
+    def train_step(self, batch: torch.Tensor) -> PipelineStepResult:
+        """Forward and backward of every micro-batch through the pipeline; replicas' gradients summed; the step's
+        loss and metrics on every rank. The gradients are then held aside until :meth:`restore_gradients`, because
+        Lightning zeroes them between ``training_step`` and ``backward``."""
+        params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
+        for param in params:  # the last step's gradients (Lightning zeroes them after training_step, too late here)
+            param.grad = None
+        self.pipeline.train_step(batch)
+        for group, replicas in self._replicas:
+            for param in replicas:
+                if param.grad is not None:
+                    dist.all_reduce(_local(param.grad), group=group)
+        with self.strategy.uncounted():  # metrics, not the training layout
+            result = self.pipeline.gather_step()
+        self._stashed = [(p, p.grad) for p in params]
+        for param, _ in self._stashed:
+            param.grad = None
+        return result
+
+    def restore_gradients(self) -> None:
+        for param, grad in self._stashed:
+            param.grad = grad
+        self._stashed = []
+
+    def drop_gradients(self) -> None:
+        """A skipped step (non-finite loss): forget the held gradients."""
+        self._stashed = []
+
+    @contextlib.contextmanager
+    def evaluation_forward(self) -> Iterator[None]:
+        """The model's forward runs through the pipeline while inside (validation, test, predict): its output, built
+        from the last stage's logits, reaches every rank of the pipeline."""
+        holder = self.strategy.holder()
+        holder.forward = self._pipelined_forward  # an instance attribute: the class's forward again after
+        try:
+            yield
+        finally:
+            del holder.forward
+
+    def _pipelined_forward(self, inputs: torch.Tensor) -> Any:
+        layout, strategy = self.stages_layout, self.strategy
+        logits = self.pipeline.evaluate(self.parts.window(inputs))
+        source = layout.global_ranks([layout.owner(layout.num_stages - 1)], layout.data_rank(strategy.global_rank))[0]
+        meta = [(tuple(logits.shape), logits.dtype) if logits is not None else None]
+        dist.broadcast_object_list(meta, src=source, group=self.pipeline_group)
+        if logits is None:
+            shape, dtype = meta[0]
+            logits = torch.empty(shape, dtype=dtype, device=strategy.root_device)
+        dist.broadcast(logits, src=source, group=self.pipeline_group)
+        return self.parts.output(logits)
+
+    def reshard(self) -> None:
+        super().reshard()
+        for stage_module in self.stage_modules:
+            stage_module.reshard()
+
+    # --------------------------------------------------------------------------------------------- delinking
+    def delink(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
+               optimizer_state: OptimizerStatePolicy, perturb: Perturbation | None = None) -> torch.optim.Optimizer:
+        """Gather this rank's part into a plain host copy, delink it (the copies of a shared block start from this
+        rank's replica, equal on every rank), keep the new blocks of this rank's layers and shard them afresh."""
+        strategy = self.strategy
+        root = self.sharded_root
+        self.reshard()
+        optimizer = self.module_optimizer(optimizer)
+        plain, plain_optimizer, names = delinked_plain_copy(root, self._root_template, optimizer, num_unique_blocks,
+                                                            optimizer_state, perturb)
+        replace_submodule(pl_module, root, plain)
+        release_model_state(root, [optimizer, *strategy.optimizers])
+        strategy.optimizers, self.sharded_root, self.pipeline, self.stage_modules = [], None, None, []
+        del root, optimizer
+        self.shard(move_module=False)
+        live = {names_key for names_key, _ in plain.named_parameters()}
+        kept = _only_parameters(plain_optimizer, {pid for pid, name in names.items() if name in live})
+        strategy.optimizers = [shard_optimizer(kept, names, plain)]
+        return strategy.optimizers[0]
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def load_weights(self, source: dict[str, Any] | str, strict: bool) -> None:
+        if isinstance(source, dict):  # a whole model's state dict: this rank's part of it
+            own = set(self.strategy.lightning_module.state_dict())
+            source = {key: value for key, value in source.items() if key in own}
+        super().load_weights(source, strict)
+
+
+def _reshard_blocks(stage_module: nn.Module) -> None:
+    for block in stage_module.owned:
+        for unit in fsdp_modules(block):
+            unit.reshard()
+
+
+def _only_parameters(optimizer: torch.optim.Optimizer, keep: set[int]) -> torch.optim.Optimizer:
+    """``optimizer`` over the parameters in ``keep`` (by id) only, with their state."""
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [p for p in g["params"] if id(p) in keep]}
+              for g in optimizer.param_groups]
+    result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
+    for param, state in optimizer.state.items():
+        if id(param) in keep:
+            result.state[param] = state
+    return result

@@ -1,0 +1,123 @@
+"""Which rank runs which stage, and which layers a stage holds: pure functions of the sizes.
+
+Ranks are laid out ``(pipeline, data)``: rank = pipeline_rank * data_parallel + data_rank, so the ranks of one
+stage (its data-parallel group) are adjacent, as torchtitan orders its mesh. The model's ``num_layers`` layers are
+cut into ``pipeline_parallel * stages_per_rank`` stages of equal numbers of whole layers, and the stages are looped
+over the pipeline ranks (Lamy-Poirier 2021, "modular pipeline parallelism"): pipeline rank r holds stages r, r + p,
+r + 2p, ... With one stage per rank this is the usual contiguous split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    world_size: int
+    pipeline_parallel: int
+    stages_per_rank: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        p, v = self.pipeline_parallel, self.stages_per_rank
+        if self.world_size % p:
+            raise ValueError(
+                f"P2RStrategy(pipeline_parallel={p}) must divide the number of processes ({self.world_size}): use "
+                f"pipeline_parallel in {_divisors(self.world_size)} or change the devices")
+        if self.num_layers % (p * v):
+            raise ValueError(
+                f"the model's {self.num_layers} layers cannot be cut into pipeline_parallel * stages_per_rank = {p} * "
+                f"{v} = {p * v} stages of whole, equal numbers of layers: choose pipeline_parallel * stages_per_rank "
+                f"among {_divisors(self.num_layers)}")
+
+    @property
+    def num_stages(self) -> int:
+        return self.pipeline_parallel * self.stages_per_rank
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks of each stage (they read different batches)."""
+        return self.world_size // self.pipeline_parallel
+
+    @property
+    def layers_per_stage(self) -> int:
+        return self.num_layers // self.num_stages
+
+    def pipeline_rank(self, rank: int) -> int:
+        return rank // self.data_parallel
+
+    def data_rank(self, rank: int) -> int:
+        return rank % self.data_parallel
+
+    def stage_layers(self, stage: int) -> range:
+        size = self.layers_per_stage
+        return range(stage * size, (stage + 1) * size)
+
+    def stages_of(self, pipeline_rank: int) -> list[int]:
+        """The stages one pipeline rank holds, looped: r, r + p, r + 2p, ..."""
+        return [pipeline_rank + i * self.pipeline_parallel for i in range(self.stages_per_rank)]
+
+    def owner(self, stage: int) -> int:
+        """The pipeline rank that holds ``stage``."""
+        return stage % self.pipeline_parallel
+
+    def global_ranks(self, pipeline_ranks: list[int], data_rank: int) -> list[int]:
+        """The global ranks of ``pipeline_ranks`` in data-parallel column ``data_rank``."""
+        return [r * self.data_parallel + data_rank for r in pipeline_ranks]
+
+    def describe(self) -> str:
+        return (f"{self.world_size} ranks = pipeline {self.pipeline_parallel} x data {self.data_parallel}; "
+                f"{self.num_stages} stages of {self.layers_per_stage} layers, {self.stages_per_rank} per rank")
+
+
+def check_micro_batches(schedule: str, micro_batches: int, pipeline_parallel: int) -> None:
+    """Enough micro-batches to fill the pipeline (and, interleaved, whole rounds of them)."""
+    if micro_batches < pipeline_parallel:
+        raise ValueError(
+            f"P2RStrategy(micro_batches={micro_batches}) is fewer than pipeline_parallel={pipeline_parallel}: the "
+            f"pipeline never fills and the ranks mostly wait. Use micro_batches >= {pipeline_parallel} (a few times "
+            "more makes the bubble small)")
+    if schedule == "interleaved_1f1b" and micro_batches % pipeline_parallel:
+        raise ValueError(
+            f"P2RStrategy(pipeline_schedule='interleaved_1f1b') runs micro-batches in rounds of pipeline_parallel="
+            f"{pipeline_parallel}: micro_batches={micro_batches} must be a multiple of it")
+
+
+def bubble_fraction(pipeline_parallel: int, stages_per_rank: int, micro_batches: int) -> float:
+    """The analytic idle share of a step, (p - 1) / (v * m + p - 1) (Narayanan et al. 2021 for interleaving,
+    Lamy-Poirier 2021 for looping): each rank idles for p - 1 stage-times while filling and draining, out of
+    v * m stage-times of work, with forward and backward stage costs in a fixed ratio."""
+    p, v, m = pipeline_parallel, stages_per_rank, micro_batches
+    return (p - 1) / (v * m + p - 1)
+
+
+def block_holders(layer_to_block: list[int], layout: PipelineLayout) -> dict[int, tuple[int, ...]]:
+    """The pipeline ranks that hold each block: those whose stages run a layer of it.
+
+    A block several layers share (M6-10T's pseudo model) is used by stages on several ranks, and each holds a
+    replica; its gradient is the sum of theirs, as Megatron-LM all-reduces the embedding tied between its first and
+    last stages. After delinking every block belongs to one layer, hence to one rank.
+    """
+    holders: dict[int, set[int]] = {}
+    for stage in range(layout.num_stages):
+        for layer in layout.stage_layers(stage):
+            holders.setdefault(layer_to_block[layer], set()).add(layout.owner(stage))
+    return {block: tuple(sorted(ranks)) for block, ranks in sorted(holders.items())}
+
+
+def check_local_sharing(layer_to_block: list[int], layout: PipelineLayout) -> None:
+    """A block run by two stages of the same rank would be inside two FSDP2 roots: refused, with the fix."""
+    for rank in range(layout.pipeline_parallel):
+        seen: dict[int, int] = {}
+        for stage in layout.stages_of(rank):
+            for block in {layer_to_block[layer] for layer in layout.stage_layers(stage)}:
+                if seen.setdefault(block, stage) != stage:
+                    raise ValueError(
+                        f"block {block} is shared by layers in stages {seen[block]} and {stage}, which pipeline rank "
+                        f"{rank} both holds (stages_per_rank={layout.stages_per_rank}): a shared (pseudo) model runs "
+                        "with stages_per_rank=1; loop the stages after delinking it (or delink it further first)")

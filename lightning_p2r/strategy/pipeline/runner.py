@@ -1,0 +1,126 @@
+"""Run a rank's pipeline stages with ``torch.distributed.pipelining``'s schedules, and bring a step's losses and
+metrics to every rank.
+
+``PipelineStage`` learns the shapes of the tensors it sends from its first micro-batch and keeps them, so a batch
+of another shape (the last, shorter batch of an epoch; evaluation, whose last stage returns logits) gets stages and
+a schedule of its own, kept for the next batch of that shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
+)
+
+from ...protocols import PipelineParts
+from .stage import PipelineStageModule, stage_output_loss
+
+SCHEDULE_CLASSES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+                                     "interleaved_1f1b": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}
+BREADTH_FIRST = ("gpipe", "looped_bfs")
+"""Schedules that run every micro-batch through a stage before the next stage (forward, then backward)."""
+
+
+@dataclass
+class PipelineStepResult:
+    loss: torch.Tensor
+    """The step's loss (mean over micro-batches of each one's total loss), the same on every rank."""
+    metrics: dict[str, torch.Tensor]
+    """The mean over micro-batches of the model's per-micro-batch metrics, the same on every rank."""
+
+
+class PipelineRunner:
+    """The stages this rank holds (looped: stage indices r, r + p, ...) and the schedules that run them."""
+
+    def __init__(self, modules: list[PipelineStageModule], stage_indices: list[int], num_stages: int,
+                 device: torch.device, group: dist.ProcessGroup, schedule: str, micro_batches: int,
+                 parts: PipelineParts) -> None:
+        self.modules = modules
+        self.stage_indices = stage_indices
+        self.num_stages = num_stages
+        self.device = device
+        self.group = group
+        self.schedule_name = schedule
+        self.micro_batches = micro_batches
+        self.parts = parts
+        self._schedules: dict[tuple[Any, ...], Any] = {}
+
+    @property
+    def holds_last_stage(self) -> bool:
+        return any(module.last for module in self.modules)
+
+    def _schedule(self, training: bool, micro_batches: int, shape: tuple[int, ...]) -> Any:
+        """The schedule for batches of ``shape``; tells the stage modules whether it is new (see ``begin``)."""
+        key = (training, micro_batches, shape)
+        for module in self.modules:
+            module.begin(computes_loss=training, micro_batches=micro_batches, infers_shapes=key not in self._schedules)
+        if key not in self._schedules:
+            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+                      for module, index in zip(self.modules, self.stage_indices)]
+            # Evaluation runs forward only: GPipe (one stage per rank) or looped breadth-first (several).
+            name = self.schedule_name if training else ("gpipe" if len(stages) == 1 else "looped_bfs")
+            cls = SCHEDULE_CLASSES[name]
+            single = cls in (ScheduleGPipe, Schedule1F1B)
+            self._schedules[key] = cls(stages[0] if single else stages, micro_batches,
+                                       loss_fn=stage_output_loss if training else None)
+        return self._schedules[key]
+
+    def train_step(self, batch: torch.Tensor) -> None:
+        """Forward and backward of every micro-batch of ``batch``; the gradients are left in the parameters, divided
+        by the number of micro-batches (the schedule's ``scale_grads``)."""
+        schedule = self._schedule(True, self.micro_batches, tuple(batch.shape))
+        # The batch is the targets too: the last stage's forward computes the loss from the window itself.
+        schedule.step(tokens=batch, target=batch, return_outputs=False)
+
+    def evaluate(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """The logits of ``batch`` on the rank that holds the last stage (None on the others)."""
+        parts = self.micro_batches if batch.shape[0] % self.micro_batches == 0 else 1
+        schedule = self._schedule(False, parts, tuple(batch.shape))
+        with torch.no_grad():
+            return schedule.step(tokens=batch)
+
+    def gather_step(self) -> PipelineStepResult:
+        """Bring the micro-batch losses (last stage) and every stage's router records together on every rank of the
+        pipeline, and compute the step's loss and metrics as one process would (one small object gather)."""
+        local_losses = [float(loss) for module in self.modules for loss in module.step_losses()]
+        records: list[dict[str, Any]] = []
+        for micro_batch in range(self.micro_batches):
+            merged: dict[str, Any] = {}
+            for module in self.modules:
+                for key, value in self.parts.records(module.step_contexts()[micro_batch]).items():
+                    merged.setdefault(key, {}).update(_to_host(value))
+            records.append(merged)
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, (local_losses, records), group=self.group)
+        losses = next(item[0] for item in gathered if item[0])
+        per_micro_batch = []
+        for micro_batch in range(self.micro_batches):
+            context = self.modules[0].step_contexts()[micro_batch]
+            for _, rank_records in gathered:
+                self.parts.absorb(context, rank_records[micro_batch])
+            per_micro_batch.append(self.parts.metrics(torch.tensor(losses[micro_batch]), context))
+        metrics = {key: torch.stack([m[key].float() for m in per_micro_batch]).mean()
+                   for key in per_micro_batch[0]}
+        return PipelineStepResult(loss=metrics["loss"], metrics=metrics)
+
+
+def _to_host(value: Any) -> Any:
+    """Detached host copies of the tensors in ``value`` (dicts, dataclasses of tensors), to pickle them."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {key: _to_host(item) for key, item in value.items()}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.replace(value, **{f.name: _to_host(getattr(value, f.name))
+                                             for f in dataclasses.fields(value) if f.init})
+    return value

@@ -1,0 +1,120 @@
+"""One pipeline stage as a module ``torch.distributed.pipelining.PipelineStage`` can run: a range of whole layers of
+the model, plus the embedding on the first stage and the head on the last.
+
+The stage only references modules that stay registered in the model (so checkpoints and the optimizer see the
+model's own names); it is the FSDP2 root of its blocks. Its forward takes the previous stage's hidden states
+(positional, sent by the pipeline) and the micro-batch itself (keyword, given to every stage: all ranks of a
+pipeline read the same batch), from which a later stage rebuilds the context the embedding would have made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...protocols import PipelineParts
+
+
+class AbsentModule(nn.Module):
+    """Stands where the model holds a module that lives on another pipeline rank: no parameters, no forward."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this part of the model lives on another pipeline rank; under pipeline parallelism the "
+                           "strategy runs the model through its stages")
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Pass ``hidden`` through unchanged; in backward, also give ``loss`` the gradient one, so a layer's extra loss
+    (an MoE router's weighted balance and z losses) joins the backward of the micro-batch whose hidden states carry
+    it, on the stage that computed it, without travelling to the last stage (as DeepSeek-MoE attaches its auxiliary
+    loss). One is its weight in the micro-batch's loss, whose own backward starts at one too; the schedule divides
+    both by the number of micro-batches afterwards."""
+
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
+
+
+def attach_loss(hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
+    return _AttachLoss.apply(hidden, loss)
+
+
+class PipelineStageModule(nn.Module):
+    """Layers ``layers`` of the model, the embedding if ``first``, the head if ``last``.
+
+    In training the last stage returns the micro-batch's loss (the schedule's loss function passes it through);
+    in evaluation it returns the logits. Each forward keeps the micro-batch's context, whose router records the
+    strategy gathers after the step.
+    """
+
+    def __init__(self, parts: PipelineParts, blocks: nn.ModuleList, layers: range, *, first: bool, last: bool,
+                 embed_modules: list[nn.Module], head_modules: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = layers
+        self.first, self.last = first, last
+        used = sorted({parts.stages.layer_to_block[layer] for layer in layers})
+        modules = [blocks[i] for i in used]
+        if first:
+            modules += embed_modules
+        if last:
+            modules += [m for m in head_modules if not any(m is other for other in modules)]
+        self.owned = nn.ModuleList(modules)
+        self.block_indices = used
+        self._parts = parts  # closures over the model, not modules: not registered
+        self.computes_loss = True
+        self.contexts: list[Any] = []
+        self.losses: list[torch.Tensor] = []
+        self.forward_calls = 0
+        self.after_last_forward: Any = None
+        self.micro_batches = 1
+
+    def begin(self, *, computes_loss: bool, micro_batches: int, infers_shapes: bool) -> None:
+        """Before a step: the mode, and a fresh record of contexts and losses. ``infers_shapes``: the schedule is new,
+        and its stage will first run one forward on placeholder inputs to learn the shapes it sends (torch's dynamic
+        metadata inference); that call is not one of the step's micro-batches."""
+        self.computes_loss = computes_loss
+        self.micro_batches = micro_batches
+        self.contexts, self.losses = [], []
+        self.forward_calls = -1 if infers_shapes else 0
+
+    def step_contexts(self) -> list[Any]:
+        """The contexts of the step's micro-batches, in order (the shape inference's forward comes first)."""
+        return self.contexts[-self.micro_batches:]
+
+    def step_losses(self) -> list[torch.Tensor]:
+        return self.losses[-self.micro_batches:] if self.last else []
+
+    def forward(self, hidden: torch.Tensor | None = None, *, tokens: torch.Tensor) -> torch.Tensor:
+        stages = self._parts.stages
+        if self.first:
+            hidden, context = stages.embed(tokens)
+        else:
+            context = self._parts.context(tokens)
+        for layer in self.layers:
+            hidden, extra = stages.layer(layer, hidden, context)
+            if extra is not None and self.computes_loss and torch.is_grad_enabled():
+                hidden = attach_loss(hidden, extra)
+        self.contexts.append(context)
+        self.forward_calls += 1
+        if self.forward_calls == self.micro_batches and self.after_last_forward is not None:
+            self.after_last_forward(self)
+        if not self.last:
+            return hidden
+        if not self.computes_loss:
+            return self._parts.logits(hidden)
+        loss, _ = stages.head(hidden, context)
+        self.losses.append(loss.detach())
+        return loss
+
+
+def stage_output_loss(output: torch.Tensor, target: Any) -> torch.Tensor:
+    """The schedule's loss function: the last stage already returns the micro-batch's loss."""
+    return output
