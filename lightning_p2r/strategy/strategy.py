@@ -431,21 +431,6 @@ class P2RStrategy(DDPStrategy):
         return output
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.layout.evaluation_forward():
-            return super().validation_step(*args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.layout.evaluation_forward():
-            return super().test_step(*args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.layout.evaluation_forward():
-            return super().predict_step(*args, **kwargs)
-
-    @override
     def on_validation_end(self) -> None:
         self.layout.reshard()  # layered blocks never reshard in their own forward hook: evaluation left them gathered
         super().on_validation_end()

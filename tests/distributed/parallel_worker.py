@@ -110,7 +110,7 @@ def run(config: dict, out: Path, devices: int) -> None:
         dist.all_gather_object(counted, local_counts)
     else:
         counted = [local_counts]
-    block_bytes, root_bytes = data_parallel_parts(module)
+    block_bytes, root_bytes = data_parallel_parts(module) if strategy.path == "model_parallel" else (0, 0)
     weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
         torch.save({k: v.float() for k, v in weights.items()}, out / f"{config['name']}.pt")

@@ -75,12 +75,6 @@ class Engine:
     def reshard(self) -> None:
         """Gathered parameters back to their shards (after evaluation, before a checkpoint)."""
 
-    @contextlib.contextmanager
-    def evaluation_forward(self) -> Iterator[None]:
-        """Around validation, test and predict steps (the pipeline engine runs the model's forward through its
-        stages while inside)."""
-        yield
-
     def stage_runner(self) -> nn.Module | None:
         """The module the embedding and head stages must run through (layered accumulation), if any."""
         return None

@@ -52,6 +52,7 @@ class PipelineEngine(FSDPEngine):
         self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._replicas: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
         self._holders_of: dict[int, int] = {}
+        self._outside_ranks: dict[str, tuple[int, ...]] | None = None
         self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
 
     @property
@@ -111,6 +112,9 @@ class PipelineEngine(FSDPEngine):
 
     def teardown(self) -> None:
         vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)
+        holder = self.strategy.holder_or_none()
+        if holder is not None:
+            vars(holder).pop("forward", None)
         super().teardown()
 
     # ------------------------------------------------------------------------------------------- placement
@@ -140,21 +144,23 @@ class PipelineEngine(FSDPEngine):
         last = layout.num_stages - 1
         embed = list(parts.embed_modules)
         head = self._with_tied(holder, list(parts.head_modules))
-        tied = {id(p) for m in embed for p in m.parameters()} & {id(p) for m in head for p in m.parameters()}
+        if self._outside_ranks is None:
+            # Which pipeline ranks hold each parameter outside the blocks, known once, before anything is dropped
+            # (delinking changes only the blocks).
+            self._outside_ranks = {}
+            names = {id(p): n for n, p in holder.named_parameters()}
+            for modules, stage in ((embed, 0), (head, last)):
+                for p in (p for m in modules for p in m.parameters()):
+                    held = set(self._outside_ranks.get(names[id(p)], ())) | {layout.owner(stage)}
+                    self._outside_ranks[names[id(p)]] = tuple(sorted(held))
         holders = block_holders(layer_to_block, layout)
-        ends = tuple(sorted({layout.owner(0), layout.owner(last)}))
-        self._create_groups([r for r in holders.values() if len(r) > 1] + ([ends] if tied and len(ends) > 1 else []))
+        self._create_groups([r for r in [*holders.values(), *self._outside_ranks.values()] if len(r) > 1])
 
-        # Which rank holds each parameter (by name, stable through sharding), then drop what this rank does not.
-        ranks_of: dict[str, tuple[int, ...]] = {}
+        # Which ranks hold each parameter (by name, stable through sharding), then drop what this rank does not.
+        ranks_of = dict(self._outside_ranks)
         for block, ranks in holders.items():
             for name, _ in holder.blocks[block].named_parameters():
                 ranks_of[f"blocks.{block}.{name}"] = ranks
-        for modules, stage in ((embed, 0), (head, last)):
-            for m in modules:
-                for p in m.parameters():
-                    name = next(n for n, q in holder.named_parameters() if q is p)
-                    ranks_of[name] = tuple(sorted(set(ranks_of.get(name, ())) | {layout.owner(stage)}))
         mine = {layer_to_block[layer] for stage in stages for layer in layout.stage_layers(stage)}
         for index in range(len(holder.blocks)):
             if index not in mine:
@@ -202,6 +208,9 @@ class PipelineEngine(FSDPEngine):
             pipeline_rank_to_replicas.items())]
         self.pipeline = PipelineRunner(self.stage_modules, stages, layout.num_stages, strategy.root_device,
                                        self.pipeline_group, strategy.pipeline_schedule, strategy.micro_batches, parts)
+        # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed in
+        # teardown; the strategy's training step calls the stages directly).
+        holder.forward = self._pipelined_forward
 
     @staticmethod
     def _with_tied(holder: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
@@ -281,18 +290,10 @@ class PipelineEngine(FSDPEngine):
         """A skipped step (non-finite loss): forget the held gradients."""
         self._stashed = []
 
-    @contextlib.contextmanager
-    def evaluation_forward(self) -> Iterator[None]:
-        """The model's forward runs through the pipeline while inside (validation, test, predict): its output, built
-        from the last stage's logits, reaches every rank of the pipeline."""
-        holder = self.strategy.holder()
-        holder.forward = self._pipelined_forward  # an instance attribute: the class's forward again after
-        try:
-            yield
-        finally:
-            del holder.forward
-
     def _pipelined_forward(self, inputs: torch.Tensor) -> Any:
+        """The model's forward on a pipelined rank (validation, test, predict, a callback's loss): the inputs run
+        through every stage, forward only and without gradient, and the output built from the last stage's logits
+        reaches every rank of the pipeline. Collective over the pipeline's ranks, which all read the same batch."""
         layout, strategy = self.stages_layout, self.strategy
         logits = self.pipeline.evaluate(self.parts.window(inputs))
         source = layout.global_ranks([layout.owner(layout.num_stages - 1)], layout.data_rank(strategy.global_rank))[0]
@@ -331,6 +332,16 @@ class PipelineEngine(FSDPEngine):
         return strategy.optimizers[0]
 
     # ------------------------------------------------------------------------------------------- checkpoints
+    def load_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any],
+                             sharded_path: str | None) -> None:
+        if sharded_path is None:
+            raise ValueError(
+                "resuming a pipeline-parallel run from a single-file checkpoint: its optimizer state is numbered over "
+                "the whole model's parameters, which no pipeline rank holds. Resume from a sharded (torch distributed "
+                "checkpoint) directory, which any sharding='zero2'/'zero3' or pipeline run saves and which reshards "
+                "across pipeline degrees; a single file's weights alone load with M6LanguageModel.load_from_checkpoint")
+        super().load_optimizer_state(index, optimizer, checkpoint, sharded_path)
+
     def load_weights(self, source: dict[str, Any] | str, strict: bool) -> None:
         if isinstance(source, dict):  # a whole model's state dict: this rank's part of it
             own = set(self.strategy.lightning_module.state_dict())
