@@ -67,6 +67,14 @@ class ForgetExpertGradientScale(L.Callback):
                 module.gradient_scale = 1.0
 
 
+class ForgetReplicaSum(L.Callback):
+    """Negative control: each pipeline rank keeps its own part of a replicated parameter's gradient (the shared
+    block of a pseudo model) instead of the sum over the ranks that hold it."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.strategy.layout._replicas = []
+
+
 def held(module: torch.nn.Module) -> dict[str, list[int]]:
     """Per parameter: (elements this rank holds, elements of the whole parameter)."""
     return {name: [(p.to_local() if isinstance(p, DTensor) else p).numel(), p.numel()]
@@ -82,6 +90,8 @@ def run(config: dict, out: Path, devices: int) -> None:
     callbacks = [record]
     if config.get("forget_expert_gradient_scale"):
         callbacks.append(ForgetExpertGradientScale())
+    if config.get("forget_replica_sum"):
+        callbacks.append(ForgetReplicaSum())
     if "delink_at" in config:
         callbacks.append(PseudoToReal(delink_at_step=config["delink_at"]))
     strategy = P2RStrategy(count_collectives=True, **config.get("strategy", {}))

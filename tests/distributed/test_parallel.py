@@ -1,7 +1,8 @@
 """Tensor and expert parallelism on 2 and 4 gloo processes against one process on the same global batch.
 
-Four worker launches: one process for the references (and a checkpoint), two processes, four processes (and a
-checkpoint saved at tensor_parallel=2 x expert_parallel=2), one process again to resume that checkpoint. The model
+The shared worker launches (conftest.py) run one process for the references (and a checkpoint), two processes,
+four processes (and a checkpoint saved at tensor_parallel=2 x expert_parallel=2), one process again to resume that
+checkpoint. The model
 is MoE in every layer, dropless and fp32, with a large balance-loss weight, and the gradients are clipped: the
 losses and the gradient norms of every step must then equal one process's within a relative 1e-4. (Adam hides a
 constant factor on a gradient, so the losses alone could not catch one: the norms and the clipping can, as the
@@ -17,65 +18,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from equivalence import assert_trained_alike  # noqa: E402
-from worker_launch import launch_configs  # noqa: E402
+from mesh_configs import FOUR_PROCESSES, REFERENCE_OF, TWO_PROCESSES  # noqa: E402
 
 from lightning_p2r.benchmarks.parallel import KINDS, predicted_bytes  # noqa: E402
 
-WORKER = Path(__file__).with_name("parallel_worker.py")
 GLOBAL_BATCH = 8  # the worker's
-PSEUDO = {"num_layers": 4, "num_unique_blocks": 1, "moe_layers": [0, 1, 2, 3]}
 TOLERANCE = 1e-4
-
-ONE_PROCESS = [
-    {"name": "reference", "save": "one_process.ckpt", "validate": True},
-    {"name": "reference_4_steps", "steps": 4},
-    {"name": "reference_delink", "model": PSEUDO, "delink_at": 2, "steps": 4},
-    {"name": "reference_layered_m2", "strategy": {"accumulation": "layered", "micro_batches": 2}},
-]
-TWO_PROCESSES = [
-    {"name": "tp2", "strategy": {"tensor_parallel": 2}, "validate": True},
-    {"name": "tp2_layered_m2", "strategy": {"tensor_parallel": 2, "accumulation": "layered", "micro_batches": 2}},
-    {"name": "tp2_sequence_parallel", "strategy": {"tensor_parallel": 2, "sequence_parallel": True},
-     "validate": True},
-    {"name": "ep2", "strategy": {"expert_parallel": 2}},
-    {"name": "tp2_zero3", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
-    {"name": "ep2_zero3_offload", "strategy": {"expert_parallel": 2, "sharding": "zero3", "offload_fraction": 0.5}},
-    {"name": "tp2_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"tensor_parallel": 2}},
-    {"name": "ep2_zero2_layered_m2", "strategy": {"expert_parallel": 2, "sharding": "zero2",
-                                                  "accumulation": "layered", "micro_batches": 2}},
-    {"name": "ep2_forgets_gradient_scale", "strategy": {"expert_parallel": 2}, "forget_expert_gradient_scale": True},
-]
-FOUR_PROCESSES = [
-    {"name": "tp2_ep2_zero3", "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "sharding": "zero3"},
-     "save": "tp2_ep2.ckpt", "validate": True},
-    {"name": "ep2_zero2_on_4", "strategy": {"expert_parallel": 2, "sharding": "zero2"}},
-    {"name": "tp2_ep2_sequence_parallel_zero3_layered", "strategy": {
-        "tensor_parallel": 2, "expert_parallel": 2, "sequence_parallel": True, "sharding": "zero3",
-        "accumulation": "layered", "micro_batches": 2}},
-    {"name": "tp2_ep2_delink_offload", "model": PSEUDO, "delink_at": 2, "steps": 4,
-     "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "offload_fraction": 0.5}},
-    {"name": "tp2_ep2_resumes_one_process", "steps": 4, "resume": "one_process.ckpt",
-     "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
-]
-RESUME = [{"name": "one_process_resumes_tp2_ep2", "steps": 4, "resume": "tp2_ep2.ckpt"}]
-
-REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_ep2_delink_offload": "reference_delink",
-                "ep2_zero2_layered_m2": "reference_layered_m2", "tp2_layered_m2": "reference_layered_m2",
-                "tp2_ep2_sequence_parallel_zero3_layered": "reference_layered_m2"}
-
-
-def _launch(out: Path, devices: int, configs: list[dict]) -> None:
-    launch_configs(WORKER, out, devices, configs)
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("parallel")
-    _launch(out, 1, ONE_PROCESS)
-    _launch(out, 2, TWO_PROCESSES)
-    _launch(out, 4, FOUR_PROCESSES)
-    _launch(out, 1, RESUME)
-    return out
+def runs(mesh_runs: Path) -> Path:
+    return mesh_runs
 
 
 def _report(runs: Path, name: str) -> dict:

@@ -1,0 +1,29 @@
+"""The model-parallel tests' worker runs, shared by test_parallel.py and test_pipeline.py: four launches (one
+process for the references and checkpoints, two processes, four processes, one process again to resume)."""
+
+from pathlib import Path
+
+import pytest
+from mesh_configs import (
+    FOUR_PROCESSES,
+    ONE_PROCESS,
+    PIPELINE_FOUR_PROCESSES,
+    PIPELINE_ONE_PROCESS,
+    PIPELINE_RESUME,
+    PIPELINE_TWO_PROCESSES,
+    RESUME,
+    TWO_PROCESSES,
+)
+from worker_launch import launch_configs
+
+WORKER = Path(__file__).with_name("parallel_worker.py")
+
+
+@pytest.fixture(scope="session")
+def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("mesh")
+    launch_configs(WORKER, out, 1, ONE_PROCESS + PIPELINE_ONE_PROCESS)
+    launch_configs(WORKER, out, 2, TWO_PROCESSES + PIPELINE_TWO_PROCESSES)
+    launch_configs(WORKER, out, 4, FOUR_PROCESSES + PIPELINE_FOUR_PROCESSES)
+    launch_configs(WORKER, out, 1, RESUME + PIPELINE_RESUME)
+    return out
