@@ -178,3 +178,21 @@ def test_parallel_benchmark_writes_its_outputs(tmp_path: Path, capsys: pytest.Ca
     assert "tokens_per_s" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         parallel.main(["--layouts", "tp3", "--out", str(tmp_path)])
+
+
+def test_pipeline_benchmark_measures_a_bubble_and_draws_the_timeline(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """One schedule on two processes: each rank's idle share of the step is measured from the stages' timestamps
+    (between none and all of it) next to the analytic bubble, and the step's timeline is drawn."""
+    from lightning_p2r.benchmarks import pipeline
+
+    pipeline.main(["--quick", "--layouts", "1f1b", "--out", str(tmp_path)])
+    row = _read_csv(tmp_path / "pipeline.csv")[0]
+    assert row["schedule"] == "1f1b" and float(row["bubble_analytic"]) == pytest.approx(1 / 5, abs=1e-3)
+    for idle in row["bubble_measured_per_rank"].split("/"):
+        assert 0 < float(idle) < 1
+    assert int(row["send_bytes"]) > 0  # the activations and their gradients between the stages, counted
+    _assert_png(tmp_path / "pipeline.png")
+    assert "bubble_measured" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        pipeline.main(["--layouts", "zigzag", "--out", str(tmp_path)])

@@ -9,6 +9,7 @@ a schedule of its own, kept for the next batch of that shape.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,39 @@ SCHEDULE_CLASSES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1
                                      "interleaved_1f1b": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}
 BREADTH_FIRST = ("gpipe", "looped_bfs")
 """Schedules that run every micro-batch through a stage before the next stage (forward, then backward)."""
+
+
+@dataclass(frozen=True)
+class StageEvent:
+    """One stage's forward or backward of one micro-batch on this rank (``time.perf_counter`` seconds)."""
+
+    stage: int
+    kind: str
+    """"forward" or "backward"."""
+    micro_batch: int
+    start: float
+    end: float
+
+
+class TimedPipelineStage(PipelineStage):
+    """A ``PipelineStage`` that records when it computes (for the pipeline benchmark's measured bubble): the
+    schedule has already waited for the chunk's inputs when it calls these, so their time is this rank's work."""
+
+    def __init__(self, *args: Any, events: list[StageEvent], **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.events = events
+
+    def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        output = super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+        self.events.append(StageEvent(self.stage_index, "forward", fwd_chunk_id, start, time.perf_counter()))
+        return output
+
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        output = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        self.events.append(StageEvent(self.stage_index, "backward", bwd_chunk_id, start, time.perf_counter()))
+        return output
 
 
 @dataclass
@@ -54,6 +88,9 @@ class PipelineRunner:
         self.micro_batches = micro_batches
         self.parts = parts
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        self.timeline: list[StageEvent] | None = None
+        """Set to a list to record every stage computation of the training steps (and ``step_spans``)."""
+        self.step_spans: list[tuple[float, float]] = []
 
     @property
     def holds_last_stage(self) -> bool:
@@ -65,7 +102,9 @@ class PipelineRunner:
         for module in self.modules:
             module.begin(computes_loss=training, micro_batches=micro_batches, infers_shapes=key not in self._schedules)
         if key not in self._schedules:
-            stages = [PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            timed = {"events": self.timeline} if training and self.timeline is not None else {}
+            cls_stage = TimedPipelineStage if timed else PipelineStage
+            stages = [cls_stage(module, index, self.num_stages, self.device, group=self.group, **timed)
                       for module, index in zip(self.modules, self.stage_indices)]
             # Evaluation runs forward only: GPipe (one stage per rank) or looped breadth-first (several).
             name = self.schedule_name if training else ("gpipe" if len(stages) == 1 else "looped_bfs")
@@ -79,8 +118,13 @@ class PipelineRunner:
         """Forward and backward of every micro-batch of ``batch``; the gradients are left in the parameters, divided
         by the number of micro-batches (the schedule's ``scale_grads``)."""
         schedule = self._schedule(True, self.micro_batches, tuple(batch.shape))
+        if self.timeline is not None:
+            dist.barrier(group=self.group)  # the ranks start the step together, so their idle times compare
+        start = time.perf_counter()
         # The batch is the targets too: the last stage's forward computes the loss from the window itself.
         schedule.step(tokens=batch, target=batch, return_outputs=False)
+        if self.timeline is not None:
+            self.step_spans.append((start, time.perf_counter()))
 
     def evaluate(self, batch: torch.Tensor) -> torch.Tensor | None:
         """The logits of ``batch`` on the rank that holds the last stage (None on the others)."""
