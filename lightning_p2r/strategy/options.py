@@ -1,4 +1,4 @@
-"""``P2RStrategy``'s options as three typed, frozen sections, each validated once, when it is built.
+"""``P2RStrategy``'s options as four typed, frozen sections, each validated once, when it is built.
 
 Users keep writing the flat keywords they know from Lightning's strategies (``P2RStrategy(sharding="zero3",
 offload_fraction=0.25, accumulation="layered", micro_batches=4)``); the strategy sorts them into these sections
@@ -71,13 +71,15 @@ class ParallelConfig:
     divide the number of processes; the rest are data parallel."""
 
     pipeline_schedule: PipelineSchedule = "1f1b"
-    """With pipeline_parallel > 1: "gpipe" (all forwards, then all backwards), "1f1b" (depth-first), or, with
-    stages_per_rank > 1, "interleaved_1f1b" (depth-first) or "looped_bfs" (breadth-first: each stage runs every
-    micro-batch before the next stage, so a sharded or offloaded stage is fetched once per direction per step)."""
+    """With pipeline_parallel > 1: "gpipe" (all forwards, then all backwards) or "1f1b" (depth-first) with one stage
+    per rank, "interleaved_1f1b" (depth-first) with several, or "looped_bfs" (breadth-first, any number: each stage
+    runs every micro-batch before the next stage, so a sharded or offloaded stage is fetched once per direction per
+    step; Lamy-Poirier's modular pipeline)."""
 
     stages_per_rank: int = 1
     """Stages each pipeline rank holds, looped: rank r holds stages r, r + p, r + 2p, ... (p = pipeline_parallel),
-    which divides the bubble by this number. ``num_layers`` must divide into pipeline_parallel * stages_per_rank."""
+    which shrinks the bubble to (p - 1) / (stages_per_rank * micro_batches + p - 1) of the step. ``num_layers`` must
+    divide into pipeline_parallel * stages_per_rank stages."""
 
     def __post_init__(self) -> None:
         _check_bool("sequence_parallel", self.sequence_parallel)
@@ -116,9 +118,10 @@ class AccumulationConfig:
     and its gradient reduced once per optimizer step)."""
 
     micro_batches: int = 1
-    """Layered only: the micro-batches each training batch is split into (the batch size must divide), all
-    accumulated into one optimizer step; Lightning's ``accumulate_grad_batches`` must then be 1. Standard
-    accumulation is Lightning's own ``accumulate_grad_batches``."""
+    """Layered accumulation, or pipeline_parallel > 1 (the pipeline's micro-batches): the micro-batches each
+    training batch is split into (the batch size must divide), all accumulated into one optimizer step; Lightning's
+    ``accumulate_grad_batches`` must then be 1. Standard accumulation is Lightning's own
+    ``accumulate_grad_batches``."""
 
     recompute: bool = False
     """Layered only: keep just each block's input per micro-batch and recompute the block's interior in backward
