@@ -42,8 +42,9 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
     group_extras: list[dict[str, Any]]
 
     @classmethod
-    def wrap(cls, optimizer: torch.optim.Optimizer) -> ReplicatedZeroOptimizer:
-        """The same optimizer class, groups, settings and (whole) state, partitioned across the ranks."""
+    def wrap(cls, optimizer: torch.optim.Optimizer, process_group: Any = None) -> ReplicatedZeroOptimizer:
+        """The same optimizer class, groups, settings and (whole) state, partitioned across the ranks of
+        ``process_group`` (all of them by default: the ranks that hold the same parameters)."""
         whole = [p for group in optimizer.param_groups for p in group["params"]]
         for param in whole:
             if isinstance(param, DTensor) and param.to_local().shape != param.shape:
@@ -51,7 +52,7 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
                                  f"sharded (local {tuple(param.to_local().shape)} of {tuple(param.shape)})")
         views = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in whole}
         plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: _local(value))
-        zero = zero_redundancy_optimizer(plain, cls=cls)
+        zero = zero_redundancy_optimizer(plain, cls=cls, process_group=process_group)
         zero.whole_params = whole
         zero.views = [views[id(p)] for p in whole]
         # Group entries the partitioned optimizer does not keep (a scheduler's "initial_lr"), so a checkpoint of
@@ -88,8 +89,8 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
 
 def to_module_optimizer(optimizer: ReplicatedZeroOptimizer, world_size: int, rank: int) -> torch.optim.Optimizer:
     """A plain optimizer of the same class, settings and groups over the module's DTensor parameters, holding the
-    whole state in host memory (gathered from the partitions; it never all lands on the device). Collective: every
-    rank must call it."""
+    whole state in host memory (gathered from the partitions; it never all lands on the device). ``world_size`` and
+    ``rank``: of the optimizer's process group. Collective: every rank of that group must call it."""
     full = consolidated_state_dict(optimizer, world_size, rank)
     params = optimizer.whole_params  # numbered as the views are, in group order
     groups = [extras | {k: v for k, v in g.items() if k != "params"} | {"params": [params[i] for i in g["params"]]}
@@ -100,12 +101,13 @@ def to_module_optimizer(optimizer: ReplicatedZeroOptimizer, world_size: int, ran
     return result
 
 
-def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], lr_scheduler_configs: list[Any]) -> list[
-        torch.optim.Optimizer]:
-    """The strategy's one optimizer wrapped as a :class:`ReplicatedZeroOptimizer`, its LR schedulers rebound."""
+def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], lr_scheduler_configs: list[Any],
+                               process_group: Any = None) -> list[torch.optim.Optimizer]:
+    """The strategy's one optimizer wrapped as a :class:`ReplicatedZeroOptimizer` over ``process_group`` (all ranks
+    by default), its LR schedulers rebound."""
     if len(optimizers) != 1:
         raise ValueError(f"P2RStrategy(sharding='zero1') on FSDP2 supports one optimizer, got {len(optimizers)}")
-    zero = ReplicatedZeroOptimizer.wrap(optimizers[0])
+    zero = ReplicatedZeroOptimizer.wrap(optimizers[0], process_group)
     for config in lr_scheduler_configs:
         config.scheduler = rebind_scheduler(config.scheduler, zero)
     return [zero]

@@ -67,9 +67,10 @@ def fsdp_layout_for(sharding: str) -> str:
 
 # ------------------------------------------------------------------------------------------ zero1 (DDP)
 def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
-                              cls: type[ZeroRedundancyOptimizer] = ZeroRedundancyOptimizer) -> ZeroRedundancyOptimizer:
-    """The same optimizer class, groups and settings, with its states partitioned across the ranks (``cls``: a
-    subclass of ``ZeroRedundancyOptimizer`` to build instead)."""
+                              cls: type[ZeroRedundancyOptimizer] = ZeroRedundancyOptimizer,
+                              process_group: Any = None) -> ZeroRedundancyOptimizer:
+    """The same optimizer class, groups and settings, with its states partitioned across the ranks of
+    ``process_group`` (all of them by default; ``cls``: a subclass of ``ZeroRedundancyOptimizer`` to build)."""
     groups = [dict(g) for g in optimizer.param_groups]
     for group in groups:
         group.pop("initial_lr", None)
@@ -77,7 +78,7 @@ def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
     kwargs = optimizer_constructor_kwargs(optimizer)
     # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
     kwargs |= {k: v for k, v in first.items() if k in kwargs}
-    zero = cls(first["params"], optimizer_class=type(optimizer), **kwargs)
+    zero = cls(first["params"], optimizer_class=type(optimizer), process_group=process_group, **kwargs)
     for group in rest:
         zero.add_param_group(group)
     if optimizer.state:

@@ -76,7 +76,9 @@ PIPELINE_TWO_PROCESSES = [
 PIPELINE_FOUR_PROCESSES = [
     {"name": "pp2_zero3_on_4", "model": PIPELINE_NO_BALANCE, "validate": True, "strategy": PP2 | {
         "sharding": "zero3"}},
+    {"name": "pp2_zero1_on_4", "model": PIPELINE_NO_BALANCE, "strategy": PP2 | {"sharding": "zero1"}},
 ]
 PIPELINE_RESUME = [{"name": "one_process_resumes_pp2", "model": PIPELINE_MODEL, "steps": 4, "resume": "pp2.ckpt",
                     "strategy": LAYERED_M2}]
-PIPELINE_REFERENCE_OF = {"pp2_delink": "pp_reference_delink", "pp2_zero3_on_4": "pp_reference_no_balance"}
+PIPELINE_REFERENCE_OF = {"pp2_delink": "pp_reference_delink", "pp2_zero3_on_4": "pp_reference_no_balance",
+                         "pp2_zero1_on_4": "pp_reference_no_balance"}

@@ -46,7 +46,6 @@ def test_bad_pipeline_options_are_refused_when_the_strategy_is_built(kwargs: dic
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    ({"pipeline_parallel": 2, "micro_batches": 2, "sharding": "zero1"}, "use sharding='zero2'"),
     ({"pipeline_parallel": 2, "micro_batches": 2, "accumulation": "layered"}, "pipeline_schedule='looped_bfs'"),
     ({"pipeline_parallel": 2, "micro_batches": 2, "reduce_every_micro_batch": True}, "does not apply"),
 ])

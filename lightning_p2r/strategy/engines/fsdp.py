@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning as L
 import torch
+import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
@@ -42,6 +43,8 @@ class FSDPEngine(Engine):
         self.runner: nn.Module | None = None
         self.sharded_root: nn.Module | None = None
         self._root_template: nn.Module | None = None
+        self.zero_group: Any = None
+        """The ranks ZeRO-1 partitions the optimizer states over (None: all of them)."""
 
     @property
     def layout(self) -> str:
@@ -128,13 +131,16 @@ class FSDPEngine(Engine):
     def adapt_optimizers(self) -> None:
         strategy = self.strategy
         if self.replicated_zero:
-            strategy.optimizers = partition_optimizer_states(strategy.optimizers, strategy.lr_scheduler_configs)
+            strategy.optimizers = partition_optimizer_states(strategy.optimizers, strategy.lr_scheduler_configs,
+                                                             self.zero_group)
 
     def module_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         """The optimizer over the module's own parameters, as checkpoints and delinking read it (collective)."""
         optimizer = unwrapped(optimizer)
         if isinstance(optimizer, ReplicatedZeroOptimizer):
-            return to_module_optimizer(optimizer, self.strategy.world_size, self.strategy.global_rank)
+            if self.zero_group is None:
+                return to_module_optimizer(optimizer, self.strategy.world_size, self.strategy.global_rank)
+            return to_module_optimizer(optimizer, dist.get_world_size(self.zero_group), dist.get_rank(self.zero_group))
         return optimizer
 
     # ---------------------------------------------------------------------------------------------- training
@@ -199,7 +205,7 @@ class FSDPEngine(Engine):
         strategy.optimizers = [shard_optimizer(plain_optimizer, names, plain)]
         if self.replicated_zero:
             # The caller rebinds the LR schedulers (one owner): none are handed over here.
-            strategy.optimizers = partition_optimizer_states(strategy.optimizers, [])
+            strategy.optimizers = partition_optimizer_states(strategy.optimizers, [], self.zero_group)
         return strategy.optimizers[0]
 
     # ------------------------------------------------------------------------------------------- checkpoints

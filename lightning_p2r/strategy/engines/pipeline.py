@@ -30,6 +30,7 @@ from ..pipeline.layout import PipelineLayout, block_holders, check_local_sharing
 from ..pipeline.runner import BREADTH_FIRST, PipelineRunner, PipelineStepResult
 from ..pipeline.stage import AbsentModule, PipelineStageModule
 from ..regather import delinked_plain_copy, meta_template, release_model_state, replace_submodule, shard_optimizer
+from ..replicated_zero import ReplicatedZeroOptimizer, partition_optimizer_states
 from ..sharding import fsdp_modules, smallest_parameter_root
 from .base import Engine
 from .fsdp import FSDPEngine
@@ -53,6 +54,7 @@ class PipelineEngine(FSDPEngine):
         self._replicas: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
         self._holders_of: dict[int, int] = {}
         self._outside_ranks: dict[str, tuple[int, ...]] | None = None
+        self._whole_of: dict[int, nn.Parameter] = {}
         self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
 
     @property
@@ -63,11 +65,6 @@ class PipelineEngine(FSDPEngine):
     def check_options(self) -> None:
         super().check_options()
         strategy = self.strategy
-        if self.replicated_zero:
-            raise ValueError(
-                "P2RStrategy(sharding='zero1') with pipeline_parallel > 1: ZeRO-1's partitioned optimizer spans every "
-                "rank, while each pipeline stage holds different parameters; use sharding='zero2' (optimizer states "
-                "and gradients sharded over the stage's data-parallel ranks) or 'zero3'")
         if strategy.accumulation == "layered" and not self.breadth_first:
             raise ValueError(
                 f"P2RStrategy(accumulation='layered', pipeline_schedule={strategy.pipeline_schedule!r}): across "
@@ -93,6 +90,8 @@ class PipelineEngine(FSDPEngine):
         if self.layout == "replicate":  # "none": every rank of a stage holds it whole (HSDP, shards of one rank)
             mesh = init_device_mesh(device, (pp, dp, 1), mesh_dim_names=("pp", "replicate", "shard"))
             self.mesh = mesh["replicate", "shard"]
+            # ZeRO-1 partitions the optimizer states over the ranks that hold the same stages.
+            self.zero_group = mesh["replicate"].get_group()
         else:
             mesh = init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))
             self.mesh = mesh["dp"]
@@ -248,8 +247,19 @@ class PipelineEngine(FSDPEngine):
 
     def copies(self, param: torch.Tensor) -> int:
         """Ranks holding the same local part of ``param``'s gradient: its mesh's replicas times its pipeline
-        replicas."""
-        return replicas_on_mesh(param.grad) * self._holders_of.get(id(param), 1)
+        replicas (ZeRO-1's optimizer steps plain views of the parameters: their parameter's count)."""
+        whole = self._whole_of.get(id(param), param)
+        return replicas_on_mesh(whole.grad) * self._holders_of.get(id(whole), 1)
+
+    def adapt_optimizers(self) -> None:
+        super().adapt_optimizers()
+        self._map_views()
+
+    def _map_views(self) -> None:
+        self._whole_of = {}
+        for optimizer in self.strategy.optimizers:
+            if isinstance(optimizer, ReplicatedZeroOptimizer):
+                self._whole_of |= {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
 
     # ---------------------------------------------------------------------------------------------- training
     def block_events(self) -> None:
@@ -329,6 +339,10 @@ class PipelineEngine(FSDPEngine):
         live = {names_key for names_key, _ in plain.named_parameters()}
         kept = _only_parameters(plain_optimizer, {pid for pid, name in names.items() if name in live})
         strategy.optimizers = [shard_optimizer(kept, names, plain)]
+        if self.replicated_zero:
+            # The caller rebinds the LR schedulers (one owner): none are handed over here.
+            strategy.optimizers = partition_optimizer_states(strategy.optimizers, [], self.zero_group)
+            self._map_views()
         return strategy.optimizers[0]
 
     # ------------------------------------------------------------------------------------------- checkpoints
