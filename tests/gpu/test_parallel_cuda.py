@@ -9,12 +9,18 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
-from test_parallel import _assert_matches, _launch  # noqa: E402
+from test_parallel import _assert_matches  # noqa: E402
+from worker_launch import launch_configs  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.distributed,
               pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices (NCCL, 2 ranks)")]
 
 CUDA = {"accelerator": "cuda"}
+WORKER = Path(__file__).resolve().parents[1] / "distributed" / "parallel_worker.py"
+
+
+def _launch(out: Path, devices: int, configs: list[dict]) -> None:
+    launch_configs(WORKER, out, devices, configs)
 
 
 @pytest.mark.timeout(900)
