@@ -68,7 +68,8 @@ class ParallelConfig:
     pipeline_parallel: int = 1
     """Ranks that split the model by depth into stages of whole layers (modular pipeline parallelism, Lamy-Poirier
     2021), run by ``torch.distributed.pipelining``; the embedding is in the first stage, the head in the last. Must
-    divide the number of processes; the rest are data parallel."""
+    divide the number of processes; each stage's ranks are split by tensor_parallel and expert_parallel as without
+    it, the rest being data parallel."""
 
     pipeline_schedule: PipelineSchedule = "1f1b"
     """With pipeline_parallel > 1: "gpipe" (all forwards, then all backwards) or "1f1b" (depth-first) with one stage
@@ -91,11 +92,6 @@ class ParallelConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"P2RStrategy.{name} must be a positive integer (1 turns it off), got {value!r}")
         check_pipeline_options(self.pipeline_parallel, self.pipeline_schedule, self.stages_per_rank)
-        if self.pipelined and self.model_parallel:
-            raise ValueError(
-                f"P2RStrategy(pipeline_parallel={self.pipeline_parallel}) with tensor_parallel={self.tensor_parallel} "
-                f"/ expert_parallel={self.expert_parallel}: pipeline stages do not yet compose with tensor or expert "
-                "parallelism in this version; use one of them, with data parallelism (sharding) beside it")
 
     @property
     def model_parallel(self) -> bool:

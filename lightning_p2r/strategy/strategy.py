@@ -243,19 +243,18 @@ class P2RStrategy(DDPStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Ranks of one tensor-parallel group read the same batch: the sampler splits the data over the
         data-parallel ranks only."""
-        if self.parallel_config.model_parallel and self.world_size > 1:
-            dims = ParallelDims(self.world_size, self.tensor_parallel, self.expert_parallel)
+        config = self.parallel_config
+        if (config.model_parallel or config.pipelined) and self.world_size > 1:
+            # Ranks are laid out (pipeline, data, tensor): a pipeline's stages and a tensor-parallel group read the
+            # same batch. (Degrees that do not divide are refused at setup; the sampler is built after it.)
+            dims = ParallelDims(self.world_size, self.tensor_parallel, self.expert_parallel, self.pipeline_parallel)
             return {"num_replicas": dims.data_parallel, "rank": dims.data_rank(self.global_rank)}
-        if self.parallel_config.pipelined and self.world_size % self.pipeline_parallel == 0:
-            # Ranks are laid out (pipeline, data): the stages of one pipeline read the same batch.
-            data_parallel = self.world_size // self.pipeline_parallel
-            return {"num_replicas": data_parallel, "rank": self.global_rank % data_parallel}
         return super().distributed_sampler_kwargs
 
     def _log_setup(self) -> None:
         if self.parallel_config.model_parallel:
             rank_zero_info("P2RStrategy " + ParallelDims(self.world_size, self.tensor_parallel,
-                                                         self.expert_parallel).describe())
+                                                         self.expert_parallel, self.pipeline_parallel).describe())
         layout = getattr(self.layout, "stages_layout", None)
         if layout is not None:
             rank_zero_info(f"P2RStrategy pipeline: {layout.describe()}, schedule {self.pipeline_schedule}, "

@@ -77,8 +77,14 @@ PIPELINE_FOUR_PROCESSES = [
     {"name": "pp2_zero3_on_4", "model": PIPELINE_NO_BALANCE, "validate": True, "strategy": PP2 | {
         "sharding": "zero3"}},
     {"name": "pp2_zero1_on_4", "model": PIPELINE_NO_BALANCE, "strategy": PP2 | {"sharding": "zero1"}},
+    {"name": "pp2_tp2", "model": PIPELINE_MODEL, "steps": 4, "validate": True, "strategy": PP2 | {
+        "tensor_parallel": 2}},
+    {"name": "pp2_ep2_zero2", "model": PIPELINE_MODEL, "strategy": PP2 | {"expert_parallel": 2, "sharding": "zero2"}},
+    {"name": "pp2_tp2_sequence_parallel_delink", "model": PIPELINE_PSEUDO, "delink_at": 2, "steps": 4,
+     "strategy": PP2 | {"tensor_parallel": 2, "sequence_parallel": True}},
 ]
 PIPELINE_RESUME = [{"name": "one_process_resumes_pp2", "model": PIPELINE_MODEL, "steps": 4, "resume": "pp2.ckpt",
                     "strategy": LAYERED_M2}]
 PIPELINE_REFERENCE_OF = {"pp2_delink": "pp_reference_delink", "pp2_zero3_on_4": "pp_reference_no_balance",
-                         "pp2_zero1_on_4": "pp_reference_no_balance"}
+                         "pp2_zero1_on_4": "pp_reference_no_balance",
+                         "pp2_tp2_sequence_parallel_delink": "pp_reference_delink"}

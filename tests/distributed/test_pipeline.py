@@ -1,9 +1,10 @@
 """Pipeline parallelism on 2 and 4 gloo processes against one process on the same global batch.
 
 The runs come from the shared launches in conftest.py (configurations in mesh_configs.py). Every schedule, looped
-stages, ZeRO-3 with offload under the breadth-first schedule, a pseudo model delinked mid-run and ZeRO-3 over two
-data ranks per stage must give one process's losses and gradient norms (clipped at 0.5) within a relative 1e-4,
-with each rank holding only its stages; sharded checkpoints move between one process and two pipeline stages.
+stages, ZeRO-3 with offload under the breadth-first schedule, a pseudo model delinked mid-run, ZeRO-1 and ZeRO-3
+over two data ranks per stage, and stages split by tensor parallelism (with sequence parallelism and delinking) or
+expert parallelism must give one process's losses and gradient norms (clipped at 0.5) within a relative 1e-4, with
+each rank holding only its stages; sharded checkpoints move between one process and two pipeline stages.
 """
 
 import json
@@ -51,6 +52,7 @@ def test_every_schedule_gives_the_one_process_losses_and_gradient_norms(mesh_run
     ("pp2_looped_bfs_v2_zero3_offload", [{0, 2}, {1, 3}]),  # four stages of one layer, looped: r, r + 2
     ("pp2_delink", [{0, 1}, {2, 3}]),  # after delinking: each rank only its own layers' new blocks
     ("pp2_zero3_on_4", [{0, 1}, {0, 1}, {2, 3}, {2, 3}]),  # ranks (pipeline, data): 0, 1 are stage 0
+    ("pp2_tp2", [{0, 1}, {0, 1}, {2, 3}, {2, 3}]),  # ranks (pipeline, tensor)
 ])
 def test_each_rank_holds_only_its_stages(mesh_runs: Path, name: str, rank_blocks: list[set[int]]) -> None:
     held = _report(mesh_runs, name)["held"]
@@ -61,7 +63,7 @@ def test_each_rank_holds_only_its_stages(mesh_runs: Path, name: str, rank_blocks
         # The embedding is tied to the head: both ends hold it (its gradients are summed between them).
         assert ("transformer.tok_embeddings.weight" in holdings) == (first or last)
         assert ("transformer.norm.weight" in holdings) == last
-    if name == "pp2_zero3_on_4":  # ZeRO-3 over each stage's two data ranks
+    if name in ("pp2_zero3_on_4", "pp2_tp2"):  # ZeRO-3 over each stage's two data ranks, or split by heads
         for holdings in held:
             local, whole = holdings["transformer.blocks.0.attn.qkv.weight" if "transformer.blocks.0.attn.qkv.weight"
                                     in holdings else "transformer.blocks.2.attn.qkv.weight"]
@@ -70,7 +72,7 @@ def test_each_rank_holds_only_its_stages(mesh_runs: Path, name: str, rank_blocks
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(("name", "reference"), [("pp2_1f1b", "pp_reference"),
+@pytest.mark.parametrize(("name", "reference"), [("pp2_1f1b", "pp_reference"), ("pp2_tp2", "pp_reference"),
                                                  ("pp2_zero3_on_4", "pp_reference_no_balance")])
 def test_validation_runs_through_the_pipeline(mesh_runs: Path, name: str, reference: str) -> None:
     run, ref = _report(mesh_runs, name), _report(mesh_runs, reference)

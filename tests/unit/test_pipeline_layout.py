@@ -37,7 +37,6 @@ def _with_world_size(strategy: P2RStrategy, world_size: int, rank: int = 0) -> P
     ({"pipeline_parallel": 4, "micro_batches": 2}, "micro_batches=2. is fewer than pipeline_parallel=4"),
     ({"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2, "micro_batches": 3},
      "must be a multiple"),
-    ({"pipeline_parallel": 2, "tensor_parallel": 2, "micro_batches": 2}, "do not yet compose"),
     ({"pipeline_parallel": 2, "micro_batches": 2, "recompute": True}, "recompute is not available"),
 ])
 def test_bad_pipeline_options_are_refused_when_the_strategy_is_built(kwargs: dict, message: str) -> None:
@@ -55,10 +54,22 @@ def test_bad_pipeline_combinations_are_refused_before_any_process_group(kwargs: 
         strategy._check_path_options()
 
 
-def test_processes_the_pipeline_degree_does_not_divide_are_refused() -> None:
-    strategy = _with_world_size(P2RStrategy(pipeline_parallel=2, micro_batches=2), 3)
-    with pytest.raises(ValueError, match=r"pipeline_parallel=2\) must divide the number of processes \(3\)"):
+@pytest.mark.parametrize(("world", "kwargs", "message"), [
+    (3, {}, r"pipeline_parallel=2\) must divide the number of processes \(3\)"),
+    (6, {"tensor_parallel": 2}, r"tensor_parallel=2\) must divide processes / pipeline_parallel = 3"),
+    (4, {"expert_parallel": 4}, r"processes / \(tensor_parallel x pipeline_parallel\) = 4 / 2 = 2"),
+])
+def test_degrees_that_do_not_divide_the_stages_are_refused(world: int, kwargs: dict, message: str) -> None:
+    strategy = _with_world_size(P2RStrategy(pipeline_parallel=2, micro_batches=2, **kwargs), world)
+    with pytest.raises(ValueError, match=message):
         strategy._check_path_options()
+
+
+def test_a_pipeline_of_tensor_parallel_stages_samples_by_data_rank() -> None:
+    # 8 ranks = pipeline 2 x data 2 x tensor 2: rank 6 is stage 1, data rank 1, tensor rank 0.
+    strategy = _with_world_size(P2RStrategy(pipeline_parallel=2, tensor_parallel=2, micro_batches=2), 8, rank=6)
+    assert strategy.path == "pipeline"
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
 
 
 def test_pipeline_runs_on_its_engine_and_samples_by_data_rank() -> None:
@@ -76,13 +87,13 @@ def test_layers_that_do_not_divide_into_stages_are_refused() -> None:
 
 def test_looped_layout_assigns_stages_round_robin() -> None:
     layout = PipelineLayout(world_size=4, pipeline_parallel=2, stages_per_rank=2, num_layers=8)
-    assert layout.num_stages == 4 and layout.data_parallel == 2 and layout.layers_per_stage == 2
+    assert layout.num_stages == 4 and layout.ranks_per_stage == 2 and layout.layers_per_stage == 2
     assert layout.stages_of(0) == [0, 2] and layout.stages_of(1) == [1, 3]
     assert [layout.owner(s) for s in range(4)] == [0, 1, 0, 1]
     assert list(layout.stage_layers(3)) == [6, 7]
     assert [layout.pipeline_rank(r) for r in range(4)] == [0, 0, 1, 1]
-    assert [layout.data_rank(r) for r in range(4)] == [0, 1, 0, 1]
-    assert layout.global_ranks([0, 1], data_rank=1) == [1, 3]
+    assert [layout.column(r) for r in range(4)] == [0, 1, 0, 1]
+    assert layout.global_ranks([0, 1], column=1) == [1, 3]
 
 
 def test_a_shared_block_is_held_by_every_rank_whose_stages_run_it() -> None:

@@ -29,7 +29,8 @@ class ModelParallelEngine(FSDPEngine):
     @property
     def dims(self) -> ParallelDims:
         strategy = self.strategy
-        return ParallelDims(strategy.world_size, strategy.tensor_parallel, strategy.expert_parallel)
+        return ParallelDims(strategy.world_size, strategy.tensor_parallel, strategy.expert_parallel,
+                            strategy.pipeline_parallel)
 
     def check_options(self) -> None:
         super().check_options()

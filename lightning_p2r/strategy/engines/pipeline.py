@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from ...protocols import DefinesPipelineStages, PipelineParts
 from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
 from ..materialize import Initializer, allocate, has_meta_tensors
+from ..parallel import build_meshes
 from ..parallel.clipping import clip_grad_norm_across_meshes, replicas_on_mesh
 from ..pipeline.layout import PipelineLayout, block_holders, check_local_sharing, check_micro_batches
 from ..pipeline.runner import BREADTH_FIRST, PipelineRunner, PipelineStepResult
@@ -34,13 +35,14 @@ from ..replicated_zero import ReplicatedZeroOptimizer, partition_optimizer_state
 from ..sharding import fsdp_modules, smallest_parameter_root
 from .base import Engine
 from .fsdp import FSDPEngine
+from .model_parallel import ModelParallelEngine
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class PipelineEngine(FSDPEngine):
+class PipelineEngine(ModelParallelEngine):
     name = "pipeline"
 
     def __init__(self, strategy: Any) -> None:
@@ -63,8 +65,12 @@ class PipelineEngine(FSDPEngine):
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self) -> None:
-        super().check_options()
+        FSDPEngine.check_options(self)
         strategy = self.strategy
+        if self.replicated_zero and self.dims.model_parallel:
+            raise ValueError(
+                "P2RStrategy(sharding='zero1') with tensor_parallel or expert_parallel: ZeRO-1's partitioned optimizer "
+                "does not take parameters split over a device mesh; use sharding='zero2' or 'zero3'")
         if strategy.accumulation == "layered" and not self.breadth_first:
             raise ValueError(
                 f"P2RStrategy(accumulation='layered', pipeline_schedule={strategy.pipeline_schedule!r}): across "
@@ -73,29 +79,22 @@ class PipelineEngine(FSDPEngine):
         if strategy.reduce_every_micro_batch:
             raise ValueError("P2RStrategy(reduce_every_micro_batch=True) does not apply with pipeline_parallel > 1: "
                              "the schedule reduces each stage's gradients once, after its last micro-batch")
-        world, pp = strategy.world_size, strategy.pipeline_parallel
-        if world % pp:
-            raise ValueError(
-                f"P2RStrategy(pipeline_parallel={pp}) must divide the number of processes ({world}): use "
-                f"pipeline_parallel in {[d for d in range(1, world + 1) if world % d == 0]} or change the devices")
+        self.dims  # noqa: B018  (validates the degrees against the number of processes)
 
     def setup_environment(self) -> None:
+        """One mesh ``(pipeline, data..., tensor)`` (and its expert twin, see ``parallel/mesh.py``): the stages'
+        point-to-point traffic runs over its "pp" dimension, FSDP2 over the data dimensions of each stage."""
         self.check_options()
         Engine.setup_environment(self)
-        from torch.distributed.device_mesh import init_device_mesh
-        strategy = self.strategy
-        pp = strategy.pipeline_parallel
-        dp = strategy.world_size // pp
-        device = strategy.root_device.type
-        if self.layout == "replicate":  # "none": every rank of a stage holds it whole (HSDP, shards of one rank)
-            mesh = init_device_mesh(device, (pp, dp, 1), mesh_dim_names=("pp", "replicate", "shard"))
-            self.mesh = mesh["replicate", "shard"]
-            # ZeRO-1 partitions the optimizer states over the ranks that hold the same stages.
-            self.zero_group = mesh["replicate"].get_group()
-        else:
-            mesh = init_device_mesh(device, (pp, dp), mesh_dim_names=("pp", "dp"))
-            self.mesh = mesh["dp"]
-        self.pipeline_group = mesh["pp"].get_group()
+        self.meshes = build_meshes(self.dims, self.strategy.root_device.type, replicate=self.layout == "replicate")
+        self.mesh = self.meshes.data
+        self.pipeline_group = self.meshes.dense["pp"].get_group()
+        if self.replicated_zero:  # ZeRO-1 partitions the optimizer states over the ranks holding the same stages
+            self.zero_group = self.meshes.data_group()
+
+    def parallelize(self, holder: nn.Module) -> None:
+        if self.dims.model_parallel:
+            super().parallelize(holder)
 
     def setup(self, trainer: L.Trainer) -> None:
         plugin = self.strategy.precision_plugin
@@ -172,6 +171,7 @@ class PipelineEngine(FSDPEngine):
         strategy.plan = strategy.make_plan(holder)
         root = smallest_parameter_root(module)
         self.sharded_root, self._root_template = root, meta_template(root)
+        self.parallelize(holder)  # tensor / expert parallelism of this rank's part, before FSDP2 shards it
         lazy = has_meta_tensors(module)
         if move_module and not lazy:
             module.to(strategy.root_device)
@@ -221,14 +221,13 @@ class PipelineEngine(FSDPEngine):
         return modules + extra
 
     def _create_groups(self, rank_sets: list[tuple[int, ...]]) -> None:
-        """One process group per set of pipeline ranks sharing replicas and per data-parallel column (collective:
-        every rank creates every group, in the same order)."""
-        layout_ranks = self.strategy.global_rank
-        dp = self.strategy.world_size // self.strategy.pipeline_parallel
+        """One process group per set of pipeline ranks sharing replicas and per pipeline (column of the mesh); every
+        rank creates every group, in the same order (``new_group`` is collective)."""
+        layout = self.stages_layout
         for ranks in sorted(set(rank_sets) - set(self._groups)):
-            for data_rank in range(dp):
-                group = dist.new_group([r * dp + data_rank for r in ranks])
-                if layout_ranks % dp == data_rank:
+            for column in range(layout.ranks_per_stage):
+                group = dist.new_group(layout.global_ranks(list(ranks), column))
+                if layout.column(self.strategy.global_rank) == column:
                     self._groups[ranks] = group
 
     def _materialize_stages(self, holder: nn.Module, mine: set[int], offloaded: set[int]) -> None:
@@ -249,7 +248,12 @@ class PipelineEngine(FSDPEngine):
         """Ranks holding the same local part of ``param``'s gradient: its mesh's replicas times its pipeline
         replicas (ZeRO-1's optimizer steps plain views of the parameters: their parameter's count)."""
         whole = self._whole_of.get(id(param), param)
-        return replicas_on_mesh(whole.grad) * self._holders_of.get(id(whole), 1)
+        grad = whole.grad
+        # A parameter on a sub-mesh of its stage (a norm weight on the data ranks only) is repeated on the stage's
+        # other tensor-parallel slices, which its placements do not show; the pipeline slices hold other stages.
+        slices = (self.strategy.world_size // grad.device_mesh.size() // self.strategy.pipeline_parallel
+                  if isinstance(grad, DTensor) else 1)
+        return replicas_on_mesh(grad) * slices * self._holders_of.get(id(whole), 1)
 
     def adapt_optimizers(self) -> None:
         super().adapt_optimizers()
@@ -306,7 +310,7 @@ class PipelineEngine(FSDPEngine):
         reaches every rank of the pipeline. Collective over the pipeline's ranks, which all read the same batch."""
         layout, strategy = self.stages_layout, self.strategy
         logits = self.pipeline.evaluate(self.parts.window(inputs))
-        source = layout.global_ranks([layout.owner(layout.num_stages - 1)], layout.data_rank(strategy.global_rank))[0]
+        source = layout.global_ranks([layout.owner(layout.num_stages - 1)], layout.column(strategy.global_rank))[0]
         meta = [(tuple(logits.shape), logits.dtype) if logits is not None else None]
         dist.broadcast_object_list(meta, src=source, group=self.pipeline_group)
         if logits is None:

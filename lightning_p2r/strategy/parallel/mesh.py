@@ -26,26 +26,37 @@ class ParallelDims:
     world_size: int
     tensor_parallel: int = 1
     expert_parallel: int = 1
+    pipeline_parallel: int = 1
+    """Pipeline ranks (the outermost dimension: each stage has world / pipeline_parallel ranks)."""
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "tensor_parallel", "expert_parallel"):
+        for name in ("world_size", "tensor_parallel", "expert_parallel", "pipeline_parallel"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"P2RStrategy.{name} must be a positive integer, got {value!r}")
-        if self.world_size % self.tensor_parallel:
+        if self.world_size % self.pipeline_parallel:
             raise ValueError(
-                f"P2RStrategy(tensor_parallel={self.tensor_parallel}) must divide the number of processes "
-                f"({self.world_size}): use tensor_parallel in {divisors(self.world_size)} or change the devices")
+                f"P2RStrategy(pipeline_parallel={self.pipeline_parallel}) must divide the number of processes "
+                f"({self.world_size}): use pipeline_parallel in {divisors(self.world_size)} or change the devices")
+        stage_ranks = self.world_size // self.pipeline_parallel
+        if stage_ranks % self.tensor_parallel:
+            where = (f"processes / pipeline_parallel = {stage_ranks}" if self.pipeline_parallel > 1 else
+                     f"the number of processes ({self.world_size})")
+            raise ValueError(
+                f"P2RStrategy(tensor_parallel={self.tensor_parallel}) must divide {where}: use tensor_parallel in "
+                f"{divisors(stage_ranks)} or change the devices")
         if self.data_parallel % self.expert_parallel:
+            over = ("tensor_parallel" if self.pipeline_parallel == 1 else "(tensor_parallel x pipeline_parallel)")
             raise ValueError(
                 f"P2RStrategy(expert_parallel={self.expert_parallel}) borrows ranks from the data-parallel dimension, "
-                f"so it must divide processes / tensor_parallel = {self.world_size} / {self.tensor_parallel} = "
-                f"{self.data_parallel}: use expert_parallel in {divisors(self.data_parallel)}")
+                f"so it must divide processes / {over} = {self.world_size} / "
+                f"{self.tensor_parallel * self.pipeline_parallel} = {self.data_parallel}: use expert_parallel in "
+                f"{divisors(self.data_parallel)}")
 
     @property
     def data_parallel(self) -> int:
         """Ranks that see different batches (expert-parallel ranks included)."""
-        return self.world_size // self.tensor_parallel
+        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
 
     @property
     def expert_data_parallel(self) -> int:
@@ -58,7 +69,7 @@ class ParallelDims:
 
     def data_rank(self, rank: int) -> int:
         """The data-parallel index of global ``rank`` (which share of the batch it reads)."""
-        return rank // self.tensor_parallel
+        return rank // self.tensor_parallel % self.data_parallel
 
     def check_model(self, *, num_heads: int, num_experts: int, vocab_size: int, moe: bool) -> None:
         """Refuse a model these degrees cannot split, naming the numbers."""
@@ -79,8 +90,9 @@ class ParallelDims:
 
     def describe(self) -> str:
         """One line for the setup log."""
-        return (f"mesh: {self.world_size} ranks = data {self.data_parallel} (of which expert {self.expert_parallel} "
-                f"x expert-data {self.expert_data_parallel}) x tensor {self.tensor_parallel}")
+        pipeline = f"pipeline {self.pipeline_parallel} x " if self.pipeline_parallel > 1 else ""
+        return (f"mesh: {self.world_size} ranks = {pipeline}data {self.data_parallel} (of which expert "
+                f"{self.expert_parallel} x expert-data {self.expert_data_parallel}) x tensor {self.tensor_parallel}")
 
 
 def divisors(n: int) -> list[int]:
@@ -141,17 +153,21 @@ def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> Pa
     from torch.distributed.device_mesh import init_device_mesh
 
     dp, ep, tp, edp = dims.data_parallel, dims.expert_parallel, dims.tensor_parallel, dims.expert_data_parallel
+    # Pipeline stages, when there are several, are the outermost dimension of both meshes.
+    pp: tuple[int, ...] = (dims.pipeline_parallel,) if dims.pipeline_parallel > 1 else ()
+    pp_name: tuple[str, ...] = ("pp",) if pp else ()
     if replicate and dp > 1:
-        dense = init_device_mesh(device_type, (dp, 1, tp), mesh_dim_names=("replicate", "shard", "tp"))
+        dense = init_device_mesh(device_type, (*pp, dp, 1, tp), mesh_dim_names=(*pp_name, "replicate", "shard", "tp"))
         dense_data: tuple[str, ...] = ("replicate", "shard")
     else:
-        dense = init_device_mesh(device_type, (dp, tp), mesh_dim_names=("shard", "tp"))
+        dense = init_device_mesh(device_type, (*pp, dp, tp), mesh_dim_names=(*pp_name, "shard", "tp"))
         dense_data = ("shard",)
     if replicate and edp > 1:
-        experts = init_device_mesh(device_type, (edp, 1, ep, tp),
-                                   mesh_dim_names=("expert_replicate", "expert_shard", "ep", "tp"))
+        experts = init_device_mesh(device_type, (*pp, edp, 1, ep, tp),
+                                   mesh_dim_names=(*pp_name, "expert_replicate", "expert_shard", "ep", "tp"))
         expert_data: tuple[str, ...] = ("expert_replicate", "expert_shard")
     else:
-        experts = init_device_mesh(device_type, (edp, ep, tp), mesh_dim_names=("expert_shard", "ep", "tp"))
+        experts = init_device_mesh(device_type, (*pp, edp, ep, tp),
+                                   mesh_dim_names=(*pp_name, "expert_shard", "ep", "tp"))
         expert_data = ("expert_shard",)
     return ParallelMeshes(dims, dense, experts, dense_data, expert_data)

@@ -83,6 +83,10 @@ def _keep_own_positions(tp_mesh: Any) -> Any:
     return hook
 
 
+def _holds_parameters(module: nn.Module | None) -> bool:
+    return module is not None and next(module.parameters(), None) is not None
+
+
 def apply_tensor_parallel(transformer: nn.Module, tp_mesh: Any, *, loss_parallel: bool,
                           sequence_parallel: bool = False) -> None:
     """Split ``transformer``'s blocks, embedding and head over ``tp_mesh`` (in place; works on the meta device).
@@ -90,15 +94,21 @@ def apply_tensor_parallel(transformer: nn.Module, tp_mesh: Any, *, loss_parallel
     computed by ``loss.VocabParallelCrossEntropy``); in evaluation, and without it, the logits are gathered."""
     missing = [name for name in ("tok_embeddings", "lm_head") if not isinstance(getattr(transformer, name, None),
                                                                              nn.Module)]
+    # A pipeline stage holds some blocks and maybe the embedding or the head: the others are parameterless
+    # stand-ins, which have nothing to split.
+    present = {name for name in ("tok_embeddings", "lm_head", "norm") if _holds_parameters(getattr(transformer, name,
+                                                                                                   None))}
     if missing:
         raise ValueError(f"P2RStrategy(tensor_parallel>1) splits an M6-style model (blocks, tok_embeddings, lm_head); "
                          f"{type(transformer).__name__} has no {missing}")
     sequence = Shard(1) if sequence_parallel else Replicate()
     for block in transformer.blocks:
+        if not _holds_parameters(block):
+            continue
         parallelize_module(block, tp_mesh, block_plan(block, sequence_parallel=sequence_parallel))
         if sequence_parallel and isinstance(getattr(block, "ffn", None), MoEFeedForward):
             block.ffn.register_forward_hook(_keep_own_positions(tp_mesh))
-    tied = transformer.lm_head.weight is transformer.tok_embeddings.weight
+    tied = {"tok_embeddings", "lm_head"} <= present and transformer.lm_head.weight is transformer.tok_embeddings.weight
     plan: dict[str, Any] = {
         # Vocabulary rows: each rank looks up the ids it holds (zeros for the others); the sum (reduce-scattered by
         # position under sequence parallelism) is the embedding.
@@ -108,8 +118,10 @@ def apply_tensor_parallel(transformer: nn.Module, tp_mesh: Any, *, loss_parallel
     }
     if sequence_parallel:
         plan["norm"] = SequenceParallel()
-    parallelize_module(transformer, tp_mesh, plan)
-    if loss_parallel:
+    plan = {name: style for name, style in plan.items() if name in present}
+    if plan:
+        parallelize_module(transformer, tp_mesh, plan)
+    if loss_parallel and "lm_head" in present:
         transformer.lm_head.register_forward_hook(_gather_logits_outside_training(tp_mesh))
     if tied:
         # Both styles place the shared weight as vocabulary rows (Shard(0)) but each wraps it in a Parameter of its

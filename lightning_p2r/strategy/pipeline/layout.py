@@ -1,7 +1,8 @@
 """Which rank runs which stage, and which layers a stage holds: pure functions of the sizes.
 
-Ranks are laid out ``(pipeline, data)``: rank = pipeline_rank * data_parallel + data_rank, so the ranks of one
-stage (its data-parallel group) are adjacent, as torchtitan orders its mesh. The model's ``num_layers`` layers are
+Ranks are laid out ``(pipeline, ...)``: rank = pipeline_rank * ranks_per_stage + column, so the ranks of one stage
+(its data- and tensor-parallel ranks) are adjacent, as torchtitan orders its mesh; ranks with the same column in
+different stages form one pipeline. The model's ``num_layers`` layers are
 cut into ``pipeline_parallel * stages_per_rank`` stages of equal numbers of whole layers, and the stages are looped
 over the pipeline ranks (Lamy-Poirier 2021, "modular pipeline parallelism"): pipeline rank r holds stages r, r + p,
 r + 2p, ... With one stage per rank this is the usual contiguous split.
@@ -40,8 +41,8 @@ class PipelineLayout:
         return self.pipeline_parallel * self.stages_per_rank
 
     @property
-    def data_parallel(self) -> int:
-        """Ranks of each stage (they read different batches)."""
+    def ranks_per_stage(self) -> int:
+        """Ranks of each stage (data and tensor parallel)."""
         return self.world_size // self.pipeline_parallel
 
     @property
@@ -49,10 +50,11 @@ class PipelineLayout:
         return self.num_layers // self.num_stages
 
     def pipeline_rank(self, rank: int) -> int:
-        return rank // self.data_parallel
+        return rank // self.ranks_per_stage
 
-    def data_rank(self, rank: int) -> int:
-        return rank % self.data_parallel
+    def column(self, rank: int) -> int:
+        """Which pipeline ``rank`` belongs to: its place among its stage's ranks."""
+        return rank % self.ranks_per_stage
 
     def stage_layers(self, stage: int) -> range:
         size = self.layers_per_stage
@@ -66,12 +68,12 @@ class PipelineLayout:
         """The pipeline rank that holds ``stage``."""
         return stage % self.pipeline_parallel
 
-    def global_ranks(self, pipeline_ranks: list[int], data_rank: int) -> list[int]:
-        """The global ranks of ``pipeline_ranks`` in data-parallel column ``data_rank``."""
-        return [r * self.data_parallel + data_rank for r in pipeline_ranks]
+    def global_ranks(self, pipeline_ranks: list[int], column: int) -> list[int]:
+        """The global ranks of ``pipeline_ranks`` in pipeline ``column``."""
+        return [r * self.ranks_per_stage + column for r in pipeline_ranks]
 
     def describe(self) -> str:
-        return (f"{self.world_size} ranks = pipeline {self.pipeline_parallel} x data {self.data_parallel}; "
+        return (f"{self.world_size} ranks = pipeline {self.pipeline_parallel} x {self.ranks_per_stage} per stage; "
                 f"{self.num_stages} stages of {self.layers_per_stage} layers, {self.stages_per_rank} per rank")
 
 
