@@ -53,8 +53,9 @@ PP2 = {"pipeline_parallel": 2, "micro_batches": 2}
 PIPELINE_ONE_PROCESS = [
     {"name": "pp_reference", "model": PIPELINE_MODEL, "steps": 4, "validate": True, "strategy": LAYERED_M2},
     {"name": "pp_reference_delink", "model": PIPELINE_PSEUDO, "delink_at": 2, "steps": 4, "strategy": LAYERED_M2},
-    {"name": "pp_reference_no_balance", "model": PIPELINE_NO_BALANCE, "validate": True, "strategy": LAYERED_M2},
-    {"name": "pp_reference_saved", "model": PIPELINE_MODEL, "steps": 2, "save": "pp_one_process.ckpt",
+    {"name": "pp_reference_no_balance", "model": PIPELINE_NO_BALANCE, "steps": 4, "validate": True,
+     "strategy": LAYERED_M2},
+    {"name": "pp_reference_saved", "model": PIPELINE_NO_BALANCE, "steps": 2, "save": "pp_one_process.ckpt",
      "strategy": LAYERED_M2 | {"sharding": "zero2"}},
 ]
 PIPELINE_TWO_PROCESSES = [
@@ -70,12 +71,12 @@ PIPELINE_TWO_PROCESSES = [
      "forget_replica_sum": True},
     {"name": "pp2_saved", "model": PIPELINE_MODEL, "steps": 2, "save": "pp2.ckpt", "strategy": PP2 | {
         "sharding": "zero2"}},
-    {"name": "pp2_resumes_one_process", "model": PIPELINE_MODEL, "steps": 4, "resume": "pp_one_process.ckpt",
-     "strategy": PP2},
 ]
 PIPELINE_FOUR_PROCESSES = [
-    {"name": "pp2_zero3_on_4", "model": PIPELINE_NO_BALANCE, "validate": True, "strategy": PP2 | {
+    {"name": "pp2_zero3_on_4", "model": PIPELINE_NO_BALANCE, "steps": 4, "validate": True, "strategy": PP2 | {
         "sharding": "zero3"}},
+    {"name": "pp2_resumes_one_process", "model": PIPELINE_NO_BALANCE, "steps": 4, "resume": "pp_one_process.ckpt",
+     "strategy": PP2},
     {"name": "pp2_zero1_on_4", "model": PIPELINE_NO_BALANCE, "strategy": PP2 | {"sharding": "zero1"}},
     {"name": "pp2_tp2", "model": PIPELINE_MODEL, "steps": 4, "validate": True, "strategy": PP2 | {
         "tensor_parallel": 2}},

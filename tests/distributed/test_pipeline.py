@@ -82,10 +82,12 @@ def test_validation_runs_through_the_pipeline(mesh_runs: Path, name: str, refere
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_checkpoints_reshard_between_one_process_and_two_stages(mesh_runs: Path) -> None:
-    """Saved after 2 steps on one process (ZeRO-2: a sharded checkpoint) and resumed on two pipeline stages, and
-    saved on two stages and resumed on one process: both continue with the uninterrupted run's steps 3 and 4."""
-    reference = _report(mesh_runs, "pp_reference")["losses"]
-    for name in ("pp2_resumes_one_process", "one_process_resumes_pp2"):
+    """Saved after 2 steps on one process (ZeRO-2: a sharded checkpoint) and resumed on two pipeline stages of two
+    data ranks each, and saved on two stages and resumed on one process: both continue with the uninterrupted
+    run's steps 3 and 4."""
+    for name, reference_name in (("pp2_resumes_one_process", "pp_reference_no_balance"),
+                                 ("one_process_resumes_pp2", "pp_reference")):
+        reference = _report(mesh_runs, reference_name)["losses"]
         resumed = _report(mesh_runs, name)["losses"]
         assert len(resumed) == 2, name
         assert _relative(resumed, reference[2:]) < TOLERANCE, (name, resumed, reference)

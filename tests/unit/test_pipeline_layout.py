@@ -158,3 +158,19 @@ def test_stages_chained_on_one_process_give_the_model_loss() -> None:
     assert parts.metrics(ce, context)["loss"] == pytest.approx(float(expected.detach()), rel=1e-6)
     for name, param in module.named_parameters():
         assert torch.allclose(param.grad, reference[name], atol=1e-6), name
+
+
+def test_a_rank_keeps_only_its_blocks_and_ends_before_anything_is_allocated() -> None:
+    from lightning_p2r.models import M6Transformer
+    from lightning_p2r.strategy.pipeline.stage import AbsentModule, keep_only
+
+    with torch.device("meta"):
+        model = M6Transformer(M6Config(vocab_size=64, dim=16, num_heads=2, num_layers=4, max_seq_len=8))
+    keep_only(model, {2, 3}, [model.norm, model.lm_head, model.tok_embeddings])  # the last stage, tied embedding
+    assert [isinstance(b, AbsentModule) for b in model.blocks] == [True, True, False, False]
+    assert not isinstance(model.tok_embeddings, AbsentModule) and model.lm_head.weight is model.tok_embeddings.weight
+    keep_only(model, {2}, [])  # a middle stage: no embedding, no head
+    assert isinstance(model.norm, AbsentModule) and isinstance(model.lm_head, AbsentModule)
+    assert {n.split(".")[1] for n, _ in model.named_parameters()} == {"2"}
+    with pytest.raises(RuntimeError, match="another pipeline rank"):
+        model.blocks[0](torch.zeros(1))

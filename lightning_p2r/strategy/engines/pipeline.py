@@ -29,7 +29,8 @@ from ..parallel import build_meshes
 from ..parallel.clipping import clip_grad_norm_across_meshes, replicas_on_mesh
 from ..pipeline.layout import PipelineLayout, block_holders, check_local_sharing, check_micro_batches
 from ..pipeline.runner import BREADTH_FIRST, PipelineRunner, PipelineStepResult
-from ..pipeline.stage import AbsentModule, PipelineStageModule
+from ..pipeline.stage import PipelineStageModule, keep_only
+from ..plan import OffloadPlan, plan_for_model
 from ..regather import delinked_plain_copy, meta_template, release_model_state, replace_submodule, shard_optimizer
 from ..replicated_zero import ReplicatedZeroOptimizer, partition_optimizer_states
 from ..sharding import fsdp_modules, smallest_parameter_root
@@ -125,8 +126,8 @@ class PipelineEngine(ModelParallelEngine):
         return module.pipeline_parts()
 
     def shard(self, *, move_module: bool = True) -> None:
-        """Cut the model into this rank's stages, drop what other ranks hold, shard each block and each stage (its
-        FSDP2 root) over the stage's data-parallel ranks, then allocate this rank's shards."""
+        """Cut the model into this rank's stages, drop what other ranks hold, split (tensor / expert parallel) and
+        shard (FSDP2) each block and each stage over the stage's ranks, then allocate this rank's shards."""
         strategy = self.strategy
         module = strategy.lightning_module
         holder = strategy.holder()
@@ -136,49 +137,81 @@ class PipelineEngine(ModelParallelEngine):
                                 len(layer_to_block))
         check_local_sharing(layer_to_block, layout)
         check_micro_batches(strategy.pipeline_schedule, strategy.micro_batches, strategy.pipeline_parallel)
-        self.stages_layout = layout
-        pipeline_rank = layout.pipeline_rank(strategy.global_rank)
-        stages = layout.stages_of(pipeline_rank)
+        self.stages_layout, self.parts = layout, parts
+        stages = layout.stages_of(layout.pipeline_rank(strategy.global_rank))
         last = layout.num_stages - 1
-        embed = list(parts.embed_modules)
-        head = self._with_tied(holder, list(parts.head_modules))
-        if self._outside_ranks is None:
-            # Which pipeline ranks hold each parameter outside the blocks, known once, before anything is dropped
-            # (delinking changes only the blocks).
-            self._outside_ranks = {}
-            names = {id(p): n for n, p in holder.named_parameters()}
-            for modules, stage in ((embed, 0), (head, last)):
-                for p in (p for m in modules for p in m.parameters()):
-                    held = set(self._outside_ranks.get(names[id(p)], ())) | {layout.owner(stage)}
-                    self._outside_ranks[names[id(p)]] = tuple(sorted(held))
-        holders = block_holders(layer_to_block, layout)
-        self._create_groups([r for r in [*holders.values(), *self._outside_ranks.values()] if len(r) > 1])
-
-        # Which ranks hold each parameter (by name, stable through sharding), then drop what this rank does not.
-        ranks_of = dict(self._outside_ranks)
-        for block, ranks in holders.items():
-            for name, _ in holder.blocks[block].named_parameters():
-                ranks_of[f"blocks.{block}.{name}"] = ranks
+        embed, head = list(parts.embed_modules), self._with_tied(holder, list(parts.head_modules))
+        ranks_of = self._pipeline_ranks_of(holder, layer_to_block, embed, head)
         mine = {layer_to_block[layer] for stage in stages for layer in layout.stage_layers(stage)}
-        for index in range(len(holder.blocks)):
-            if index not in mine:
-                holder.blocks[index] = AbsentModule()
-        keep = {id(m) for m in (embed if 0 in stages else []) + (head if last in stages else [])}
-        for name, child in list(holder.named_children()):
-            if child is not holder.blocks and id(child) not in keep and next(child.parameters(), None) is not None:
-                setattr(holder, name, AbsentModule())
+        keep_only(holder, mine, (embed if 0 in stages else []) + (head if last in stages else []))
 
-        strategy.plan = strategy.make_plan(holder)
+        strategy.plan = self._offload_plan(holder, mine)
         root = smallest_parameter_root(module)
         self.sharded_root, self._root_template = root, meta_template(root)
         self.parallelize(holder)  # tensor / expert parallelism of this rank's part, before FSDP2 shards it
         lazy = has_meta_tensors(module)
         if move_module and not lazy:
             module.to(strategy.root_device)
-        self.parts = parts
         self.stage_modules = [PipelineStageModule(parts, holder.blocks, layout.stage_layers(s), first=s == 0,
                                                   last=s == last, embed_modules=embed, head_modules=head)
                               for s in stages]
+        self._shard_stages(holder, mine)
+        if lazy:
+            self._materialize_stages(holder, mine, set(strategy.plan.offloaded))
+        else:
+            strategy.load_deferred_weights()
+
+        params = dict(holder.named_parameters())
+        self._holders_of = {id(p): len(ranks_of[name]) for name, p in params.items()}
+        replicas: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for name, p in params.items():
+            if len(ranks_of[name]) > 1:
+                replicas.setdefault(ranks_of[name], []).append(p)
+        self._replicas = [(self._groups[ranks], group) for ranks, group in sorted(replicas.items())]
+        self.pipeline = PipelineRunner(self.stage_modules, stages, layout.num_stages, strategy.root_device,
+                                       self.pipeline_group, strategy.pipeline_schedule, strategy.micro_batches, parts)
+        # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed in
+        # teardown; the strategy's training step calls the stages directly).
+        holder.forward = self._pipelined_forward
+
+    def _pipeline_ranks_of(self, holder: nn.Module, layer_to_block: list[int], embed: list[nn.Module],
+                           head: list[nn.Module]) -> dict[str, tuple[int, ...]]:
+        """The pipeline ranks holding each parameter (by its name in the holder, which sharding keeps), and a
+        process group for every set of several. Collective (groups are created on every rank)."""
+        layout = self.stages_layout
+        if self._outside_ranks is None:
+            # Known once, before anything is dropped: delinking changes only the blocks.
+            self._outside_ranks = {}
+            names = {id(p): n for n, p in holder.named_parameters()}
+            for modules, stage in ((embed, 0), (head, layout.num_stages - 1)):
+                for param in (p for m in modules for p in m.parameters()):
+                    held = set(self._outside_ranks.get(names[id(param)], ())) | {layout.owner(stage)}
+                    self._outside_ranks[names[id(param)]] = tuple(sorted(held))
+        holders = block_holders(layer_to_block, layout)
+        self._create_groups([r for r in [*holders.values(), *self._outside_ranks.values()] if len(r) > 1])
+        ranks_of = dict(self._outside_ranks)
+        for block, ranks in holders.items():
+            for name, _ in holder.blocks[block].named_parameters():
+                ranks_of[f"blocks.{block}.{name}"] = ranks
+        return ranks_of
+
+    def _offload_plan(self, holder: nn.Module, mine: set[int]) -> OffloadPlan:
+        """The offload options applied to this rank's own blocks (a fraction or a budget is this rank's share;
+        ``offload_blocks`` names blocks by their index in the model)."""
+        strategy = self.strategy
+        own = sorted(mine)
+        chosen = strategy.offload_blocks
+        local = plan_for_model(strategy.lightning_module, nn.ModuleList([holder.blocks[i] for i in own]),
+                               strategy.root_device, offload_fraction=strategy.offload_fraction,
+                               offload_blocks=None if chosen is None else [own.index(i) for i in chosen if i in mine],
+                               device_memory_budget=strategy.device_memory_budget,
+                               activation_allowance=strategy.activation_allowance, prefetch=strategy.prefetch)
+        return OffloadPlan(len(holder.blocks), tuple(own[i] for i in local.offloaded))
+
+    def _shard_stages(self, holder: nn.Module, mine: set[int]) -> None:
+        """``fully_shard`` this rank's blocks (offloaded ones keep their shards on the host), then each stage module
+        as the root of its blocks."""
+        strategy = self.strategy
         offloaded = set(strategy.plan.offloaded)
         # Breadth-first schedules run every micro-batch through a stage in a row: zero3 gathers its blocks once for
         # them all and reshards after the last (as layered accumulation does); depth-first ones reshard each time.
@@ -192,24 +225,6 @@ class PipelineEngine(ModelParallelEngine):
             fully_shard(stage_module, mesh=self.mesh, reshard_after_forward=False)
             if self.layout == "zero3" and self.breadth_first:
                 stage_module.after_last_forward = _reshard_blocks
-        if lazy:
-            self._materialize_stages(holder, mine, offloaded)
-        else:
-            strategy.load_deferred_weights()
-
-        params = dict(holder.named_parameters())
-        self._holders_of = {id(p): len(ranks_of[name]) for name, p in params.items()}
-        pipeline_rank_to_replicas: dict[tuple[int, ...], list[nn.Parameter]] = {}
-        for name, p in params.items():
-            if len(ranks_of[name]) > 1:
-                pipeline_rank_to_replicas.setdefault(ranks_of[name], []).append(p)
-        self._replicas = [(self._groups[ranks], replicas) for ranks, replicas in sorted(
-            pipeline_rank_to_replicas.items())]
-        self.pipeline = PipelineRunner(self.stage_modules, stages, layout.num_stages, strategy.root_device,
-                                       self.pipeline_group, strategy.pipeline_schedule, strategy.micro_batches, parts)
-        # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed in
-        # teardown; the strategy's training step calls the stages directly).
-        holder.forward = self._pipelined_forward
 
     @staticmethod
     def _with_tied(holder: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:

@@ -25,6 +25,18 @@ class AbsentModule(nn.Module):
                            "strategy runs the model through its stages")
 
 
+def keep_only(holder: nn.Module, blocks: set[int], modules: list[nn.Module]) -> None:
+    """Replace, in place, every block of ``holder`` not in ``blocks`` and every other child holding parameters that
+    is not in ``modules`` by an :class:`AbsentModule` (on the meta device this allocates nothing, ever)."""
+    for index in range(len(holder.blocks)):
+        if index not in blocks:
+            holder.blocks[index] = AbsentModule()
+    kept = {id(m) for m in modules}
+    for name, child in list(holder.named_children()):
+        if child is not holder.blocks and id(child) not in kept and next(child.parameters(), None) is not None:
+            setattr(holder, name, AbsentModule())
+
+
 class _AttachLoss(torch.autograd.Function):
     """Pass ``hidden`` through unchanged; in backward, also give ``loss`` the gradient one, so a layer's extra loss
     (an MoE router's weighted balance and z losses) joins the backward of the micro-batch whose hidden states carry
