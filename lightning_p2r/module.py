@@ -168,6 +168,13 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+def data_ranks(trainer: L.Trainer) -> int:
+    """Ranks that read different batches: under tensor or pipeline parallelism several ranks read the same one (the
+    strategy's sampler settings say how many differ), so tokens per second must not count it once per rank."""
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None)
+    return int(kwargs.get("num_replicas", trainer.world_size)) if kwargs else trainer.world_size
+
+
 def routing_metrics(routing: dict[int, RoutingStats]) -> dict[str, torch.Tensor]:
     """Balance and drop rate averaged over MoE layers and per layer, keyed by their logged names (moe/...)."""
     if not routing:
@@ -421,7 +428,7 @@ class M6LanguageModel(L.LightningModule):
     def on_train_batch_end(self, outputs: Any, batch: torch.Tensor, batch_idx: int) -> None:
         now = time.perf_counter()
         if self._last_batch_end is not None:
-            tokens = (batch.shape[1] - 1) * batch.shape[0] * self.trainer.world_size
+            tokens = (batch.shape[1] - 1) * batch.shape[0] * data_ranks(self.trainer)
             self.log("train/tokens_per_sec", tokens / max(now - self._last_batch_end, 1e-9), prog_bar=True)
         self._last_batch_end = now
         schedulers = self.lr_schedulers()

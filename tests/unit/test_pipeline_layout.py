@@ -174,3 +174,31 @@ def test_a_rank_keeps_only_its_blocks_and_ends_before_anything_is_allocated() ->
     assert {n.split(".")[1] for n, _ in model.named_parameters()} == {"2"}
     with pytest.raises(RuntimeError, match="another pipeline rank"):
         model.blocks[0](torch.zeros(1))
+
+
+def test_replicas_are_summed_in_one_flat_all_reduce_per_dtype(tmp_path) -> None:
+    import torch.distributed as dist
+
+    from lightning_p2r.strategy.engines.pipeline import sum_over
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        tensors = [torch.ones(2, 3), torch.arange(4.0), torch.ones(2, dtype=torch.float64)]
+        before = [t.clone() for t in tensors]
+        sum_over(dist.group.WORLD, tensors)  # one rank: the sum is the tensor itself, written back in place
+        assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("kwargs", "ranks"), [({"pipeline_parallel": 2, "micro_batches": 2}, 2),
+                                               ({"tensor_parallel": 2}, 2), ({}, 4)])
+def test_tokens_per_second_count_each_batch_once(kwargs: dict, ranks: int) -> None:
+    """The pipeline's (and a tensor-parallel group's) ranks read the same batch: logged throughput counts the data
+    ranks, not every rank."""
+    from types import SimpleNamespace
+
+    from lightning_p2r.module import data_ranks
+
+    strategy = _with_world_size(P2RStrategy(**kwargs), 4)
+    assert data_ranks(SimpleNamespace(strategy=strategy, world_size=4)) == ranks

@@ -300,9 +300,7 @@ class PipelineEngine(ModelParallelEngine):
             param.grad = None
         self.pipeline.train_step(batch)
         for group, replicas in self._replicas:
-            for param in replicas:
-                if param.grad is not None:
-                    dist.all_reduce(_local(param.grad), group=group)
+            sum_over(group, [_local(p.grad) for p in replicas if p.grad is not None])
         with self.strategy.uncounted():  # metrics, not the training layout
             result = self.pipeline.gather_step()
         self._stashed = [(p, p.grad) for p in params]
@@ -380,6 +378,23 @@ class PipelineEngine(ModelParallelEngine):
             own = set(self.strategy.lightning_module.state_dict())
             source = {key: value for key, value in source.items() if key in own}
         super().load_weights(source, strict)
+
+
+def sum_over(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """All-reduce (sum) ``tensors`` in place over ``group``: one flat all-reduce per dtype (the replicas of a pseudo
+    model's block are many small tensors), on the group's device (an offloaded block's gradient lives on the host
+    on one rank and maybe not on another, and NCCL reduces device tensors only)."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        buckets.setdefault(tensor.dtype, []).append(tensor)
+    for dtype in sorted(buckets, key=str):  # the same order on every rank
+        bucket = buckets[dtype]
+        flat = torch.cat([t.reshape(-1).to(device) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            tensor.copy_(part.view_as(tensor))
 
 
 def _reshard_blocks(stage_module: nn.Module) -> None:
