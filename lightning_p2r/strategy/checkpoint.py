@@ -129,8 +129,20 @@ def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool
 
 
 def load_optimizer_into(module: nn.Module, optimizer: torch.optim.Optimizer, index: int, path: str | Path) -> None:
+    """Load optimizer ``index`` of a sharded checkpoint into ``optimizer`` (over ``module``'s parameters).
+
+    The states are found by parameter name. The groups' settings (learning rate, betas, ...) are stored once, with
+    the parameter names of one rank (rank 0's); when ranks hold different parameters (pipeline stages) those names
+    are not this rank's, so each group keeps this rank's own parameters and takes the saved settings by position
+    (every rank's optimizer has the same groups, built by the same ``configure_optimizers``)."""
     state = get_optimizer_state_dict(module, optimizer)
+    own_groups = [dict(group) for group in state["param_groups"]]
     dcp.load({f"optimizer{index}": state}, checkpoint_id=str(path))
+    saved_groups = state["param_groups"]
+    if len(saved_groups) == len(own_groups):
+        state["param_groups"] = [saved | {"params": own["params"]} for saved, own in zip(saved_groups, own_groups)]
+    else:
+        state["param_groups"] = own_groups
     set_optimizer_state_dict(module, optimizer, state)
 
 

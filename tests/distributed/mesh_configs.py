@@ -71,6 +71,7 @@ PIPELINE_TWO_PROCESSES = [
      "forget_replica_sum": True},
     {"name": "pp2_saved", "model": PIPELINE_MODEL, "steps": 2, "save": "pp2.ckpt", "strategy": PP2 | {
         "sharding": "zero2"}},
+    {"name": "pp2_resumes_pp2", "model": PIPELINE_MODEL, "steps": 4, "resume": "pp2.ckpt", "strategy": PP2},
 ]
 PIPELINE_FOUR_PROCESSES = [
     {"name": "pp2_zero3_on_4", "model": PIPELINE_NO_BALANCE, "steps": 4, "validate": True, "strategy": PP2 | {
