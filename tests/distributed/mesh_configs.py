@@ -74,10 +74,10 @@ PIPELINE_TWO_PROCESSES = [
     {"name": "pp2_resumes_pp2", "model": PIPELINE_MODEL, "steps": 4, "resume": "pp2.ckpt", "strategy": PP2},
 ]
 PIPELINE_FOUR_PROCESSES = [
-    {"name": "pp2_zero3_on_4", "model": PIPELINE_NO_BALANCE, "steps": 4, "validate": True, "strategy": PP2 | {
-        "sharding": "zero3"}},
-    {"name": "pp2_resumes_one_process", "model": PIPELINE_NO_BALANCE, "steps": 4, "resume": "pp_one_process.ckpt",
-     "strategy": PP2},
+    {"name": "pp2_looped_bfs_zero3_on_4", "model": PIPELINE_NO_BALANCE, "steps": 4, "validate": True,
+     "strategy": PP2 | {"sharding": "zero3", "pipeline_schedule": "looped_bfs", "stages_per_rank": 2}},
+    {"name": "pp2_zero3_resumes_one_process", "model": PIPELINE_NO_BALANCE, "steps": 4,
+     "resume": "pp_one_process.ckpt", "strategy": PP2 | {"sharding": "zero3"}},
     {"name": "pp2_zero1_on_4", "model": PIPELINE_NO_BALANCE, "strategy": PP2 | {"sharding": "zero1"}},
     {"name": "pp2_tp2", "model": PIPELINE_MODEL, "steps": 4, "validate": True, "strategy": PP2 | {
         "tensor_parallel": 2}},
@@ -87,6 +87,6 @@ PIPELINE_FOUR_PROCESSES = [
 ]
 PIPELINE_RESUME = [{"name": "one_process_resumes_pp2", "model": PIPELINE_MODEL, "steps": 4, "resume": "pp2.ckpt",
                     "strategy": LAYERED_M2}]
-PIPELINE_REFERENCE_OF = {"pp2_delink": "pp_reference_delink", "pp2_zero3_on_4": "pp_reference_no_balance",
+PIPELINE_REFERENCE_OF = {"pp2_delink": "pp_reference_delink", "pp2_looped_bfs_zero3_on_4": "pp_reference_no_balance",
                          "pp2_zero1_on_4": "pp_reference_no_balance",
                          "pp2_tp2_sequence_parallel_delink": "pp_reference_delink"}

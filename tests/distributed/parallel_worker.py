@@ -115,11 +115,13 @@ def run(config: dict, out: Path, devices: int) -> None:
         holdings = [local]
     # The collectives of the last step (bytes per kind, each rank's own), and what FSDP2 reduces over the data ranks.
     counted = [None] * trainer.world_size
-    local_counts = dict(strategy.collectives_history[-1].bytes) if strategy.collectives_history else {}
+    last = strategy.collectives_history[-1] if strategy.collectives_history else None
+    local_counts = (dict(last.bytes), dict(last.calls)) if last is not None else ({}, {})
     if dist.is_initialized():
         dist.all_gather_object(counted, local_counts)
     else:
         counted = [local_counts]
+    counted, calls = [c[0] for c in counted], [c[1] for c in counted]
     block_bytes, root_bytes = data_parallel_parts(module) if strategy.path == "model_parallel" else (0, 0)
     weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if trainer.global_rank == 0:
@@ -127,6 +129,7 @@ def run(config: dict, out: Path, devices: int) -> None:
         report = {"losses": record.losses, "grad_norms": record.grad_norms, "held": holdings,
                   "val_loss": float(trainer.callback_metrics["val/loss"]) if config.get("validate") else None,
                   "path": strategy.path, "blocks": len(module.transformer.blocks), "counted_bytes": counted,
+                  "counted_calls": calls,
                   "block_bytes": block_bytes, "root_bytes": root_bytes, "fsdp_layout": strategy.fsdp_layout,
                   "model": MODEL | config.get("model", {}), "devices": trainer.world_size}
         (out / f"{config['name']}.json").write_text(json.dumps(report))

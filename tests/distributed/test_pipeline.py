@@ -51,29 +51,27 @@ def test_every_schedule_gives_the_one_process_losses_and_gradient_norms(mesh_run
     ("pp2_1f1b", [{0, 1}, {2, 3}]),  # two stages of two layers
     ("pp2_looped_bfs_v2_zero3_offload", [{0, 2}, {1, 3}]),  # four stages of one layer, looped: r, r + 2
     ("pp2_delink", [{0, 1}, {2, 3}]),  # after delinking: each rank only its own layers' new blocks
-    ("pp2_zero3_on_4", [{0, 1}, {0, 1}, {2, 3}, {2, 3}]),  # ranks (pipeline, data): 0, 1 are stage 0
+    ("pp2_looped_bfs_zero3_on_4", [{0, 2}, {0, 2}, {1, 3}, {1, 3}]),  # ranks (pipeline, data): 0, 1 hold 0 and 2
     ("pp2_tp2", [{0, 1}, {0, 1}, {2, 3}, {2, 3}]),  # ranks (pipeline, tensor)
 ])
 def test_each_rank_holds_only_its_stages(mesh_runs: Path, name: str, rank_blocks: list[set[int]]) -> None:
     held = _report(mesh_runs, name)["held"]
     assert [_blocks_held(h) for h in held] == rank_blocks
     for rank, holdings in enumerate(held):
-        first = 0 in rank_blocks[rank]
-        last = 3 in rank_blocks[rank]
+        first, last = 0 in rank_blocks[rank], 3 in rank_blocks[rank]
         # The embedding is tied to the head: both ends hold it (its gradients are summed between them).
         assert ("transformer.tok_embeddings.weight" in holdings) == (first or last)
         assert ("transformer.norm.weight" in holdings) == last
-    if name in ("pp2_zero3_on_4", "pp2_tp2"):  # ZeRO-3 over each stage's two data ranks, or split by heads
-        for holdings in held:
-            local, whole = holdings["transformer.blocks.0.attn.qkv.weight" if "transformer.blocks.0.attn.qkv.weight"
-                                    in holdings else "transformer.blocks.2.attn.qkv.weight"]
+    if name in ("pp2_looped_bfs_zero3_on_4", "pp2_tp2"):  # ZeRO-3 over a stage's two data ranks, or split by heads
+        for rank, holdings in enumerate(held):
+            local, whole = holdings[f"transformer.blocks.{min(rank_blocks[rank])}.attn.qkv.weight"]
             assert local * 2 == whole
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(("name", "reference"), [("pp2_1f1b", "pp_reference"), ("pp2_tp2", "pp_reference"),
-                                                 ("pp2_zero3_on_4", "pp_reference_no_balance")])
+                                                 ("pp2_looped_bfs_zero3_on_4", "pp_reference_no_balance")])
 def test_validation_runs_through_the_pipeline(mesh_runs: Path, name: str, reference: str) -> None:
     run, ref = _report(mesh_runs, name), _report(mesh_runs, reference)
     assert abs(run["val_loss"] - ref["val_loss"]) / ref["val_loss"] < TOLERANCE
@@ -86,7 +84,7 @@ def test_checkpoints_reshard_between_one_process_and_two_stages(mesh_runs: Path)
     data ranks each, and saved on two stages and resumed on one process or on two stages again: each continues with
     the uninterrupted run's steps 3 and 4 (the optimizer's group settings reach every stage, though the checkpoint
     stores them with rank 0's parameter names)."""
-    for name, reference_name in (("pp2_resumes_one_process", "pp_reference_no_balance"),
+    for name, reference_name in (("pp2_zero3_resumes_one_process", "pp_reference_no_balance"),
                                  ("one_process_resumes_pp2", "pp_reference"), ("pp2_resumes_pp2", "pp_reference")):
         reference = _report(mesh_runs, reference_name)["losses"]
         resumed = _report(mesh_runs, name)["losses"]
@@ -102,3 +100,19 @@ def test_a_replica_without_the_summed_gradient_fails_the_comparison(mesh_runs: P
     run = _report(mesh_runs, "pp2_pseudo_forgets_replica_sum")
     reference = _report(mesh_runs, "pp_reference_delink")  # pseudo for its first two steps
     assert _relative(run["grad_norms"], reference["grad_norms"]) > 100 * TOLERANCE
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_breadth_first_gathers_each_block_once_per_direction(mesh_runs: Path) -> None:
+    """ZeRO-3 on two data ranks per stage, 2 micro-batches, counted in the last step. The looped breadth-first
+    schedule runs both micro-batches through a stage in a row: each of a rank's 2 blocks (one per stage) is gathered
+    once for their forwards and once for their backwards, plus one gather of the stage root that holds the embedding
+    or head: 5. The depth-first 1F1B gathers each of its 2 blocks for every micro-batch's forward and once for the
+    backwards: 2 x (2 + 1) + 1 = 7. Both reduce-scatter each unit's gradient once per step."""
+    breadth = _report(mesh_runs, "pp2_looped_bfs_zero3_on_4")["counted_calls"]
+    depth = _report(mesh_runs, "pp2_zero3_resumes_one_process")["counted_calls"]
+    assert [rank["all_gather"] for rank in breadth] == [5] * 4
+    assert [rank["all_gather"] for rank in depth] == [7] * 4
+    assert [rank["reduce_scatter"] for rank in breadth] == [3] * 4  # 2 blocks + the root with parameters
+    assert [rank["reduce_scatter"] for rank in depth] == [3] * 4
