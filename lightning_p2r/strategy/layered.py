@@ -83,8 +83,6 @@ def check_accumulation_options(accumulation: str, micro_batches: int, recompute:
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"P2RStrategy.micro_batches must be an integer >= 1, got {micro_batches!r}")
     if pipelined:
-        if recompute:
-            raise ValueError("P2RStrategy.recompute is not available with pipeline_parallel > 1 in this version")
         return
     if recompute and accumulation != "layered":
         raise ValueError("P2RStrategy.recompute applies to accumulation='layered' only")

@@ -120,8 +120,8 @@ class AccumulationConfig:
     ``accumulate_grad_batches``."""
 
     recompute: bool = False
-    """Layered only: keep just each block's input per micro-batch and recompute the block's interior in backward
-    (activation checkpointing at block granularity)."""
+    """Layered accumulation, or pipeline_parallel > 1: keep just each layer's input per micro-batch and recompute
+    the layer's interior in backward (activation checkpointing at block granularity)."""
 
     reduce_every_micro_batch: bool = False
     """Standard accumulation on FSDP2 (zero2/zero3, or offload/layered across ranks): reduce(-scatter) the gradients

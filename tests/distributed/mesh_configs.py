@@ -60,6 +60,7 @@ PIPELINE_ONE_PROCESS = [
 ]
 PIPELINE_TWO_PROCESSES = [
     {"name": "pp2_gpipe", "model": PIPELINE_MODEL, "strategy": PP2 | {"pipeline_schedule": "gpipe"}},
+    {"name": "pp2_1f1b_recompute", "model": PIPELINE_MODEL, "strategy": PP2 | {"recompute": True}},
     {"name": "pp2_1f1b", "model": PIPELINE_MODEL, "steps": 4, "validate": True, "strategy": PP2},
     {"name": "pp2_interleaved_1f1b_v2", "model": PIPELINE_MODEL,
      "strategy": PP2 | {"pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2}},

@@ -37,7 +37,6 @@ def _with_world_size(strategy: P2RStrategy, world_size: int, rank: int = 0) -> P
     ({"pipeline_parallel": 4, "micro_batches": 2}, "micro_batches=2. is fewer than pipeline_parallel=4"),
     ({"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2, "micro_batches": 3},
      "must be a multiple"),
-    ({"pipeline_parallel": 2, "micro_batches": 2, "recompute": True}, "recompute is not available"),
 ])
 def test_bad_pipeline_options_are_refused_when_the_strategy_is_built(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -131,26 +130,30 @@ def test_an_attached_loss_gets_gradient_one_and_leaves_the_hidden_states_alone()
     assert weight.grad == 3.0  # d(extra)/d(weight), with extra's own gradient one: as if added to the loss
 
 
-def test_stages_chained_on_one_process_give_the_model_loss() -> None:
+@pytest.mark.parametrize("recompute", [False, True])
+def test_stages_chained_on_one_process_give_the_model_loss(recompute: bool) -> None:
     """Two stage modules run one after the other (no pipeline): the last returns the layered stages' loss, which
-    with the attached router losses backpropagates the gradient of the module's own total loss."""
+    with the attached router losses backpropagates the gradient of the module's own total loss; with recompute the
+    layers run again in backward, with the same dropout masks."""
     config = M6Config(vocab_size=64, dim=16, num_heads=2, num_layers=4, max_seq_len=8, moe_layers=[1, 3],
-                      num_experts=2, capacity_factor=None, router_aux_loss_coef=0.3, dropout=0.0, init_seed=3)
+                      num_experts=2, capacity_factor=None, router_aux_loss_coef=0.3, dropout=0.1, init_seed=3)
     module = M6LanguageModel(config)
     module.configure_model()
     batch = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(5)
     expected = module.losses(batch)["loss"]
     expected.backward()
     reference = {n: p.grad.clone() for n, p in module.named_parameters()}
     module.zero_grad()
     parts = module.pipeline_parts()
     holder = module.transformer
-    stages = [PipelineStageModule(parts, holder.blocks, range(0, 2), first=True, last=False,
+    stages = [PipelineStageModule(parts, holder.blocks, range(0, 2), first=True, last=False, recompute=recompute,
                                   embed_modules=parts.embed_modules, head_modules=parts.head_modules),
-              PipelineStageModule(parts, holder.blocks, range(2, 4), first=False, last=True,
+              PipelineStageModule(parts, holder.blocks, range(2, 4), first=False, last=True, recompute=recompute,
                                   embed_modules=parts.embed_modules, head_modules=parts.head_modules)]
     for stage in stages:
         stage.begin(computes_loss=True, micro_batches=1, infers_shapes=False)
+    torch.manual_seed(5)  # the same dropout masks as the whole model's forward
     ce = stages[1](stages[0](tokens=batch), tokens=batch)
     ce.backward()
     context = stages[0].step_contexts()[0]

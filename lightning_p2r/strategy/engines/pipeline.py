@@ -153,7 +153,8 @@ class PipelineEngine(ModelParallelEngine):
         if move_module and not lazy:
             module.to(strategy.root_device)
         self.stage_modules = [PipelineStageModule(parts, holder.blocks, layout.stage_layers(s), first=s == 0,
-                                                  last=s == last, embed_modules=embed, head_modules=head)
+                                                  last=s == last, embed_modules=embed, head_modules=head,
+                                                  recompute=strategy.recompute)
                               for s in stages]
         self._shard_stages(holder, mine)
         if lazy:

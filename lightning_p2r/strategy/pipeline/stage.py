@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ...protocols import PipelineParts
 
@@ -68,8 +69,9 @@ class PipelineStageModule(nn.Module):
     """
 
     def __init__(self, parts: PipelineParts, blocks: nn.ModuleList, layers: range, *, first: bool, last: bool,
-                 embed_modules: list[nn.Module], head_modules: list[nn.Module]) -> None:
+                 embed_modules: list[nn.Module], head_modules: list[nn.Module], recompute: bool = False) -> None:
         super().__init__()
+        self.recompute = recompute
         self.layers = layers
         self.first, self.last = first, last
         used = sorted({parts.stages.layer_to_block[layer] for layer in layers})
@@ -110,9 +112,15 @@ class PipelineStageModule(nn.Module):
             hidden, context = stages.embed(tokens)
         else:
             context = self._parts.context(tokens)
+        training = self.computes_loss and torch.is_grad_enabled()
         for layer in self.layers:
-            hidden, extra = stages.layer(layer, hidden, context)
-            if extra is not None and self.computes_loss and torch.is_grad_enabled():
+            if training and self.recompute:
+                # Activation checkpointing per layer: only the layer's input is kept; backward runs the layer again
+                # (same RNG state). A rerun layer overwrites its own router records in the context.
+                hidden, extra = checkpoint(stages.layer, layer, hidden, context, use_reentrant=False)
+            else:
+                hidden, extra = stages.layer(layer, hidden, context)
+            if extra is not None and training:
                 hidden = attach_loss(hidden, extra)
         self.contexts.append(context)
         self.forward_calls += 1
