@@ -9,6 +9,7 @@ pipeline read the same batch), from which a later stage rebuilds the context the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -81,13 +82,13 @@ class PipelineStageModule(nn.Module):
         if last:
             modules += [m for m in head_modules if not any(m is other for other in modules)]
         self.owned = nn.ModuleList(modules)
-        self.block_indices = used
         self._parts = parts  # closures over the model, not modules: not registered
         self.computes_loss = True
         self.contexts: list[Any] = []
         self.losses: list[torch.Tensor] = []
         self.forward_calls = 0
-        self.after_last_forward: Any = None
+        self.after_last_forward: Callable[[PipelineStageModule], None] | None = None
+        """Called after the step's last micro-batch's forward (the engine reshards the blocks there, breadth-first)."""
         self.micro_batches = 1
 
     def begin(self, *, computes_loss: bool, micro_batches: int, infers_shapes: bool) -> None:
