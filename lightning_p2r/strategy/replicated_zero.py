@@ -47,7 +47,9 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
         ``process_group`` (all of them by default: the ranks that hold the same parameters)."""
         whole = [p for group in optimizer.param_groups for p in group["params"]]
         for param in whole:
-            if isinstance(param, DTensor) and param.to_local().shape != param.shape:
+            # Over all ranks every rank must hold the whole parameter; over a group (the data ranks of one
+            # tensor-parallel position) the caller vouches that its members hold the same local part.
+            if process_group is None and isinstance(param, DTensor) and param.to_local().shape != param.shape:
                 raise ValueError("ReplicatedZeroOptimizer needs parameters replicated on every rank; this one is "
                                  f"sharded (local {tuple(param.to_local().shape)} of {tuple(param.shape)})")
         views = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in whole}

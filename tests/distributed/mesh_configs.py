@@ -26,6 +26,8 @@ FOUR_PROCESSES = [
     {"name": "tp2_ep2_zero3", "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "sharding": "zero3"},
      "save": "tp2_ep2.ckpt", "validate": True},
     {"name": "ep2_zero2_on_4", "strategy": {"expert_parallel": 2, "sharding": "zero2"}},
+    {"name": "tp2_zero1_on_4", "strategy": {"tensor_parallel": 2, "sharding": "zero1"}, "delink_at": 2, "steps": 4,
+     "model": PSEUDO},
     {"name": "tp2_ep2_sequence_parallel_zero3_layered", "strategy": {
         "tensor_parallel": 2, "expert_parallel": 2, "sequence_parallel": True, "sharding": "zero3",
         "accumulation": "layered", "micro_batches": 2}},
@@ -36,7 +38,8 @@ FOUR_PROCESSES = [
 ]
 RESUME = [{"name": "one_process_resumes_tp2_ep2", "steps": 4, "resume": "tp2_ep2.ckpt"}]
 
-REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_ep2_delink_offload": "reference_delink",
+REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_zero1_on_4": "reference_delink",
+                "tp2_ep2_delink_offload": "reference_delink",
                 "ep2_zero2_layered_m2": "reference_layered_m2", "tp2_layered_m2": "reference_layered_m2",
                 "tp2_ep2_sequence_parallel_zero3_layered": "reference_layered_m2"}
 

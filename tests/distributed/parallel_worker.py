@@ -129,7 +129,7 @@ def run(config: dict, out: Path, devices: int) -> None:
         report = {"losses": record.losses, "grad_norms": record.grad_norms, "held": holdings,
                   "val_loss": float(trainer.callback_metrics["val/loss"]) if config.get("validate") else None,
                   "path": strategy.path, "blocks": len(module.transformer.blocks), "counted_bytes": counted,
-                  "counted_calls": calls,
+                  "counted_calls": calls, "optimizer": type(trainer.strategy.optimizers[0]).__name__,
                   "block_bytes": block_bytes, "root_bytes": root_bytes, "fsdp_layout": strategy.fsdp_layout,
                   "model": MODEL | config.get("model", {}), "devices": trainer.world_size}
         (out / f"{config['name']}.json").write_text(json.dumps(report))

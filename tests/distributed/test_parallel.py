@@ -62,6 +62,15 @@ def test_every_layout_gives_the_one_process_losses_and_gradient_norms(runs: Path
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
+def test_zero1_partitions_the_optimizer_over_the_data_ranks_of_a_tensor_parallel_position(runs: Path) -> None:
+    """tp2 x zero1 on 4 ranks (2 data ranks per tensor-parallel position), delinked mid-run: ZeRO-1's optimizer
+    (over views of each rank's tensor-parallel parts) gives one process's losses and gradient norms (the layout
+    test above) and is the one that stepped."""
+    assert _report(runs, "tp2_zero1_on_4")["optimizer"] == "ReplicatedZeroOptimizer"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 def test_delinking_under_tensor_parallel_re_splits_the_real_blocks(runs: Path) -> None:
     for name in ("tp2_delink", "tp2_ep2_delink_offload"):
         report = _report(runs, name)

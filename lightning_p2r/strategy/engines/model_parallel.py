@@ -7,14 +7,16 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
+import torch
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from ...models.moe import MoEFeedForward
 from ...protocols import ComputesTokenLoss
 from ..parallel import ParallelDims, ParallelMeshes, build_meshes, parallelize_model
-from ..parallel.clipping import clip_grad_norm_across_meshes
+from ..parallel.clipping import clip_grad_norm_across_meshes, ranks_holding
 from ..parallel.loss import VocabParallelCrossEntropy
+from ..replicated_zero import ReplicatedZeroOptimizer
 from .base import Engine
 from .fsdp import FSDPEngine
 
@@ -25,6 +27,7 @@ class ModelParallelEngine(FSDPEngine):
     def __init__(self, strategy: Any) -> None:
         super().__init__(strategy)
         self.meshes: ParallelMeshes | None = None
+        self._whole_of: dict[int, torch.Tensor] = {}
 
     @property
     def dims(self) -> ParallelDims:
@@ -34,11 +37,12 @@ class ModelParallelEngine(FSDPEngine):
 
     def check_options(self) -> None:
         super().check_options()
-        if self.replicated_zero:
+        if self.replicated_zero and self.strategy.expert_parallel > 1:
             raise ValueError(
-                "P2RStrategy(sharding='zero1') with tensor_parallel or expert_parallel: ZeRO-1's partitioned optimizer "
-                "does not take parameters split over a device mesh; use sharding='zero2' (optimizer states and "
-                "gradients sharded, parameters whole between forward and backward) or 'zero3'")
+                "P2RStrategy(sharding='zero1') with expert_parallel > 1: ZeRO-1 partitions the optimizer states over "
+                "the ranks that hold the same parameters, and under expert parallelism the dense weights and the "
+                "experts are held by different groups of ranks; use sharding='zero2' (optimizer states and gradients "
+                "sharded, parameters whole between forward and backward) or 'zero3'")
         self.dims  # noqa: B018  (validates the degrees against the number of processes)
 
     def setup_environment(self) -> None:
@@ -46,6 +50,10 @@ class ModelParallelEngine(FSDPEngine):
         Engine.setup_environment(self)
         self.meshes = build_meshes(self.dims, self.strategy.root_device.type, replicate=self.layout == "replicate")
         self.mesh = self.meshes.data
+        if self.replicated_zero:
+            # ZeRO-1 partitions over the ranks that hold the same (tensor-parallel) part of every parameter: the data
+            # ranks of one tensor-parallel position (expert parallelism is refused above).
+            self.zero_group = self.meshes.data_group()
 
     def parallelize(self, holder: nn.Module) -> None:
         """Split the model over the tensor and expert dimensions, then give each MoE layer's experts an FSDP2 unit
@@ -76,7 +84,28 @@ class ModelParallelEngine(FSDPEngine):
         # this job's plugin instance gets the mesh-aware norm (its class and every other method are unchanged).
         plugin = self.strategy.precision_plugin
         plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_across_meshes(  # type: ignore[method-assign]
-            plugin.main_params(optimizer), clip_val)
+            plugin.main_params(optimizer), clip_val, copies=self.copies)
+
+    def copies(self, param: torch.Tensor) -> int:
+        """Ranks holding the same local part of ``param``'s gradient (ZeRO-1's optimizer steps plain views of the
+        parameters: their parameter's count)."""
+        return ranks_holding(self._whole_of.get(id(param), param).grad)
+
+    def adapt_optimizers(self) -> None:
+        super().adapt_optimizers()
+        self._map_views()
+
+    def _map_views(self) -> None:
+        """Which parameter each of ZeRO-1's views stands for (clipping counts the parameter's holders)."""
+        self._whole_of = {}
+        for optimizer in self.strategy.optimizers:
+            if isinstance(optimizer, ReplicatedZeroOptimizer):
+                self._whole_of |= {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
+
+    def delink(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
+        optimizer = super().delink(*args, **kwargs)
+        self._map_views()
+        return optimizer
 
     def teardown(self) -> None:
         vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)  # the class's method again

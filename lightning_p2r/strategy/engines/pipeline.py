@@ -26,13 +26,13 @@ from ...protocols import DefinesPipelineStages, PipelineParts
 from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
 from ..materialize import Initializer, allocate, has_meta_tensors
 from ..parallel import build_meshes
-from ..parallel.clipping import clip_grad_norm_across_meshes, replicas_on_mesh
+from ..parallel.clipping import replicas_on_mesh
 from ..pipeline.layout import PipelineLayout, block_holders, check_local_sharing, check_micro_batches
 from ..pipeline.runner import BREADTH_FIRST, PipelineRunner, PipelineStepResult
 from ..pipeline.stage import PipelineStageModule, keep_only
 from ..plan import OffloadPlan, plan_for_model
 from ..regather import delinked_plain_copy, meta_template, release_model_state, replace_submodule, shard_optimizer
-from ..replicated_zero import ReplicatedZeroOptimizer, partition_optimizer_states
+from ..replicated_zero import partition_optimizer_states
 from ..sharding import fsdp_modules, smallest_parameter_root
 from .base import Engine
 from .fsdp import FSDPEngine
@@ -57,7 +57,6 @@ class PipelineEngine(ModelParallelEngine):
         self._replicas: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
         self._holders_of: dict[int, int] = {}
         self._outside_ranks: dict[str, tuple[int, ...]] | None = None
-        self._whole_of: dict[int, nn.Parameter] = {}
         self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
 
     @property
@@ -103,14 +102,11 @@ class PipelineEngine(ModelParallelEngine):
             raise ValueError("P2RStrategy(pipeline_parallel > 1) with precision='16-mixed': the pipeline's schedule "
                              "runs the backward itself, where a gradient scaler cannot scale the loss; use "
                              "precision='bf16-mixed' (or 32)")
+        # Lightning's clipping goes through the model-parallel engine's norm over all ranks, with this engine's
+        # ``copies``: each pipeline replica and tensor-parallel slice counted once.
         super().setup(trainer)
-        # Lightning clips through the precision plugin, whose norm would count a stage's parameters only: this job's
-        # plugin instance gets one over all stages, each replica counted once (as in model_parallel.py).
-        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_across_meshes(  # type: ignore[method-assign]
-            plugin.main_params(optimizer), clip_val, copies=self.copies)
 
     def teardown(self) -> None:
-        vars(self.strategy.precision_plugin).pop("clip_grad_by_norm", None)
         holder = self.strategy.holder_or_none()
         if holder is not None:
             vars(holder).pop("forward", None)
@@ -270,16 +266,6 @@ class PipelineEngine(ModelParallelEngine):
         slices = (self.strategy.world_size // grad.device_mesh.size() // self.strategy.pipeline_parallel
                   if isinstance(grad, DTensor) else 1)
         return replicas_on_mesh(grad) * slices * self._holders_of.get(id(whole), 1)
-
-    def adapt_optimizers(self) -> None:
-        super().adapt_optimizers()
-        self._map_views()
-
-    def _map_views(self) -> None:
-        self._whole_of = {}
-        for optimizer in self.strategy.optimizers:
-            if isinstance(optimizer, ReplicatedZeroOptimizer):
-                self._whole_of |= {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
 
     # ---------------------------------------------------------------------------------------------- training
     def block_events(self) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 
-def _copies(grad: torch.Tensor) -> int:
+def ranks_holding(grad: torch.Tensor) -> int:
     """How many ranks hold the same local part of ``grad`` (all of them for a plain tensor)."""
     if not isinstance(grad, DTensor):
         return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -57,7 +57,7 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
         if inf:
             local = torch.maximum(local, part.abs().max().double().cpu())
         else:
-            held = copies(param) if copies is not None else _copies(grad)
+            held = copies(param) if copies is not None else ranks_holding(grad)
             local += part.double().abs().pow(norm_type).sum().cpu() / held
     if dist.is_available() and dist.is_initialized():
         # On the process group's device: NCCL reduces device tensors only (an offloaded gradient lives on the host).
