@@ -226,11 +226,12 @@ class P2RStrategy(DDPStrategy):
             # A data module that declares its batch size is checked now, before any work; other data at the first
             # batch (split_micro_batches).
             batch_size = getattr(trainer.datamodule, "batch_size", None)
+            least = self.pipeline_parallel  # a pipeline needs at least one micro-batch per pipeline rank
             if isinstance(batch_size, int) and batch_size % self.micro_batches:
                 raise ValueError(
                     f"P2RStrategy(micro_batches={self.micro_batches}) must divide the batch size, and the data's "
                     f"batch_size is {batch_size}: choose micro_batches among "
-                    f"{[d for d in range(1, batch_size + 1) if batch_size % d == 0]} or change data.batch_size")
+                    f"{[d for d in range(least, batch_size + 1) if batch_size % d == 0]} or change data.batch_size")
         if self.layout is None:
             self.layout = select_engine(self)
         check_no_meta_buffers(self.lightning_module)
