@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from lightning_p2r.benchmarks.report import (
     base_parser,
+    chosen_layouts,
     environment_info,
     print_environment,
     print_table,
+    run_rank_worker,
     save_bar_chart,
     with_environment,
-    worker_env,
     write_csv,
 )
 
@@ -117,20 +117,6 @@ def data_parallel_parts(module: Any) -> tuple[int, int]:
     return block_bytes, root_bytes
 
 
-def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    command = [sys.executable, "-m", "lightning_p2r.benchmarks.parallel", "--worker", json.dumps(spec)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=worker_env(threads=1))
-    if result.returncode != 0:
-        raise RuntimeError(f"{spec['name']} failed: {result.stderr[-3000:]}")
-    out = Path(spec["out"])
-    reports = []
-    for rank in range(spec["devices"]):
-        path = out.with_suffix(f".rank{rank}.json")
-        reports.append(json.loads(path.read_text()))
-        path.unlink()
-    return reports
-
-
 def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: int, global_batch: int,
                     report: dict[str, Any], *, clipping: bool = False) -> dict[str, float]:
     """The formulas' bytes per kind for one rank (the mean over the ranks, as the table compares them); empty for
@@ -175,10 +161,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layouts", type=str, default=",".join(LAYOUTS), help="comma-separated, of: " +
                         ", ".join(LAYOUTS))
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
-    unknown = [n for n in names if n not in LAYOUTS]
-    if unknown:
-        parser.error(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
+    names = chosen_layouts(parser, args.layouts, LAYOUTS)
     if args.quick:
         args.steps = WARMUP + 2
     model = model_config(args.quick)
@@ -191,7 +174,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         layout = LAYOUTS[name]
         spec = {"name": name, "model": model, "steps": args.steps, "global_batch": args.global_batch,
                 "out": str(out / ".parallel_run"), **layout}
-        reports = _run(spec)
+        reports = run_rank_worker("lightning_p2r.benchmarks.parallel", spec, timeout=1200)
         ranks = len(reports)
         mean = {kind: sum(r["bytes"].get(kind, 0) for r in reports) / ranks for kind in KINDS}
         predicted = predicted_bytes(model, layout["strategy"], layout["devices"], args.global_batch, reports[0])

@@ -19,20 +19,20 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from lightning_p2r.benchmarks.report import (
     base_parser,
+    chosen_layouts,
     environment_info,
     print_environment,
     print_table,
     pyplot,
+    run_rank_worker,
     save_figure,
     with_environment,
-    worker_env,
     write_csv,
 )
 from lightning_p2r.strategy.pipeline.layout import bubble_fraction
@@ -103,20 +103,6 @@ def _worker(spec: dict[str, Any]) -> None:
         dist.barrier()
 
 
-def _run(spec: dict[str, Any]) -> list[dict[str, Any]]:
-    command = [sys.executable, "-m", "lightning_p2r.benchmarks.pipeline", "--worker", json.dumps(spec)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=1800, env=worker_env(threads=1))
-    if result.returncode != 0:
-        raise RuntimeError(f"{spec['name']} failed: {result.stderr[-3000:]}")
-    out = Path(spec["out"])
-    reports = []
-    for rank in range(spec["devices"]):
-        path = out.with_suffix(f".rank{rank}.json")
-        reports.append(json.loads(path.read_text()))
-        path.unlink()
-    return reports
-
-
 def save_timeline(path: Path, timelines: dict[str, list[dict[str, Any]]], micro_batches: int) -> Path:
     """One panel per schedule: a row per rank, a bar per stage computation (forward light, backward dark), labelled
     with its micro-batch; the gaps are the bubble."""
@@ -148,10 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--layouts", type=str, default=",".join(LAYOUTS), help="comma-separated, of: " +
                         ", ".join(LAYOUTS))
     args = parser.parse_args(argv)
-    names = [n.strip() for n in args.layouts.split(",") if n.strip()]
-    unknown = [n for n in names if n not in LAYOUTS]
-    if unknown:
-        parser.error(f"unknown layouts {unknown}; choose from {list(LAYOUTS)}")
+    names = chosen_layouts(parser, args.layouts, LAYOUTS)
     if args.quick:
         args.steps, args.global_batch = WARMUP + 2, 8
     model = model_config(args.quick)
@@ -164,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         layout = LAYOUTS[name]
         spec = {"name": name, "model": model, "steps": args.steps, "global_batch": args.global_batch,
                 "micro_batches": args.micro_batches, "out": str(out / ".pipeline_run"), **layout}
-        reports = _run(spec)
+        reports = run_rank_worker("lightning_p2r.benchmarks.pipeline", spec, timeout=1800)
         strategy = layout["strategy"]
         p, v = strategy.get("pipeline_parallel", 1), strategy.get("stages_per_rank", 1)
         step_s = statistics.median(r["step_s"] for r in reports)

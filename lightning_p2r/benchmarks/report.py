@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -46,6 +49,30 @@ def worker_env(threads: int) -> dict[str, str]:
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     return env
+
+
+def run_rank_worker(module: str, spec: dict[str, Any], timeout: int) -> list[dict[str, Any]]:
+    """Run ``python -m <module> --worker <spec>`` (Lightning's launcher starts its other ranks; one thread each) and
+    collect the report each rank wrote to ``<spec["out"]>.rank<r>.json``, removing the files; fail with stderr."""
+    command = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=worker_env(threads=1))
+    if result.returncode != 0:
+        raise RuntimeError(f"{spec['name']} failed: {result.stderr[-3000:]}")
+    reports = []
+    for rank in range(spec["devices"]):
+        path = Path(spec["out"]).with_suffix(f".rank{rank}.json")
+        reports.append(json.loads(path.read_text()))
+        path.unlink()
+    return reports
+
+
+def chosen_layouts(parser: argparse.ArgumentParser, text: str, known: Mapping[str, Any]) -> list[str]:
+    """The comma-separated layout names of ``--layouts``; an unknown one is a usage error naming the choices."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        parser.error(f"unknown layouts {unknown}; choose from {list(known)}")
+    return names
 
 
 def apply_threads(threads: int | None) -> None:

@@ -368,7 +368,9 @@ class P2RStrategy(DDPStrategy):
         module = self.lightning_module
         with self.precision_plugin.train_step_context(), counting(self._counter):
             result = self.layout.train_step(batch)
-        module.log_train_metrics(result.metrics) if hasattr(module, "log_train_metrics") else None
+        log_metrics = self.layout.parts.stages.log_metrics
+        if log_metrics is not None:
+            log_metrics(result.metrics)
         usable = getattr(module, "loss_is_usable", None)
         if usable is not None and not usable(result.loss):
             self.layout.drop_gradients()

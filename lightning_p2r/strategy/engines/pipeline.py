@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from ...protocols import DefinesPipelineStages, PipelineParts
 from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
-from ..materialize import Initializer, allocate, has_meta_tensors
+from ..materialize import has_meta_tensors
 from ..parallel import build_meshes
 from ..parallel.clipping import replicas_on_mesh
 from ..pipeline.layout import PipelineLayout, block_holders, check_local_sharing, check_micro_batches
@@ -58,6 +58,8 @@ class PipelineEngine(ModelParallelEngine):
         self._holders_of: dict[int, int] = {}
         self._outside_ranks: dict[str, tuple[int, ...]] | None = None
         self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+        self._stage_params: list[nn.Parameter] = []
+        """This rank's parameters, once (a block a stage's layers share appears once), set where they are placed."""
 
     @property
     def breadth_first(self) -> bool:
@@ -154,10 +156,11 @@ class PipelineEngine(ModelParallelEngine):
                               for s in stages]
         self._shard_stages(holder, mine)
         if lazy:
-            self._materialize_stages(holder, mine, set(strategy.plan.offloaded))
+            self._materialize_shards(holder)  # the other ranks' blocks are stand-ins: nothing to allocate
         else:
             strategy.load_deferred_weights()
 
+        self._stage_params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
         params = dict(holder.named_parameters())
         self._holders_of = {id(p): len(ranks_of[name]) for name, p in params.items()}
         replicas: dict[tuple[int, ...], list[nn.Parameter]] = {}
@@ -242,20 +245,6 @@ class PipelineEngine(ModelParallelEngine):
                 if layout.column(self.strategy.global_rank) == column:
                     self._groups[ranks] = group
 
-    def _materialize_stages(self, holder: nn.Module, mine: set[int], offloaded: set[int]) -> None:
-        strategy = self.strategy
-        module = strategy.lightning_module
-        initializer = Initializer(module, holder)
-        fill = not strategy.has_deferred_weights
-        for index in sorted(mine):
-            params = allocate(holder.blocks[index], "cpu" if index in offloaded else strategy.root_device)
-            if fill:
-                initializer.fill(params)
-        params = allocate(module, strategy.root_device, skip=[holder.blocks])
-        if fill:
-            initializer.fill(params)
-        strategy.load_deferred_weights()
-
     def copies(self, param: torch.Tensor) -> int:
         """Ranks holding the same local part of ``param``'s gradient: its mesh's replicas times its pipeline
         replicas (ZeRO-1's optimizer steps plain views of the parameters: their parameter's count)."""
@@ -282,7 +271,7 @@ class PipelineEngine(ModelParallelEngine):
         """Forward and backward of every micro-batch through the pipeline; replicas' gradients summed; the step's
         loss and metrics on every rank. The gradients are then held aside until :meth:`restore_gradients`, because
         Lightning zeroes them between ``training_step`` and ``backward``."""
-        params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
+        params = self._stage_params
         for param in params:  # the last step's gradients (Lightning zeroes them after training_step, too late here)
             param.grad = None
         self.pipeline.train_step(batch)
