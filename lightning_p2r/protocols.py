@@ -114,6 +114,14 @@ class DelinksInPlace(Protocol):
 
 
 @runtime_checkable
+class ScreensLoss(Protocol):
+    """A LightningModule with a policy for unusable (non-finite) losses: a step whose loss it refuses is skipped.
+    The strategy's own step runners (layered, pipelined) ask it as the module's ``training_step`` does."""
+
+    def loss_is_usable(self, loss: torch.Tensor) -> bool: ...
+
+
+@runtime_checkable
 class ComputesTokenLoss(Protocol):
     """A LightningModule whose training loss reads its cross-entropy from ``token_loss(logits, targets)``, so a
     tensor-parallel strategy can give it a vocabulary-parallel one (the logits then stay sharded)."""

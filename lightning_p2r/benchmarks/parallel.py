@@ -72,7 +72,7 @@ def _worker(spec: dict[str, Any]) -> None:
     report = {"rank": trainer.global_rank, "step_s": step_s, "bytes": dict(last.bytes),
               "calls": dict(last.calls), "param_bytes": state.params, "optimizer_bytes": state.optimizer,
               "block_bytes": block_bytes, "root_bytes": root_bytes, "path": strategy.path,
-              "fsdp_layout": strategy.fsdp_layout}
+              "fsdp_mode": strategy.fsdp_mode}
     Path(spec["out"]).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.barrier()
@@ -129,7 +129,7 @@ def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: in
     parts = (tensor_parallel_bytes(shape, dims.tensor_parallel, sequence_parallel=sequence_parallel),
              expert_parallel_bytes(shape, dims.expert_parallel),
              balance_loss_bytes(shape, dims.data_parallel), clipping_bytes(clipping),
-             data_parallel_bytes(report["fsdp_layout"], block_bytes=report["block_bytes"],
+             data_parallel_bytes(report["fsdp_mode"], block_bytes=report["block_bytes"],
                                  root_bytes=report["root_bytes"]))
     for part in parts:
         for kind, value in part.items():

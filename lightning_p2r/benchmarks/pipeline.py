@@ -69,7 +69,7 @@ def _worker(spec: dict[str, Any]) -> None:
 
     class RecordTimeline(L.Callback):
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-            pipeline = getattr(trainer.strategy.layout, "pipeline", None)
+            pipeline = trainer.strategy.engine.pipeline_runner()
             if pipeline is not None:
                 pipeline.timeline = []
 
@@ -78,7 +78,7 @@ def _worker(spec: dict[str, Any]) -> None:
     last = strategy.collectives_history[-1]
     report: dict[str, Any] = {"rank": trainer.global_rank, "step_s": step_s,
                               "bytes": dict(last.bytes), "calls": dict(last.calls), "path": strategy.path}
-    pipeline = getattr(strategy.layout, "pipeline", None)
+    pipeline = strategy.engine.pipeline_runner()
     if pipeline is not None and pipeline.step_spans:
         start, end = pipeline.step_spans[-1]
         events = [e for e in pipeline.timeline if start <= e.start <= end]

@@ -40,8 +40,15 @@ class BlockEvents:
     """Callbacks a strategy overrides to move blocks; every method is a no-op here.
 
     Events fire per layer with that layer's block index, so a block shared by several layers (pseudo model) sees
-    one before/after pair for each layer that runs it.
+    one before/after pair for each layer that runs it. The step enters the events as a context around the forward
+    and around the backward (a streaming engine opens and closes its copy streams there).
     """
+
+    def __enter__(self) -> BlockEvents:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
     def before_forward(self, block: int) -> None:
         """Before the first micro-batch runs this layer's block."""

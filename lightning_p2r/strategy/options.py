@@ -123,6 +123,10 @@ class AccumulationConfig:
     """Layered accumulation, or pipeline_parallel > 1: keep just each layer's input per micro-batch and recompute
     the layer's interior in backward (activation checkpointing at block granularity)."""
 
+    compile: bool = False
+    """torch.compile each block (after tensor/expert parallelism and recompute, before FSDP2 shards it); losses equal
+    eager within fp32 tolerance; a layout that cannot compile is refused with the reason."""
+
     reduce_every_micro_batch: bool = False
     """Standard accumulation on FSDP2 (zero2/zero3, or offload/layered across ranks): reduce(-scatter) the gradients
     after every micro-batch, which keeps only gradient shards between micro-batches (ZeRO-2's memory) at the cost of
@@ -136,6 +140,7 @@ class AccumulationConfig:
     def __post_init__(self, pipelined: bool) -> None:
         check_accumulation_options(self.accumulation, self.micro_batches, self.recompute, pipelined=pipelined)
         _check_bool("recompute", self.recompute)
+        _check_bool("compile", self.compile)
         _check_bool("reduce_every_micro_batch", self.reduce_every_micro_batch)
 
 

@@ -16,13 +16,13 @@ optimizer states) lives in host memory through FSDP2's ``CPUOffloadPolicy``, so 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..sharing import optimizer_constructor_kwargs
@@ -57,7 +57,7 @@ def execution_path(sharding: str, world_size: int, *, offloading: bool, layered:
     return "fsdp" if offloading or layered else "ddp"
 
 
-def fsdp_layout_for(sharding: str) -> str:
+def fsdp_mode_for(sharding: str) -> str:
     """How FSDP2 lays the model out on the fsdp path: "zero3" or "zero2" (sharded, see ``shard_blocks``), or
     "replicate" for "none" and "zero1": a (ranks x 1) mesh, FSDP2's HSDP with shards of one rank, so every rank
     holds every parameter and gradient whole and gradients are all-reduced; zero1 then partitions the optimizer
@@ -112,15 +112,6 @@ def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: i
 
 
 # ------------------------------------------------------------------------------------------ zero2/zero3 (FSDP2)
-def device_mesh(layout: str, device_type: str, world_size: int) -> Any:
-    """The FSDP2 mesh for ``layout``: "replicate" is a (ranks x 1) mesh (HSDP with shards of one rank, so every rank
-    holds everything); the sharded layouts shard across all ranks."""
-    from torch.distributed.device_mesh import init_device_mesh
-    if layout == "replicate":
-        return init_device_mesh(device_type, (world_size, 1), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,))
-
-
 class StageRunner(nn.Module):
     """Holds the modules that own parameters outside the blocks (embedding, final norm, head) as one FSDP2 root.
 
@@ -167,38 +158,6 @@ def smallest_parameter_root(module: nn.Module) -> nn.Module:
                 break
         else:
             return current
-
-
-def shard_blocks(blocks: nn.ModuleList, *, mesh: Any, sharding: str, offloaded: Iterable[int], layered: bool,
-                 pin_memory: bool, mp_policy: MixedPrecisionPolicy | None = None,
-                 indices: Iterable[int] | None = None) -> None:
-    """``fully_shard`` each block; offloaded blocks keep their shard in host memory.
-
-    In layered mode a block is never resharded by its own forward hook (the executor runs every micro-batch through
-    it and reshards once, explicitly, for zero3).
-    """
-    offloaded = set(offloaded)
-    reshard = sharding == "zero3" and not layered
-    for index in range(len(blocks)) if indices is None else indices:
-        policy = CPUOffloadPolicy(pin_memory=pin_memory) if index in offloaded else OffloadPolicy()
-        fully_shard(blocks[index], mesh=mesh, reshard_after_forward=reshard, offload_policy=policy,
-                    mp_policy=mp_policy or MixedPrecisionPolicy())
-
-
-def shard_rest(root: nn.Module, blocks: nn.ModuleList, *, mesh: Any, layered: bool,
-               mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module | None:
-    """Shard the parameters outside the blocks. Standard mode: ``root`` becomes the FSDP2 root over the blocks.
-    Layered mode: a :class:`StageRunner` root holds them and each block is a root of its own."""
-    policy = mp_policy or MixedPrecisionPolicy()
-    if not layered:
-        fully_shard(root, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-        return None
-    owners = modules_outside_blocks(root, blocks)
-    if not owners:
-        return None
-    runner = StageRunner(owners)
-    fully_shard(runner, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
-    return runner
 
 
 class FSDPEvents(BlockEvents):

@@ -1,10 +1,10 @@
-"""``P2RStrategy``: Lightning hooks over the planner, one engine per parallel layout, and layered accumulation.
+"""``P2RStrategy``: Lightning's hooks over one engine and one step runner.
 
-The hooks only decide *when*; what happens lives in the engines (``engines/``: ``local.py`` streams offloaded blocks
-on one process, ``ddp.py`` runs DDP and ZeRO-1, ``fsdp.py`` runs FSDP2 for ZeRO-2/3 and the replicated layouts
-across processes), ``plan.py`` (which blocks), ``materialize.py`` (placing a meta-built model), ``layered.py``
-(the breadth-first accumulation executor) and ``accounting.py``. The strategy picks the engine in
-``setup_environment`` (see ``engines.engine_name``), logs it at setup, and delegates.
+The hooks only decide *when*; what happens lives elsewhere: the engines (``engines/``: ``local`` streams offloaded
+blocks on one process, ``ddp`` runs DDP and ZeRO-1, ``fsdp2`` every FSDP2 layout through the one placement path of
+``placement.py``), the step runners (``steps.py``: standard, layered, pipelined), ``plan.py`` (which blocks),
+``materialize.py`` and ``accounting.py``. An engine is given an :class:`~.engines.EngineContext` and returns what it
+placed; every Lightning call is made here. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -20,20 +20,21 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
-from ..protocols import DefinesLayeredStages, InitializesByName
-from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
+from ..protocols import InitializesByName
+from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
 from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
-from .engines import Engine, engine_name, select_engine
-from .engines.base import unwrapped
-from .layered import LayeredStages, LayeredStep, layered_forward, split_micro_batches
+from .engines import Engine, EngineContext, engine_for
+from .engines.base import Weights, holder_of
 from .materialize import check_no_meta_buffers, has_meta_tensors
-from .offload import EngineEvents, OffloadEngine, OffloadStats
+from .offload import OffloadEngine, OffloadStats
+from .optimizers import unwrapped
 from .options import (
     SECTIONS,
     Accumulation,
@@ -45,18 +46,12 @@ from .options import (
     ShardingConfig,
     args_section,
 )
-from .parallel import ParallelDims
+from .parallel.clipping import clip_grad_norm_across_meshes
 from .pipeline.layout import check_micro_batches
-from .plan import (
-    OffloadPlan,
-    device_total_memory,
-    parse_bytes,
-    plan_for_model,
-    resolve_pin_memory,
-    setup_summary,
-)
-from .sharding import Sharding, fsdp_layout_for, stages_through_runner
+from .plan import OffloadPlan, device_total_memory, parse_bytes, resolve_pin_memory, setup_summary
+from .sharding import Sharding, execution_path, fsdp_mode_for
 from .split_optimizer import host_step_overlap_allowed, release_to_host
+from .steps import StepRunner
 
 
 def oversubscription_warning(device_type: str, processes: int, cores: int) -> str | None:
@@ -94,6 +89,7 @@ class P2RStrategy(DDPStrategy):
         accumulation: Accumulation = "standard",
         micro_batches: int = 1,
         recompute: bool = False,
+        compile: bool = False,  # noqa: A002 (the option's name, as torch.compile's)
         reduce_every_micro_batch: bool = False,
         count_collectives: bool = False,
         offload_fraction: float | None = None,
@@ -120,7 +116,7 @@ class P2RStrategy(DDPStrategy):
                                               pipeline_parallel=pipeline_parallel,
                                               pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
         self.accumulation_config = AccumulationConfig(accumulation=accumulation, micro_batches=micro_batches,
-                                                      recompute=recompute,
+                                                      recompute=recompute, compile=compile,
                                                       reduce_every_micro_batch=reduce_every_micro_batch,
                                                       pipelined=self.parallel_config.pipelined)
         if self.parallel_config.pipelined:
@@ -138,14 +134,15 @@ class P2RStrategy(DDPStrategy):
         self.collectives: CollectiveStats | None = None
         self.collectives_history: list[CollectiveStats] = []
         self._counter = CollectiveCounter() if count_collectives else None
-        self._layered_step: LayeredStep | None = None
         self._pending_sharded_checkpoint: str | None = None
         # Weights of a checkpoint restored before setup: setup writes them into the tensors where they will live
         # (a state dict, or the sharded checkpoint's path), then drops them.
-        self._deferred_weights: tuple[dict[str, Any] | str, bool] | None = None
+        self._deferred_weights: Weights | None = None
         self.plan: OffloadPlan | None = None
-        self.layout: Engine | None = None
-        """The engine of this job's parallel layout (chosen in ``setup_environment``)."""
+        self.engine: Engine | None = None
+        """The engine that places the model for this job's layout (chosen in ``setup_environment``)."""
+        self.steps: StepRunner | None = None
+        """How each training batch's forward and backward run (chosen in ``setup``)."""
         self.telemetry: OffloadStats | None = None
         self.telemetry_history: list[OffloadStats] = []
 
@@ -162,13 +159,17 @@ class P2RStrategy(DDPStrategy):
     # ------------------------------------------------------------------------------------------ environment
     @property
     def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
-        """The name of the engine that runs this job (see ``engines.engine_name``)."""
-        return engine_name(self)  # type: ignore[return-value]
+        """Which placement path runs this job: "local" (one process, the streaming engine), "ddp", or one of the FSDP2
+        engine's "fsdp", "model_parallel" (tensor / expert parallel first) and "pipeline" (stages first)."""
+        return execution_path(self.sharding, self.world_size, offloading=self.offloading,  # type: ignore[return-value]
+                              layered=self.accumulation == "layered",
+                              model_parallel=self.parallel_config.model_parallel,
+                              pipelined=self.parallel_config.pipelined)
 
     @property
-    def engine(self) -> OffloadEngine | None:
+    def streamer(self) -> OffloadEngine | None:
         """The streaming offload engine of a one-process job (None elsewhere, and after teardown)."""
-        return self.layout.offload_engine() if self.layout is not None else None
+        return self.engine.offload_streamer() if self.engine is not None else None
 
     @property
     def offloading(self) -> bool:
@@ -176,23 +177,49 @@ class P2RStrategy(DDPStrategy):
         return self.offload_config.offloading
 
     @property
-    def fsdp_layout(self) -> str:
-        """How FSDP2 lays the model out on the fsdp engine (see ``fsdp_layout_for`` in sharding.py)."""
-        return fsdp_layout_for(self.sharding)
+    def fsdp_mode(self) -> str:
+        """How FSDP2 lays out the data-parallel ranks: "zero3", "zero2" or "replicate" (see ``fsdp_mode_for``)."""
+        return fsdp_mode_for(self.sharding)
 
     @property
     @override
     def is_distributed(self) -> bool:
         return self.world_size > 1
 
+    def context(self, weights: Weights | None = None) -> EngineContext:
+        """What the engine is given: the options, where this rank is, and the decisions that need the Trainer."""
+        # Before the Trainer gave the strategy its devices (option checks), the host stands in.
+        device = self.root_device if self.parallel_devices is not None else torch.device("cpu")
+        return EngineContext(
+            sharding=self.sharding_config, parallel=self.parallel_config, accumulation=self.accumulation_config,
+            offload=self.offload_config, device=device, world_size=self.world_size,
+            global_rank=self.global_rank, pin_memory=resolve_pin_memory(self.pin_memory, device),
+            weights=weights, gradient_scaler=isinstance(self.precision_plugin, MixedPrecision)
+            and self.precision_plugin.scaler is not None,
+            host_step_allowed=self._host_step_allowed, uncounted=self.uncounted)
+
+    def overlap_allowed(self) -> bool:
+        """Stepping a block during backward must not skip anything that happens between backward and step."""
+        return host_step_overlap_allowed(self.overlap_host_step, self.root_device, self.lightning_module,
+                                         self.precision_plugin)
+
+    def _host_step_allowed(self) -> bool:
+        return self.lightning_module.trainer.training and self.overlap_allowed()
+
     @override
     def setup_environment(self) -> None:
-        self.layout = select_engine(self)
-        self.layout.setup_environment()
+        self.engine = engine_for(self.path)
+        self.engine.check_options(self.context())  # before any process group exists
+        if self.engine.needs_process_group:
+            super().setup_environment()
+        else:
+            self.accelerator.setup_device(self.root_device)
+            self.set_world_ranks()
+        self.engine.setup_environment(self.context())
 
     def _check_path_options(self) -> None:
         """The checks the chosen engine makes before any process group exists."""
-        select_engine(self).check_options()
+        engine_for(self.path).check_options(self.context())
 
     @contextlib.contextmanager
     @override
@@ -207,59 +234,76 @@ class P2RStrategy(DDPStrategy):
         with torch.device("meta"):
             yield
 
-    @property
-    def resolved_pin_memory(self) -> bool:
-        return resolve_pin_memory(self.pin_memory, self.root_device)
-
     # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: L.Trainer) -> None:
         warning = oversubscription_warning(self.root_device.type, self.num_processes, os.cpu_count() or 1)
         if warning:
             rank_zero_warn(warning)
-        if self.accumulation == "layered" or self.parallel_config.pipelined:
-            if trainer.accumulate_grad_batches != 1:
-                raise ValueError(
-                    f"P2RStrategy(micro_batches={self.micro_batches}, accumulation={self.accumulation!r}) splits each "
-                    f"batch itself; set Trainer(accumulate_grad_batches=1), got {trainer.accumulate_grad_batches}"
-                )
-            # A data module that declares its batch size is checked now, before any work; other data at the first
-            # batch (split_micro_batches).
-            batch_size = getattr(trainer.datamodule, "batch_size", None)
-            least = self.pipeline_parallel  # a pipeline needs at least one micro-batch per pipeline rank
-            if isinstance(batch_size, int) and batch_size % self.micro_batches:
-                raise ValueError(
-                    f"P2RStrategy(micro_batches={self.micro_batches}) must divide the batch size, and the data's "
-                    f"batch_size is {batch_size}: choose micro_batches among "
-                    f"{[d for d in range(least, batch_size + 1) if batch_size % d == 0]} or change data.batch_size")
-        if self.layout is None:
-            self.layout = select_engine(self)
-        check_no_meta_buffers(self.lightning_module)
+        self._check_batch_split(trainer)
+        if self.engine is None:
+            self.engine = engine_for(self.path)
+        module = self.lightning_module
+        check_no_meta_buffers(module)
         self._share_init_seed()
-        self.layout.setup(trainer)
+        weights, self._deferred_weights = self._deferred_weights, None
+        if self.engine.wraps_ddp:
+            self.engine.place(module, self.context(weights))
+            super().setup(trainer)  # Lightning's DDP: to the device, wrapped, optimizers (see setup_optimizers)
+        else:
+            self.accelerator.setup(trainer)
+            self.model = self.precision_plugin.convert_module(self.model)
+            self.engine.place(module, self.context(weights))
+            if trainer.state.fn == TrainerFn.FITTING:
+                self.setup_optimizers(trainer)
+            self.setup_precision_plugin()
+        self.plan = self.engine.plan
+        self._use_layout_clipping()
+        self.steps = self.engine.step_runner(module, self.precision_plugin, self._counter)
         self._log_setup()
+
+    def _check_batch_split(self, trainer: L.Trainer) -> None:
+        if self.accumulation != "layered" and not self.parallel_config.pipelined:
+            return
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"P2RStrategy(micro_batches={self.micro_batches}, accumulation={self.accumulation!r}) splits each "
+                f"batch itself; set Trainer(accumulate_grad_batches=1), got {trainer.accumulate_grad_batches}"
+            )
+        # A data module that declares its batch size is checked now, before any work; other data at the first
+        # batch (split_micro_batches).
+        batch_size = getattr(trainer.datamodule, "batch_size", None)
+        least = self.pipeline_parallel  # a pipeline needs at least one micro-batch per pipeline rank
+        if isinstance(batch_size, int) and batch_size % self.micro_batches:
+            raise ValueError(
+                f"P2RStrategy(micro_batches={self.micro_batches}) must divide the batch size, and the data's "
+                f"batch_size is {batch_size}: choose micro_batches among "
+                f"{[d for d in range(least, batch_size + 1) if batch_size % d == 0]} or change data.batch_size")
+
+    def _use_layout_clipping(self) -> None:
+        """Lightning clips through the precision plugin, which calls torch's clip_grad_norm_; that cannot combine
+        norms of tensors on different meshes (see parallel/clipping.py). The plugin offers no strategy hook, so this
+        job's plugin instance gets the mesh-aware norm (its class and every other method are unchanged)."""
+        copies = self.engine.grad_copies()
+        if copies is None:
+            return
+        plugin = self.precision_plugin
+        plugin.clip_grad_by_norm = lambda optimizer, clip_val: clip_grad_norm_across_meshes(  # type: ignore[method-assign]
+            plugin.main_params(optimizer), clip_val, copies=copies)
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Ranks of one tensor-parallel group read the same batch: the sampler splits the data over the
-        data-parallel ranks only."""
-        config = self.parallel_config
-        if (config.model_parallel or config.pipelined) and self.world_size > 1:
-            # Ranks are laid out (pipeline, data, tensor): a pipeline's stages and a tensor-parallel group read the
-            # same batch. (Degrees that do not divide are refused at setup; the sampler is built after it.)
-            dims = ParallelDims(self.world_size, self.tensor_parallel, self.expert_parallel, self.pipeline_parallel)
-            return {"num_replicas": dims.data_parallel, "rank": dims.data_rank(self.global_rank)}
-        return super().distributed_sampler_kwargs
+        """Ranks of one tensor-parallel group or pipeline read the same batch: the engine says which share each
+        reads."""
+        ranks = (self.engine or engine_for(self.path)).sampler_ranks(self.context())
+        if ranks is None:
+            return super().distributed_sampler_kwargs
+        return {"num_replicas": ranks[0], "rank": ranks[1]}
 
     def _log_setup(self) -> None:
-        if self.parallel_config.model_parallel:
-            rank_zero_info("P2RStrategy " + ParallelDims(self.world_size, self.tensor_parallel,
-                                                         self.expert_parallel, self.pipeline_parallel).describe())
-        layout = getattr(self.layout, "stages_layout", None)
-        if layout is not None:
-            rank_zero_info(f"P2RStrategy pipeline: {layout.describe()}, schedule {self.pipeline_schedule}, "
-                           f"{self.micro_batches} micro-batches")
+        for line in self.engine.describe():
+            rank_zero_info(line)
         holder = self.holder_or_none()
         if holder is None:
             rank_zero_info(f"P2RStrategy: engine {self.path}, sharding {self.sharding} on {self.world_size} "
@@ -281,18 +325,6 @@ class P2RStrategy(DDPStrategy):
             if isinstance(holder, InitializesByName):
                 holder.init_seed = self.broadcast(holder.init_seed, src=0)
 
-    @property
-    def has_deferred_weights(self) -> bool:
-        """Whether a checkpoint restored before setup still waits to be written into the placed model."""
-        return self._deferred_weights is not None
-
-    def load_deferred_weights(self) -> None:
-        """Write a checkpoint restored before setup into the placed tensors (no whole copy of the model)."""
-        if self._deferred_weights is None:
-            return
-        (source, strict), self._deferred_weights = self._deferred_weights, None
-        self.layout.load_weights(source, strict)
-
     def holder_or_none(self) -> nn.Module | None:
         try:
             return find_block_sequence(self.lightning_module)
@@ -301,17 +333,7 @@ class P2RStrategy(DDPStrategy):
 
     def holder(self) -> nn.Module:
         """The module that holds the block sequence (``blocks`` and ``layer_to_block``)."""
-        try:
-            return find_block_sequence(self.lightning_module)
-        except ValueError as error:
-            raise ValueError(f"P2RStrategy needs a model made of a block sequence: {error}") from None
-
-    def make_plan(self, holder: nn.Module) -> OffloadPlan:
-        """The offload plan for the model as it is now (also after delinking changed its blocks)."""
-        return plan_for_model(self.lightning_module, holder.blocks, self.root_device,
-                              offload_fraction=self.offload_fraction, offload_blocks=self.offload_blocks,
-                              device_memory_budget=self.device_memory_budget,
-                              activation_allowance=self.activation_allowance, prefetch=self.prefetch)
+        return holder_of(self.lightning_module)
 
     @override
     def model_to_device(self) -> None:
@@ -320,93 +342,37 @@ class P2RStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self.layout.adapt_optimizers()
+        self._adopt_optimizers(self.engine.adapt_optimizers(list(self.optimizers), self.lightning_module))
 
-    def overlap_allowed(self) -> bool:
-        """Stepping a block during backward must not skip anything that happens between backward and step."""
-        return host_step_overlap_allowed(self.overlap_host_step, self.root_device, self.lightning_module,
-                                         self.precision_plugin)
-
-    _overlap_allowed = overlap_allowed
+    def _adopt_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Step ``optimizers`` from now on; a replaced optimizer takes over its LR schedulers (their one owner)."""
+        for old, new in zip(self.optimizers, optimizers):
+            if unwrapped(old) is not new:
+                for config in self.lr_scheduler_configs:
+                    if config.scheduler.optimizer is unwrapped(old):
+                        config.scheduler = rebind_scheduler(config.scheduler, new)
+        self.optimizers = optimizers
 
     # ---------------------------------------------------------------------------------------------- steps
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Any:
         """Lightning enters this around the backward of every micro-batch but the last (standard accumulation)."""
-        with self.layout.block_backward_sync():
+        sync = super().block_backward_sync() if self.engine.wraps_ddp else self.engine.no_sync(self.lightning_module)
+        with sync:
             yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.layout.reshard()  # a forward outside training (a callback's loss) may have left units gathered
-        if self.parallel_config.pipelined:
-            return self._pipeline_training_step(args[0])
-        if self.accumulation == "standard":
-            with counting(self._counter):
-                return super().training_step(*args, **kwargs)
-        # Layered: the forward of every micro-batch runs here, their backward in ``backward`` (Lightning zeroes the
-        # gradients between the two).
-        module = self.lightning_module
-        micro = split_micro_batches(args[0], self.micro_batches)
-        with self.precision_plugin.train_step_context(), counting(self._counter):
-            stages = self._layered_stages(module)
-            events = self.layout.block_events()
-            with events if isinstance(events, EngineEvents) else contextlib.nullcontext():
-                self._layered_step = layered_forward(stages, micro, events, recompute=self.recompute)
-        if stages.log_metrics is not None:
-            stages.log_metrics(self._layered_step.metrics)
-        usable = getattr(module, "loss_is_usable", None)  # the module's non-finite loss policy, as in training_step
-        if usable is not None and not usable(self._layered_step.loss):
-            self._layered_step = None
-            return None  # Lightning skips the backward and the optimizer step
-        return self._layered_step.loss
-
-    def _pipeline_training_step(self, batch: Any) -> torch.Tensor | None:
-        """The whole step's forward and backward run here, through the pipeline's schedule; ``backward`` then only
-        hands the gradients back (see ``PipelineEngine.train_step``)."""
-        module = self.lightning_module
-        with self.precision_plugin.train_step_context(), counting(self._counter):
-            result = self.layout.train_step(batch)
-        log_metrics = self.layout.parts.stages.log_metrics
-        if log_metrics is not None:
-            log_metrics(result.metrics)
-        usable = getattr(module, "loss_is_usable", None)
-        if usable is not None and not usable(result.loss):
-            self.layout.drop_gradients()
-            return None
-        return result.loss
-
-    def _layered_stages(self, module: L.LightningModule) -> LayeredStages:
-        if not isinstance(module, DefinesLayeredStages):
-            raise ValueError(
-                f"P2RStrategy(accumulation='layered') needs the LightningModule to define layered_stages() -> "
-                f"LayeredStages (embedding, per-layer and head stages); {type(module).__name__} does not"
-            )
-        return stages_through_runner(module.layered_stages(), self.layout.stage_runner())
+        self.engine.reshard(self.lightning_module)  # a forward outside training (a callback's loss) may have left
+        # units gathered
+        return self.steps.training_step(args[0], lambda: super(P2RStrategy, self).training_step(*args, **kwargs))
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if self.parallel_config.pipelined:
-            self.layout.restore_gradients()
-            self.post_backward(closure_loss)
-            return closure_loss
-        step, self._layered_step = self._layered_step, None
-        if step is None:
-            with counting(self._counter):
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        module = self.lightning_module
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        # The micro-batch losses are backpropagated one by one, not the returned loss: a gradient scaler (fp16)
-        # must scale each of them, or the optimizer step unscales gradients that were never scaled.
-        scaler = self.precision_plugin.scaler if isinstance(self.precision_plugin, MixedPrecision) else None
-        with counting(self._counter):
-            events = step.events
-            with events if isinstance(events, EngineEvents) else contextlib.nullcontext():
-                step.backward(scale=scaler.scale if scaler is not None else None)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
+        return self.steps.backward(
+            closure_loss, lambda: super(P2RStrategy, self).backward(closure_loss, optimizer, *args, **kwargs),
+            self.post_backward)
 
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 (Lightning's name)
@@ -423,7 +389,7 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        self.layout.post_backward()
+        self.engine.post_backward(self.optimizers)
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -434,17 +400,17 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def on_validation_end(self) -> None:
-        self.layout.reshard()  # layered blocks never reshard in their own forward hook: evaluation left them gathered
+        self.engine.reshard(self.lightning_module)  # layered blocks never reshard in their own forward hook
         super().on_validation_end()
 
     @override
     def on_test_end(self) -> None:
-        self.layout.reshard()
+        self.engine.reshard(self.lightning_module)
         super().on_test_end()
 
     @override
     def on_predict_end(self) -> None:
-        self.layout.reshard()
+        self.engine.reshard(self.lightning_module)
         super().on_predict_end()
 
     def _record_telemetry(self) -> None:
@@ -453,10 +419,10 @@ class P2RStrategy(DDPStrategy):
             self.collectives = self._counter.take()
             self.collectives_history.append(self.collectives)
             metrics |= self.collectives.as_metrics()
-        engine = self.engine
-        if engine is not None:
-            self.layout.update_static_bytes()
-            self.telemetry = engine.take_stats()
+        streamer = self.streamer
+        if streamer is not None:
+            self.engine.update_static_bytes()
+            self.telemetry = streamer.take_stats()
             self.telemetry_history.append(self.telemetry)
             metrics |= self.telemetry.as_metrics()
         trainer = self.lightning_module.trainer
@@ -471,20 +437,30 @@ class P2RStrategy(DDPStrategy):
         """Delink the model where it lives and re-place the new blocks (the engine decides how); returns the
         optimizer over the new parameters. The caller (the ``PseudoToReal`` callback) rebinds the learning-rate
         schedulers to it: it is their one owner after delinking."""
-        return self.layout.delink(pl_module, unwrapped(optimizer), num_unique_blocks, optimizer_state, perturb)
+        new_optimizer = self.engine.delink(pl_module, unwrapped(optimizer), self.context(), num_unique_blocks,
+                                           optimizer_state, perturb)
+        if self.engine.wraps_ddp:  # DDP's reducer would silently skip the new parameters
+            self.model = pl_module
+            self.configure_ddp()
+        self.optimizers = [new_optimizer]
+        self.plan = self.engine.plan
+        return new_optimizer
 
     # ----------------------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self.layout.module_state_dict()
+        return {} if self.engine.saves_sharded else super().lightning_module_state_dict()  # DCP writes the shards
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return self.layout.optimizer_state(optimizer)
+        return {} if self.engine.saves_sharded else super().optimizer_state(optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        self.layout.save_checkpoint(checkpoint, filepath, storage_options)
+        if self.engine.saves_sharded:
+            self.engine.save_sharded(checkpoint, filepath, self.lightning_module, self.optimizers)
+        else:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
@@ -522,15 +498,16 @@ class P2RStrategy(DDPStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         for index, optimizer in enumerate(self.optimizers):
-            self.layout.load_optimizer_state(index, unwrapped(optimizer), checkpoint,
-                                             self._pending_sharded_checkpoint)
+            self.engine.load_optimizer_state(self.lightning_module, index, unwrapped(optimizer), checkpoint,
+                                             self._pending_sharded_checkpoint, self.root_device)
 
     # -------------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
-        release_to_host(self.optimizers, self.engine)
-        if self.layout is not None:
-            self.layout.teardown()
+        release_to_host(self.optimizers, self.streamer)
+        if self.engine is not None:
+            self.engine.teardown(self.lightning_module)
+        vars(self.precision_plugin).pop("clip_grad_by_norm", None)  # the class's method again
         module = self.lightning_module
         if module is not None and has_meta_tensors(module):
             # Setup stopped (a bad option) before every tensor was placed: a meta tensor cannot move to the host,

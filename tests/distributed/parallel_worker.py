@@ -45,7 +45,7 @@ class Record(L.Callback):
         self.grad_norms: list[float] = []
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer) -> None:
-        copies = getattr(trainer.strategy.layout, "copies", None)  # pipeline replicas are counted once
+        copies = trainer.strategy.engine.grad_copies()  # pipeline replicas are counted once
         with trainer.strategy.uncounted():  # this callback's own collective, not the layout's
             self.grad_norms.append(float(total_grad_norm(pl_module.parameters(), copies=copies)))
 
@@ -72,7 +72,7 @@ class ForgetReplicaSum(L.Callback):
     block of a pseudo model) instead of the sum over the ranks that hold it."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        trainer.strategy.layout._replicas = []
+        trainer.strategy.engine.stages._replicas = []
 
 
 def held(module: torch.nn.Module) -> dict[str, list[int]]:
@@ -130,7 +130,7 @@ def run(config: dict, out: Path, devices: int) -> None:
                   "val_loss": float(trainer.callback_metrics["val/loss"]) if config.get("validate") else None,
                   "path": strategy.path, "blocks": len(module.transformer.blocks), "counted_bytes": counted,
                   "counted_calls": calls, "optimizer": type(trainer.strategy.optimizers[0]).__name__,
-                  "block_bytes": block_bytes, "root_bytes": root_bytes, "fsdp_layout": strategy.fsdp_layout,
+                  "block_bytes": block_bytes, "root_bytes": root_bytes, "fsdp_mode": strategy.fsdp_mode,
                   "model": MODEL | config.get("model", {}), "devices": trainer.world_size}
         (out / f"{config['name']}.json").write_text(json.dumps(report))
     if dist.is_initialized():

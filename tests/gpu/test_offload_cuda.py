@@ -50,7 +50,7 @@ def test_cuda_pins_host_buffers_by_default(tmp_path: Path) -> None:
 
     class Inspect(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            for block in trainer.strategy.engine.blocks.values():
+            for block in trainer.strategy.streamer.blocks.values():
                 pinned.extend(t.is_pinned() for t in (*block.host, *block.host_grads) if t is not None)
 
     L.seed_everything(3)

@@ -48,7 +48,7 @@ def test_offload_matches_plain_training(tmp_path: Path, fraction: float) -> None
     offloaded, trainer = _fit(tmp_path / "off", P2RStrategy(offload_fraction=fraction, overlap_host_step=True))
     _assert_same_weights(reference, offloaded)
     assert len(trainer.strategy.plan.offloaded) == round(fraction * 4)
-    assert trainer.strategy.engine is None  # detached at teardown: the module is ordinary again
+    assert trainer.strategy.streamer is None  # detached at teardown: the module is ordinary again
 
 
 @pytest.mark.parametrize("options", [
@@ -245,7 +245,7 @@ def test_overlap_can_be_turned_off_with_the_same_result(tmp_path: Path) -> None:
     overlapped, first = _fit(tmp_path / "a", P2RStrategy(offload_fraction=0.5, overlap_host_step=True))
     serial, second = _fit(tmp_path / "b", P2RStrategy(offload_fraction=0.5, overlap_host_step=False))
     _assert_same_weights(overlapped, serial)
-    assert first.strategy._overlap_allowed() and not second.strategy._overlap_allowed()
+    assert first.strategy.overlap_allowed() and not second.strategy.overlap_allowed()
 
 
 class TinyBlock(torch.nn.Module):
@@ -327,7 +327,7 @@ def test_gradient_clipping_override_turns_overlap_off(tmp_path: Path) -> None:
     reference, _ = _fit(tmp_path / "ref", module=copy.deepcopy(initial))
     offloaded, trainer = _fit(tmp_path / "off", P2RStrategy(offload_fraction=0.5), module=copy.deepcopy(initial))
     _assert_same_weights(reference, offloaded)
-    assert not trainer.strategy._overlap_allowed()
+    assert not trainer.strategy.overlap_allowed()
 
 
 def test_blocks_sharing_a_parameter_are_refused(tmp_path: Path) -> None:

@@ -49,7 +49,7 @@ def _with_world_size(strategy: P2RStrategy, world_size: int) -> P2RStrategy:
 def test_engine_follows_sharding_and_world_size(kwargs: dict, world_size: int, path: str, layout: str) -> None:
     strategy = _with_world_size(P2RStrategy(**kwargs), world_size)
     assert strategy.path == path
-    assert strategy.fsdp_layout == layout
+    assert strategy.fsdp_mode == layout
     assert strategy.is_distributed == (world_size > 1)
 
 

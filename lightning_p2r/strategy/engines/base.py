@@ -1,63 +1,120 @@
-"""The interface every parallel layout implements, and what the layouts share."""
+"""What an engine is given (:class:`EngineContext`) and what every engine offers the strategy (:class:`Engine`).
+
+An engine places a model for one kind of layout and runs the layout-dependent parts of a step. It never sees the
+strategy: ``P2RStrategy`` builds a context from its options and Lightning's state, hands the engine the module and
+the optimizers, and stores what the engine returns. Every Lightning call (``DDPStrategy``'s setup, wrapping, saving)
+is the strategy's. That keeps engines testable with a hand-made context and keeps Lightning in one file.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import torch
-from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from ...sharing import OptimizerStatePolicy, Perturbation
+from ...sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
 from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate
-from ..optimizers import optimizer_state_to, unwrapped  # noqa: F401  (engines import unwrapped from here)
+from ..optimizers import optimizer_state_to
+from ..options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig
+from ..plan import OffloadPlan, plan_for_model
 
 if TYPE_CHECKING:
-    from ..strategy import P2RStrategy
+    from lightning.pytorch.plugins.precision import Precision
+
+    from ..accounting import CollectiveCounter
+    from ..offload import OffloadEngine
+    from ..steps import StepRunner
+
+Weights = tuple[dict[str, Any] | str, bool]
+"""A checkpoint's weights waiting to be written into the placed model: a state dict or a sharded checkpoint's
+path, and whether loading is strict."""
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """Everything an engine reads besides the module: the four option sections, where this rank is, and the few
+    decisions only the strategy can make (it knows the Trainer)."""
+
+    sharding: ShardingConfig
+    parallel: ParallelConfig
+    accumulation: AccumulationConfig
+    offload: OffloadConfig
+    device: torch.device
+    world_size: int = 1
+    global_rank: int = 0
+    pin_memory: bool = False
+    """``offload.pin_memory`` resolved for this device."""
+    weights: Weights | None = None
+    """A checkpoint restored before setup, to write into the placed tensors instead of initial values."""
+    gradient_scaler: bool = False
+    """The precision plugin scales the loss (fp16): some step runners cannot."""
+    host_step_allowed: Callable[[], bool] = lambda: False
+    """Whether an offloaded block may take its host optimizer step during backward right now."""
+    uncounted: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
+    """Collectives inside are not the layout's own (metrics gathering); see ``count_collectives``."""
+
+    def offload_plan(self, module: nn.Module, blocks: nn.ModuleList) -> OffloadPlan:
+        """The offload options applied to ``blocks`` of ``module`` (a fraction or budget is their share)."""
+        o = self.offload
+        return plan_for_model(module, blocks, self.device, offload_fraction=o.offload_fraction,
+                              offload_blocks=o.offload_blocks, device_memory_budget=o.device_memory_budget,
+                              activation_allowance=o.activation_allowance, prefetch=o.prefetch)
+
+
+def holder_of(module: nn.Module) -> nn.Module:
+    """The module that holds the block sequence (``blocks`` and ``layer_to_block``)."""
+    try:
+        return find_block_sequence(module)
+    except ValueError as error:
+        raise ValueError(f"P2RStrategy needs a model made of a block sequence: {error}") from None
 
 
 class Engine:
-    """How one layout places the model, syncs gradients, checkpoints and delinks.
+    """How one kind of layout places the model, syncs gradients, checkpoints and delinks.
 
-    The strategy owns the options, Lightning's hooks, accumulation and telemetry, and calls these methods at the
-    points the docstrings name; an engine reads the strategy's options and writes the strategy's ``model``,
-    ``optimizers`` and ``plan``. The defaults are what a layout without sharding does.
+    The strategy calls these at the points the docstrings name. The defaults are a layout where every rank holds
+    the whole model and nothing is sharded.
     """
 
     name = "base"
+    needs_process_group = True
+    """Whether the strategy must start torch.distributed for this engine."""
+    wraps_ddp = False
+    """Whether the strategy wraps the placed model in DDP (Lightning's own DDP setup)."""
+    saves_sharded = False
+    """Whether checkpoints are torch distributed checkpoints written by every rank (else Lightning's single file)."""
 
-    def __init__(self, strategy: P2RStrategy) -> None:
-        self.strategy = strategy
+    def __init__(self) -> None:
+        self.plan: OffloadPlan | None = None
+        self.ctx: EngineContext | None = None
+        """The context of the latest placement."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def check_options(self) -> None:
-        """Refuse option combinations this layout cannot run, before any process group exists."""
+    def check_options(self, ctx: EngineContext) -> None:
+        """Refuse option combinations this engine cannot run, before any process group exists."""
 
-    def setup_environment(self) -> None:
-        """``Strategy.setup_environment``: the device, the ranks and the process group (if any)."""
-        DDPStrategy.setup_environment(self.strategy)
+    def setup_environment(self, ctx: EngineContext) -> None:
+        """After the process group exists: build the device meshes and groups this engine needs."""
 
-    def setup(self, trainer: L.Trainer) -> None:
-        """``Strategy.setup``: materialize and place the model, wrap it, build the optimizers."""
+    def place(self, module: nn.Module, ctx: EngineContext) -> None:
+        """Materialize ``module`` (maybe on the meta device) where the layout puts each tensor and write
+        ``ctx.weights`` or initial values into it; sets ``self.plan``."""
         raise NotImplementedError
 
-    def adapt_optimizers(self) -> None:
-        """After Lightning built the optimizers from ``configure_optimizers`` (in ``setup_optimizers``)."""
+    def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
+                         module: nn.Module) -> list[torch.optim.Optimizer]:
+        """The optimizers the layout steps, given those ``configure_optimizers`` built (returned unchanged by
+        default; the strategy rebinds the LR schedulers when one is replaced)."""
+        return optimizers
 
-    def offload_engine(self) -> Any:
-        """The streaming offload engine (one process only), else None."""
-        return None
-
-    def teardown(self) -> None:
+    def teardown(self, module: nn.Module | None) -> None:
         """After training: leave the module ordinary (it may be saved or used after ``fit``)."""
-
-    def update_static_bytes(self) -> None:
-        """Refresh the device bytes the streaming engine's telemetry counts as static (one process only)."""
 
     # ------------------------------------------------------------------------------------------- training
     def block_events(self) -> BlockEvents | None:
@@ -65,65 +122,99 @@ class Engine:
         return None
 
     @contextlib.contextmanager
-    def block_backward_sync(self) -> Iterator[None]:
+    def no_sync(self, module: nn.Module) -> Iterator[None]:
         """Around the backward of every micro-batch but the last (standard accumulation)."""
         yield
 
-    def post_backward(self) -> None:
+    def post_backward(self, optimizers: list[Any]) -> None:
         """After the backward of every micro-batch."""
 
-    def reshard(self) -> None:
+    def reshard(self, module: nn.Module) -> None:
         """Gathered parameters back to their shards (after evaluation, before a checkpoint)."""
 
     def stage_runner(self) -> nn.Module | None:
         """The module the embedding and head stages must run through (layered accumulation), if any."""
         return None
 
+    def step_runner(self, module: nn.Module, precision: Precision, counter: CollectiveCounter | None) -> StepRunner:
+        """How each training batch's forward and backward run under this layout (``steps.py``)."""
+        from ..steps import LayeredSteps, StandardSteps  # the step runners build on the engine interface
+
+        if self.ctx.accumulation.accumulation == "layered":
+            return LayeredSteps(module, precision, counter, self, micro_batches=self.ctx.accumulation.micro_batches,
+                                recompute=self.ctx.accumulation.recompute)
+        return StandardSteps(module, precision, counter)
+
+    def pipeline_runner(self) -> Any:
+        """The pipeline schedule's runner (its timeline feeds the pipeline benchmark), or None without stages."""
+        return None
+
+    def offload_streamer(self) -> OffloadEngine | None:
+        """The streaming offload engine (one process only), for telemetry; else None."""
+        return None
+
+    def update_static_bytes(self) -> None:
+        """Refresh the device bytes the streaming engine's telemetry counts as static (one process only)."""
+
+    def grad_copies(self) -> Callable[[torch.Tensor], int] | None:
+        """For gradient clipping across device meshes: how many ranks hold the same local part of a parameter's
+        gradient. None: torch's own clipping is right for this layout."""
+        return None
+
+    def sampler_ranks(self, ctx: EngineContext) -> tuple[int, int] | None:
+        """(replicas, rank) for the distributed sampler when they are not (world size, global rank)."""
+        return None
+
+    def describe(self) -> list[str]:
+        """Lines for the setup log beyond the offload summary."""
+        return []
+
     # ------------------------------------------------------------------------------------------ delinking
-    def delink(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer, num_unique_blocks: int | None,
-               optimizer_state: OptimizerStatePolicy, perturb: Perturbation | None = None) -> torch.optim.Optimizer:
-        """Delink the model in place and return the optimizer over the new parameters (the caller rebinds the
-        learning-rate schedulers to it)."""
+    def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
+               num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
+               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
+        """Delink the model in place, re-place the new blocks and return the optimizer over the new parameters
+        (the caller rebinds the LR schedulers to it)."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------------------------------- checkpoints
-    def module_state_dict(self) -> dict[str, Any]:
-        return DDPStrategy.lightning_module_state_dict(self.strategy)
+    def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module,
+                     optimizers: list[Any]) -> None:
+        """Write a sharded checkpoint (engines with ``saves_sharded``)."""
+        raise NotImplementedError
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return DDPStrategy.optimizer_state(self.strategy, optimizer)
-
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        DDPStrategy.save_checkpoint(self.strategy, checkpoint, filepath, storage_options)
-
-    def load_weights(self, source: dict[str, Any] | str, strict: bool) -> None:
+    def load_weights(self, module: nn.Module, source: dict[str, Any] | str, strict: bool) -> None:
         """Write a checkpoint's weights (a state dict, or a sharded checkpoint's path) into the placed model. This
         default serves layouts where every rank holds the whole model (an offloaded block's state-dict hooks write
         its host masters)."""
-        module = self.strategy.lightning_module
         if isinstance(source, str):
             sharded_checkpoint.load_model_into(module, source)
         else:
             module.load_state_dict(source, strict=strict)
 
-    def load_optimizer_state(self, index: int, optimizer: torch.optim.Optimizer, checkpoint: dict[str, Any],
-                             sharded_path: str | None) -> None:
+    def load_optimizer_state(self, module: nn.Module, index: int, optimizer: torch.optim.Optimizer,
+                             checkpoint: dict[str, Any], sharded_path: str | None, device: torch.device) -> None:
         """Restore optimizer ``index`` from a checkpoint (whole-model layouts, like ``load_weights``)."""
         if sharded_path is not None:
-            sharded_checkpoint.load_optimizer_into_replicated(self.strategy.lightning_module, optimizer, index,
-                                                              sharded_path)
+            sharded_checkpoint.load_optimizer_into_replicated(module, optimizer, index, sharded_path)
         else:
             optimizer.load_state_dict(checkpoint["optimizer_states"][index])
-            optimizer_state_to(optimizer, self.strategy.root_device)
+            optimizer_state_to(optimizer, device)
 
     # --------------------------------------------------------------------------------------------- shared
-    def materialize_whole(self, device: torch.device) -> None:
-        """Allocate every meta tensor of the model on ``device`` and fill it (initial values, or the checkpoint's
+    def materialize_whole(self, module: nn.Module, ctx: EngineContext, device: torch.device) -> None:
+        """Allocate every meta tensor of ``module`` on ``device`` and fill it (initial values, or the checkpoint's
         weights restored before setup)."""
-        strategy = self.strategy
-        module = strategy.lightning_module
-        initializer = Initializer(module, strategy.holder_or_none())
+        initializer = Initializer(module, _holder_or_none(module))
         params = allocate(module, device)
-        if not strategy.has_deferred_weights:
+        if ctx.weights is None:
             initializer.fill(params)
-        strategy.load_deferred_weights()
+        else:
+            self.load_weights(module, *ctx.weights)
+
+
+def _holder_or_none(module: nn.Module) -> nn.Module | None:
+    try:
+        return find_block_sequence(module)
+    except ValueError:
+        return None

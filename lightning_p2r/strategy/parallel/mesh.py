@@ -147,7 +147,7 @@ class ParallelMeshes:
 
 def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> ParallelMeshes:
     """The two meshes of ``dims``. ``replicate``: FSDP2's replicate layout (every data rank holds every parameter, as
-    ``fsdp_layout_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks. A
+    ``fsdp_mode_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks. A
     data dimension of one rank is a plain size-1 shard dimension either way: FSDP2 then issues no collective for
     it (a replicate dimension of one rank would all-reduce every gradient with itself)."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -1,0 +1,323 @@
+"""Every FSDP2 layout in one engine: ZeRO-2/3 on any number of processes, the replicated layouts ("none"/"zero1"
+across processes with offload or layered accumulation: FSDP2's HSDP with shards of one rank), tensor / expert
+parallelism on a device mesh, and pipeline stages. They differ only in the steps of the one placement path they
+take (``placement.py``) and, for pipelines, in the step runner. Offloaded blocks keep their shards in host memory
+through FSDP2's ``CPUOffloadPolicy``; checkpoints are torch distributed checkpoints (DCP)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
+from .. import checkpoint as sharded_checkpoint
+from ..layered import BlockEvents
+from ..optimizers import unwrapped as unwrapped_optimizer
+from ..parallel import ParallelDims, ParallelMeshes, build_meshes
+from ..parallel.clipping import ranks_holding
+from ..parallel.experts import ParallelExperts
+from ..pipeline.placement import StagePlacement
+from ..placement import Placement, place
+from ..plan import check_fsdp_offload_states
+from ..regather import delinked_plain_copy, release_model_state, replace_submodule, shard_optimizer
+from ..replicated_zero import (
+    ReplicatedZeroOptimizer,
+    SplitZeroOptimizer,
+    partition_optimizer_states,
+    to_module_optimizer,
+)
+from ..sharding import FSDPEvents, fsdp_mode_for, fsdp_modules, reshard_all
+from ..steps import PipelinedSteps, StepRunner
+from .base import Engine, EngineContext, holder_of
+
+if TYPE_CHECKING:
+    from lightning.pytorch.plugins.precision import Precision
+
+    from ..accounting import CollectiveCounter
+
+
+class FSDP2Engine(Engine):
+    """``path`` names the steps of the placement this job takes: "fsdp" (FSDP2 over all ranks), "model_parallel"
+    (the model's tensor / expert plan first, FSDP2 over the data ranks) or "pipeline" (stages first)."""
+
+    name = "fsdp2"
+    saves_sharded = True
+
+    def __init__(self, path: str = "fsdp") -> None:
+        super().__init__()
+        self.path = path
+        self.meshes: ParallelMeshes | None = None
+        self.stages: StagePlacement | None = None
+        self.placement: Placement | None = None
+        self.zero_group: Any = None
+        """The ranks ZeRO-1 partitions the optimizer states over (those holding the same parts of the parameters)."""
+        self.expert_zero_group: Any = None
+        """Under expert parallelism, ZeRO-1's group for the experts (the ranks holding the same experts)."""
+        self._whole_of: dict[int, torch.Tensor] = {}
+        self._holder: nn.Module | None = None
+
+    @staticmethod
+    def dims(ctx: EngineContext) -> ParallelDims:
+        p = ctx.parallel
+        return ParallelDims(ctx.world_size, p.tensor_parallel, p.expert_parallel, p.pipeline_parallel)
+
+    @staticmethod
+    def fsdp_mode(ctx: EngineContext) -> str:
+        return fsdp_mode_for(ctx.sharding.sharding)
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def check_options(self, ctx: EngineContext) -> None:
+        check_fsdp_offload_states(set(ctx.offload.offload_states))
+        zero1 = ctx.sharding.sharding == "zero1"
+        if zero1 and ctx.offload.offloading and ctx.device.type != "cpu":
+            raise ValueError(
+                "P2RStrategy(sharding='zero1') with offloaded blocks across processes on an accelerator: "
+                "ZeroRedundancyOptimizer broadcasts its partitions through the accelerator's process group, which "
+                "cannot send host-resident tensors; use sharding='zero2' (optimizer states and gradients sharded)")
+        dims = self.dims(ctx)  # validates the degrees against the number of processes
+        if self.path != "pipeline":
+            return
+        schedule = ctx.parallel.pipeline_schedule
+        if zero1 and dims.model_parallel:
+            raise ValueError(
+                "P2RStrategy(sharding='zero1') with tensor_parallel or expert_parallel: ZeRO-1's partitioned optimizer "
+                "does not take parameters split over a device mesh; use sharding='zero2' or 'zero3'")
+        if ctx.accumulation.accumulation == "layered" and schedule not in ("gpipe", "looped_bfs"):
+            raise ValueError(
+                f"P2RStrategy(accumulation='layered', pipeline_schedule={schedule!r}): across pipeline stages, layered "
+                "accumulation is the breadth-first schedule itself; use pipeline_schedule='looped_bfs' (or 'gpipe' "
+                "with one stage per rank)")
+        if ctx.accumulation.reduce_every_micro_batch:
+            raise ValueError("P2RStrategy(reduce_every_micro_batch=True) does not apply with pipeline_parallel > 1: "
+                             "the schedule reduces each stage's gradients once, after its last micro-batch")
+
+    def setup_environment(self, ctx: EngineContext) -> None:
+        """One mesh ``(pipeline, data..., tensor)`` and its expert twin (see ``parallel/mesh.py``): FSDP2 shards over
+        the data dimensions, the stages' point-to-point traffic runs over "pp"."""
+        self.check_options(ctx)
+        self.ctx = ctx
+        dims = self.dims(ctx)
+        self.meshes = meshes = build_meshes(dims, ctx.device.type, replicate=self.fsdp_mode(ctx) == "replicate")
+        if ctx.sharding.sharding == "zero1":
+            # ZeRO-1 partitions over the ranks that hold the same (tensor-parallel) part of every parameter: the data
+            # ranks of one tensor-parallel position (of one stage); under expert parallelism the experts over the
+            # ranks holding the same experts (the expert-data ranks), a second partition (SplitZeroOptimizer).
+            self.zero_group = meshes.data_group()
+            if dims.expert_parallel > 1 and self.path != "pipeline":
+                self.expert_zero_group = meshes.data_dims_group(meshes.experts, meshes.expert_data_dims)
+        if self.path == "pipeline":
+            p, a = ctx.parallel, ctx.accumulation
+            self.stages = StagePlacement(world_size=ctx.world_size, global_rank=ctx.global_rank,
+                                         pipeline_parallel=p.pipeline_parallel, stages_per_rank=p.stages_per_rank,
+                                         schedule=p.pipeline_schedule, micro_batches=a.micro_batches,
+                                         recompute=a.recompute, group=meshes.dense["pp"].get_group())
+
+    def place(self, module: nn.Module, ctx: EngineContext, *, move_module: bool = True) -> None:
+        if self.stages is not None and ctx.gradient_scaler:
+            raise ValueError("P2RStrategy(pipeline_parallel > 1) with precision='16-mixed': the pipeline's schedule "
+                             "runs the backward itself, where a gradient scaler cannot scale the loss; use "
+                             "precision='bf16-mixed' (or 32)")
+        self.ctx = ctx
+        self._holder = holder_of(module)
+        self.placement = place(module, ctx, self.meshes, self.stages, fsdp_mode=self.fsdp_mode(ctx),
+                               move_module=move_module)
+        self.plan = self.placement.plan
+        if ctx.weights is not None:
+            self.load_weights(module, *ctx.weights)
+        if self.stages is not None:
+            holder = self._holder
+            self.stages.finish(holder, ctx.device)
+            # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed
+            # in teardown; the strategy's training step calls the stages directly).
+            holder.forward = self.stages.forward
+
+    def teardown(self, module: nn.Module | None) -> None:
+        if self.stages is not None and module is not None:
+            with contextlib.suppress(ValueError):
+                vars(holder_of(module)).pop("forward", None)
+
+    # --------------------------------------------------------------------------------------------- optimizer
+    def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
+                         module: nn.Module) -> list[torch.optim.Optimizer]:
+        if self.ctx.sharding.sharding == "zero1":
+            optimizers = partition_optimizer_states(optimizers, [], self.zero_group, **self._expert_partition(module))
+        self._whole_of = {}
+        for optimizer in optimizers:  # which parameter each of ZeRO-1's views stands for (clipping counts it)
+            if isinstance(optimizer, (ReplicatedZeroOptimizer, SplitZeroOptimizer)):
+                self._whole_of |= {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
+        return optimizers
+
+    def _expert_partition(self, module: nn.Module) -> dict[str, Any]:
+        """ZeRO-1's second partition (the experts' group and parameter ids), or nothing without expert parallelism."""
+        if self.expert_zero_group is None:
+            return {}
+        holder = holder_of(module)
+        experts = {id(p) for m in holder.modules() if isinstance(m, ParallelExperts) for p in m.parameters()}
+        return {"expert_group": self.expert_zero_group, "experts": experts}
+
+    def module_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
+        """The optimizer over the module's own parameters, as checkpoints and delinking read it (collective)."""
+        optimizer = unwrapped_optimizer(optimizer)
+        if isinstance(optimizer, SplitZeroOptimizer):
+            return optimizer.to_module_optimizer()
+        if isinstance(optimizer, ReplicatedZeroOptimizer):
+            return to_module_optimizer(optimizer, dist.get_world_size(self.zero_group), dist.get_rank(self.zero_group))
+        return optimizer
+
+    # ---------------------------------------------------------------------------------------------- training
+    def step_runner(self, module: nn.Module, precision: Precision, counter: CollectiveCounter | None) -> StepRunner:
+        if self.stages is None:
+            return super().step_runner(module, precision, counter)
+        return PipelinedSteps(module, precision, counter, self.stages, self.ctx.uncounted)
+
+    def pipeline_runner(self) -> Any:
+        return self.stages.runner if self.stages is not None else None
+
+    def stage_runner(self) -> nn.Module | None:
+        return self.placement.runner if self.placement is not None else None
+
+    def block_events(self) -> BlockEvents | None:
+        if self.stages is not None or self.placement is None:
+            return None
+        return FSDPEvents(self._holder.blocks, self.stage_runner(),
+                          reshard_after_forward=self.fsdp_mode(self.ctx) == "zero3")
+
+    @contextlib.contextmanager
+    def no_sync(self, module: nn.Module) -> Iterator[None]:
+        """Skip the gradient reduction of every unit that is not offloaded (each keeps its whole unsharded gradient
+        until the last micro-batch reduces it), unless the options ask to reduce every micro-batch. Offloaded units
+        always reduce: their gradients must not stay on the device."""
+        if self.ctx.accumulation.reduce_every_micro_batch or self.stages is not None:
+            yield
+            return
+        holder = holder_of(module)
+        offloaded = {id(m) for i in self.plan.offloaded for m in holder.blocks[i].modules()}
+        units = [u for u in fsdp_modules(module) if id(u) not in offloaded]
+        for unit in units:
+            unit.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_gradient_sync(True, recurse=False)
+
+    def post_backward(self, optimizers: list[Any]) -> None:
+        for optimizer in optimizers:
+            if isinstance(optimizer, (ReplicatedZeroOptimizer, SplitZeroOptimizer)):
+                optimizer.link_grads()  # FSDP2 has all-reduced the gradients by now
+
+    def reshard(self, module: nn.Module) -> None:
+        reshard_all(module, self.stage_runner())
+        if self.stages is not None:
+            for stage_module in self.stages.stage_modules:
+                stage_module.reshard()
+
+    def grad_copies(self) -> Callable[[torch.Tensor], int] | None:
+        if self.path == "fsdp":
+            return None  # every parameter on one mesh: torch's clipping is right
+        return self.copies
+
+    def copies(self, param: torch.Tensor) -> int:
+        """Ranks holding the same local part of ``param``'s gradient (ZeRO-1's optimizer steps plain views of the
+        parameters: their parameter's count)."""
+        whole = self._whole_of.get(id(param), param)
+        if self.stages is not None:
+            return self.stages.copies(whole)
+        return ranks_holding(whole.grad)
+
+    def sampler_ranks(self, ctx: EngineContext) -> tuple[int, int] | None:
+        """Ranks of one tensor-parallel group or pipeline read the same batch: the sampler splits the data over the
+        data-parallel ranks only (ranks are laid out (pipeline, data, tensor))."""
+        if self.path == "fsdp" or ctx.world_size == 1:
+            return None
+        dims = self.dims(ctx)
+        return dims.data_parallel, dims.data_rank(ctx.global_rank)
+
+    def describe(self) -> list[str]:
+        lines = []
+        if self.path != "fsdp" and self.meshes.dims.model_parallel:
+            lines.append("P2RStrategy " + self.meshes.dims.describe())
+        if self.stages is not None:
+            lines.append(self.stages.describe())
+        return lines
+
+    # --------------------------------------------------------------------------------------------- delinking
+    def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
+               num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
+               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
+        """FSDP2 cannot change the modules it manages, so this rank's part of the model is gathered into a plain
+        host copy (tensor by tensor), delinked there like any other model (the copies of a shared block start from
+        this rank's replica, equal on every rank), and the copy replaces the sharded one and is placed afresh (a new
+        plan places the new blocks; a pipeline keeps the new blocks of this rank's layers); the optimizer is rebuilt
+        over the new shards."""
+        root = self.placement.root
+        if root is module:
+            raise ValueError(
+                f"P2RStrategy delinks a model on FSDP2 by rebuilding the submodule that holds its parameters; "
+                f"{type(module).__name__} keeps parameters directly on the LightningModule")
+        self.reshard(module)
+        whole_optimizer = self.module_optimizer(optimizer)
+        plain, plain_optimizer, names = delinked_plain_copy(root, self.placement.template, whole_optimizer,
+                                                            num_unique_blocks, optimizer_state, perturb)
+        replace_submodule(module, root, plain)
+        # Free the old model's gradients and optimizer state before the new model is placed (the caller and
+        # Lightning still hold the old optimizer objects until this returns).
+        release_model_state(root, [whole_optimizer, optimizer])
+        self.placement = None
+        if self.stages is not None:
+            self.stages.clear()
+        del root, whole_optimizer
+        self.place(module, ctx, move_module=False)
+        if self.stages is not None:  # this rank keeps only its own blocks' parameters
+            live = {name for name, _ in plain.named_parameters()}
+            plain_optimizer = _only_parameters(plain_optimizer, {pid for pid, n in names.items() if n in live})
+        return self.adapt_optimizers([shard_optimizer(plain_optimizer, names, plain)], module)[0]
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module,
+                     optimizers: list[Any]) -> None:
+        whole = [self.module_optimizer(o) for o in optimizers]
+        self.reshard(module)  # an evaluation forward (a callback's) may have left units gathered
+        sharded_checkpoint.save_sharded(checkpoint, filepath, module, whole)
+
+    def load_weights(self, module: nn.Module, source: dict[str, Any] | str, strict: bool) -> None:
+        if isinstance(source, str):
+            sharded_checkpoint.load_model_into(module, source)
+            return
+        if self.stages is not None:  # a whole model's state dict: this rank's part of it
+            own = set(module.state_dict())
+            source = {key: value for key, value in source.items() if key in own}
+        sharded_checkpoint.load_full_model_state(module, source, strict)
+
+    def load_optimizer_state(self, module: nn.Module, index: int, optimizer: torch.optim.Optimizer,
+                             checkpoint: dict[str, Any], sharded_path: str | None, device: torch.device) -> None:
+        """Into an optimizer over the module's own parameters, then into the partitioned one if zero1."""
+        if sharded_path is None and self.stages is not None:
+            raise ValueError(
+                "resuming a pipeline-parallel run from a single-file checkpoint: its optimizer state is numbered over "
+                "the whole model's parameters, which no pipeline rank holds. Resume from a sharded (torch distributed "
+                "checkpoint) directory, which any sharding='zero2'/'zero3' or pipeline run saves and which reshards "
+                "across pipeline degrees; a single file's weights alone load with M6LanguageModel.load_from_checkpoint")
+        target = self.module_optimizer(optimizer)
+        if sharded_path is not None:
+            sharded_checkpoint.load_optimizer_into(module, target, index, sharded_path)
+        else:
+            sharded_checkpoint.load_full_optimizer_state(module, target, checkpoint["optimizer_states"][index])
+        if isinstance(optimizer, (ReplicatedZeroOptimizer, SplitZeroOptimizer)):
+            optimizer.load_whole_state(target)
+
+
+def _only_parameters(optimizer: torch.optim.Optimizer, keep: set[int]) -> torch.optim.Optimizer:
+    """``optimizer`` over the parameters in ``keep`` (by id) only, with their state."""
+    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [p for p in g["params"] if id(p) in keep]}
+              for g in optimizer.param_groups]
+    result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
+    for param, state in optimizer.state.items():
+        if id(param) in keep:
+            result.state[param] = state
+    return result

@@ -1,0 +1,230 @@
+"""Modular pipeline parallelism's part of placement (Lamy-Poirier 2021): which stages and blocks this rank keeps,
+the stage modules that ``torch.distributed.pipelining`` runs, the replicas shared between pipeline ranks, and the
+pipelined step.
+
+Each rank keeps only what its stages use: the other blocks (and the embedding or head, where another rank holds
+them) are replaced by :class:`~.stage.AbsentModule` while the model is still on the meta device, so no rank ever
+allocates them. A parameter used by stages on several ranks (the block a pseudo model shares between all its
+layers, an embedding tied to the head) is a replica on each of them and its gradient is all-reduced among them after
+the step. See docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ...protocols import DefinesPipelineStages, PipelineParts
+from ..parallel.clipping import replicas_on_mesh
+from .layout import PipelineLayout, block_holders, check_local_sharing, check_micro_batches
+from .runner import BREADTH_FIRST, PipelineRunner, PipelineStepResult
+from .stage import PipelineStageModule, keep_only
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def pipeline_parts(module: nn.Module) -> PipelineParts:
+    if not isinstance(module, DefinesPipelineStages):
+        raise ValueError(
+            f"P2RStrategy(pipeline_parallel > 1) needs the LightningModule to define pipeline_parts() -> "
+            f"PipelineParts (see lightning_p2r.protocols); {type(module).__name__} does not")
+    return module.pipeline_parts()
+
+
+class StagePlacement:
+    """This rank's stages of one job: cut at every placement (delinking re-cuts), with the process groups of the
+    replicas made once per set of ranks (``new_group`` is collective)."""
+
+    def __init__(self, *, world_size: int, global_rank: int, pipeline_parallel: int, stages_per_rank: int,
+                 schedule: str, micro_batches: int, recompute: bool, group: dist.ProcessGroup) -> None:
+        self.world_size, self.global_rank = world_size, global_rank
+        self.pipeline_parallel, self.stages_per_rank = pipeline_parallel, stages_per_rank
+        self.schedule, self.micro_batches, self.recompute = schedule, micro_batches, recompute
+        self.group = group
+        """The pipeline's process group (the "pp" dimension of the mesh)."""
+        self.cut: PipelineLayout | None = None
+        self.parts: PipelineParts | None = None
+        self.stage_modules: list[PipelineStageModule] = []
+        self.runner: PipelineRunner | None = None
+        self.params: list[nn.Parameter] = []
+        """This rank's parameters, once (a block a stage's layers share appears once)."""
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._replicas: list[tuple[dist.ProcessGroup, list[nn.Parameter]]] = []
+        self._holders_of: dict[int, int] = {}
+        self._outside_ranks: dict[str, tuple[int, ...]] | None = None
+        self._ranks_of: dict[str, tuple[int, ...]] = {}
+        self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
+
+    @property
+    def breadth_first(self) -> bool:
+        return self.schedule in BREADTH_FIRST
+
+    # ------------------------------------------------------------------------------------------- placement
+    def keep_own(self, module: nn.Module, holder: nn.Module) -> set[int]:
+        """Cut the model into stages and drop (on the meta device: never allocate) what other ranks hold; returns
+        the indices of this rank's blocks. Collective (replica groups are created on every rank)."""
+        parts = pipeline_parts(module)
+        layer_to_block = list(holder.layer_to_block)
+        cut = PipelineLayout(self.world_size, self.pipeline_parallel, self.stages_per_rank, len(layer_to_block))
+        check_local_sharing(layer_to_block, cut)
+        check_micro_batches(self.schedule, self.micro_batches, self.pipeline_parallel)
+        self.cut, self.parts = cut, parts
+        stages = self.stages
+        embed, head = list(parts.embed_modules), _with_tied(holder, list(parts.head_modules))
+        self._embed, self._head = embed, head
+        self._ranks_of = self._pipeline_ranks_of(holder, layer_to_block, embed, head)
+        mine = {layer_to_block[layer] for stage in stages for layer in cut.stage_layers(stage)}
+        keep_only(holder, mine, (embed if 0 in stages else []) + (head if cut.num_stages - 1 in stages else []))
+        return mine
+
+    @property
+    def stages(self) -> list[int]:
+        return self.cut.stages_of(self.cut.pipeline_rank(self.global_rank))
+
+    def build_stage_modules(self, holder: nn.Module) -> list[PipelineStageModule]:
+        """One module per stage of this rank (each the FSDP2 root of its blocks); recompute checkpoints each layer."""
+        cut, last = self.cut, self.cut.num_stages - 1
+        self.stage_modules = [PipelineStageModule(self.parts, holder.blocks, cut.stage_layers(s), first=s == 0,
+                                                  last=s == last, embed_modules=self._embed, head_modules=self._head,
+                                                  recompute=self.recompute)
+                              for s in self.stages]
+        return self.stage_modules
+
+    def finish(self, holder: nn.Module, device: torch.device) -> None:
+        """After the stages are sharded and materialized: the replica groups and the schedule's runner."""
+        self.params = list({id(p): p for m in self.stage_modules for p in m.parameters()}.values())
+        params = dict(holder.named_parameters())
+        self._holders_of = {id(p): len(self._ranks_of[name]) for name, p in params.items()}
+        replicas: dict[tuple[int, ...], list[nn.Parameter]] = {}
+        for name, p in params.items():
+            if len(self._ranks_of[name]) > 1:
+                replicas.setdefault(self._ranks_of[name], []).append(p)
+        self._replicas = [(self._groups[ranks], group) for ranks, group in sorted(replicas.items())]
+        self.runner = PipelineRunner(self.stage_modules, self.stages, self.cut.num_stages, device, self.group,
+                                     self.schedule, self.micro_batches, self.parts)
+
+    def clear(self) -> None:
+        """Before a re-placement (delinking): forget the stage modules and the runner."""
+        self.stage_modules, self.runner = [], None
+
+    def _pipeline_ranks_of(self, holder: nn.Module, layer_to_block: list[int], embed: list[nn.Module],
+                           head: list[nn.Module]) -> dict[str, tuple[int, ...]]:
+        """The pipeline ranks holding each parameter (by its name in the holder, which sharding keeps), and a
+        process group for every set of several. Collective (groups are created on every rank)."""
+        cut = self.cut
+        if self._outside_ranks is None:
+            # Known once, before anything is dropped: delinking changes only the blocks.
+            self._outside_ranks = {}
+            names = {id(p): n for n, p in holder.named_parameters()}
+            for modules, stage in ((embed, 0), (head, cut.num_stages - 1)):
+                for param in (p for m in modules for p in m.parameters()):
+                    held = set(self._outside_ranks.get(names[id(param)], ())) | {cut.owner(stage)}
+                    self._outside_ranks[names[id(param)]] = tuple(sorted(held))
+        holders = block_holders(layer_to_block, cut)
+        self._create_groups([r for r in [*holders.values(), *self._outside_ranks.values()] if len(r) > 1])
+        ranks_of = dict(self._outside_ranks)
+        for block, ranks in holders.items():
+            for name, _ in holder.blocks[block].named_parameters():
+                ranks_of[f"blocks.{block}.{name}"] = ranks
+        return ranks_of
+
+    def _create_groups(self, rank_sets: list[tuple[int, ...]]) -> None:
+        """One process group per set of pipeline ranks sharing replicas and per pipeline (column of the mesh); every
+        rank creates every group, in the same order (``new_group`` is collective)."""
+        cut = self.cut
+        for ranks in sorted(set(rank_sets) - set(self._groups)):
+            for column in range(cut.ranks_per_stage):
+                group = dist.new_group(cut.global_ranks(list(ranks), column))
+                if cut.column(self.global_rank) == column:
+                    self._groups[ranks] = group
+
+    def holders(self, param: torch.Tensor) -> int:
+        """Pipeline ranks holding a replica of ``param`` (1 for a parameter only one stage uses)."""
+        return self._holders_of.get(id(param), 1)
+
+    def copies(self, whole: torch.Tensor) -> int:
+        """Ranks holding the same local part of ``whole``'s gradient: its mesh's replicas times its pipeline
+        replicas."""
+        grad = whole.grad
+        # A parameter on a sub-mesh of its stage (a norm weight on the data ranks only) is repeated on the stage's
+        # other tensor-parallel slices, which its placements do not show; the pipeline slices hold other stages.
+        slices = (self.world_size // grad.device_mesh.size() // self.pipeline_parallel
+                  if isinstance(grad, DTensor) else 1)
+        return replicas_on_mesh(grad) * slices * self.holders(whole)
+
+    # ---------------------------------------------------------------------------------------------- training
+    def train_step(self, batch: torch.Tensor, uncounted: Any) -> PipelineStepResult:
+        """Forward and backward of every micro-batch through the pipeline; replicas' gradients summed; the step's
+        loss and metrics on every rank. The gradients are then held aside until :meth:`restore_gradients`, because
+        Lightning zeroes them between ``training_step`` and ``backward``."""
+        for param in self.params:  # the last step's gradients (Lightning zeroes them after training_step, too late)
+            param.grad = None
+        self.runner.train_step(batch)
+        for group, replicas in self._replicas:
+            sum_over(group, [_local(p.grad) for p in replicas if p.grad is not None])
+        with uncounted():  # metrics, not the training layout
+            result = self.runner.gather_step()
+        self._stashed = [(p, p.grad) for p in self.params]
+        for param, _ in self._stashed:
+            param.grad = None
+        return result
+
+    def restore_gradients(self) -> None:
+        for param, grad in self._stashed:
+            param.grad = grad
+        self._stashed = []
+
+    def drop_gradients(self) -> None:
+        """A skipped step (non-finite loss): forget the held gradients."""
+        self._stashed = []
+
+    def forward(self, inputs: torch.Tensor) -> Any:
+        """The model's forward on a pipelined rank (validation, test, predict, a callback's loss): the inputs run
+        through every stage, forward only and without gradient, and the output built from the last stage's logits
+        reaches every rank of the pipeline. Collective over the pipeline's ranks, which all read the same batch."""
+        cut = self.cut
+        logits = self.runner.evaluate(self.parts.window(inputs))
+        source = cut.global_ranks([cut.owner(cut.num_stages - 1)], cut.column(self.global_rank))[0]
+        meta = [(tuple(logits.shape), logits.dtype) if logits is not None else None]
+        dist.broadcast_object_list(meta, src=source, group=self.group)
+        if logits is None:
+            shape, dtype = meta[0]
+            logits = torch.empty(shape, dtype=dtype, device=self.runner.device)
+        dist.broadcast(logits, src=source, group=self.group)
+        return self.parts.output(logits)
+
+    def describe(self) -> str:
+        return (f"P2RStrategy pipeline: {self.cut.describe()}, schedule {self.schedule}, {self.micro_batches} "
+                "micro-batches")
+
+
+def _with_tied(holder: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
+    """``modules`` and any other module outside the blocks holding a parameter of theirs (a tied embedding), so the
+    stage's FSDP2 root manages every module that holds the shared tensor."""
+    shared = {id(p) for m in modules for p in m.parameters()}
+    extra = [child for child in holder.children() if child is not holder.blocks and not any(
+        child is m for m in modules) and any(id(p) in shared for p in child.parameters())]
+    return modules + extra
+
+
+def sum_over(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    """All-reduce (sum) ``tensors`` in place over ``group``: one flat all-reduce per dtype (the replicas of a pseudo
+    model's block are many small tensors), on the group's device (an offloaded block's gradient lives on the host
+    on one rank and maybe not on another, and NCCL reduces device tensors only)."""
+    device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+              else torch.device("cpu"))
+    buckets: dict[torch.dtype, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        buckets.setdefault(tensor.dtype, []).append(tensor)
+    for dtype in sorted(buckets, key=str):  # the same order on every rank
+        bucket = buckets[dtype]
+        flat = torch.cat([t.reshape(-1).to(device) for t in bucket])
+        dist.all_reduce(flat, group=group)
+        for tensor, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            tensor.copy_(part.view_as(tensor))

@@ -1,0 +1,176 @@
+"""The one placement path of every FSDP2 layout (ZeRO-2/3, the replicated layouts across processes, tensor / expert
+parallelism, pipeline stages), in torchtitan's order:
+
+1. **stage parts**: under pipeline parallelism, cut the model into this rank's stages and replace what other ranks
+   hold by parameterless stand-ins (still on the meta device, so nothing is ever allocated for them);
+2. **offload plan** of this rank's blocks (which keep their FSDP2 shards in host memory);
+3. **the model's tensor / expert plan** (``parallel.parallelize_model`` reads the model's own declaration);
+4. **recompute**: pipeline stage modules checkpoint each layer (layered accumulation recomputes in its executor);
+5. **compile** each block (``compile.py``), after the plan and recompute, before FSDP2 wraps it;
+6. **FSDP2**: ``fully_shard`` every unit (a block, and under model parallelism its experts first, over the ranks
+   holding the same experts), then the part's root, with one reshard rule (:func:`reshard_after_forward`);
+7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them with
+   initial values or the checkpoint's weights.
+
+Every FSDP2 call of the package is here: one for units, one for roots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+from ..protocols import ComputesTokenLoss
+from .compile import compile_blocks
+from .engines.base import EngineContext, holder_of
+from .materialize import Initializer, allocate, has_meta_tensors
+from .parallel import ParallelMeshes, parallelize_model
+from .parallel.loss import VocabParallelCrossEntropy
+from .pipeline.placement import StagePlacement
+from .plan import OffloadPlan
+from .regather import meta_template
+from .sharding import StageRunner, fsdp_modules, modules_outside_blocks, smallest_parameter_root
+
+
+@dataclass
+class Placement:
+    """What one placement made of a model."""
+
+    plan: OffloadPlan
+    root: nn.Module
+    """The deepest submodule holding every parameter (delinking rebuilds it)."""
+    template: nn.Module
+    """``root`` on the meta device, as it was before placement (delinking copies it)."""
+    runner: nn.Module | None = None
+    """Layered accumulation's FSDP2 root over the modules outside the blocks (see ``sharding.StageRunner``)."""
+
+
+def reshard_after_forward(fsdp_mode: str, *, layered: bool, breadth_first_pipeline: bool) -> bool:
+    """Whether a unit gives its gathered parameters back after its forward. Only ZeRO-3 does, and only when the next
+    micro-batch does not come straight back to it: layered accumulation and breadth-first pipeline schedules run
+    every micro-batch through a unit in a row, so they gather it once and reshard it after the last (explicitly)."""
+    return fsdp_mode == "zero3" and not (layered or breadth_first_pipeline)
+
+
+def shard_unit(unit: nn.Module, mesh: object, *, reshard: bool, offloaded: bool, pin_memory: bool) -> None:
+    """``fully_shard`` one unit; an offloaded one keeps its shards (parameters, gradients, optimizer states) in host
+    memory through FSDP2's CPU offload."""
+    policy = CPUOffloadPolicy(pin_memory=pin_memory) if offloaded else OffloadPolicy()
+    fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+
+
+def shard_root(root: nn.Module, mesh: object) -> None:
+    """``fully_shard`` a part's root (the parameters outside its units); roots never reshard after forward, since
+    the backward starts with them."""
+    fully_shard(root, mesh=mesh, reshard_after_forward=False)
+
+
+def offload_plan(ctx: EngineContext, module: nn.Module, holder: nn.Module, mine: set[int]) -> OffloadPlan:
+    """The offload options applied to this rank's blocks ``mine`` (a fraction or a budget is this rank's share;
+    ``offload_blocks`` names blocks by their index in the model)."""
+    if len(mine) == len(holder.blocks):
+        return ctx.offload_plan(module, holder.blocks)
+    own = sorted(mine)
+    chosen = ctx.offload.offload_blocks
+    local_ctx = ctx if chosen is None else _with_offload_blocks(ctx, [own.index(i) for i in chosen if i in mine])
+    local = local_ctx.offload_plan(module, nn.ModuleList([holder.blocks[i] for i in own]))
+    return OffloadPlan(len(holder.blocks), tuple(own[i] for i in local.offloaded))
+
+
+def _with_offload_blocks(ctx: EngineContext, blocks: list[int]) -> EngineContext:
+    return dataclasses.replace(ctx, offload=dataclasses.replace(ctx.offload, offload_blocks=blocks))
+
+
+def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshes, ctx: EngineContext) -> None:
+    """Split the model over the tensor and expert dimensions as it declares (works on the meta device). A module
+    that takes its training loss from ``token_loss`` gets the vocabulary-parallel one (the logits stay split)."""
+    loss_parallel = meshes.dims.tensor_parallel > 1 and isinstance(module, ComputesTokenLoss)
+    parallelize_model(holder, meshes, loss_parallel=loss_parallel, sequence_parallel=ctx.parallel.sequence_parallel)
+    if loss_parallel:
+        module.token_loss = VocabParallelCrossEntropy(meshes.tensor, holder.config.vocab_size)
+
+
+def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages: StagePlacement | None, *,
+          fsdp_mode: str, move_module: bool = True) -> Placement:
+    """Place ``module`` (on the meta device, or eager after delinking) in the order of the module docstring."""
+    holder = holder_of(module)
+    layered = ctx.accumulation.accumulation == "layered"
+    # 1. stage parts
+    mine = stages.keep_own(module, holder) if stages is not None else set(range(len(holder.blocks)))
+    # 2. offload plan
+    plan = offload_plan(ctx, module, holder, mine)
+    root = smallest_parameter_root(module)
+    placement = Placement(plan, root, meta_template(root))
+    # 3. the model's tensor / expert plan
+    if meshes.dims.model_parallel:
+        apply_model_plan(module, holder, meshes, ctx)
+    lazy = has_meta_tensors(module)
+    if move_module and not lazy:
+        module.to(ctx.device)
+    # 4. recompute
+    stage_modules = stages.build_stage_modules(holder) if stages is not None else []
+    # 5. compile
+    if ctx.accumulation.compile:
+        compile_blocks(holder.blocks, sorted(mine))
+    # 6. FSDP2: units, then roots
+    reshard = reshard_after_forward(fsdp_mode, layered=layered,
+                                    breadth_first_pipeline=stages is not None and stages.breadth_first)
+    for index in sorted(mine):
+        offloaded = index in plan.offloaded
+        if meshes.dims.model_parallel:
+            for experts in _expert_modules(holder.blocks[index]):
+                shard_unit(experts, meshes.expert_data, reshard=reshard, offloaded=offloaded,
+                           pin_memory=ctx.pin_memory)
+        shard_unit(holder.blocks[index], meshes.data, reshard=reshard, offloaded=offloaded,
+                   pin_memory=ctx.pin_memory)
+    if stages is not None:
+        roots: list[nn.Module] = list(stage_modules)
+    elif layered:
+        owners = modules_outside_blocks(root, holder.blocks)
+        placement.runner = StageRunner(owners) if owners else None
+        roots = [placement.runner] if owners else []
+    else:
+        roots = [root]
+    for part_root in roots:
+        shard_root(part_root, meshes.data)
+    if stages is not None and fsdp_mode == "zero3" and stages.breadth_first:
+        for stage_module in stage_modules:
+            stage_module.after_last_forward = _reshard_blocks
+    # 7. materialize
+    if lazy:
+        _materialize_shards(module, holder, plan, ctx)  # the engine then writes ctx.weights, if any
+    if placement.runner is not None:
+        # The model's own forward (evaluation, a callback measuring a loss) reads the embedding and head outside
+        # the runner: gather them first. Training calls the stages through the runner instead.
+        runner = placement.runner
+        root.register_forward_pre_hook(lambda *_: runner.unshard())
+    return placement
+
+
+def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan, ctx: EngineContext) -> None:
+    """Each unit in turn gets storage for this rank's shards only (an offloaded block's in host memory, as FSDP2's
+    CPU offload keeps them; another pipeline rank's block is a stand-in with nothing to allocate) and its values:
+    the peak is the shards plus one whole tensor being cut."""
+    initializer = Initializer(module, holder)  # after fully_shard: the parameters are DTensors now
+    fill = ctx.weights is None
+    for index, block in enumerate(holder.blocks):
+        params = allocate(block, "cpu" if index in plan.offloaded else ctx.device)
+        if fill:
+            initializer.fill(params)
+    params = allocate(module, ctx.device, skip=[holder.blocks])
+    if fill:
+        initializer.fill(params)
+
+
+def _reshard_blocks(stage_module: nn.Module) -> None:
+    for block in stage_module.owned:
+        for unit in fsdp_modules(block):
+            unit.reshard()
+
+
+def _expert_modules(block: nn.Module) -> list[nn.Module]:  # TODO(merge): the model's plan names them
+    from ..models.moe import MoEFeedForward
+    return [m.experts for m in block.modules() if isinstance(m, MoEFeedForward)]
