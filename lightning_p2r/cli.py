@@ -308,7 +308,7 @@ def main(args: list[str] | None = None) -> None:
         plan(argv[1:])
         return
     if argv[:1] == ["calibrate"]:
-        from .planning.calibrate import main as calibrate
+        from .measure.calibrate import main as calibrate
 
         calibrate(argv[1:])
         return

@@ -21,7 +21,7 @@ cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing
   host->device parameter bytes with every block offloaded on one process.
 - ``capacity``: the largest dense M6 that trains a few steps under a per-rank memory limit, for one process, ZeRO-3
   on 2 ranks, full offload and both; per rank the memory growth while the model is built and placed (over its fp32
-  parameter bytes) and the peak of the run. Its measurement, :mod:`lightning_p2r.benchmarks.memory_probe`
+  parameter bytes) and the peak of the run. Its measurement, :mod:`lightning_p2r.measure.memory`
   (``SetupMemoryProbe``, a callback: peak RSS growth from ``setup`` to the first batch, and on CUDA
   ``max_memory_allocated``), is shared with the tests.
 - ``accumulation_sync``: standard accumulation under ZeRO-3 on 2 CPU processes, gradients reduced once per step

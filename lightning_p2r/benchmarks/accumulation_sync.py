@@ -25,9 +25,9 @@ from lightning_p2r.benchmarks.report import (
     print_table,
     save_bar_chart,
     with_environment,
-    worker_env,
     write_csv,
 )
+from lightning_p2r.measure.run import worker_env
 
 WARMUP = 4
 

@@ -23,13 +23,13 @@ from lightning_p2r.benchmarks.report import (
     apply_threads,
     base_parser,
     environment_info,
-    median_seconds,
     print_environment,
     print_table,
     save_line_chart,
     with_environment,
     write_csv,
 )
+from lightning_p2r.measure.run import median_seconds
 from lightning_p2r.models import banded_attention, local_causal_mask
 
 COLUMNS = ["seq_len", "window", "dense_causal_s", "masked_band_s", "chunked_band_s", "masked_ratio",

@@ -12,7 +12,7 @@ For a ladder of dense M6 models (``--sizes``: layer counts at width ``--dim``, o
 - ``zero3_offload``: 2 ranks, both,
 
 each run is a fresh process group that trains ``--steps`` steps and reports, per rank (figures taken in the rank's
-own process by :class:`~lightning_p2r.benchmarks.memory_probe.SetupMemoryProbe`): the peak growth of memory from
+own process by :class:`~lightning_p2r.measure.memory.SetupMemoryProbe`): the peak growth of memory from
 the start of Lightning's ``setup`` (before ``configure_model`` builds the model) to the first training batch, in
 MiB and over the model's fp32 parameter bytes; the peak over the whole run; and whether every step ran. The summary
 gives, per layout, the largest model in the ladder whose every rank stayed at or under ``--memory-limit``.
@@ -52,9 +52,9 @@ from lightning_p2r.benchmarks.report import (
     pyplot,
     save_figure,
     with_environment,
-    worker_env,
     write_csv,
 )
+from lightning_p2r.measure.run import worker_env
 
 LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "none": (1, {}),
@@ -107,7 +107,7 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch
 
     from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
-    from lightning_p2r.benchmarks.memory_probe import SetupMemoryProbe
+    from lightning_p2r.measure.memory import SetupMemoryProbe
 
     cuda = spec["device"] == "cuda"
 

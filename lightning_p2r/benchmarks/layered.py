@@ -44,9 +44,9 @@ from lightning_p2r.benchmarks.report import (
     pyplot,
     save_figure,
     with_environment,
-    worker_env,
     write_csv,
 )
+from lightning_p2r.measure.run import OptimizerStepTimer, worker_env
 
 MICRO_BATCHES = (1, 2, 4, 8)
 GLOBAL_BATCH = 16
@@ -57,41 +57,8 @@ RATIOS = ["collective_calls", "collective_bytes", "h2d_param_bytes", "tokens_per
 WORKER_TIMEOUT_S = 600
 
 
-class OptimizerStepTimer(L.Callback):
-    """``time.perf_counter()`` at the end of every batch that completed an optimizer step (after the device
-    finished it: CUDA runs asynchronously)."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-        self._step = 0
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step != self._step:
-            self._step = trainer.global_step
-            if trainer.strategy.root_device.type == "cuda":
-                torch.cuda.synchronize(trainer.strategy.root_device)
-            self.ends.append(time.perf_counter())
 
 
-def fit_on_random_tokens(spec: dict[str, Any], strategy: P2RStrategy, *, warmup: int,
-                         callbacks: tuple[L.Callback, ...] = ()) -> tuple[L.Trainer, M6LanguageModel, float]:
-    """Train ``spec["model"]`` (an M6Config's fields) with ``strategy`` on ``spec["devices"]`` processes (on
-    ``spec["accelerator"]``, CPU by default) for ``spec["steps"]`` steps of ``spec["global_batch"]`` random sequences,
-    split over the data ranks; returns the trainer, the module and the median optimizer-step interval after
-    ``warmup`` steps (the benchmark workers' and the calibration's)."""
-    L.seed_everything(0)
-    config = M6Config(**spec["model"])
-    module = M6LanguageModel(config, OptimizerConfig(warmup_steps=1))
-    ends = OptimizerStepTimer()
-    trainer = L.Trainer(accelerator=spec.get("accelerator", "cpu"), devices=spec["devices"], max_steps=spec["steps"],
-                        strategy=strategy, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-                        enable_model_summary=False, limit_val_batches=0, callbacks=[ends, *callbacks])
-    data_ranks = spec["devices"] // (strategy.tensor_parallel * strategy.pipeline_parallel)
-    data = torch.randint(0, config.vocab_size, (spec["steps"] * spec["global_batch"], config.max_seq_len + 1),
-                         generator=torch.Generator().manual_seed(0))
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=spec["global_batch"] // data_ranks))
-    steps = [b - a for a, b in zip(ends.ends[warmup - 1:], ends.ends[warmup:])]
-    return trainer, module, statistics.median(steps)
 
 
 def _corpus(work: Path) -> str:

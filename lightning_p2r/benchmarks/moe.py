@@ -37,13 +37,13 @@ from lightning_p2r.benchmarks.report import (
     apply_threads,
     base_parser,
     environment_info,
-    median_seconds,
     print_environment,
     print_table,
     save_bar_chart,
     with_environment,
     write_csv,
 )
+from lightning_p2r.measure.run import median_seconds
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.models.moe import MoEFeedForward
 from lightning_p2r.models.transformer import DenseFeedForward

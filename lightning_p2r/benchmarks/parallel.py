@@ -28,11 +28,12 @@ from lightning_p2r.benchmarks.report import (
     environment_info,
     print_environment,
     print_table,
-    run_rank_worker,
     save_bar_chart,
     with_environment,
     write_csv,
 )
+from lightning_p2r.measure.collectives import KINDS, data_parallel_parts, predicted_bytes
+from lightning_p2r.measure.run import run_rank_worker
 
 WARMUP = 3
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -47,7 +48,6 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2 x ep2": {"devices": 4, "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
     "tp2 x ep2 zero3": {"devices": 4, "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "sharding": "zero3"}},
 }
-KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def model_config(quick: bool) -> dict[str, Any]:
@@ -61,8 +61,8 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from lightning_p2r import P2RStrategy
-    from lightning_p2r.benchmarks.layered import fit_on_random_tokens
-    from lightning_p2r.strategy.sharding import local_model_state_bytes
+    from lightning_p2r.measure.memory import local_model_state_bytes
+    from lightning_p2r.measure.run import fit_on_random_tokens
 
     strategy = P2RStrategy(count_collectives=True, **spec["strategy"])
     trainer, module, step_s = fit_on_random_tokens(spec, strategy, warmup=WARMUP)
@@ -78,63 +78,8 @@ def _worker(spec: dict[str, Any]) -> None:
         dist.barrier()
 
 
-def data_parallel_parts(module: Any) -> tuple[int, int]:
-    """Bytes of the parameters' tensor / expert-parallel parts that more than one data rank holds: (in blocks,
-    outside blocks). Read from each DTensor's mesh: its "tp" and "ep" dimensions split it, the others are data."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    block_bytes = root_bytes = 0
-    for name, param in module.named_parameters():
-        if not isinstance(param, DTensor):
-            continue
-        mesh, split, holders = param.device_mesh, 1, 1
-        for dim_name, placement in zip(mesh.mesh_dim_names, param.placements):
-            size = mesh[dim_name].size()
-            if dim_name in ("tp", "ep"):
-                split *= size if isinstance(placement, Shard) else 1
-            else:
-                holders *= size
-        if holders > 1:
-            part = param.numel() // split * param.element_size()
-            if ".blocks." in f".{name}":
-                block_bytes += part
-            else:
-                root_bytes += part
-    return block_bytes, root_bytes
 
 
-def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: int, global_batch: int,
-                    report: dict[str, Any], *, clipping: bool = False) -> dict[str, float]:
-    """The formulas' bytes per kind for one rank (the mean over the ranks, as the table compares them); empty for
-    layouts without tensor or expert parallelism. ``clipping``: the run clips gradients by norm."""
-    from lightning_p2r.planning.traffic import (
-        StepShape,
-        balance_loss_bytes,
-        clipping_bytes,
-        data_parallel_bytes,
-        expert_parallel_bytes,
-        tensor_parallel_bytes,
-    )
-    from lightning_p2r.strategy.parallel import ParallelDims
-
-    dims = ParallelDims(devices, strategy.get("tensor_parallel", 1), strategy.get("expert_parallel", 1))
-    if not dims.model_parallel:
-        return {}
-    shape = StepShape(tokens=global_batch // dims.data_parallel * model["max_seq_len"], dim=model["dim"],
-                      vocab_size=model["vocab_size"], num_layers=model["num_layers"],
-                      moe_layers=len(model["moe_layers"]), num_experts=model["num_experts"],
-                      assignments_per_token=model["num_prototypes"] * model["moe_top_k"])
-    predicted = dict.fromkeys(KINDS, 0.0)
-    sequence_parallel = strategy.get("sequence_parallel", False)
-    parts = (tensor_parallel_bytes(shape, dims.tensor_parallel, sequence_parallel=sequence_parallel),
-             expert_parallel_bytes(shape, dims.expert_parallel),
-             balance_loss_bytes(shape, dims.data_parallel), clipping_bytes(clipping),
-             data_parallel_bytes(report["fsdp_mode"], block_bytes=report["block_bytes"],
-                                 root_bytes=report["root_bytes"]))
-    for part in parts:
-        for kind, value in part.items():
-            predicted[kind] += value
-    return predicted
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

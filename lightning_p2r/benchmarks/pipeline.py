@@ -30,12 +30,12 @@ from lightning_p2r.benchmarks.report import (
     print_environment,
     print_table,
     pyplot,
-    run_rank_worker,
     save_figure,
     with_environment,
     write_csv,
 )
-from lightning_p2r.strategy.pipeline.layout import bubble_fraction
+from lightning_p2r.layout import bubble_fraction
+from lightning_p2r.measure.run import run_rank_worker
 
 WARMUP = 2
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -65,7 +65,7 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from lightning_p2r import P2RStrategy
-    from lightning_p2r.benchmarks.layered import fit_on_random_tokens
+    from lightning_p2r.measure.run import fit_on_random_tokens
 
     class RecordTimeline(L.Callback):
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

@@ -25,11 +25,11 @@ from lightning_p2r.benchmarks.report import (
     environment_info,
     print_environment,
     print_table,
-    run_rank_worker,
     save_bar_chart,
     with_environment,
     write_csv,
 )
+from lightning_p2r.measure.run import run_rank_worker
 
 WARMUP = 3
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -59,7 +59,7 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from lightning_p2r import P2RStrategy
-    from lightning_p2r.benchmarks.layered import fit_on_random_tokens
+    from lightning_p2r.measure.run import fit_on_random_tokens
 
     trainer, _, step_s = fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"]), warmup=WARMUP)
     report = {"rank": trainer.global_rank, "step_s": step_s}
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--worker":
         _worker(json.loads(sys.argv[2]))
         return {}
+    from lightning_p2r.measure.calibrate import calibrate
     from lightning_p2r.planning import load_cluster, write_cluster
-    from lightning_p2r.planning.calibrate import calibrate
 
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--clusters", help="a folder with cluster-<processes>.yaml files of this machine (default: "

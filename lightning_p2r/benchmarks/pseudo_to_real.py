@@ -71,9 +71,9 @@ from lightning_p2r.benchmarks.report import (
     pyplot,
     save_figure,
     with_environment,
-    worker_env,
     write_csv,
 )
+from lightning_p2r.measure.run import worker_env
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pseudo_to_real.yaml"
 SETTINGS = ("single", "zero3", "offload")

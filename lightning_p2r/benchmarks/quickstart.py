@@ -42,10 +42,10 @@ from lightning_p2r.benchmarks.report import (
     print_environment,
     print_table,
     save_line_chart,
-    synchronize,
     with_environment,
     write_csv,
 )
+from lightning_p2r.measure.run import synchronize
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 SUMMARY_COLUMNS = ["stage", "value"]

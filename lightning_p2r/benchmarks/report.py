@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import math
 import os
 import platform
-import statistics
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,28 +37,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-def worker_env(threads: int) -> dict[str, str]:
-    """The environment of a benchmark's worker subprocess: unbuffered output, ``threads`` OpenMP threads, and none of
-    the launcher variables a parent may have inherited (they would make the worker think it is a rank of our run)."""
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
 
 
-def run_rank_worker(module: str, spec: dict[str, Any], timeout: int) -> list[dict[str, Any]]:
-    """Run ``python -m <module> --worker <spec>`` (Lightning's launcher starts its other ranks; one thread each) and
-    collect the report each rank wrote to ``<spec["out"]>.rank<r>.json``, removing the files; fail with stderr."""
-    command = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=worker_env(threads=1))
-    if result.returncode != 0:
-        raise RuntimeError(f"{spec['name']} failed: {result.stderr[-3000:]}")
-    reports = []
-    for rank in range(spec["devices"]):
-        path = Path(spec["out"]).with_suffix(f".rank{rank}.json")
-        reports.append(json.loads(path.read_text()))
-        path.unlink()
-    return reports
 
 
 def chosen_layouts(parser: argparse.ArgumentParser, text: str, known: Mapping[str, Any]) -> list[str]:
@@ -119,31 +94,8 @@ def with_environment(rows: Sequence[Mapping[str, Any]], env: Mapping[str, Any]) 
 
 
 # ------------------------------------------------------------------------------------------------------ timing
-def synchronize(device: str | torch.device) -> None:
-    """Wait for queued kernels: CUDA launches are asynchronous, so a timer would otherwise see only the launch."""
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5,
-                   device: str | torch.device = "cpu") -> float:
-    """Median wall time of ``fn()`` over ``iters`` calls after ``warmup`` untimed ones.
-
-    Warm-up absorbs one-off costs (allocator growth, lazy kernel selection); the median rather than the mean keeps
-    one descheduled iteration on a shared machine from moving the result.
-    """
-    if iters < 1:
-        raise ValueError(f"iters must be >= 1, got {iters}")
-    for _ in range(warmup):
-        fn()
-    synchronize(device)
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------------------ CSV / table

@@ -1,6 +1,6 @@
 """Per-rank device and host memory of a layout, part by part.
 
-Model states (between steps, what :func:`lightning_p2r.strategy.sharding.local_model_state_bytes` counts):
+Model states (between steps, what :func:`lightning_p2r.measure.memory.local_model_state_bytes` counts):
 
 - parameters and gradients: each parameter's tensor-/expert-parallel part, then, under ZeRO-2/3, FSDP2's shard of
   it over the data ranks that hold the same part (dim 0 padded to a multiple of them); whole under "none"/zero1;

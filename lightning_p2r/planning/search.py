@@ -14,6 +14,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from ..layout import divisors
 from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import BREADTH_FIRST, SCHEDULES, Layout, Workload, check_layout
@@ -55,10 +56,6 @@ class SearchSpace:
     """None: up to the devices of a node."""
 
 
-def divisors(value: int) -> list[int]:
-    return [d for d in range(1, value + 1) if value % d == 0]
-
-
 def powers_of_two_dividing(value: int, limit: int) -> list[int]:
     return [2**i for i in range(0, 64) if 2**i <= limit and value % 2**i == 0]
 
@@ -66,6 +63,20 @@ def powers_of_two_dividing(value: int, limit: int) -> list[int]:
 def candidate_layouts(config: M6Config, cluster: Cluster, workload: Workload,
                       space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
     """Every valid layout in ``space`` (``check_layout`` accepts it)."""
+    return (layout for layout in _base_layouts(config, cluster, workload, space)
+            if _valid(layout, config, cluster, workload))
+
+
+def layout_space(config: M6Config, cluster: Cluster, workload: Workload,
+                 space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
+    """Every layout the search may consider, valid or not: the base layouts and their memory savers (the rulebook's
+    consistency test runs the strategy's checks over exactly these)."""
+    for layout in _base_layouts(config, cluster, workload, space):
+        yield layout
+        yield from memory_savers(layout, space)
+
+
+def _base_layouts(config: M6Config, cluster: Cluster, workload: Workload, space: SearchSpace) -> Iterator[Layout]:
     n = cluster.devices
     tp_limit = space.max_tensor_parallel or cluster.devices_per_node
     for tp in powers_of_two_dividing(n, tp_limit):
@@ -92,14 +103,9 @@ def _variants(config: M6Config, cluster: Cluster, workload: Workload, space: Sea
             continue  # a breadth-first pipeline is layered accumulation: the same layout under its other name
         stage_counts = [1] if schedule in ("gpipe", "1f1b") or pp == 1 else range(2, space.max_stages_per_rank + 1)
         for v in stage_counts:
-            layout = Layout(sharding=sharding, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
-                            pipeline_schedule=schedule, stages_per_rank=v, sequence_parallel=sp,
-                            accumulation=accumulation, micro_batches=m)
-            try:
-                check_layout(layout, config, cluster, workload)
-            except ValueError:
-                continue
-            yield layout
+            yield Layout(sharding=sharding, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
+                         pipeline_schedule=schedule, stages_per_rank=v, sequence_parallel=sp,
+                         accumulation=accumulation, micro_batches=m)
 
 
 def memory_savers(layout: Layout, space: SearchSpace) -> Iterator[Layout]:

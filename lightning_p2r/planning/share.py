@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..layout import offload_count, spread
 from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
@@ -46,24 +47,12 @@ def rank_share(config: M6Config, layout: Layout, cluster: Cluster, workload: Wor
     blocks = tuple(sorted({mapping[layer] for layer in layers}))
     dp = layout.data_parallel(cluster.devices)
     # The offload plan's own rule (half a block rounds up; the last block always among them).
-    count = math.floor(layout.offload_fraction * len(blocks) + 0.5)
+    count = offload_count(layout.offload_fraction, len(blocks))
     chosen = spread(count, len(blocks)) if layout.offload_blocks is None else layout.offload_blocks
     offloaded = tuple(blocks[i] for i in chosen if i < len(blocks))
     sequences = workload.global_batch // dp
     return RankShare(pipeline_rank, layers, pipeline_rank == 0, pipeline_rank == (pp * v - 1) % pp, blocks,
                      offloaded, dp, dp // layout.expert_parallel, sequences, sequences // layout.micro_batches)
-
-
-def spread(count: int, num_blocks: int) -> tuple[int, ...]:
-    """``count`` block indices spread evenly, the last block always among them when count > 0 (the offload plan's
-    rule, ``strategy/plan.py``).
-
-    With at most half the blocks offloaded, every offloaded block follows a resident one, whose compute hides
-    the offloaded block's copy; and the first block stays resident so the forward pass starts without waiting.
-    """
-    if count <= 0:
-        return ()
-    return tuple(sorted({int((i + 1) * num_blocks / count) - 1 for i in range(count)}))
 
 
 def split_shape(param: ParamSpec, layout: Layout) -> tuple[int, ...]:

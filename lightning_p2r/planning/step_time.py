@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from ..layout import bubble_fraction as pipeline_bubble
 from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
@@ -107,8 +108,7 @@ def transfer_seconds(transfer: Transfer, cluster: Cluster) -> float:
 
 
 def bubble_fraction(layout: Layout) -> float:
-    p, v, m = layout.pipeline_parallel, layout.stages_per_rank, layout.micro_batches
-    return (p - 1) / (v * m + p - 1)
+    return pipeline_bubble(layout.pipeline_parallel, layout.stages_per_rank, layout.micro_batches)
 
 
 def estimate_step(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload, *,

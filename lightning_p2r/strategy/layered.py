@@ -32,8 +32,8 @@ import torch
 
 from ..protocols import LayeredStages  # noqa: F401  (defined with the other contracts; imported here too)
 
-__all__ = ["AccumulationResult", "BlockEvents", "LayeredStages", "LayeredStep", "check_accumulation_options",
-           "layered_forward", "run_depth_first", "run_layered", "split_micro_batches"]
+__all__ = ["AccumulationResult", "BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "run_depth_first",
+           "run_layered", "split_micro_batches"]
 
 
 class BlockEvents:
@@ -79,23 +79,6 @@ class AccumulationResult:
     """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""
     metrics: dict[str, torch.Tensor]
     """Mean over micro-batches of the head metrics."""
-
-
-def check_accumulation_options(accumulation: str, micro_batches: int, recompute: bool, *,
-                               pipelined: bool = False) -> None:
-    """Validate ``P2RStrategy``'s accumulation options when it is built (the messages name its arguments).
-    ``pipelined``: pipeline parallelism is on, and ``micro_batches`` counts the pipeline's micro-batches."""
-    if accumulation not in ("standard", "layered"):
-        raise ValueError(f"P2RStrategy.accumulation must be 'standard' or 'layered', got {accumulation!r}")
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"P2RStrategy.micro_batches must be an integer >= 1, got {micro_batches!r}")
-    if pipelined:
-        return
-    if recompute and accumulation != "layered":
-        raise ValueError("P2RStrategy.recompute applies to accumulation='layered' only")
-    if micro_batches > 1 and accumulation != "layered":
-        raise ValueError("P2RStrategy.micro_batches applies to accumulation='layered' (or to pipeline_parallel > 1); "
-                         "for standard (depth-first) accumulation use Trainer(accumulate_grad_batches=...)")
 
 
 def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:

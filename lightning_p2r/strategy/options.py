@@ -15,14 +15,19 @@ import textwrap
 from dataclasses import InitVar, dataclass, fields
 from typing import Literal
 
-from .layered import check_accumulation_options
-from .plan import check_offload_options
-from .sharding import SHARDINGS, Sharding
+from ..layout import (
+    SHARDINGS,
+    Accumulation,
+    Layout,
+    PipelineSchedule,
+    Sharding,
+    check_accumulation_options,
+    check_bool,
+    check_offload_options,
+    check_parallel_options,
+)
 
 OffloadState = Literal["params", "grads", "optimizer"]
-Accumulation = Literal["standard", "layered"]
-PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"]
-PIPELINE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs")
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class ShardingConfig:
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
             raise ValueError(f"P2RStrategy.sharding must be one of {SHARDINGS}, got {self.sharding!r}")
-        _check_bool("count_collectives", self.count_collectives)
+        check_bool("count_collectives", self.count_collectives)
 
 
 @dataclass(frozen=True)
@@ -83,15 +88,7 @@ class ParallelConfig:
     divide into pipeline_parallel * stages_per_rank stages."""
 
     def __post_init__(self) -> None:
-        _check_bool("sequence_parallel", self.sequence_parallel)
-        if self.sequence_parallel and self.tensor_parallel == 1:
-            raise ValueError("P2RStrategy(sequence_parallel=True) splits activations over the tensor-parallel ranks: "
-                             "set tensor_parallel > 1 as well")
-        for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel", "stages_per_rank"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"P2RStrategy.{name} must be a positive integer (1 turns it off), got {value!r}")
-        check_pipeline_options(self.pipeline_parallel, self.pipeline_schedule, self.stages_per_rank)
+        check_parallel_options(Layout(**{f.name: getattr(self, f.name) for f in fields(self)}))
 
     @property
     def model_parallel(self) -> bool:
@@ -139,9 +136,8 @@ class AccumulationConfig:
 
     def __post_init__(self, pipelined: bool) -> None:
         check_accumulation_options(self.accumulation, self.micro_batches, self.recompute, pipelined=pipelined)
-        _check_bool("recompute", self.recompute)
-        _check_bool("compile", self.compile)
-        _check_bool("reduce_every_micro_batch", self.reduce_every_micro_batch)
+        for name in ("compile", "reduce_every_micro_batch"):
+            check_bool(name, getattr(self, name))
 
 
 @dataclass(frozen=True)
@@ -190,7 +186,7 @@ class OffloadConfig:
             prefetch=self.prefetch, pin_memory=self.pin_memory, overlap_host_step=self.overlap_host_step)
         # Stored resolved (all three by default), sorted so equal settings compare equal.
         object.__setattr__(self, "offload_states", sorted(states))
-        _check_bool("log_telemetry", self.log_telemetry)
+        check_bool("log_telemetry", self.log_telemetry)
 
     @property
     def offloading(self) -> bool:
@@ -198,30 +194,20 @@ class OffloadConfig:
         return bool(self.offload_fraction or self.offload_blocks or self.device_memory_budget is not None)
 
 
+def layout_of(sharding: ShardingConfig, parallel: ParallelConfig, accumulation: AccumulationConfig,
+               offload: OffloadConfig) -> Layout:
+    """The rulebook's :class:`~lightning_p2r.layout.Layout` of these sections (a memory budget's offload is decided
+    at setup, from the model's sizes: it reads as no fraction here)."""
+    values = {"sharding": sharding.sharding, "offload_fraction": offload.offload_fraction or 0.0,
+              "offload_blocks": tuple(offload.offload_blocks) if offload.offload_blocks else None}
+    for section in (parallel, accumulation):
+        values |= {f.name: getattr(section, f.name) for f in fields(section)}
+    return Layout(**values)
+
+
 SECTIONS: dict[str, type] = {"sharding_config": ShardingConfig, "parallel_config": ParallelConfig,
                              "accumulation_config": AccumulationConfig, "offload_config": OffloadConfig}
 """The strategy's attribute holding each section."""
-
-
-def check_pipeline_options(pipeline_parallel: int, schedule: str, stages_per_rank: int) -> None:
-    """The schedule against the stages per rank (the counts themselves are checked by the caller)."""
-    if schedule not in PIPELINE_SCHEDULES:
-        raise ValueError(f"P2RStrategy.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
-    if stages_per_rank > 1 and schedule in ("gpipe", "1f1b"):
-        raise ValueError(
-            f"P2RStrategy(pipeline_schedule={schedule!r}) runs one stage per rank, got stages_per_rank="
-            f"{stages_per_rank}: use pipeline_schedule='looped_bfs' or 'interleaved_1f1b' for looped stages")
-    if stages_per_rank == 1 and schedule == "interleaved_1f1b":
-        raise ValueError("P2RStrategy(pipeline_schedule='interleaved_1f1b') interleaves several stages per rank: set "
-                         "stages_per_rank > 1, or use pipeline_schedule='1f1b' for one stage per rank")
-    if stages_per_rank > 1 and pipeline_parallel == 1:
-        raise ValueError(f"P2RStrategy(stages_per_rank={stages_per_rank}) loops stages over pipeline ranks: set "
-                         "pipeline_parallel > 1 as well")
-
-
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"P2RStrategy.{name} must be True or False, got {value!r}")
 
 
 def field_docstrings(cls: type) -> dict[str, str]:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+from ..layout import reshard_after_forward
 from ..protocols import ComputesTokenLoss
 from .compile import compile_blocks
 from .engines.base import EngineContext, holder_of
@@ -46,13 +47,6 @@ class Placement:
     """``root`` on the meta device, as it was before placement (delinking copies it)."""
     runner: nn.Module | None = None
     """Layered accumulation's FSDP2 root over the modules outside the blocks (see ``sharding.StageRunner``)."""
-
-
-def reshard_after_forward(fsdp_mode: str, *, layered: bool, breadth_first_pipeline: bool) -> bool:
-    """Whether a unit gives its gathered parameters back after its forward. Only ZeRO-3 does, and only when the next
-    micro-batch does not come straight back to it: layered accumulation and breadth-first pipeline schedules run
-    every micro-batch through a unit in a row, so they gather it once and reshard it after the last (explicitly)."""
-    return fsdp_mode == "zero3" and not (layered or breadth_first_pipeline)
 
 
 def shard_unit(unit: nn.Module, mesh: object, *, reshard: bool, offloaded: bool, pin_memory: bool) -> None:

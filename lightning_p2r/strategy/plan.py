@@ -13,18 +13,13 @@ and most compute never waits. The planner turns one of three user inputs into a 
 
 from __future__ import annotations
 
-import math
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..planning.share import spread  # the offload rule lives with the planner, which prices it without torch
-
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from ..layout import offload_count, parse_bytes, spread
 
 
 @dataclass(frozen=True)
@@ -67,26 +62,6 @@ def block_footprints(blocks: nn.ModuleList, optimizer_bytes_per_param: int = 8) 
             for block in blocks]
 
 
-def parse_bytes(value: int | str, total: int | None = None, name: str = "device_memory_budget") -> int:
-    """``12e9``, ``"12GB"``, ``"512MiB"`` or ``"80%"`` (of ``total``) -> bytes; errors name the option ``name``."""
-    if isinstance(value, bool):
-        raise ValueError(f"{name} must be bytes or a size string, got {value!r}")
-    if isinstance(value, (int, float)):
-        return int(value)
-    text = value.strip().lower().replace(" ", "")
-    if text.endswith("%"):
-        if total is None:
-            raise ValueError(f"{name} as a percentage needs the device's total memory")
-        share = float(text[:-1])
-        if not 0 < share <= 100:
-            raise ValueError(f"{name} percentage must be in (0, 100], got {value!r}")
-        return int(total * share / 100)
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmgt]i?b|b)?", text)
-    if not match:
-        raise ValueError(f"{name} {value!r} is not a size: use bytes, '12GB', '512MiB' or '80%'")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
-
-
 def device_total_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -122,7 +97,7 @@ def plan_offload(
     if not 0.0 <= fraction <= 1.0:
         raise ValueError(f"offload_fraction must be in [0, 1], got {fraction}")
     # Half rounds up (Python's round() would send 0.5 of one block to 0 and 0.5 of three blocks to 2).
-    return OffloadPlan(num_blocks, spread(math.floor(fraction * num_blocks + 0.5), num_blocks))
+    return OffloadPlan(num_blocks, spread(offload_count(fraction, num_blocks), num_blocks))
 
 
 def device_bytes_needed(footprints: list[BlockFootprint], offloaded: tuple[int, ...], other_bytes: int,
@@ -138,8 +113,8 @@ def _plan_for_budget(footprints: list[BlockFootprint], budget: int, other_bytes:
                      prefetch: int) -> OffloadPlan:
     num_blocks = len(footprints)
     # Try the most resident blocks first; for each count, offload an evenly spread set.
-    for offload_count in range(num_blocks + 1):
-        offloaded = spread(offload_count, num_blocks)
+    for count in range(num_blocks + 1):
+        offloaded = spread(count, num_blocks)
         if device_bytes_needed(footprints, offloaded, other_bytes, activation_bytes, prefetch) <= budget:
             return OffloadPlan(num_blocks, offloaded)
     minimum = device_bytes_needed(footprints, tuple(range(num_blocks)), other_bytes, activation_bytes, prefetch)
@@ -177,40 +152,6 @@ def plan_for_model(model: nn.Module, blocks: nn.ModuleList, device: torch.device
 # ------------------------------------------------------------------------------------ P2RStrategy's options
 # Checked when the strategy is built, so a bad option fails before any process group or model exists; the
 # messages name the strategy's own arguments.
-def check_offload_options(*, offload_fraction: float | None, offload_blocks: list[int] | None,
-                          device_memory_budget: int | str | None, offload_states: list[str] | None, prefetch: int,
-                          pin_memory: object, overlap_host_step: object) -> set[str]:
-    """Validate ``P2RStrategy``'s offload options; returns the offload states to use (all three by default)."""
-    given = [n for n, v in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
-                            ("device_memory_budget", device_memory_budget)) if v is not None]
-    if len(given) > 1:
-        raise ValueError(f"P2RStrategy takes one of offload_fraction, offload_blocks, device_memory_budget; "
-                         f"got {given}")
-    if offload_fraction is not None and not 0.0 <= offload_fraction <= 1.0:
-        raise ValueError(f"P2RStrategy.offload_fraction must be in [0, 1], got {offload_fraction}")
-    if offload_blocks is not None and any(not isinstance(i, int) or i < 0 for i in offload_blocks):
-        raise ValueError(f"P2RStrategy.offload_blocks must be block indices >= 0, got {offload_blocks}")
-    if device_memory_budget is not None and not isinstance(device_memory_budget, str):
-        if device_memory_budget <= 0:
-            raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")
-    if isinstance(device_memory_budget, str):
-        parse_bytes(device_memory_budget, total=1)  # syntax check now; the percentage base comes at setup
-    states = set(offload_states or ["params", "grads", "optimizer"])
-    unknown = states - {"params", "grads", "optimizer"}
-    if unknown or not {"grads", "optimizer"} <= states:
-        raise ValueError(
-            "P2RStrategy.offload_states must include 'grads' and 'optimizer' (an offloaded block's optimizer "
-            f"step runs on the host, from host gradients) and may add 'params'; got {sorted(states)}"
-        )
-    if prefetch < 0:
-        raise ValueError(f"P2RStrategy.prefetch must be >= 0, got {prefetch}")
-    if pin_memory not in (True, False, "auto"):
-        raise ValueError(f"P2RStrategy.pin_memory must be True, False or 'auto', got {pin_memory!r}")
-    if overlap_host_step not in (True, False, "auto"):
-        raise ValueError(f"P2RStrategy.overlap_host_step must be True, False or 'auto', got {overlap_host_step!r}")
-    return states
-
-
 def check_fsdp_offload_states(offload_states: set[str]) -> None:
     """On FSDP2 an offloaded block keeps its parameter shard in host memory too (``CPUOffloadPolicy`` moves
     parameters, gradients and optimizer states together), so "params" cannot be left out."""

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,43 +25,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from ..sharing import optimizer_constructor_kwargs
-from .accounting import local_bytes
 from .layered import BlockEvents, LayeredStages
-from .split_optimizer import optimizer_state_bytes
-
-Sharding = Literal["none", "zero1", "zero2", "zero3"]
-SHARDINGS: tuple[str, ...] = ("none", "zero1", "zero2", "zero3")
-
-
-def uses_fsdp(sharding: str) -> bool:
-    return sharding in ("zero2", "zero3")
-
-
-def execution_path(sharding: str, world_size: int, *, offloading: bool, layered: bool,
-                   model_parallel: bool = False,
-                   pipelined: bool = False) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
-    """Which engine runs a job: "local" (one process, the streaming engine), "ddp" (DDP, + ZeroRedundancyOptimizer
-    for zero1), "fsdp" (FSDP2 per block) or "model_parallel" (tensor / expert parallel on a device mesh, FSDP2
-    over its data ranks) or "pipeline" (stages over pipeline ranks, FSDP2 over each stage's data ranks)."""
-    if pipelined:
-        return "pipeline"
-    if model_parallel:
-        return "model_parallel"
-    if uses_fsdp(sharding):
-        return "fsdp"
-    if world_size == 1:
-        return "local"
-    # DDP's reducer runs inside the model's forward, which the micro-batch executor bypasses, and cannot
-    # leave a block's gradient on the host: offload and layered accumulation across ranks run on FSDP2.
-    return "fsdp" if offloading or layered else "ddp"
-
-
-def fsdp_mode_for(sharding: str) -> str:
-    """How FSDP2 lays the model out on the fsdp path: "zero3" or "zero2" (sharded, see ``shard_blocks``), or
-    "replicate" for "none" and "zero1": a (ranks x 1) mesh, FSDP2's HSDP with shards of one rank, so every rank
-    holds every parameter and gradient whole and gradients are all-reduced; zero1 then partitions the optimizer
-    states with ``replicated_zero.ReplicatedZeroOptimizer``."""
-    return {"none": "replicate", "zero1": "replicate"}.get(sharding, sharding)
 
 
 # ------------------------------------------------------------------------------------------ zero1 (DDP)
@@ -206,41 +169,7 @@ def reshard_all(module: nn.Module, runner: nn.Module | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------- accounting
-@dataclass
-class ModelStateBytes:
-    """Model-state bytes held by this rank (local shards only)."""
-
-    params: int = 0
-    grads: int = 0
-    optimizer: int = 0
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
 
 
-def local_model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelStateBytes:
-    """What this rank stores of the parameters, gradients and optimizer states (a ZeroRedundancyOptimizer only
-    holds state for its own partition, FSDP2 only local shards)."""
-    params = list(module.parameters())
-    # A ZeroRedundancyOptimizer keeps its partition's state in an inner optimizer.
-    inner = getattr(optimizer, "optim", optimizer)
-    return ModelStateBytes(params=sum(local_bytes(p) for p in params),
-                           grads=sum(local_bytes(p.grad) for p in params if p.grad is not None),
-                           optimizer=optimizer_state_bytes(inner))
 
 
-def zero_formula_bytes(sharding: str, *, param_bytes: int, state_bytes_per_param_byte: float,
-                       world_size: int) -> ModelStateBytes:
-    """Per-rank model-state bytes the ZeRO paper's accounting predicts for ``param_bytes`` of parameters (with
-    gradients of the same size) and optimizer states of ``state_bytes_per_param_byte`` times that (2 for Adam),
-    counted between steps, when zero2 holds only its shard as FSDP2 does."""
-    n = world_size
-    states = param_bytes * state_bytes_per_param_byte
-    if sharding == "none":
-        return ModelStateBytes(param_bytes, param_bytes, int(states))
-    if sharding == "zero1":
-        return ModelStateBytes(param_bytes, param_bytes, int(states / n))
-    if sharding in ("zero2", "zero3"):
-        return ModelStateBytes(int(param_bytes / n), int(param_bytes / n), int(states / n))
-    raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")

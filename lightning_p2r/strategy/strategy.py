@@ -26,6 +26,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from ..layout import (
+    Accumulation,
+    Layout,
+    ModelShape,
+    PipelineSchedule,
+    Sharding,
+    check_layout,
+    check_options,
+    fsdp_mode_for,
+    placement_path,
+)
+from ..models.config import M6Config
 from ..protocols import InitializesByName
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
 from . import checkpoint as sharded_checkpoint
@@ -37,19 +49,16 @@ from .offload import OffloadEngine, OffloadStats
 from .optimizers import unwrapped
 from .options import (
     SECTIONS,
-    Accumulation,
     AccumulationConfig,
     OffloadConfig,
     OffloadState,
     ParallelConfig,
-    PipelineSchedule,
     ShardingConfig,
     args_section,
+    layout_of,
 )
 from .parallel.clipping import clip_grad_norm_across_meshes
-from .pipeline.layout import check_micro_batches
 from .plan import OffloadPlan, device_total_memory, parse_bytes, resolve_pin_memory, setup_summary
-from .sharding import Sharding, execution_path, fsdp_mode_for
 from .split_optimizer import host_step_overlap_allowed, release_to_host
 from .steps import StepRunner
 
@@ -119,13 +128,12 @@ class P2RStrategy(DDPStrategy):
                                                       recompute=recompute, compile=compile,
                                                       reduce_every_micro_batch=reduce_every_micro_batch,
                                                       pipelined=self.parallel_config.pipelined)
-        if self.parallel_config.pipelined:
-            check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         self.offload_config = OffloadConfig(
             offload_fraction=offload_fraction, offload_blocks=offload_blocks,
             device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
             offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
             overlap_host_step=overlap_host_step, log_telemetry=log_telemetry)
+        check_options(self.layout)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or sharded_checkpoint.AtomicCheckpointIO(),
@@ -161,10 +169,15 @@ class P2RStrategy(DDPStrategy):
     def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
         """Which placement path runs this job: "local" (one process, the streaming engine), "ddp", or one of the FSDP2
         engine's "fsdp", "model_parallel" (tensor / expert parallel first) and "pipeline" (stages first)."""
-        return execution_path(self.sharding, self.world_size, offloading=self.offloading,  # type: ignore[return-value]
+        return placement_path(self.sharding, self.world_size, offloading=self.offloading,
                               layered=self.accumulation == "layered",
                               model_parallel=self.parallel_config.model_parallel,
                               pipelined=self.parallel_config.pipelined)
+
+    @property
+    def layout(self) -> Layout:
+        """The options as the layout rulebook reads them (``lightning_p2r.layout``; the planner prints the same)."""
+        return layout_of(self.sharding_config, self.parallel_config, self.accumulation_config, self.offload_config)
 
     @property
     def streamer(self) -> OffloadEngine | None:
@@ -208,8 +221,8 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        self._check_path_options()  # before any process group exists
         self.engine = engine_for(self.path)
-        self.engine.check_options(self.context())  # before any process group exists
         if self.engine.needs_process_group:
             super().setup_environment()
         else:
@@ -218,8 +231,11 @@ class P2RStrategy(DDPStrategy):
         self.engine.setup_environment(self.context())
 
     def _check_path_options(self) -> None:
-        """The checks the chosen engine makes before any process group exists."""
-        engine_for(self.path).check_options(self.context())
+        """The layout's rules against the number of processes, then the chosen engine's own, before any process
+        group exists."""
+        ctx = self.context()
+        check_layout(self.layout, self.world_size, accelerator=ctx.device.type != "cpu")
+        engine_for(self.path).check_options(ctx)
 
     @contextlib.contextmanager
     @override
@@ -244,6 +260,7 @@ class P2RStrategy(DDPStrategy):
         if self.engine is None:
             self.engine = engine_for(self.path)
         module = self.lightning_module
+        self.check_model_sizes(self.holder_or_none())
         check_no_meta_buffers(module)
         self._share_init_seed()
         weights, self._deferred_weights = self._deferred_weights, None
@@ -261,6 +278,14 @@ class P2RStrategy(DDPStrategy):
         self._use_layout_clipping()
         self.steps = self.engine.step_runner(module, self.precision_plugin, self._counter)
         self._log_setup()
+
+    def check_model_sizes(self, holder: nn.Module | None) -> None:
+        """The layout's rules against the model's sizes, before anything is placed: an M6 model (one with an
+        ``M6Config``) is checked whole here; another model by what the placement reads from it."""
+        config = getattr(holder, "config", None)
+        if isinstance(config, M6Config):
+            check_layout(self.layout, self.world_size, ModelShape.of(config),
+                         accelerator=self.context().device.type != "cpu")
 
     def _check_batch_split(self, trainer: L.Trainer) -> None:
         if self.accumulation != "layered" and not self.parallel_config.pipelined:

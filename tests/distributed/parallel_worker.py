@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from helpers import TINY, tiny_data  # noqa: E402
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
-from lightning_p2r.benchmarks.parallel import data_parallel_parts  # noqa: E402
+from lightning_p2r.measure.collectives import data_parallel_parts  # noqa: E402
 from lightning_p2r.strategy.parallel.clipping import total_grad_norm  # noqa: E402
 from lightning_p2r.strategy.parallel.experts import ParallelExperts  # noqa: E402
 

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
-from lightning_p2r.benchmarks.memory_probe import SetupMemoryProbe
+from lightning_p2r.measure.memory import SetupMemoryProbe
 
 MODEL = {"vocab_size": 256, "max_seq_len": 16, "num_layers": 12, "dim": 1024, "num_heads": 16, "moe_layers": []}
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from helpers import TINY, InitialWeights, tiny_data  # noqa: E402
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
-from lightning_p2r.strategy.sharding import local_model_state_bytes  # noqa: E402
+from lightning_p2r.measure.memory import local_model_state_bytes  # noqa: E402
 
 # Dense layers: the balance loss of an MoE layer is not additive across ranks, so it would not match one process.
 # A constant LR after warmup: resumed runs with a longer max_steps then follow the same schedule.

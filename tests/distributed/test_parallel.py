@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from equivalence import assert_trained_alike  # noqa: E402
 from mesh_configs import FOUR_PROCESSES, REFERENCE_OF, TWO_PROCESSES  # noqa: E402
 
-from lightning_p2r.benchmarks.parallel import KINDS, predicted_bytes  # noqa: E402
+from lightning_p2r.measure.collectives import KINDS, predicted_bytes  # noqa: E402
 
 GLOBAL_BATCH = 8  # the worker's
 TOLERANCE = 1e-4

@@ -246,7 +246,7 @@ def test_checkpoints_resume_under_another_stage(runs: Path, name: str) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
 def test_per_rank_model_state_bytes_match_the_zero_formulas(runs: Path, name: str) -> None:
-    from lightning_p2r.strategy.sharding import zero_formula_bytes
+    from lightning_p2r.measure.memory import zero_formula_bytes
 
     for rank in (0, 1):
         report = _report(runs, name, rank)

@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_p2r.benchmarks.report import worker_env
+from lightning_p2r.measure.run import worker_env
 
 
 def launch_configs(worker: Path, out: Path, devices: int, configs: list[dict], timeout: int = 420) -> None:

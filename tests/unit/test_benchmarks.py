@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from lightning_p2r.benchmarks import attention, moe, quickstart
-from lightning_p2r.benchmarks.report import format_table, median_seconds, write_csv
+from lightning_p2r.benchmarks.report import format_table, write_csv
+from lightning_p2r.measure.run import median_seconds
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

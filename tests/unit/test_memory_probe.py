@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
-from lightning_p2r.benchmarks.memory_probe import MiB, PeakRSS, SetupMemoryProbe, parameter_bytes, reset_hwm
+from lightning_p2r.measure.memory import MiB, PeakRSS, SetupMemoryProbe, parameter_bytes, reset_hwm
 
 SPIKE_BYTES = 200 * MiB
 

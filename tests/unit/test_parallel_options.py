@@ -5,9 +5,9 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_p2r import P2RStrategy
+from lightning_p2r.layout import Layout, ModelShape, ParallelDims, check_model
 from lightning_p2r.strategy.parallel.clipping import clip_grad_norm_across_meshes
 from lightning_p2r.strategy.parallel.experts import expert_major_order, rank_splits
-from lightning_p2r.strategy.parallel.mesh import ParallelDims
 
 
 def _with_world_size(strategy: P2RStrategy, world_size: int, rank: int = 0) -> P2RStrategy:
@@ -54,9 +54,9 @@ def test_mesh_arithmetic() -> None:
     ({"num_heads": 4, "num_experts": 4, "vocab_size": 256, "moe": False}, r"needs MoE layers"),
 ])
 def test_a_model_the_mesh_cannot_split_is_refused(model: dict, message: str) -> None:
-    dims = ParallelDims(8, tensor_parallel=2, expert_parallel=4)
+    layout = Layout(tensor_parallel=2, expert_parallel=4)
     with pytest.raises(ValueError, match=message):
-        dims.check_model(**model)
+        check_model(layout, ModelShape(num_layers=4, **model), devices=8)
 
 
 def test_model_parallel_runs_on_its_engine_and_samples_by_data_rank() -> None:

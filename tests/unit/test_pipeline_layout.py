@@ -6,8 +6,8 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_p2r import M6Config, M6LanguageModel, P2RStrategy
-from lightning_p2r.strategy.pipeline.layout import (
-    PipelineLayout,
+from lightning_p2r.layout import (
+    StageCut,
     block_holders,
     bubble_fraction,
     check_local_sharing,
@@ -81,11 +81,11 @@ def test_pipeline_runs_on_its_engine_and_samples_by_data_rank() -> None:
 
 def test_layers_that_do_not_divide_into_stages_are_refused() -> None:
     with pytest.raises(ValueError, match=r"6 layers cannot be cut into .* 2 \* 2 = 4 stages.*\[1, 2, 3, 6\]"):
-        PipelineLayout(world_size=2, pipeline_parallel=2, stages_per_rank=2, num_layers=6)
+        StageCut(world_size=2, pipeline_parallel=2, stages_per_rank=2, num_layers=6)
 
 
 def test_looped_layout_assigns_stages_round_robin() -> None:
-    layout = PipelineLayout(world_size=4, pipeline_parallel=2, stages_per_rank=2, num_layers=8)
+    layout = StageCut(world_size=4, pipeline_parallel=2, stages_per_rank=2, num_layers=8)
     assert layout.num_stages == 4 and layout.ranks_per_stage == 2 and layout.layers_per_stage == 2
     assert layout.stages_of(0) == [0, 2] and layout.stages_of(1) == [1, 3]
     assert [layout.owner(s) for s in range(4)] == [0, 1, 0, 1]
@@ -96,11 +96,11 @@ def test_looped_layout_assigns_stages_round_robin() -> None:
 
 
 def test_a_shared_block_is_held_by_every_rank_whose_stages_run_it() -> None:
-    layout = PipelineLayout(world_size=2, pipeline_parallel=2, stages_per_rank=1, num_layers=4)
+    layout = StageCut(world_size=2, pipeline_parallel=2, stages_per_rank=1, num_layers=4)
     assert block_holders([0, 0, 0, 0], layout) == {0: (0, 1)}  # pseudo model: a replica on both ranks
     assert block_holders([0, 0, 1, 1], layout) == {0: (0,), 1: (1,)}
     assert block_holders([0, 1, 0, 1], layout) == {0: (0, 1), 1: (0, 1)}  # "cycle" sharing
-    looped = PipelineLayout(world_size=2, pipeline_parallel=2, stages_per_rank=2, num_layers=4)
+    looped = StageCut(world_size=2, pipeline_parallel=2, stages_per_rank=2, num_layers=4)
     with pytest.raises(ValueError, match="stages_per_rank=1"):
         check_local_sharing([0, 0, 0, 0], looped)
     check_local_sharing([0, 1, 2, 3], looped)

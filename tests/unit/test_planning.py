@@ -122,20 +122,21 @@ def test_the_pseudo_model_shares_as_few_blocks_as_its_layers_allow() -> None:
 
 # ------------------------------------------------------------------------------------------------------ layout
 @pytest.mark.parametrize(("layout", "devices", "message"), [
-    (Layout(tensor_parallel=3), 6, "tensor_parallel (3) must divide num_heads (4)"),
-    (Layout(tensor_parallel=4), 2, "must divide the 2 devices"),
-    (Layout(expert_parallel=3), 3, "expert_parallel (3) must divide num_experts (4)"),
-    (Layout(expert_parallel=4), 2, "must divide the 2 data-parallel ranks"),
+    (Layout(tensor_parallel=3), 6, "tensor_parallel=3) splits attention by heads: M6Config.num_heads=4"),
+    (Layout(tensor_parallel=4), 2, "tensor_parallel=4) must divide the number of processes (2)"),
+    (Layout(expert_parallel=3), 3, "M6Config.num_experts=4 must be divisible"),
+    (Layout(expert_parallel=4), 2, "so it must divide processes / tensor_parallel = 2 / 1 = 2"),
     (Layout(pipeline_parallel=2, stages_per_rank=3, pipeline_schedule="looped_bfs", micro_batches=2), 2,
-     "4 layers do not divide into 6 pipeline stages"),
-    (Layout(pipeline_parallel=2, micro_batches=1), 2, "at least pipeline_parallel"),
-    (Layout(pipeline_parallel=2, micro_batches=2, accumulation="layered"), 2, "breadth-first schedule"),
-    (Layout(sequence_parallel=True), 2, "needs tensor_parallel > 1"),
+     "4 layers cannot be cut into pipeline_parallel * stages_per_rank = 2 * 3 = 6 stages"),
+    (Layout(pipeline_parallel=2, micro_batches=1), 2, "fewer than pipeline_parallel=2"),
+    (Layout(pipeline_parallel=2, micro_batches=2, accumulation="layered"), 2,
+     "layered accumulation is the breadth-first schedule itself"),
+    (Layout(sequence_parallel=True), 2, "set tensor_parallel > 1"),
     (Layout(micro_batches=3), 2, "must divide the 4 sequences"),
     (Layout(offload_fraction=1.5), 2, "offload_fraction must be in [0, 1]"),
-    (Layout(recompute=True), 1, "recompute without a pipeline needs accumulation='layered'"),
+    (Layout(recompute=True), 1, "recompute applies to accumulation='layered' only"),
     (Layout(sharding="zero4"), 2, "sharding must be one of"),
-    (Layout(stages_per_rank=2), 2, "needs pipeline_parallel > 1"),
+    (Layout(stages_per_rank=2, pipeline_schedule="looped_bfs"), 2, "set pipeline_parallel > 1"),
 ])
 def test_impossible_layouts_are_refused_with_the_numbers(layout, devices, message) -> None:
     with pytest.raises(ValueError) as error:

@@ -13,7 +13,7 @@ from helpers import TINY, InitialWeights, tiny_data, tiny_trainer
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
-from lightning_p2r.strategy.sharding import ModelStateBytes, zero_formula_bytes
+from lightning_p2r.measure.memory import ModelStateBytes, zero_formula_bytes
 
 DENSE = TINY | {"moe_layers": [], "num_layers": 3}
 

@@ -3,12 +3,11 @@ engine), ``ddp`` (DDP, + ZeroRedundancyOptimizer for zero1) and ``fsdp2`` (every
 replicated layouts across processes, tensor / expert parallelism, pipeline stages).
 
 ``P2RStrategy`` picks one at ``setup_environment`` from the options and the number of processes
-(``placement_path``), builds it an :class:`~.base.EngineContext` and stores what it returns.
+(``lightning_p2r.layout.placement_path``), builds it an :class:`~.base.EngineContext` and stores what it returns.
 """
 
 from __future__ import annotations
 
-from ..sharding import execution_path
 from .base import Engine, EngineContext
 from .ddp import DDPEngine
 from .fsdp2 import FSDP2Engine
@@ -24,4 +23,4 @@ def engine_for(path: str) -> Engine:
     return FSDP2Engine(path)
 
 
-__all__ = ["DDPEngine", "Engine", "EngineContext", "FSDP2Engine", "LocalEngine", "engine_for", "execution_path"]
+__all__ = ["DDPEngine", "Engine", "EngineContext", "FSDP2Engine", "LocalEngine", "engine_for"]

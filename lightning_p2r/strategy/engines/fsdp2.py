@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ...layout import ParallelDims, fsdp_mode_for
 from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
 from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
 from ..optimizers import unwrapped as unwrapped_optimizer
-from ..parallel import ParallelDims, ParallelMeshes, build_meshes
+from ..parallel import ParallelMeshes, build_meshes
 from ..parallel.clipping import ranks_holding
 from ..parallel.experts import ParallelExperts
 from ..pipeline.placement import StagePlacement
@@ -31,7 +32,7 @@ from ..replicated_zero import (
     partition_optimizer_states,
     to_module_optimizer,
 )
-from ..sharding import FSDPEvents, fsdp_mode_for, fsdp_modules, reshard_all
+from ..sharding import FSDPEvents, fsdp_modules, reshard_all
 from ..steps import PipelinedSteps, StepRunner
 from .base import Engine, EngineContext, holder_of
 
@@ -72,29 +73,9 @@ class FSDP2Engine(Engine):
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
+        """The layout rulebook checked the degrees and combinations; what is FSDP2's own is its CPU offload, which
+        moves a unit's parameters, gradients and optimizer states together."""
         check_fsdp_offload_states(set(ctx.offload.offload_states))
-        zero1 = ctx.sharding.sharding == "zero1"
-        if zero1 and ctx.offload.offloading and ctx.device.type != "cpu":
-            raise ValueError(
-                "P2RStrategy(sharding='zero1') with offloaded blocks across processes on an accelerator: "
-                "ZeroRedundancyOptimizer broadcasts its partitions through the accelerator's process group, which "
-                "cannot send host-resident tensors; use sharding='zero2' (optimizer states and gradients sharded)")
-        dims = self.dims(ctx)  # validates the degrees against the number of processes
-        if self.path != "pipeline":
-            return
-        schedule = ctx.parallel.pipeline_schedule
-        if zero1 and dims.model_parallel:
-            raise ValueError(
-                "P2RStrategy(sharding='zero1') with tensor_parallel or expert_parallel: ZeRO-1's partitioned optimizer "
-                "does not take parameters split over a device mesh; use sharding='zero2' or 'zero3'")
-        if ctx.accumulation.accumulation == "layered" and schedule not in ("gpipe", "looped_bfs"):
-            raise ValueError(
-                f"P2RStrategy(accumulation='layered', pipeline_schedule={schedule!r}): across pipeline stages, layered "
-                "accumulation is the breadth-first schedule itself; use pipeline_schedule='looped_bfs' (or 'gpipe' "
-                "with one stage per rank)")
-        if ctx.accumulation.reduce_every_micro_batch:
-            raise ValueError("P2RStrategy(reduce_every_micro_batch=True) does not apply with pipeline_parallel > 1: "
-                             "the schedule reduces each stage's gradients once, after its last micro-batch")
 
     def setup_environment(self, ctx: EngineContext) -> None:
         """One mesh ``(pipeline, data..., tensor)`` and its expert twin (see ``parallel/mesh.py``): FSDP2 shards over

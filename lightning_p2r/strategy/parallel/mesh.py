@@ -1,4 +1,5 @@
-"""The device mesh of a tensor / expert parallel job: which ranks hold which part of the model.
+"""The device meshes of a tensor / expert / pipeline parallel job: which ranks hold which part of the model (the
+rank arithmetic itself, torch-free, is ``lightning_p2r.layout.ParallelDims``).
 
 Ranks are laid out ``(data, tensor)``, tensor-parallel ranks adjacent (on a multi-GPU node they share the fastest
 links, as Megatron-LM places them). Expert parallelism borrows ranks from the data dimension (DeepSpeed-MoE,
@@ -18,85 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
-@dataclass(frozen=True)
-class ParallelDims:
-    """How ``world_size`` ranks split into data, expert and tensor parallel groups."""
-
-    world_size: int
-    tensor_parallel: int = 1
-    expert_parallel: int = 1
-    pipeline_parallel: int = 1
-    """Pipeline ranks (the outermost dimension: each stage has world / pipeline_parallel ranks)."""
-
-    def __post_init__(self) -> None:
-        for name in ("world_size", "tensor_parallel", "expert_parallel", "pipeline_parallel"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"P2RStrategy.{name} must be a positive integer, got {value!r}")
-        if self.world_size % self.pipeline_parallel:
-            raise ValueError(
-                f"P2RStrategy(pipeline_parallel={self.pipeline_parallel}) must divide the number of processes "
-                f"({self.world_size}): use pipeline_parallel in {divisors(self.world_size)} or change the devices")
-        stage_ranks = self.world_size // self.pipeline_parallel
-        if stage_ranks % self.tensor_parallel:
-            where = (f"processes / pipeline_parallel = {stage_ranks}" if self.pipeline_parallel > 1 else
-                     f"the number of processes ({self.world_size})")
-            raise ValueError(
-                f"P2RStrategy(tensor_parallel={self.tensor_parallel}) must divide {where}: use tensor_parallel in "
-                f"{divisors(stage_ranks)} or change the devices")
-        if self.data_parallel % self.expert_parallel:
-            over = ("tensor_parallel" if self.pipeline_parallel == 1 else "(tensor_parallel x pipeline_parallel)")
-            raise ValueError(
-                f"P2RStrategy(expert_parallel={self.expert_parallel}) borrows ranks from the data-parallel dimension, "
-                f"so it must divide processes / {over} = {self.world_size} / "
-                f"{self.tensor_parallel * self.pipeline_parallel} = {self.data_parallel}: use expert_parallel in "
-                f"{divisors(self.data_parallel)}")
-
-    @property
-    def data_parallel(self) -> int:
-        """Ranks that see different batches (expert-parallel ranks included)."""
-        return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
-
-    @property
-    def expert_data_parallel(self) -> int:
-        """Ranks that hold the same experts (and see different batches)."""
-        return self.data_parallel // self.expert_parallel
-
-    @property
-    def model_parallel(self) -> bool:
-        return self.tensor_parallel > 1 or self.expert_parallel > 1
-
-    def data_rank(self, rank: int) -> int:
-        """The data-parallel index of global ``rank`` (which share of the batch it reads)."""
-        return rank // self.tensor_parallel % self.data_parallel
-
-    def check_model(self, *, num_heads: int, num_experts: int, vocab_size: int, moe: bool) -> None:
-        """Refuse a model these degrees cannot split, naming the numbers."""
-        tp, ep = self.tensor_parallel, self.expert_parallel
-        if num_heads % tp:
-            raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: M6Config.num_heads="
-                             f"{num_heads} must be divisible by it (use tensor_parallel in {divisors(num_heads)})")
-        if vocab_size % tp:
-            raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the embedding and output by vocabulary: "
-                             f"M6Config.vocab_size={vocab_size} must be divisible by it")
-        if ep > 1 and not moe:
-            raise ValueError(f"P2RStrategy(expert_parallel={ep}) needs MoE layers, and the model has none "
-                             "(M6Config.moe_layers is empty)")
-        if ep > 1 and num_experts % ep:
-            raise ValueError(f"P2RStrategy(expert_parallel={ep}) gives each expert-parallel rank num_experts / "
-                             f"expert_parallel experts: M6Config.num_experts={num_experts} must be divisible by it "
-                             f"(use expert_parallel in {divisors(num_experts)})")
-
-    def describe(self) -> str:
-        """One line for the setup log."""
-        pipeline = f"pipeline {self.pipeline_parallel} x " if self.pipeline_parallel > 1 else ""
-        return (f"mesh: {self.world_size} ranks = {pipeline}data {self.data_parallel} (of which expert "
-                f"{self.expert_parallel} x expert-data {self.expert_data_parallel}) x tensor {self.tensor_parallel}")
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+from ...layout import ParallelDims
 
 
 @dataclass
@@ -147,7 +70,7 @@ class ParallelMeshes:
 
 def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> ParallelMeshes:
     """The two meshes of ``dims``. ``replicate``: FSDP2's replicate layout (every data rank holds every parameter, as
-    ``fsdp_mode_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks. A
+    ``layout.fsdp_mode_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks. A
     data dimension of one rank is a plain size-1 shard dimension either way: FSDP2 then issues no collective for
     it (a replicate dimension of one rank would all-reduce every gradient with itself)."""
     from torch.distributed.device_mesh import init_device_mesh

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from ...layout import Layout, ModelShape
+from ...layout import check_model as check_sizes
 from ...models.config import M6Config
 from ...models.moe import MoEFeedForward
 from .experts import parallelize_experts
@@ -25,15 +27,9 @@ def check_model(holder: nn.Module, meshes: ParallelMeshes, *, sequence_parallel:
                              f"{dims.expert_parallel}) splits M6 models (lightning_p2r.M6Transformer); "
                              f"{type(holder).__name__} has no M6Config")
         return
-    dims.check_model(num_heads=config.num_heads, num_experts=config.num_experts, vocab_size=config.vocab_size,
-                     moe=bool(moe_layers(holder)))
-    if sequence_parallel and config.position_embedding != "rotary":
-        raise ValueError("P2RStrategy(sequence_parallel=True) needs M6Config.position_embedding='rotary': learned "
-                         "positions are added to the whole sequence, which no rank holds")
-    if sequence_parallel and config.max_seq_len % dims.tensor_parallel:
-        raise ValueError(f"P2RStrategy(sequence_parallel=True) splits sequences over tensor_parallel="
-                         f"{dims.tensor_parallel} ranks: M6Config.max_seq_len={config.max_seq_len} must be divisible "
-                         "by it (and so must every batch's sequence length)")
+    # The split degrees against the model's sizes (the pipeline's cut is checked where the stages are made).
+    check_sizes(Layout(tensor_parallel=dims.tensor_parallel, expert_parallel=dims.expert_parallel,
+                       sequence_parallel=sequence_parallel), ModelShape.of(config))
 
 
 def parallelize_model(holder: nn.Module, meshes: ParallelMeshes, *, loss_parallel: bool = False,

@@ -18,10 +18,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...layout import BREADTH_FIRST, StageCut, block_holders, check_local_sharing, check_micro_batches
 from ...protocols import DefinesPipelineStages, PipelineParts
 from ..parallel.clipping import replicas_on_mesh
-from .layout import PipelineLayout, block_holders, check_local_sharing, check_micro_batches
-from .runner import BREADTH_FIRST, PipelineRunner, PipelineStepResult
+from .runner import PipelineRunner, PipelineStepResult
 from .stage import PipelineStageModule, keep_only
 
 
@@ -48,7 +48,7 @@ class StagePlacement:
         self.schedule, self.micro_batches, self.recompute = schedule, micro_batches, recompute
         self.group = group
         """The pipeline's process group (the "pp" dimension of the mesh)."""
-        self.cut: PipelineLayout | None = None
+        self.cut: StageCut | None = None
         self.parts: PipelineParts | None = None
         self.stage_modules: list[PipelineStageModule] = []
         self.runner: PipelineRunner | None = None
@@ -71,7 +71,7 @@ class StagePlacement:
         the indices of this rank's blocks. Collective (replica groups are created on every rank)."""
         parts = pipeline_parts(module)
         layer_to_block = list(holder.layer_to_block)
-        cut = PipelineLayout(self.world_size, self.pipeline_parallel, self.stages_per_rank, len(layer_to_block))
+        cut = StageCut(self.world_size, self.pipeline_parallel, self.stages_per_rank, len(layer_to_block))
         check_local_sharing(layer_to_block, cut)
         check_micro_batches(self.schedule, self.micro_batches, self.pipeline_parallel)
         self.cut, self.parts = cut, parts

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from ..benchmarks.report import median_seconds, worker_env
-from .cluster import Cluster, write_cluster
+from ..planning.cluster import Cluster, write_cluster
+from .run import median_seconds, worker_env
 
 
 def matmul_flops(device: torch.device, size: int, repeats: int) -> float:
@@ -227,7 +227,7 @@ def step_overhead(processes: int, threads: int, quick: bool) -> float:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "overhead.json")
         spec = {"processes": processes, "threads": threads, "steps": steps, "out": out}
-        result = subprocess.run([sys.executable, "-m", "lightning_p2r.planning.calibrate", "--overhead-worker",
+        result = subprocess.run([sys.executable, "-m", "lightning_p2r.measure.calibrate", "--overhead-worker",
                                  json.dumps(spec)], capture_output=True, text=True, env=worker_env(threads),
                                 timeout=600)
         if result.returncode != 0:
@@ -239,8 +239,8 @@ def step_overhead(processes: int, threads: int, quick: bool) -> float:
 def _overhead_worker(spec: dict[str, Any]) -> None:
     import json
 
-    from ..benchmarks.layered import fit_on_random_tokens
     from ..strategy import P2RStrategy
+    from .run import fit_on_random_tokens
 
     torch.set_num_threads(spec["threads"])
     run = {"model": STEP_OVERHEAD_MODEL, "devices": spec["processes"], "steps": spec["steps"],

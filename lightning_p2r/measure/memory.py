@@ -31,6 +31,11 @@ from typing import Any, Literal
 
 import lightning as L
 import torch
+from torch import nn
+
+from ..layout import SHARDINGS
+from ..strategy.accounting import local_bytes
+from ..strategy.split_optimizer import optimizer_state_bytes
 
 MiB = 2**20
 _STATUS = "/proc/self/status"
@@ -230,3 +235,44 @@ class SetupMemoryProbe(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._finish()  # a run that stopped before training started still stops the sampling thread
+
+
+# ------------------------------------------------------------------------------------------ model-state bytes
+@dataclass
+class ModelStateBytes:
+    """Model-state bytes held by this rank (local shards only)."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def local_model_state_bytes(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> ModelStateBytes:
+    """What this rank stores of the parameters, gradients and optimizer states (a ZeroRedundancyOptimizer only
+    holds state for its own partition, FSDP2 only local shards)."""
+    params = list(module.parameters())
+    # A ZeroRedundancyOptimizer keeps its partition's state in an inner optimizer.
+    inner = getattr(optimizer, "optim", optimizer)
+    return ModelStateBytes(params=sum(local_bytes(p) for p in params),
+                           grads=sum(local_bytes(p.grad) for p in params if p.grad is not None),
+                           optimizer=optimizer_state_bytes(inner))
+
+
+def zero_formula_bytes(sharding: str, *, param_bytes: int, state_bytes_per_param_byte: float,
+                       world_size: int) -> ModelStateBytes:
+    """Per-rank model-state bytes the ZeRO paper's accounting predicts for ``param_bytes`` of parameters (with
+    gradients of the same size) and optimizer states of ``state_bytes_per_param_byte`` times that (2 for Adam),
+    counted between steps, when zero2 holds only its shard as FSDP2 does."""
+    n = world_size
+    states = param_bytes * state_bytes_per_param_byte
+    if sharding == "none":
+        return ModelStateBytes(param_bytes, param_bytes, int(states))
+    if sharding == "zero1":
+        return ModelStateBytes(param_bytes, param_bytes, int(states / n))
+    if sharding in ("zero2", "zero3"):
+        return ModelStateBytes(int(param_bytes / n), int(param_bytes / n), int(states / n))
+    raise ValueError(f"sharding must be one of {SHARDINGS}, got {sharding!r}")

@@ -1,0 +1,111 @@
+"""Running and timing training: worker subprocesses with a clean launcher environment, the median of timed calls,
+and a short fit on random tokens (the benchmarks, the calibration and the tests share these)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import lightning as L
+import torch
+
+from ..models.config import M6Config
+from ..module import M6LanguageModel, OptimizerConfig
+
+if TYPE_CHECKING:
+    from ..strategy import P2RStrategy
+
+
+def worker_env(threads: int) -> dict[str, str]:
+    """The environment of a benchmark's worker subprocess: unbuffered output, ``threads`` OpenMP threads, and none of
+    the launcher variables a parent may have inherited (they would make the worker think it is a rank of our run)."""
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": str(threads)}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GLOBAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def run_rank_worker(module: str, spec: dict[str, Any], timeout: int) -> list[dict[str, Any]]:
+    """Run ``python -m <module> --worker <spec>`` (Lightning's launcher starts its other ranks; one thread each) and
+    collect the report each rank wrote to ``<spec["out"]>.rank<r>.json``, removing the files; fail with stderr."""
+    command = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=worker_env(threads=1))
+    if result.returncode != 0:
+        raise RuntimeError(f"{spec['name']} failed: {result.stderr[-3000:]}")
+    reports = []
+    for rank in range(spec["devices"]):
+        path = Path(spec["out"]).with_suffix(f".rank{rank}.json")
+        reports.append(json.loads(path.read_text()))
+        path.unlink()
+    return reports
+
+
+def synchronize(device: str | torch.device) -> None:
+    """Wait for queued kernels: CUDA launches are asynchronous, so a timer would otherwise see only the launch."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5,
+                   device: str | torch.device = "cpu") -> float:
+    """Median wall time of ``fn()`` over ``iters`` calls after ``warmup`` untimed ones.
+
+    Warm-up absorbs one-off costs (allocator growth, lazy kernel selection); the median rather than the mean keeps
+    one descheduled iteration on a shared machine from moving the result.
+    """
+    if iters < 1:
+        raise ValueError(f"iters must be >= 1, got {iters}")
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+class OptimizerStepTimer(L.Callback):
+    """``time.perf_counter()`` at the end of every batch that completed an optimizer step (after the device
+    finished it: CUDA runs asynchronously)."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+        self._step = 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step != self._step:
+            self._step = trainer.global_step
+            if trainer.strategy.root_device.type == "cuda":
+                torch.cuda.synchronize(trainer.strategy.root_device)
+            self.ends.append(time.perf_counter())
+
+
+def fit_on_random_tokens(spec: dict[str, Any], strategy: P2RStrategy, *, warmup: int,
+                         callbacks: tuple[L.Callback, ...] = ()) -> tuple[L.Trainer, M6LanguageModel, float]:
+    """Train ``spec["model"]`` (an M6Config's fields) with ``strategy`` on ``spec["devices"]`` processes (on
+    ``spec["accelerator"]``, CPU by default) for ``spec["steps"]`` steps of ``spec["global_batch"]`` random sequences,
+    split over the data ranks; returns the trainer, the module and the median optimizer-step interval after
+    ``warmup`` steps (the benchmark workers' and the calibration's)."""
+    L.seed_everything(0)
+    config = M6Config(**spec["model"])
+    module = M6LanguageModel(config, OptimizerConfig(warmup_steps=1))
+    ends = OptimizerStepTimer()
+    trainer = L.Trainer(accelerator=spec.get("accelerator", "cpu"), devices=spec["devices"], max_steps=spec["steps"],
+                        strategy=strategy, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+                        enable_model_summary=False, limit_val_batches=0, callbacks=[ends, *callbacks])
+    data_ranks = spec["devices"] // (strategy.tensor_parallel * strategy.pipeline_parallel)
+    data = torch.randint(0, config.vocab_size, (spec["steps"] * spec["global_batch"], config.max_seq_len + 1),
+                         generator=torch.Generator().manual_seed(0))
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=spec["global_batch"] // data_ranks))
+    steps = [b - a for a, b in zip(ends.ends[warmup - 1:], ends.ends[warmup:])]
+    return trainer, module, statistics.median(steps)

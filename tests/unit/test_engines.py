@@ -1,0 +1,63 @@
+"""Engines on a hand-made context: no strategy, no Trainer, no process group."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from lightning_p2r import M6Config, M6Transformer
+from lightning_p2r.strategy.engines import FSDP2Engine, LocalEngine, engine_for
+from lightning_p2r.strategy.engines.base import EngineContext
+from lightning_p2r.strategy.options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig
+
+CONFIG = M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=32, num_heads=4, moe_layers=[], init_seed=3)
+
+
+def context(*, offload: OffloadConfig | None = None, parallel: ParallelConfig | None = None, world_size: int = 1,
+            rank: int = 0) -> EngineContext:
+    return EngineContext(sharding=ShardingConfig(), parallel=parallel or ParallelConfig(),
+                         accumulation=AccumulationConfig(), offload=offload or OffloadConfig(),
+                         device=torch.device("cpu"), world_size=world_size, global_rank=rank)
+
+
+def test_the_context_is_immutable() -> None:
+    ctx = context()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.world_size = 2  # type: ignore[misc]
+
+
+def test_engine_for_maps_every_path() -> None:
+    assert isinstance(engine_for("local"), LocalEngine)
+    for path in ("fsdp", "model_parallel", "pipeline"):
+        engine = engine_for(path)
+        assert isinstance(engine, FSDP2Engine) and engine.path == path
+    assert engine_for("ddp").wraps_ddp
+
+
+def test_the_local_engine_places_a_meta_model_and_returns_its_plan() -> None:
+    with torch.device("meta"):
+        model = M6Transformer(CONFIG)
+    engine = LocalEngine()
+    engine.place(model, context(offload=OffloadConfig(offload_fraction=0.5)))
+    assert engine.plan.offloaded == (1, 3)  # the rulebook's spread: the last block among them
+    assert not any(p.is_meta for p in model.parameters())
+    assert engine.offload_streamer() is not None
+    assert not hasattr(engine, "strategy")
+    # Same seed, same names: the values do not depend on the placement.
+    reference = M6Transformer(CONFIG)
+    for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
+        if ours.numel():
+            torch.testing.assert_close(ours, theirs, msg=name)
+
+
+def test_the_fsdp2_engine_reads_its_ranks_from_the_context() -> None:
+    engine = FSDP2Engine("model_parallel")
+    # 4 ranks = data 2 x tensor 2: rank 3 reads data shard 1 of 2.
+    assert engine.sampler_ranks(context(parallel=ParallelConfig(tensor_parallel=2), world_size=4, rank=3)) == (2, 1)
+    assert FSDP2Engine("fsdp").sampler_ranks(context(world_size=4, rank=3)) is None
+
+
+def test_the_fsdp2_engine_refuses_what_fsdp2_offload_cannot_hold() -> None:
+    ctx = context(offload=OffloadConfig(offload_fraction=0.5, offload_states=["grads", "optimizer"]), world_size=2)
+    with pytest.raises(ValueError, match="offload_states must include 'params'"):
+        FSDP2Engine("fsdp").check_options(ctx)

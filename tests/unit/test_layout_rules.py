@@ -1,0 +1,96 @@
+"""One rulebook for the strategy and the planner: over the planner's whole search space, for a dense and an MoE
+model, the planner accepts a layout exactly when the strategy does (built from the layout's keywords, checked
+against the processes before any process group, and against the model before anything is placed)."""
+
+import ast
+import functools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.fabric.plugins.environments import LightningEnvironment
+
+from lightning_p2r import M6Config, P2RStrategy
+from lightning_p2r import layout as rules
+from lightning_p2r.layout import Layout, ModelShape, check_layout
+from lightning_p2r.planning import Cluster, Workload
+from lightning_p2r.planning import check_layout as planner_check
+from lightning_p2r.planning.search import SearchSpace, layout_space
+
+DENSE = M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=32, num_heads=4, moe_layers=[],
+                 num_unique_blocks=1)
+MOE = M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=32, num_heads=4, num_experts=4, num_prototypes=2,
+               moe_layers=[1, 3])
+WORK = Workload(global_batch=8, seq_len=16)
+CLUSTER = Cluster(devices=8, devices_per_node=8)
+
+
+def _verdict(check) -> str:
+    try:
+        check()
+    except ValueError as error:
+        return f"refused: {error}"
+    return "accepted"
+
+
+def _strategy_verdict(layout: Layout, config: M6Config, devices: int) -> str:
+    def check() -> None:
+        strategy = P2RStrategy(**layout.strategy_options())
+        environment = LightningEnvironment()
+        environment.set_world_size(devices)
+        strategy.cluster_environment = environment
+        # The planner prices accelerators: the strategy is checked as if on them.
+        strategy.parallel_devices = [torch.device("cuda", i) for i in range(devices)]
+        strategy._check_path_options()
+        strategy.check_model_sizes(type("Holder", (), {"config": config})())
+    return _verdict(check)
+
+
+@pytest.mark.parametrize("config", [DENSE, MOE], ids=["dense-pseudo", "moe"])
+def test_the_planner_accepts_a_layout_exactly_when_the_strategy_does(config: M6Config) -> None:
+    space = SearchSpace(offload_fractions=(0.0, 0.5))
+    layouts = list(dict.fromkeys(layout_space(config, CLUSTER, WORK, space)))
+    disagreements, accepted = [], 0
+    for layout in layouts:
+        planner = _verdict(functools.partial(planner_check, layout, config, CLUSTER, WORK))
+        strategy = _strategy_verdict(layout, config, CLUSTER.devices)
+        accepted += planner == "accepted"
+        if (planner == "accepted") != (strategy == "accepted"):
+            disagreements.append(f"{layout.describe()}: planner {planner}; strategy {strategy}")
+    assert not disagreements, "\n".join(disagreements[:10])
+    # The space holds both kinds, so the comparison means something in both directions.
+    assert 0 < accepted < len(layouts), (accepted, len(layouts))
+    print(f"{config.num_experts if config.moe_layers else 0} experts: {accepted} of {len(layouts)} layouts accepted")
+
+
+def test_each_rule_group_names_the_keyword_and_the_numbers() -> None:
+    shape = ModelShape.of(MOE)
+    with pytest.raises(ValueError, match=r"tensor_parallel=3\) must divide the number of processes \(8\)"):
+        check_layout(Layout(tensor_parallel=3), devices=8)
+    with pytest.raises(ValueError, match=r"num_heads=4 must be divisible"):
+        check_layout(Layout(tensor_parallel=8), devices=8, model=shape)
+    with pytest.raises(ValueError, match=r"shared by two stages of one pipeline rank"):
+        check_layout(Layout(pipeline_parallel=2, stages_per_rank=2, pipeline_schedule="looped_bfs", micro_batches=2),
+                     devices=2, model=ModelShape.of(DENSE))
+    with pytest.raises(ValueError, match=r"micro_batches=4\) must divide the 6 sequences"):
+        check_layout(Layout(accumulation="layered", micro_batches=4), sequences=6)
+    check_layout(Layout(accumulation="layered", micro_batches=4), devices=8, model=shape, sequences=8)
+
+
+def test_the_rulebook_imports_only_the_standard_library() -> None:
+    tree = ast.parse(Path(rules.__file__).read_text())
+    modules = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+               for alias in node.names}
+    modules |= {node.module.split(".")[0] for node in ast.walk(tree)
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    assert modules <= set(sys.stdlib_module_names), modules - set(sys.stdlib_module_names)
+    assert not any(isinstance(node, ast.ImportFrom) and node.level for node in ast.walk(tree))
+
+
+def test_the_planner_loads_neither_the_strategy_nor_the_benchmarks() -> None:
+    code = ("import sys; import lightning_p2r.planning; "
+            "bad = [m for m in sys.modules if m.startswith(('lightning_p2r.strategy', 'lightning_p2r.benchmarks'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
