@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--worker":
         _worker(json.loads(sys.argv[2]))
         return {}
-    from lightning_p2r.strategy.plan import parse_bytes
+    from lightning_p2r.layout import parse_bytes
 
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--sizes", "--layers", dest="sizes", nargs="+",

@@ -1,7 +1,7 @@
 """``P2RStrategy`` and the pure pieces it is made of."""
 
+from ..layout import BlockFootprint, OffloadPlan, plan_offload
 from .offload import OffloadEngine, OffloadStats
-from .plan import BlockFootprint, OffloadPlan, plan_offload
 from .split_optimizer import SplitOptimizer
 from .strategy import P2RStrategy
 

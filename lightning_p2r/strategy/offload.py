@@ -338,10 +338,6 @@ class OffloadEngine:
                 param.data.copy_(master, non_blocking=self.pin_memory)
         self.stats.h2d_bytes += block.param_bytes
 
-    def refresh_resident_copies(self) -> None:
-        for index in self.blocks:
-            self.push_params(index)
-
     def fetch(self, index: int, wait: bool) -> None:
         block = self.blocks[index]
         if not block.resident:

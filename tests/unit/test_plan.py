@@ -1,8 +1,8 @@
 import pytest
 
 from lightning_p2r import M6Config, M6Transformer
-from lightning_p2r.layout import parse_bytes, spread
-from lightning_p2r.strategy.plan import BlockFootprint, block_footprints, device_bytes_needed, plan_offload
+from lightning_p2r.layout import BlockFootprint, device_bytes_needed, parse_bytes, plan_offload, spread
+from lightning_p2r.strategy.plan import block_footprints
 
 
 def test_spread_keeps_the_first_block_resident_and_interleaves() -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...layout import ParallelDims, fsdp_mode_for
+from ...layout import ParallelDims, check_fsdp_offload_states, fsdp_mode_for
 from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
 from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
@@ -24,7 +24,6 @@ from ..parallel.clipping import ranks_holding
 from ..parallel.experts import ParallelExperts
 from ..pipeline.placement import StagePlacement
 from ..placement import Placement, place
-from ..plan import check_fsdp_offload_states
 from ..regather import delinked_plain_copy, release_model_state, replace_submodule, shard_optimizer
 from ..replicated_zero import (
     ReplicatedZeroOptimizer,
