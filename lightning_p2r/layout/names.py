@@ -1,0 +1,37 @@
+"""The option names (from their ``Literal`` types), and the small checks every rule uses."""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+Sharding = Literal["none", "zero1", "zero2", "zero3"]
+Accumulation = Literal["standard", "layered"]
+PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"]
+PlacementPath = Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]
+FSDPMode = Literal["replicate", "zero2", "zero3"]
+
+SHARDINGS: tuple[str, ...] = get_args(Sharding)
+ACCUMULATIONS: tuple[str, ...] = get_args(Accumulation)
+PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+BREADTH_FIRST: tuple[str, ...] = ("gpipe", "looped_bfs")
+"""Schedules that run every micro-batch through a stage before the next stage (layered accumulation's order)."""
+SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"P2RStrategy.{name} must be True or False, got {value!r}")
+
+
+def check_degree(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"P2RStrategy.{name} must be a positive integer (1 turns it off), got {value!r}")
+
+

@@ -1,0 +1,177 @@
+"""Which blocks live in host memory (M6-10T's granular offload): the spread, the budget search, the options."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .names import _UNITS
+
+
+def spread(count: int, num_blocks: int) -> tuple[int, ...]:
+    """``count`` block indices spread evenly, the last block always among them when count > 0 (the offload plan).
+
+    With at most half the blocks offloaded, every offloaded block follows a resident one, whose compute hides
+    the offloaded block's copy; and the first block stays resident so the forward pass starts without waiting.
+    """
+    if count <= 0:
+        return ()
+    return tuple(sorted({int((i + 1) * num_blocks / count) - 1 for i in range(count)}))
+
+
+def offload_count(fraction: float, num_blocks: int) -> int:
+    """How many of ``num_blocks`` an ``offload_fraction`` offloads: half a block rounds up."""
+    return math.floor(fraction * num_blocks + 0.5)
+
+
+def parse_bytes(value: int | str, total: int | None = None, name: str = "device_memory_budget") -> int:
+    """``12e9``, ``"12GB"``, ``"512MiB"`` or ``"80%"`` (of ``total``) -> bytes; errors name the option ``name``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name} must be bytes or a size string, got {value!r}")
+    if isinstance(value, (int, float)):
+        return int(value)
+    text = value.strip().lower().replace(" ", "")
+    if text.endswith("%"):
+        if total is None:
+            raise ValueError(f"{name} as a percentage needs the device's total memory")
+        share = float(text[:-1])
+        if not 0 < share <= 100:
+            raise ValueError(f"{name} percentage must be in (0, 100], got {value!r}")
+        return int(total * share / 100)
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmgt]i?b|b)?", text)
+    if not match:
+        raise ValueError(f"{name} {value!r} is not a size: use bytes, '12GB', '512MiB' or '80%'")
+    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def check_offload_options(*, offload_fraction: float | None, offload_blocks: Sequence[int] | None,
+                          device_memory_budget: int | str | None, offload_states: Sequence[str] | None, prefetch: int,
+                          pin_memory: object, overlap_host_step: object) -> set[str]:
+    """Validate ``P2RStrategy``'s offload options; returns the offload states to use (all three by default)."""
+    given = [n for n, v in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
+                            ("device_memory_budget", device_memory_budget)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"P2RStrategy takes one of offload_fraction, offload_blocks, device_memory_budget; "
+                         f"got {given}")
+    if offload_fraction is not None and not 0.0 <= offload_fraction <= 1.0:
+        raise ValueError(f"P2RStrategy.offload_fraction must be in [0, 1], got {offload_fraction}")
+    if offload_blocks is not None and any(not isinstance(i, int) or i < 0 for i in offload_blocks):
+        raise ValueError(f"P2RStrategy.offload_blocks must be block indices >= 0, got {offload_blocks}")
+    if device_memory_budget is not None and not isinstance(device_memory_budget, str):
+        if device_memory_budget <= 0:
+            raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")
+    if isinstance(device_memory_budget, str):
+        parse_bytes(device_memory_budget, total=1)  # syntax check now; the percentage base comes at setup
+    states = set(offload_states or ["params", "grads", "optimizer"])
+    unknown = states - {"params", "grads", "optimizer"}
+    if unknown or not {"grads", "optimizer"} <= states:
+        raise ValueError(
+            "P2RStrategy.offload_states must include 'grads' and 'optimizer' (an offloaded block's optimizer "
+            f"step runs on the host, from host gradients) and may add 'params'; got {sorted(states)}"
+        )
+    if prefetch < 0:
+        raise ValueError(f"P2RStrategy.prefetch must be >= 0, got {prefetch}")
+    if pin_memory not in (True, False, "auto"):
+        raise ValueError(f"P2RStrategy.pin_memory must be True, False or 'auto', got {pin_memory!r}")
+    if overlap_host_step not in (True, False, "auto"):
+        raise ValueError(f"P2RStrategy.overlap_host_step must be True, False or 'auto', got {overlap_host_step!r}")
+    return states
+
+
+@dataclass(frozen=True)
+class BlockFootprint:
+    """Bytes one block needs while it is resident and trained."""
+
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def streaming(self) -> int:
+        """What an offloaded block occupies on the device while it runs: parameters and, in backward, gradients."""
+        return self.param_bytes + self.grad_bytes
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    num_blocks: int
+    offloaded: tuple[int, ...]
+
+    @property
+    def resident(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_blocks) if i not in self.offloaded)
+
+
+def plan_offload(
+    num_blocks: int,
+    *,
+    offload_fraction: float | None = None,
+    offload_blocks: list[int] | None = None,
+    budget_bytes: int | None = None,
+    footprints: list[BlockFootprint] | None = None,
+    other_bytes: int = 0,
+    activation_bytes: int = 0,
+    prefetch: int = 1,
+) -> OffloadPlan:
+    """Choose the offloaded blocks from exactly one of fraction, explicit list or budget."""
+    given = [name for name, value in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
+                                      ("device_memory_budget", budget_bytes)) if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"give one of offload_fraction, offload_blocks, device_memory_budget; got {given}")
+    if offload_blocks is not None:
+        bad = [i for i in offload_blocks if not 0 <= i < num_blocks]
+        if bad:
+            raise ValueError(f"offload_blocks {bad} are not block indices of a model with {num_blocks} blocks")
+        return OffloadPlan(num_blocks, tuple(sorted(set(offload_blocks))))
+    if budget_bytes is not None:
+        if footprints is None:
+            raise ValueError("a device_memory_budget plan needs the blocks' footprints")
+        return plan_for_budget(footprints, budget_bytes, other_bytes, activation_bytes, prefetch)
+    fraction = offload_fraction or 0.0
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"offload_fraction must be in [0, 1], got {fraction}")
+    # Half rounds up (Python's round() would send 0.5 of one block to 0 and 0.5 of three blocks to 2).
+    return OffloadPlan(num_blocks, spread(offload_count(fraction, num_blocks), num_blocks))
+
+
+def device_bytes_needed(footprints: list[BlockFootprint], offloaded: tuple[int, ...], other_bytes: int,
+                        activation_bytes: int, prefetch: int) -> int:
+    """Model-state bytes on the device under a plan (plus the activation allowance)."""
+    resident = sum(f.total for i, f in enumerate(footprints) if i not in offloaded)
+    largest_streamed = max((footprints[i].streaming for i in offloaded), default=0)
+    streaming = min(prefetch + 1, len(offloaded)) * largest_streamed
+    return other_bytes + activation_bytes + resident + streaming
+
+
+def plan_for_budget(footprints: list[BlockFootprint], budget: int, other_bytes: int, activation_bytes: int,
+                     prefetch: int) -> OffloadPlan:
+    num_blocks = len(footprints)
+    # Try the most resident blocks first; for each count, offload an evenly spread set.
+    for count in range(num_blocks + 1):
+        offloaded = spread(count, num_blocks)
+        if device_bytes_needed(footprints, offloaded, other_bytes, activation_bytes, prefetch) <= budget:
+            return OffloadPlan(num_blocks, offloaded)
+    minimum = device_bytes_needed(footprints, tuple(range(num_blocks)), other_bytes, activation_bytes, prefetch)
+    raise ValueError(
+        f"device_memory_budget of {budget:,} bytes is smaller than the least this model needs with every block "
+        f"offloaded: {minimum:,} bytes (non-block states {other_bytes:,}, activation allowance "
+        f"{activation_bytes:,}, streaming buffers for {min(prefetch + 1, num_blocks)} block(s)). Raise the "
+        "budget, lower prefetch or the activation allowance, or shard the model"
+    )
+
+
+def check_fsdp_offload_states(offload_states: set[str]) -> None:
+    """On FSDP2 an offloaded block keeps its parameter shard in host memory too (``CPUOffloadPolicy`` moves
+    parameters, gradients and optimizer states together), so "params" cannot be left out."""
+    if "params" not in offload_states:
+        raise ValueError(
+            "P2RStrategy: with sharding zero2/zero3, or offloading across processes, an offloaded block keeps its "
+            "parameter shard in host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
+
+

@@ -1,0 +1,300 @@
+"""``Layout`` (the strategy's keywords as one value), the model sizes the rules read, and the checks."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from .mesh import ParallelDims, PlacementPath, placement_path
+from .names import (
+    ACCUMULATIONS,
+    BREADTH_FIRST,
+    PIPELINE_SCHEDULES,
+    SHARDINGS,
+    SINGLE_STAGE_SCHEDULES,
+    check_bool,
+    check_degree,
+    divisors,
+)
+from .stages import StageCut, check_local_sharing
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run a model: the ``P2RStrategy`` keywords that decide where tensors live and when they move.
+
+    Mirrors the strategy's flat keywords, so a planned layout prints as the recipe fragment that runs it
+    (:meth:`strategy_options`), and the strategy's options read back as one (``strategy.layout``).
+    """
+
+    sharding: str = "none"
+    tensor_parallel: int = 1
+    expert_parallel: int = 1
+    pipeline_parallel: int = 1
+    pipeline_schedule: str = "1f1b"
+    stages_per_rank: int = 1
+    sequence_parallel: bool = False
+    accumulation: str = "standard"
+    micro_batches: int = 1
+    recompute: bool = False
+    compile: bool = False
+    offload_fraction: float = 0.0
+    offload_blocks: tuple[int, ...] | None = None
+    """Explicit block indices (of a rank's blocks) to offload instead of ``offload_fraction``."""
+    reduce_every_micro_batch: bool = False
+
+    @property
+    def pipelined(self) -> bool:
+        return self.pipeline_parallel > 1
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tensor_parallel > 1 or self.expert_parallel > 1
+
+    @property
+    def offloading(self) -> bool:
+        return bool(self.offload_fraction or self.offload_blocks)
+
+    def data_parallel(self, devices: int) -> int:
+        return devices // (self.tensor_parallel * self.pipeline_parallel)
+
+    def dims(self, devices: int) -> ParallelDims:
+        return ParallelDims(devices, self.tensor_parallel, self.expert_parallel, self.pipeline_parallel)
+
+    def path(self, devices: int) -> PlacementPath:
+        return placement_path(self.sharding, devices, offloading=self.offloading,
+                              layered=self.accumulation == "layered", model_parallel=self.model_parallel,
+                              pipelined=self.pipelined)
+
+    @property
+    def trainer_accumulation(self) -> int:
+        """Micro-batches Lightning accumulates (``Trainer(accumulate_grad_batches=...)``): standard accumulation
+        without a pipeline is the Trainer's, not the strategy's."""
+        plain = self.pipeline_parallel == 1 and self.accumulation == "standard"
+        return self.micro_batches if plain else 1
+
+    def strategy_options(self) -> dict[str, Any]:
+        """The ``P2RStrategy`` keywords of this layout that differ from the defaults (see ``trainer_accumulation``
+        for the micro-batches of standard accumulation)."""
+        defaults = Layout()
+        options = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != getattr(defaults, f.name)}
+        if "offload_fraction" in options:
+            options["offload_fraction"] = round(self.offload_fraction, 4)
+        if "offload_blocks" in options:
+            options["offload_blocks"] = list(self.offload_blocks)
+        if self.trainer_accumulation > 1:
+            options.pop("micro_batches")
+        elif self.pipeline_parallel > 1:
+            options["micro_batches"] = self.micro_batches
+        return options
+
+    def describe(self) -> str:
+        parts = [self.sharding]
+        for label, value in (("tp", self.tensor_parallel), ("ep", self.expert_parallel),
+                             ("pp", self.pipeline_parallel)):
+            if value > 1:
+                parts.append(f"{label}{value}")
+        if self.pipeline_parallel > 1:
+            parts.append(self.pipeline_schedule + (f"/v{self.stages_per_rank}" if self.stages_per_rank > 1 else ""))
+        if self.sequence_parallel:
+            parts.append("sp")
+        if self.micro_batches > 1:
+            parts.append(f"m{self.micro_batches}")
+        if self.accumulation == "layered":
+            parts.append("layered")
+        if self.recompute:
+            parts.append("recompute")
+        if self.compile:
+            parts.append("compile")
+        if self.offload_fraction:
+            parts.append(f"offload{self.offload_fraction:g}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The model sizes the rules read; None: unknown (a user's model), that rule is not checked."""
+
+    num_layers: int
+    layer_to_block: tuple[int, ...] | None = None
+    """Which block each layer runs (sharing: several layers, one block)."""
+    num_heads: int | None = None
+    vocab_size: int | None = None
+    hidden_dim: int | None = None
+    """The feed-forward (and expert) hidden size tensor parallelism splits."""
+    num_experts: int = 0
+    moe: bool = False
+    """Whether the model has MoE layers (expert parallelism splits their experts)."""
+    max_seq_len: int | None = None
+    rotary_positions: bool | None = None
+    """Whether positions enter per head (rotary), which sequence parallelism needs."""
+
+    @classmethod
+    def of(cls, config: Any) -> ModelShape:
+        """From an ``M6Config`` (or anything with its fields)."""
+        return cls(num_layers=config.num_layers, layer_to_block=tuple(config.layer_to_block),
+                   num_heads=config.num_heads, vocab_size=config.vocab_size, hidden_dim=config.hidden_dim,
+                   num_experts=config.num_experts, moe=bool(config.moe_layers), max_seq_len=config.max_seq_len,
+                   rotary_positions=config.position_embedding == "rotary")
+
+
+def check_parallel_options(layout: Layout) -> None:
+    """The parallel degrees, the schedule against the stages per rank, sequence parallelism's prerequisite."""
+    check_bool("sequence_parallel", layout.sequence_parallel)
+    if layout.sequence_parallel and layout.tensor_parallel == 1:
+        raise ValueError("P2RStrategy(sequence_parallel=True) splits activations over the tensor-parallel ranks: "
+                         "set tensor_parallel > 1 as well")
+    for name in ("tensor_parallel", "expert_parallel", "pipeline_parallel", "stages_per_rank"):
+        check_degree(name, getattr(layout, name))
+    schedule, v = layout.pipeline_schedule, layout.stages_per_rank
+    if schedule not in PIPELINE_SCHEDULES:
+        raise ValueError(f"P2RStrategy.pipeline_schedule must be one of {PIPELINE_SCHEDULES}, got {schedule!r}")
+    if v > 1 and schedule in SINGLE_STAGE_SCHEDULES:
+        raise ValueError(
+            f"P2RStrategy(pipeline_schedule={schedule!r}) runs one stage per rank, got stages_per_rank={v}: use "
+            "pipeline_schedule='looped_bfs' or 'interleaved_1f1b' for looped stages")
+    if v == 1 and schedule == "interleaved_1f1b":
+        raise ValueError("P2RStrategy(pipeline_schedule='interleaved_1f1b') interleaves several stages per rank: set "
+                         "stages_per_rank > 1, or use pipeline_schedule='1f1b' for one stage per rank")
+    if v > 1 and layout.pipeline_parallel == 1:
+        raise ValueError(f"P2RStrategy(stages_per_rank={v}) loops stages over pipeline ranks: set "
+                         "pipeline_parallel > 1 as well")
+
+
+def check_accumulation_options(accumulation: str, micro_batches: int, recompute: bool, *,
+                               pipelined: bool = False) -> None:
+    """The micro-batch schedule. ``pipelined``: pipeline parallelism is on, ``micro_batches`` counts the pipeline's
+    micro-batches (:func:`check_micro_batches` checks them against its degree and schedule)."""
+    if accumulation not in ACCUMULATIONS:
+        raise ValueError(f"P2RStrategy.accumulation must be 'standard' or 'layered', got {accumulation!r}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"P2RStrategy.micro_batches must be an integer >= 1, got {micro_batches!r}")
+    if recompute and accumulation != "layered" and not pipelined:
+        raise ValueError("P2RStrategy.recompute applies to accumulation='layered' only")
+    if micro_batches > 1 and accumulation != "layered" and not pipelined:
+        raise ValueError("P2RStrategy.micro_batches applies to accumulation='layered' (or to pipeline_parallel > 1); "
+                         "for standard (depth-first) accumulation use Trainer(accumulate_grad_batches=...)")
+    check_bool("recompute", recompute)
+
+
+def check_micro_batches(schedule: str, micro_batches: int, pipeline_parallel: int) -> None:
+    """Enough micro-batches to fill the pipeline (and, interleaved, whole rounds of them)."""
+    if micro_batches < pipeline_parallel:
+        raise ValueError(
+            f"P2RStrategy(micro_batches={micro_batches}) is fewer than pipeline_parallel={pipeline_parallel}: the "
+            f"pipeline never fills and the ranks mostly wait. Use micro_batches >= {pipeline_parallel} (a few times "
+            "more makes the bubble small)")
+    if schedule == "interleaved_1f1b" and micro_batches % pipeline_parallel:
+        raise ValueError(
+            f"P2RStrategy(pipeline_schedule='interleaved_1f1b') runs micro-batches in rounds of pipeline_parallel="
+            f"{pipeline_parallel}: micro_batches={micro_batches} must be a multiple of it")
+
+
+def check_options(layout: Layout) -> None:
+    """Each option on its own, and the pipeline's micro-batches (the strategy checks these when it is built)."""
+    if layout.sharding not in SHARDINGS:
+        raise ValueError(f"P2RStrategy.sharding must be one of {SHARDINGS}, got {layout.sharding!r}")
+    check_parallel_options(layout)
+    # A layout's micro-batches under plain standard accumulation are the Trainer's ``accumulate_grad_batches``
+    # (``Layout.trainer_accumulation``), which the strategy's ``micro_batches`` keyword refuses to stand for.
+    strategy_micro_batches = layout.micro_batches if layout.trainer_accumulation == 1 else 1
+    check_accumulation_options(layout.accumulation, strategy_micro_batches, layout.recompute,
+                               pipelined=layout.pipelined)
+    for name in ("compile", "reduce_every_micro_batch"):
+        check_bool(name, getattr(layout, name))
+    if not 0.0 <= layout.offload_fraction <= 1.0:
+        raise ValueError(f"P2RStrategy.offload_fraction must be in [0, 1], got {layout.offload_fraction}")
+    if not layout.pipelined:
+        return
+    check_micro_batches(layout.pipeline_schedule, layout.micro_batches, layout.pipeline_parallel)
+
+
+def check_combinations(layout: Layout) -> None:
+    """Options that each are valid but do not go together (the strategy checks them when it chooses its engine,
+    before any process group exists)."""
+    if not layout.pipelined:
+        return
+    if layout.sharding == "zero1" and layout.model_parallel:
+        raise ValueError(
+            "P2RStrategy(sharding='zero1') with tensor_parallel or expert_parallel inside pipeline stages: ZeRO-1's "
+            "partitioned optimizer does not take parameters split over a device mesh there; use sharding='zero2' or "
+            "'zero3'")
+    if layout.accumulation == "layered" and layout.pipeline_schedule not in BREADTH_FIRST:
+        raise ValueError(
+            f"P2RStrategy(accumulation='layered', pipeline_schedule={layout.pipeline_schedule!r}): across pipeline "
+            "stages, layered accumulation is the breadth-first schedule itself; use pipeline_schedule='looped_bfs' "
+            "(or 'gpipe' with one stage per rank)")
+    if layout.reduce_every_micro_batch:
+        raise ValueError("P2RStrategy(reduce_every_micro_batch=True) does not apply with pipeline_parallel > 1: "
+                         "the schedule reduces each stage's gradients once, after its last micro-batch")
+
+
+def check_devices(layout: Layout, devices: int, *, accelerator: bool = True) -> ParallelDims:
+    """The degrees against the number of processes; ``accelerator``: the processes drive accelerators (the
+    planner's clusters do; a CPU-only run does not)."""
+    dims = layout.dims(devices)
+    if (layout.sharding == "zero1" and layout.offloading and accelerator
+            and layout.path(devices) not in ("local", "ddp")):
+        raise ValueError(
+            "P2RStrategy(sharding='zero1') with offloaded blocks across processes on an accelerator: "
+            "ZeroRedundancyOptimizer broadcasts its partitions through the accelerator's process group, which "
+            "cannot send host-resident tensors; use sharding='zero2' (optimizer states and gradients sharded)")
+    return dims
+
+
+def check_model(layout: Layout, model: ModelShape, devices: int | None = None) -> None:
+    """Refuse a model these degrees cannot split, naming the numbers."""
+    tp, ep = layout.tensor_parallel, layout.expert_parallel
+    if model.num_heads is not None and model.num_heads % tp:
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: M6Config.num_heads="
+                         f"{model.num_heads} must be divisible by it (use tensor_parallel in "
+                         f"{divisors(model.num_heads)})")
+    if model.vocab_size is not None and model.vocab_size % tp:
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the embedding and output by vocabulary: "
+                         f"M6Config.vocab_size={model.vocab_size} must be divisible by it")
+    if model.hidden_dim is not None and model.hidden_dim % tp:
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the feed-forward layers and experts by hidden "
+                         f"units: M6Config.hidden_dim={model.hidden_dim} must be divisible by it (use "
+                         f"tensor_parallel in {divisors(model.hidden_dim)})")
+    if ep > 1 and not model.moe:
+        raise ValueError(f"P2RStrategy(expert_parallel={ep}) needs MoE layers, and the model has none "
+                         "(M6Config.moe_layers is empty)")
+    if ep > 1 and model.num_experts % ep:
+        raise ValueError(f"P2RStrategy(expert_parallel={ep}) gives each expert-parallel rank num_experts / "
+                         f"expert_parallel experts: M6Config.num_experts={model.num_experts} must be divisible by it "
+                         f"(use expert_parallel in {divisors(model.num_experts)})")
+    if layout.sequence_parallel and model.rotary_positions is False:
+        raise ValueError("P2RStrategy(sequence_parallel=True) needs M6Config.position_embedding='rotary': learned "
+                         "positions are added to the whole sequence, which no rank holds")
+    if layout.sequence_parallel and model.max_seq_len is not None and model.max_seq_len % tp:
+        raise ValueError(f"P2RStrategy(sequence_parallel=True) splits sequences over tensor_parallel={tp} ranks: "
+                         f"M6Config.max_seq_len={model.max_seq_len} must be divisible by it (and so must every "
+                         "batch's sequence length)")
+    if layout.pipelined:
+        cut = StageCut(devices or layout.pipeline_parallel, layout.pipeline_parallel, layout.stages_per_rank,
+                       model.num_layers)
+        if model.layer_to_block is not None:
+            check_local_sharing(model.layer_to_block, cut)
+
+
+def check_batch(layout: Layout, sequences: int) -> None:
+    """``sequences`` per data-parallel rank per optimizer step against the micro-batches that split them."""
+    if sequences % layout.micro_batches:
+        raise ValueError(f"P2RStrategy(micro_batches={layout.micro_batches}) must divide the {sequences} sequences "
+                         "per data-parallel rank")
+
+
+def check_layout(layout: Layout, devices: int | None = None, model: ModelShape | None = None,
+                 sequences: int | None = None, *, accelerator: bool = True) -> None:
+    """Every rule that applies to what is known: the options, and the devices, the model's sizes and the sequences
+    per data-parallel rank when given. Raises ValueError naming the first reason the layout cannot run."""
+    check_options(layout)
+    check_combinations(layout)
+    if devices is not None:
+        check_devices(layout, devices, accelerator=accelerator)
+    if model is not None:
+        check_model(layout, model, devices)
+    if sequences is not None:
+        check_batch(layout, sequences)
