@@ -205,3 +205,16 @@ def test_tokens_per_second_count_each_batch_once(kwargs: dict, ranks: int) -> No
 
     strategy = _with_world_size(P2RStrategy(**kwargs), 4)
     assert data_ranks(SimpleNamespace(strategy=strategy, world_size=4)) == ranks
+
+
+def test_every_schedule_name_is_torchs_and_the_single_stage_ones_agree_with_the_rulebook() -> None:
+    from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+    from lightning_p2r.layout import PIPELINE_SCHEDULES, SINGLE_STAGE_SCHEDULES
+    from lightning_p2r.strategy.pipeline.runner import schedule_class
+
+    classes = {name: schedule_class(name) for name in PIPELINE_SCHEDULES}
+    assert [cls.__name__ for cls in classes.values()] == [
+        "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS"]
+    single = {name for name, cls in classes.items() if issubclass(cls, PipelineScheduleSingle)}
+    assert single == set(SINGLE_STAGE_SCHEDULES)

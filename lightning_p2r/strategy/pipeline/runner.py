@@ -15,21 +15,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleLoopedBFS,
-)
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
 
 from ...protocols import PipelineParts
 from .stage import PipelineStageModule, stage_output_loss
 
-SCHEDULE_CLASSES: dict[str, type] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
-                                     "interleaved_1f1b": ScheduleInterleaved1F1B, "looped_bfs": ScheduleLoopedBFS}
-BREADTH_FIRST = ("gpipe", "looped_bfs")
-"""Schedules that run every micro-batch through a stage before the next stage (forward, then backward)."""
+
+def schedule_class(name: str) -> type:
+    """Torch's schedule class for one of our option names ("interleaved_1f1b" is torch's "Interleaved1F1B"; torch
+    matches names without regard to case)."""
+    return get_schedule_class(name.replace("_", ""))
 
 
 @dataclass(frozen=True)
@@ -92,10 +88,6 @@ class PipelineRunner:
         """Set to a list to record every stage computation of the training steps (and ``step_spans``)."""
         self.step_spans: list[tuple[float, float]] = []
 
-    @property
-    def holds_last_stage(self) -> bool:
-        return any(module.last for module in self.modules)
-
     def _schedule(self, training: bool, micro_batches: int, shape: tuple[int, ...]) -> Any:
         """The schedule for batches of ``shape``; tells the stage modules whether it is new (see ``begin``)."""
         key = (training, micro_batches, shape)
@@ -108,8 +100,8 @@ class PipelineRunner:
                       for module, index in zip(self.modules, self.stage_indices)]
             # Evaluation runs forward only: GPipe (one stage per rank) or looped breadth-first (several).
             name = self.schedule_name if training else ("gpipe" if len(stages) == 1 else "looped_bfs")
-            cls = SCHEDULE_CLASSES[name]
-            single = cls in (ScheduleGPipe, Schedule1F1B)
+            cls = schedule_class(name)
+            single = issubclass(cls, PipelineScheduleSingle)
             self._schedules[key] = cls(stages[0] if single else stages, micro_batches,
                                        loss_fn=stage_output_loss if training else None)
         return self._schedules[key]
