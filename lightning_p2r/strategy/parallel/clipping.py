@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
+from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
 
 def ranks_holding(grad: torch.Tensor) -> int:
@@ -44,37 +45,50 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
                     copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
     """The ``norm_type`` norm of all the gradients of ``params`` together, the same on every rank (collective:
     every rank calls it with its parameters, in any order). ``copies(param)``: how many ranks hold the same local
-    part of the parameter's gradient, when the layout knows better than its mesh (pipeline stages)."""
+    part of the parameter's gradient, when the layout knows better than its mesh (pipeline stages).
+
+    The local parts are grouped by device and by how many ranks hold them; torch's ``get_total_norm`` reduces each
+    group where it lives (one fused kernel per device, no host sync per tensor), and the few group norms meet on the
+    process group's device for one all-reduce."""
     inf = math.isinf(norm_type)
-    local = torch.zeros((), dtype=torch.float64)
+    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
     for param in params:
         grad = param.grad
         if grad is None:
             continue
         part = (grad.to_local() if isinstance(grad, DTensor) else grad).detach()
-        if part.numel() == 0:
-            continue
-        if inf:
-            local = torch.maximum(local, part.abs().max().double().cpu())
-        else:
-            held = copies(param) if copies is not None else ranks_holding(grad)
-            local += part.double().abs().pow(norm_type).sum().cpu() / held
-    if dist.is_available() and dist.is_initialized():
-        # On the process group's device: NCCL reduces device tensors only (an offloaded gradient lives on the host).
-        nccl = dist.get_backend() == "nccl"
-        reduced = local.to(torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
-        dist.all_reduce(reduced, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-        local = reduced.cpu()
-    return (local if inf else local.pow(1.0 / norm_type)).float()
+        if part.numel():
+            held = 1 if inf else copies(param) if copies is not None else ranks_holding(grad)
+            groups.setdefault((part.device, held), []).append(part)
+    # NCCL reduces device tensors only (an offloaded gradient lives on the host).
+    distributed = dist.is_available() and dist.is_initialized()
+    nccl = distributed and dist.get_backend() == "nccl"
+    where = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    local = torch.zeros((), dtype=torch.float64, device=where)
+    for (_, held), parts in groups.items():
+        norm = get_total_norm(parts, norm_type).to(where, torch.float64)
+        local = torch.maximum(local, norm) if inf else local + norm.pow(norm_type) / held
+    if distributed:
+        dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    return (local if inf else local.pow(1.0 / norm_type)).float().cpu()
 
 
 def clip_grad_norm_across_meshes(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                                  copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
-    """Scale the gradients of ``params`` so their total norm is at most ``max_norm``; returns the norm before."""
+    """Scale the gradients of ``params`` so their total norm is at most ``max_norm`` (torch's
+    ``clip_grads_with_norm_``, given the norm across meshes); returns the norm before."""
     params = [p for p in params if p.grad is not None]
     total = total_grad_norm(params, norm_type, copies)
-    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    with torch.no_grad():
-        for param in params:
-            param.grad.mul_(scale.to(param.grad.device))
+    for group in _by_placement(params):
+        clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
     return total
+
+
+def _by_placement(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Parameters by their gradient's device and mesh: torch's clipping scales each call's gradients with one fused
+    kernel, which takes DTensors of one mesh only."""
+    grouped: dict[tuple[torch.device, int | None], list[torch.Tensor]] = {}
+    for param in params:
+        mesh = id(param.grad.device_mesh) if isinstance(param.grad, DTensor) else None
+        grouped.setdefault((param.grad.device, mesh), []).append(param)
+    return list(grouped.values())
