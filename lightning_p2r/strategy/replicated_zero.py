@@ -30,16 +30,36 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
-    """A ``ZeroRedundancyOptimizer`` over views of replicated DTensor parameters. Build it with :meth:`wrap`.
-
-    Two duties beyond its parent's: :meth:`link_grads` after every backward (points each view's gradient at the
-    reduced DTensor gradient's local tensor, no copy), and ``zero_grad`` clears the DTensor gradients too.
-    """
+class ZeroOneOptimizer:
+    """What both ZeRO-1 optimizers on FSDP2 offer the engine: plain ``views`` standing for the module's
+    ``whole_params`` (the DTensor parameters), gradients linked into the views after every backward, and the whole
+    state converted both ways (a plain optimizer over the module's parameters, for checkpoints and delinking)."""
 
     whole_params: list[nn.Parameter]
     views: list[nn.Parameter]
+
+    def link_grads(self) -> None:
+        """Point each view's gradient at the reduced DTensor gradient's local tensor (no copy)."""
+        for param, view in zip(self.whole_params, self.views):
+            view.grad = None if param.grad is None else _local(param.grad)
+
+    def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """Take the whole state and settings of ``optimizer``, an optimizer over the module's parameters."""
+        raise NotImplementedError
+
+    def to_module_optimizer(self) -> torch.optim.Optimizer:
+        """A plain optimizer over the module's parameters with the whole state (collective)."""
+        raise NotImplementedError
+
+
+class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
+    """A ``ZeroRedundancyOptimizer`` over views of replicated DTensor parameters. Build it with :meth:`wrap`.
+
+    Beyond its parent: ``link_grads`` after every backward, and ``zero_grad`` clears the DTensor gradients too.
+    """
+
     group_extras: list[dict[str, Any]]
+    zero_group: Any
 
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, process_group: Any = None) -> ReplicatedZeroOptimizer:
@@ -55,6 +75,7 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
         views = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in whole}
         plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: _local(value))
         zero = zero_redundancy_optimizer(plain, cls=cls, process_group=process_group)
+        zero.zero_group = process_group
         zero.whole_params = whole
         zero.views = [views[id(p)] for p in whole]
         # Group entries the partitioned optimizer does not keep (a scheduler's "initial_lr"), so a checkpoint of
@@ -62,10 +83,6 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
         zero.group_extras = [{k: v for k, v in g.items() if k not in z} for g, z in zip(plain.param_groups,
                                                                                            zero.param_groups)]
         return zero
-
-    def link_grads(self) -> None:
-        for param, view in zip(self.whole_params, self.views):
-            view.grad = None if param.grad is None else _local(param.grad)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
@@ -87,6 +104,11 @@ class ReplicatedZeroOptimizer(ZeroRedundancyOptimizer):
         self.load_state_dict({"state": state, "param_groups": groups})
         self.group_extras = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(groups,
                                                                                                self.param_groups)]
+
+    def to_module_optimizer(self) -> torch.optim.Optimizer:
+        import torch.distributed as dist
+
+        return to_module_optimizer(self, dist.get_world_size(self.zero_group), dist.get_rank(self.zero_group))
 
 
 def to_module_optimizer(optimizer: ReplicatedZeroOptimizer, world_size: int, rank: int) -> torch.optim.Optimizer:
@@ -148,7 +170,7 @@ class _LinkedGroup(dict):
                 part[key] = value
 
 
-class SplitZeroOptimizer(torch.optim.Optimizer):
+class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
     """ZeRO-1 under expert parallelism: the dense weights are held alike by every data rank, the experts only by
     the ranks holding the same experts, so their optimizer states are partitioned over two groups: two
     :class:`ReplicatedZeroOptimizer` behind the one optimizer Lightning steps. Its ``param_groups`` are the user's
@@ -160,7 +182,7 @@ class SplitZeroOptimizer(torch.optim.Optimizer):
              experts: set[int]) -> SplitZeroOptimizer:
         """``experts``: ids of the expert parameters (partitioned over ``expert_group``; the rest over
         ``dense_group``)."""
-        parts, slots, groups = [], [], []
+        parts, slots = [], []
         for chosen, group in ((lambda p: id(p) not in experts, dense_group), (lambda p: id(p) in experts,
                                                                                expert_group)):
             kept = [(i, [p for p in g["params"] if chosen(p)]) for i, g in enumerate(optimizer.param_groups)]
@@ -170,11 +192,10 @@ class SplitZeroOptimizer(torch.optim.Optimizer):
             subset = _subset(optimizer, kept)
             parts.append(ReplicatedZeroOptimizer.wrap(subset, group))
             slots.append([i for i, _ in kept])
-            groups.append(group)
         zero = cls.__new__(cls)
         views = [v for part in parts for v in part.views]
         torch.optim.Optimizer.__init__(zero, views, dict(optimizer.defaults))
-        zero.parts, zero.slots, zero.groups = parts, slots, groups
+        zero.parts, zero.slots = parts, slots
         zero.order = [list(g["params"]) for g in optimizer.param_groups]  # the user's parameters, in order
         zero.param_groups = [_LinkedGroup([part.param_groups[slot.index(i)] for part, slot in zip(parts, slots)
                                            if i in slot]) for i in range(len(optimizer.param_groups))]
@@ -202,10 +223,6 @@ class SplitZeroOptimizer(torch.optim.Optimizer):
         for part in getattr(self, "parts", ()):
             part.zero_grad(set_to_none)
 
-    def link_grads(self) -> None:
-        for part in self.parts:
-            part.link_grads()
-
     def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Take the whole state and settings of ``optimizer``, over the module's parameters in the user's groups."""
         for part, slot in zip(self.parts, self.slots):
@@ -216,10 +233,7 @@ class SplitZeroOptimizer(torch.optim.Optimizer):
     def to_module_optimizer(self) -> torch.optim.Optimizer:
         """One plain optimizer over the module's parameters in the user's groups and order, with the whole state
         (collective over both parts' process groups)."""
-        import torch.distributed as dist
-
-        plains = [to_module_optimizer(part, dist.get_world_size(group), dist.get_rank(group))
-                  for part, group in zip(self.parts, self.groups)]
+        plains = [part.to_module_optimizer() for part in self.parts]
         settings = {}
         for plain, slot in zip(plains, self.slots):
             for index, group in zip(slot, plain.param_groups):

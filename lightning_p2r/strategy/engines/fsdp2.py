@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ...layout import ParallelDims, check_fsdp_offload_states, fsdp_mode_for
@@ -25,12 +24,7 @@ from ..parallel.experts import ParallelExperts
 from ..pipeline.placement import StagePlacement
 from ..placement import Placement, place
 from ..regather import delinked_plain_copy, release_model_state, replace_submodule, shard_optimizer
-from ..replicated_zero import (
-    ReplicatedZeroOptimizer,
-    SplitZeroOptimizer,
-    partition_optimizer_states,
-    to_module_optimizer,
-)
+from ..replicated_zero import ZeroOneOptimizer, partition_optimizer_states
 from ..sharding import FSDPEvents, fsdp_modules, reshard_all
 from ..steps import PipelinedSteps, StepRunner
 from .base import Engine, EngineContext, holder_of
@@ -128,7 +122,7 @@ class FSDP2Engine(Engine):
             optimizers = partition_optimizer_states(optimizers, [], self.zero_group, **self._expert_partition(module))
         self._whole_of = {}
         for optimizer in optimizers:  # which parameter each of ZeRO-1's views stands for (clipping counts it)
-            if isinstance(optimizer, (ReplicatedZeroOptimizer, SplitZeroOptimizer)):
+            if isinstance(optimizer, ZeroOneOptimizer):
                 self._whole_of |= {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
         return optimizers
 
@@ -143,11 +137,7 @@ class FSDP2Engine(Engine):
     def module_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         """The optimizer over the module's own parameters, as checkpoints and delinking read it (collective)."""
         optimizer = unwrapped_optimizer(optimizer)
-        if isinstance(optimizer, SplitZeroOptimizer):
-            return optimizer.to_module_optimizer()
-        if isinstance(optimizer, ReplicatedZeroOptimizer):
-            return to_module_optimizer(optimizer, dist.get_world_size(self.zero_group), dist.get_rank(self.zero_group))
-        return optimizer
+        return optimizer.to_module_optimizer() if isinstance(optimizer, ZeroOneOptimizer) else optimizer
 
     # ---------------------------------------------------------------------------------------------- training
     def step_runner(self, module: nn.Module, precision: Precision, counter: CollectiveCounter | None) -> StepRunner:
@@ -188,7 +178,7 @@ class FSDP2Engine(Engine):
 
     def post_backward(self, optimizers: list[Any]) -> None:
         for optimizer in optimizers:
-            if isinstance(optimizer, (ReplicatedZeroOptimizer, SplitZeroOptimizer)):
+            if isinstance(optimizer, ZeroOneOptimizer):
                 optimizer.link_grads()  # FSDP2 has all-reduced the gradients by now
 
     def reshard(self, module: nn.Module) -> None:
@@ -288,7 +278,7 @@ class FSDP2Engine(Engine):
             sharded_checkpoint.load_optimizer_into(module, target, index, sharded_path)
         else:
             sharded_checkpoint.load_full_optimizer_state(module, target, checkpoint["optimizer_states"][index])
-        if isinstance(optimizer, (ReplicatedZeroOptimizer, SplitZeroOptimizer)):
+        if isinstance(optimizer, ZeroOneOptimizer):
             optimizer.load_whole_state(target)
 
 
