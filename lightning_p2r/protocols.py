@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -127,3 +127,41 @@ class ComputesTokenLoss(Protocol):
     tensor-parallel strategy can give it a vocabulary-parallel one (the logits then stay sharded)."""
 
     token_loss: Any
+
+
+SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output"]
+"""How one submodule splits over the tensor-parallel ranks (Megatron-LM):
+
+- "column": a linear layer whose output features are split (the first matmul of a pair);
+- "row": a linear layer whose input features are split, the partial outputs summed (the second of the pair);
+- "sequence": a module run on this rank's sequence positions under sequence parallelism (a norm), whole otherwise;
+- "expert": an MoE layer (``lightning_p2r.models.MoEFeedForward``): its experts split over the expert-parallel
+  ranks, each expert's hidden units over the tensor-parallel ranks;
+- "vocabulary": an embedding split by vocabulary rows (the partial lookups summed);
+- "output": the output layer split by vocabulary columns (each rank its shard of the logits).
+"""
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Which submodules of a block-sequence model split how, by the model's own names. The model declares it; the
+    strategy turns each kind into torch's ``ParallelStyle`` and applies it from outside."""
+
+    blocks: tuple[dict[str, SplitKind], ...]
+    """Per block (``blocks[i]``): names inside the block."""
+    outside: dict[str, SplitKind]
+    """Names inside the model (the block-sequence holder), outside its blocks."""
+
+    def expert_layers(self, holder: nn.Module, indices: Sequence[int] | None = None) -> list[nn.Module]:
+        """The "expert" submodules of the blocks (all, or those at ``indices``)."""
+        chosen = range(len(self.blocks)) if indices is None else indices
+        return [holder.blocks[i].get_submodule(name) for i in chosen
+                for name, kind in self.blocks[i].items() if kind == "expert"]
+
+
+@runtime_checkable
+class DeclaresParallelPlan(Protocol):
+    """A block-sequence model that tensor / expert parallelism can split: it names its own column, row, sequence,
+    expert, vocabulary and output submodules (``M6Transformer.parallel_plan`` is the example)."""
+
+    def parallel_plan(self) -> ParallelPlan: ...

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..protocols import ParallelPlan, SplitKind
 from .attention import CausalSelfAttention, rotary_tables
 from .config import M6Config
 from .init import InitRule, draw_seed, fill_parameters
@@ -209,6 +210,21 @@ class M6Transformer(nn.Module):
     # forward() is embed -> run_layer for each layer -> head. The stages are public so an executor outside the
     # model (layered gradient accumulation, lightning_p2r.strategy.layered) can run every micro-batch through one
     # layer before the next, without the model knowing about micro-batches.
+    def parallel_plan(self) -> ParallelPlan:
+        """How tensor / expert parallelism splits this model (Megatron-LM): per block the fused qkv projection by
+        columns (its rows are head-major, so each rank gets whole heads) and the attention output by rows, a dense
+        FFN's pair the same way or an MoE layer's experts, the norms by sequence under sequence parallelism; outside
+        the blocks the embedding by vocabulary rows and the head by vocabulary columns. Norms, the router and
+        position embeddings otherwise stay whole: their inputs are the same on every tensor-parallel rank."""
+        attention: dict[str, SplitKind] = {"attn.qkv": "column", "attn.out": "row", "attn_norm": "sequence",
+                                           "ffn_norm": "sequence"}
+        dense: dict[str, SplitKind] = {"ffn.fc_in": "column", "ffn.fc_out": "row"}
+        config = self.config
+        # From the config, not the modules: a pipeline rank holds stand-ins for the blocks of other stages.
+        blocks = tuple(attention | ({"ffn": "expert"} if config.is_moe_layer(config.layers_of_block(b)[0]) else dense)
+                       for b in range(len(self.blocks)))
+        return ParallelPlan(blocks, {"tok_embeddings": "vocabulary", "lm_head": "output", "norm": "sequence"})
+
     def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, LayerContext]:
         """input_ids: LongTensor (batch, seq) -> hidden states (batch, seq, dim) and the per-call layer context."""
         if input_ids.dim() != 2:

@@ -24,12 +24,13 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from ..layout import reshard_after_forward
-from ..protocols import ComputesTokenLoss
+from ..protocols import ComputesTokenLoss, ParallelPlan
 from .compile import compile_blocks
 from .engines.base import EngineContext, holder_of
 from .materialize import Initializer, allocate, has_meta_tensors
 from .parallel import ParallelMeshes, parallelize_model
 from .parallel.loss import VocabParallelCrossEntropy
+from .parallel.parallelize import model_plan
 from .pipeline.placement import StagePlacement
 from .plan import OffloadPlan
 from .regather import meta_template
@@ -78,13 +79,18 @@ def _with_offload_blocks(ctx: EngineContext, blocks: list[int]) -> EngineContext
     return dataclasses.replace(ctx, offload=dataclasses.replace(ctx.offload, offload_blocks=blocks))
 
 
-def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshes, ctx: EngineContext) -> None:
+def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshes, ctx: EngineContext) -> ParallelPlan:
     """Split the model over the tensor and expert dimensions as it declares (works on the meta device). A module
     that takes its training loss from ``token_loss`` gets the vocabulary-parallel one (the logits stay split)."""
-    loss_parallel = meshes.dims.tensor_parallel > 1 and isinstance(module, ComputesTokenLoss)
+    plan = model_plan(holder)
+    output = [holder.get_submodule(name) for name, kind in plan.outside.items() if kind == "output"]
+    # A pipeline rank without the output layer (a stand-in) never computes the loss.
+    vocab = output[0].weight.shape[0] if output and hasattr(output[0], "weight") else None
+    loss_parallel = meshes.dims.tensor_parallel > 1 and vocab is not None and isinstance(module, ComputesTokenLoss)
     parallelize_model(holder, meshes, loss_parallel=loss_parallel, sequence_parallel=ctx.parallel.sequence_parallel)
     if loss_parallel:
-        module.token_loss = VocabParallelCrossEntropy(meshes.tensor, holder.config.vocab_size)
+        module.token_loss = VocabParallelCrossEntropy(meshes.tensor, vocab)
+    return plan
 
 
 def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages: StagePlacement | None, *,
@@ -99,8 +105,7 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     root = smallest_parameter_root(module)
     placement = Placement(plan, root, meta_template(root))
     # 3. the model's tensor / expert plan
-    if meshes.dims.model_parallel:
-        apply_model_plan(module, holder, meshes, ctx)
+    split = apply_model_plan(module, holder, meshes, ctx) if meshes.dims.model_parallel else None
     lazy = has_meta_tensors(module)
     if move_module and not lazy:
         module.to(ctx.device)
@@ -114,9 +119,9 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
                                     breadth_first_pipeline=stages is not None and stages.breadth_first)
     for index in sorted(mine):
         offloaded = index in plan.offloaded
-        if meshes.dims.model_parallel:
-            for experts in _expert_modules(holder.blocks[index]):
-                shard_unit(experts, meshes.expert_data, reshard=reshard, offloaded=offloaded,
+        if split is not None:  # the expert weights first: their own unit, over the ranks holding them
+            for layer in split.expert_layers(holder, [index]):
+                shard_unit(layer.experts, meshes.expert_data, reshard=reshard, offloaded=offloaded,
                            pin_memory=ctx.pin_memory)
         shard_unit(holder.blocks[index], meshes.data, reshard=reshard, offloaded=offloaded,
                    pin_memory=ctx.pin_memory)
@@ -165,6 +170,3 @@ def _reshard_blocks(stage_module: nn.Module) -> None:
             unit.reshard()
 
 
-def _expert_modules(block: nn.Module) -> list[nn.Module]:  # TODO(merge): the model's plan names them
-    from ..models.moe import MoEFeedForward
-    return [m.experts for m in block.modules() if isinstance(m, MoEFeedForward)]

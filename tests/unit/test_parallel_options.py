@@ -131,3 +131,47 @@ def test_sequence_parallel_needs_tensor_parallel_rotary_positions_and_divisible_
         check_model(odd, meshes, sequence_parallel=True)
     check_model(fine, meshes, sequence_parallel=True)
     check_model(learned, meshes)  # without sequence parallelism learned positions are fine
+
+
+def test_the_plans_kinds_become_torchs_styles() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from lightning_p2r.strategy.parallel.tensor import styles
+
+    entries = {"a": "column", "b": "row", "n": "sequence", "e": "expert", "emb": "vocabulary", "head": "output"}
+    plain = styles(entries)
+    assert isinstance(plain["a"], ColwiseParallel) and isinstance(plain["b"], RowwiseParallel)
+    assert isinstance(plain["emb"], RowwiseParallel) and plain["emb"].input_layouts == (Replicate(),)
+    assert plain["head"].output_layouts == (Replicate(),)
+    assert "n" not in plain and "e" not in plain  # whole without sequence parallelism
+    split = styles(entries, sequence_parallel=True, loss_parallel=True)
+    assert isinstance(split["n"], SequenceParallel) and isinstance(split["e"], PrepareModuleInput)
+    assert split["a"].input_layouts == (Shard(1),) and split["b"].output_layouts == (Shard(1),)
+    assert split["head"].output_layouts == (Shard(-1),)
+
+
+def test_a_model_without_a_plan_or_with_a_wrong_one_is_refused_by_name() -> None:
+    from lightning_p2r.protocols import ParallelPlan
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    class Blocks(torch.nn.Module):
+        def __init__(self, plan: ParallelPlan | None = None) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Sequential(torch.nn.Linear(4, 4))])
+            self.layer_to_block = [0]
+            if plan is not None:
+                self.parallel_plan = lambda: plan
+
+    with pytest.raises(ValueError, match="has no parallel_plan"):
+        model_plan(Blocks())
+    with pytest.raises(ValueError, match=r"names \['up'\] in block 0"):
+        model_plan(Blocks(ParallelPlan(({"up": "column"},), {})))
+    with pytest.raises(ValueError, match="as an expert layer"):
+        model_plan(Blocks(ParallelPlan(({"0": "expert"},), {})))
+    assert model_plan(Blocks(ParallelPlan(({"0": "column"},), {}))).blocks == ({"0": "column"},)

@@ -8,44 +8,71 @@ from ...layout import Layout, ModelShape
 from ...layout import check_model as check_sizes
 from ...models.config import M6Config
 from ...models.moe import MoEFeedForward
+from ...protocols import DeclaresParallelPlan, ParallelPlan
 from .experts import parallelize_experts
 from .mesh import ParallelMeshes
 from .tensor import apply_tensor_parallel
 
 
-def moe_layers(holder: nn.Module) -> list[MoEFeedForward]:
-    return [m for m in holder.blocks.modules() if isinstance(m, MoEFeedForward)]
+def model_plan(holder: nn.Module) -> ParallelPlan:
+    """The plan ``holder`` declares, checked against its blocks (a name it lacks is refused by name)."""
+    if not isinstance(holder, DeclaresParallelPlan):
+        raise ValueError(f"P2RStrategy(tensor_parallel / expert_parallel > 1) splits a model by the plan it declares: "
+                         f"{type(holder).__name__} has no parallel_plan() (lightning_p2r.protocols."
+                         "DeclaresParallelPlan; M6Transformer.parallel_plan is an example)")
+    plan = holder.parallel_plan()
+    if len(plan.blocks) != len(holder.blocks):
+        raise ValueError(f"the parallel plan of {type(holder).__name__} has {len(plan.blocks)} block entries for "
+                         f"{len(holder.blocks)} blocks")
+    for index, entries in enumerate(plan.blocks):
+        block = holder.blocks[index]
+        if next(block.parameters(), None) is None:
+            continue  # another pipeline stage's block: a stand-in
+        names = {name for name, _ in block.named_modules()}
+        missing = sorted(set(entries) - names)
+        if missing:
+            raise ValueError(f"the parallel plan of {type(holder).__name__} names {missing} in block {index}, which "
+                             "has no such submodules")
+        for name, kind in entries.items():
+            if kind == "expert" and not isinstance(block.get_submodule(name), MoEFeedForward):
+                raise ValueError(f"the parallel plan marks block {index}'s {name!r} as an expert layer; expert "
+                                 "parallelism splits lightning_p2r.models.MoEFeedForward layers")
+    return plan
 
 
 def check_model(holder: nn.Module, meshes: ParallelMeshes, *, sequence_parallel: bool = False) -> None:
     """Refuse a model the mesh cannot split (before any parameter is placed)."""
-    config = getattr(holder, "config", None)
     dims = meshes.dims
-    if not isinstance(config, M6Config):
-        if dims.model_parallel:
-            raise ValueError(f"P2RStrategy(tensor_parallel={dims.tensor_parallel}, expert_parallel="
-                             f"{dims.expert_parallel}) splits M6 models (lightning_p2r.M6Transformer); "
-                             f"{type(holder).__name__} has no M6Config")
-        return
-    # The split degrees against the model's sizes (the pipeline's cut is checked where the stages are made).
-    check_sizes(Layout(tensor_parallel=dims.tensor_parallel, expert_parallel=dims.expert_parallel,
-                       sequence_parallel=sequence_parallel), ModelShape.of(config))
+    if dims.model_parallel:
+        model_plan(holder)
+    config = getattr(holder, "config", None)
+    if isinstance(config, M6Config):
+        # The split degrees against the model's sizes (the pipeline's cut is checked where the stages are made).
+        check_sizes(Layout(tensor_parallel=dims.tensor_parallel, expert_parallel=dims.expert_parallel,
+                           sequence_parallel=sequence_parallel), ModelShape.of(config))
 
 
 def parallelize_model(holder: nn.Module, meshes: ParallelMeshes, *, loss_parallel: bool = False,
-                      sequence_parallel: bool = False) -> None:
-    """Tensor parallelism first (``parallelize_module`` places the linear layers' weights as DTensors on the "tp"
-    dimension), then the MoE layers (experts split over "ep" and "tp", tokens exchanged by all-to-all, the balance
-    loss over all data ranks). FSDP2 comes after, over the data dimensions of the same meshes, as torchtitan orders
-    them: it shards the already-placed DTensors further. Works on the meta device. ``loss_parallel``: the module
-    computes its loss with ``loss.VocabParallelCrossEntropy`` (see ``tensor.apply_tensor_parallel``)."""
+                      sequence_parallel: bool = False) -> ParallelPlan | None:
+    """Tensor parallelism first (``parallelize_module`` places the planned layers' weights as DTensors on the "tp"
+    dimension), then the expert layers (experts split over "ep" and "tp", tokens exchanged by all-to-all, the
+    balance loss over all data ranks). FSDP2 comes after, over the data dimensions of the same meshes, as torchtitan
+    orders them: it shards the already-placed DTensors further. Works on the meta device. ``loss_parallel``: the
+    module computes its loss with ``loss.VocabParallelCrossEntropy`` (see ``tensor.apply_tensor_parallel``).
+    Returns the plan applied (None when the mesh splits nothing: data parallelism alone)."""
     check_model(holder, meshes, sequence_parallel=sequence_parallel)
     dims = meshes.dims
+    if not dims.model_parallel:
+        return None
+    plan = model_plan(holder)
     if dims.tensor_parallel > 1:
-        apply_tensor_parallel(holder, meshes.tensor, loss_parallel=loss_parallel, sequence_parallel=sequence_parallel)
+        apply_tensor_parallel(holder, plan, meshes.tensor, loss_parallel=loss_parallel,
+                              sequence_parallel=sequence_parallel)
     data_group = meshes.data_group() if dims.data_parallel > 1 else None
-    for moe in moe_layers(holder):
+    present = [i for i, block in enumerate(holder.blocks) if next(block.parameters(), None) is not None]
+    for layer in plan.expert_layers(holder, present):
         parallelize_experts(
-            moe, expert_tensor_mesh=meshes.expert_tensor,
+            layer, expert_tensor_mesh=meshes.expert_tensor,
             expert_group=meshes.expert.get_group() if dims.expert_parallel > 1 else None,
             tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None, data_group=data_group)
+    return plan
