@@ -72,6 +72,7 @@ class FSDP2Engine(Engine):
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
+        super().check_options(ctx)
         check_fsdp_offload_states(set(ctx.offload.offload_states))
         zero1 = ctx.sharding.sharding == "zero1"
         if zero1 and ctx.offload.offloading and ctx.device.type != "cpu":
