@@ -31,7 +31,7 @@ DEFAULT_BACKEND = "inductor"
 _compiled_classes: dict[tuple[type, str], type] = {}
 
 
-class CompiledBlock:
+class CompiledForward:
     """Marks a block class whose ``forward`` is compiled (made by :func:`compiled_class`)."""
 
     compile_backend: str
@@ -77,7 +77,7 @@ def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             return compiled(self, *(_settled(a) for a in args), **{k: _settled(v) for k, v in kwargs.items()})
 
-        _compiled_classes[key] = type(f"Compiled{cls.__name__}", (CompiledBlock, cls),
+        _compiled_classes[key] = type(f"Compiled{cls.__name__}", (CompiledForward, cls),
                                       {"forward": forward, "compile_backend": backend,
                                        "__module__": cls.__module__})
     return _compiled_classes[key]
@@ -98,7 +98,7 @@ def compile_blocks(blocks: nn.ModuleList, indices: Iterable[int] | None = None, 
     already (placed again after delinking) is left as it is."""
     for index in range(len(blocks)) if indices is None else indices:
         block = blocks[index]
-        if not isinstance(block, CompiledBlock):
+        if not isinstance(block, CompiledForward):
             block.__class__ = compiled_class(type(block), backend)
 
 
@@ -111,4 +111,4 @@ def apply_compile(option: bool | str, blocks: nn.ModuleList, indices: Iterable[i
 
 def is_compiled(block: nn.Module) -> bool:
     """Whether ``block``'s forward runs compiled."""
-    return isinstance(block, CompiledBlock)
+    return isinstance(block, CompiledForward)

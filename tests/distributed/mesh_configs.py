@@ -110,7 +110,8 @@ PIPELINE_REFERENCE_OF = {"pp2_delink": "pp_reference_delink", "pp2_looped_bfs_ze
 # (the ddp engine) delinked. Compiled with aot_eager, counted (tests/unit/compiled_runs.py): the same dynamo graphs
 # through AOTAutograd as inductor, without its code generation (a minute per layout on 2 cores);
 # tests/unit/test_compile.py compiles with inductor. About 6 s per compiled run here: the subset keeps the suite's
-# share under a minute (docs/benchmarks.md lists the whole matrix, measured once).
+# share under a minute (every configuration of the lists above, compiled, matched its eager run once: commit
+# "P2RStrategy(compile=...): benchmark ...").
 COMPILE_BACKEND = "p2r_counted_aot_eager"
 DDP_ZERO1_DELINK = {"name": "ddp_zero1_delink", "model": PSEUDO, "delink_at": 2, "steps": 4,
                     "strategy": {"sharding": "zero1"}}
