@@ -28,6 +28,7 @@ from .names import (
                     PipelineSchedule,
                     Sharding,
                     check_bool,
+    check_compile_option,
                     check_degree,
                     divisors,
 )
@@ -80,6 +81,7 @@ __all__ = [
     "check_accumulation_options",
     "check_batch",
     "check_bool",
+    "check_compile_option",
     "check_combinations",
     "check_degree",
     "check_devices",

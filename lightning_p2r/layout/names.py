@@ -35,3 +35,9 @@ def check_degree(name: str, value: object) -> None:
         raise ValueError(f"P2RStrategy.{name} must be a positive integer (1 turns it off), got {value!r}")
 
 
+
+
+def check_compile_option(value: object) -> None:
+    """``compile``: True (torch's default backend, inductor), False, or a backend's name."""
+    if not isinstance(value, (bool, str)) or value == "":
+        raise ValueError(f"P2RStrategy.compile must be True, False or a torch.compile backend name, got {value!r}")

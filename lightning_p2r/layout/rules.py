@@ -14,6 +14,7 @@ from .names import (
     SHARDINGS,
     SINGLE_STAGE_SCHEDULES,
     check_bool,
+    check_compile_option,
     check_degree,
     divisors,
 )
@@ -38,7 +39,8 @@ class Layout:
     accumulation: str = "standard"
     micro_batches: int = 1
     recompute: bool = False
-    compile: bool = False
+    compile: bool | str = False
+    """True (inductor), False, or a torch.compile backend's name."""
     offload_fraction: float = 0.0
     offload_blocks: tuple[int, ...] | None = None
     """Explicit block indices (of a rank's blocks) to offload instead of ``offload_fraction``."""
@@ -202,8 +204,8 @@ def check_options(layout: Layout) -> None:
     strategy_micro_batches = layout.micro_batches if layout.trainer_accumulation == 1 else 1
     check_accumulation_options(layout.accumulation, strategy_micro_batches, layout.recompute,
                                pipelined=layout.pipelined)
-    for name in ("compile", "reduce_every_micro_batch"):
-        check_bool(name, getattr(layout, name))
+    check_compile_option(layout.compile)
+    check_bool("reduce_every_micro_batch", layout.reduce_every_micro_batch)
     if not 0.0 <= layout.offload_fraction <= 1.0:
         raise ValueError(f"P2RStrategy.offload_fraction must be in [0, 1], got {layout.offload_fraction}")
     if not layout.pipelined:

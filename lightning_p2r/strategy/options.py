@@ -23,6 +23,7 @@ from ..layout import (
     Sharding,
     check_accumulation_options,
     check_bool,
+    check_compile_option,
     check_offload_options,
     check_parallel_options,
 )
@@ -120,9 +121,11 @@ class AccumulationConfig:
     """Layered accumulation, or pipeline_parallel > 1: keep just each layer's input per micro-batch and recompute
     the layer's interior in backward (activation checkpointing at block granularity)."""
 
-    compile: bool = False
-    """torch.compile each block (after tensor/expert parallelism and recompute, before FSDP2 shards it); losses equal
-    eager within fp32 tolerance; a layout that cannot compile is refused with the reason."""
+    compile: bool | str = False
+    """torch.compile each block's forward (after tensor/expert parallelism and recompute, before FSDP2 shards it):
+    True uses torch.compile's default backend ("inductor"), a string names another backend ("aot_eager" traces and
+    runs the same graphs without generating code). Losses equal eager within fp32 tolerance; a layout that cannot
+    compile is refused with the reason."""
 
     reduce_every_micro_batch: bool = False
     """Standard accumulation on FSDP2 (zero2/zero3, or offload/layered across ranks): reduce(-scatter) the gradients
@@ -136,8 +139,8 @@ class AccumulationConfig:
 
     def __post_init__(self, pipelined: bool) -> None:
         check_accumulation_options(self.accumulation, self.micro_batches, self.recompute, pipelined=pipelined)
-        for name in ("compile", "reduce_every_micro_batch"):
-            check_bool(name, getattr(self, name))
+        check_compile_option(self.compile)
+        check_bool("reduce_every_micro_batch", self.reduce_every_micro_batch)
 
 
 @dataclass(frozen=True)

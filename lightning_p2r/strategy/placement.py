@@ -25,7 +25,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from ..layout import reshard_after_forward
 from ..protocols import ComputesTokenLoss, ParallelPlan
-from .compile import compile_blocks
+from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
 from .materialize import Initializer, allocate, has_meta_tensors
 from .parallel import ParallelMeshes, parallelize_model
@@ -112,8 +112,7 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     # 4. recompute
     stage_modules = stages.build_stage_modules(holder) if stages is not None else []
     # 5. compile
-    if ctx.accumulation.compile:
-        compile_blocks(holder.blocks, sorted(mine))
+    apply_compile(ctx.accumulation.compile, holder.blocks, sorted(mine))
     # 6. FSDP2: units, then roots
     reshard = reshard_after_forward(fsdp_mode, layered=layered,
                                     breadth_first_pipeline=stages is not None and stages.breadth_first)

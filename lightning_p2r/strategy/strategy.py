@@ -98,7 +98,7 @@ class P2RStrategy(DDPStrategy):
         accumulation: Accumulation = "standard",
         micro_batches: int = 1,
         recompute: bool = False,
-        compile: bool = False,  # noqa: A002 (the option's name, as torch.compile's)
+        compile: bool | str = False,  # noqa: A002 (the option's name, as torch.compile's)
         reduce_every_micro_batch: bool = False,
         count_collectives: bool = False,
         offload_fraction: float | None = None,

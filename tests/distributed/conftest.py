@@ -1,10 +1,12 @@
-"""The model-parallel tests' worker runs, shared by test_parallel.py and test_pipeline.py: four launches (one
-process for the references and checkpoints, two processes, four processes, one process again to resume)."""
+"""The model-parallel tests' worker runs, shared by test_parallel.py, test_pipeline.py and test_compile.py: four
+launches (one process for the references and checkpoints, two processes, four processes, one process again to
+resume)."""
 
 from pathlib import Path
 
 import pytest
 from mesh_configs import (
+    COMPILE_TWO_PROCESSES,
     FOUR_PROCESSES,
     ONE_PROCESS,
     PIPELINE_FOUR_PROCESSES,
@@ -23,7 +25,7 @@ WORKER = Path(__file__).with_name("parallel_worker.py")
 def mesh_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("mesh")
     launch_configs(WORKER, out, 1, ONE_PROCESS + PIPELINE_ONE_PROCESS)
-    launch_configs(WORKER, out, 2, TWO_PROCESSES + PIPELINE_TWO_PROCESSES)
+    launch_configs(WORKER, out, 2, TWO_PROCESSES + PIPELINE_TWO_PROCESSES + COMPILE_TWO_PROCESSES)
     launch_configs(WORKER, out, 4, FOUR_PROCESSES + PIPELINE_FOUR_PROCESSES)
     launch_configs(WORKER, out, 1, RESUME + PIPELINE_RESUME)
     return out

@@ -102,3 +102,28 @@ PIPELINE_RESUME = [{"name": "one_process_resumes_pp2", "model": PIPELINE_MODEL, 
 PIPELINE_REFERENCE_OF = {"pp2_delink": "pp_reference_delink", "pp2_looped_bfs_zero3_on_4": "pp_reference_no_balance",
                          "pp2_zero1_on_4": "pp_reference_no_balance",
                          "pp2_tp2_sequence_parallel_delink": "pp_reference_delink"}
+
+# Compiled twins (P2RStrategy(compile=...)) of a representative subset, each compared with its eager twin above:
+# tensor and sequence parallelism (rotary positions: the first block reads the embedding's all-reduce), expert
+# parallelism (its all-to-alls are graph breaks) with ZeRO-3 and offload, delinking under tensor parallelism, a
+# pipeline schedule with recompute, looped stages with layered accumulation, ZeRO-3 and offload, and DDP with ZeRO-1
+# (the ddp engine) delinked. Compiled with aot_eager, counted (tests/unit/compiled_runs.py): the same dynamo graphs
+# through AOTAutograd as inductor, without its code generation (a minute per layout on 2 cores);
+# tests/unit/test_compile.py compiles with inductor. About 6 s per compiled run here: the subset keeps the suite's
+# share under a minute (every configuration of the lists above, compiled, matched its eager run once: commit
+# "P2RStrategy(compile=...): benchmark ...").
+COMPILE_BACKEND = "p2r_counted_aot_eager"
+DDP_ZERO1_DELINK = {"name": "ddp_zero1_delink", "model": PSEUDO, "delink_at": 2, "steps": 4,
+                    "strategy": {"sharding": "zero1"}}
+
+
+def compiled_twin(config: dict) -> dict:
+    return config | {"name": f"{config['name']}_compiled",
+                     "strategy": config.get("strategy", {}) | {"compile": COMPILE_BACKEND}}
+
+
+COMPILED_SUBSET = ("tp2_sequence_parallel", "ep2_zero3_offload", "tp2_delink", "pp2_1f1b_recompute",
+                   "pp2_looped_bfs_v2_zero3_offload")
+_TWINNED = [DDP_ZERO1_DELINK] + [c for c in TWO_PROCESSES + PIPELINE_TWO_PROCESSES if c["name"] in COMPILED_SUBSET]
+COMPILE_TWO_PROCESSES = [DDP_ZERO1_DELINK] + [compiled_twin(c) for c in _TWINNED]
+EAGER_TWIN = {compiled_twin(c)["name"]: c["name"] for c in _TWINNED}

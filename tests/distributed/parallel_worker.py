@@ -5,7 +5,8 @@ Lightning's launcher starts the other ranks by re-running this script, so every 
 the same order. Rank 0 writes ``<name>.json`` for each: the loss of every step (averaged over the ranks: each
 data-parallel rank's loss is its own batch's, tensor-parallel ranks repeat theirs), the gradient norm before each
 optimizer step (taken over every mesh the parameters live on), the full trained weights (``<name>.pt``), what
-each rank holds of the parameters, and the bytes of each collective kind in the last step on every rank.
+each rank holds of the parameters, the bytes of each collective kind in the last step on every rank, and how often
+compiled code ran (``compile``; see tests/unit/compiled_runs.py).
 """
 
 import argparse
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
+from compiled_runs import fresh, runs  # noqa: E402
 from helpers import TINY, tiny_data  # noqa: E402
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
@@ -94,7 +96,11 @@ def run(config: dict, out: Path, devices: int) -> None:
         callbacks.append(ForgetReplicaSum())
     if "delink_at" in config:
         callbacks.append(PseudoToReal(delink_at_step=config["delink_at"]))
-    strategy = P2RStrategy(count_collectives=True, **config.get("strategy", {}))
+    options = config.get("strategy", {})
+    if options.get("compile"):
+        fresh()  # compiled from scratch, as in a new process; counted from zero
+    # A compiled run counts no collectives: the counter is a dispatch mode, under which nothing compiles (refused).
+    strategy = P2RStrategy(count_collectives=not options.get("compile"), **options)
     trainer = L.Trainer(accelerator=config.get("accelerator", "cpu"), devices=devices, strategy=strategy,
                         max_steps=config.get("steps", 3),
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -131,7 +137,8 @@ def run(config: dict, out: Path, devices: int) -> None:
                   "path": strategy.path, "blocks": len(module.transformer.blocks), "counted_bytes": counted,
                   "counted_calls": calls, "optimizer": type(trainer.strategy.optimizers[0]).__name__,
                   "block_bytes": block_bytes, "root_bytes": root_bytes, "fsdp_mode": strategy.fsdp_mode,
-                  "model": MODEL | config.get("model", {}), "devices": trainer.world_size}
+                  "model": MODEL | config.get("model", {}), "devices": trainer.world_size,
+                  "compiled_runs": runs["compiled"]}
         (out / f"{config['name']}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.barrier()

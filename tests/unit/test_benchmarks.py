@@ -181,6 +181,22 @@ def test_parallel_benchmark_writes_its_outputs(tmp_path: Path, capsys: pytest.Ca
         parallel.main(["--layouts", "tp3", "--out", str(tmp_path)])
 
 
+def test_compile_benchmark_times_eager_and_compiled_steps(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """One model on one process, compiled with aot_eager (inductor's code generation would take the test's time)."""
+    from lightning_p2r.benchmarks import compile as compile_benchmark
+
+    compile_benchmark.main(["--quick", "--layouts", "one process", "--models", "dense", "--backend", "aot_eager",
+                            "--out", str(tmp_path)])
+    rows = _read_csv(tmp_path / "compile.csv")
+    assert [(r["model"], r["layout"], r["backend"]) for r in rows] == [("dense", "one process", "aot_eager")]
+    assert float(rows[0]["eager_s_per_step"]) > 0 and float(rows[0]["compiled_s_per_step"]) > 0
+    _assert_png(tmp_path / "compile.png")
+    assert "compiled_over_eager" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        compile_benchmark.main(["--models", "sparse", "--out", str(tmp_path)])
+
+
 def test_pipeline_benchmark_measures_a_bubble_and_draws_the_timeline(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """One schedule on two processes: each rank's idle share of the step is measured from the stages' timestamps

@@ -18,6 +18,7 @@ from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
 from .. import checkpoint as sharded_checkpoint
+from ..compile import check_compile
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate
 from ..optimizers import optimizer_state_to
@@ -98,6 +99,7 @@ class Engine:
     # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
         """Refuse option combinations this engine cannot run, before any process group exists."""
+        check_compile(ctx.accumulation.compile, count_collectives=ctx.sharding.count_collectives)
 
     def setup_environment(self, ctx: EngineContext) -> None:
         """After the process group exists: build the device meshes and groups this engine needs."""

@@ -8,9 +8,10 @@ import torch
 from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
+from ..compile import apply_compile
 from ..materialize import has_meta_tensors
 from ..sharding import consolidated_plain_optimizer, zero_redundancy_optimizer
-from .base import Engine, EngineContext
+from .base import Engine, EngineContext, holder_of
 
 
 class DDPEngine(Engine):
@@ -23,6 +24,7 @@ class DDPEngine(Engine):
             self.materialize_whole(module, ctx, ctx.device)  # every rank holds the whole model
         elif ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
+        apply_compile(ctx.accumulation.compile, holder_of(module).blocks)
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:

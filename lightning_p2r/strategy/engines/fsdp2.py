@@ -68,6 +68,7 @@ class FSDP2Engine(Engine):
     def check_options(self, ctx: EngineContext) -> None:
         """The layout rulebook checked the degrees and combinations; what is FSDP2's own is its CPU offload, which
         moves a unit's parameters, gradients and optimizer states together."""
+        super().check_options(ctx)
         check_fsdp_offload_states(set(ctx.offload.offload_states))
 
     def setup_environment(self, ctx: EngineContext) -> None:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
+from ..compile import apply_compile
 from ..host_state import blocks_prefix, resident_model_bytes
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate, has_meta_tensors
@@ -64,6 +65,7 @@ class LocalEngine(Engine):
             if fill:
                 initializer.fill(params)
         module.to(ctx.device)  # the offloaded blocks' parameters are empty device placeholders
+        apply_compile(ctx.accumulation.compile, holder.blocks)  # the streaming hooks stay outside (compile.py)
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         self.streaming.on_block_grads_ready = self._on_block_grads_ready

@@ -1,0 +1,130 @@
+"""P2RStrategy(compile=...): every block's forward compiled on one process gives the eager losses (standard and
+layered accumulation, streamed offload, ZeRO-3 through FSDP2, delinking), and what cannot compile is refused at
+setup, with the reason.
+
+The comparisons compile with ``compiled_runs.COUNTED`` (aot_eager, counted: the same graphs as inductor, without its
+code generation) and check that compiled code ran; one run compiles with inductor (``compile=True``)."""
+
+import lightning as L
+import pytest
+import torch
+from compiled_runs import COUNTED, fresh, runs
+from helpers import TINY, tiny_data
+
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal
+from lightning_p2r.strategy.accounting import CollectiveCounter
+from lightning_p2r.strategy.compile import is_compiled
+
+TOLERANCE = 1e-5
+"""Relative difference allowed between a compiled and an eager run's losses (aot_eager adds none; inductor fuses
+and reorders fp32 arithmetic)."""
+
+# Dense and MoE blocks, dense and banded attention, no dropout (inductor draws its own random numbers).
+MODEL = TINY | {"num_layers": 2, "moe_layers": [1], "dropout": 0.0, "attention": "alternating", "sparse_window": 4}
+DENSE = MODEL | {"moe_layers": [], "attention": "dense"}
+"""For the layouts whose composition with compile does not depend on the block's insides (each MoE layer adds a
+dozen graphs around its data-dependent routing: seconds of tracing; the model-parallel tests compile MoE layers
+under every layout)."""
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.values: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, *args) -> None:
+        self.values.append(float(outputs["loss"]))
+
+
+def _fit(tmp_path, strategy: dict, model: dict | None = None, steps: int = 3,
+         callbacks: tuple = ()) -> tuple[list[float], M6LanguageModel]:
+    L.seed_everything(0)
+    module = M6LanguageModel(M6Config(**(model or MODEL), init_seed=7), OptimizerConfig(lr=1e-2, warmup_steps=1))
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=P2RStrategy(**strategy), max_steps=steps,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, limit_val_batches=0, callbacks=[losses, *callbacks],
+                        default_root_dir=tmp_path)
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    return losses.values, module
+
+
+def _assert_close(losses: list[float], reference: list[float]) -> None:
+    assert len(losses) == len(reference)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
+    assert worst < TOLERANCE, (losses, reference)
+
+
+@pytest.mark.parametrize(("strategy", "model"), [
+    ({}, MODEL),
+    ({"accumulation": "layered", "micro_batches": 2, "recompute": True}, DENSE),
+    ({"offload_fraction": 0.5}, DENSE),
+    ({"sharding": "zero3", "offload_fraction": 0.5}, DENSE),
+], ids=["standard_moe", "layered_recompute", "offload", "zero3_offload"])
+def test_compiled_blocks_give_the_eager_losses(tmp_path, one_intraop_thread, strategy: dict, model: dict) -> None:
+    eager, _ = _fit(tmp_path, strategy, model)
+    fresh()
+    compiled, module = _fit(tmp_path, strategy | {"compile": COUNTED}, model)
+    assert runs["compiled"] > 0, "no compiled code ran"
+    assert all(is_compiled(block) for block in module.transformer.blocks)
+    _assert_close(compiled, eager)
+
+
+def test_the_blocks_a_delinked_model_gains_are_compiled_too(tmp_path, one_intraop_thread) -> None:
+    """A pseudo model of one shared block, delinked into four at step 2 with half the blocks offloaded: the copies
+    run compiled, and the losses are the eager run's."""
+    model = DENSE | {"num_layers": 4, "num_unique_blocks": 1}
+    strategy = {"offload_fraction": 0.5}
+    eager, _ = _fit(tmp_path, strategy, model, steps=4, callbacks=(PseudoToReal(delink_at_step=2),))
+    fresh()
+    compiled, module = _fit(tmp_path, strategy | {"compile": COUNTED}, model, steps=4,
+                            callbacks=(PseudoToReal(delink_at_step=2),))
+    blocks = module.transformer.blocks
+    assert len(blocks) == 4 and all(is_compiled(block) for block in blocks)
+    assert runs["compiled"] > 0
+    _assert_close(compiled, eager)
+
+
+def test_inductor_is_what_compile_true_means(tmp_path, one_intraop_thread) -> None:
+    eager, _ = _fit(tmp_path, {}, DENSE, steps=2)  # one graph to generate code for (about 15 s on 2 cores)
+    compiled, module = _fit(tmp_path, {"compile": True}, DENSE, steps=2)
+    assert {type(block).compile_backend for block in module.transformer.blocks} == {"inductor"}
+    _assert_close(compiled, eager)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"compile": 1}, "P2RStrategy.compile must be True, False or a torch.compile backend name, got 1"),
+    ({"compile": ""}, "P2RStrategy.compile must be True, False or a torch.compile backend name"),
+])
+def test_a_bad_compile_option_is_named(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        P2RStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"compile": "no_such_backend"}, "torch.compile knows no backend 'no_such_backend'"),
+    ({"compile": True, "count_collectives": True}, "under which torch.compile does not compile"),
+    ({"compile": True, "count_collectives": True, "sharding": "zero3"}, "count collectives on an eager run"),
+])
+def test_what_cannot_compile_is_refused_at_setup_before_any_step(tmp_path, kwargs: dict, message: str) -> None:
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=P2RStrategy(**kwargs), max_steps=1, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        limit_val_batches=0, callbacks=[losses], default_root_dir=tmp_path)
+    with pytest.raises(ValueError, match=message):
+        trainer.fit(M6LanguageModel(M6Config(**MODEL)), datamodule=tiny_data(tmp_path))
+    assert losses.values == []
+
+
+def test_the_collective_counter_keeps_torch_compile_from_compiling() -> None:
+    """Why ``count_collectives`` is refused: under the counter (a dispatch mode) compiled code does not run."""
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    fresh()
+    compiled = torch.compile(double, backend=COUNTED)
+    with CollectiveCounter():
+        assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+    assert runs["compiled"] == 0
+    assert torch.equal(torch.compile(lambda x: x * 2, backend=COUNTED)(torch.ones(2)), torch.full((2,), 2.0))
+    assert runs["compiled"] == 1  # the control: without the counter, the same backend compiles and runs
