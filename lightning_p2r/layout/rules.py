@@ -138,7 +138,8 @@ class ModelShape:
         """From an ``M6Config`` (or anything with its fields)."""
         return cls(num_layers=config.num_layers, layer_to_block=tuple(config.layer_to_block),
                    num_heads=config.num_heads, vocab_size=config.vocab_size, hidden_dim=config.hidden_dim,
-                   num_experts=config.num_experts, moe=bool(config.moe_layers), max_seq_len=config.max_seq_len,
+                   num_experts=config.num_experts, moe=config.moe_layers is None or bool(config.moe_layers),
+                   max_seq_len=config.max_seq_len,
                    rotary_positions=config.position_embedding == "rotary")
 
 

@@ -59,7 +59,7 @@ def test_cuda_pins_host_buffers_by_default(tmp_path: Path) -> None:
                         enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0,
                         default_root_dir=tmp_path, callbacks=[Inspect()])
     trainer.fit(module, datamodule=tiny_data(tmp_path))
-    assert strategy.resolved_pin_memory is True
+    assert strategy.context().pin_memory is True
     assert pinned and all(pinned)
 
 

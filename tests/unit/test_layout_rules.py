@@ -96,3 +96,9 @@ def test_the_planner_loads_neither_the_strategy_nor_the_benchmarks() -> None:
             "bad = [m for m in sys.modules if m.startswith(('lightning_p2r.strategy', 'lightning_p2r.benchmarks'))]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_default_all_moe_config_counts_as_moe() -> None:
+    every_layer_moe = M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=32, num_heads=4, num_experts=4)
+    assert every_layer_moe.moe_layers is None and ModelShape.of(every_layer_moe).moe
+    check_layout(Layout(expert_parallel=2), devices=2, model=ModelShape.of(every_layer_moe))
