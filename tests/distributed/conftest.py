@@ -1,6 +1,6 @@
-"""The model-parallel tests' worker runs, shared by test_parallel.py, test_pipeline.py and test_compile.py: four
-launches (one process for the references and checkpoints, two processes, four processes, one process again to
-resume)."""
+"""The model-parallel tests' worker runs, shared by test_parallel.py, test_pipeline.py and
+test_compile_parallel.py: four launches (one process for the references and checkpoints, two processes, four
+processes, one process again to resume)."""
 
 from pathlib import Path
 

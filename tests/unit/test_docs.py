@@ -36,3 +36,10 @@ def test_every_config_field_is_documented() -> None:
         docs = docs_gen.field_docstrings(cls)
         missing = [f for f in cls.__dataclass_fields__ if not docs.get(f)]
         assert not missing, f"{cls.__name__} fields without a docstring: {missing}"
+
+
+def test_test_file_names_are_unique_across_tiers() -> None:
+    # The tiers have no __init__.py, so pytest imports each test file by its base name: two files of one name in
+    # different tiers make the whole README test command fail at collection, though each tier alone passes.
+    names = [path.name for path in ROOT.joinpath("tests").rglob("test_*.py")]
+    assert sorted({name for name in names if names.count(name) > 1}) == []
