@@ -125,6 +125,7 @@ def test_an_attached_loss_gets_gradient_one_and_leaves_the_hidden_states_alone()
     extra = weight * 3.0
     out = attach_loss(hidden, extra)
     assert torch.equal(out, hidden)
+    assert not out._is_view()  # a stage returns it: FSDP2 warns about (and hooks can miss) a view output
     (out * 5).sum().backward()
     assert torch.equal(hidden.grad, torch.full((2, 3), 5.0))
     assert weight.grad == 3.0  # d(extra)/d(weight), with extra's own gradient one: as if added to the loss

@@ -23,16 +23,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as differentiable
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ...models.moe import Experts, MoEFeedForward, balance_loss_from_means, expert_mlps
+from .differentiable import all_reduce_sum, all_to_all
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a parameter (the whole parameter when it is not distributed)."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied when it is a view (``DTensor.to_local`` returns one). A view leaving an FSDP2 unit with a
+    gradient draws FSDP2's warning (an in-place op on it would skip the unit's pre-backward hook). The copy is one
+    pass over the output, small beside the matmuls that made it."""
+    return tensor.clone() if tensor._base is not None and torch.is_grad_enabled() else tensor
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
@@ -99,7 +106,7 @@ class ParallelExperts(Experts):
         if self.gradient_scale != 1.0:
             w_in, w_out = (_ScaleGradient.apply(w, self.gradient_scale) for w in (w_in, w_out))
         if self.expert_group is None:
-            return self._compute(x, counts, w_in, w_out)
+            return owned(self._compute(x, counts, w_in, w_out))
         ranks = dist.get_world_size(self.expert_group)
         local_experts = w_in.shape[0]
         device = x.device
@@ -110,17 +117,13 @@ class ParallelExperts(Experts):
         received = received.cpu().view(ranks, local_experts)  # (source rank, local expert)
         send_splits = rank_splits(counts, ranks)
         recv_splits = received.sum(dim=1).tolist()
-        rows = x.new_empty(sum(recv_splits), x.shape[1])
-        rows = differentiable.all_to_all_single(rows, x.contiguous(), recv_splits, send_splits,
-                                                group=self.expert_group)
+        rows = all_to_all(x, recv_splits, send_splits, self.expert_group)
         order = expert_major_order(received).to(device)
         out = self._compute(rows.index_select(0, order), received.sum(dim=0).tolist(), w_in, w_out)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=device)
         out = out.index_select(0, back)  # source-major again, as the rows arrived
-        result = x.new_empty(x.shape[0], out.shape[1])
-        return differentiable.all_to_all_single(result, out.contiguous(), send_splits, recv_splits,
-                                                group=self.expert_group)
+        return all_to_all(out, send_splits, recv_splits, self.expert_group)
 
     def _compute(self, x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is not None:
@@ -147,7 +150,7 @@ class ParallelMoE(MoEFeedForward):
         dist.all_reduce(tokens, group=self.data_group)
         # Summed with a differentiable all-reduce: its backward sums every rank's gradient for this rank's
         # probabilities, which the data-parallel gradient average then divides back to one process's gradient.
-        prob_sum = differentiable.all_reduce(probs.sum(dim=0), group=self.data_group)
+        prob_sum = all_reduce_sum(probs.sum(dim=0), self.data_group)
         return balance_loss_from_means(prob_sum / tokens, counts)
 
 

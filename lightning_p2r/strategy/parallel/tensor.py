@@ -33,16 +33,18 @@ from torch.distributed.tensor.parallel import (
 
 from ...models.moe import MoEOutput
 from ...protocols import ParallelPlan, SplitKind
+from .experts import owned
 
 
-def _gather_logits_outside_training(tp_mesh: Any) -> Any:
-    """A forward hook for the head: in evaluation (metrics, generation, a validation loss) the vocabulary shards are
-    gathered into whole logits; in training each rank keeps its shard for the vocabulary-parallel loss."""
+def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
+    """A forward hook for the head. With ``loss_parallel``, in evaluation (metrics, generation, a validation loss) the
+    vocabulary shards are gathered into whole logits; in training each rank keeps its shard for the
+    vocabulary-parallel loss. The logits leave the model's root unit: a view is copied (see ``owned``)."""
 
-    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
-        if module.training:
-            return None
-        return DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False).full_tensor()
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        if loss_parallel and not module.training:
+            output = DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False).full_tensor()
+        return owned(output)
 
     return hook
 
@@ -114,8 +116,8 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
     if made:
         parallelize_module(holder, tp_mesh, made)
     for name, kind in present.items():
-        if kind == "output" and loss_parallel:
-            holder.get_submodule(name).register_forward_hook(_gather_logits_outside_training(tp_mesh))
+        if kind == "output":
+            holder.get_submodule(name).register_forward_hook(_logits_hook(tp_mesh, loss_parallel=loss_parallel))
     for first, other in tied:
         holder.get_submodule(other).weight = holder.get_submodule(first).weight
 

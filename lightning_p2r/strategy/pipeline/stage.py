@@ -44,12 +44,14 @@ class _AttachLoss(torch.autograd.Function):
     (an MoE router's weighted balance and z losses) joins the backward of the micro-batch whose hidden states carry
     it, on the stage that computed it, without travelling to the last stage (as DeepSeek-MoE attaches its auxiliary
     loss). One is its weight in the micro-batch's loss, whose own backward starts at one too; the schedule divides
-    both by the number of micro-batches afterwards."""
+    both by the number of micro-batches afterwards. The output is a new tensor, not a view of ``hidden``: a stage
+    returns it, and FSDP2 warns about a view output (an in-place op on it would skip its pre-backward hook); one copy
+    per stage and micro-batch, as the stage attaches the sum of its layers' losses once."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
-        return hidden.view_as(hidden)
+        return hidden.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +116,7 @@ class PipelineStageModule(nn.Module):
         else:
             context = self._parts.context(tokens)
         training = self.computes_loss and torch.is_grad_enabled()
+        extras: list[torch.Tensor] = []
         for layer in self.layers:
             if training and self.recompute:
                 # Activation checkpointing per layer: only the layer's input is kept; backward runs the layer again
@@ -122,7 +125,9 @@ class PipelineStageModule(nn.Module):
             else:
                 hidden, extra = stages.layer(layer, hidden, context)
             if extra is not None and training:
-                hidden = attach_loss(hidden, extra)
+                extras.append(extra)
+        if extras:
+            hidden = attach_loss(hidden, torch.stack(extras).sum())
         self.contexts.append(context)
         self.forward_calls += 1
         if self.forward_calls == self.micro_batches and self.after_last_forward is not None:
