@@ -44,6 +44,7 @@ from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
 from .engines import Engine, EngineContext, engine_for
 from .engines.base import Weights, holder_of
+from .launch import CheckingLauncher
 from .materialize import check_no_meta_buffers, has_meta_tensors
 from .offload import OffloadEngine, OffloadStats
 from .optimizers import unwrapped
@@ -220,6 +221,24 @@ class P2RStrategy(DDPStrategy):
         return self.lightning_module.trainer.training and self.overlap_allowed()
 
     @override
+    def _configure_launcher(self) -> None:
+        # Lightning's script launcher, with this job's checks before any other rank starts (launch.py).
+        self._launcher = CheckingLauncher(self.check_before_launch, self.cluster_environment, self.num_processes,
+                                          self.num_nodes)
+
+    def check_before_launch(self, trainer: L.Trainer | None, *launch_args: Any) -> None:
+        """Everything the options, the model's config, the data's batch size and the number of processes decide,
+        checked in the launching process before any other rank exists (each launched rank checks again, cheaply).
+        ``launch_args``: the arguments of the Trainer's entry point (the module, the data module)."""
+        self.set_world_ranks()  # the number of processes, known from the Trainer's devices and nodes
+        self._check_path_options()
+        module = next((a for a in launch_args if isinstance(a, L.LightningModule)), None)
+        self.check_model_sizes(module)
+        datamodule = next((a for a in launch_args if isinstance(a, L.LightningDataModule)), None)
+        if trainer is not None:
+            self._check_batch_split(trainer, datamodule)
+
+    @override
     def setup_environment(self) -> None:
         self._check_path_options()  # before any process group exists
         self.engine = engine_for(self.path)
@@ -256,7 +275,7 @@ class P2RStrategy(DDPStrategy):
         warning = oversubscription_warning(self.root_device.type, self.num_processes, os.cpu_count() or 1)
         if warning:
             rank_zero_warn(warning)
-        self._check_batch_split(trainer)
+        self._check_batch_split(trainer, trainer.datamodule)
         if self.engine is None:
             self.engine = engine_for(self.path)
         module = self.lightning_module
@@ -287,7 +306,7 @@ class P2RStrategy(DDPStrategy):
             check_layout(self.layout, self.world_size, ModelShape.of(config),
                          accelerator=self.context().device.type != "cpu")
 
-    def _check_batch_split(self, trainer: L.Trainer) -> None:
+    def _check_batch_split(self, trainer: L.Trainer, datamodule: L.LightningDataModule | None) -> None:
         if self.accumulation != "layered" and not self.parallel_config.pipelined:
             return
         if trainer.accumulate_grad_batches != 1:
@@ -297,7 +316,7 @@ class P2RStrategy(DDPStrategy):
             )
         # A data module that declares its batch size is checked now, before any work; other data at the first
         # batch (split_micro_batches).
-        batch_size = getattr(trainer.datamodule, "batch_size", None)
+        batch_size = getattr(datamodule, "batch_size", None)
         least = self.pipeline_parallel  # a pipeline needs at least one micro-batch per pipeline rank
         if isinstance(batch_size, int) and batch_size % self.micro_batches:
             raise ValueError(
