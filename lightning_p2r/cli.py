@@ -34,6 +34,7 @@ from .module import M6LanguageModel
 from .options_diff import describe_differences, differing_options
 from .recipe_files import check_recipe_files, keys_named_in, locate_key, recipe_paths
 from .strategy.checkpoint import META_FILE, check_checkpoint_path, to_single_file
+from .strategy.launch import RankFailed
 
 # The dataclass fields' docstrings become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -264,6 +265,9 @@ class P2RCLI(LightningCLI):
         once training has started keeps its traceback."""
         try:
             run(**kwargs)
+        except RankFailed as error:
+            sys.stderr.write(f"error: a rank failed, every rank was stopped: {error}\n")
+            raise SystemExit(1) from None
         except (ValueError, FileNotFoundError) as error:
             if self.trainer.global_step > 0:
                 raise

@@ -35,6 +35,11 @@ ERRORS_ENV = "P2R_RANK_ERRORS"
 """The folder where each rank started by the launcher writes its error (set by the launching process)."""
 
 
+class RankFailed(RuntimeError):
+    """Another rank failed first; the launching rank's own error (usually a collective whose peer went away) is the
+    consequence. The message is the failing ranks' errors."""
+
+
 def describe(error: BaseException) -> str:
     """One line: the error's type and message (a ValueError's message is already a sentence for the user)."""
     text = str(error).strip() or repr(error)
@@ -126,8 +131,12 @@ class CheckingLauncher(_SubprocessScriptLauncher):
             return function(*args, **kwargs)
         except BaseException as error:
             observer.stopped.set()
+            failed_first = any(process.poll() not in (None, 0) for process in self.procs)
             stop_processes(self.procs)
-            for line in summarize(read_rank_errors(errors), skip=describe(error)):
+            others = summarize(read_rank_errors(errors), skip=describe(error))
+            if failed_first and others and not isinstance(error, KeyboardInterrupt):
+                raise RankFailed("; ".join(others) + f" (then rank 0: {describe(error)})") from error
+            for line in others:
                 error.add_note(line)
             raise
         finally:
