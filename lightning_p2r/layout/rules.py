@@ -43,7 +43,10 @@ class Layout:
     """True (inductor), False, or a torch.compile backend's name."""
     offload_fraction: float = 0.0
     offload_blocks: tuple[int, ...] | None = None
-    """Explicit block indices (of a rank's blocks) to offload instead of ``offload_fraction``."""
+    """Explicit block indices (in the model) to offload instead of ``offload_fraction``."""
+    device_memory_budget: int | str | None = None
+    """Offload as many blocks as the budget needs (decided at setup from the model's sizes; the rules read only that
+    offload is asked for, the planner prices ``offload_fraction``)."""
     reduce_every_micro_batch: bool = False
 
     @property
@@ -56,7 +59,8 @@ class Layout:
 
     @property
     def offloading(self) -> bool:
-        return bool(self.offload_fraction or self.offload_blocks)
+        """Whether offload is asked for (a zero fraction or an empty block list do not ask)."""
+        return bool(self.offload_fraction or self.offload_blocks or self.device_memory_budget is not None)
 
     def data_parallel(self, devices: int) -> int:
         return devices // (self.tensor_parallel * self.pipeline_parallel)

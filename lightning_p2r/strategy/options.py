@@ -199,10 +199,10 @@ class OffloadConfig:
 
 def layout_of(sharding: ShardingConfig, parallel: ParallelConfig, accumulation: AccumulationConfig,
                offload: OffloadConfig) -> Layout:
-    """The rulebook's :class:`~lightning_p2r.layout.Layout` of these sections (a memory budget's offload is decided
-    at setup, from the model's sizes: it reads as no fraction here)."""
+    """The rulebook's :class:`~lightning_p2r.layout.Layout` of these sections."""
     values = {"sharding": sharding.sharding, "offload_fraction": offload.offload_fraction or 0.0,
-              "offload_blocks": tuple(offload.offload_blocks) if offload.offload_blocks else None}
+              "offload_blocks": tuple(offload.offload_blocks) if offload.offload_blocks else None,
+              "device_memory_budget": offload.device_memory_budget}
     for section in (parallel, accumulation):
         values |= {f.name: getattr(section, f.name) for f in fields(section)}
     return Layout(**values)

@@ -35,7 +35,6 @@ from ..layout import (
     check_layout,
     check_options,
     fsdp_mode_for,
-    placement_path,
 )
 from ..models.config import M6Config
 from ..protocols import InitializesByName
@@ -169,10 +168,7 @@ class P2RStrategy(DDPStrategy):
     def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
         """Which placement path runs this job: "local" (one process, the streaming engine), "ddp", or one of the FSDP2
         engine's "fsdp", "model_parallel" (tensor / expert parallel first) and "pipeline" (stages first)."""
-        return placement_path(self.sharding, self.world_size, offloading=self.offloading,
-                              layered=self.accumulation == "layered",
-                              model_parallel=self.parallel_config.model_parallel,
-                              pipelined=self.parallel_config.pipelined)
+        return self.layout.path(self.world_size)
 
     @property
     def layout(self) -> Layout:

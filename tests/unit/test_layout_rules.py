@@ -102,3 +102,23 @@ def test_the_default_all_moe_config_counts_as_moe() -> None:
     every_layer_moe = M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=32, num_heads=4, num_experts=4)
     assert every_layer_moe.moe_layers is None and ModelShape.of(every_layer_moe).moe
     check_layout(Layout(expert_parallel=2), devices=2, model=ModelShape.of(every_layer_moe))
+
+
+def test_zero1_with_a_memory_budget_across_accelerator_processes_is_refused_before_setup() -> None:
+    """A budget asks for offload as a fraction does (the blocks are chosen at setup): ZeRO-1 across accelerator
+    processes cannot broadcast host-resident partitions, so the rulebook refuses it before any process group."""
+    budget = Layout(sharding="zero1", device_memory_budget="1GB")
+    assert budget.offloading and budget.path(2) == "fsdp"
+    with pytest.raises(ValueError, match="sharding='zero1'.* offloaded blocks across processes"):
+        check_layout(budget, devices=2)
+    check_layout(budget, devices=2, accelerator=False)  # gloo broadcasts host tensors
+    check_layout(budget, devices=1)  # one process: the streaming engine, no broadcast
+    strategy = P2RStrategy(sharding="zero1", device_memory_budget="1GB")
+    assert strategy.layout == budget
+    environment = LightningEnvironment()
+    environment.set_world_size(2)
+    strategy.cluster_environment = environment
+    strategy.parallel_devices = [torch.device("cuda", i) for i in range(2)]
+    assert strategy.path == "fsdp"
+    with pytest.raises(ValueError, match="sharding='zero1'.* offloaded blocks across processes"):
+        strategy._check_path_options()
