@@ -1,12 +1,14 @@
 """Engines on a hand-made context: no strategy, no Trainer, no process group."""
 
 import dataclasses
+import gc
+import weakref
 
 import pytest
 import torch
 
 from lightning_p2r import M6Config, M6Transformer
-from lightning_p2r.strategy.engines import FSDP2Engine, LocalEngine, engine_for
+from lightning_p2r.strategy.engines import DDPEngine, FSDP2Engine, LocalEngine, engine_for
 from lightning_p2r.strategy.engines.base import EngineContext
 from lightning_p2r.strategy.options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig
 
@@ -61,3 +63,23 @@ def test_the_fsdp2_engine_refuses_what_fsdp2_offload_cannot_hold() -> None:
     ctx = context(offload=OffloadConfig(offload_fraction=0.5, offload_states=["grads", "optimizer"]), world_size=2)
     with pytest.raises(ValueError, match="offload_states must include 'params'"):
         FSDP2Engine("fsdp").check_options(ctx)
+
+
+class _StateDict(dict):
+    """A state dict that a weak reference can watch (a plain dict cannot be weakly referenced)."""
+
+
+@pytest.mark.parametrize("engine_class", [LocalEngine, DDPEngine])
+def test_an_engine_keeps_no_reference_to_the_checkpoint_weights_after_placing(engine_class: type) -> None:
+    reference = M6Transformer(CONFIG)
+    weights = _StateDict({name: value.clone() + 1 for name, value in reference.state_dict().items()})
+    watch = weakref.ref(weights)
+    with torch.device("meta"):
+        model = M6Transformer(CONFIG)
+    engine = engine_class()
+    engine.place(model, dataclasses.replace(context(), weights=(weights, True)))
+    torch.testing.assert_close(model.state_dict()["tok_embeddings.weight"], weights["tok_embeddings.weight"])
+    assert engine.ctx.weights is None
+    del weights
+    gc.collect()
+    assert watch() is None  # a whole model's state dict does not stay alive for the rest of the run

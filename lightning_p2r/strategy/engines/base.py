@@ -9,6 +9,7 @@ is the strategy's. That keeps engines testable with a hand-made context and keep
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -59,6 +60,11 @@ class EngineContext:
     """Whether an offloaded block may take its host optimizer step during backward right now."""
     uncounted: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
     """Collectives inside are not the layout's own (metrics gathering); see ``count_collectives``."""
+
+    def without_weights(self) -> EngineContext:
+        """This context as an engine keeps it after placing: the checkpoint's weights are written by then, and a
+        whole state dict must not stay alive for the rest of the run."""
+        return dataclasses.replace(self, weights=None)
 
     def offload_plan(self, module: nn.Module, blocks: nn.ModuleList) -> OffloadPlan:
         """The offload options applied to ``blocks`` of ``module`` (a fraction or budget is their share)."""

@@ -19,7 +19,7 @@ class DDPEngine(Engine):
     wraps_ddp = True
 
     def place(self, module: nn.Module, ctx: EngineContext) -> None:
-        self.ctx = ctx
+        self.ctx = ctx.without_weights()
         if has_meta_tensors(module):
             self.materialize_whole(module, ctx, ctx.device)  # every rank holds the whole model
         elif ctx.weights is not None:

@@ -97,7 +97,7 @@ class FSDP2Engine(Engine):
             raise ValueError("P2RStrategy(pipeline_parallel > 1) with precision='16-mixed': the pipeline's schedule "
                              "runs the backward itself, where a gradient scaler cannot scale the loss; use "
                              "precision='bf16-mixed' (or 32)")
-        self.ctx = ctx
+        self.ctx = ctx.without_weights()
         self._holder = holder_of(module)
         self.placement = place(module, ctx, self.meshes, self.stages, fsdp_mode=self.fsdp_mode(ctx),
                                move_module=move_module)

@@ -46,7 +46,7 @@ class LocalEngine(Engine):
         """Plan (from the shapes alone: the model may still be on the meta device), materialize offloaded blocks
         straight into host memory, where the streaming engine keeps them as its masters, and the rest on the
         device."""
-        self.ctx = ctx
+        self.ctx = ctx.without_weights()
         holder = holder_of(module)
         self.plan = plan = ctx.offload_plan(module, holder.blocks)
         lazy = has_meta_tensors(module)
