@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .mesh import ParallelDims, PlacementPath, placement_path
+from .mesh import ParallelDims, PlacementPath, Resharding, fsdp_mode_for, placement_path, resharding
 from .names import (
     ACCUMULATIONS,
     BREADTH_FIRST,
@@ -72,6 +72,13 @@ class Layout:
         return placement_path(self.sharding, devices, offloading=self.offloading,
                               layered=self.accumulation == "layered", model_parallel=self.model_parallel,
                               pipelined=self.pipelined)
+
+    @property
+    def resharding(self) -> Resharding:
+        """When ZeRO-3's units reshard under this layout (see :class:`~.mesh.Resharding`)."""
+        breadth_first = self.pipelined and self.pipeline_schedule in BREADTH_FIRST
+        return resharding(fsdp_mode_for(self.sharding),
+                          consecutive_micro_batches=self.accumulation == "layered" or breadth_first)
 
     @property
     def trainer_accumulation(self) -> int:

@@ -8,7 +8,7 @@ parallelism, pipeline stages), in torchtitan's order:
 4. **recompute**: pipeline stage modules checkpoint each layer (layered accumulation recomputes in its executor);
 5. **compile** each block (``compile.py``), after the plan and recompute, before FSDP2 wraps it;
 6. **FSDP2**: ``fully_shard`` every unit (a block, and under model parallelism its experts first, over the ranks
-   holding the same experts), then the part's root, with one reshard rule (:func:`reshard_after_forward`);
+   holding the same experts), then the part's root, with the rulebook's one reshard rule (``Layout.resharding``);
 7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them with
    initial values or the checkpoint's weights.
 
@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-from ..layout import reshard_after_forward
 from ..protocols import ComputesTokenLoss, ParallelPlan
 from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
@@ -94,10 +93,9 @@ def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshe
 
 
 def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages: StagePlacement | None, *,
-          fsdp_mode: str, move_module: bool = True) -> Placement:
+          move_module: bool = True) -> Placement:
     """Place ``module`` (on the meta device, or eager after delinking) in the order of the module docstring."""
     holder = holder_of(module)
-    layered = ctx.accumulation.accumulation == "layered"
     # 1. stage parts
     mine = stages.keep_own(module, holder) if stages is not None else set(range(len(holder.blocks)))
     # 2. offload plan
@@ -114,19 +112,18 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     # 5. compile
     apply_compile(ctx.accumulation.compile, holder.blocks, sorted(mine))
     # 6. FSDP2: units, then roots
-    reshard = reshard_after_forward(fsdp_mode, layered=layered,
-                                    breadth_first_pipeline=stages is not None and stages.breadth_first)
+    reshard = ctx.layout.resharding
     for index in sorted(mine):
         offloaded = index in plan.offloaded
         if split is not None:  # the expert weights first: their own unit, over the ranks holding them
             for layer in split.expert_layers(holder, [index]):
-                shard_unit(layer.experts, meshes.expert_data, reshard=reshard, offloaded=offloaded,
+                shard_unit(layer.experts, meshes.expert_data, reshard=reshard.after_each_forward, offloaded=offloaded,
                            pin_memory=ctx.pin_memory)
-        shard_unit(holder.blocks[index], meshes.data, reshard=reshard, offloaded=offloaded,
+        shard_unit(holder.blocks[index], meshes.data, reshard=reshard.after_each_forward, offloaded=offloaded,
                    pin_memory=ctx.pin_memory)
     if stages is not None:
         roots: list[nn.Module] = list(stage_modules)
-    elif layered:
+    elif ctx.accumulation.accumulation == "layered":
         owners = modules_outside_blocks(root, holder.blocks)
         placement.runner = StageRunner(owners) if owners else None
         roots = [placement.runner] if owners else []
@@ -134,7 +131,7 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
         roots = [root]
     for part_root in roots:
         shard_root(part_root, meshes.data)
-    if stages is not None and fsdp_mode == "zero3" and stages.breadth_first:
+    if stages is not None and reshard.after_last_micro_batch:
         for stage_module in stage_modules:
             stage_module.after_last_forward = _reshard_blocks
     # 7. materialize

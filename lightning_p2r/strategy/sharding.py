@@ -129,13 +129,14 @@ class FSDPEvents(BlockEvents):
     micro-batch; until then FSDP2 accumulates the unsharded gradient. The same for the stage runner's parameters
     (embedding and head), whose backward opens and closes the step."""
 
-    def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_forward: bool) -> None:
+    def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_last: bool) -> None:
         self.blocks = blocks
         self.runner = runner
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_last = reshard_after_last
+        """``Layout.resharding.after_last_micro_batch``: zero3 reshards each block after its last forward."""
 
     def after_forward(self, block: int) -> None:
-        if self.reshard_after_forward:
+        if self.reshard_after_last:
             for unit in fsdp_modules(self.blocks[block]):  # the block, and a unit inside it (experts under EP)
                 unit.reshard()
 

@@ -6,6 +6,7 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from lightning_p2r import M6Config, M6Transformer
 from lightning_p2r.strategy.engines import DDPEngine, FSDP2Engine, LocalEngine, engine_for
@@ -83,3 +84,35 @@ def test_an_engine_keeps_no_reference_to_the_checkpoint_weights_after_placing(en
     del weights
     gc.collect()
     assert watch() is None  # a whole model's state dict does not stay alive for the rest of the run
+
+
+@pytest.fixture
+def process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("accumulation", ["standard", "layered"])
+def test_the_fsdp2_engine_takes_every_reshard_decision_from_the_rulebook(process_group, monkeypatch,
+                                                                          accumulation: str) -> None:
+    """The units' own reshard-after-forward (placement) and layered accumulation's reshard after the last
+    micro-batch (the engine's block events) both come from ``Layout.resharding``."""
+    from lightning_p2r.strategy import placement
+
+    decided: list[bool] = []
+    real = placement.shard_unit
+    monkeypatch.setattr(placement, "shard_unit", lambda unit, mesh, *, reshard, **kwargs: (
+        decided.append(reshard), real(unit, mesh, reshard=reshard, **kwargs))[1])
+    ctx = dataclasses.replace(context(), sharding=ShardingConfig(sharding="zero3"),
+                              accumulation=AccumulationConfig(accumulation=accumulation,
+                                                              micro_batches=2 if accumulation == "layered" else 1))
+    rule = ctx.layout.resharding
+    engine = FSDP2Engine("fsdp")
+    engine.setup_environment(ctx)
+    with torch.device("meta"):
+        model = M6Transformer(CONFIG)
+    engine.place(model, ctx)
+    assert decided == [rule.after_each_forward] * len(model.blocks) == [accumulation == "standard"] * 4
+    events = engine.block_events()
+    assert (events.reshard_after_last if events is not None else False) == rule.after_last_micro_batch

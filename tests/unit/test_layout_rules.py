@@ -122,3 +122,27 @@ def test_zero1_with_a_memory_budget_across_accelerator_processes_is_refused_befo
     assert strategy.path == "fsdp"
     with pytest.raises(ValueError, match="sharding='zero1'.* offloaded blocks across processes"):
         strategy._check_path_options()
+
+
+@pytest.mark.parametrize(("layout", "after_each_forward", "after_last_micro_batch"), [
+    (Layout(sharding="zero3"), True, False),
+    (Layout(sharding="zero3", accumulation="layered", micro_batches=2), False, True),
+    (Layout(sharding="zero3", pipeline_parallel=2, micro_batches=2), True, False),  # 1F1B: depth-first
+    (Layout(sharding="zero3", pipeline_parallel=2, pipeline_schedule="gpipe", micro_batches=2), False, True),
+    # Expert parallelism inside breadth-first stages: the experts' units follow their block's rule (gathered once
+    # for the stage's micro-batches, resharded after the last), not a rule of their own (docs/parallelism.md).
+    (Layout(sharding="zero3", expert_parallel=2, pipeline_parallel=2, pipeline_schedule="looped_bfs",
+            stages_per_rank=2, micro_batches=2), False, True),
+    (Layout(sharding="zero3", pipeline_schedule="gpipe"), True, False),  # a schedule needs stages to count
+    (Layout(sharding="zero2", accumulation="layered", micro_batches=2), False, False),
+    (Layout(sharding="zero1", pipeline_parallel=2, pipeline_schedule="gpipe", micro_batches=2), False, False),
+])
+def test_one_reshard_rule_for_every_fsdp2_path_and_the_planner(layout: Layout, after_each_forward: bool,
+                                                               after_last_micro_batch: bool) -> None:
+    from lightning_p2r.planning.transfers import _gathers_per_step
+
+    assert layout.resharding == rules.Resharding(after_each_forward, after_last_micro_batch)
+    if layout.pipelined and layout.sharding == "zero3":
+        # The planner counts a stage block's gathers from the same rule: once per direction, or before each
+        # forward and once for the backwards.
+        assert _gathers_per_step(layout, is_block=True) == (layout.micro_batches + 1 if after_each_forward else 2)

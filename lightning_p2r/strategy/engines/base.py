@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...layout import Layout
 from ...sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
 from .. import checkpoint as sharded_checkpoint
 from ..compile import check_compile
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate
 from ..optimizers import optimizer_state_to
-from ..options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig
+from ..options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig, layout_of
 from ..plan import OffloadPlan, plan_for_model
 
 if TYPE_CHECKING:
@@ -60,6 +61,11 @@ class EngineContext:
     """Whether an offloaded block may take its host optimizer step during backward right now."""
     uncounted: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
     """Collectives inside are not the layout's own (metrics gathering); see ``count_collectives``."""
+
+    @property
+    def layout(self) -> Layout:
+        """The options as the rulebook reads them (degrees, paths, the reshard rule)."""
+        return layout_of(self.sharding, self.parallel, self.accumulation, self.offload)
 
     def without_weights(self) -> EngineContext:
         """This context as an engine keeps it after placing: the checkpoint's weights are written by then, and a

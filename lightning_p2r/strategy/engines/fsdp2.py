@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ...layout import ParallelDims, check_fsdp_offload_states, fsdp_mode_for
+from ...layout import check_fsdp_offload_states, fsdp_mode_for
 from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
 from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
@@ -55,15 +55,6 @@ class FSDP2Engine(Engine):
         self._whole_of: dict[int, torch.Tensor] = {}
         self._holder: nn.Module | None = None
 
-    @staticmethod
-    def dims(ctx: EngineContext) -> ParallelDims:
-        p = ctx.parallel
-        return ParallelDims(ctx.world_size, p.tensor_parallel, p.expert_parallel, p.pipeline_parallel)
-
-    @staticmethod
-    def fsdp_mode(ctx: EngineContext) -> str:
-        return fsdp_mode_for(ctx.sharding.sharding)
-
     # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
         """The layout rulebook checked the degrees and combinations; what is FSDP2's own is its CPU offload, which
@@ -76,8 +67,9 @@ class FSDP2Engine(Engine):
         the data dimensions, the stages' point-to-point traffic runs over "pp"."""
         self.check_options(ctx)
         self.ctx = ctx
-        dims = self.dims(ctx)
-        self.meshes = meshes = build_meshes(dims, ctx.device.type, replicate=self.fsdp_mode(ctx) == "replicate")
+        dims = ctx.layout.dims(ctx.world_size)
+        self.meshes = meshes = build_meshes(dims, ctx.device.type,
+                                            replicate=fsdp_mode_for(ctx.sharding.sharding) == "replicate")
         if ctx.sharding.sharding == "zero1":
             # ZeRO-1 partitions over the ranks that hold the same (tensor-parallel) part of every parameter: the data
             # ranks of one tensor-parallel position (of one stage); under expert parallelism the experts over the
@@ -99,8 +91,7 @@ class FSDP2Engine(Engine):
                              "precision='bf16-mixed' (or 32)")
         self.ctx = ctx.without_weights()
         self._holder = holder_of(module)
-        self.placement = place(module, ctx, self.meshes, self.stages, fsdp_mode=self.fsdp_mode(ctx),
-                               move_module=move_module)
+        self.placement = place(module, ctx, self.meshes, self.stages, move_module=move_module)
         self.plan = self.placement.plan
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
@@ -156,7 +147,7 @@ class FSDP2Engine(Engine):
         if self.stages is not None or self.placement is None:
             return None
         return FSDPEvents(self._holder.blocks, self.stage_runner(),
-                          reshard_after_forward=self.fsdp_mode(self.ctx) == "zero3")
+                          reshard_after_last=self.ctx.layout.resharding.after_last_micro_batch)
 
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module) -> Iterator[None]:
@@ -206,7 +197,7 @@ class FSDP2Engine(Engine):
         data-parallel ranks only (ranks are laid out (pipeline, data, tensor))."""
         if self.path == "fsdp" or ctx.world_size == 1:
             return None
-        dims = self.dims(ctx)
+        dims = ctx.layout.dims(ctx.world_size)
         return dims.data_parallel, dims.data_rank(ctx.global_rank)
 
     def describe(self) -> list[str]:
