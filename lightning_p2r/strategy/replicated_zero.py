@@ -64,14 +64,10 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, process_group: Any = None) -> ReplicatedZeroOptimizer:
         """The same optimizer class, groups, settings and (whole) state, partitioned across the ranks of
-        ``process_group`` (all of them by default: the ranks that hold the same parameters)."""
+        ``process_group`` (all of them by default), which must hold the same local part of every parameter: the
+        engine builds it on FSDP2's replicate layout only (``fsdp_mode_for("zero1")``), over the data ranks of one
+        tensor-parallel position."""
         whole = [p for group in optimizer.param_groups for p in group["params"]]
-        for param in whole:
-            # Over all ranks every rank must hold the whole parameter; over a group (the data ranks of one
-            # tensor-parallel position) the caller vouches that its members hold the same local part.
-            if process_group is None and isinstance(param, DTensor) and param.to_local().shape != param.shape:
-                raise ValueError("ReplicatedZeroOptimizer needs parameters replicated on every rank; this one is "
-                                 f"sharded (local {tuple(param.to_local().shape)} of {tuple(param.shape)})")
         views = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in whole}
         plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: _local(value))
         zero = zero_redundancy_optimizer(plain, cls=cls, process_group=process_group)

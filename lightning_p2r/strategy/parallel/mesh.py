@@ -29,6 +29,7 @@ class ParallelMeshes:
     dims: ParallelDims
     dense: Any
     experts: Any
+    """None without tensor or expert parallelism."""
     data_dims: tuple[str, ...]
     """The dense mesh's data dimensions, as FSDP2 takes them: ("replicate", "shard") or ("shard",)."""
     expert_data_dims: tuple[str, ...]
@@ -85,6 +86,8 @@ def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> Pa
     else:
         dense = init_device_mesh(device_type, (*pp, dp, tp), mesh_dim_names=(*pp_name, "shard", "tp"))
         dense_data = ("shard",)
+    if not dims.model_parallel:  # data parallelism alone: nothing is split, no expert mesh (or its groups)
+        return ParallelMeshes(dims, dense, None, dense_data, ())
     if replicate and edp > 1:
         experts = init_device_mesh(device_type, (*pp, edp, 1, ep, tp),
                                    mesh_dim_names=(*pp_name, "expert_replicate", "expert_shard", "ep", "tp"))
