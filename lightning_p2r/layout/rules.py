@@ -68,6 +68,14 @@ class Layout:
     def dims(self, devices: int) -> ParallelDims:
         return ParallelDims(devices, self.tensor_parallel, self.expert_parallel, self.pipeline_parallel)
 
+    def sampler_ranks(self, devices: int, rank: int) -> tuple[int, int] | None:
+        """(replicas, replica) for the distributed sampler: the ranks of one tensor-parallel group or pipeline read
+        the same batch, so the data splits over the data ranks only. None: each rank reads its own share."""
+        if self.tensor_parallel * self.pipeline_parallel == 1:
+            return None
+        dims = self.dims(devices)
+        return dims.data_parallel, dims.data_rank(rank)
+
     def path(self, devices: int) -> PlacementPath:
         return placement_path(self.sharding, devices, offloading=self.offloading,
                               layered=self.accumulation == "layered", model_parallel=self.model_parallel,

@@ -86,7 +86,8 @@ def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshe
     # A pipeline rank without the output layer (a stand-in) never computes the loss.
     vocab = output[0].weight.shape[0] if output and hasattr(output[0], "weight") else None
     loss_parallel = meshes.dims.tensor_parallel > 1 and vocab is not None and isinstance(module, ComputesTokenLoss)
-    parallelize_model(holder, meshes, loss_parallel=loss_parallel, sequence_parallel=ctx.parallel.sequence_parallel)
+    parallelize_model(holder, plan, meshes, loss_parallel=loss_parallel,
+                      sequence_parallel=ctx.parallel.sequence_parallel)
     if loss_parallel:
         module.token_loss = VocabParallelCrossEntropy(meshes.tensor, vocab)
     return plan

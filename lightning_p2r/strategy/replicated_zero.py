@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from ..sharing import optimizer_constructor_kwargs, rebind_scheduler
+from ..sharing import optimizer_constructor_kwargs
 from .regather import remap_optimizer
 from .sharding import consolidated_state_dict, zero_redundancy_optimizer
 
@@ -131,22 +131,16 @@ def _like(param: torch.Tensor, value: Any) -> Any:
     return value
 
 
-def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], lr_scheduler_configs: list[Any],
-                               process_group: Any = None, *, expert_group: Any = None,
-                               experts: set[int] | None = None) -> list[torch.optim.Optimizer]:
+def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], process_group: Any = None, *,
+                               expert_group: Any = None, experts: set[int] | None = None) -> torch.optim.Optimizer:
     """The strategy's one optimizer wrapped as a :class:`ReplicatedZeroOptimizer` over ``process_group`` (all ranks
     by default), or, given ``expert_group``, as a :class:`SplitZeroOptimizer` partitioning the ``experts`` (ids)
-    over it; its LR schedulers rebound."""
+    over it (the strategy rebinds its LR schedulers)."""
     if len(optimizers) != 1:
         raise ValueError(f"P2RStrategy(sharding='zero1') on FSDP2 supports one optimizer, got {len(optimizers)}")
     if expert_group is not None:
-        zero: torch.optim.Optimizer = SplitZeroOptimizer.wrap(optimizers[0], process_group, expert_group,
-                                                              experts or set())
-    else:
-        zero = ReplicatedZeroOptimizer.wrap(optimizers[0], process_group)
-    for config in lr_scheduler_configs:
-        config.scheduler = rebind_scheduler(config.scheduler, zero)
-    return [zero]
+        return SplitZeroOptimizer.wrap(optimizers[0], process_group, expert_group, experts or set())
+    return ReplicatedZeroOptimizer.wrap(optimizers[0], process_group)
 
 
 class _LinkedGroup(dict):

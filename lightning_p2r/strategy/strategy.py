@@ -33,7 +33,7 @@ from ..layout import (
     PipelineSchedule,
     Sharding,
     check_layout,
-    check_options,
+    check_micro_batches,
     fsdp_mode_for,
 )
 from ..models.config import M6Config
@@ -132,7 +132,8 @@ class P2RStrategy(DDPStrategy):
             device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
             offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
             overlap_host_step=overlap_host_step, log_telemetry=log_telemetry)
-        check_options(self.layout)
+        if self.parallel_config.pipelined:  # the one option rule across sections (each section checked itself)
+            check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or sharded_checkpoint.AtomicCheckpointIO(),
@@ -217,8 +218,7 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._check_path_options()  # before any process group exists
-        self.engine = engine_for(self.path)
+        self._check_path_options()  # before any process group exists; chooses the engine
         if self.engine.needs_process_group:
             super().setup_environment()
         else:
@@ -227,11 +227,12 @@ class P2RStrategy(DDPStrategy):
         self.engine.setup_environment(self.context())
 
     def _check_path_options(self) -> None:
-        """The layout's rules against the number of processes, then the chosen engine's own, before any process
-        group exists."""
+        """The layout's rules against the number of processes, then those of the engine chosen for them, before any
+        process group exists."""
         ctx = self.context()
         check_layout(self.layout, self.world_size, accelerator=ctx.device.type != "cpu")
-        engine_for(self.path).check_options(ctx)
+        self.engine = engine_for(self.path)
+        self.engine.check_options(ctx)
 
     @contextlib.contextmanager
     @override
@@ -253,8 +254,6 @@ class P2RStrategy(DDPStrategy):
         if warning:
             rank_zero_warn(warning)
         self._check_batch_split(trainer)
-        if self.engine is None:
-            self.engine = engine_for(self.path)
         module = self.lightning_module
         self.check_model_sizes(self.holder_or_none())
         check_no_meta_buffers(module)
@@ -315,9 +314,8 @@ class P2RStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Ranks of one tensor-parallel group or pipeline read the same batch: the engine says which share each
-        reads."""
-        ranks = (self.engine or engine_for(self.path)).sampler_ranks(self.context())
+        """Ranks of one tensor-parallel group or pipeline read the same batch (``Layout.sampler_ranks``)."""
+        ranks = self.layout.sampler_ranks(self.world_size, self.global_rank)
         if ranks is None:
             return super().distributed_sampler_kwargs
         return {"num_replicas": ranks[0], "rank": ranks[1]}

@@ -53,13 +53,6 @@ def test_the_local_engine_places_a_meta_model_and_returns_its_plan() -> None:
             torch.testing.assert_close(ours, theirs, msg=name)
 
 
-def test_the_fsdp2_engine_reads_its_ranks_from_the_context() -> None:
-    engine = FSDP2Engine("model_parallel")
-    # 4 ranks = data 2 x tensor 2: rank 3 reads data shard 1 of 2.
-    assert engine.sampler_ranks(context(parallel=ParallelConfig(tensor_parallel=2), world_size=4, rank=3)) == (2, 1)
-    assert FSDP2Engine("fsdp").sampler_ranks(context(world_size=4, rank=3)) is None
-
-
 def test_the_fsdp2_engine_refuses_what_fsdp2_offload_cannot_hold() -> None:
     ctx = context(offload=OffloadConfig(offload_fraction=0.5, offload_states=["grads", "optimizer"]), world_size=2)
     with pytest.raises(ValueError, match="offload_states must include 'params'"):
@@ -116,3 +109,9 @@ def test_the_fsdp2_engine_takes_every_reshard_decision_from_the_rulebook(process
     assert decided == [rule.after_each_forward] * len(model.blocks) == [accumulation == "standard"] * 4
     events = engine.block_events()
     assert (events.reshard_after_last if events is not None else False) == rule.after_last_micro_batch
+
+
+def test_delinking_before_anything_is_placed_says_so() -> None:
+    model = M6Transformer(CONFIG)
+    with pytest.raises(RuntimeError, match="nothing is placed yet"):
+        FSDP2Engine("fsdp").delink(model, torch.optim.SGD(model.parameters(), lr=0.1), context(), None, "reset")

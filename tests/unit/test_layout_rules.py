@@ -146,3 +146,11 @@ def test_one_reshard_rule_for_every_fsdp2_path_and_the_planner(layout: Layout, a
         # The planner counts a stage block's gathers from the same rule: once per direction, or before each
         # forward and once for the backwards.
         assert _gathers_per_step(layout, is_block=True) == (layout.micro_batches + 1 if after_each_forward else 2)
+
+
+def test_the_sampler_splits_the_data_over_the_data_ranks_only() -> None:
+    """Moved from test_engines.py (the rule is the layout's, no engine needed): 4 ranks = data 2 x tensor 2, rank 3
+    reads data shard 1 of 2; without tensor or pipeline parallelism every rank reads its own (the default)."""
+    assert Layout(tensor_parallel=2).sampler_ranks(4, 3) == (2, 1)
+    assert Layout(pipeline_parallel=2, micro_batches=2).sampler_ranks(4, 3) == (2, 1)
+    assert Layout(sharding="zero3").sampler_ranks(4, 3) is None

@@ -109,28 +109,27 @@ def test_clipping_across_meshes_equals_torch_on_plain_tensors() -> None:
 
 
 def test_sequence_parallel_needs_tensor_parallel_rotary_positions_and_divisible_sequences() -> None:
-    from types import SimpleNamespace
-
     from lightning_p2r import M6Config
     from lightning_p2r.models import M6Transformer
-    from lightning_p2r.strategy.parallel.parallelize import check_model
 
     with pytest.raises(ValueError, match="set tensor_parallel > 1 as well"):
         P2RStrategy(sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
         P2RStrategy(tensor_parallel=2, sequence_parallel="yes")
-    meshes = SimpleNamespace(dims=ParallelDims(2, tensor_parallel=2))
     small = {"vocab_size": 256, "dim": 32, "num_heads": 4, "num_layers": 2, "moe_layers": []}
     with torch.device("meta"):
         learned = M6Transformer(M6Config(**small, max_seq_len=16, position_embedding="learned"))
         odd = M6Transformer(M6Config(**small, max_seq_len=15))
         fine = M6Transformer(M6Config(**small, max_seq_len=16))
+    # The strategy refuses the model at setup, before any parameter is placed.
+    sequence = _with_world_size(P2RStrategy(tensor_parallel=2, sequence_parallel=True), 2)
     with pytest.raises(ValueError, match="needs M6Config.position_embedding='rotary'"):
-        check_model(learned, meshes, sequence_parallel=True)
+        sequence.check_model_sizes(learned)
     with pytest.raises(ValueError, match="max_seq_len=15 must be divisible"):
-        check_model(odd, meshes, sequence_parallel=True)
-    check_model(fine, meshes, sequence_parallel=True)
-    check_model(learned, meshes)  # without sequence parallelism learned positions are fine
+        sequence.check_model_sizes(odd)
+    sequence.check_model_sizes(fine)
+    # Without sequence parallelism learned positions are fine.
+    _with_world_size(P2RStrategy(tensor_parallel=2), 2).check_model_sizes(learned)
 
 
 def test_the_plans_kinds_become_torchs_styles() -> None:

@@ -175,10 +175,6 @@ class Engine:
         gradient. None: torch's own clipping is right for this layout."""
         return None
 
-    def sampler_ranks(self, ctx: EngineContext) -> tuple[int, int] | None:
-        """(replicas, rank) for the distributed sampler when they are not (world size, global rank)."""
-        return None
-
     def describe(self) -> list[str]:
         """Lines for the setup log beyond the offload summary."""
         return []

@@ -65,7 +65,6 @@ class FSDP2Engine(Engine):
     def setup_environment(self, ctx: EngineContext) -> None:
         """One mesh ``(pipeline, data..., tensor)`` and its expert twin (see ``parallel/mesh.py``): FSDP2 shards over
         the data dimensions, the stages' point-to-point traffic runs over "pp"."""
-        self.check_options(ctx)
         self.ctx = ctx
         dims = ctx.layout.dims(ctx.world_size)
         self.meshes = meshes = build_meshes(dims, ctx.device.type,
@@ -111,7 +110,7 @@ class FSDP2Engine(Engine):
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
         if self.ctx.sharding.sharding == "zero1":
-            optimizers = partition_optimizer_states(optimizers, [], self.zero_group, **self._expert_partition(module))
+            optimizers = [partition_optimizer_states(optimizers, self.zero_group, **self._expert_partition(module))]
         self._whole_of = {}
         for optimizer in optimizers:  # which parameter each of ZeRO-1's views stands for (clipping counts it)
             if isinstance(optimizer, ZeroOneOptimizer):
@@ -192,14 +191,6 @@ class FSDP2Engine(Engine):
             return self.stages.copies(whole)
         return ranks_holding(whole.grad)
 
-    def sampler_ranks(self, ctx: EngineContext) -> tuple[int, int] | None:
-        """Ranks of one tensor-parallel group or pipeline read the same batch: the sampler splits the data over the
-        data-parallel ranks only (ranks are laid out (pipeline, data, tensor))."""
-        if self.path == "fsdp" or ctx.world_size == 1:
-            return None
-        dims = ctx.layout.dims(ctx.world_size)
-        return dims.data_parallel, dims.data_rank(ctx.global_rank)
-
     def describe(self) -> list[str]:
         lines = []
         if self.path != "fsdp" and self.meshes.dims.model_parallel:
@@ -217,6 +208,8 @@ class FSDP2Engine(Engine):
         this rank's replica, equal on every rank), and the copy replaces the sharded one and is placed afresh (a new
         plan places the new blocks; a pipeline keeps the new blocks of this rank's layers); the optimizer is rebuilt
         over the new shards."""
+        if self.placement is None:
+            raise RuntimeError("P2RStrategy delinks a placed model: nothing is placed yet (delink after setup)")
         root = self.placement.root
         if root is module:
             raise ValueError(

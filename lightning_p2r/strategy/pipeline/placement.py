@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...layout import BREADTH_FIRST, StageCut, block_holders, check_local_sharing, check_micro_batches
+from ...layout import BREADTH_FIRST, StageCut, block_holders, check_local_sharing
 from ...protocols import DefinesPipelineStages, PipelineParts
 from ..parallel.clipping import replicas_on_mesh
 from .runner import PipelineRunner, PipelineStepResult
@@ -72,8 +72,7 @@ class StagePlacement:
         parts = pipeline_parts(module)
         layer_to_block = list(holder.layer_to_block)
         cut = StageCut(self.world_size, self.pipeline_parallel, self.stages_per_rank, len(layer_to_block))
-        check_local_sharing(layer_to_block, cut)
-        check_micro_batches(self.schedule, self.micro_batches, self.pipeline_parallel)
+        check_local_sharing(layer_to_block, cut)  # again after delinking (the strategy checked it at setup)
         self.cut, self.parts = cut, parts
         stages = self.stages
         embed, head = list(parts.embed_modules), _with_tied(holder, list(parts.head_modules))
