@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-from ..protocols import ComputesTokenLoss, ParallelPlan
+from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
 from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
 from .materialize import Initializer, allocate, has_meta_tensors
@@ -84,7 +84,7 @@ def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshe
     plan = model_plan(holder)
     output = [holder.get_submodule(name) for name, kind in plan.outside.items() if kind == "output"]
     # A pipeline rank without the output layer (a stand-in) never computes the loss.
-    vocab = output[0].weight.shape[0] if output and hasattr(output[0], "weight") else None
+    vocab = output[0].weight.shape[0] if output and isinstance(output[0], HoldsWeight) else None
     loss_parallel = meshes.dims.tensor_parallel > 1 and vocab is not None and isinstance(module, ComputesTokenLoss)
     parallelize_model(holder, plan, meshes, loss_parallel=loss_parallel,
                       sequence_parallel=ctx.parallel.sequence_parallel)

@@ -36,8 +36,7 @@ from ..layout import (
     check_micro_batches,
     fsdp_mode_for,
 )
-from ..models.config import M6Config
-from ..protocols import InitializesByName
+from ..protocols import InitializesByName, ModelSizes, StatesSizes
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
 from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
@@ -275,11 +274,10 @@ class P2RStrategy(DDPStrategy):
         self._log_setup()
 
     def check_model_sizes(self, holder: nn.Module | None) -> None:
-        """The layout's rules against the model's sizes, before anything is placed: an M6 model (one with an
-        ``M6Config``) is checked whole here; another model by what the placement reads from it."""
-        config = getattr(holder, "config", None)
-        if isinstance(config, M6Config):
-            check_layout(self.layout, self.world_size, ModelShape.of(config),
+        """The layout's rules against the model's sizes, before anything is placed: a model that states them
+        (``StatesSizes``, an M6 model) is checked whole here; another model by what the placement reads from it."""
+        if isinstance(holder, StatesSizes) and isinstance(holder.config, ModelSizes):
+            check_layout(self.layout, self.world_size, ModelShape.of(holder.config),
                          accelerator=self.context().device.type != "cpu")
 
     def _check_batch_split(self, trainer: L.Trainer) -> None:

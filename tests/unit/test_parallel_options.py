@@ -174,3 +174,22 @@ def test_a_model_without_a_plan_or_with_a_wrong_one_is_refused_by_name() -> None
     with pytest.raises(ValueError, match="as an expert layer"):
         model_plan(Blocks(ParallelPlan(({"0": "expert"},), {})))
     assert model_plan(Blocks(ParallelPlan(({"0": "column"},), {}))).blocks == ({"0": "column"},)
+
+
+def test_the_strategy_checks_the_sizes_of_a_model_that_states_them_and_no_other() -> None:
+    from types import SimpleNamespace
+
+    from lightning_p2r import M6Config
+    from lightning_p2r.models import M6Transformer
+    from lightning_p2r.protocols import HoldsWeight, StatesSizes
+    from lightning_p2r.strategy.pipeline.stage import AbsentModule
+
+    strategy = _with_world_size(P2RStrategy(tensor_parallel=2), 2)
+    with torch.device("meta"):
+        odd_heads = M6Transformer(M6Config(vocab_size=64, max_seq_len=16, num_layers=2, dim=48, num_heads=3))
+    assert isinstance(odd_heads, StatesSizes)
+    with pytest.raises(ValueError, match="num_heads=3 must be divisible"):
+        strategy.check_model_sizes(odd_heads)
+    # A config without the sizes (a user's model): nothing to check here, placement reads what it needs.
+    strategy.check_model_sizes(SimpleNamespace(config=SimpleNamespace(num_heads=3)))
+    assert isinstance(torch.nn.Linear(2, 2), HoldsWeight) and not isinstance(AbsentModule(), HoldsWeight)

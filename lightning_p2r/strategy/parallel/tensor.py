@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ...models.moe import MoEOutput
-from ...protocols import ParallelPlan, SplitKind
+from ...protocols import HoldsWeight, ParallelPlan, SplitKind
 
 
 def _gather_logits_outside_training(tp_mesh: Any) -> Any:
@@ -133,9 +133,10 @@ def _tied_weights(holder: nn.Module, names: dict[str, SplitKind]) -> list[tuple[
     owner: dict[int, str] = {}
     pairs = []
     for name in names:
-        weight = getattr(holder.get_submodule(name), "weight", None)
-        if weight is None:
+        module = holder.get_submodule(name)
+        if not isinstance(module, HoldsWeight):
             continue
+        weight = module.weight
         if id(weight) in owner:
             pairs.append((owner[id(weight)], name))
         else:
