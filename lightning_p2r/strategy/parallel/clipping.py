@@ -66,7 +66,11 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
     where = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     local = torch.zeros((), dtype=torch.float64, device=where)
     for (_, held), parts in groups.items():
-        norm = get_total_norm(parts, norm_type).to(where, torch.float64)
+        # A low-precision gradient's own norm is reduced into fp32 first (torch's fused norm would round it to the
+        # gradient's dtype, bf16's 3 digits); the group norms are summed in fp64.
+        wide = [part if part.dtype.itemsize >= 4 else torch.linalg.vector_norm(part, norm_type, dtype=torch.float32)
+                for part in parts]
+        norm = get_total_norm(wide, norm_type).to(where, torch.float64)
         local = torch.maximum(local, norm) if inf else local + norm.pow(norm_type) / held
     if distributed:
         dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
