@@ -123,5 +123,3 @@ class ParallelDims:
         pipeline = f"pipeline {self.pipeline_parallel} x " if self.pipeline_parallel > 1 else ""
         return (f"mesh: {self.world_size} ranks = {pipeline}data {self.data_parallel} (of which expert "
                 f"{self.expert_parallel} x expert-data {self.expert_data_parallel}) x tensor {self.tensor_parallel}")
-
-

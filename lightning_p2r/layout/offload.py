@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .names import _UNITS
+from .names import _UNITS, OFFLOAD_STATES
 
 
 def spread(count: int, num_blocks: int) -> tuple[int, ...]:
@@ -64,8 +64,8 @@ def check_offload_options(*, offload_fraction: float | None, offload_blocks: Seq
             raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")
     if isinstance(device_memory_budget, str):
         parse_bytes(device_memory_budget, total=1)  # syntax check now; the percentage base comes at setup
-    states = set(offload_states or ["params", "grads", "optimizer"])
-    unknown = states - {"params", "grads", "optimizer"}
+    states = set(offload_states or OFFLOAD_STATES)
+    unknown = states - set(OFFLOAD_STATES)
     if unknown or not {"grads", "optimizer"} <= states:
         raise ValueError(
             "P2RStrategy.offload_states must include 'grads' and 'optimizer' (an offloaded block's optimizer "
@@ -173,5 +173,3 @@ def check_fsdp_offload_states(offload_states: set[str]) -> None:
         raise ValueError(
             "P2RStrategy: with sharding zero2/zero3, or offloading across processes, an offloaded block keeps its "
             "parameter shard in host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
-
-

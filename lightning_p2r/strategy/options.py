@@ -19,6 +19,7 @@ from ..layout import (
     SHARDINGS,
     Accumulation,
     Layout,
+    OffloadState,
     PipelineSchedule,
     Sharding,
     check_accumulation_options,
@@ -27,8 +28,6 @@ from ..layout import (
     check_offload_options,
     check_parallel_options,
 )
-
-OffloadState = Literal["params", "grads", "optimizer"]
 
 
 @dataclass(frozen=True)

@@ -165,5 +165,3 @@ def _reshard_blocks(stage_module: nn.Module) -> None:
     for block in stage_module.owned:
         for unit in fsdp_modules(block):
             unit.reshard()
-
-

@@ -40,12 +40,6 @@ def device_total_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-
-
-
-
-
-
 def plan_for_model(model: nn.Module, blocks: nn.ModuleList, device: torch.device, *,
                    offload_fraction: float | None, offload_blocks: list[int] | None,
                    device_memory_budget: int | str | None, activation_allowance: int | str,

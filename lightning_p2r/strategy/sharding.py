@@ -170,7 +170,3 @@ def reshard_all(module: nn.Module, runner: nn.Module | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------- accounting
-
-
-
-

@@ -50,6 +50,9 @@ class StagePlacement:
         """The pipeline's process group (the "pp" dimension of the mesh)."""
         self.cut: StageCut | None = None
         self.parts: PipelineParts | None = None
+        self._embed: list[nn.Module] = []
+        self._head: list[nn.Module] = []
+        """The modules the first and last stages hold besides their blocks (set where the model is cut)."""
         self.stage_modules: list[PipelineStageModule] = []
         self.runner: PipelineRunner | None = None
         self.params: list[nn.Parameter] = []
