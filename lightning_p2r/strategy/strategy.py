@@ -40,7 +40,7 @@ from ..protocols import InitializesByName, ModelSizes, StatesSizes
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
 from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
-from .engines import Engine, EngineContext, engine_for
+from .engines import Engine, EngineContext, Placed, engine_for
 from .engines.base import Weights, holder_of
 from .materialize import check_no_meta_buffers, has_meta_tensors
 from .offload import OffloadEngine, OffloadStats
@@ -259,19 +259,19 @@ class P2RStrategy(DDPStrategy):
         self._share_init_seed()
         weights, self._deferred_weights = self._deferred_weights, None
         if self.engine.wraps_ddp:
-            self.engine.place(module, self.context(weights))
+            placed = self.engine.place(module, self.context(weights))
             super().setup(trainer)  # Lightning's DDP: to the device, wrapped, optimizers (see setup_optimizers)
         else:
             self.accelerator.setup(trainer)
             self.model = self.precision_plugin.convert_module(self.model)
-            self.engine.place(module, self.context(weights))
+            placed = self.engine.place(module, self.context(weights))
             if trainer.state.fn == TrainerFn.FITTING:
                 self.setup_optimizers(trainer)
             self.setup_precision_plugin()
-        self.plan = self.engine.plan
+        self.plan = placed.plan
         self._use_layout_clipping()
         self.steps = self.engine.step_runner(module, self.precision_plugin, self._counter)
-        self._log_setup()
+        self._log_setup(placed)
 
     def check_model_sizes(self, holder: nn.Module | None) -> None:
         """The layout's rules against the model's sizes, before anything is placed: a model that states them
@@ -318,14 +318,10 @@ class P2RStrategy(DDPStrategy):
             return super().distributed_sampler_kwargs
         return {"num_replicas": ranks[0], "rank": ranks[1]}
 
-    def _log_setup(self) -> None:
-        for line in self.engine.describe():
+    def _log_setup(self, placed: Placed) -> None:
+        for line in placed.log:
             rank_zero_info(line)
-        holder = self.holder_or_none()
-        if holder is None:
-            rank_zero_info(f"P2RStrategy: engine {self.path}, sharding {self.sharding} on {self.world_size} "
-                           "process(es)")
-            return
+        holder = self.holder()  # placement found it
         budget = None
         if self.device_memory_budget is not None:
             budget = parse_bytes(self.device_memory_budget, total=device_total_memory(self.root_device))
@@ -454,13 +450,13 @@ class P2RStrategy(DDPStrategy):
         """Delink the model where it lives and re-place the new blocks (the engine decides how); returns the
         optimizer over the new parameters. The caller (the ``PseudoToReal`` callback) rebinds the learning-rate
         schedulers to it: it is their one owner after delinking."""
-        new_optimizer = self.engine.delink(pl_module, unwrapped(optimizer), self.context(), num_unique_blocks,
-                                           optimizer_state, perturb)
+        new_optimizer, placed = self.engine.delink(pl_module, unwrapped(optimizer), self.context(), num_unique_blocks,
+                                                   optimizer_state, perturb)
         if self.engine.wraps_ddp:  # DDP's reducer would silently skip the new parameters
             self.model = pl_module
             self.configure_ddp()
         self.optimizers = [new_optimizer]
-        self.plan = self.engine.plan
+        self.plan = placed.plan
         return new_optimizer
 
     # ----------------------------------------------------------------------------------------- checkpoints

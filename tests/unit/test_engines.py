@@ -41,8 +41,8 @@ def test_the_local_engine_places_a_meta_model_and_returns_its_plan() -> None:
     with torch.device("meta"):
         model = M6Transformer(CONFIG)
     engine = LocalEngine()
-    engine.place(model, context(offload=OffloadConfig(offload_fraction=0.5)))
-    assert engine.plan.offloaded == (1, 3)  # the rulebook's spread: the last block among them
+    placed = engine.place(model, context(offload=OffloadConfig(offload_fraction=0.5)))
+    assert placed.plan.offloaded == (1, 3)  # the rulebook's spread: the last block among them
     assert not any(p.is_meta for p in model.parameters())
     assert engine.offload_streamer() is not None
     assert not hasattr(engine, "strategy")

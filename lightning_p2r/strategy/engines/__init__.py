@@ -8,7 +8,7 @@ replicated layouts across processes, tensor / expert parallelism, pipeline stage
 
 from __future__ import annotations
 
-from .base import Engine, EngineContext
+from .base import Engine, EngineContext, Placed
 from .ddp import DDPEngine
 from .fsdp2 import FSDP2Engine
 from .local import LocalEngine
@@ -23,4 +23,4 @@ def engine_for(path: str) -> Engine:
     return FSDP2Engine(path)
 
 
-__all__ = ["DDPEngine", "Engine", "EngineContext", "FSDP2Engine", "LocalEngine", "engine_for"]
+__all__ = ["DDPEngine", "Engine", "EngineContext", "FSDP2Engine", "LocalEngine", "Placed", "engine_for"]

@@ -80,6 +80,15 @@ class EngineContext:
                               activation_allowance=o.activation_allowance, prefetch=o.prefetch)
 
 
+@dataclass(frozen=True)
+class Placed:
+    """What a placement made (``Engine.place`` returns it, and delinking when it places anew): the offload plan (None
+    where no block can be offloaded: DDP) and the lines the setup log shows about the layout."""
+
+    plan: OffloadPlan | None = None
+    log: tuple[str, ...] = ()
+
+
 def holder_of(module: nn.Module) -> nn.Module:
     """The module that holds the block sequence (``blocks`` and ``layer_to_block``)."""
     try:
@@ -104,9 +113,8 @@ class Engine:
     """Whether checkpoints are torch distributed checkpoints written by every rank (else Lightning's single file)."""
 
     def __init__(self) -> None:
-        self.plan: OffloadPlan | None = None
         self.ctx: EngineContext | None = None
-        """The context of the latest placement."""
+        """The context of the latest placement (without the checkpoint's weights)."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
@@ -116,9 +124,9 @@ class Engine:
     def setup_environment(self, ctx: EngineContext) -> None:
         """After the process group exists: build the device meshes and groups this engine needs."""
 
-    def place(self, module: nn.Module, ctx: EngineContext) -> None:
+    def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
         """Materialize ``module`` (maybe on the meta device) where the layout puts each tensor and write
-        ``ctx.weights`` or initial values into it; sets ``self.plan``."""
+        ``ctx.weights`` or initial values into it."""
         raise NotImplementedError
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
@@ -175,16 +183,12 @@ class Engine:
         gradient. None: torch's own clipping is right for this layout."""
         return None
 
-    def describe(self) -> list[str]:
-        """Lines for the setup log beyond the offload summary."""
-        return []
-
     # ------------------------------------------------------------------------------------------ delinking
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
-               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
-        """Delink the model in place, re-place the new blocks and return the optimizer over the new parameters
-        (the caller rebinds the LR schedulers to it)."""
+               perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
+        """Delink the model in place and re-place the new blocks; returns the optimizer over the new parameters (the
+        caller rebinds the LR schedulers to it) and what is placed now."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------------------------------- checkpoints

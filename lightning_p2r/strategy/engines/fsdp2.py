@@ -27,7 +27,7 @@ from ..regather import delinked_plain_copy, release_model_state, replace_submodu
 from ..replicated_zero import ZeroOneOptimizer, partition_optimizer_states
 from ..sharding import FSDPEvents, fsdp_modules, reshard_all
 from ..steps import PipelinedSteps, StepRunner
-from .base import Engine, EngineContext, holder_of
+from .base import Engine, EngineContext, Placed, holder_of
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
@@ -83,7 +83,7 @@ class FSDP2Engine(Engine):
                                          schedule=p.pipeline_schedule, micro_batches=a.micro_batches,
                                          recompute=a.recompute, group=meshes.dense["pp"].get_group())
 
-    def place(self, module: nn.Module, ctx: EngineContext, *, move_module: bool = True) -> None:
+    def place(self, module: nn.Module, ctx: EngineContext, *, move_module: bool = True) -> Placed:
         if self.stages is not None and ctx.gradient_scaler:
             raise ValueError("P2RStrategy(pipeline_parallel > 1) with precision='16-mixed': the pipeline's schedule "
                              "runs the backward itself, where a gradient scaler cannot scale the loss; use "
@@ -91,7 +91,6 @@ class FSDP2Engine(Engine):
         self.ctx = ctx.without_weights()
         self._holder = holder_of(module)
         self.placement = place(module, ctx, self.meshes, self.stages, move_module=move_module)
-        self.plan = self.placement.plan
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         if self.stages is not None:
@@ -100,6 +99,8 @@ class FSDP2Engine(Engine):
             # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed
             # in teardown; the strategy's training step calls the stages directly).
             holder.forward = self.stages.forward
+        log = ["P2RStrategy " + self.meshes.dims.describe()] if self.meshes.dims.model_parallel else []
+        return Placed(self.placement.plan, tuple(log + ([self.stages.describe()] if self.stages is not None else [])))
 
     def teardown(self, module: nn.Module | None) -> None:
         if self.stages is not None and module is not None:
@@ -157,7 +158,7 @@ class FSDP2Engine(Engine):
             yield
             return
         holder = holder_of(module)
-        offloaded = {id(m) for i in self.plan.offloaded for m in holder.blocks[i].modules()}
+        offloaded = {id(m) for i in self.placement.plan.offloaded for m in holder.blocks[i].modules()}
         units = [u for u in fsdp_modules(module) if id(u) not in offloaded]
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
@@ -191,18 +192,10 @@ class FSDP2Engine(Engine):
             return self.stages.copies(whole)
         return ranks_holding(whole.grad)
 
-    def describe(self) -> list[str]:
-        lines = []
-        if self.path != "fsdp" and self.meshes.dims.model_parallel:
-            lines.append("P2RStrategy " + self.meshes.dims.describe())
-        if self.stages is not None:
-            lines.append(self.stages.describe())
-        return lines
-
     # --------------------------------------------------------------------------------------------- delinking
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
-               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
+               perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
         """FSDP2 cannot change the modules it manages, so this rank's part of the model is gathered into a plain
         host copy (tensor by tensor), delinked there like any other model (the copies of a shared block start from
         this rank's replica, equal on every rank), and the copy replaces the sharded one and is placed afresh (a new
@@ -227,11 +220,11 @@ class FSDP2Engine(Engine):
         if self.stages is not None:
             self.stages.clear()
         del root, whole_optimizer
-        self.place(module, ctx, move_module=False)
+        placed = self.place(module, ctx, move_module=False)
         if self.stages is not None:  # this rank keeps only its own blocks' parameters
             live = {name for name, _ in plain.named_parameters()}
             plain_optimizer = _only_parameters(plain_optimizer, {pid for pid, n in names.items() if n in live})
-        return self.adapt_optimizers([shard_optimizer(plain_optimizer, names, plain)], module)[0]
+        return self.adapt_optimizers([shard_optimizer(plain_optimizer, names, plain)], module)[0], placed
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module,

@@ -21,7 +21,7 @@ from ..split_optimizer import (
     device_optimizer_state_bytes,
     split_single_optimizer,
 )
-from .base import Engine, EngineContext, holder_of
+from .base import Engine, EngineContext, Placed, holder_of
 
 
 class LocalEngine(Engine):
@@ -42,13 +42,13 @@ class LocalEngine(Engine):
         self.streaming = None  # release_to_host gave every offloaded parameter its values back
         self.optimizer = None
 
-    def place(self, module: nn.Module, ctx: EngineContext) -> None:
+    def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
         """Plan (from the shapes alone: the model may still be on the meta device), materialize offloaded blocks
         straight into host memory, where the streaming engine keeps them as its masters, and the rest on the
         device."""
         self.ctx = ctx.without_weights()
         holder = holder_of(module)
-        self.plan = plan = ctx.offload_plan(module, holder.blocks)
+        plan = ctx.offload_plan(module, holder.blocks)
         lazy = has_meta_tensors(module)
         initializer = Initializer(module, holder) if lazy else None
         fill = lazy and ctx.weights is None
@@ -70,6 +70,7 @@ class LocalEngine(Engine):
             self.load_weights(module, *ctx.weights)
         self.streaming.on_block_grads_ready = self._on_block_grads_ready
         self._resident_model_bytes = resident_model_bytes(module, holder.blocks, self.streaming.blocks)
+        return Placed(plan)
 
     # --------------------------------------------------------------------------------------------- optimizer
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
@@ -117,7 +118,7 @@ class LocalEngine(Engine):
     # --------------------------------------------------------------------------------------------- delinking
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
-               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
+               perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
         """Delink with the whole model in host memory, then re-plan and re-offload: the real model may not fit
         on the device (that is why it was trained pseudo first), so the copies are made on the host and only the
         blocks the new plan keeps resident move back."""
@@ -125,8 +126,8 @@ class LocalEngine(Engine):
         self.streaming = None
         new_optimizer = delink(module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state,
                                perturb=perturb)
-        self.place(module, ctx)
-        return self._split([new_optimizer], carry_state_from=new_optimizer)
+        placed = self.place(module, ctx)
+        return self._split([new_optimizer], carry_state_from=new_optimizer), placed
 
     # ------------------------------------------------------------------------------------------- checkpoints
     # The module's own state_dict()/load_state_dict() read and write the host masters (the streaming engine's
