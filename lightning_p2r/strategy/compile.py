@@ -92,21 +92,17 @@ def _settled(value: Any) -> Any:
     return value.clone() if isinstance(value, AsyncCollectiveTensor) else value
 
 
-def compile_blocks(blocks: nn.ModuleList, indices: Iterable[int] | None = None, *,
-                   backend: str = DEFAULT_BACKEND) -> None:
-    """Compile the forward of ``blocks[i]`` for each i of ``indices`` (all blocks by default). A block compiled
-    already (placed again after delinking) is left as it is."""
+def apply_compile(option: bool | str, blocks: nn.ModuleList, indices: Iterable[int] | None = None) -> None:
+    """Compile the forward of ``blocks[i]`` for each i of ``indices`` (all blocks by default) as the ``compile``
+    option says (nothing when it is False). A block compiled already (placed again after delinking) is left as it
+    is."""
+    backend = backend_of(option)
+    if backend is None:
+        return
     for index in range(len(blocks)) if indices is None else indices:
         block = blocks[index]
         if not isinstance(block, CompiledForward):
             block.__class__ = compiled_class(type(block), backend)
-
-
-def apply_compile(option: bool | str, blocks: nn.ModuleList, indices: Iterable[int] | None = None) -> None:
-    """Compile the blocks as the ``compile`` option says (nothing when it is False)."""
-    backend = backend_of(option)
-    if backend is not None:
-        compile_blocks(blocks, indices, backend=backend)
 
 
 def is_compiled(block: nn.Module) -> bool:

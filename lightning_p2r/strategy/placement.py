@@ -17,7 +17,6 @@ Every FSDP2 call of the package is here: one for units, one for roots.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
@@ -31,7 +30,7 @@ from .parallel import ParallelMeshes, parallelize_model
 from .parallel.loss import VocabParallelCrossEntropy
 from .parallel.parallelize import model_plan
 from .pipeline.placement import StagePlacement
-from .plan import OffloadPlan
+from .plan import OffloadPlan, plan_for_model
 from .regather import meta_template
 from .sharding import StageRunner, fsdp_modules, modules_outside_blocks, smallest_parameter_root
 
@@ -62,22 +61,6 @@ def shard_root(root: nn.Module, mesh: object) -> None:
     fully_shard(root, mesh=mesh, reshard_after_forward=False)
 
 
-def offload_plan(ctx: EngineContext, module: nn.Module, holder: nn.Module, mine: set[int]) -> OffloadPlan:
-    """The offload options applied to this rank's blocks ``mine`` (a fraction or a budget is this rank's share;
-    ``offload_blocks`` names blocks by their index in the model)."""
-    if len(mine) == len(holder.blocks):
-        return ctx.offload_plan(module, holder.blocks)
-    own = sorted(mine)
-    chosen = ctx.offload.offload_blocks
-    local_ctx = ctx if chosen is None else _with_offload_blocks(ctx, [own.index(i) for i in chosen if i in mine])
-    local = local_ctx.offload_plan(module, nn.ModuleList([holder.blocks[i] for i in own]))
-    return OffloadPlan(len(holder.blocks), tuple(own[i] for i in local.offloaded))
-
-
-def _with_offload_blocks(ctx: EngineContext, blocks: list[int]) -> EngineContext:
-    return dataclasses.replace(ctx, offload=dataclasses.replace(ctx.offload, offload_blocks=blocks))
-
-
 def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshes, ctx: EngineContext) -> ParallelPlan:
     """Split the model over the tensor and expert dimensions as it declares (works on the meta device). A module
     that takes its training loss from ``token_loss`` gets the vocabulary-parallel one (the logits stay split)."""
@@ -98,9 +81,10 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     """Place ``module`` (on the meta device, or eager after delinking) in the order of the module docstring."""
     holder = holder_of(module)
     # 1. stage parts
-    mine = stages.keep_own(module, holder) if stages is not None else set(range(len(holder.blocks)))
+    mine = stages.keep_own(module, holder) if stages is not None else None
+    own = sorted(mine) if mine is not None else range(len(holder.blocks))
     # 2. offload plan
-    plan = offload_plan(ctx, module, holder, mine)
+    plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload, mine)
     root = smallest_parameter_root(module)
     placement = Placement(plan, root, meta_template(root))
     # 3. the model's tensor / expert plan
@@ -111,10 +95,10 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     # 4. recompute
     stage_modules = stages.build_stage_modules(holder) if stages is not None else []
     # 5. compile
-    apply_compile(ctx.accumulation.compile, holder.blocks, sorted(mine))
+    apply_compile(ctx.accumulation.compile, holder.blocks, own)
     # 6. FSDP2: units, then roots
     reshard = ctx.layout.resharding
-    for index in sorted(mine):
+    for index in own:
         offloaded = index in plan.offloaded
         if split is not None:  # the expert weights first: their own unit, over the ranks holding them
             for layer in split.expert_layers(holder, [index]):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -92,6 +93,19 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, target_of: Callable[[torch
                 result.state[target] = {key: convert(value, target) if isinstance(value, torch.Tensor) else value
                                         for key, value in sorted(state.items())}
     return result
+
+
+def optimizer_subset(optimizer: torch.optim.Optimizer, kept: list[tuple[int, list[Any]]]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over some of its parameters (``kept``: group index, parameters), with
+    their state and their groups' settings."""
+    groups = [{k: v for k, v in optimizer.param_groups[i].items() if k != "params"} | {"params": params}
+              for i, params in kept]
+    subset = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
+    for _, params in kept:
+        for param in params:
+            if param in optimizer.state:
+                subset.state[param] = optimizer.state[param]
+    return subset
 
 
 def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,

@@ -22,12 +22,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..sharing import optimizer_constructor_kwargs
-from .regather import remap_optimizer
+from .accounting import local_tensor
+from .regather import optimizer_subset, remap_optimizer
 from .sharding import consolidated_state_dict, zero_redundancy_optimizer
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class ZeroOneOptimizer:
@@ -41,7 +38,7 @@ class ZeroOneOptimizer:
     def link_grads(self) -> None:
         """Point each view's gradient at the reduced DTensor gradient's local tensor (no copy)."""
         for param, view in zip(self.whole_params, self.views):
-            view.grad = None if param.grad is None else _local(param.grad)
+            view.grad = None if param.grad is None else local_tensor(param.grad)
 
     def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Take the whole state and settings of ``optimizer``, an optimizer over the module's parameters."""
@@ -68,8 +65,8 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
         engine builds it on FSDP2's replicate layout only (``fsdp_mode_for("zero1")``), over the data ranks of one
         tensor-parallel position."""
         whole = [p for group in optimizer.param_groups for p in group["params"]]
-        views = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in whole}
-        plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: _local(value))
+        views = {id(p): nn.Parameter(local_tensor(p).detach(), requires_grad=p.requires_grad) for p in whole}
+        plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: local_tensor(value))
         zero = zero_redundancy_optimizer(plain, cls=cls, process_group=process_group)
         zero.zero_group = process_group
         zero.whole_params = whole
@@ -89,7 +86,7 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
         """Take the whole state and the group settings (learning rates included) of ``optimizer``, an optimizer over
         the DTensor parameters in the same group order."""
         index = {id(p): i for i, p in enumerate(self.whole_params)}
-        state = {index[id(p)]: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        state = {index[id(p)]: {k: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for p, s in optimizer.state.items()}
         groups, start = [], 0
         for group in optimizer.param_groups:
@@ -179,7 +176,7 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
             kept = [(i, params) for i, params in kept if params]
             if not kept:
                 continue
-            subset = _subset(optimizer, kept)
+            subset = optimizer_subset(optimizer, kept)
             parts.append(ReplicatedZeroOptimizer.wrap(subset, group))
             slots.append([i for i, _ in kept])
         zero = cls.__new__(cls)
@@ -218,7 +215,7 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
         for part, slot in zip(self.parts, self.slots):
             mine = {id(p) for p in part.whole_params}
             kept = [(i, [p for p in optimizer.param_groups[i]["params"] if id(p) in mine]) for i in slot]
-            part.load_whole_state(_subset(optimizer, kept))
+            part.load_whole_state(optimizer_subset(optimizer, kept))
 
     def to_module_optimizer(self) -> torch.optim.Optimizer:
         """One plain optimizer over the module's parameters in the user's groups and order, with the whole state
@@ -235,16 +232,3 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
             for param, state in plain.state.items():
                 result.state[param] = state
         return result
-
-
-def _subset(optimizer: torch.optim.Optimizer, kept: list[tuple[int, list[Any]]]) -> torch.optim.Optimizer:
-    """An optimizer of ``optimizer``'s class over some of its parameters (``kept``: group index, parameters), with
-    their state and their groups' settings."""
-    groups = [{k: v for k, v in optimizer.param_groups[i].items() if k != "params"} | {"params": params}
-              for i, params in kept]
-    subset = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-    for _, params in kept:
-        for param in params:
-            if param in optimizer.state:
-                subset.state[param] = optimizer.state[param]
-    return subset

@@ -22,10 +22,9 @@ from ...sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
 from .. import checkpoint as sharded_checkpoint
 from ..compile import check_compile
 from ..layered import BlockEvents
-from ..materialize import Initializer, allocate
 from ..optimizers import optimizer_state_to
 from ..options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig, layout_of
-from ..plan import OffloadPlan, plan_for_model
+from ..plan import OffloadPlan
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
@@ -71,13 +70,6 @@ class EngineContext:
         """This context as an engine keeps it after placing: the checkpoint's weights are written by then, and a
         whole state dict must not stay alive for the rest of the run."""
         return dataclasses.replace(self, weights=None)
-
-    def offload_plan(self, module: nn.Module, blocks: nn.ModuleList) -> OffloadPlan:
-        """The offload options applied to ``blocks`` of ``module`` (a fraction or budget is their share)."""
-        o = self.offload
-        return plan_for_model(module, blocks, self.device, offload_fraction=o.offload_fraction,
-                              offload_blocks=o.offload_blocks, device_memory_budget=o.device_memory_budget,
-                              activation_allowance=o.activation_allowance, prefetch=o.prefetch)
 
 
 @dataclass(frozen=True)
@@ -214,21 +206,3 @@ class Engine:
         else:
             optimizer.load_state_dict(checkpoint["optimizer_states"][index])
             optimizer_state_to(optimizer, device)
-
-    # --------------------------------------------------------------------------------------------- shared
-    def materialize_whole(self, module: nn.Module, ctx: EngineContext, device: torch.device) -> None:
-        """Allocate every meta tensor of ``module`` on ``device`` and fill it (initial values, or the checkpoint's
-        weights restored before setup)."""
-        initializer = Initializer(module, _holder_or_none(module))
-        params = allocate(module, device)
-        if ctx.weights is None:
-            initializer.fill(params)
-        else:
-            self.load_weights(module, *ctx.weights)
-
-
-def _holder_or_none(module: nn.Module) -> nn.Module | None:
-    try:
-        return find_block_sequence(module)
-    except ValueError:
-        return None

@@ -9,7 +9,7 @@ from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
 from ..compile import apply_compile
-from ..materialize import has_meta_tensors
+from ..materialize import Initializer, allocate, has_meta_tensors
 from ..sharding import consolidated_plain_optimizer, zero_redundancy_optimizer
 from .base import Engine, EngineContext, Placed, holder_of
 
@@ -20,11 +20,15 @@ class DDPEngine(Engine):
 
     def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
         self.ctx = ctx.without_weights()
-        if has_meta_tensors(module):
-            self.materialize_whole(module, ctx, ctx.device)  # every rank holds the whole model
-        elif ctx.weights is not None:
+        holder = holder_of(module)
+        if has_meta_tensors(module):  # every rank holds the whole model
+            initializer = Initializer(module, holder)
+            params = allocate(module, ctx.device)
+            if ctx.weights is None:
+                initializer.fill(params)
+        if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
-        apply_compile(ctx.accumulation.compile, holder_of(module).blocks)
+        apply_compile(ctx.accumulation.compile, holder.blocks)
         return Placed()
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],

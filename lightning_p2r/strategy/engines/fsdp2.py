@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ...layout import check_fsdp_offload_states, fsdp_mode_for
-from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
+from ...sharing import OptimizerStatePolicy, Perturbation
 from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
 from ..optimizers import unwrapped as unwrapped_optimizer
@@ -23,7 +23,7 @@ from ..parallel.clipping import ranks_holding
 from ..parallel.experts import ParallelExperts
 from ..pipeline.placement import StagePlacement
 from ..placement import Placement, place
-from ..regather import delinked_plain_copy, release_model_state, replace_submodule, shard_optimizer
+from ..regather import delinked_plain_copy, optimizer_subset, release_model_state, replace_submodule, shard_optimizer
 from ..replicated_zero import ZeroOneOptimizer, partition_optimizer_states
 from ..sharding import FSDPEvents, fsdp_modules, reshard_all
 from ..steps import PipelinedSteps, StepRunner
@@ -223,7 +223,9 @@ class FSDP2Engine(Engine):
         placed = self.place(module, ctx, move_module=False)
         if self.stages is not None:  # this rank keeps only its own blocks' parameters
             live = {name for name, _ in plain.named_parameters()}
-            plain_optimizer = _only_parameters(plain_optimizer, {pid for pid, n in names.items() if n in live})
+            kept = [(i, [p for p in g["params"] if names.get(id(p)) in live])
+                    for i, g in enumerate(plain_optimizer.param_groups)]
+            plain_optimizer = optimizer_subset(plain_optimizer, kept)
         return self.adapt_optimizers([shard_optimizer(plain_optimizer, names, plain)], module)[0], placed
 
     # ------------------------------------------------------------------------------------------- checkpoints
@@ -258,14 +260,3 @@ class FSDP2Engine(Engine):
             sharded_checkpoint.load_full_optimizer_state(module, target, checkpoint["optimizer_states"][index])
         if isinstance(optimizer, ZeroOneOptimizer):
             optimizer.load_whole_state(target)
-
-
-def _only_parameters(optimizer: torch.optim.Optimizer, keep: set[int]) -> torch.optim.Optimizer:
-    """``optimizer`` over the parameters in ``keep`` (by id) only, with their state."""
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [p for p in g["params"] if id(p) in keep]}
-              for g in optimizer.param_groups]
-    result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-    for param, state in optimizer.state.items():
-        if id(param) in keep:
-            result.state[param] = state
-    return result

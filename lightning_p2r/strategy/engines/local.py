@@ -10,11 +10,11 @@ from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
 from ..compile import apply_compile
-from ..host_state import blocks_prefix, resident_model_bytes
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate, has_meta_tensors
 from ..offload import EngineEvents, OffloadEngine
 from ..optimizers import optimizer_state_to
+from ..plan import plan_for_model
 from ..split_optimizer import (
     SplitOptimizer,
     detach_to_host,
@@ -48,7 +48,7 @@ class LocalEngine(Engine):
         device."""
         self.ctx = ctx.without_weights()
         holder = holder_of(module)
-        plan = ctx.offload_plan(module, holder.blocks)
+        plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload)
         lazy = has_meta_tensors(module)
         initializer = Initializer(module, holder) if lazy else None
         fill = lazy and ctx.weights is None
@@ -58,7 +58,7 @@ class LocalEngine(Engine):
                 if fill:
                     initializer.fill(params)
         self.streaming = OffloadEngine(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
-                                       pin_memory=ctx.pin_memory, param_prefix=blocks_prefix(module, holder),
+                                       pin_memory=ctx.pin_memory, param_prefix=_blocks_prefix(module, holder),
                                        offload_params="params" in ctx.offload.offload_states)
         if lazy:
             params = allocate(module, ctx.device)
@@ -69,7 +69,7 @@ class LocalEngine(Engine):
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         self.streaming.on_block_grads_ready = self._on_block_grads_ready
-        self._resident_model_bytes = resident_model_bytes(module, holder.blocks, self.streaming.blocks)
+        self._resident_model_bytes = _resident_bytes(module, holder.blocks, self.streaming.blocks)
         return Placed(plan)
 
     # --------------------------------------------------------------------------------------------- optimizer
@@ -143,3 +143,20 @@ class LocalEngine(Engine):
         else:
             super().load_optimizer_state(module, index, optimizer, checkpoint, sharded_path, device)
         self.update_static_bytes()
+
+
+def _blocks_prefix(module: nn.Module, holder: nn.Module) -> str:
+    """The state-dict prefix of ``holder``'s blocks inside ``module``: the streaming engine names its host masters
+    with it, so the module's own ``state_dict`` reads them under their usual names."""
+    for name, candidate in module.named_modules():
+        if candidate is holder:
+            return f"{name}.blocks." if name else "blocks."
+    raise ValueError("the block sequence is not part of the LightningModule")
+
+
+def _resident_bytes(module: nn.Module, blocks: nn.ModuleList, offloaded: Any) -> int:
+    """Device bytes of the parameters that never stream, with the gradients of the trainable ones (counted once:
+    they do not change size until the next placement)."""
+    streamed = {id(p) for index in offloaded for p in blocks[index].parameters()}
+    return sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in module.parameters()
+               if id(p) not in streamed)

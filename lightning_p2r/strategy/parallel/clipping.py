@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from ..accounting import local_tensor
+
 
 def ranks_holding(grad: torch.Tensor) -> int:
     """How many ranks hold the same local part of ``grad`` (all of them for a plain tensor)."""
@@ -56,7 +58,7 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
         grad = param.grad
         if grad is None:
             continue
-        part = (grad.to_local() if isinstance(grad, DTensor) else grad).detach()
+        part = local_tensor(grad).detach()
         if part.numel():
             held = 1 if inf else copies(param) if copies is not None else ranks_holding(grad)
             groups.setdefault((part.device, held), []).append(part)

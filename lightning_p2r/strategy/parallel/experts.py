@@ -28,11 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ...models.moe import Experts, MoEFeedForward, balance_loss_from_means, expert_mlps
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (the whole parameter when it is not distributed)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+from ..accounting import local_tensor
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:

@@ -20,13 +20,10 @@ from torch.distributed.tensor import DTensor
 
 from ...layout import BREADTH_FIRST, StageCut, block_holders, check_local_sharing
 from ...protocols import DefinesPipelineStages, PipelineParts
+from ..accounting import local_tensor
 from ..parallel.clipping import replicas_on_mesh
 from .runner import PipelineRunner, PipelineStepResult
 from .stage import PipelineStageModule, keep_only
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def pipeline_parts(module: nn.Module) -> PipelineParts:
@@ -169,7 +166,7 @@ class StagePlacement:
             param.grad = None
         self.runner.train_step(batch)
         for group, replicas in self._replicas:
-            sum_over(group, [_local(p.grad) for p in replicas if p.grad is not None])
+            sum_over(group, [local_tensor(p.grad) for p in replicas if p.grad is not None])
         with uncounted():  # metrics, not the training layout
             result = self.runner.gather_step()
         self._stashed = [(p, p.grad) for p in self.params]
