@@ -90,16 +90,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         check_parallel_options(Layout(**{f.name: getattr(self, f.name) for f in fields(self)}))
 
-    @property
-    def model_parallel(self) -> bool:
-        """Tensor or expert parallelism (the model_parallel engine)."""
-        return self.tensor_parallel > 1 or self.expert_parallel > 1
-
-    @property
-    def pipelined(self) -> bool:
-        """Pipeline parallelism (the pipeline engine)."""
-        return self.pipeline_parallel > 1
-
 
 @dataclass(frozen=True)
 class AccumulationConfig:
@@ -189,11 +179,6 @@ class OffloadConfig:
         # Stored resolved (all three by default), sorted so equal settings compare equal.
         object.__setattr__(self, "offload_states", sorted(states))
         check_bool("log_telemetry", self.log_telemetry)
-
-    @property
-    def offloading(self) -> bool:
-        """Whether the options ask for offload (a zero fraction or an empty block list do not)."""
-        return bool(self.offload_fraction or self.offload_blocks or self.device_memory_budget is not None)
 
 
 def layout_of(sharding: ShardingConfig, parallel: ParallelConfig, accumulation: AccumulationConfig,

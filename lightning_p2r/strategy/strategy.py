@@ -125,13 +125,13 @@ class P2RStrategy(DDPStrategy):
         self.accumulation_config = AccumulationConfig(accumulation=accumulation, micro_batches=micro_batches,
                                                       recompute=recompute, compile=compile,
                                                       reduce_every_micro_batch=reduce_every_micro_batch,
-                                                      pipelined=self.parallel_config.pipelined)
+                                                      pipelined=pipeline_parallel > 1)
         self.offload_config = OffloadConfig(
             offload_fraction=offload_fraction, offload_blocks=offload_blocks,
             device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
             offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
             overlap_host_step=overlap_host_step, log_telemetry=log_telemetry)
-        if self.parallel_config.pipelined:  # the one option rule across sections (each section checked itself)
+        if pipeline_parallel > 1:  # the one option rule across sections (each section checked itself)
             check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment,
@@ -179,11 +179,6 @@ class P2RStrategy(DDPStrategy):
     def streamer(self) -> OffloadEngine | None:
         """The streaming offload engine of a one-process job (None elsewhere, and after teardown)."""
         return self.engine.offload_streamer() if self.engine is not None else None
-
-    @property
-    def offloading(self) -> bool:
-        """Whether the options ask for offload (a zero fraction or an empty block list do not)."""
-        return self.offload_config.offloading
 
     @property
     def fsdp_mode(self) -> str:
@@ -281,7 +276,7 @@ class P2RStrategy(DDPStrategy):
                          accelerator=self.context().device.type != "cpu")
 
     def _check_batch_split(self, trainer: L.Trainer) -> None:
-        if self.accumulation != "layered" and not self.parallel_config.pipelined:
+        if self.accumulation != "layered" and self.pipeline_parallel == 1:
             return
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
