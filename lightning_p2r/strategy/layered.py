@@ -1,24 +1,16 @@
-"""Layered (breadth-first) gradient accumulation: a pure-torch executor for one optimizer step.
+"""Layered (breadth-first) gradient accumulation: a pure-torch executor for one optimizer step (Lamy-Poirier 2021,
+arXiv:2106.02679).
 
-Lamy-Poirier, "Layered gradient accumulation and modular pipeline parallelism: fast and efficient training of
-large language models" (2021, arXiv:2106.02679). Standard (depth-first) accumulation runs each micro-batch through
-every layer, forward then backward, so a block whose weights live elsewhere (offloaded to host memory, sharded
-across ranks) is fetched 2m times per step and its gradient reduced m times. Layered accumulation swaps the loops:
-forward runs every micro-batch through layer i before layer i + 1, backward every micro-batch through layer i
-before layer i - 1, so a strategy fetches each block once per direction and reduces its gradient once per step.
-The strategy moves the blocks through :class:`BlockEvents`; this module only orders the computation.
+Standard accumulation runs each micro-batch forward and backward through every layer, so a block whose weights live
+elsewhere (host memory, other ranks) is fetched 2m times per step and its gradient reduced m times. Layered
+accumulation swaps the loops: every micro-batch passes layer i before layer i + 1 (and, backward, i - 1), so the
+strategy (through :class:`BlockEvents`) fetches each block once per direction and reduces its gradient once.
 
-Only block-boundary activations are kept per micro-batch. Each layer's output is detached and handed to the next
-layer as a fresh leaf that requires grad, which cuts the step into one small autograd graph per (layer,
-micro-batch): each can be backpropagated, and freed, in the order the schedule wants, and its input leaf's
-``.grad`` is the gradient to feed to the layer below. The boundary is also the least state from which a layer's
-interior can be rebuilt, which is what recomputation needs.
-
-Memory trade-off: with ``recompute=False`` the interior activations of every layer and every micro-batch are
-alive when forward ends, m times those of one micro-batch (as much as a step on the whole batch without
-accumulation). With ``recompute=True`` forward keeps only the boundaries (``num_layers`` hidden states of the
-whole batch, as full activation checkpointing would) and backward re-runs one layer for one micro-batch at a time,
-at the cost of one more forward pass. The RNG state is restored for the re-run so dropout draws the same masks.
+Each layer's output is detached and handed on as a fresh leaf that requires grad: one small autograd graph per
+(layer, micro-batch), backpropagated and freed in the schedule's order, its input leaf's ``.grad`` feeding the layer
+below; the boundary is also all a recompute needs. Without ``recompute`` every layer's interior activations of every
+micro-batch are alive when forward ends (as for one step on the whole batch); with it forward keeps only the
+boundaries and backward re-runs one layer for one micro-batch at a time, under the RNG state of its first run.
 """
 
 from __future__ import annotations

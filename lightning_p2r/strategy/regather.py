@@ -1,13 +1,9 @@
 """Gather an FSDP2-sharded module and its optimizer into plain host copies, and shard optimizer state back.
 
-Delinking a zero2/zero3 model mid-training changes its structure (new blocks, new parameters), which FSDP2 cannot
-do to a module it already manages. So the strategy gathers the model into a plain copy on the host (one tensor at a
-time: at most one full parameter is ever assembled on the device), delinks the copy with the same pure function as
-every other path, shards the copy as it sharded the original, and builds the optimizer over the new shards.
-
-The plain copy is built from a *meta template*, a copy of the module's structure taken before sharding that holds
-no data, because an FSDP2 module cannot be copied (its class and hooks belong to FSDP2). Deep-copying the template
-with every meta tensor mapped to a real one keeps tied parameters tied.
+FSDP2 cannot change the structure of a module it manages, so delinking gathers the model into a plain host copy
+(one tensor at a time: at most one whole parameter on the device), delinks the copy like any other model and places
+it afresh. The copy is built from a *meta template* taken before sharding (an FSDP2 module cannot be copied); deep-
+copying it with every meta tensor mapped to a real one keeps tied parameters tied.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""ZeRO-1 where FSDP2 holds the model replicated: torch's ``ZeroRedundancyOptimizer`` over the ranks' whole tensors.
-
-Offload and layered accumulation across ranks run on FSDP2 (DDP's reducer cannot drive them). For ``sharding``
-"none" and "zero1" the model is laid out on a (ranks x 1) mesh, so every rank's local tensor of a parameter is the
-whole parameter and FSDP2 all-reduces the gradients. ZeRO-1 then only has to partition the optimizer states, which
-is what ``ZeroRedundancyOptimizer`` does, except that it cannot broadcast DTensors. So it runs over *views*: a
-plain parameter aliasing each DTensor's local storage. Each rank steps its partition in place and broadcasts it,
-which updates the DTensors' storage (and, for an offloaded unit, the host copy FSDP2 gathers from).
-
-Lightning and the checkpoint and delinking code see the module's own parameters elsewhere; they convert with
-:func:`to_module_optimizer` (a plain optimizer over the DTensor parameters with the whole state, collective) and
-:meth:`ReplicatedZeroOptimizer.load_whole_state`.
+"""ZeRO-1 where FSDP2 holds the model replicated (offload or layered accumulation across ranks, tensor / expert
+parallelism): torch's ``ZeroRedundancyOptimizer``, which cannot broadcast DTensors, runs over *views*, plain
+parameters aliasing each DTensor's local storage (the whole parameter, or its tensor-parallel part). Each rank steps
+its partition in place and broadcasts it, which updates the DTensors' storage (and an offloaded unit's host copy).
+Checkpoints and delinking convert from and to a plain optimizer over the module's parameters
+(:meth:`ZeroOneOptimizer.to_module_optimizer`, :meth:`ZeroOneOptimizer.load_whole_state`).
 """
 
 from __future__ import annotations

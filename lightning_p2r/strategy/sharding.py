@@ -1,16 +1,6 @@
-"""ZeRO stages on the engines users already run: DDP + ``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard``.
-
-Pure functions over modules and optimizers; the strategy decides when to call them.
-
-| stage | parameters | gradients | optimizer states | built on |
-|---|---|---|---|---|
-| ``none`` | replicated | replicated (all-reduce) | replicated | ``DistributedDataParallel`` |
-| ``zero1`` | replicated | replicated (all-reduce) | 1/N per rank | DDP + ``ZeroRedundancyOptimizer`` |
-| ``zero2`` | 1/N at rest, gathered forward to backward | 1/N (reduce-scatter) | 1/N | FSDP2, no reshard after fwd |
-| ``zero3`` | 1/N, gathered one block at a time | 1/N (reduce-scatter) | 1/N | FSDP2, reshard after fwd |
-
-FSDP2 shards each parameter along dim 0 across the ranks; an offloaded block's shard (parameters, gradients and
-optimizer states) lives in host memory through FSDP2's ``CPUOffloadPolicy``, so its optimizer step runs on the host.
+"""The data-parallel pieces the engines share (see docs/sharding.md for the ZeRO stages): ZeRO-1's
+``ZeroRedundancyOptimizer`` on DDP, and around FSDP2's units, the stage runner of layered accumulation, the
+events that gather and reduce each block once per step, and resharding.
 """
 
 from __future__ import annotations

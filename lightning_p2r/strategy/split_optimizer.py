@@ -1,15 +1,10 @@
 """One optimizer to Lightning, two places to step: the device for resident parameters, the host for offloaded ones.
 
-The user's ``configure_optimizers`` builds an ordinary optimizer over the module. ``SplitOptimizer`` takes its
-class, hyperparameters and groups and presents *canonical* parameter groups to Lightning, LR schedulers and
-gradient clipping: the same groups in the same order, where each offloaded parameter is replaced by its host
-master (whose ``.grad`` is the host gradient buffer). Underneath, one optimizer of the same class steps the
-resident parameters on the device, and one per offloaded block steps that block's host masters on the host
-(torch's fused CPU AdamW is ~5x the foreach one there). Hyperparameters (the LR a scheduler just set, say) are
-copied from the canonical groups before every step.
-
-``state_dict`` and ``load_state_dict`` use the canonical order, so a checkpoint is the same whatever the plan: it
-loads under a different offload plan, or without offloading.
+``SplitOptimizer`` presents Lightning, LR schedulers and clipping the user's optimizer's groups in their order, each
+offloaded parameter replaced by its host master (whose ``.grad`` is the host gradient buffer); underneath, one
+optimizer of the same class steps the resident parameters on the device and one per offloaded block its masters on
+the host (torch's fused CPU AdamW, ~5x the foreach one), with the groups' settings copied before every step. Its
+state dict is in that canonical order, so a checkpoint loads under another offload plan, or none.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Gradient-norm clipping over parameters placed on several device meshes.
 
-``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms, and DTensors on different meshes cannot be stacked:
-under tensor / expert parallelism the dense weights live on the (data, tensor) mesh, the experts on the (expert
-data, expert, tensor) mesh and the norms on the data mesh alone. (Reducing each mesh's norm through DTensor would
-work, but runs one all-reduce per mesh dimension in sequence.) Here each rank sums ``|g|^p`` over its local parts,
-divides each part by the number of ranks that hold the same part (the sizes of the mesh dimensions it is
-replicated over, times the slices of the world outside its mesh: a parameter kept on the data ranks only is
-repeated on every tensor-parallel slice), and a single all-reduce over all ranks gives the global sum.
-Every gradient is then scaled by the same factor, as on one process.
+``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms, and DTensors on different meshes (dense weights,
+experts, norms on the data ranks alone) cannot be stacked; reducing each mesh's norm through DTensor would run one
+all-reduce per mesh dimension in sequence. Here each rank sums ``|g|^p`` over its local parts, each divided by the
+number of ranks holding the same part, and one all-reduce over all ranks gives the global sum.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The device meshes of a tensor / expert / pipeline parallel job: which ranks hold which part of the model (the
-rank arithmetic itself, torch-free, is ``lightning_p2r.layout.ParallelDims``).
-
-Ranks are laid out ``(data, tensor)``, tensor-parallel ranks adjacent (on a multi-GPU node they share the fastest
-links, as Megatron-LM places them). Expert parallelism borrows ranks from the data dimension (DeepSpeed-MoE,
-torchtitan): the data dimension of size ``dp`` is read as ``(dp / ep, ep)``, so the ``ep`` ranks of one expert group
-see different batches and send each other the tokens routed to the experts they hold, and the ``dp / ep`` ranks
-with the same position in their expert groups hold the same experts (FSDP2 shards or replicates the experts over
-them, as it does the dense parameters over all ``dp`` ranks).
-
-Two meshes describe this, each made by ``init_device_mesh`` over the same ranks: the dense mesh
-``(data..., "tp")`` and the expert mesh ``(expert data..., "ep", "tp")``. A parameter's sharding (FSDP2) and its
-model-parallel placement (tensor / expert) must come from one mesh, and the two kinds of parameters are sharded
-over different data dimensions, hence two meshes rather than one with flattened dimensions.
+"""The two device meshes of a tensor / expert / pipeline parallel job (the rank arithmetic, torch-free, is
+``lightning_p2r.layout.ParallelDims``): the dense mesh ``(pp, data..., "tp")`` and the expert mesh
+``(pp, expert data..., "ep", "tp")``, both from ``init_device_mesh`` over the same ranks. A parameter's FSDP2 and
+model-parallel placements must come from one mesh, and the dense weights and the experts are sharded over different
+data dimensions: hence two meshes rather than one with flattened dimensions (docs/parallelism.md).
 """
 
 from __future__ import annotations
