@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from ..sharing import optimizer_constructor_kwargs
 from .accounting import local_tensor
+from .optimizers import regrouped
 from .regather import optimizer_subset, remap_optimizer
 from .sharding import consolidated_state_dict, zero_redundancy_optimizer
 
@@ -82,12 +83,7 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
         index = {id(p): i for i, p in enumerate(self.whole_params)}
         state = {index[id(p)]: {k: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for p, s in optimizer.state.items()}
-        groups, start = [], 0
-        for group in optimizer.param_groups:
-            size = len(group["params"])
-            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": list(range(start,
-                                                                                                   start + size))})
-            start += size
+        groups = regrouped(optimizer.param_groups)
         self.load_state_dict({"state": state, "param_groups": groups})
         self.group_extras = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(groups,
                                                                                                self.param_groups)]

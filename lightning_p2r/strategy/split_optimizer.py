@@ -22,7 +22,7 @@ from torch import nn
 from ..sharing import optimizer_constructor_kwargs
 from .accounting import local_bytes
 from .offload import OffloadEngine
-from .optimizers import optimizer_state_to
+from .optimizers import optimizer_state_to, regrouped
 
 # Group keys that choose an implementation rather than a hyperparameter: never copied between sides.
 _IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differentiable"})
@@ -229,13 +229,7 @@ class SplitOptimizer(torch.optim.Optimizer):
             optimizer = self._optimizer_of(slot)
             if optimizer is not None and param in optimizer.state and optimizer.state[param]:
                 state[slot] = dict(optimizer.state[param])
-        groups, start = [], 0
-        for group in self.param_groups:
-            count = len(group["params"])
-            indices = list(range(start, start + count))
-            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": indices})
-            start += count
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": regrouped(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]
@@ -269,13 +263,7 @@ class SplitOptimizer(torch.optim.Optimizer):
     def to_plain(self, params_by_slot: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """An ordinary optimizer of the original class over ``params_by_slot`` (the module's parameters in
         canonical order), carrying this optimizer's state and hyperparameters."""
-        groups, start = [], 0
-        for group in self.param_groups:
-            count = len(group["params"])
-            groups.append({k: v for k, v in group.items() if k != "params"}
-                          | {"params": params_by_slot[start:start + count]})
-            start += count
-        plain = self.optimizer_class(groups, **self._kwargs)
+        plain = self.optimizer_class(regrouped(self.param_groups, params_by_slot), **self._kwargs)
         plain.load_state_dict(self.state_dict())
         return plain
 

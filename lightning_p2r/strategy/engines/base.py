@@ -1,9 +1,8 @@
 """What an engine is given (:class:`EngineContext`) and what every engine offers the strategy (:class:`Engine`).
 
 An engine places a model for one kind of layout and runs the layout-dependent parts of a step. It never sees the
-strategy: ``P2RStrategy`` builds a context from its options and Lightning's state, hands the engine the module and
-the optimizers, and stores what the engine returns. Every Lightning call (``DDPStrategy``'s setup, wrapping, saving)
-is the strategy's. That keeps engines testable with a hand-made context and keeps Lightning in one file.
+strategy, which builds the context from its options and Lightning's state, stores what the engine returns and makes
+every Lightning call itself (``DDPStrategy``'s setup, wrapping, saving): engines are tested with a hand-made context.
 """
 
 from __future__ import annotations
@@ -96,7 +95,6 @@ class Engine:
     the whole model and nothing is sharded.
     """
 
-    name = "base"
     needs_process_group = True
     """Whether the strategy must start torch.distributed for this engine."""
     wraps_ddp = False

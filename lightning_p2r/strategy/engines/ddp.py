@@ -15,7 +15,6 @@ from .base import Engine, EngineContext, Placed, holder_of
 
 
 class DDPEngine(Engine):
-    name = "ddp"
     wraps_ddp = True
 
     def place(self, module: nn.Module, ctx: EngineContext) -> Placed:

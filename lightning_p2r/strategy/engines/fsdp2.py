@@ -39,7 +39,6 @@ class FSDP2Engine(Engine):
     """``path`` names the steps of the placement this job takes: "fsdp" (FSDP2 over all ranks), "model_parallel"
     (the model's tensor / expert plan first, FSDP2 over the data ranks) or "pipeline" (stages first)."""
 
-    name = "fsdp2"
     saves_sharded = True
 
     def __init__(self, path: str = "fsdp") -> None:

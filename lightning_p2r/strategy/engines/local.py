@@ -25,7 +25,6 @@ from .base import Engine, EngineContext, Placed, holder_of
 
 
 class LocalEngine(Engine):
-    name = "local"
     needs_process_group = False  # one process and nothing sharded
 
     def __init__(self) -> None:

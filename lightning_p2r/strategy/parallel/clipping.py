@@ -31,14 +31,6 @@ def ranks_holding(grad: torch.Tensor) -> int:
     return replicated * dist.get_world_size() // mesh.size()
 
 
-def replicas_on_mesh(grad: torch.Tensor) -> int:
-    """How many ranks of its own mesh hold the same local part of ``grad`` (1 for a plain tensor)."""
-    if not isinstance(grad, DTensor):
-        return 1
-    return math.prod(grad.device_mesh.size(i) for i, placement in enumerate(grad.placements)
-                     if isinstance(placement, Replicate))
-
-
 def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
                     copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
     """The ``norm_type`` norm of all the gradients of ``params`` together, the same on every rank (collective:

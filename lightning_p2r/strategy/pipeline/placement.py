@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from ...layout import BREADTH_FIRST, StageCut, block_holders, check_local_sharing
 from ...protocols import DefinesPipelineStages, PipelineParts
 from ..accounting import local_tensor
-from ..parallel.clipping import replicas_on_mesh
+from ..parallel.clipping import ranks_holding
 from .runner import PipelineRunner, PipelineStepResult
 from .stage import PipelineStageModule, keep_only
 
@@ -148,14 +148,11 @@ class StagePlacement:
         return self._holders_of.get(id(param), 1)
 
     def copies(self, whole: torch.Tensor) -> int:
-        """Ranks holding the same local part of ``whole``'s gradient: its mesh's replicas times its pipeline
-        replicas."""
+        """Ranks holding the same local part of ``whole``'s gradient: those within its pipeline (the other pipeline
+        slices of the world hold other stages) times its pipeline replicas."""
         grad = whole.grad
-        # A parameter on a sub-mesh of its stage (a norm weight on the data ranks only) is repeated on the stage's
-        # other tensor-parallel slices, which its placements do not show; the pipeline slices hold other stages.
-        slices = (self.world_size // grad.device_mesh.size() // self.pipeline_parallel
-                  if isinstance(grad, DTensor) else 1)
-        return replicas_on_mesh(grad) * slices * self.holders(whole)
+        within = ranks_holding(grad) // self.pipeline_parallel if isinstance(grad, DTensor) else 1
+        return within * self.holders(whole)
 
     # ---------------------------------------------------------------------------------------------- training
     def train_step(self, batch: torch.Tensor, uncounted: Any) -> PipelineStepResult:
