@@ -49,10 +49,13 @@ from .offload import (
     check_fsdp_offload_states,
     check_offload_options,
     device_bytes_needed,
+    format_bytes,
     offload_count,
     parse_bytes,
+    pin_memory_for,
     plan_for_budget,
     plan_offload,
+    plan_summary,
     spread,
 )
 from .rules import (
@@ -67,6 +70,8 @@ from .rules import (
     check_model,
     check_options,
     check_parallel_options,
+    check_trainer,
+    oversubscription_warning,
 )
 from .stages import StageCut, block_holders, bubble_fraction, check_local_sharing
 
@@ -107,14 +112,19 @@ __all__ = [
     "check_offload_options",
     "check_options",
     "check_parallel_options",
+    "check_trainer",
     "device_bytes_needed",
     "divisors",
+    "format_bytes",
     "fsdp_mode_for",
     "offload_count",
+    "oversubscription_warning",
     "parse_bytes",
+    "pin_memory_for",
     "placement_path",
     "plan_for_budget",
     "plan_offload",
+    "plan_summary",
     "resharding",
     "spread",
     "uses_fsdp",

@@ -173,3 +173,35 @@ def check_fsdp_offload_states(offload_states: set[str]) -> None:
         raise ValueError(
             "P2RStrategy: with sharding zero2/zero3, or offloading across processes, an offloaded block keeps its "
             "parameter shard in host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
+
+
+def pin_memory_for(pin_memory: bool | str, device_type: str) -> bool:
+    """Whether host buffers are page-locked: "auto" pins only on CUDA (CPU-only torch cannot pin)."""
+    if pin_memory == "auto":
+        return device_type == "cuda"
+    if pin_memory and device_type == "cpu":
+        raise ValueError("P2RStrategy(pin_memory=True) needs an accelerator: CPU-only torch cannot pin memory; "
+                         "use pin_memory='auto' or False")
+    return bool(pin_memory)
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes for a person: "512 B", "1.5 KiB" ... "2.0 TiB" (:func:`parse_bytes` reads them back)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def plan_summary(*, engine: str, sharding: str, world_size: int, plan: OffloadPlan, footprints: list[BlockFootprint],
+                 other_bytes: int, prefetch: int, budget: int | None) -> str:
+    """The one line P2RStrategy logs at setup: the engine, the layout, which blocks live in host memory, and the
+    model-state bytes the plan keeps on each rank's device against the budget (sharded layouts divide them by the
+    ranks: FSDP2's shards at rest)."""
+    device = device_bytes_needed(footprints, plan.offloaded, other_bytes, 0, prefetch)
+    device //= world_size if sharding in ("zero2", "zero3") else 1
+    limit = "no budget" if budget is None else f"budget {format_bytes(budget)}"
+    return (f"P2RStrategy: engine {engine}, sharding {sharding} on {world_size} process(es), offloaded blocks "
+            f"{list(plan.offloaded)} of {plan.num_blocks}, planned device model states {format_bytes(device)} per "
+            f"rank ({limit})")

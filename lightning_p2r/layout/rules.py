@@ -308,6 +308,31 @@ def check_batch(layout: Layout, sequences: int) -> None:
                          "per data-parallel rank")
 
 
+def check_trainer(layout: Layout, accumulate_grad_batches: int, batch_size: object = None) -> None:
+    """Where the strategy splits each batch itself (layered accumulation, pipelines), Lightning must not accumulate
+    too, and a batch size the data declares must split (other data is checked at its first batch)."""
+    if layout.accumulation != "layered" and not layout.pipelined:
+        return
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            f"P2RStrategy(micro_batches={layout.micro_batches}, accumulation={layout.accumulation!r}) splits each "
+            f"batch itself; set Trainer(accumulate_grad_batches=1), got {accumulate_grad_batches}")
+    if isinstance(batch_size, int) and batch_size % layout.micro_batches:
+        choices = [d for d in range(layout.pipeline_parallel, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(f"P2RStrategy(micro_batches={layout.micro_batches}) must divide the batch size, and the "
+                         f"data's batch_size is {batch_size}: choose micro_batches among {choices} or change "
+                         "data.batch_size")
+
+
+def oversubscription_warning(device_type: str, processes: int, cores: int) -> str | None:
+    """The warning for more CPU processes than cores on this node, or None."""
+    if device_type != "cpu" or processes <= cores:
+        return None
+    return (f"P2RStrategy: {processes} CPU processes on {cores} cores: each waits for the others at every "
+            f"collective, so steps slow down many times over. Use at most --trainer.devices={cores} (and "
+            "OMP_NUM_THREADS=1 per process) on this machine.")
+
+
 def check_layout(layout: Layout, devices: int | None = None, model: ModelShape | None = None,
                  sequences: int | None = None, *, accelerator: bool = True) -> None:
     """Every rule that applies to what is known: the options, and the devices, the model's sizes and the sequences

@@ -12,7 +12,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
-from ..layout import BlockFootprint, OffloadPlan, device_bytes_needed, parse_bytes, plan_offload, uses_fsdp
+from ..layout import BlockFootprint, OffloadPlan, parse_bytes, plan_offload
 from .options import OffloadConfig
 
 
@@ -59,34 +59,3 @@ def plan_for_model(model: nn.Module, blocks: nn.ModuleList, device: torch.device
         activation_bytes=parse_bytes(offload.activation_allowance, name="activation_allowance"),
         prefetch=offload.prefetch)
     return OffloadPlan(len(blocks), tuple(own[i] for i in local.offloaded))
-
-
-def resolve_pin_memory(pin_memory: bool | str, device: torch.device) -> bool:
-    """Whether host buffers are page-locked: "auto" pins only with an accelerator (CPU-only torch cannot pin)."""
-    if pin_memory == "auto":
-        return device.type == "cuda"
-    if pin_memory and device.type == "cpu":
-        raise ValueError("P2RStrategy(pin_memory=True) needs an accelerator: CPU-only torch cannot pin memory; "
-                         "use pin_memory='auto' or False")
-    return bool(pin_memory)
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(count) < 1024:
-            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
-        count /= 1024
-    return f"{count:.1f} TiB"
-
-
-def setup_summary(*, engine: str, sharding: str, world_size: int, plan: OffloadPlan, model: nn.Module,
-                  blocks: nn.ModuleList, prefetch: int, budget: int | None) -> str:
-    """The one line P2RStrategy logs at setup: which engine, which layout, which blocks live in host memory, and the
-    model-state bytes (parameters, gradients, AdamW states) the plan keeps on each rank's device, against the
-    budget. Sharded layouts divide the states by the ranks (FSDP2's shards at rest)."""
-    device = device_bytes_needed(block_footprints(blocks), plan.offloaded, outside_blocks_bytes(model, blocks), 0,
-                                 prefetch) // (world_size if uses_fsdp(sharding) else 1)
-    limit = "no budget" if budget is None else f"budget {format_bytes(budget)}"
-    return (f"P2RStrategy: engine {engine}, sharding {sharding} on {world_size} process(es), offloaded blocks "
-            f"{list(plan.offloaded)} of {plan.num_blocks}, planned device model states {format_bytes(device)} per "
-            f"rank ({limit})")

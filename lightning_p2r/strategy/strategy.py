@@ -34,7 +34,11 @@ from ..layout import (
     Sharding,
     check_layout,
     check_micro_batches,
+    check_trainer,
     fsdp_mode_for,
+    oversubscription_warning,
+    pin_memory_for,
+    plan_summary,
 )
 from ..protocols import InitializesByName, ModelSizes, StatesSizes
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
@@ -56,18 +60,9 @@ from .options import (
     layout_of,
 )
 from .parallel.clipping import clip_grad_norm_across_meshes
-from .plan import OffloadPlan, device_total_memory, parse_bytes, resolve_pin_memory, setup_summary
+from .plan import OffloadPlan, block_footprints, device_total_memory, outside_blocks_bytes, parse_bytes
 from .split_optimizer import host_step_overlap_allowed, release_to_host
 from .steps import StepRunner
-
-
-def oversubscription_warning(device_type: str, processes: int, cores: int) -> str | None:
-    """The warning for more CPU processes than cores on this node, or None."""
-    if device_type != "cpu" or processes <= cores:
-        return None
-    return (f"P2RStrategy: {processes} CPU processes on {cores} cores: each waits for the others at every "
-            f"collective, so steps slow down many times over. Use at most --trainer.devices={cores} (and "
-            "OMP_NUM_THREADS=1 per process) on this machine.")
 
 
 class P2RStrategy(DDPStrategy):
@@ -197,7 +192,7 @@ class P2RStrategy(DDPStrategy):
         return EngineContext(
             sharding=self.sharding_config, parallel=self.parallel_config, accumulation=self.accumulation_config,
             offload=self.offload_config, device=device, world_size=self.world_size,
-            global_rank=self.global_rank, pin_memory=resolve_pin_memory(self.pin_memory, device),
+            global_rank=self.global_rank, pin_memory=pin_memory_for(self.pin_memory, device.type),
             weights=weights, gradient_scaler=isinstance(self.precision_plugin, MixedPrecision)
             and self.precision_plugin.scaler is not None,
             host_step_allowed=self._host_step_allowed, uncounted=self.uncounted)
@@ -247,7 +242,8 @@ class P2RStrategy(DDPStrategy):
         warning = oversubscription_warning(self.root_device.type, self.num_processes, os.cpu_count() or 1)
         if warning:
             rank_zero_warn(warning)
-        self._check_batch_split(trainer)
+        # A data module that declares its batch size is checked now, before any work; other data at its first batch.
+        check_trainer(self.layout, trainer.accumulate_grad_batches, getattr(trainer.datamodule, "batch_size", None))
         module = self.lightning_module
         self.check_model_sizes(self.holder_or_none())
         check_no_meta_buffers(module)
@@ -274,24 +270,6 @@ class P2RStrategy(DDPStrategy):
         if isinstance(holder, StatesSizes) and isinstance(holder.config, ModelSizes):
             check_layout(self.layout, self.world_size, ModelShape.of(holder.config),
                          accelerator=self.context().device.type != "cpu")
-
-    def _check_batch_split(self, trainer: L.Trainer) -> None:
-        if self.accumulation != "layered" and self.pipeline_parallel == 1:
-            return
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"P2RStrategy(micro_batches={self.micro_batches}, accumulation={self.accumulation!r}) splits each "
-                f"batch itself; set Trainer(accumulate_grad_batches=1), got {trainer.accumulate_grad_batches}"
-            )
-        # A data module that declares its batch size is checked now, before any work; other data at the first
-        # batch (split_micro_batches).
-        batch_size = getattr(trainer.datamodule, "batch_size", None)
-        least = self.pipeline_parallel  # a pipeline needs at least one micro-batch per pipeline rank
-        if isinstance(batch_size, int) and batch_size % self.micro_batches:
-            raise ValueError(
-                f"P2RStrategy(micro_batches={self.micro_batches}) must divide the batch size, and the data's "
-                f"batch_size is {batch_size}: choose micro_batches among "
-                f"{[d for d in range(least, batch_size + 1) if batch_size % d == 0]} or change data.batch_size")
 
     def _use_layout_clipping(self) -> None:
         """Lightning clips through the precision plugin, which calls torch's clip_grad_norm_; that cannot combine
@@ -320,10 +298,11 @@ class P2RStrategy(DDPStrategy):
         budget = None
         if self.device_memory_budget is not None:
             budget = parse_bytes(self.device_memory_budget, total=device_total_memory(self.root_device))
-        rank_zero_info(setup_summary(engine=self.path, sharding=self.sharding, world_size=self.world_size,
-                                     plan=self.plan or OffloadPlan(len(holder.blocks), ()),
-                                     model=self.lightning_module, blocks=holder.blocks,
-                                     prefetch=self.prefetch, budget=budget))
+        rank_zero_info(plan_summary(engine=self.path, sharding=self.sharding, world_size=self.world_size,
+                                    plan=self.plan or OffloadPlan(len(holder.blocks), ()),
+                                    footprints=block_footprints(holder.blocks),
+                                    other_bytes=outside_blocks_bytes(self.lightning_module, holder.blocks),
+                                    prefetch=self.prefetch, budget=budget))
 
     def _share_init_seed(self) -> None:
         """Every rank materializes its part of the same model: hand rank 0's init seed (maybe drawn from an
