@@ -24,8 +24,7 @@ import torch
 
 from ..protocols import LayeredStages  # noqa: F401  (defined with the other contracts; imported here too)
 
-__all__ = ["AccumulationResult", "BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "run_depth_first",
-           "run_layered", "split_micro_batches"]
+__all__ = ["BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "split_micro_batches"]
 
 
 class BlockEvents:
@@ -63,14 +62,6 @@ class BlockEvents:
 
     def before_embed_backward(self, micro_batch: int, last: bool) -> None:
         """Before one micro-batch's backward through the embedding stage; ``last`` marks the step's final one."""
-
-
-@dataclass
-class AccumulationResult:
-    loss: torch.Tensor
-    """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""
-    metrics: dict[str, torch.Tensor]
-    """Mean over micro-batches of the head metrics."""
 
 
 def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
@@ -184,7 +175,7 @@ class LayeredStep:
         """Mean over micro-batches of the head metrics."""
         self._done = False
 
-    def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AccumulationResult:
+    def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Backward of every micro-batch, layer by layer from the head down; gradients accumulate into ``.grad``.
 
         ``scale`` multiplies every loss term before its backward (a ``GradScaler``'s ``scale``): the gradients then
@@ -238,7 +229,6 @@ class LayeredStep:
             if grads[i] is not None and hidden.requires_grad:
                 torch.autograd.backward(hidden, grads[i])
             self.embedded[i] = grads[i] = None
-        return AccumulationResult(loss=self.loss, metrics=self.metrics)
 
 
 def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: BlockEvents | None = None, *,
@@ -290,31 +280,3 @@ def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: Blo
     step.loss = torch.stack([t.float() for t in totals]).mean()
     step.metrics = _mean_metrics(metrics)
     return step
-
-
-def run_layered(stages: LayeredStages, micro_batches: list[Any], events: BlockEvents | None = None, *,
-                recompute: bool = False) -> AccumulationResult:
-    """One optimizer step's forward and backward, layer by layer across all micro-batches.
-
-    Optimises the mean over micro-batches of (head loss + that micro-batch's extra layer losses): the gradients
-    accumulated into ``.grad`` equal those of ``run_depth_first`` on the same micro-batches (up to summation
-    order).
-    """
-    return layered_forward(stages, micro_batches, events, recompute=recompute).backward()
-
-
-def run_depth_first(loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                    micro_batches: list[Any]) -> AccumulationResult:
-    """Standard gradient accumulation: forward and backward of ``loss / m`` for one micro-batch after another.
-
-    The reference that :func:`run_layered` must match; ``loss_fn`` maps a micro-batch to (loss, metrics).
-    """
-    _check_can_train(micro_batches)
-    m = len(micro_batches)
-    losses, metrics = [], []
-    for micro_batch in micro_batches:
-        loss, loss_metrics = loss_fn(micro_batch)
-        (loss / m).backward()
-        losses.append(loss.detach().float())
-        metrics.append({key: value.detach() for key, value in loss_metrics.items()})
-    return AccumulationResult(loss=torch.stack(losses).mean(), metrics=_mean_metrics(metrics))

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...layout import BREADTH_FIRST, StageCut, block_holders, check_local_sharing
+from ...layout import StageCut, block_holders, check_local_sharing
 from ...protocols import DefinesPipelineStages, PipelineParts
 from ..accounting import local_tensor
 from ..parallel.clipping import ranks_holding
@@ -60,10 +60,6 @@ class StagePlacement:
         self._outside_ranks: dict[str, tuple[int, ...]] | None = None
         self._ranks_of: dict[str, tuple[int, ...]] = {}
         self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
-
-    @property
-    def breadth_first(self) -> bool:
-        return self.schedule in BREADTH_FIRST
 
     # ------------------------------------------------------------------------------------------- placement
     def keep_own(self, module: nn.Module, holder: nn.Module) -> set[int]:
