@@ -148,16 +148,6 @@ class P2RStrategy(DDPStrategy):
         self.telemetry: OffloadStats | None = None
         self.telemetry_history: list[OffloadStats] = []
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "p2r" not in strategy_registry:
-            strategy_registry.register("p2r", cls, description="lightning_p2r: granular offload (nothing offloaded "
-                                       "unless configured)")
-        if "p2r_offload" not in strategy_registry:
-            strategy_registry.register("p2r_offload", cls, description="lightning_p2r: half the blocks offloaded "
-                                       "to host memory", offload_fraction=0.5)
-
     # ------------------------------------------------------------------------------------------ environment
     @property
     def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
