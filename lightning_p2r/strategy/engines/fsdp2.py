@@ -76,11 +76,7 @@ class FSDP2Engine(Engine):
             if dims.expert_parallel > 1 and self.path != "pipeline":
                 self.expert_zero_group = meshes.data_dims_group(meshes.experts, meshes.expert_data_dims)
         if self.path == "pipeline":
-            p, a = ctx.parallel, ctx.accumulation
-            self.stages = StagePlacement(world_size=ctx.world_size, global_rank=ctx.global_rank,
-                                         pipeline_parallel=p.pipeline_parallel, stages_per_rank=p.stages_per_rank,
-                                         schedule=p.pipeline_schedule, micro_batches=a.micro_batches,
-                                         recompute=a.recompute, group=meshes.dense["pp"].get_group())
+            self.stages = StagePlacement(ctx, meshes.dense["pp"].get_group())
 
     def place(self, module: nn.Module, ctx: EngineContext, *, move_module: bool = True) -> Placed:
         if self.stages is not None and ctx.gradient_scaler:

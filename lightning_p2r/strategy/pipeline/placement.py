@@ -11,7 +11,7 @@ the step. See docs/parallelism.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,9 @@ from ..accounting import local_tensor
 from ..parallel.clipping import ranks_holding
 from .runner import PipelineRunner, PipelineStepResult
 from .stage import PipelineStageModule, keep_only
+
+if TYPE_CHECKING:
+    from ..engines.base import EngineContext
 
 
 def pipeline_parts(module: nn.Module) -> PipelineParts:
@@ -38,11 +41,11 @@ class StagePlacement:
     """This rank's stages of one job: cut at every placement (delinking re-cuts), with the process groups of the
     replicas made once per set of ranks (``new_group`` is collective)."""
 
-    def __init__(self, *, world_size: int, global_rank: int, pipeline_parallel: int, stages_per_rank: int,
-                 schedule: str, micro_batches: int, recompute: bool, group: dist.ProcessGroup) -> None:
-        self.world_size, self.global_rank = world_size, global_rank
-        self.pipeline_parallel, self.stages_per_rank = pipeline_parallel, stages_per_rank
-        self.schedule, self.micro_batches, self.recompute = schedule, micro_batches, recompute
+    def __init__(self, ctx: EngineContext, group: dist.ProcessGroup) -> None:
+        p, a = ctx.parallel, ctx.accumulation
+        self.world_size, self.global_rank = ctx.world_size, ctx.global_rank
+        self.pipeline_parallel, self.stages_per_rank = p.pipeline_parallel, p.stages_per_rank
+        self.schedule, self.micro_batches, self.recompute = p.pipeline_schedule, a.micro_batches, a.recompute
         self.group = group
         """The pipeline's process group (the "pp" dimension of the mesh)."""
         self.cut: StageCut | None = None

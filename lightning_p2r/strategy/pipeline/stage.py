@@ -88,7 +88,8 @@ class PipelineStageModule(nn.Module):
         self.losses: list[torch.Tensor] = []
         self.forward_calls = 0
         self.after_last_forward: Callable[[PipelineStageModule], None] | None = None
-        """Called after the step's last micro-batch's forward (the engine reshards the blocks there, breadth-first)."""
+        """Called after the step's last micro-batch's forward (placement reshards the blocks there when
+        ``Layout.resharding.after_last_micro_batch``: ZeRO-3 with a breadth-first schedule)."""
         self.micro_batches = 1
 
     def begin(self, *, computes_loss: bool, micro_batches: int, infers_shapes: bool) -> None:
