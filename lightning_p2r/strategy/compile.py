@@ -38,14 +38,9 @@ def backend_of(option: bool | str) -> str | None:
 
 
 def check_compile(option: bool | str, *, count_collectives: bool) -> None:
-    """Refuse, before any process group exists, what cannot compile (torch would only fail, or silently run eagerly,
-    at the first forward):
-
-    - a backend torch.compile does not know;
-    - ``count_collectives=True``: the collective counter is a ``TorchDispatchMode`` around the step, and dynamo does
-      not compile under a dispatch mode: the blocks would run eagerly (and their code is then never compiled in this
-      process, even after the counter is gone).
-    """
+    """Refuse, before any process group exists, what cannot compile (torch would fail, or silently run eagerly, at the
+    first forward): a backend torch.compile does not know, and ``count_collectives=True``, whose counter is a
+    ``TorchDispatchMode`` around the step, under which dynamo does not compile (nor later, in this process)."""
     backend = backend_of(option)
     if backend is None:
         return

@@ -28,12 +28,9 @@ __all__ = ["BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "sp
 
 
 class BlockEvents:
-    """Callbacks a strategy overrides to move blocks; every method is a no-op here.
-
-    Events fire per layer with that layer's block index, so a block shared by several layers (pseudo model) sees
-    one before/after pair for each layer that runs it. The step enters the events as a context around the forward
-    and around the backward (a streaming engine opens and closes its copy streams there).
-    """
+    """Callbacks a strategy overrides to move blocks (no-ops here). They fire per layer with its block's index, so a
+    block several layers share sees one before/after pair per layer; the step enters the events as a context around
+    the forward and around the backward (a streaming engine opens and closes its copy streams there)."""
 
     def __enter__(self) -> BlockEvents:
         return self
@@ -148,13 +145,10 @@ def _check_can_train(micro_batches: list[Any]) -> None:
 
 
 class LayeredStep:
-    """One optimizer step of layered accumulation, split where Lightning splits a step: :func:`layered_forward`
-    runs the forward of every micro-batch (inside ``training_step``) and :meth:`backward` their backward (inside
-    ``backward``; Lightning zeroes gradients in between, so the backward must not start earlier).
-
-    The heads of all micro-batches keep their graphs until backward: their logits are as large as those of one
-    step on the whole batch without accumulation.
-    """
+    """One optimizer step of layered accumulation, split where Lightning splits a step: :func:`layered_forward` runs
+    every micro-batch's forward (in ``training_step``), :meth:`backward` their backward (in ``backward``: Lightning
+    zeroes the gradients in between). The heads keep their graphs until backward: their logits are as large as those
+    of one step on the whole batch."""
 
     def __init__(self, stages: LayeredStages, events: BlockEvents, recompute: bool, m: int) -> None:
         self.stages = stages
@@ -233,11 +227,8 @@ class LayeredStep:
 
 def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: BlockEvents | None = None, *,
                     recompute: bool = False) -> LayeredStep:
-    """The forward half of one layered step: every micro-batch through layer i before layer i + 1, then the head.
-
-    Returns the step, whose ``loss`` and ``metrics`` are known now and whose ``backward()`` finishes it. Runs under
-    whatever autocast context the caller set.
-    """
+    """The forward half of one layered step, under the caller's autocast: every micro-batch through layer i before layer
+    i + 1, then the head. The step's ``loss`` and ``metrics`` are known on return; its ``backward()`` finishes it."""
     _check_can_train(micro_batches)
     events = events if events is not None else BlockEvents()
     m = len(micro_batches)

@@ -97,12 +97,8 @@ def write(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 class Initializer:
-    """Writes the initial values of ``root``'s parameters once they have storage.
-
-    ``values_from`` is the module that knows its parameters' initial values by name (``initial_value(name)``, the
-    block-sequence holder of an M6 model); parameters it does not hold, or all of them when it has no such method,
-    are initialized by their modules' ``reset_parameters()``.
-    """
+    """Writes the initial values of ``root``'s parameters once they have storage: from ``values_from``'s
+    ``initial_value(name)`` (an M6 model's block-sequence holder), else by their modules' ``reset_parameters()``."""
 
     def __init__(self, root: nn.Module, values_from: nn.Module | None) -> None:
         self.root = root

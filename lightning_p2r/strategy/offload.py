@@ -471,12 +471,10 @@ class OffloadEngine:
 
 
 class EngineEvents(BlockEvents):
-    """Layered accumulation on one process: an offloaded block is copied in once for the forward of every
-    micro-batch and once for their backward, and its gradient goes to the host once (Lamy-Poirier 2021).
-
-    A block that several layers run (a pseudo model) stays on the device from its first layer to its last in each
-    direction, and its gradient goes to the host (and its host step may start) only after the last layer's
-    backward: before that it is a partial sum."""
+    """Layered accumulation on one process: an offloaded block is copied in once per direction for every micro-batch,
+    and its gradient goes to the host once. A block several layers run (a pseudo model) stays on the device from its
+    first layer to its last in each direction; its gradient leaves (and its host step may start) only after the last
+    layer's backward, before which it is a partial sum."""
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine

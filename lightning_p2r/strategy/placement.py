@@ -12,7 +12,7 @@ parallelism, pipeline stages), in torchtitan's order:
 7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them with
    initial values or the checkpoint's weights.
 
-Every FSDP2 call of the package is here: one for units, one for roots.
+The strategy's only ``fully_shard`` calls are here: one for units, one for roots.
 """
 
 from __future__ import annotations

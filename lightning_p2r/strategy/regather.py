@@ -120,12 +120,9 @@ def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,
 def delinked_plain_copy(sharded: nn.Module, template: nn.Module, optimizer: torch.optim.Optimizer,
                         num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
                         perturb: Perturbation | None = None) -> tuple[nn.Module, torch.optim.Optimizer, dict[int, str]]:
-    """Gather ``sharded`` (and ``optimizer``, which optimizes it) into plain host copies and delink those.
-
-    Returns the delinked module, its optimizer, and the name of each of its parameters by ``id``: sharding the
-    module replaces its parameters, so :func:`shard_optimizer` finds the new ones by these names. Collective:
-    every rank must call it.
-    """
+    """Gather ``sharded`` (and ``optimizer``, over it) into plain host copies and delink those (collective). Returns the
+    delinked module, its optimizer, and each parameter's name by ``id`` (sharding replaces the parameters, so
+    :func:`shard_optimizer` finds the new ones by name)."""
     plain = gather_plain_module(sharded, template)
     plain_optimizer = gather_plain_optimizer(optimizer, sharded, plain)
     plain_optimizer = delink(plain, plain_optimizer, num_unique_blocks=num_unique_blocks,

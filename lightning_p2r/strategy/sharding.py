@@ -66,14 +66,10 @@ def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: i
 
 # ------------------------------------------------------------------------------------------ zero2/zero3 (FSDP2)
 class StageRunner(nn.Module):
-    """Holds the modules that own parameters outside the blocks (embedding, final norm, head) as one FSDP2 root.
-
-    Layered accumulation calls the model's embedding and head stages directly rather than through the model's
-    ``forward``. FSDP2 gathers a unit's parameters in that unit's forward hooks and needs a single root per
-    group of units, so the stage functions run *through* this module's ``forward``: every stage call is a root
-    forward of the unit that holds the parameters it reads. The modules stay registered where they were; this
-    module only references them.
-    """
+    """The modules owning parameters outside the blocks (embedding, final norm, head) as one FSDP2 root. Layered
+    accumulation calls the model's embedding and head stages directly, not through its ``forward``, and FSDP2 gathers
+    a unit's parameters in that unit's forward hooks under one root: so each stage call runs *through* this module's
+    ``forward``. The modules stay registered where they were; this module only references them."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         super().__init__()

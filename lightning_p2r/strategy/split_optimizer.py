@@ -47,12 +47,9 @@ def device_optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int
 
 def host_step_overlap_allowed(overlap_host_step: bool | str, device: torch.device, module: L.LightningModule,
                               precision_plugin: Any) -> bool:
-    """Whether offloaded blocks' host steps may run during backward (:meth:`SplitOptimizer.submit_host_step`).
-
-    Only where wanted ("auto": with an accelerator; on a CPU the host step competes with backward for the same
-    cores) and where stepping a block during backward cannot skip anything that happens between backward and
-    step: gradient clipping, a gradient scaler, gradient accumulation, manual or custom optimizer steps.
-    """
+    """Whether offloaded blocks' host steps may run during backward (:meth:`SplitOptimizer.submit_host_step`): where
+    wanted ("auto": with an accelerator; on a CPU the host step competes with the backward for its cores) and where
+    nothing between backward and step can be skipped (clipping, a gradient scaler, accumulation, a custom step)."""
     trainer = module.trainer
     wanted = device.type != "cpu" if overlap_host_step == "auto" else overlap_host_step
     return (wanted and module.automatic_optimization and not trainer.gradient_clip_val
@@ -270,13 +267,9 @@ class SplitOptimizer(torch.optim.Optimizer):
 
 def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimizer,
                    module: nn.Module) -> torch.optim.Optimizer:
-    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (which must not be used
-    afterwards), and return an ordinary optimizer over the module's own parameters with the full state.
-
-    A :class:`SplitOptimizer` steps the offloaded blocks' host masters; the plain optimizer must instead hold the
-    module's parameters in the same slots, so each master is mapped back to the parameter it stands for before the
-    engine lets go of them.
-    """
+    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (not to be used afterwards), and
+    return an ordinary optimizer over the module's own parameters with the full state: a :class:`SplitOptimizer`'s
+    host masters are mapped back to the parameters they stand for before the engine lets go of them."""
     if isinstance(optimizer, SplitOptimizer):
         by_master = {id(master): param for block in engine.blocks.values()
                      for master, param in zip(block.host, block.params)}

@@ -89,11 +89,8 @@ def holder_of(module: nn.Module) -> nn.Module:
 
 
 class Engine:
-    """How one kind of layout places the model, syncs gradients, checkpoints and delinks.
-
-    The strategy calls these at the points the docstrings name. The defaults are a layout where every rank holds
-    the whole model and nothing is sharded.
-    """
+    """How one kind of layout places the model, syncs gradients, checkpoints and delinks. The strategy calls these at
+    the points the docstrings name; the defaults serve a layout where every rank holds the whole model, unsharded."""
 
     needs_process_group = True
     """Whether the strategy must start torch.distributed for this engine."""

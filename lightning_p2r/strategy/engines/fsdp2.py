@@ -191,11 +191,9 @@ class FSDP2Engine(Engine):
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
                perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
-        """FSDP2 cannot change the modules it manages, so this rank's part of the model is gathered into a plain
-        host copy (tensor by tensor), delinked there like any other model (the copies of a shared block start from
-        this rank's replica, equal on every rank), and the copy replaces the sharded one and is placed afresh (a new
-        plan places the new blocks; a pipeline keeps the new blocks of this rank's layers); the optimizer is rebuilt
-        over the new shards."""
+        """FSDP2 cannot change the modules it manages: this rank's part of the model is gathered into a plain host copy
+        (tensor by tensor; a shared block's copies start from this rank's replica, equal on every rank), delinked there
+        like any other model, and placed afresh in its stead; the optimizer is rebuilt over the new shards."""
         if self.placement is None:
             raise RuntimeError("P2RStrategy delinks a placed model: nothing is placed yet (delink after setup)")
         root = self.placement.root

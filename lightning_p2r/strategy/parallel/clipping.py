@@ -33,13 +33,10 @@ def ranks_holding(grad: torch.Tensor) -> int:
 
 def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
                     copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
-    """The ``norm_type`` norm of all the gradients of ``params`` together, the same on every rank (collective:
-    every rank calls it with its parameters, in any order). ``copies(param)``: how many ranks hold the same local
-    part of the parameter's gradient, when the layout knows better than its mesh (pipeline stages).
-
-    The local parts are grouped by device and by how many ranks hold them; torch's ``get_total_norm`` reduces each
-    group where it lives (one fused kernel per device, no host sync per tensor), and the few group norms meet on the
-    process group's device for one all-reduce."""
+    """The ``norm_type`` norm of all the gradients of ``params``, the same on every rank (collective, any order).
+    ``copies(param)``: the ranks holding the same local part of its gradient, where the layout knows better than the
+    mesh (pipeline stages). The parts are grouped by device and holders; ``get_total_norm`` reduces each group where it
+    lives (one fused kernel, no host sync per tensor), and the group norms meet for one all-reduce."""
     inf = math.isinf(norm_type)
     groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
     for param in params:

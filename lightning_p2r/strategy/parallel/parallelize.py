@@ -39,13 +39,10 @@ def model_plan(holder: nn.Module) -> ParallelPlan:
 
 def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, *, loss_parallel: bool = False,
                       sequence_parallel: bool = False) -> None:
-    """Tensor parallelism first (``parallelize_module`` places the planned layers' weights as DTensors on the "tp"
-    dimension), then the expert layers (experts split over "ep" and "tp", tokens exchanged by all-to-all, the
-    balance loss over all data ranks). FSDP2 comes after, over the data dimensions of the same meshes, as torchtitan
-    orders them: it shards the already-placed DTensors further. Works on the meta device. ``plan``: the model's
-    (:func:`model_plan`); the strategy checked the degrees against the model's sizes before placing it.
-    ``loss_parallel``: the module computes its loss with ``loss.VocabParallelCrossEntropy`` (see
-    ``tensor.apply_tensor_parallel``)."""
+    """Tensor parallelism first (the planned layers' weights become DTensors on "tp"), then the expert layers (split
+    over "ep" and "tp"), on the meta device; FSDP2 shards the placed DTensors further afterwards, as torchtitan orders
+    them. ``plan``: the model's (:func:`model_plan`; the strategy checked the sizes before placing).
+    ``loss_parallel``: the module's loss is ``loss.VocabParallelCrossEntropy``."""
     dims = meshes.dims
     if dims.tensor_parallel > 1:
         apply_tensor_parallel(holder, plan, meshes.tensor, loss_parallel=loss_parallel,

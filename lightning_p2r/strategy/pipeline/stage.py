@@ -40,11 +40,10 @@ def keep_only(holder: nn.Module, blocks: set[int], modules: list[nn.Module]) -> 
 
 
 class _AttachLoss(torch.autograd.Function):
-    """Pass ``hidden`` through unchanged; in backward, also give ``loss`` the gradient one, so a layer's extra loss
-    (an MoE router's weighted balance and z losses) joins the backward of the micro-batch whose hidden states carry
-    it, on the stage that computed it, without travelling to the last stage (as DeepSeek-MoE attaches its auxiliary
-    loss). One is its weight in the micro-batch's loss, whose own backward starts at one too; the schedule divides
-    both by the number of micro-batches afterwards."""
+    """Pass ``hidden`` through; in backward give ``loss`` the gradient one, so a layer's extra loss (an MoE router's)
+    joins the backward of its micro-batch on the stage that computed it, without travelling to the last stage (as
+    DeepSeek-MoE attaches its auxiliary loss). One is its weight in the micro-batch's loss; the schedule divides both
+    by the number of micro-batches."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -62,12 +61,9 @@ def attach_loss(hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineStageModule(nn.Module):
-    """Layers ``layers`` of the model, the embedding if ``first``, the head if ``last``.
-
-    In training the last stage returns the micro-batch's loss (the schedule's loss function passes it through);
-    in evaluation it returns the logits. Each forward keeps the micro-batch's context, whose router records the
-    strategy gathers after the step.
-    """
+    """Layers ``layers`` of the model, the embedding if ``first``, the head if ``last``. In training the last stage
+    returns the micro-batch's loss (the schedule's loss function passes it on), in evaluation the logits. Each forward
+    keeps the micro-batch's context, whose router records the strategy gathers after the step."""
 
     def __init__(self, parts: PipelineParts, blocks: nn.ModuleList, layers: range, *, first: bool, last: bool,
                  embed_modules: list[nn.Module], head_modules: list[nn.Module], recompute: bool = False) -> None:
