@@ -1,20 +1,12 @@
-"""Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied to an M6 MoE layer from outside.
+"""Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied to an M6 MoE layer from outside
+(docs/parallelism.md).
 
-The model's MoE layer routes its own tokens, ranks them for capacity and sorts the kept assignments by expert
-before calling ``Experts(rows, counts)``; that call is where parallelism enters. :class:`ParallelExperts` (the
-same module and parameters, its class switched the way FSDP2's ``fully_shard`` switches classes) sends each row to
-the expert-parallel rank that holds its expert with ``all_to_all_single`` (uneven splits: the counts are exchanged
-first), regroups the received rows by local expert, computes them, and sends the results back in the order they
-came. Routing, capacity and drop order are therefore exactly those of the same tokens on one process: each rank
-routes its own micro-batch, and capacity is counted per rank over its own tokens (as data parallelism already
-counts it); the all-to-all only moves the rows that were kept.
-
-Under tensor parallelism each expert's hidden dimension is split too (``w_in`` by columns, ``w_out`` by rows): the
-rows are the same on every tensor-parallel rank, each computes its share of the hidden units, and the partial
-outputs are all-reduced, Megatron's column/row pattern inside every expert.
-
-:class:`ParallelMoE` computes the load-balancing loss over every data-parallel rank's tokens (counts summed, mean
-router probabilities over all tokens), so the loss and its gradient are those of the global batch on one process.
+The MoE layer routes its own tokens, applies capacity and sorts the kept assignments by expert before calling
+``Experts(rows, counts)``: there :class:`ParallelExperts` sends each row to the rank holding its expert
+(``all_to_all_single``, the counts exchanged first), computes its experts' rows and sends the results back, so
+routing and drops are those of the same tokens on one process. Under tensor parallelism each expert's hidden units
+are split too (Megatron's column/row pattern inside every expert). :class:`ParallelMoE` computes the balance loss
+over every data rank's tokens, as one process would over the global batch.
 """
 
 from __future__ import annotations
@@ -27,12 +19,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ...models.moe import Experts, MoEFeedForward, balance_loss_from_means, expert_mlps
+from ..accounting import local_tensor
 from .differentiable import all_reduce_sum, all_to_all
-
-
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (the whole parameter when it is not distributed)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def owned(tensor: torch.Tensor) -> torch.Tensor:

@@ -40,13 +40,11 @@ def keep_only(holder: nn.Module, blocks: set[int], modules: list[nn.Module]) -> 
 
 
 class _AttachLoss(torch.autograd.Function):
-    """Pass ``hidden`` through unchanged; in backward, also give ``loss`` the gradient one, so a layer's extra loss
-    (an MoE router's weighted balance and z losses) joins the backward of the micro-batch whose hidden states carry
-    it, on the stage that computed it, without travelling to the last stage (as DeepSeek-MoE attaches its auxiliary
-    loss). One is its weight in the micro-batch's loss, whose own backward starts at one too; the schedule divides
-    both by the number of micro-batches afterwards. The output is a new tensor, not a view of ``hidden``: a stage
-    returns it, and FSDP2 warns about a view output (an in-place op on it would skip its pre-backward hook); one copy
-    per stage and micro-batch, as the stage attaches the sum of its layers' losses once."""
+    """Pass ``hidden`` through; in backward give ``loss`` the gradient one, so a layer's extra loss (an MoE router's)
+    joins the backward of its micro-batch on the stage that computed it, without travelling to the last stage (as
+    DeepSeek-MoE attaches its auxiliary loss). One is its weight in the micro-batch's loss; the schedule divides both
+    by the number of micro-batches. The output is a copy, not a view of ``hidden``: FSDP2 warns about a stage
+    returning a view (an in-place op on it would skip its pre-backward hook)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -64,12 +62,9 @@ def attach_loss(hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineStageModule(nn.Module):
-    """Layers ``layers`` of the model, the embedding if ``first``, the head if ``last``.
-
-    In training the last stage returns the micro-batch's loss (the schedule's loss function passes it through);
-    in evaluation it returns the logits. Each forward keeps the micro-batch's context, whose router records the
-    strategy gathers after the step.
-    """
+    """Layers ``layers`` of the model, the embedding if ``first``, the head if ``last``. In training the last stage
+    returns the micro-batch's loss (the schedule's loss function passes it on), in evaluation the logits. Each forward
+    keeps the micro-batch's context, whose router records the strategy gathers after the step."""
 
     def __init__(self, parts: PipelineParts, blocks: nn.ModuleList, layers: range, *, first: bool, last: bool,
                  embed_modules: list[nn.Module], head_modules: list[nn.Module], recompute: bool = False) -> None:
@@ -90,7 +85,8 @@ class PipelineStageModule(nn.Module):
         self.losses: list[torch.Tensor] = []
         self.forward_calls = 0
         self.after_last_forward: Callable[[PipelineStageModule], None] | None = None
-        """Called after the step's last micro-batch's forward (the engine reshards the blocks there, breadth-first)."""
+        """Called after the step's last micro-batch's forward (placement reshards the blocks there when
+        ``Layout.resharding.after_last_micro_batch``: ZeRO-3 with a breadth-first schedule)."""
         self.micro_batches = 1
 
     def begin(self, *, computes_loss: bool, micro_batches: int, infers_shapes: bool) -> None:
