@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +195,28 @@ def remove(path: str | Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model state of the sharded checkpoint ``path`` as a plain state dict of whole CPU tensors, read in one
+    process without a process group and without writing a file (what :func:`to_single_file` stores as its
+    ``state_dict``). Works for any layout that wrote it: DCP's metadata gives each tensor's whole shape, and the load
+    gathers its shards (data-parallel, tensor- or expert-parallel pieces, pipeline stages) into it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not is_sharded_checkpoint(path):
+        raise ValueError(f"{path} is not a sharded checkpoint (a directory with {META_FILE} and DCP files)")
+    reader = FileSystemReader(str(path))
+    prefix = "model."  # save_sharded stores the module's state under "model" (DCP flattens the nested keys)
+    state = {key[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)
+             for key, item in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        # DCP warns on every load without a process group that it assumes one process: what is asked for here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    return state
 
 
 def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any]:
