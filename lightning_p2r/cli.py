@@ -29,9 +29,12 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.strategies import Strategy
 
 from .data import TextDataModule
+from .known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
 from .module import M6LanguageModel
 from .options_diff import describe_differences, differing_options
+from .recipe_files import check_recipe_files, keys_named_in, locate_key, recipe_paths
 from .strategy.checkpoint import META_FILE, check_checkpoint_path, to_single_file
+from .strategy.launch import RankFailed
 
 # The dataclass fields' docstrings become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -53,10 +56,32 @@ class P2RArgumentParser(LightningArgumentParser):
     def print_usage(self, file: IO[str] | None = None) -> None:
         (file or sys.stderr).write(f"usage: {self.prog} [--config RECIPE] [--section.option VALUE ...]\n")
 
+    recipe_files: list[str] = []
+    """The ``--config`` files of this command line (set by :class:`P2RCLI`), to say where a key the error names is."""
+    command_line: list[str] = []
+    """The command line's words: a key given there is the user's override, not the recipe's."""
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
         condensed = condense(message)
-        super().error(condensed + _suggestion(parser, message) + _strategy_option_hint(condensed), ex)
+        super().error(condensed + _suggestion(parser, message) + _strategy_option_hint(condensed)
+                      + _recipe_location(self.recipe_files, self.command_line, condensed + "\n" + message), ex)
+
+
+def _recipe_location(files: list[str], command_line: list[str], message: str) -> str:
+    """`` (in recipes/x.yaml, line 5)`` when a key the message names was set by a recipe file and not overridden on
+    the command line."""
+    given = dict(_overrides(command_line))
+    got = re.search(r"Got value: (\S+)", message)
+    for key in keys_named_in(message):
+        # jsonargparse checks a recipe's values as it loads the file, before later overrides: a key given on the
+        # command line is the override's only when the refused value is the override's.
+        if key in given and (got is None or given[key] == got.group(1)):
+            return ""
+        where = locate_key(files, key)
+        if where:
+            return f" (in {where})"
+    return ""
 
 
 def condense(message: str) -> str:
@@ -84,6 +109,18 @@ def condense(message: str) -> str:
         lines[keyed[-1] + 1] if keyed[-1] + 1 < len(lines) else "")
     detail = detail.replace("Expected a typing.Literal[", "expected one of [").replace("Expected a", "expected a")
     return f"{'.'.join(names)}: {detail}"
+
+
+def _overrides(command_line: list[str]) -> list[tuple[str, str | None]]:
+    """``(key, value)`` for each ``--section.key=value`` or ``--section.key value`` (``init_args`` levels dropped)."""
+    pairs = []
+    for index, word in enumerate(command_line):
+        if word.startswith("--") and word not in ("--config", "--ckpt_path"):
+            name, _, value = word[2:].partition("=")
+            if not value and index + 1 < len(command_line) and not command_line[index + 1].startswith("-"):
+                value = command_line[index + 1]
+            pairs.append((name.replace(".init_args.", "."), value or None))
+    return pairs
 
 
 def _suggestion(parser: LightningArgumentParser, message: str) -> str:
@@ -145,10 +182,18 @@ class P2RCLI(LightningCLI):
     dir, and model options checked against the checkpoint's before a resume."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        arguments = kwargs.get("args")
+        self._command_line = [str(a) for a in arguments] if isinstance(arguments, list) else sys.argv[1:]
+        self._recipe_files = recipe_paths(self._command_line)
         kwargs.setdefault("parser_class", P2RArgumentParser)
         kwargs.setdefault("save_config_callback", SaveConfigWhenTraining)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
         super().__init__(*args, **kwargs)
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        parser = super().init_parser(**kwargs)
+        parser.recipe_files, parser.command_line = self._recipe_files, self._command_line
+        return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The embedding must cover every id the tokenizer emits; linking removes the chance to set them apart.
@@ -185,6 +230,8 @@ class P2RCLI(LightningCLI):
         # working directory), and it warns "git root ... does not exist" when its folder is not there yet. Done only
         # now that every option was accepted, so a refused call leaves no folder behind.
         for logger in getattr(self.trainer, "loggers", []):
+            if type(logger).__name__ == "WandbLogger":
+                drop_unset_wandb_anonymous(logger)
             if type(logger).__name__ == "WandbLogger" and logger.save_dir:
                 os.environ.setdefault("WANDB_DIR", str(logger.save_dir))
                 os.makedirs(logger.save_dir, exist_ok=True)
@@ -198,6 +245,35 @@ class P2RCLI(LightningCLI):
                 f"--ckpt_path: the checkpoint was trained with other model options: "
                 f"{describe_differences(differences)}. Resuming uses the checkpoint's; drop these options to resume "
                 "it, or leave out --ckpt_path to train a new model with them")
+
+    # LightningCLI runs a method of the CLI named like the subcommand when there is one (else the Trainer's).
+    def fit(self, **kwargs: Any) -> None:
+        self._run_refusing_bad_input(self.trainer.fit, kwargs)
+
+    def validate(self, **kwargs: Any) -> None:
+        self._run_refusing_bad_input(self.trainer.validate, kwargs)
+
+    def test(self, **kwargs: Any) -> None:
+        self._run_refusing_bad_input(self.trainer.test, kwargs)
+
+    def predict(self, **kwargs: Any) -> None:
+        self._run_refusing_bad_input(self.trainer.predict, kwargs)
+
+    def _run_refusing_bad_input(self, run: Any, kwargs: dict[str, Any]) -> None:
+        """A refusal before anything trained (the strategy's checks in the launching process, a data or checkpoint
+        check on the ranks) ends the command with one line, the other ranks' different errors below it; an error
+        once training has started keeps its traceback."""
+        try:
+            run(**kwargs)
+        except RankFailed as error:
+            sys.stderr.write(f"error: a rank failed, every rank was stopped: {error}\n")
+            raise SystemExit(1) from None
+        except (ValueError, FileNotFoundError) as error:
+            if self.trainer.global_step > 0:
+                raise
+            notes = "".join(f"\n  {note}" for note in getattr(error, "__notes__", []))
+            sys.stderr.write(f"error: {error}{notes}\n")
+            raise SystemExit(2) from None
 
     def instantiate_classes(self) -> None:
         # A bad value that only the class can judge (a range, a divisibility, a missing corpus) ends the command
@@ -294,24 +370,71 @@ def convert_checkpoint(argv: list[str]) -> None:
           f"{len(checkpoint['optimizer_states'])} optimizer state(s), step {checkpoint.get('global_step')}")
 
 
-def main(args: list[str] | None = None) -> None:
-    """Entry point of ``lightning-p2r {fit,validate,test,predict,convert-checkpoint,plan,calibrate}``. Returns
-    nothing: the console script passes the return value to ``sys.exit``, which would turn an object into exit
-    status 1."""
-    argv = sys.argv[1:] if args is None else args
-    if argv[:1] == ["convert-checkpoint"]:
-        convert_checkpoint(argv[1:])
-        return
-    if argv[:1] == ["plan"]:
+# Every command, with its one line in ``lightning-p2r --help``. The first four are LightningCLI's (a recipe and its
+# overrides); the others have their own argparse parsers, loaded only when called.
+COMMANDS: dict[str, str] = {
+    "fit": "train a model from a recipe (lightning-p2r fit --config recipes/quickstart.yaml)",
+    "validate": "one pass over the validation data with a recipe and --ckpt_path",
+    "test": "one pass over the test data with a recipe and --ckpt_path",
+    "predict": "next-token predictions over the predict data with a recipe and --ckpt_path",
+    "generate": "sample text from a checkpoint (single-file or sharded) with a recipe's tokenizer",
+    "plan": "price parallel layouts of a recipe's model on a cluster and rank them",
+    "calibrate": "measure this machine's compute, memory and collective speeds for the planner",
+    "convert-checkpoint": "write a sharded checkpoint as one file any strategy loads",
+}
+_LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
+
+
+def top_level_help() -> str:
+    width = max(map(len, COMMANDS)) + 2
+    lines = [f"  {name:<{width}}{text}" for name, text in COMMANDS.items()]
+    return ("usage: lightning-p2r COMMAND [options]\n\nTrain, evaluate and sample M6 mixture-of-experts language "
+            "models with P2RStrategy.\n\ncommands:\n" + "\n".join(lines)
+            + "\n\n`lightning-p2r COMMAND --help` lists a command's options. Docs: docs/recipes.md.\n")
+
+
+def _run_side_command(name: str, argv: list[str]) -> None:
+    if name == "convert-checkpoint":
+        convert_checkpoint(argv)
+    elif name == "plan":
         from .planning.cli import main as plan
 
-        plan(argv[1:])
-        return
-    if argv[:1] == ["calibrate"]:
+        plan(argv)
+    elif name == "calibrate":
         from .measure.calibrate import main as calibrate
 
-        calibrate(argv[1:])
+        calibrate(argv)
+    elif name == "generate":
+        from .generation import main as generate
+
+        generate(argv)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of ``lightning-p2r COMMAND`` (see ``COMMANDS``). Returns nothing: the console script passes the
+    return value to ``sys.exit``, which would turn an object into exit status 1."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if not argv or argv[0] in ("-h", "--help"):
+        (sys.stdout if argv else sys.stderr).write(top_level_help())
+        if not argv:
+            raise SystemExit(2)
         return
+    command = argv[0]
+    if not command.startswith("-") and command not in COMMANDS:
+        close = difflib.get_close_matches(command, list(COMMANDS), n=1, cutoff=0.6)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        sys.stderr.write(f"usage: lightning-p2r COMMAND [options]\nerror: unknown command {command!r}{hint}; the "
+                         f"commands are {', '.join(COMMANDS)} (lightning-p2r --help)\n")
+        raise SystemExit(2)
+    if command in COMMANDS and command not in _LIGHTNING_COMMANDS:
+        _run_side_command(command, argv[1:])
+        return
+    silence_cli_notices()
+    recipe_error = check_recipe_files(recipe_paths(argv))
+    if recipe_error:
+        sys.stderr.write(f"usage: lightning-p2r {command} [--config RECIPE] [--section.option VALUE ...]\n"
+                         f"error: {recipe_error}\n")
+        raise SystemExit(2)
     P2RCLI(M6LanguageModel, TextDataModule, args=args)
 
 

@@ -6,6 +6,7 @@ a limit given as 1.0) are left alone.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 _NOISE = (
@@ -26,3 +27,31 @@ def silence_known_noise() -> None:
 
 def silence_rebound_scheduler_notice() -> None:
     warnings.filterwarnings("ignore", message=REBOUND_SCHEDULER)
+
+
+def _not_an_advert(record: logging.LogRecord) -> bool:
+    return "litlogger" not in record.getMessage()
+
+
+def silence_cli_notices() -> None:
+    """For the ``lightning-p2r`` command: Lightning logs a tip to install its own cloud logger on every run whose
+    loggers do not include it (the recipes choose W&B and CSV on purpose). A user's own scripts keep it."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_an_advert)
+
+
+def drop_unset_wandb_anonymous(logger: object) -> None:
+    """Lightning's ``WandbLogger`` always hands ``anonymous`` to ``wandb.init`` (None when the user gave nothing), and
+    W&B warns on every run that the setting has no effect. Unset means unset: the key is dropped when it is None
+    (``_wandb_init`` is the logger's private dict of ``wandb.init`` arguments; docs/architecture.md lists it)."""
+    init = getattr(logger, "_wandb_init", None)
+    if isinstance(init, dict) and init.get("anonymous", False) is None:
+        del init["anonymous"]
+
+
+ALLOWED_IN_RECIPE_RUNS = (
+    # The package's own notice when a job starts more CPU processes than the machine has cores (the 4-process
+    # recipe on a 2-core machine): it is about the user's machine, and it is right.
+    r"CPU processes on \d+ cores",
+)
+"""The warnings a recipe may print, each a regular expression with the reason it is not noise (tests check every
+recipe's output against it: tests/distributed/test_recipes_quiet.py)."""

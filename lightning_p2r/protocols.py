@@ -165,3 +165,35 @@ class DeclaresParallelPlan(Protocol):
     expert, vocabulary and output submodules (``M6Transformer.parallel_plan`` is the example)."""
 
     def parallel_plan(self) -> ParallelPlan: ...
+
+
+@runtime_checkable
+class HoldsWeight(Protocol):
+    """A layer with one ``weight`` (a linear layer, an embedding): what the plan's "vocabulary" and "output" kinds
+    split and what tied layers share. A pipeline stand-in for a layer another rank holds has none."""
+
+    weight: torch.Tensor
+
+
+@runtime_checkable
+class ModelSizes(Protocol):
+    """The sizes the layout rules check before anything is placed (``lightning_p2r.layout.ModelShape.of`` reads
+    them); ``M6Config`` has them."""
+
+    num_layers: int
+    layer_to_block: list[int]
+    num_heads: int
+    vocab_size: int
+    hidden_dim: int
+    num_experts: int
+    moe_layers: list[int] | None
+    max_seq_len: int
+    position_embedding: str
+
+
+@runtime_checkable
+class StatesSizes(Protocol):
+    """A block-sequence model whose ``config`` states its :class:`ModelSizes` (``M6Transformer``): the strategy
+    checks the layout against them before placing anything; another model is checked by what placement reads."""
+
+    config: ModelSizes

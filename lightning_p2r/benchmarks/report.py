@@ -37,10 +37,6 @@ def base_parser(description: str) -> argparse.ArgumentParser:
     return parser
 
 
-
-
-
-
 def chosen_layouts(parser: argparse.ArgumentParser, text: str, known: Mapping[str, Any]) -> list[str]:
     """The comma-separated layout names of ``--layouts``; an unknown one is a usage error naming the choices."""
     names = [name.strip() for name in text.split(",") if name.strip()]
@@ -94,8 +90,6 @@ def with_environment(rows: Sequence[Mapping[str, Any]], env: Mapping[str, Any]) 
 
 
 # ------------------------------------------------------------------------------------------------------ timing
-
-
 
 
 # ------------------------------------------------------------------------------------------------ CSV / table

@@ -37,11 +37,27 @@ def fsdp_mode_for(sharding: str) -> FSDPMode:
     return "replicate" if sharding in ("none", "zero1") else sharding  # type: ignore[return-value]
 
 
-def reshard_after_forward(fsdp_mode: str, *, layered: bool, breadth_first_pipeline: bool) -> bool:
-    """Whether an FSDP2 unit gives its gathered parameters back after its forward. Only ZeRO-3 does, and only when the
-    next micro-batch does not come straight back to it: layered accumulation and breadth-first pipeline schedules run
-    every micro-batch through a unit in a row, so they gather it once and reshard it after the last (explicitly)."""
-    return fsdp_mode == "zero3" and not (layered or breadth_first_pipeline)
+@dataclass(frozen=True)
+class Resharding:
+    """When the FSDP2 units of the blocks give their gathered parameters back after a forward: the one reshard rule
+    of every FSDP2 path (placement, layered accumulation's events, pipeline stages) and of the planner's gathers.
+
+    Only ZeRO-3 reshards. Layered accumulation and breadth-first pipeline schedules run every micro-batch through a
+    unit in a row, so they gather it once and reshard it after the last micro-batch; otherwise each unit reshards
+    after each of its forwards. A block's units all follow one rule: its experts' unit (expert parallelism) too.
+    """
+
+    after_each_forward: bool
+    """FSDP2's own ``reshard_after_forward`` for every unit of the blocks (a part's root never reshards)."""
+    after_last_micro_batch: bool
+    """The schedule reshards every unit of a block after the last micro-batch's forward through it."""
+
+
+def resharding(fsdp_mode: str, *, consecutive_micro_batches: bool) -> Resharding:
+    """``consecutive_micro_batches``: the schedule runs every micro-batch through a unit in a row (layered
+    accumulation, breadth-first pipeline schedules)."""
+    zero3 = fsdp_mode == "zero3"
+    return Resharding(zero3 and not consecutive_micro_batches, zero3 and consecutive_micro_batches)
 
 
 # ------------------------------------------------------------------------------------------ degrees and meshes
@@ -107,5 +123,3 @@ class ParallelDims:
         pipeline = f"pipeline {self.pipeline_parallel} x " if self.pipeline_parallel > 1 else ""
         return (f"mesh: {self.world_size} ranks = {pipeline}data {self.data_parallel} (of which expert "
                 f"{self.expert_parallel} x expert-data {self.expert_data_parallel}) x tensor {self.tensor_parallel}")
-
-

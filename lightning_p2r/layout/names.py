@@ -9,10 +9,12 @@ Accumulation = Literal["standard", "layered"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"]
 PlacementPath = Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]
 FSDPMode = Literal["replicate", "zero2", "zero3"]
+OffloadState = Literal["params", "grads", "optimizer"]
 
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 ACCUMULATIONS: tuple[str, ...] = get_args(Accumulation)
 PIPELINE_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+OFFLOAD_STATES: tuple[str, ...] = get_args(OffloadState)
 BREADTH_FIRST: tuple[str, ...] = ("gpipe", "looped_bfs")
 """Schedules that run every micro-batch through a stage before the next stage (layered accumulation's order)."""
 SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
@@ -33,8 +35,6 @@ def check_bool(name: str, value: object) -> None:
 def check_degree(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"P2RStrategy.{name} must be a positive integer (1 turns it off), got {value!r}")
-
-
 
 
 def check_compile_option(value: object) -> None:

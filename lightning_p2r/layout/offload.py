@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .names import _UNITS
+from .names import _UNITS, OFFLOAD_STATES
 
 
 def spread(count: int, num_blocks: int) -> tuple[int, ...]:
@@ -64,8 +64,8 @@ def check_offload_options(*, offload_fraction: float | None, offload_blocks: Seq
             raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")
     if isinstance(device_memory_budget, str):
         parse_bytes(device_memory_budget, total=1)  # syntax check now; the percentage base comes at setup
-    states = set(offload_states or ["params", "grads", "optimizer"])
-    unknown = states - {"params", "grads", "optimizer"}
+    states = set(offload_states or OFFLOAD_STATES)
+    unknown = states - set(OFFLOAD_STATES)
     if unknown or not {"grads", "optimizer"} <= states:
         raise ValueError(
             "P2RStrategy.offload_states must include 'grads' and 'optimizer' (an offloaded block's optimizer "
@@ -175,3 +175,33 @@ def check_fsdp_offload_states(offload_states: set[str]) -> None:
             "parameter shard in host memory (FSDP2's CPUOffloadPolicy); offload_states must include 'params'")
 
 
+def pin_memory_for(pin_memory: bool | str, device_type: str) -> bool:
+    """Whether host buffers are page-locked: "auto" pins only on CUDA (CPU-only torch cannot pin)."""
+    if pin_memory == "auto":
+        return device_type == "cuda"
+    if pin_memory and device_type == "cpu":
+        raise ValueError("P2RStrategy(pin_memory=True) needs an accelerator: CPU-only torch cannot pin memory; "
+                         "use pin_memory='auto' or False")
+    return bool(pin_memory)
+
+
+def format_bytes(count: float) -> str:
+    """``count`` bytes for a person: "512 B", "1.5 KiB" ... "2.0 TiB" (:func:`parse_bytes` reads them back)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{count:.1f} {unit}" if unit != "B" else f"{int(count)} B"
+        count /= 1024
+    return f"{count:.1f} TiB"
+
+
+def plan_summary(*, engine: str, sharding: str, world_size: int, plan: OffloadPlan, footprints: list[BlockFootprint],
+                 other_bytes: int, prefetch: int, budget: int | None) -> str:
+    """The one line P2RStrategy logs at setup: the engine, the layout, which blocks live in host memory, and the
+    model-state bytes the plan keeps on each rank's device against the budget (sharded layouts divide them by the
+    ranks: FSDP2's shards at rest)."""
+    device = device_bytes_needed(footprints, plan.offloaded, other_bytes, 0, prefetch)
+    device //= world_size if sharding in ("zero2", "zero3") else 1
+    limit = "no budget" if budget is None else f"budget {format_bytes(budget)}"
+    return (f"P2RStrategy: engine {engine}, sharding {sharding} on {world_size} process(es), offloaded blocks "
+            f"{list(plan.offloaded)} of {plan.num_blocks}, planned device model states {format_bytes(device)} per "
+            f"rank ({limit})")

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .mesh import ParallelDims, PlacementPath, placement_path
+from .mesh import ParallelDims, PlacementPath, Resharding, fsdp_mode_for, placement_path, resharding
 from .names import (
     ACCUMULATIONS,
     BREADTH_FIRST,
@@ -43,7 +43,10 @@ class Layout:
     """True (inductor), False, or a torch.compile backend's name."""
     offload_fraction: float = 0.0
     offload_blocks: tuple[int, ...] | None = None
-    """Explicit block indices (of a rank's blocks) to offload instead of ``offload_fraction``."""
+    """Explicit block indices (in the model) to offload instead of ``offload_fraction``."""
+    device_memory_budget: int | str | None = None
+    """Offload as many blocks as the budget needs (decided at setup from the model's sizes; the rules read only that
+    offload is asked for, the planner prices ``offload_fraction``)."""
     reduce_every_micro_batch: bool = False
 
     @property
@@ -56,7 +59,8 @@ class Layout:
 
     @property
     def offloading(self) -> bool:
-        return bool(self.offload_fraction or self.offload_blocks)
+        """Whether offload is asked for (a zero fraction or an empty block list do not ask)."""
+        return bool(self.offload_fraction or self.offload_blocks or self.device_memory_budget is not None)
 
     def data_parallel(self, devices: int) -> int:
         return devices // (self.tensor_parallel * self.pipeline_parallel)
@@ -64,10 +68,25 @@ class Layout:
     def dims(self, devices: int) -> ParallelDims:
         return ParallelDims(devices, self.tensor_parallel, self.expert_parallel, self.pipeline_parallel)
 
+    def sampler_ranks(self, devices: int, rank: int) -> tuple[int, int] | None:
+        """(replicas, replica) for the distributed sampler: the ranks of one tensor-parallel group or pipeline read
+        the same batch, so the data splits over the data ranks only. None: each rank reads its own share."""
+        if self.tensor_parallel * self.pipeline_parallel == 1:
+            return None
+        dims = self.dims(devices)
+        return dims.data_parallel, dims.data_rank(rank)
+
     def path(self, devices: int) -> PlacementPath:
         return placement_path(self.sharding, devices, offloading=self.offloading,
                               layered=self.accumulation == "layered", model_parallel=self.model_parallel,
                               pipelined=self.pipelined)
+
+    @property
+    def resharding(self) -> Resharding:
+        """When ZeRO-3's units reshard under this layout (see :class:`~.mesh.Resharding`)."""
+        breadth_first = self.pipelined and self.pipeline_schedule in BREADTH_FIRST
+        return resharding(fsdp_mode_for(self.sharding),
+                          consecutive_micro_batches=self.accumulation == "layered" or breadth_first)
 
     @property
     def trainer_accumulation(self) -> int:
@@ -287,6 +306,31 @@ def check_batch(layout: Layout, sequences: int) -> None:
     if sequences % layout.micro_batches:
         raise ValueError(f"P2RStrategy(micro_batches={layout.micro_batches}) must divide the {sequences} sequences "
                          "per data-parallel rank")
+
+
+def check_trainer(layout: Layout, accumulate_grad_batches: int, batch_size: object = None) -> None:
+    """Where the strategy splits each batch itself (layered accumulation, pipelines), Lightning must not accumulate
+    too, and a batch size the data declares must split (other data is checked at its first batch)."""
+    if layout.accumulation != "layered" and not layout.pipelined:
+        return
+    if accumulate_grad_batches != 1:
+        raise ValueError(
+            f"P2RStrategy(micro_batches={layout.micro_batches}, accumulation={layout.accumulation!r}) splits each "
+            f"batch itself; set Trainer(accumulate_grad_batches=1), got {accumulate_grad_batches}")
+    if isinstance(batch_size, int) and batch_size % layout.micro_batches:
+        choices = [d for d in range(layout.pipeline_parallel, batch_size + 1) if batch_size % d == 0]
+        raise ValueError(f"P2RStrategy(micro_batches={layout.micro_batches}) must divide the batch size, and the "
+                         f"data's batch_size is {batch_size}: choose micro_batches among {choices} or change "
+                         "data.batch_size")
+
+
+def oversubscription_warning(device_type: str, processes: int, cores: int) -> str | None:
+    """The warning for more CPU processes than cores on this node, or None."""
+    if device_type != "cpu" or processes <= cores:
+        return None
+    return (f"P2RStrategy: {processes} CPU processes on {cores} cores: each waits for the others at every "
+            f"collective, so steps slow down many times over. Use at most --trainer.devices={cores} (and "
+            "OMP_NUM_THREADS=1 per process) on this machine.")
 
 
 def check_layout(layout: Layout, devices: int | None = None, model: ModelShape | None = None,

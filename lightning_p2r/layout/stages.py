@@ -111,5 +111,3 @@ def bubble_fraction(pipeline_parallel: int, stages_per_rank: int, micro_batches:
     v * m stage-times of work, with forward and backward stage costs in a fixed ratio."""
     p, v, m = pipeline_parallel, stages_per_rank, micro_batches
     return (p - 1) / (v * m + p - 1)
-
-

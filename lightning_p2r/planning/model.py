@@ -43,7 +43,7 @@ class ParamSpec:
 
 
 def block_params(config: M6Config, block: int) -> list[ParamSpec]:
-    """The parameters of one unique block (the split dimensions follow ``strategy/parallel/tensor.py``)."""
+    """The parameters of one unique block (the split dimensions follow ``M6Transformer.parallel_plan``)."""
     d, h, e = config.dim, config.hidden_dim, config.num_experts
     prefix = f"blocks.{block}."
     specs = [ParamSpec(prefix + "attn_norm.weight", (d,), "block", block),

@@ -14,7 +14,7 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from ..layout import divisors
+from ..layout import SINGLE_STAGE_SCHEDULES, divisors
 from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import BREADTH_FIRST, SCHEDULES, Layout, Workload, check_layout
@@ -101,7 +101,7 @@ def _variants(config: M6Config, cluster: Cluster, workload: Workload, space: Sea
             continue  # layered accumulation of one micro-batch is standard accumulation
         if pp > 1 and accumulation == "standard" and schedule in BREADTH_FIRST and "layered" in space.accumulations:
             continue  # a breadth-first pipeline is layered accumulation: the same layout under its other name
-        stage_counts = [1] if schedule in ("gpipe", "1f1b") or pp == 1 else range(2, space.max_stages_per_rank + 1)
+        stage_counts = [1] if schedule in SINGLE_STAGE_SCHEDULES or pp == 1 else range(2, space.max_stages_per_rank + 1)
         for v in stage_counts:
             yield Layout(sharding=sharding, tensor_parallel=tp, expert_parallel=ep, pipeline_parallel=pp,
                          pipeline_schedule=schedule, stages_per_rank=v, sequence_parallel=sp,

@@ -47,9 +47,10 @@ def rank_share(config: M6Config, layout: Layout, cluster: Cluster, workload: Wor
     blocks = tuple(sorted({mapping[layer] for layer in layers}))
     dp = layout.data_parallel(cluster.devices)
     # The offload plan's own rule (half a block rounds up; the last block always among them).
-    count = offload_count(layout.offload_fraction, len(blocks))
-    chosen = spread(count, len(blocks)) if layout.offload_blocks is None else layout.offload_blocks
-    offloaded = tuple(blocks[i] for i in chosen if i < len(blocks))
+    if layout.offload_blocks is None:
+        offloaded = tuple(blocks[i] for i in spread(offload_count(layout.offload_fraction, len(blocks)), len(blocks)))
+    else:  # named by their index in the model, as the strategy reads them
+        offloaded = tuple(i for i in sorted(set(layout.offload_blocks)) if i in blocks)
     sequences = workload.global_batch // dp
     return RankShare(pipeline_rank, layers, pipeline_rank == 0, pipeline_rank == (pp * v - 1) % pp, blocks,
                      offloaded, dp, dp // layout.expert_parallel, sequences, sequences // layout.micro_batches)

@@ -26,7 +26,7 @@ forward and in backward: 2 x (tokens x k + received) x dim. Over an expert group
 ones, so the group's mean is 4 x tokens x k x dim + 8 x num_experts.
 
 Data parallel (FSDP2 over the data ranks), from the bytes of the parameter parts (after the tensor / expert split)
-that more than one data rank holds, per FSDP2 unit: the replicated layout all-reduces their gradients once; ZeRO-2
+that more than one data rank holds, per FSDP2 unit: the replicate mode all-reduces their gradients once; ZeRO-2
 gathers them once (forward) and reduce-scatters the gradients once; ZeRO-3 gathers each block (and each experts
 unit) again in backward, while the root unit (embedding, final norm, head) stays gathered from forward to backward.
 
@@ -110,18 +110,18 @@ def balance_loss_bytes(shape: StepShape, data_parallel: int) -> dict[str, float]
     return {"all_reduce": float((16 * shape.num_experts + 4) * shape.moe_layers)}
 
 
-def data_parallel_bytes(layout: str, *, block_bytes: float, root_bytes: float) -> dict[str, float]:
-    """{"all_reduce", "all_gather", "reduce_scatter": ...} of FSDP2 in one step for ``layout`` ("replicate", "zero2"
-    or "zero3"): ``block_bytes`` are the blocks' (and experts') parameter bytes held by more than one data rank,
-    ``root_bytes`` those of the parameters outside the blocks."""
+def data_parallel_bytes(mode: str, *, block_bytes: float, root_bytes: float) -> dict[str, float]:
+    """{"all_reduce", "all_gather", "reduce_scatter": ...} of FSDP2 in one step in ``mode`` ("replicate", "zero2"
+    or "zero3", as ``layout.fsdp_mode_for`` names them): ``block_bytes`` are the blocks' (and experts') parameter
+    bytes held by more than one data rank, ``root_bytes`` those of the parameters outside the blocks."""
     total = block_bytes + root_bytes
-    if layout == "replicate":
+    if mode == "replicate":
         return {"all_reduce": total, "all_gather": 0.0, "reduce_scatter": 0.0}
-    if layout == "zero2":
+    if mode == "zero2":
         return {"all_reduce": 0.0, "all_gather": total, "reduce_scatter": total}
-    if layout == "zero3":
+    if mode == "zero3":
         return {"all_reduce": 0.0, "all_gather": 2 * block_bytes + root_bytes, "reduce_scatter": total}
-    raise ValueError(f"layout must be 'replicate', 'zero2' or 'zero3', got {layout!r}")
+    raise ValueError(f"the FSDP2 mode must be 'replicate', 'zero2' or 'zero3', got {mode!r}")
 
 
 def clipping_bytes(clipping: bool) -> dict[str, float]:

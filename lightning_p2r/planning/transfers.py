@@ -143,11 +143,11 @@ def _gathers_per_step(layout: Layout, is_block: bool) -> int:
     m, zero3 = layout.micro_batches, layout.sharding == "zero3"
     if layout.pipeline_parallel > 1:
         # A pipeline's stages stay gathered from their first forward to their last backward (zero2); under zero3
-        # a breadth-first schedule gathers each block once per direction, a depth-first one before each forward
-        # (it reshards after it) and once for the backwards (kept until the last).
+        # (the rulebook's reshard rule) a breadth-first schedule gathers each block, experts included, once per
+        # direction, a depth-first one before each forward and once for the backwards (kept until the last).
         if not (zero3 and is_block):
             return 1
-        return 2 if layout.pipeline_schedule in ("gpipe", "looped_bfs") else m + 1
+        return m + 1 if layout.resharding.after_each_forward else 2
     passes = 1 if layout.accumulation == "layered" else m
     return passes * (2 if zero3 and is_block else 1)
 

@@ -1,9 +1,6 @@
-"""``P2RStrategy`` and the pure pieces it is made of."""
+"""``P2RStrategy``: its engines, placement, step runners and the torch pieces they share (the torch-free rules are
+``lightning_p2r.layout``)."""
 
-from ..layout import BlockFootprint, OffloadPlan, plan_offload
-from .offload import OffloadEngine, OffloadStats
-from .split_optimizer import SplitOptimizer
 from .strategy import P2RStrategy
 
-__all__ = ["BlockFootprint", "OffloadEngine", "OffloadPlan", "OffloadStats", "P2RStrategy", "SplitOptimizer",
-           "plan_offload"]
+__all__ = ["P2RStrategy"]

@@ -19,9 +19,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: the local shard of a DTensor, the whole tensor otherwise."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def local_bytes(tensor: torch.Tensor) -> int:
-    """Bytes this rank stores for ``tensor``: its local shard for a DTensor (FSDP2), the whole tensor otherwise."""
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    """Bytes this rank stores for ``tensor`` (its local part)."""
+    local = local_tensor(tensor)
     return local.numel() * local.element_size()
 
 

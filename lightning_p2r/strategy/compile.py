@@ -1,19 +1,11 @@
-"""Per-block ``torch.compile`` (``P2RStrategy(compile=...)``): step 5 of the placement order (``placement.py``),
-after the model's tensor / expert plan and recompute, before FSDP2 wraps the block, as torchtitan compiles each
-TransformerBlock.
+"""Per-block ``torch.compile`` (``P2RStrategy(compile=...)``), step 5 of the placement order (``placement.py``):
+after the model's tensor / expert plan and recompute, before FSDP2 wraps the block, as torchtitan does.
 
-What is compiled is each block's ``forward``, not its ``__call__`` (which ``nn.Module.compile`` compiles). The hooks
-the layouts put on a block (FSDP2's gathers and reductions, the streaming engine's fetches and releases) then run
-eagerly around the compiled code as they were written: traced by dynamo, the streaming engine's Python bookkeeping
-(which block is resident, the layer counter) becomes guards that change every layer and force recompiles. A
-block's class is switched to a subclass whose ``forward`` is compiled, the way FSDP2's ``fully_shard`` and the
-expert plan switch classes: a copy of the block (delinking deep-copies shared blocks) is then compiled too, where
-``nn.Module.compile``'s compiled call is dropped by ``copy.deepcopy``. Every block of one class shares one compiled
-function, so dynamo compiles one graph per distinct call (shapes, attention window, dense or MoE), not per block.
-
-Graph breaks are allowed (``fullgraph=False``): the MoE layer reads its segment sizes on the host
-(``tolist``), which dynamo cannot trace, and the expert-parallel all-to-all sends data-dependent splits; the parts
-between the breaks are compiled, and the tests check the losses against eager.
+A block's class is switched to a subclass whose ``forward`` is compiled (as ``fully_shard`` switches classes), not
+its ``__call__`` as ``nn.Module.compile`` would: the layouts' hooks (FSDP2's gathers, the streaming engine's
+fetches) run eagerly around the compiled code instead of becoming guards that change every layer, a deep copy
+(delinking) stays compiled, and every block of a class shares one compiled function. Graph breaks are allowed: the
+MoE layer reads its segment sizes on the host and the all-to-all sends data-dependent splits (docs/offload.md).
 """
 
 from __future__ import annotations
@@ -46,14 +38,9 @@ def backend_of(option: bool | str) -> str | None:
 
 
 def check_compile(option: bool | str, *, count_collectives: bool) -> None:
-    """Refuse, before any process group exists, what cannot compile (torch would only fail, or silently run eagerly,
-    at the first forward):
-
-    - a backend torch.compile does not know;
-    - ``count_collectives=True``: the collective counter is a ``TorchDispatchMode`` around the step, and dynamo does
-      not compile under a dispatch mode: the blocks would run eagerly (and their code is then never compiled in this
-      process, even after the counter is gone).
-    """
+    """Refuse, before any process group exists, what cannot compile (torch would fail, or silently run eagerly, at the
+    first forward): a backend torch.compile does not know, and ``count_collectives=True``, whose counter is a
+    ``TorchDispatchMode`` around the step, under which dynamo does not compile (nor later, in this process)."""
     backend = backend_of(option)
     if backend is None:
         return
@@ -92,21 +79,17 @@ def _settled(value: Any) -> Any:
     return value.clone() if isinstance(value, AsyncCollectiveTensor) else value
 
 
-def compile_blocks(blocks: nn.ModuleList, indices: Iterable[int] | None = None, *,
-                   backend: str = DEFAULT_BACKEND) -> None:
-    """Compile the forward of ``blocks[i]`` for each i of ``indices`` (all blocks by default). A block compiled
-    already (placed again after delinking) is left as it is."""
+def apply_compile(option: bool | str, blocks: nn.ModuleList, indices: Iterable[int] | None = None) -> None:
+    """Compile the forward of ``blocks[i]`` for each i of ``indices`` (all blocks by default) as the ``compile``
+    option says (nothing when it is False). A block compiled already (placed again after delinking) is left as it
+    is."""
+    backend = backend_of(option)
+    if backend is None:
+        return
     for index in range(len(blocks)) if indices is None else indices:
         block = blocks[index]
         if not isinstance(block, CompiledForward):
             block.__class__ = compiled_class(type(block), backend)
-
-
-def apply_compile(option: bool | str, blocks: nn.ModuleList, indices: Iterable[int] | None = None) -> None:
-    """Compile the blocks as the ``compile`` option says (nothing when it is False)."""
-    backend = backend_of(option)
-    if backend is not None:
-        compile_blocks(blocks, indices, backend=backend)
 
 
 def is_compiled(block: nn.Module) -> bool:

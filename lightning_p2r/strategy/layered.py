@@ -1,24 +1,16 @@
-"""Layered (breadth-first) gradient accumulation: a pure-torch executor for one optimizer step.
+"""Layered (breadth-first) gradient accumulation: a pure-torch executor for one optimizer step (Lamy-Poirier 2021,
+arXiv:2106.02679).
 
-Lamy-Poirier, "Layered gradient accumulation and modular pipeline parallelism: fast and efficient training of
-large language models" (2021, arXiv:2106.02679). Standard (depth-first) accumulation runs each micro-batch through
-every layer, forward then backward, so a block whose weights live elsewhere (offloaded to host memory, sharded
-across ranks) is fetched 2m times per step and its gradient reduced m times. Layered accumulation swaps the loops:
-forward runs every micro-batch through layer i before layer i + 1, backward every micro-batch through layer i
-before layer i - 1, so a strategy fetches each block once per direction and reduces its gradient once per step.
-The strategy moves the blocks through :class:`BlockEvents`; this module only orders the computation.
+Standard accumulation runs each micro-batch forward and backward through every layer, so a block whose weights live
+elsewhere (host memory, other ranks) is fetched 2m times per step and its gradient reduced m times. Layered
+accumulation swaps the loops: every micro-batch passes layer i before layer i + 1 (and, backward, i - 1), so the
+strategy (through :class:`BlockEvents`) fetches each block once per direction and reduces its gradient once.
 
-Only block-boundary activations are kept per micro-batch. Each layer's output is detached and handed to the next
-layer as a fresh leaf that requires grad, which cuts the step into one small autograd graph per (layer,
-micro-batch): each can be backpropagated, and freed, in the order the schedule wants, and its input leaf's
-``.grad`` is the gradient to feed to the layer below. The boundary is also the least state from which a layer's
-interior can be rebuilt, which is what recomputation needs.
-
-Memory trade-off: with ``recompute=False`` the interior activations of every layer and every micro-batch are
-alive when forward ends, m times those of one micro-batch (as much as a step on the whole batch without
-accumulation). With ``recompute=True`` forward keeps only the boundaries (``num_layers`` hidden states of the
-whole batch, as full activation checkpointing would) and backward re-runs one layer for one micro-batch at a time,
-at the cost of one more forward pass. The RNG state is restored for the re-run so dropout draws the same masks.
+Each layer's output is detached and handed on as a fresh leaf that requires grad: one small autograd graph per
+(layer, micro-batch), backpropagated and freed in the schedule's order, its input leaf's ``.grad`` feeding the layer
+below; the boundary is also all a recompute needs. Without ``recompute`` every layer's interior activations of every
+micro-batch are alive when forward ends (as for one step on the whole batch); with it forward keeps only the
+boundaries and backward re-runs one layer for one micro-batch at a time, under the RNG state of its first run.
 """
 
 from __future__ import annotations
@@ -32,17 +24,13 @@ import torch
 
 from ..protocols import LayeredStages  # noqa: F401  (defined with the other contracts; imported here too)
 
-__all__ = ["AccumulationResult", "BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "run_depth_first",
-           "run_layered", "split_micro_batches"]
+__all__ = ["BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "split_micro_batches"]
 
 
 class BlockEvents:
-    """Callbacks a strategy overrides to move blocks; every method is a no-op here.
-
-    Events fire per layer with that layer's block index, so a block shared by several layers (pseudo model) sees
-    one before/after pair for each layer that runs it. The step enters the events as a context around the forward
-    and around the backward (a streaming engine opens and closes its copy streams there).
-    """
+    """Callbacks a strategy overrides to move blocks (no-ops here). They fire per layer with its block's index, so a
+    block several layers share sees one before/after pair per layer; the step enters the events as a context around
+    the forward and around the backward (a streaming engine opens and closes its copy streams there)."""
 
     def __enter__(self) -> BlockEvents:
         return self
@@ -71,14 +59,6 @@ class BlockEvents:
 
     def before_embed_backward(self, micro_batch: int, last: bool) -> None:
         """Before one micro-batch's backward through the embedding stage; ``last`` marks the step's final one."""
-
-
-@dataclass
-class AccumulationResult:
-    loss: torch.Tensor
-    """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""
-    metrics: dict[str, torch.Tensor]
-    """Mean over micro-batches of the head metrics."""
 
 
 def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
@@ -165,13 +145,10 @@ def _check_can_train(micro_batches: list[Any]) -> None:
 
 
 class LayeredStep:
-    """One optimizer step of layered accumulation, split where Lightning splits a step: :func:`layered_forward`
-    runs the forward of every micro-batch (inside ``training_step``) and :meth:`backward` their backward (inside
-    ``backward``; Lightning zeroes gradients in between, so the backward must not start earlier).
-
-    The heads of all micro-batches keep their graphs until backward: their logits are as large as those of one
-    step on the whole batch without accumulation.
-    """
+    """One optimizer step of layered accumulation, split where Lightning splits a step: :func:`layered_forward` runs
+    every micro-batch's forward (in ``training_step``), :meth:`backward` their backward (in ``backward``: Lightning
+    zeroes the gradients in between). The heads keep their graphs until backward: their logits are as large as those
+    of one step on the whole batch."""
 
     def __init__(self, stages: LayeredStages, events: BlockEvents, recompute: bool, m: int) -> None:
         self.stages = stages
@@ -192,7 +169,7 @@ class LayeredStep:
         """Mean over micro-batches of the head metrics."""
         self._done = False
 
-    def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> AccumulationResult:
+    def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Backward of every micro-batch, layer by layer from the head down; gradients accumulate into ``.grad``.
 
         ``scale`` multiplies every loss term before its backward (a ``GradScaler``'s ``scale``): the gradients then
@@ -246,16 +223,12 @@ class LayeredStep:
             if grads[i] is not None and hidden.requires_grad:
                 torch.autograd.backward(hidden, grads[i])
             self.embedded[i] = grads[i] = None
-        return AccumulationResult(loss=self.loss, metrics=self.metrics)
 
 
 def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: BlockEvents | None = None, *,
                     recompute: bool = False) -> LayeredStep:
-    """The forward half of one layered step: every micro-batch through layer i before layer i + 1, then the head.
-
-    Returns the step, whose ``loss`` and ``metrics`` are known now and whose ``backward()`` finishes it. Runs under
-    whatever autocast context the caller set.
-    """
+    """The forward half of one layered step, under the caller's autocast: every micro-batch through layer i before layer
+    i + 1, then the head. The step's ``loss`` and ``metrics`` are known on return; its ``backward()`` finishes it."""
     _check_can_train(micro_batches)
     events = events if events is not None else BlockEvents()
     m = len(micro_batches)
@@ -298,31 +271,3 @@ def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: Blo
     step.loss = torch.stack([t.float() for t in totals]).mean()
     step.metrics = _mean_metrics(metrics)
     return step
-
-
-def run_layered(stages: LayeredStages, micro_batches: list[Any], events: BlockEvents | None = None, *,
-                recompute: bool = False) -> AccumulationResult:
-    """One optimizer step's forward and backward, layer by layer across all micro-batches.
-
-    Optimises the mean over micro-batches of (head loss + that micro-batch's extra layer losses): the gradients
-    accumulated into ``.grad`` equal those of ``run_depth_first`` on the same micro-batches (up to summation
-    order).
-    """
-    return layered_forward(stages, micro_batches, events, recompute=recompute).backward()
-
-
-def run_depth_first(loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                    micro_batches: list[Any]) -> AccumulationResult:
-    """Standard gradient accumulation: forward and backward of ``loss / m`` for one micro-batch after another.
-
-    The reference that :func:`run_layered` must match; ``loss_fn`` maps a micro-batch to (loss, metrics).
-    """
-    _check_can_train(micro_batches)
-    m = len(micro_batches)
-    losses, metrics = [], []
-    for micro_batch in micro_batches:
-        loss, loss_metrics = loss_fn(micro_batch)
-        (loss / m).backward()
-        losses.append(loss.detach().float())
-        metrics.append({key: value.detach() for key, value in loss_metrics.items()})
-    return AccumulationResult(loss=torch.stack(losses).mean(), metrics=_mean_metrics(metrics))

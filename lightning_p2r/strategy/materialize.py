@@ -1,13 +1,8 @@
-"""Materializing a model built on the meta device: each tensor allocated once, where the plan puts it, and filled
-once, with its initial value or the checkpoint's.
-
-``P2RStrategy`` builds the LightningModule's model under ``torch.device("meta")`` (no memory), makes the offload
-plan and the sharding layout from the meta shapes, then allocates block by block: offloaded blocks straight into
-host memory (where they become the engine's host masters), FSDP2 units after ``fully_shard`` (each rank only its
-shard), the rest on the device. The values come from the model (``initial_value(name)``, a pure function of the
-model's init seed and the parameter's name, see ``lightning_p2r.models.init``), so they do not depend on the
-placement; a model without that method gets its modules' own ``reset_parameters()`` instead (torch's convention,
-which draws from the global generator and so depends on the order of materialization).
+"""Materializing a model built on the meta device: each tensor allocated once, where the placement puts it (host
+memory for an offloaded block, this rank's shard after ``fully_shard``), and filled once, with the checkpoint's
+value or its initial one. Initial values come from the model (``initial_value(name)``: a pure function of its init
+seed and the name, so they do not depend on the placement), else from the modules' ``reset_parameters()`` (torch's
+convention, which draws from the global generator and so depends on the order of materialization).
 """
 
 from __future__ import annotations
@@ -102,12 +97,8 @@ def write(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 class Initializer:
-    """Writes the initial values of ``root``'s parameters once they have storage.
-
-    ``values_from`` is the module that knows its parameters' initial values by name (``initial_value(name)``, the
-    block-sequence holder of an M6 model); parameters it does not hold, or all of them when it has no such method,
-    are initialized by their modules' ``reset_parameters()``.
-    """
+    """Writes the initial values of ``root``'s parameters once they have storage: from ``values_from``'s
+    ``initial_value(name)`` (an M6 model's block-sequence holder), else by their modules' ``reset_parameters()``."""
 
     def __init__(self, root: nn.Module, values_from: nn.Module | None) -> None:
         self.root = root

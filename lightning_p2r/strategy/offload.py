@@ -1,26 +1,14 @@
-"""The streaming engine of granular offloading: offloaded blocks live in host memory and visit the device.
+"""The streaming engine of granular offloading (docs/offload.md): offloaded blocks live in host memory and visit
+the device.
 
-For each offloaded block the engine keeps a persistent **host master** copy of every parameter (pinned when an
-accelerator exists) and a persistent host gradient buffer. The module's own parameter stays a device tensor
-whose storage is empty except while the block runs:
-
-- forward: a pre-hook copies the block in (and prefetches the next ``prefetch`` offloaded blocks), a post-hook
-  releases it and hooks the block's output so that
-- backward: when the gradient of that output arrives, the block is copied in again (prefetching the blocks that
-  come next in backward order) for autograd's saved tensors to read;
-- when autograd has accumulated the block's parameter gradients (a post-accumulate-grad hook per parameter),
-  the gradients are copied to the host buffers (added across micro-batches), dropped from the device, and the
-  block is released.
-
-Parameters are swapped by resizing their storage (the technique FSDP uses): autograd's saved tensors share that
-storage and see the restored values, while version counters stay untouched because the copy goes through
-``param.data``. On a CPU-only machine the "device" is the CPU too; the same mechanism then runs with ordinary
-copies, which keeps the residency rules and the byte counts testable without a GPU.
-
-Why not FSDP2's ``CPUOffloadPolicy`` alone: it offloads per ``fully_shard`` unit with a fixed prefetch of one,
-gives no bytes-moved or residency telemetry, cannot run the host optimizer step of a block while the device
-still computes the backward of earlier blocks, and needs a process group even on one device. Sharding across
-ranks (ZeRO) will build on FSDP2.
+Each offloaded parameter keeps a persistent host master (pinned with an accelerator) and, from its first gradient
+on, a host gradient buffer; the module's parameter is a device tensor whose storage is empty except while its block
+runs. A forward pre-hook copies the block in (prefetching the next ``prefetch`` offloaded blocks), a forward hook
+releases it and hooks its output, so backward brings it back for autograd's saved tensors; once autograd has
+accumulated the block's gradients they go to the host buffers and the block is released. Parameters are swapped by
+resizing their storage, as FSDP does: saved tensors share it and see the restored values, and version counters stay
+untouched because the copy goes through ``param.data``. On a CPU-only machine the same mechanism runs with ordinary
+copies, so residency and byte counts are tested without a GPU. Why not FSDP2's ``CPUOffloadPolicy``: docs/offload.md.
 """
 
 from __future__ import annotations
@@ -483,12 +471,10 @@ class OffloadEngine:
 
 
 class EngineEvents(BlockEvents):
-    """Layered accumulation on one process: an offloaded block is copied in once for the forward of every
-    micro-batch and once for their backward, and its gradient goes to the host once (Lamy-Poirier 2021).
-
-    A block that several layers run (a pseudo model) stays on the device from its first layer to its last in each
-    direction, and its gradient goes to the host (and its host step may start) only after the last layer's
-    backward: before that it is a partial sum."""
+    """Layered accumulation on one process: an offloaded block is copied in once per direction for every micro-batch,
+    and its gradient goes to the host once. A block several layers run (a pseudo model) stays on the device from its
+    first layer to its last in each direction; its gradient leaves (and its host step may start) only after the last
+    layer's backward, before which it is a partial sum."""
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine

@@ -19,6 +19,7 @@ from ..layout import (
     SHARDINGS,
     Accumulation,
     Layout,
+    OffloadState,
     PipelineSchedule,
     Sharding,
     check_accumulation_options,
@@ -27,8 +28,6 @@ from ..layout import (
     check_offload_options,
     check_parallel_options,
 )
-
-OffloadState = Literal["params", "grads", "optimizer"]
 
 
 @dataclass(frozen=True)
@@ -90,16 +89,6 @@ class ParallelConfig:
 
     def __post_init__(self) -> None:
         check_parallel_options(Layout(**{f.name: getattr(self, f.name) for f in fields(self)}))
-
-    @property
-    def model_parallel(self) -> bool:
-        """Tensor or expert parallelism (the model_parallel engine)."""
-        return self.tensor_parallel > 1 or self.expert_parallel > 1
-
-    @property
-    def pipelined(self) -> bool:
-        """Pipeline parallelism (the pipeline engine)."""
-        return self.pipeline_parallel > 1
 
 
 @dataclass(frozen=True)
@@ -191,18 +180,13 @@ class OffloadConfig:
         object.__setattr__(self, "offload_states", sorted(states))
         check_bool("log_telemetry", self.log_telemetry)
 
-    @property
-    def offloading(self) -> bool:
-        """Whether the options ask for offload (a zero fraction or an empty block list do not)."""
-        return bool(self.offload_fraction or self.offload_blocks or self.device_memory_budget is not None)
-
 
 def layout_of(sharding: ShardingConfig, parallel: ParallelConfig, accumulation: AccumulationConfig,
                offload: OffloadConfig) -> Layout:
-    """The rulebook's :class:`~lightning_p2r.layout.Layout` of these sections (a memory budget's offload is decided
-    at setup, from the model's sizes: it reads as no fraction here)."""
+    """The rulebook's :class:`~lightning_p2r.layout.Layout` of these sections."""
     values = {"sharding": sharding.sharding, "offload_fraction": offload.offload_fraction or 0.0,
-              "offload_blocks": tuple(offload.offload_blocks) if offload.offload_blocks else None}
+              "offload_blocks": tuple(offload.offload_blocks) if offload.offload_blocks else None,
+              "device_memory_budget": offload.device_memory_budget}
     for section in (parallel, accumulation):
         values |= {f.name: getattr(section, f.name) for f in fields(section)}
     return Layout(**values)

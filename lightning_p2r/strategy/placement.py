@@ -8,23 +8,21 @@ parallelism, pipeline stages), in torchtitan's order:
 4. **recompute**: pipeline stage modules checkpoint each layer (layered accumulation recomputes in its executor);
 5. **compile** each block (``compile.py``), after the plan and recompute, before FSDP2 wraps it;
 6. **FSDP2**: ``fully_shard`` every unit (a block, and under model parallelism its experts first, over the ranks
-   holding the same experts), then the part's root, with one reshard rule (:func:`reshard_after_forward`);
+   holding the same experts), then the part's root, with the rulebook's one reshard rule (``Layout.resharding``);
 7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them with
    initial values or the checkpoint's weights.
 
-Every FSDP2 call of the package is here: one for units, one for roots.
+The strategy's only ``fully_shard`` calls are here: one for units, one for roots.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
-from ..layout import reshard_after_forward
-from ..protocols import ComputesTokenLoss, ParallelPlan
+from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
 from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
 from .materialize import Initializer, allocate, has_meta_tensors
@@ -32,7 +30,7 @@ from .parallel import ParallelMeshes, parallelize_model
 from .parallel.loss import VocabParallelCrossEntropy
 from .parallel.parallelize import model_plan
 from .pipeline.placement import StagePlacement
-from .plan import OffloadPlan
+from .plan import OffloadPlan, plan_for_model
 from .regather import meta_template
 from .sharding import StageRunner, fsdp_modules, modules_outside_blocks, smallest_parameter_root
 
@@ -63,45 +61,30 @@ def shard_root(root: nn.Module, mesh: object) -> None:
     fully_shard(root, mesh=mesh, reshard_after_forward=False)
 
 
-def offload_plan(ctx: EngineContext, module: nn.Module, holder: nn.Module, mine: set[int]) -> OffloadPlan:
-    """The offload options applied to this rank's blocks ``mine`` (a fraction or a budget is this rank's share;
-    ``offload_blocks`` names blocks by their index in the model)."""
-    if len(mine) == len(holder.blocks):
-        return ctx.offload_plan(module, holder.blocks)
-    own = sorted(mine)
-    chosen = ctx.offload.offload_blocks
-    local_ctx = ctx if chosen is None else _with_offload_blocks(ctx, [own.index(i) for i in chosen if i in mine])
-    local = local_ctx.offload_plan(module, nn.ModuleList([holder.blocks[i] for i in own]))
-    return OffloadPlan(len(holder.blocks), tuple(own[i] for i in local.offloaded))
-
-
-def _with_offload_blocks(ctx: EngineContext, blocks: list[int]) -> EngineContext:
-    return dataclasses.replace(ctx, offload=dataclasses.replace(ctx.offload, offload_blocks=blocks))
-
-
 def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshes, ctx: EngineContext) -> ParallelPlan:
     """Split the model over the tensor and expert dimensions as it declares (works on the meta device). A module
     that takes its training loss from ``token_loss`` gets the vocabulary-parallel one (the logits stay split)."""
     plan = model_plan(holder)
     output = [holder.get_submodule(name) for name, kind in plan.outside.items() if kind == "output"]
     # A pipeline rank without the output layer (a stand-in) never computes the loss.
-    vocab = output[0].weight.shape[0] if output and hasattr(output[0], "weight") else None
+    vocab = output[0].weight.shape[0] if output and isinstance(output[0], HoldsWeight) else None
     loss_parallel = meshes.dims.tensor_parallel > 1 and vocab is not None and isinstance(module, ComputesTokenLoss)
-    parallelize_model(holder, meshes, loss_parallel=loss_parallel, sequence_parallel=ctx.parallel.sequence_parallel)
+    parallelize_model(holder, plan, meshes, loss_parallel=loss_parallel,
+                      sequence_parallel=ctx.parallel.sequence_parallel)
     if loss_parallel:
         module.token_loss = VocabParallelCrossEntropy(meshes.tensor, vocab)
     return plan
 
 
 def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages: StagePlacement | None, *,
-          fsdp_mode: str, move_module: bool = True) -> Placement:
+          move_module: bool = True) -> Placement:
     """Place ``module`` (on the meta device, or eager after delinking) in the order of the module docstring."""
     holder = holder_of(module)
-    layered = ctx.accumulation.accumulation == "layered"
     # 1. stage parts
-    mine = stages.keep_own(module, holder) if stages is not None else set(range(len(holder.blocks)))
+    mine = stages.keep_own(module, holder) if stages is not None else None
+    own = sorted(mine) if mine is not None else range(len(holder.blocks))
     # 2. offload plan
-    plan = offload_plan(ctx, module, holder, mine)
+    plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload, mine)
     root = smallest_parameter_root(module)
     placement = Placement(plan, root, meta_template(root))
     # 3. the model's tensor / expert plan
@@ -112,21 +95,20 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     # 4. recompute
     stage_modules = stages.build_stage_modules(holder) if stages is not None else []
     # 5. compile
-    apply_compile(ctx.accumulation.compile, holder.blocks, sorted(mine))
+    apply_compile(ctx.accumulation.compile, holder.blocks, own)
     # 6. FSDP2: units, then roots
-    reshard = reshard_after_forward(fsdp_mode, layered=layered,
-                                    breadth_first_pipeline=stages is not None and stages.breadth_first)
-    for index in sorted(mine):
+    reshard = ctx.layout.resharding
+    for index in own:
         offloaded = index in plan.offloaded
         if split is not None:  # the expert weights first: their own unit, over the ranks holding them
             for layer in split.expert_layers(holder, [index]):
-                shard_unit(layer.experts, meshes.expert_data, reshard=reshard, offloaded=offloaded,
+                shard_unit(layer.experts, meshes.expert_data, reshard=reshard.after_each_forward, offloaded=offloaded,
                            pin_memory=ctx.pin_memory)
-        shard_unit(holder.blocks[index], meshes.data, reshard=reshard, offloaded=offloaded,
+        shard_unit(holder.blocks[index], meshes.data, reshard=reshard.after_each_forward, offloaded=offloaded,
                    pin_memory=ctx.pin_memory)
     if stages is not None:
         roots: list[nn.Module] = list(stage_modules)
-    elif layered:
+    elif ctx.accumulation.accumulation == "layered":
         owners = modules_outside_blocks(root, holder.blocks)
         placement.runner = StageRunner(owners) if owners else None
         roots = [placement.runner] if owners else []
@@ -134,7 +116,7 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
         roots = [root]
     for part_root in roots:
         shard_root(part_root, meshes.data)
-    if stages is not None and fsdp_mode == "zero3" and stages.breadth_first:
+    if stages is not None and reshard.after_last_micro_batch:
         for stage_module in stage_modules:
             stage_module.after_last_forward = _reshard_blocks
     # 7. materialize
@@ -167,5 +149,3 @@ def _reshard_blocks(stage_module: nn.Module) -> None:
     for block in stage_module.owned:
         for unit in fsdp_modules(block):
             unit.reshard()
-
-

@@ -1,19 +1,16 @@
 """Gather an FSDP2-sharded module and its optimizer into plain host copies, and shard optimizer state back.
 
-Delinking a zero2/zero3 model mid-training changes its structure (new blocks, new parameters), which FSDP2 cannot
-do to a module it already manages. So the strategy gathers the model into a plain copy on the host (one tensor at a
-time: at most one full parameter is ever assembled on the device), delinks the copy with the same pure function as
-every other path, shards the copy as it sharded the original, and builds the optimizer over the new shards.
-
-The plain copy is built from a *meta template*, a copy of the module's structure taken before sharding that holds
-no data, because an FSDP2 module cannot be copied (its class and hooks belong to FSDP2). Deep-copying the template
-with every meta tensor mapped to a real one keeps tied parameters tied.
+FSDP2 cannot change the structure of a module it manages, so delinking gathers the model into a plain host copy
+(one tensor at a time: at most one whole parameter on the device), delinks the copy like any other model and places
+it afresh. The copy is built from a *meta template* taken before sharding (an FSDP2 module cannot be copied); deep-
+copying it with every meta tensor mapped to a real one keeps tied parameters tied.
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -94,6 +91,19 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, target_of: Callable[[torch
     return result
 
 
+def optimizer_subset(optimizer: torch.optim.Optimizer, kept: list[tuple[int, list[Any]]]) -> torch.optim.Optimizer:
+    """An optimizer of ``optimizer``'s class over some of its parameters (``kept``: group index, parameters), with
+    their state and their groups' settings."""
+    groups = [{k: v for k, v in optimizer.param_groups[i].items() if k != "params"} | {"params": params}
+              for i, params in kept]
+    subset = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
+    for _, params in kept:
+        for param in params:
+            if param in optimizer.state:
+                subset.state[param] = optimizer.state[param]
+    return subset
+
+
 def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,
                            plain: nn.Module) -> torch.optim.Optimizer:
     """An optimizer of the same class, groups and hyperparameters over ``plain``'s parameters, with the whole
@@ -110,12 +120,9 @@ def gather_plain_optimizer(optimizer: torch.optim.Optimizer, sharded: nn.Module,
 def delinked_plain_copy(sharded: nn.Module, template: nn.Module, optimizer: torch.optim.Optimizer,
                         num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
                         perturb: Perturbation | None = None) -> tuple[nn.Module, torch.optim.Optimizer, dict[int, str]]:
-    """Gather ``sharded`` (and ``optimizer``, which optimizes it) into plain host copies and delink those.
-
-    Returns the delinked module, its optimizer, and the name of each of its parameters by ``id``: sharding the
-    module replaces its parameters, so :func:`shard_optimizer` finds the new ones by these names. Collective:
-    every rank must call it.
-    """
+    """Gather ``sharded`` (and ``optimizer``, over it) into plain host copies and delink those (collective). Returns the
+    delinked module, its optimizer, and each parameter's name by ``id`` (sharding replaces the parameters, so
+    :func:`shard_optimizer` finds the new ones by name)."""
     plain = gather_plain_module(sharded, template)
     plain_optimizer = gather_plain_optimizer(optimizer, sharded, plain)
     plain_optimizer = delink(plain, plain_optimizer, num_unique_blocks=num_unique_blocks,

@@ -1,15 +1,9 @@
-"""ZeRO-1 where FSDP2 holds the model replicated: torch's ``ZeroRedundancyOptimizer`` over the ranks' whole tensors.
-
-Offload and layered accumulation across ranks run on FSDP2 (DDP's reducer cannot drive them). For ``sharding``
-"none" and "zero1" the model is laid out on a (ranks x 1) mesh, so every rank's local tensor of a parameter is the
-whole parameter and FSDP2 all-reduces the gradients. ZeRO-1 then only has to partition the optimizer states, which
-is what ``ZeroRedundancyOptimizer`` does, except that it cannot broadcast DTensors. So it runs over *views*: a
-plain parameter aliasing each DTensor's local storage. Each rank steps its partition in place and broadcasts it,
-which updates the DTensors' storage (and, for an offloaded unit, the host copy FSDP2 gathers from).
-
-Lightning and the checkpoint and delinking code see the module's own parameters elsewhere; they convert with
-:func:`to_module_optimizer` (a plain optimizer over the DTensor parameters with the whole state, collective) and
-:meth:`ReplicatedZeroOptimizer.load_whole_state`.
+"""ZeRO-1 where FSDP2 holds the model replicated (offload or layered accumulation across ranks, tensor / expert
+parallelism): torch's ``ZeroRedundancyOptimizer``, which cannot broadcast DTensors, runs over *views*, plain
+parameters aliasing each DTensor's local storage (the whole parameter, or its tensor-parallel part). Each rank steps
+its partition in place and broadcasts it, which updates the DTensors' storage (and an offloaded unit's host copy).
+Checkpoints and delinking convert from and to a plain optimizer over the module's parameters
+(:meth:`ZeroOneOptimizer.to_module_optimizer`, :meth:`ZeroOneOptimizer.load_whole_state`).
 """
 
 from __future__ import annotations
@@ -21,13 +15,11 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from ..sharing import optimizer_constructor_kwargs, rebind_scheduler
-from .regather import remap_optimizer
+from ..sharing import optimizer_constructor_kwargs
+from .accounting import local_tensor
+from .optimizers import regrouped
+from .regather import optimizer_subset, remap_optimizer
 from .sharding import consolidated_state_dict, zero_redundancy_optimizer
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class ZeroOneOptimizer:
@@ -41,7 +33,7 @@ class ZeroOneOptimizer:
     def link_grads(self) -> None:
         """Point each view's gradient at the reduced DTensor gradient's local tensor (no copy)."""
         for param, view in zip(self.whole_params, self.views):
-            view.grad = None if param.grad is None else _local(param.grad)
+            view.grad = None if param.grad is None else local_tensor(param.grad)
 
     def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
         """Take the whole state and settings of ``optimizer``, an optimizer over the module's parameters."""
@@ -64,16 +56,12 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, process_group: Any = None) -> ReplicatedZeroOptimizer:
         """The same optimizer class, groups, settings and (whole) state, partitioned across the ranks of
-        ``process_group`` (all of them by default: the ranks that hold the same parameters)."""
+        ``process_group`` (all of them by default), which must hold the same local part of every parameter: the
+        engine builds it on FSDP2's replicate layout only (``fsdp_mode_for("zero1")``), over the data ranks of one
+        tensor-parallel position."""
         whole = [p for group in optimizer.param_groups for p in group["params"]]
-        for param in whole:
-            # Over all ranks every rank must hold the whole parameter; over a group (the data ranks of one
-            # tensor-parallel position) the caller vouches that its members hold the same local part.
-            if process_group is None and isinstance(param, DTensor) and param.to_local().shape != param.shape:
-                raise ValueError("ReplicatedZeroOptimizer needs parameters replicated on every rank; this one is "
-                                 f"sharded (local {tuple(param.to_local().shape)} of {tuple(param.shape)})")
-        views = {id(p): nn.Parameter(_local(p).detach(), requires_grad=p.requires_grad) for p in whole}
-        plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: _local(value))
+        views = {id(p): nn.Parameter(local_tensor(p).detach(), requires_grad=p.requires_grad) for p in whole}
+        plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: local_tensor(value))
         zero = zero_redundancy_optimizer(plain, cls=cls, process_group=process_group)
         zero.zero_group = process_group
         zero.whole_params = whole
@@ -93,14 +81,9 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
         """Take the whole state and the group settings (learning rates included) of ``optimizer``, an optimizer over
         the DTensor parameters in the same group order."""
         index = {id(p): i for i, p in enumerate(self.whole_params)}
-        state = {index[id(p)]: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        state = {index[id(p)]: {k: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for p, s in optimizer.state.items()}
-        groups, start = [], 0
-        for group in optimizer.param_groups:
-            size = len(group["params"])
-            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": list(range(start,
-                                                                                                   start + size))})
-            start += size
+        groups = regrouped(optimizer.param_groups)
         self.load_state_dict({"state": state, "param_groups": groups})
         self.group_extras = [{k: v for k, v in g.items() if k not in mine} for g, mine in zip(groups,
                                                                                                self.param_groups)]
@@ -135,22 +118,16 @@ def _like(param: torch.Tensor, value: Any) -> Any:
     return value
 
 
-def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], lr_scheduler_configs: list[Any],
-                               process_group: Any = None, *, expert_group: Any = None,
-                               experts: set[int] | None = None) -> list[torch.optim.Optimizer]:
+def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], process_group: Any = None, *,
+                               expert_group: Any = None, experts: set[int] | None = None) -> torch.optim.Optimizer:
     """The strategy's one optimizer wrapped as a :class:`ReplicatedZeroOptimizer` over ``process_group`` (all ranks
     by default), or, given ``expert_group``, as a :class:`SplitZeroOptimizer` partitioning the ``experts`` (ids)
-    over it; its LR schedulers rebound."""
+    over it (the strategy rebinds its LR schedulers)."""
     if len(optimizers) != 1:
         raise ValueError(f"P2RStrategy(sharding='zero1') on FSDP2 supports one optimizer, got {len(optimizers)}")
     if expert_group is not None:
-        zero: torch.optim.Optimizer = SplitZeroOptimizer.wrap(optimizers[0], process_group, expert_group,
-                                                              experts or set())
-    else:
-        zero = ReplicatedZeroOptimizer.wrap(optimizers[0], process_group)
-    for config in lr_scheduler_configs:
-        config.scheduler = rebind_scheduler(config.scheduler, zero)
-    return [zero]
+        return SplitZeroOptimizer.wrap(optimizers[0], process_group, expert_group, experts or set())
+    return ReplicatedZeroOptimizer.wrap(optimizers[0], process_group)
 
 
 class _LinkedGroup(dict):
@@ -189,7 +166,7 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
             kept = [(i, params) for i, params in kept if params]
             if not kept:
                 continue
-            subset = _subset(optimizer, kept)
+            subset = optimizer_subset(optimizer, kept)
             parts.append(ReplicatedZeroOptimizer.wrap(subset, group))
             slots.append([i for i, _ in kept])
         zero = cls.__new__(cls)
@@ -228,7 +205,7 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
         for part, slot in zip(self.parts, self.slots):
             mine = {id(p) for p in part.whole_params}
             kept = [(i, [p for p in optimizer.param_groups[i]["params"] if id(p) in mine]) for i in slot]
-            part.load_whole_state(_subset(optimizer, kept))
+            part.load_whole_state(optimizer_subset(optimizer, kept))
 
     def to_module_optimizer(self) -> torch.optim.Optimizer:
         """One plain optimizer over the module's parameters in the user's groups and order, with the whole state
@@ -245,16 +222,3 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
             for param, state in plain.state.items():
                 result.state[param] = state
         return result
-
-
-def _subset(optimizer: torch.optim.Optimizer, kept: list[tuple[int, list[Any]]]) -> torch.optim.Optimizer:
-    """An optimizer of ``optimizer``'s class over some of its parameters (``kept``: group index, parameters), with
-    their state and their groups' settings."""
-    groups = [{k: v for k, v in optimizer.param_groups[i].items() if k != "params"} | {"params": params}
-              for i, params in kept]
-    subset = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-    for _, params in kept:
-        for param in params:
-            if param in optimizer.state:
-                subset.state[param] = optimizer.state[param]
-    return subset

@@ -1,16 +1,6 @@
-"""ZeRO stages on the engines users already run: DDP + ``ZeroRedundancyOptimizer`` and FSDP2 ``fully_shard``.
-
-Pure functions over modules and optimizers; the strategy decides when to call them.
-
-| stage | parameters | gradients | optimizer states | built on |
-|---|---|---|---|---|
-| ``none`` | replicated | replicated (all-reduce) | replicated | ``DistributedDataParallel`` |
-| ``zero1`` | replicated | replicated (all-reduce) | 1/N per rank | DDP + ``ZeroRedundancyOptimizer`` |
-| ``zero2`` | 1/N at rest, gathered forward to backward | 1/N (reduce-scatter) | 1/N | FSDP2, no reshard after fwd |
-| ``zero3`` | 1/N, gathered one block at a time | 1/N (reduce-scatter) | 1/N | FSDP2, reshard after fwd |
-
-FSDP2 shards each parameter along dim 0 across the ranks; an offloaded block's shard (parameters, gradients and
-optimizer states) lives in host memory through FSDP2's ``CPUOffloadPolicy``, so its optimizer step runs on the host.
+"""The data-parallel pieces the engines share (see docs/sharding.md for the ZeRO stages): ZeRO-1's
+``ZeroRedundancyOptimizer`` on DDP, and around FSDP2's units, the stage runner of layered accumulation, the
+events that gather and reduce each block once per step, and resharding.
 """
 
 from __future__ import annotations
@@ -76,14 +66,10 @@ def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: i
 
 # ------------------------------------------------------------------------------------------ zero2/zero3 (FSDP2)
 class StageRunner(nn.Module):
-    """Holds the modules that own parameters outside the blocks (embedding, final norm, head) as one FSDP2 root.
-
-    Layered accumulation calls the model's embedding and head stages directly rather than through the model's
-    ``forward``. FSDP2 gathers a unit's parameters in that unit's forward hooks and needs a single root per
-    group of units, so the stage functions run *through* this module's ``forward``: every stage call is a root
-    forward of the unit that holds the parameters it reads. The modules stay registered where they were; this
-    module only references them.
-    """
+    """The modules owning parameters outside the blocks (embedding, final norm, head) as one FSDP2 root. Layered
+    accumulation calls the model's embedding and head stages directly, not through its ``forward``, and FSDP2 gathers
+    a unit's parameters in that unit's forward hooks under one root: so each stage call runs *through* this module's
+    ``forward``. The modules stay registered where they were; this module only references them."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         super().__init__()
@@ -129,13 +115,14 @@ class FSDPEvents(BlockEvents):
     micro-batch; until then FSDP2 accumulates the unsharded gradient. The same for the stage runner's parameters
     (embedding and head), whose backward opens and closes the step."""
 
-    def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_forward: bool) -> None:
+    def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_last: bool) -> None:
         self.blocks = blocks
         self.runner = runner
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_last = reshard_after_last
+        """``Layout.resharding.after_last_micro_batch``: zero3 reshards each block after its last forward."""
 
     def after_forward(self, block: int) -> None:
-        if self.reshard_after_forward:
+        if self.reshard_after_last:
             for unit in fsdp_modules(self.blocks[block]):  # the block, and a unit inside it (experts under EP)
                 unit.reshard()
 
@@ -169,7 +156,3 @@ def reshard_all(module: nn.Module, runner: nn.Module | None) -> None:
 
 
 # --------------------------------------------------------------------------------------------- accounting
-
-
-
-

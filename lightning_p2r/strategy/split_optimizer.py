@@ -1,15 +1,10 @@
 """One optimizer to Lightning, two places to step: the device for resident parameters, the host for offloaded ones.
 
-The user's ``configure_optimizers`` builds an ordinary optimizer over the module. ``SplitOptimizer`` takes its
-class, hyperparameters and groups and presents *canonical* parameter groups to Lightning, LR schedulers and
-gradient clipping: the same groups in the same order, where each offloaded parameter is replaced by its host
-master (whose ``.grad`` is the host gradient buffer). Underneath, one optimizer of the same class steps the
-resident parameters on the device, and one per offloaded block steps that block's host masters on the host
-(torch's fused CPU AdamW is ~5x the foreach one there). Hyperparameters (the LR a scheduler just set, say) are
-copied from the canonical groups before every step.
-
-``state_dict`` and ``load_state_dict`` use the canonical order, so a checkpoint is the same whatever the plan: it
-loads under a different offload plan, or without offloading.
+``SplitOptimizer`` presents Lightning, LR schedulers and clipping the user's optimizer's groups in their order, each
+offloaded parameter replaced by its host master (whose ``.grad`` is the host gradient buffer); underneath, one
+optimizer of the same class steps the resident parameters on the device and one per offloaded block its masters on
+the host (torch's fused CPU AdamW, ~5x the foreach one), with the groups' settings copied before every step. Its
+state dict is in that canonical order, so a checkpoint loads under another offload plan, or none.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ from torch import nn
 from ..sharing import optimizer_constructor_kwargs
 from .accounting import local_bytes
 from .offload import OffloadEngine
-from .optimizers import optimizer_state_to
+from .optimizers import optimizer_state_to, regrouped
 
 # Group keys that choose an implementation rather than a hyperparameter: never copied between sides.
 _IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differentiable"})
@@ -52,12 +47,9 @@ def device_optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int
 
 def host_step_overlap_allowed(overlap_host_step: bool | str, device: torch.device, module: L.LightningModule,
                               precision_plugin: Any) -> bool:
-    """Whether offloaded blocks' host steps may run during backward (:meth:`SplitOptimizer.submit_host_step`).
-
-    Only where wanted ("auto": with an accelerator; on a CPU the host step competes with backward for the same
-    cores) and where stepping a block during backward cannot skip anything that happens between backward and
-    step: gradient clipping, a gradient scaler, gradient accumulation, manual or custom optimizer steps.
-    """
+    """Whether offloaded blocks' host steps may run during backward (:meth:`SplitOptimizer.submit_host_step`): where
+    wanted ("auto": with an accelerator; on a CPU the host step competes with the backward for its cores) and where
+    nothing between backward and step can be skipped (clipping, a gradient scaler, accumulation, a custom step)."""
     trainer = module.trainer
     wanted = device.type != "cpu" if overlap_host_step == "auto" else overlap_host_step
     return (wanted and module.automatic_optimization and not trainer.gradient_clip_val
@@ -234,13 +226,7 @@ class SplitOptimizer(torch.optim.Optimizer):
             optimizer = self._optimizer_of(slot)
             if optimizer is not None and param in optimizer.state and optimizer.state[param]:
                 state[slot] = dict(optimizer.state[param])
-        groups, start = [], 0
-        for group in self.param_groups:
-            count = len(group["params"])
-            indices = list(range(start, start + count))
-            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": indices})
-            start += count
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": regrouped(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]
@@ -274,26 +260,16 @@ class SplitOptimizer(torch.optim.Optimizer):
     def to_plain(self, params_by_slot: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         """An ordinary optimizer of the original class over ``params_by_slot`` (the module's parameters in
         canonical order), carrying this optimizer's state and hyperparameters."""
-        groups, start = [], 0
-        for group in self.param_groups:
-            count = len(group["params"])
-            groups.append({k: v for k, v in group.items() if k != "params"}
-                          | {"params": params_by_slot[start:start + count]})
-            start += count
-        plain = self.optimizer_class(groups, **self._kwargs)
+        plain = self.optimizer_class(regrouped(self.param_groups, params_by_slot), **self._kwargs)
         plain.load_state_dict(self.state_dict())
         return plain
 
 
 def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimizer,
                    module: nn.Module) -> torch.optim.Optimizer:
-    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (which must not be used
-    afterwards), and return an ordinary optimizer over the module's own parameters with the full state.
-
-    A :class:`SplitOptimizer` steps the offloaded blocks' host masters; the plain optimizer must instead hold the
-    module's parameters in the same slots, so each master is mapped back to the parameter it stands for before the
-    engine lets go of them.
-    """
+    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (not to be used afterwards), and
+    return an ordinary optimizer over the module's own parameters with the full state: a :class:`SplitOptimizer`'s
+    host masters are mapped back to the parameters they stand for before the engine lets go of them."""
     if isinstance(optimizer, SplitOptimizer):
         by_master = {id(master): param for block in engine.blocks.values()
                      for master, param in zip(block.host, block.params)}

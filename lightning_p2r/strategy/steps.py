@@ -1,16 +1,13 @@
-"""How one training batch's forward and backward run: one step runner per accumulation mode, behind one interface.
+"""How one training batch's forward and backward run: one step runner per mode, behind one interface. Lightning
+calls the strategy's ``training_step``, zeroes the gradients, then calls its ``backward``.
 
-Lightning calls the strategy's ``training_step`` and then its ``backward``; between them it zeroes the gradients.
+- :class:`StandardSteps`: Lightning's own; micro-batches are Lightning's ``accumulate_grad_batches``.
+- :class:`LayeredSteps`: every micro-batch's forward block by block in ``training_step``, their backward in
+  ``backward``.
+- :class:`PipelinedSteps`: the schedule runs the whole step in ``training_step``; ``backward`` hands the gradients
+  back.
 
-- :class:`StandardSteps`: Lightning's own (the module's ``training_step``, then ``loss.backward()``); micro-batches
-  are Lightning's ``accumulate_grad_batches``.
-- :class:`LayeredSteps`: layered accumulation (Lamy-Poirier 2021): every micro-batch's forward block by block in
-  ``training_step``, their backward block by block in ``backward``.
-- :class:`PipelinedSteps`: the pipeline's schedule runs the whole step's forward and backward in ``training_step``;
-  ``backward`` only hands the gradients back.
-
-A runner returns None from ``training_step`` to skip the step (the module refused the loss), as a module's own
-``training_step`` does.
+A runner returns None from ``training_step`` to skip the step (the module refused the loss), as a module's does.
 """
 
 from __future__ import annotations

@@ -33,17 +33,20 @@ from ..layout import (
     PipelineSchedule,
     Sharding,
     check_layout,
-    check_options,
+    check_micro_batches,
+    check_trainer,
     fsdp_mode_for,
-    placement_path,
+    oversubscription_warning,
+    pin_memory_for,
+    plan_summary,
 )
-from ..models.config import M6Config
-from ..protocols import InitializesByName
+from ..protocols import InitializesByName, ModelSizes, StatesSizes
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
 from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
-from .engines import Engine, EngineContext, engine_for
+from .engines import Engine, EngineContext, Placed, engine_for
 from .engines.base import Weights, holder_of
+from .launch import CheckingLauncher
 from .materialize import check_no_meta_buffers, has_meta_tensors
 from .offload import OffloadEngine, OffloadStats
 from .optimizers import unwrapped
@@ -58,18 +61,9 @@ from .options import (
     layout_of,
 )
 from .parallel.clipping import clip_grad_norm_across_meshes
-from .plan import OffloadPlan, device_total_memory, parse_bytes, resolve_pin_memory, setup_summary
+from .plan import OffloadPlan, block_footprints, device_total_memory, outside_blocks_bytes, parse_bytes
 from .split_optimizer import host_step_overlap_allowed, release_to_host
 from .steps import StepRunner
-
-
-def oversubscription_warning(device_type: str, processes: int, cores: int) -> str | None:
-    """The warning for more CPU processes than cores on this node, or None."""
-    if device_type != "cpu" or processes <= cores:
-        return None
-    return (f"P2RStrategy: {processes} CPU processes on {cores} cores: each waits for the others at every "
-            f"collective, so steps slow down many times over. Use at most --trainer.devices={cores} (and "
-            "OMP_NUM_THREADS=1 per process) on this machine.")
 
 
 class P2RStrategy(DDPStrategy):
@@ -127,13 +121,14 @@ class P2RStrategy(DDPStrategy):
         self.accumulation_config = AccumulationConfig(accumulation=accumulation, micro_batches=micro_batches,
                                                       recompute=recompute, compile=compile,
                                                       reduce_every_micro_batch=reduce_every_micro_batch,
-                                                      pipelined=self.parallel_config.pipelined)
+                                                      pipelined=pipeline_parallel > 1)
         self.offload_config = OffloadConfig(
             offload_fraction=offload_fraction, offload_blocks=offload_blocks,
             device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
             offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
             overlap_host_step=overlap_host_step, log_telemetry=log_telemetry)
-        check_options(self.layout)
+        if pipeline_parallel > 1:  # the one option rule across sections (each section checked itself)
+            check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment,
                          checkpoint_io=checkpoint_io or sharded_checkpoint.AtomicCheckpointIO(),
@@ -154,25 +149,12 @@ class P2RStrategy(DDPStrategy):
         self.telemetry: OffloadStats | None = None
         self.telemetry_history: list[OffloadStats] = []
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if "p2r" not in strategy_registry:
-            strategy_registry.register("p2r", cls, description="lightning_p2r: granular offload (nothing offloaded "
-                                       "unless configured)")
-        if "p2r_offload" not in strategy_registry:
-            strategy_registry.register("p2r_offload", cls, description="lightning_p2r: half the blocks offloaded "
-                                       "to host memory", offload_fraction=0.5)
-
     # ------------------------------------------------------------------------------------------ environment
     @property
     def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
         """Which placement path runs this job: "local" (one process, the streaming engine), "ddp", or one of the FSDP2
         engine's "fsdp", "model_parallel" (tensor / expert parallel first) and "pipeline" (stages first)."""
-        return placement_path(self.sharding, self.world_size, offloading=self.offloading,
-                              layered=self.accumulation == "layered",
-                              model_parallel=self.parallel_config.model_parallel,
-                              pipelined=self.parallel_config.pipelined)
+        return self.layout.path(self.world_size)
 
     @property
     def layout(self) -> Layout:
@@ -183,11 +165,6 @@ class P2RStrategy(DDPStrategy):
     def streamer(self) -> OffloadEngine | None:
         """The streaming offload engine of a one-process job (None elsewhere, and after teardown)."""
         return self.engine.offload_streamer() if self.engine is not None else None
-
-    @property
-    def offloading(self) -> bool:
-        """Whether the options ask for offload (a zero fraction or an empty block list do not)."""
-        return self.offload_config.offloading
 
     @property
     def fsdp_mode(self) -> str:
@@ -206,7 +183,7 @@ class P2RStrategy(DDPStrategy):
         return EngineContext(
             sharding=self.sharding_config, parallel=self.parallel_config, accumulation=self.accumulation_config,
             offload=self.offload_config, device=device, world_size=self.world_size,
-            global_rank=self.global_rank, pin_memory=resolve_pin_memory(self.pin_memory, device),
+            global_rank=self.global_rank, pin_memory=pin_memory_for(self.pin_memory, device.type),
             weights=weights, gradient_scaler=isinstance(self.precision_plugin, MixedPrecision)
             and self.precision_plugin.scaler is not None,
             host_step_allowed=self._host_step_allowed, uncounted=self.uncounted)
@@ -220,9 +197,26 @@ class P2RStrategy(DDPStrategy):
         return self.lightning_module.trainer.training and self.overlap_allowed()
 
     @override
+    def _configure_launcher(self) -> None:
+        # Lightning's script launcher, with this job's checks before any other rank starts (launch.py).
+        self._launcher = CheckingLauncher(self.check_before_launch, self.cluster_environment, self.num_processes,
+                                          self.num_nodes)
+
+    def check_before_launch(self, trainer: L.Trainer | None, *launch_args: Any) -> None:
+        """Everything the options, the model's config, the data's batch size and the number of processes decide,
+        checked in the launching process before any other rank exists (each launched rank checks again, cheaply).
+        ``launch_args``: the arguments of the Trainer's entry point (the module, the data module)."""
+        self.set_world_ranks()  # the number of processes, known from the Trainer's devices and nodes
+        self._check_path_options()
+        module = next((a for a in launch_args if isinstance(a, L.LightningModule)), None)
+        self.check_model_sizes(module)
+        datamodule = next((a for a in launch_args if isinstance(a, L.LightningDataModule)), None)
+        if trainer is not None:
+            check_trainer(self.layout, trainer.accumulate_grad_batches, getattr(datamodule, "batch_size", None))
+
+    @override
     def setup_environment(self) -> None:
-        self._check_path_options()  # before any process group exists
-        self.engine = engine_for(self.path)
+        self._check_path_options()  # before any process group exists; chooses the engine
         if self.engine.needs_process_group:
             super().setup_environment()
         else:
@@ -231,11 +225,12 @@ class P2RStrategy(DDPStrategy):
         self.engine.setup_environment(self.context())
 
     def _check_path_options(self) -> None:
-        """The layout's rules against the number of processes, then the chosen engine's own, before any process
-        group exists."""
+        """The layout's rules against the number of processes, then those of the engine chosen for them, before any
+        process group exists."""
         ctx = self.context()
         check_layout(self.layout, self.world_size, accelerator=ctx.device.type != "cpu")
-        engine_for(self.path).check_options(ctx)
+        self.engine = engine_for(self.path)
+        self.engine.check_options(ctx)
 
     @contextlib.contextmanager
     @override
@@ -256,54 +251,34 @@ class P2RStrategy(DDPStrategy):
         warning = oversubscription_warning(self.root_device.type, self.num_processes, os.cpu_count() or 1)
         if warning:
             rank_zero_warn(warning)
-        self._check_batch_split(trainer)
-        if self.engine is None:
-            self.engine = engine_for(self.path)
+        # A data module that declares its batch size is checked now, before any work; other data at its first batch.
+        check_trainer(self.layout, trainer.accumulate_grad_batches, getattr(trainer.datamodule, "batch_size", None))
         module = self.lightning_module
         self.check_model_sizes(self.holder_or_none())
         check_no_meta_buffers(module)
         self._share_init_seed()
         weights, self._deferred_weights = self._deferred_weights, None
         if self.engine.wraps_ddp:
-            self.engine.place(module, self.context(weights))
+            placed = self.engine.place(module, self.context(weights))
             super().setup(trainer)  # Lightning's DDP: to the device, wrapped, optimizers (see setup_optimizers)
         else:
             self.accelerator.setup(trainer)
             self.model = self.precision_plugin.convert_module(self.model)
-            self.engine.place(module, self.context(weights))
+            placed = self.engine.place(module, self.context(weights))
             if trainer.state.fn == TrainerFn.FITTING:
                 self.setup_optimizers(trainer)
             self.setup_precision_plugin()
-        self.plan = self.engine.plan
+        self.plan = placed.plan
         self._use_layout_clipping()
         self.steps = self.engine.step_runner(module, self.precision_plugin, self._counter)
-        self._log_setup()
+        self._log_setup(placed)
 
     def check_model_sizes(self, holder: nn.Module | None) -> None:
-        """The layout's rules against the model's sizes, before anything is placed: an M6 model (one with an
-        ``M6Config``) is checked whole here; another model by what the placement reads from it."""
-        config = getattr(holder, "config", None)
-        if isinstance(config, M6Config):
-            check_layout(self.layout, self.world_size, ModelShape.of(config),
+        """The layout's rules against the model's sizes, before anything is placed: a model that states them
+        (``StatesSizes``, an M6 model) is checked whole here; another model by what the placement reads from it."""
+        if isinstance(holder, StatesSizes) and isinstance(holder.config, ModelSizes):
+            check_layout(self.layout, self.world_size, ModelShape.of(holder.config),
                          accelerator=self.context().device.type != "cpu")
-
-    def _check_batch_split(self, trainer: L.Trainer) -> None:
-        if self.accumulation != "layered" and not self.parallel_config.pipelined:
-            return
-        if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"P2RStrategy(micro_batches={self.micro_batches}, accumulation={self.accumulation!r}) splits each "
-                f"batch itself; set Trainer(accumulate_grad_batches=1), got {trainer.accumulate_grad_batches}"
-            )
-        # A data module that declares its batch size is checked now, before any work; other data at the first
-        # batch (split_micro_batches).
-        batch_size = getattr(trainer.datamodule, "batch_size", None)
-        least = self.pipeline_parallel  # a pipeline needs at least one micro-batch per pipeline rank
-        if isinstance(batch_size, int) and batch_size % self.micro_batches:
-            raise ValueError(
-                f"P2RStrategy(micro_batches={self.micro_batches}) must divide the batch size, and the data's "
-                f"batch_size is {batch_size}: choose micro_batches among "
-                f"{[d for d in range(least, batch_size + 1) if batch_size % d == 0]} or change data.batch_size")
 
     def _use_layout_clipping(self) -> None:
         """Lightning clips through the precision plugin, which calls torch's clip_grad_norm_; that cannot combine
@@ -319,28 +294,24 @@ class P2RStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Ranks of one tensor-parallel group or pipeline read the same batch: the engine says which share each
-        reads."""
-        ranks = (self.engine or engine_for(self.path)).sampler_ranks(self.context())
+        """Ranks of one tensor-parallel group or pipeline read the same batch (``Layout.sampler_ranks``)."""
+        ranks = self.layout.sampler_ranks(self.world_size, self.global_rank)
         if ranks is None:
             return super().distributed_sampler_kwargs
         return {"num_replicas": ranks[0], "rank": ranks[1]}
 
-    def _log_setup(self) -> None:
-        for line in self.engine.describe():
+    def _log_setup(self, placed: Placed) -> None:
+        for line in placed.log:
             rank_zero_info(line)
-        holder = self.holder_or_none()
-        if holder is None:
-            rank_zero_info(f"P2RStrategy: engine {self.path}, sharding {self.sharding} on {self.world_size} "
-                           "process(es)")
-            return
+        holder = self.holder()  # placement found it
         budget = None
         if self.device_memory_budget is not None:
             budget = parse_bytes(self.device_memory_budget, total=device_total_memory(self.root_device))
-        rank_zero_info(setup_summary(engine=self.path, sharding=self.sharding, world_size=self.world_size,
-                                     plan=self.plan or OffloadPlan(len(holder.blocks), ()),
-                                     model=self.lightning_module, blocks=holder.blocks,
-                                     prefetch=self.prefetch, budget=budget))
+        rank_zero_info(plan_summary(engine=self.path, sharding=self.sharding, world_size=self.world_size,
+                                    plan=self.plan or OffloadPlan(len(holder.blocks), ()),
+                                    footprints=block_footprints(holder.blocks),
+                                    other_bytes=outside_blocks_bytes(self.lightning_module, holder.blocks),
+                                    prefetch=self.prefetch, budget=budget))
 
     def _share_init_seed(self) -> None:
         """Every rank materializes its part of the same model: hand rank 0's init seed (maybe drawn from an
@@ -462,13 +433,13 @@ class P2RStrategy(DDPStrategy):
         """Delink the model where it lives and re-place the new blocks (the engine decides how); returns the
         optimizer over the new parameters. The caller (the ``PseudoToReal`` callback) rebinds the learning-rate
         schedulers to it: it is their one owner after delinking."""
-        new_optimizer = self.engine.delink(pl_module, unwrapped(optimizer), self.context(), num_unique_blocks,
-                                           optimizer_state, perturb)
+        new_optimizer, placed = self.engine.delink(pl_module, unwrapped(optimizer), self.context(), num_unique_blocks,
+                                                   optimizer_state, perturb)
         if self.engine.wraps_ddp:  # DDP's reducer would silently skip the new parameters
             self.model = pl_module
             self.configure_ddp()
         self.optimizers = [new_optimizer]
-        self.plan = self.engine.plan
+        self.plan = placed.plan
         return new_optimizer
 
     # ----------------------------------------------------------------------------------------- checkpoints

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from recipe_runs import unexpected_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +28,7 @@ def test_zero3_pseudo_to_real_recipe_runs_on_two_processes(tmp_path: Path) -> No
         [script, "fit", "--config", str(ROOT / "recipes" / "zero3_pseudo_to_real.yaml"), "--trainer.max_steps=8",
          "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
          "--trainer.log_every_n_steps=1", "--trainer.accelerator=cpu", "--data.tokenizer=bytes",
-         "--data.vocab_size=256"],
+         "--data.vocab_size=256", "--model.optimizer.warmup_steps=1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=360, env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -39,3 +40,4 @@ def test_zero3_pseudo_to_real_recipe_runs_on_two_processes(tmp_path: Path) -> No
     assert [(float(r["p2r/blocks_before"]), float(r["p2r/blocks_after"]), float(r["p2r/step"])) for r in delinks] \
         == [(1.0, 8.0, 2.0)]  # delink_at_fraction 0.25 of 8 steps
     assert any(row.get("val/loss") for row in rows)
+    assert unexpected_warnings(result.stdout + result.stderr) == []  # quiet, as every recipe (issue 27)

@@ -1,12 +1,16 @@
 """Small shared builders for the unit tests: a tiny model config, corpus, data module and trainer."""
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from torch.distributed.tensor import DTensor
 
 from lightning_p2r import TextDataModule
+from lightning_p2r.strategy.layered import BlockEvents, LayeredStages, layered_forward
 
 TINY = {"vocab_size": 256, "max_seq_len": 16, "num_layers": 2, "dim": 32, "num_heads": 4, "num_experts": 4}
 
@@ -40,3 +44,36 @@ class InitialWeights(L.Callback):
         # A sharded parameter is gathered whole (every rank calls this hook, in the same order).
         self.weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().float().clone()
                         for k, v in pl_module.state_dict().items()}
+
+
+@dataclass
+class AccumulationResult:
+    loss: torch.Tensor
+    """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""
+    metrics: dict[str, torch.Tensor]
+    """Mean over micro-batches of the head metrics."""
+
+
+def run_layered(stages: LayeredStages, micro_batches: list[Any], events: BlockEvents | None = None, *,
+                recompute: bool = False) -> AccumulationResult:
+    """One optimizer step's forward and backward through the strategy's layered executor (``layered_forward``, then
+    the step's ``backward``): the gradients accumulated into ``.grad`` must equal :func:`run_depth_first`'s on the
+    same micro-batches (up to summation order)."""
+    step = layered_forward(stages, micro_batches, events, recompute=recompute)
+    step.backward()
+    return AccumulationResult(step.loss, step.metrics)
+
+
+def run_depth_first(loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                    micro_batches: list[Any]) -> AccumulationResult:
+    """Standard gradient accumulation, the reference: forward and backward of ``loss / m`` for one micro-batch after
+    another; ``loss_fn`` maps a micro-batch to (loss, metrics)."""
+    m = len(micro_batches)
+    losses, metrics = [], []
+    for micro_batch in micro_batches:
+        loss, loss_metrics = loss_fn(micro_batch)
+        (loss / m).backward()
+        losses.append(loss.detach().float())
+        metrics.append({key: value.detach() for key, value in loss_metrics.items()})
+    return AccumulationResult(torch.stack(losses).mean(), {
+        key: torch.stack([torch.as_tensor(m[key]).detach().float() for m in metrics]).mean() for key in metrics[0]})

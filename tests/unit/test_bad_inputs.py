@@ -237,7 +237,7 @@ def test_a_sharded_checkpoint_converts_to_a_file_any_strategy_resumes(earlier_ru
 
 
 def test_more_cpu_processes_than_cores_is_warned_about() -> None:
-    from lightning_p2r.strategy.strategy import oversubscription_warning
+    from lightning_p2r.layout import oversubscription_warning
 
     assert oversubscription_warning("cpu", 4, 2) is not None and "--trainer.devices=2" in oversubscription_warning(
         "cpu", 4, 2)

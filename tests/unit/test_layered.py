@@ -14,18 +14,11 @@ from collections import namedtuple
 
 import pytest
 import torch
-from helpers import TINY
+from helpers import TINY, AccumulationResult, run_depth_first, run_layered
 from torch import nn
 
 from lightning_p2r import M6Config, M6LanguageModel
-from lightning_p2r.strategy.layered import (
-    AccumulationResult,
-    BlockEvents,
-    LayeredStages,
-    run_depth_first,
-    run_layered,
-    split_micro_batches,
-)
+from lightning_p2r.strategy.layered import BlockEvents, LayeredStages, split_micro_batches
 
 # Strong router losses, so an error in how the extra losses are weighted would show in the gradients.
 ROUTER = {"router_aux_loss_coef": 0.1, "router_z_loss_coef": 0.01}

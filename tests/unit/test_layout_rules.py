@@ -102,3 +102,55 @@ def test_the_default_all_moe_config_counts_as_moe() -> None:
     every_layer_moe = M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=32, num_heads=4, num_experts=4)
     assert every_layer_moe.moe_layers is None and ModelShape.of(every_layer_moe).moe
     check_layout(Layout(expert_parallel=2), devices=2, model=ModelShape.of(every_layer_moe))
+
+
+def test_zero1_with_a_memory_budget_across_accelerator_processes_is_refused_before_setup() -> None:
+    """A budget asks for offload as a fraction does (the blocks are chosen at setup): ZeRO-1 across accelerator
+    processes cannot broadcast host-resident partitions, so the rulebook refuses it before any process group."""
+    budget = Layout(sharding="zero1", device_memory_budget="1GB")
+    assert budget.offloading and budget.path(2) == "fsdp"
+    with pytest.raises(ValueError, match="sharding='zero1'.* offloaded blocks across processes"):
+        check_layout(budget, devices=2)
+    check_layout(budget, devices=2, accelerator=False)  # gloo broadcasts host tensors
+    check_layout(budget, devices=1)  # one process: the streaming engine, no broadcast
+    strategy = P2RStrategy(sharding="zero1", device_memory_budget="1GB")
+    assert strategy.layout == budget
+    environment = LightningEnvironment()
+    environment.set_world_size(2)
+    strategy.cluster_environment = environment
+    strategy.parallel_devices = [torch.device("cuda", i) for i in range(2)]
+    assert strategy.path == "fsdp"
+    with pytest.raises(ValueError, match="sharding='zero1'.* offloaded blocks across processes"):
+        strategy._check_path_options()
+
+
+@pytest.mark.parametrize(("layout", "after_each_forward", "after_last_micro_batch"), [
+    (Layout(sharding="zero3"), True, False),
+    (Layout(sharding="zero3", accumulation="layered", micro_batches=2), False, True),
+    (Layout(sharding="zero3", pipeline_parallel=2, micro_batches=2), True, False),  # 1F1B: depth-first
+    (Layout(sharding="zero3", pipeline_parallel=2, pipeline_schedule="gpipe", micro_batches=2), False, True),
+    # Expert parallelism inside breadth-first stages: the experts' units follow their block's rule (gathered once
+    # for the stage's micro-batches, resharded after the last), not a rule of their own (docs/parallelism.md).
+    (Layout(sharding="zero3", expert_parallel=2, pipeline_parallel=2, pipeline_schedule="looped_bfs",
+            stages_per_rank=2, micro_batches=2), False, True),
+    (Layout(sharding="zero3", pipeline_schedule="gpipe"), True, False),  # a schedule needs stages to count
+    (Layout(sharding="zero2", accumulation="layered", micro_batches=2), False, False),
+    (Layout(sharding="zero1", pipeline_parallel=2, pipeline_schedule="gpipe", micro_batches=2), False, False),
+])
+def test_one_reshard_rule_for_every_fsdp2_path_and_the_planner(layout: Layout, after_each_forward: bool,
+                                                               after_last_micro_batch: bool) -> None:
+    from lightning_p2r.planning.transfers import _gathers_per_step
+
+    assert layout.resharding == rules.Resharding(after_each_forward, after_last_micro_batch)
+    if layout.pipelined and layout.sharding == "zero3":
+        # The planner counts a stage block's gathers from the same rule: once per direction, or before each
+        # forward and once for the backwards.
+        assert _gathers_per_step(layout, is_block=True) == (layout.micro_batches + 1 if after_each_forward else 2)
+
+
+def test_the_sampler_splits_the_data_over_the_data_ranks_only() -> None:
+    """Moved from test_engines.py (the rule is the layout's, no engine needed): 4 ranks = data 2 x tensor 2, rank 3
+    reads data shard 1 of 2; without tensor or pipeline parallelism every rank reads its own (the default)."""
+    assert Layout(tensor_parallel=2).sampler_ranks(4, 3) == (2, 1)
+    assert Layout(pipeline_parallel=2, micro_batches=2).sampler_ranks(4, 3) == (2, 1)
+    assert Layout(sharding="zero3").sampler_ranks(4, 3) is None

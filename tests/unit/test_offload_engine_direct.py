@@ -11,12 +11,11 @@ import copy
 
 import pytest
 import torch
-from helpers import TINY
+from helpers import TINY, run_layered
 from torch import nn
 
 from lightning_p2r import M6Config, M6Transformer
 from lightning_p2r.protocols import LayeredStages
-from lightning_p2r.strategy.layered import run_layered
 from lightning_p2r.strategy.offload import EngineEvents, OffloadEngine, OffloadStats
 
 CPU = torch.device("cpu")

@@ -109,28 +109,27 @@ def test_clipping_across_meshes_equals_torch_on_plain_tensors() -> None:
 
 
 def test_sequence_parallel_needs_tensor_parallel_rotary_positions_and_divisible_sequences() -> None:
-    from types import SimpleNamespace
-
     from lightning_p2r import M6Config
     from lightning_p2r.models import M6Transformer
-    from lightning_p2r.strategy.parallel.parallelize import check_model
 
     with pytest.raises(ValueError, match="set tensor_parallel > 1 as well"):
         P2RStrategy(sequence_parallel=True)
     with pytest.raises(ValueError, match="sequence_parallel must be True or False"):
         P2RStrategy(tensor_parallel=2, sequence_parallel="yes")
-    meshes = SimpleNamespace(dims=ParallelDims(2, tensor_parallel=2))
     small = {"vocab_size": 256, "dim": 32, "num_heads": 4, "num_layers": 2, "moe_layers": []}
     with torch.device("meta"):
         learned = M6Transformer(M6Config(**small, max_seq_len=16, position_embedding="learned"))
         odd = M6Transformer(M6Config(**small, max_seq_len=15))
         fine = M6Transformer(M6Config(**small, max_seq_len=16))
+    # The strategy refuses the model at setup, before any parameter is placed.
+    sequence = _with_world_size(P2RStrategy(tensor_parallel=2, sequence_parallel=True), 2)
     with pytest.raises(ValueError, match="needs M6Config.position_embedding='rotary'"):
-        check_model(learned, meshes, sequence_parallel=True)
+        sequence.check_model_sizes(learned)
     with pytest.raises(ValueError, match="max_seq_len=15 must be divisible"):
-        check_model(odd, meshes, sequence_parallel=True)
-    check_model(fine, meshes, sequence_parallel=True)
-    check_model(learned, meshes)  # without sequence parallelism learned positions are fine
+        sequence.check_model_sizes(odd)
+    sequence.check_model_sizes(fine)
+    # Without sequence parallelism learned positions are fine.
+    _with_world_size(P2RStrategy(tensor_parallel=2), 2).check_model_sizes(learned)
 
 
 def test_the_plans_kinds_become_torchs_styles() -> None:
@@ -175,3 +174,36 @@ def test_a_model_without_a_plan_or_with_a_wrong_one_is_refused_by_name() -> None
     with pytest.raises(ValueError, match="as an expert layer"):
         model_plan(Blocks(ParallelPlan(({"0": "expert"},), {})))
     assert model_plan(Blocks(ParallelPlan(({"0": "column"},), {}))).blocks == ({"0": "column"},)
+
+
+def test_the_strategy_checks_the_sizes_of_a_model_that_states_them_and_no_other() -> None:
+    from types import SimpleNamespace
+
+    from lightning_p2r import M6Config
+    from lightning_p2r.models import M6Transformer
+    from lightning_p2r.protocols import HoldsWeight, StatesSizes
+    from lightning_p2r.strategy.pipeline.stage import AbsentModule
+
+    strategy = _with_world_size(P2RStrategy(tensor_parallel=2), 2)
+    with torch.device("meta"):
+        odd_heads = M6Transformer(M6Config(vocab_size=64, max_seq_len=16, num_layers=2, dim=48, num_heads=3))
+    assert isinstance(odd_heads, StatesSizes)
+    with pytest.raises(ValueError, match="num_heads=3 must be divisible"):
+        strategy.check_model_sizes(odd_heads)
+    # A config without the sizes (a user's model): nothing to check here, placement reads what it needs.
+    strategy.check_model_sizes(SimpleNamespace(config=SimpleNamespace(num_heads=3)))
+    assert isinstance(torch.nn.Linear(2, 2), HoldsWeight) and not isinstance(AbsentModule(), HoldsWeight)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, float("inf")])
+def test_the_norm_of_bf16_gradients_keeps_fp32_precision(norm_type: float) -> None:
+    """The pre-refactor clipping summed every gradient in fp64; torch's fused norm alone would round a bf16 group's
+    norm to bf16 (about 3 digits). Checked against the float64 norm of the same bf16 values."""
+    from lightning_p2r.strategy.parallel.clipping import total_grad_norm
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.empty(n, dtype=torch.bfloat16)) for n in (100_003, 7, 4099)]
+    for param in params:
+        param.grad = (torch.randn(param.shape) * 3).to(torch.bfloat16)
+    reference = torch.linalg.vector_norm(torch.cat([p.grad.double() for p in params]), norm_type)
+    torch.testing.assert_close(total_grad_norm(params, norm_type).double(), reference, rtol=1e-5, atol=0)

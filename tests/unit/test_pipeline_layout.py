@@ -1,4 +1,4 @@
-"""Pipeline parallelism's pure parts: options, stage layout, replicas, the bubble formula, the loss attached to
+"""Pipeline parallelism's pure parts: options, the stage cut, replicas, the bubble formula, the loss attached to
 hidden states, and the stage module on one process."""
 
 import pytest
@@ -84,22 +84,22 @@ def test_layers_that_do_not_divide_into_stages_are_refused() -> None:
         StageCut(world_size=2, pipeline_parallel=2, stages_per_rank=2, num_layers=6)
 
 
-def test_looped_layout_assigns_stages_round_robin() -> None:
-    layout = StageCut(world_size=4, pipeline_parallel=2, stages_per_rank=2, num_layers=8)
-    assert layout.num_stages == 4 and layout.ranks_per_stage == 2 and layout.layers_per_stage == 2
-    assert layout.stages_of(0) == [0, 2] and layout.stages_of(1) == [1, 3]
-    assert [layout.owner(s) for s in range(4)] == [0, 1, 0, 1]
-    assert list(layout.stage_layers(3)) == [6, 7]
-    assert [layout.pipeline_rank(r) for r in range(4)] == [0, 0, 1, 1]
-    assert [layout.column(r) for r in range(4)] == [0, 1, 0, 1]
-    assert layout.global_ranks([0, 1], column=1) == [1, 3]
+def test_the_looped_cut_assigns_stages_round_robin() -> None:
+    cut = StageCut(world_size=4, pipeline_parallel=2, stages_per_rank=2, num_layers=8)
+    assert cut.num_stages == 4 and cut.ranks_per_stage == 2 and cut.layers_per_stage == 2
+    assert cut.stages_of(0) == [0, 2] and cut.stages_of(1) == [1, 3]
+    assert [cut.owner(s) for s in range(4)] == [0, 1, 0, 1]
+    assert list(cut.stage_layers(3)) == [6, 7]
+    assert [cut.pipeline_rank(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [cut.column(r) for r in range(4)] == [0, 1, 0, 1]
+    assert cut.global_ranks([0, 1], column=1) == [1, 3]
 
 
 def test_a_shared_block_is_held_by_every_rank_whose_stages_run_it() -> None:
-    layout = StageCut(world_size=2, pipeline_parallel=2, stages_per_rank=1, num_layers=4)
-    assert block_holders([0, 0, 0, 0], layout) == {0: (0, 1)}  # pseudo model: a replica on both ranks
-    assert block_holders([0, 0, 1, 1], layout) == {0: (0,), 1: (1,)}
-    assert block_holders([0, 1, 0, 1], layout) == {0: (0, 1), 1: (0, 1)}  # "cycle" sharing
+    cut = StageCut(world_size=2, pipeline_parallel=2, stages_per_rank=1, num_layers=4)
+    assert block_holders([0, 0, 0, 0], cut) == {0: (0, 1)}  # pseudo model: a replica on both ranks
+    assert block_holders([0, 0, 1, 1], cut) == {0: (0,), 1: (1,)}
+    assert block_holders([0, 1, 0, 1], cut) == {0: (0, 1), 1: (0, 1)}  # "cycle" sharing
     looped = StageCut(world_size=2, pipeline_parallel=2, stages_per_rank=2, num_layers=4)
     with pytest.raises(ValueError, match="stages_per_rank=1"):
         check_local_sharing([0, 0, 0, 0], looped)
@@ -125,6 +125,7 @@ def test_an_attached_loss_gets_gradient_one_and_leaves_the_hidden_states_alone()
     extra = weight * 3.0
     out = attach_loss(hidden, extra)
     assert torch.equal(out, hidden)
+    assert not out._is_view()  # a stage returns it: FSDP2 warns about (and hooks can miss) a view output
     (out * 5).sum().backward()
     assert torch.equal(hidden.grad, torch.full((2, 3), 5.0))
     assert weight.grad == 3.0  # d(extra)/d(weight), with extra's own gradient one: as if added to the loss

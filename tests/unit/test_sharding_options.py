@@ -37,7 +37,7 @@ def _with_world_size(strategy: P2RStrategy, world_size: int) -> P2RStrategy:
     return strategy
 
 
-@pytest.mark.parametrize(("kwargs", "world_size", "path", "layout"), [
+@pytest.mark.parametrize(("kwargs", "world_size", "path", "mode"), [
     ({"sharding": "none"}, 1, "local", "replicate"), ({"sharding": "zero1"}, 1, "local", "replicate"),
     ({"sharding": "none"}, 2, "ddp", "replicate"), ({"sharding": "zero1"}, 2, "ddp", "replicate"),
     ({"sharding": "zero2"}, 1, "fsdp", "zero2"), ({"sharding": "zero3"}, 2, "fsdp", "zero3"),
@@ -46,10 +46,10 @@ def _with_world_size(strategy: P2RStrategy, world_size: int) -> P2RStrategy:
     ({"sharding": "none", "offload_fraction": 0.5}, 2, "fsdp", "replicate"),
     ({"sharding": "zero1", "accumulation": "layered", "micro_batches": 2}, 2, "fsdp", "replicate"),
 ])
-def test_engine_follows_sharding_and_world_size(kwargs: dict, world_size: int, path: str, layout: str) -> None:
+def test_engine_follows_sharding_and_world_size(kwargs: dict, world_size: int, path: str, mode: str) -> None:
     strategy = _with_world_size(P2RStrategy(**kwargs), world_size)
     assert strategy.path == path
-    assert strategy.fsdp_mode == layout
+    assert strategy.fsdp_mode == mode
     assert strategy.is_distributed == (world_size > 1)
 
 

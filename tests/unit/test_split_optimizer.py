@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import lightning as L
 import pytest
 import torch
+from helpers import run_layered
 from torch import nn
 
 from lightning_p2r.protocols import LayeredStages
-from lightning_p2r.strategy.layered import run_layered
 from lightning_p2r.strategy.offload import EngineEvents, OffloadEngine
 from lightning_p2r.strategy.split_optimizer import (
     SplitOptimizer,

@@ -42,7 +42,7 @@ def test_balance_loss_and_data_parallel_bytes_by_hand() -> None:
     assert data_parallel_bytes("zero2", block_bytes=100, root_bytes=10)["all_gather"] == 110
     assert data_parallel_bytes("zero3", block_bytes=100, root_bytes=10) == {
         "all_reduce": 0, "all_gather": 210, "reduce_scatter": 110}
-    with pytest.raises(ValueError, match="layout must be"):
+    with pytest.raises(ValueError, match="FSDP2 mode must be"):
         data_parallel_bytes("zero1", block_bytes=1, root_bytes=1)
 
 

@@ -1,14 +1,11 @@
 """Three engines behind one interface (:class:`~.base.Engine`): ``local`` (one process, the streaming offload
-engine), ``ddp`` (DDP, + ZeroRedundancyOptimizer for zero1) and ``fsdp2`` (every FSDP2 layout: ZeRO-2/3, the
-replicated layouts across processes, tensor / expert parallelism, pipeline stages).
-
-``P2RStrategy`` picks one at ``setup_environment`` from the options and the number of processes
-(``lightning_p2r.layout.placement_path``), builds it an :class:`~.base.EngineContext` and stores what it returns.
+engine), ``ddp`` (DDP, + ZeroRedundancyOptimizer for zero1) and ``fsdp2`` (every FSDP2 layout), one per placement
+path of the rulebook (``lightning_p2r.layout.placement_path``).
 """
 
 from __future__ import annotations
 
-from .base import Engine, EngineContext
+from .base import Engine, EngineContext, Placed
 from .ddp import DDPEngine
 from .fsdp2 import FSDP2Engine
 from .local import LocalEngine
@@ -23,4 +20,4 @@ def engine_for(path: str) -> Engine:
     return FSDP2Engine(path)
 
 
-__all__ = ["DDPEngine", "Engine", "EngineContext", "FSDP2Engine", "LocalEngine", "engine_for"]
+__all__ = ["DDPEngine", "Engine", "EngineContext", "FSDP2Engine", "LocalEngine", "Placed", "engine_for"]

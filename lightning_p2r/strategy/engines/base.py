@@ -1,14 +1,14 @@
 """What an engine is given (:class:`EngineContext`) and what every engine offers the strategy (:class:`Engine`).
 
 An engine places a model for one kind of layout and runs the layout-dependent parts of a step. It never sees the
-strategy: ``P2RStrategy`` builds a context from its options and Lightning's state, hands the engine the module and
-the optimizers, and stores what the engine returns. Every Lightning call (``DDPStrategy``'s setup, wrapping, saving)
-is the strategy's. That keeps engines testable with a hand-made context and keeps Lightning in one file.
+strategy, which builds the context from its options and Lightning's state, stores what the engine returns and makes
+every Lightning call itself (``DDPStrategy``'s setup, wrapping, saving): engines are tested with a hand-made context.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from ...layout import Layout
 from ...sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
 from .. import checkpoint as sharded_checkpoint
 from ..compile import check_compile
 from ..layered import BlockEvents
-from ..materialize import Initializer, allocate
 from ..optimizers import optimizer_state_to
-from ..options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig
-from ..plan import OffloadPlan, plan_for_model
+from ..options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig, layout_of
+from ..plan import OffloadPlan
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
@@ -60,12 +60,24 @@ class EngineContext:
     uncounted: Callable[[], contextlib.AbstractContextManager[Any]] = field(default=contextlib.nullcontext)
     """Collectives inside are not the layout's own (metrics gathering); see ``count_collectives``."""
 
-    def offload_plan(self, module: nn.Module, blocks: nn.ModuleList) -> OffloadPlan:
-        """The offload options applied to ``blocks`` of ``module`` (a fraction or budget is their share)."""
-        o = self.offload
-        return plan_for_model(module, blocks, self.device, offload_fraction=o.offload_fraction,
-                              offload_blocks=o.offload_blocks, device_memory_budget=o.device_memory_budget,
-                              activation_allowance=o.activation_allowance, prefetch=o.prefetch)
+    @property
+    def layout(self) -> Layout:
+        """The options as the rulebook reads them (degrees, paths, the reshard rule)."""
+        return layout_of(self.sharding, self.parallel, self.accumulation, self.offload)
+
+    def without_weights(self) -> EngineContext:
+        """This context as an engine keeps it after placing: the checkpoint's weights are written by then, and a
+        whole state dict must not stay alive for the rest of the run."""
+        return dataclasses.replace(self, weights=None)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """What a placement made (``Engine.place`` returns it, and delinking when it places anew): the offload plan (None
+    where no block can be offloaded: DDP) and the lines the setup log shows about the layout."""
+
+    plan: OffloadPlan | None = None
+    log: tuple[str, ...] = ()
 
 
 def holder_of(module: nn.Module) -> nn.Module:
@@ -77,13 +89,9 @@ def holder_of(module: nn.Module) -> nn.Module:
 
 
 class Engine:
-    """How one kind of layout places the model, syncs gradients, checkpoints and delinks.
+    """How one kind of layout places the model, syncs gradients, checkpoints and delinks. The strategy calls these at
+    the points the docstrings name; the defaults serve a layout where every rank holds the whole model, unsharded."""
 
-    The strategy calls these at the points the docstrings name. The defaults are a layout where every rank holds
-    the whole model and nothing is sharded.
-    """
-
-    name = "base"
     needs_process_group = True
     """Whether the strategy must start torch.distributed for this engine."""
     wraps_ddp = False
@@ -92,9 +100,8 @@ class Engine:
     """Whether checkpoints are torch distributed checkpoints written by every rank (else Lightning's single file)."""
 
     def __init__(self) -> None:
-        self.plan: OffloadPlan | None = None
         self.ctx: EngineContext | None = None
-        """The context of the latest placement."""
+        """The context of the latest placement (without the checkpoint's weights)."""
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
@@ -104,9 +111,9 @@ class Engine:
     def setup_environment(self, ctx: EngineContext) -> None:
         """After the process group exists: build the device meshes and groups this engine needs."""
 
-    def place(self, module: nn.Module, ctx: EngineContext) -> None:
+    def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
         """Materialize ``module`` (maybe on the meta device) where the layout puts each tensor and write
-        ``ctx.weights`` or initial values into it; sets ``self.plan``."""
+        ``ctx.weights`` or initial values into it."""
         raise NotImplementedError
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
@@ -163,20 +170,12 @@ class Engine:
         gradient. None: torch's own clipping is right for this layout."""
         return None
 
-    def sampler_ranks(self, ctx: EngineContext) -> tuple[int, int] | None:
-        """(replicas, rank) for the distributed sampler when they are not (world size, global rank)."""
-        return None
-
-    def describe(self) -> list[str]:
-        """Lines for the setup log beyond the offload summary."""
-        return []
-
     # ------------------------------------------------------------------------------------------ delinking
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
-               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
-        """Delink the model in place, re-place the new blocks and return the optimizer over the new parameters
-        (the caller rebinds the LR schedulers to it)."""
+               perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
+        """Delink the model in place and re-place the new blocks; returns the optimizer over the new parameters (the
+        caller rebinds the LR schedulers to it) and what is placed now."""
         raise NotImplementedError
 
     # ---------------------------------------------------------------------------------------- checkpoints
@@ -202,21 +201,3 @@ class Engine:
         else:
             optimizer.load_state_dict(checkpoint["optimizer_states"][index])
             optimizer_state_to(optimizer, device)
-
-    # --------------------------------------------------------------------------------------------- shared
-    def materialize_whole(self, module: nn.Module, ctx: EngineContext, device: torch.device) -> None:
-        """Allocate every meta tensor of ``module`` on ``device`` and fill it (initial values, or the checkpoint's
-        weights restored before setup)."""
-        initializer = Initializer(module, _holder_or_none(module))
-        params = allocate(module, device)
-        if ctx.weights is None:
-            initializer.fill(params)
-        else:
-            self.load_weights(module, *ctx.weights)
-
-
-def _holder_or_none(module: nn.Module) -> nn.Module | None:
-    try:
-        return find_block_sequence(module)
-    except ValueError:
-        return None

@@ -9,22 +9,26 @@ from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
 from ..compile import apply_compile
-from ..materialize import has_meta_tensors
+from ..materialize import Initializer, allocate, has_meta_tensors
 from ..sharding import consolidated_plain_optimizer, zero_redundancy_optimizer
-from .base import Engine, EngineContext, holder_of
+from .base import Engine, EngineContext, Placed, holder_of
 
 
 class DDPEngine(Engine):
-    name = "ddp"
     wraps_ddp = True
 
-    def place(self, module: nn.Module, ctx: EngineContext) -> None:
-        self.ctx = ctx
-        if has_meta_tensors(module):
-            self.materialize_whole(module, ctx, ctx.device)  # every rank holds the whole model
-        elif ctx.weights is not None:
+    def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
+        self.ctx = ctx.without_weights()
+        holder = holder_of(module)
+        if has_meta_tensors(module):  # every rank holds the whole model
+            initializer = Initializer(module, holder)
+            params = allocate(module, ctx.device)
+            if ctx.weights is None:
+                initializer.fill(params)
+        if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
-        apply_compile(ctx.accumulation.compile, holder_of(module).blocks)
+        apply_compile(ctx.accumulation.compile, holder.blocks)
+        return Placed()
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
@@ -34,10 +38,10 @@ class DDPEngine(Engine):
 
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
-               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
+               perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
         """Every rank delinks the same way; the optimizer state is gathered first (ZeRO-1 partitions it). The
         strategy then rebuilds DDP over the new parameters (the old reducer would silently skip them)."""
         plain = consolidated_plain_optimizer(optimizer, ctx.world_size, ctx.global_rank)
         new_optimizer = delink(module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state,
                                perturb=perturb)
-        return self.adapt_optimizers([new_optimizer], module)[0]
+        return self.adapt_optimizers([new_optimizer], module)[0], Placed()

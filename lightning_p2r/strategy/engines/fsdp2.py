@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ...layout import ParallelDims, check_fsdp_offload_states, fsdp_mode_for
-from ...sharing import OptimizerStatePolicy, Perturbation, optimizer_constructor_kwargs
+from ...layout import check_fsdp_offload_states, fsdp_mode_for
+from ...sharing import OptimizerStatePolicy, Perturbation
 from .. import checkpoint as sharded_checkpoint
 from ..layered import BlockEvents
 from ..optimizers import unwrapped as unwrapped_optimizer
@@ -23,11 +23,11 @@ from ..parallel.clipping import ranks_holding
 from ..parallel.experts import ParallelExperts
 from ..pipeline.placement import StagePlacement
 from ..placement import Placement, place
-from ..regather import delinked_plain_copy, release_model_state, replace_submodule, shard_optimizer
+from ..regather import delinked_plain_copy, optimizer_subset, release_model_state, replace_submodule, shard_optimizer
 from ..replicated_zero import ZeroOneOptimizer, partition_optimizer_states
 from ..sharding import FSDPEvents, fsdp_modules, reshard_all
 from ..steps import PipelinedSteps, StepRunner
-from .base import Engine, EngineContext, holder_of
+from .base import Engine, EngineContext, Placed, holder_of
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
@@ -39,7 +39,6 @@ class FSDP2Engine(Engine):
     """``path`` names the steps of the placement this job takes: "fsdp" (FSDP2 over all ranks), "model_parallel"
     (the model's tensor / expert plan first, FSDP2 over the data ranks) or "pipeline" (stages first)."""
 
-    name = "fsdp2"
     saves_sharded = True
 
     def __init__(self, path: str = "fsdp") -> None:
@@ -55,15 +54,6 @@ class FSDP2Engine(Engine):
         self._whole_of: dict[int, torch.Tensor] = {}
         self._holder: nn.Module | None = None
 
-    @staticmethod
-    def dims(ctx: EngineContext) -> ParallelDims:
-        p = ctx.parallel
-        return ParallelDims(ctx.world_size, p.tensor_parallel, p.expert_parallel, p.pipeline_parallel)
-
-    @staticmethod
-    def fsdp_mode(ctx: EngineContext) -> str:
-        return fsdp_mode_for(ctx.sharding.sharding)
-
     # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
         """The layout rulebook checked the degrees and combinations; what is FSDP2's own is its CPU offload, which
@@ -74,10 +64,10 @@ class FSDP2Engine(Engine):
     def setup_environment(self, ctx: EngineContext) -> None:
         """One mesh ``(pipeline, data..., tensor)`` and its expert twin (see ``parallel/mesh.py``): FSDP2 shards over
         the data dimensions, the stages' point-to-point traffic runs over "pp"."""
-        self.check_options(ctx)
         self.ctx = ctx
-        dims = self.dims(ctx)
-        self.meshes = meshes = build_meshes(dims, ctx.device.type, replicate=self.fsdp_mode(ctx) == "replicate")
+        dims = ctx.layout.dims(ctx.world_size)
+        self.meshes = meshes = build_meshes(dims, ctx.device.type,
+                                            replicate=fsdp_mode_for(ctx.sharding.sharding) == "replicate")
         if ctx.sharding.sharding == "zero1":
             # ZeRO-1 partitions over the ranks that hold the same (tensor-parallel) part of every parameter: the data
             # ranks of one tensor-parallel position (of one stage); under expert parallelism the experts over the
@@ -86,22 +76,16 @@ class FSDP2Engine(Engine):
             if dims.expert_parallel > 1 and self.path != "pipeline":
                 self.expert_zero_group = meshes.data_dims_group(meshes.experts, meshes.expert_data_dims)
         if self.path == "pipeline":
-            p, a = ctx.parallel, ctx.accumulation
-            self.stages = StagePlacement(world_size=ctx.world_size, global_rank=ctx.global_rank,
-                                         pipeline_parallel=p.pipeline_parallel, stages_per_rank=p.stages_per_rank,
-                                         schedule=p.pipeline_schedule, micro_batches=a.micro_batches,
-                                         recompute=a.recompute, group=meshes.dense["pp"].get_group())
+            self.stages = StagePlacement(ctx, meshes.dense["pp"].get_group())
 
-    def place(self, module: nn.Module, ctx: EngineContext, *, move_module: bool = True) -> None:
+    def place(self, module: nn.Module, ctx: EngineContext, *, move_module: bool = True) -> Placed:
         if self.stages is not None and ctx.gradient_scaler:
             raise ValueError("P2RStrategy(pipeline_parallel > 1) with precision='16-mixed': the pipeline's schedule "
                              "runs the backward itself, where a gradient scaler cannot scale the loss; use "
                              "precision='bf16-mixed' (or 32)")
-        self.ctx = ctx
+        self.ctx = ctx.without_weights()
         self._holder = holder_of(module)
-        self.placement = place(module, ctx, self.meshes, self.stages, fsdp_mode=self.fsdp_mode(ctx),
-                               move_module=move_module)
-        self.plan = self.placement.plan
+        self.placement = place(module, ctx, self.meshes, self.stages, move_module=move_module)
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         if self.stages is not None:
@@ -110,6 +94,8 @@ class FSDP2Engine(Engine):
             # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed
             # in teardown; the strategy's training step calls the stages directly).
             holder.forward = self.stages.forward
+        log = ["P2RStrategy " + self.meshes.dims.describe()] if self.meshes.dims.model_parallel else []
+        return Placed(self.placement.plan, tuple(log + ([self.stages.describe()] if self.stages is not None else [])))
 
     def teardown(self, module: nn.Module | None) -> None:
         if self.stages is not None and module is not None:
@@ -120,7 +106,7 @@ class FSDP2Engine(Engine):
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
         if self.ctx.sharding.sharding == "zero1":
-            optimizers = partition_optimizer_states(optimizers, [], self.zero_group, **self._expert_partition(module))
+            optimizers = [partition_optimizer_states(optimizers, self.zero_group, **self._expert_partition(module))]
         self._whole_of = {}
         for optimizer in optimizers:  # which parameter each of ZeRO-1's views stands for (clipping counts it)
             if isinstance(optimizer, ZeroOneOptimizer):
@@ -156,7 +142,7 @@ class FSDP2Engine(Engine):
         if self.stages is not None or self.placement is None:
             return None
         return FSDPEvents(self._holder.blocks, self.stage_runner(),
-                          reshard_after_forward=self.fsdp_mode(self.ctx) == "zero3")
+                          reshard_after_last=self.ctx.layout.resharding.after_last_micro_batch)
 
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module) -> Iterator[None]:
@@ -167,7 +153,7 @@ class FSDP2Engine(Engine):
             yield
             return
         holder = holder_of(module)
-        offloaded = {id(m) for i in self.plan.offloaded for m in holder.blocks[i].modules()}
+        offloaded = {id(m) for i in self.placement.plan.offloaded for m in holder.blocks[i].modules()}
         units = [u for u in fsdp_modules(module) if id(u) not in offloaded]
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
@@ -201,31 +187,15 @@ class FSDP2Engine(Engine):
             return self.stages.copies(whole)
         return ranks_holding(whole.grad)
 
-    def sampler_ranks(self, ctx: EngineContext) -> tuple[int, int] | None:
-        """Ranks of one tensor-parallel group or pipeline read the same batch: the sampler splits the data over the
-        data-parallel ranks only (ranks are laid out (pipeline, data, tensor))."""
-        if self.path == "fsdp" or ctx.world_size == 1:
-            return None
-        dims = self.dims(ctx)
-        return dims.data_parallel, dims.data_rank(ctx.global_rank)
-
-    def describe(self) -> list[str]:
-        lines = []
-        if self.path != "fsdp" and self.meshes.dims.model_parallel:
-            lines.append("P2RStrategy " + self.meshes.dims.describe())
-        if self.stages is not None:
-            lines.append(self.stages.describe())
-        return lines
-
     # --------------------------------------------------------------------------------------------- delinking
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
-               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
-        """FSDP2 cannot change the modules it manages, so this rank's part of the model is gathered into a plain
-        host copy (tensor by tensor), delinked there like any other model (the copies of a shared block start from
-        this rank's replica, equal on every rank), and the copy replaces the sharded one and is placed afresh (a new
-        plan places the new blocks; a pipeline keeps the new blocks of this rank's layers); the optimizer is rebuilt
-        over the new shards."""
+               perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
+        """FSDP2 cannot change the modules it manages: this rank's part of the model is gathered into a plain host copy
+        (tensor by tensor; a shared block's copies start from this rank's replica, equal on every rank), delinked there
+        like any other model, and placed afresh in its stead; the optimizer is rebuilt over the new shards."""
+        if self.placement is None:
+            raise RuntimeError("P2RStrategy delinks a placed model: nothing is placed yet (delink after setup)")
         root = self.placement.root
         if root is module:
             raise ValueError(
@@ -243,11 +213,13 @@ class FSDP2Engine(Engine):
         if self.stages is not None:
             self.stages.clear()
         del root, whole_optimizer
-        self.place(module, ctx, move_module=False)
+        placed = self.place(module, ctx, move_module=False)
         if self.stages is not None:  # this rank keeps only its own blocks' parameters
             live = {name for name, _ in plain.named_parameters()}
-            plain_optimizer = _only_parameters(plain_optimizer, {pid for pid, n in names.items() if n in live})
-        return self.adapt_optimizers([shard_optimizer(plain_optimizer, names, plain)], module)[0]
+            kept = [(i, [p for p in g["params"] if names.get(id(p)) in live])
+                    for i, g in enumerate(plain_optimizer.param_groups)]
+            plain_optimizer = optimizer_subset(plain_optimizer, kept)
+        return self.adapt_optimizers([shard_optimizer(plain_optimizer, names, plain)], module)[0], placed
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module,
@@ -281,14 +253,3 @@ class FSDP2Engine(Engine):
             sharded_checkpoint.load_full_optimizer_state(module, target, checkpoint["optimizer_states"][index])
         if isinstance(optimizer, ZeroOneOptimizer):
             optimizer.load_whole_state(target)
-
-
-def _only_parameters(optimizer: torch.optim.Optimizer, keep: set[int]) -> torch.optim.Optimizer:
-    """``optimizer`` over the parameters in ``keep`` (by id) only, with their state."""
-    groups = [{k: v for k, v in g.items() if k != "params"} | {"params": [p for p in g["params"] if id(p) in keep]}
-              for g in optimizer.param_groups]
-    result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-    for param, state in optimizer.state.items():
-        if id(param) in keep:
-            result.state[param] = state
-    return result

@@ -10,22 +10,21 @@ from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
 from ..compile import apply_compile
-from ..host_state import blocks_prefix, resident_model_bytes
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate, has_meta_tensors
 from ..offload import EngineEvents, OffloadEngine
 from ..optimizers import optimizer_state_to
+from ..plan import plan_for_model
 from ..split_optimizer import (
     SplitOptimizer,
     detach_to_host,
     device_optimizer_state_bytes,
     split_single_optimizer,
 )
-from .base import Engine, EngineContext, holder_of
+from .base import Engine, EngineContext, Placed, holder_of
 
 
 class LocalEngine(Engine):
-    name = "local"
     needs_process_group = False  # one process and nothing sharded
 
     def __init__(self) -> None:
@@ -42,13 +41,13 @@ class LocalEngine(Engine):
         self.streaming = None  # release_to_host gave every offloaded parameter its values back
         self.optimizer = None
 
-    def place(self, module: nn.Module, ctx: EngineContext) -> None:
+    def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
         """Plan (from the shapes alone: the model may still be on the meta device), materialize offloaded blocks
         straight into host memory, where the streaming engine keeps them as its masters, and the rest on the
         device."""
-        self.ctx = ctx
+        self.ctx = ctx.without_weights()
         holder = holder_of(module)
-        self.plan = plan = ctx.offload_plan(module, holder.blocks)
+        plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload)
         lazy = has_meta_tensors(module)
         initializer = Initializer(module, holder) if lazy else None
         fill = lazy and ctx.weights is None
@@ -58,7 +57,7 @@ class LocalEngine(Engine):
                 if fill:
                     initializer.fill(params)
         self.streaming = OffloadEngine(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
-                                       pin_memory=ctx.pin_memory, param_prefix=blocks_prefix(module, holder),
+                                       pin_memory=ctx.pin_memory, param_prefix=_blocks_prefix(module, holder),
                                        offload_params="params" in ctx.offload.offload_states)
         if lazy:
             params = allocate(module, ctx.device)
@@ -69,7 +68,8 @@ class LocalEngine(Engine):
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         self.streaming.on_block_grads_ready = self._on_block_grads_ready
-        self._resident_model_bytes = resident_model_bytes(module, holder.blocks, self.streaming.blocks)
+        self._resident_model_bytes = _resident_bytes(module, holder.blocks, self.streaming.blocks)
+        return Placed(plan)
 
     # --------------------------------------------------------------------------------------------- optimizer
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
@@ -117,7 +117,7 @@ class LocalEngine(Engine):
     # --------------------------------------------------------------------------------------------- delinking
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
-               perturb: Perturbation | None = None) -> torch.optim.Optimizer:
+               perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
         """Delink with the whole model in host memory, then re-plan and re-offload: the real model may not fit
         on the device (that is why it was trained pseudo first), so the copies are made on the host and only the
         blocks the new plan keeps resident move back."""
@@ -125,8 +125,8 @@ class LocalEngine(Engine):
         self.streaming = None
         new_optimizer = delink(module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state,
                                perturb=perturb)
-        self.place(module, ctx)
-        return self._split([new_optimizer], carry_state_from=new_optimizer)
+        placed = self.place(module, ctx)
+        return self._split([new_optimizer], carry_state_from=new_optimizer), placed
 
     # ------------------------------------------------------------------------------------------- checkpoints
     # The module's own state_dict()/load_state_dict() read and write the host masters (the streaming engine's
@@ -142,3 +142,20 @@ class LocalEngine(Engine):
         else:
             super().load_optimizer_state(module, index, optimizer, checkpoint, sharded_path, device)
         self.update_static_bytes()
+
+
+def _blocks_prefix(module: nn.Module, holder: nn.Module) -> str:
+    """The state-dict prefix of ``holder``'s blocks inside ``module``: the streaming engine names its host masters
+    with it, so the module's own ``state_dict`` reads them under their usual names."""
+    for name, candidate in module.named_modules():
+        if candidate is holder:
+            return f"{name}.blocks." if name else "blocks."
+    raise ValueError("the block sequence is not part of the LightningModule")
+
+
+def _resident_bytes(module: nn.Module, blocks: nn.ModuleList, offloaded: Any) -> int:
+    """Device bytes of the parameters that never stream, with the gradients of the trainable ones (counted once:
+    they do not change size until the next placement)."""
+    streamed = {id(p) for index in offloaded for p in blocks[index].parameters()}
+    return sum(p.numel() * p.element_size() * (2 if p.requires_grad else 1) for p in module.parameters()
+               if id(p) not in streamed)

@@ -1,13 +1,9 @@
 """Gradient-norm clipping over parameters placed on several device meshes.
 
-``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms, and DTensors on different meshes cannot be stacked:
-under tensor / expert parallelism the dense weights live on the (data, tensor) mesh, the experts on the (expert
-data, expert, tensor) mesh and the norms on the data mesh alone. (Reducing each mesh's norm through DTensor would
-work, but runs one all-reduce per mesh dimension in sequence.) Here each rank sums ``|g|^p`` over its local parts,
-divides each part by the number of ranks that hold the same part (the sizes of the mesh dimensions it is
-replicated over, times the slices of the world outside its mesh: a parameter kept on the data ranks only is
-repeated on every tensor-parallel slice), and a single all-reduce over all ranks gives the global sum.
-Every gradient is then scaled by the same factor, as on one process.
+``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms, and DTensors on different meshes (dense weights,
+experts, norms on the data ranks alone) cannot be stacked; reducing each mesh's norm through DTensor would run one
+all-reduce per mesh dimension in sequence. Here each rank sums ``|g|^p`` over its local parts, each divided by the
+number of ranks holding the same part, and one all-reduce over all ranks gives the global sum.
 """
 
 from __future__ import annotations
@@ -19,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+
+from ..accounting import local_tensor
 
 
 def ranks_holding(grad: torch.Tensor) -> int:
@@ -33,30 +31,19 @@ def ranks_holding(grad: torch.Tensor) -> int:
     return replicated * dist.get_world_size() // mesh.size()
 
 
-def replicas_on_mesh(grad: torch.Tensor) -> int:
-    """How many ranks of its own mesh hold the same local part of ``grad`` (1 for a plain tensor)."""
-    if not isinstance(grad, DTensor):
-        return 1
-    return math.prod(grad.device_mesh.size(i) for i, placement in enumerate(grad.placements)
-                     if isinstance(placement, Replicate))
-
-
 def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
                     copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
-    """The ``norm_type`` norm of all the gradients of ``params`` together, the same on every rank (collective:
-    every rank calls it with its parameters, in any order). ``copies(param)``: how many ranks hold the same local
-    part of the parameter's gradient, when the layout knows better than its mesh (pipeline stages).
-
-    The local parts are grouped by device and by how many ranks hold them; torch's ``get_total_norm`` reduces each
-    group where it lives (one fused kernel per device, no host sync per tensor), and the few group norms meet on the
-    process group's device for one all-reduce."""
+    """The ``norm_type`` norm of all the gradients of ``params``, the same on every rank (collective, any order).
+    ``copies(param)``: the ranks holding the same local part of its gradient, where the layout knows better than the
+    mesh (pipeline stages). The parts are grouped by device and holders; ``get_total_norm`` reduces each group where it
+    lives (one fused kernel, no host sync per tensor), and the group norms meet for one all-reduce."""
     inf = math.isinf(norm_type)
     groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
     for param in params:
         grad = param.grad
         if grad is None:
             continue
-        part = (grad.to_local() if isinstance(grad, DTensor) else grad).detach()
+        part = local_tensor(grad).detach()
         if part.numel():
             held = 1 if inf else copies(param) if copies is not None else ranks_holding(grad)
             groups.setdefault((part.device, held), []).append(part)
@@ -66,7 +53,11 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
     where = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     local = torch.zeros((), dtype=torch.float64, device=where)
     for (_, held), parts in groups.items():
-        norm = get_total_norm(parts, norm_type).to(where, torch.float64)
+        # A low-precision gradient's own norm is reduced into fp32 first (torch's fused norm would round it to the
+        # gradient's dtype, bf16's 3 digits); the group norms are summed in fp64.
+        wide = [part if part.dtype.itemsize >= 4 else torch.linalg.vector_norm(part, norm_type, dtype=torch.float32)
+                for part in parts]
+        norm = get_total_norm(wide, norm_type).to(where, torch.float64)
         local = torch.maximum(local, norm) if inf else local + norm.pow(norm_type) / held
     if distributed:
         dist.all_reduce(local, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)

@@ -1,20 +1,12 @@
-"""Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied to an M6 MoE layer from outside.
+"""Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied to an M6 MoE layer from outside
+(docs/parallelism.md).
 
-The model's MoE layer routes its own tokens, ranks them for capacity and sorts the kept assignments by expert
-before calling ``Experts(rows, counts)``; that call is where parallelism enters. :class:`ParallelExperts` (the
-same module and parameters, its class switched the way FSDP2's ``fully_shard`` switches classes) sends each row to
-the expert-parallel rank that holds its expert with ``all_to_all_single`` (uneven splits: the counts are exchanged
-first), regroups the received rows by local expert, computes them, and sends the results back in the order they
-came. Routing, capacity and drop order are therefore exactly those of the same tokens on one process: each rank
-routes its own micro-batch, and capacity is counted per rank over its own tokens (as data parallelism already
-counts it); the all-to-all only moves the rows that were kept.
-
-Under tensor parallelism each expert's hidden dimension is split too (``w_in`` by columns, ``w_out`` by rows): the
-rows are the same on every tensor-parallel rank, each computes its share of the hidden units, and the partial
-outputs are all-reduced, Megatron's column/row pattern inside every expert.
-
-:class:`ParallelMoE` computes the load-balancing loss over every data-parallel rank's tokens (counts summed, mean
-router probabilities over all tokens), so the loss and its gradient are those of the global batch on one process.
+The MoE layer routes its own tokens, applies capacity and sorts the kept assignments by expert before calling
+``Experts(rows, counts)``: there :class:`ParallelExperts` sends each row to the rank holding its expert
+(``all_to_all_single``, the counts exchanged first), computes its experts' rows and sends the results back, so
+routing and drops are those of the same tokens on one process. Under tensor parallelism each expert's hidden units
+are split too (Megatron's column/row pattern inside every expert). :class:`ParallelMoE` computes the balance loss
+over every data rank's tokens, as one process would over the global batch.
 """
 
 from __future__ import annotations
@@ -23,16 +15,19 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as differentiable
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from ...models.moe import Experts, MoEFeedForward, balance_loss_from_means, expert_mlps
+from ..accounting import local_tensor
+from .differentiable import all_reduce_sum, all_to_all
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a parameter (the whole parameter when it is not distributed)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, copied when it is a view (``DTensor.to_local`` returns one). A view leaving an FSDP2 unit with a
+    gradient draws FSDP2's warning (an in-place op on it would skip the unit's pre-backward hook). The copy is one
+    pass over the output, small beside the matmuls that made it."""
+    return tensor.clone() if tensor._base is not None and torch.is_grad_enabled() else tensor
 
 
 def copy_to_tensor_parallel(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
@@ -99,7 +94,7 @@ class ParallelExperts(Experts):
         if self.gradient_scale != 1.0:
             w_in, w_out = (_ScaleGradient.apply(w, self.gradient_scale) for w in (w_in, w_out))
         if self.expert_group is None:
-            return self._compute(x, counts, w_in, w_out)
+            return owned(self._compute(x, counts, w_in, w_out))
         ranks = dist.get_world_size(self.expert_group)
         local_experts = w_in.shape[0]
         device = x.device
@@ -110,17 +105,13 @@ class ParallelExperts(Experts):
         received = received.cpu().view(ranks, local_experts)  # (source rank, local expert)
         send_splits = rank_splits(counts, ranks)
         recv_splits = received.sum(dim=1).tolist()
-        rows = x.new_empty(sum(recv_splits), x.shape[1])
-        rows = differentiable.all_to_all_single(rows, x.contiguous(), recv_splits, send_splits,
-                                                group=self.expert_group)
+        rows = all_to_all(x, recv_splits, send_splits, self.expert_group)
         order = expert_major_order(received).to(device)
         out = self._compute(rows.index_select(0, order), received.sum(dim=0).tolist(), w_in, w_out)
         back = torch.empty_like(order)
         back[order] = torch.arange(order.numel(), device=device)
         out = out.index_select(0, back)  # source-major again, as the rows arrived
-        result = x.new_empty(x.shape[0], out.shape[1])
-        return differentiable.all_to_all_single(result, out.contiguous(), send_splits, recv_splits,
-                                                group=self.expert_group)
+        return all_to_all(out, send_splits, recv_splits, self.expert_group)
 
     def _compute(self, x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
         if self.tp_mesh is not None:
@@ -147,7 +138,7 @@ class ParallelMoE(MoEFeedForward):
         dist.all_reduce(tokens, group=self.data_group)
         # Summed with a differentiable all-reduce: its backward sums every rank's gradient for this rank's
         # probabilities, which the data-parallel gradient average then divides back to one process's gradient.
-        prob_sum = differentiable.all_reduce(probs.sum(dim=0), group=self.data_group)
+        prob_sum = all_reduce_sum(probs.sum(dim=0), self.data_group)
         return balance_loss_from_means(prob_sum / tokens, counts)
 
 

@@ -1,11 +1,8 @@
 """Vocabulary-parallel cross-entropy (Megatron-LM): the loss from each tensor-parallel rank's shard of the logits,
-so the logits are never gathered whole.
-
-Each rank holds the logits of every token for its ``vocab / tp`` vocabulary entries. The softmax's normaliser and
-the target's logit are sums over the vocabulary, so three all-reduces of one number per token give them: the
-maximum (for stability, no gradient), the sum of exponentials and the target logit (the rank holding the target
-contributes it, the others zero). Their backward is the identity (every rank computes the same loss from the
-reduced values), so each rank's gradient is ``softmax - one_hot`` on its own shard, as on one process.
+which are never gathered whole. The normaliser and the target's logit are sums over the vocabulary: three
+all-reduces of one number per token (the maximum, without gradient; the sum of exponentials; the target logit, from
+the rank holding it) give them, with identity backward, so each rank's gradient is ``softmax - one_hot`` on its
+shard, as on one process.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
-"""The device meshes of a tensor / expert / pipeline parallel job: which ranks hold which part of the model (the
-rank arithmetic itself, torch-free, is ``lightning_p2r.layout.ParallelDims``).
-
-Ranks are laid out ``(data, tensor)``, tensor-parallel ranks adjacent (on a multi-GPU node they share the fastest
-links, as Megatron-LM places them). Expert parallelism borrows ranks from the data dimension (DeepSpeed-MoE,
-torchtitan): the data dimension of size ``dp`` is read as ``(dp / ep, ep)``, so the ``ep`` ranks of one expert group
-see different batches and send each other the tokens routed to the experts they hold, and the ``dp / ep`` ranks
-with the same position in their expert groups hold the same experts (FSDP2 shards or replicates the experts over
-them, as it does the dense parameters over all ``dp`` ranks).
-
-Two meshes describe this, each made by ``init_device_mesh`` over the same ranks: the dense mesh
-``(data..., "tp")`` and the expert mesh ``(expert data..., "ep", "tp")``. A parameter's sharding (FSDP2) and its
-model-parallel placement (tensor / expert) must come from one mesh, and the two kinds of parameters are sharded
-over different data dimensions, hence two meshes rather than one with flattened dimensions.
+"""The two device meshes of a tensor / expert / pipeline parallel job (the rank arithmetic, torch-free, is
+``lightning_p2r.layout.ParallelDims``): the dense mesh ``(pp, data..., "tp")`` and the expert mesh
+``(pp, expert data..., "ep", "tp")``, both from ``init_device_mesh`` over the same ranks. A parameter's FSDP2 and
+model-parallel placements must come from one mesh, and the dense weights and the experts are sharded over different
+data dimensions: hence two meshes rather than one with flattened dimensions (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -29,6 +20,7 @@ class ParallelMeshes:
     dims: ParallelDims
     dense: Any
     experts: Any
+    """None without tensor or expert parallelism."""
     data_dims: tuple[str, ...]
     """The dense mesh's data dimensions, as FSDP2 takes them: ("replicate", "shard") or ("shard",)."""
     expert_data_dims: tuple[str, ...]
@@ -85,6 +77,8 @@ def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> Pa
     else:
         dense = init_device_mesh(device_type, (*pp, dp, tp), mesh_dim_names=(*pp_name, "shard", "tp"))
         dense_data = ("shard",)
+    if not dims.model_parallel:  # data parallelism alone: nothing is split, no expert mesh (or its groups)
+        return ParallelMeshes(dims, dense, None, dense_data, ())
     if replicate and edp > 1:
         experts = init_device_mesh(device_type, (*pp, edp, 1, ep, tp),
                                    mesh_dim_names=(*pp_name, "expert_replicate", "expert_shard", "ep", "tp"))

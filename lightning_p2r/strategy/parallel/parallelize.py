@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...layout import Layout, ModelShape
-from ...layout import check_model as check_sizes
-from ...models.config import M6Config
 from ...models.moe import MoEFeedForward
 from ...protocols import DeclaresParallelPlan, ParallelPlan
 from .experts import parallelize_experts
@@ -40,31 +37,13 @@ def model_plan(holder: nn.Module) -> ParallelPlan:
     return plan
 
 
-def check_model(holder: nn.Module, meshes: ParallelMeshes, *, sequence_parallel: bool = False) -> None:
-    """Refuse a model the mesh cannot split (before any parameter is placed)."""
+def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, *, loss_parallel: bool = False,
+                      sequence_parallel: bool = False) -> None:
+    """Tensor parallelism first (the planned layers' weights become DTensors on "tp"), then the expert layers (split
+    over "ep" and "tp"), on the meta device; FSDP2 shards the placed DTensors further afterwards, as torchtitan orders
+    them. ``plan``: the model's (:func:`model_plan`; the strategy checked the sizes before placing).
+    ``loss_parallel``: the module's loss is ``loss.VocabParallelCrossEntropy``."""
     dims = meshes.dims
-    if dims.model_parallel:
-        model_plan(holder)
-    config = getattr(holder, "config", None)
-    if isinstance(config, M6Config):
-        # The split degrees against the model's sizes (the pipeline's cut is checked where the stages are made).
-        check_sizes(Layout(tensor_parallel=dims.tensor_parallel, expert_parallel=dims.expert_parallel,
-                           sequence_parallel=sequence_parallel), ModelShape.of(config))
-
-
-def parallelize_model(holder: nn.Module, meshes: ParallelMeshes, *, loss_parallel: bool = False,
-                      sequence_parallel: bool = False) -> ParallelPlan | None:
-    """Tensor parallelism first (``parallelize_module`` places the planned layers' weights as DTensors on the "tp"
-    dimension), then the expert layers (experts split over "ep" and "tp", tokens exchanged by all-to-all, the
-    balance loss over all data ranks). FSDP2 comes after, over the data dimensions of the same meshes, as torchtitan
-    orders them: it shards the already-placed DTensors further. Works on the meta device. ``loss_parallel``: the
-    module computes its loss with ``loss.VocabParallelCrossEntropy`` (see ``tensor.apply_tensor_parallel``).
-    Returns the plan applied (None when the mesh splits nothing: data parallelism alone)."""
-    check_model(holder, meshes, sequence_parallel=sequence_parallel)
-    dims = meshes.dims
-    if not dims.model_parallel:
-        return None
-    plan = model_plan(holder)
     if dims.tensor_parallel > 1:
         apply_tensor_parallel(holder, plan, meshes.tensor, loss_parallel=loss_parallel,
                               sequence_parallel=sequence_parallel)
@@ -75,4 +54,3 @@ def parallelize_model(holder: nn.Module, meshes: ParallelMeshes, *, loss_paralle
             layer, expert_tensor_mesh=meshes.expert_tensor,
             expert_group=meshes.expert.get_group() if dims.expert_parallel > 1 else None,
             tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None, data_group=data_group)
-    return plan

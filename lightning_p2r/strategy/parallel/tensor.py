@@ -1,18 +1,8 @@
-"""Tensor parallelism (Megatron-LM) for a block-sequence model, applied from outside with ``parallelize_module``.
-
-The model declares which of its submodules split how (``protocols.ParallelPlan``; ``M6Transformer.parallel_plan``
-is the example); this module turns each kind into torch's ``ParallelStyle``. A column layer followed by a row layer
-costs one all-reduce of the block's activations in forward and one in backward (Megatron's f and g); whatever the
-plan does not name stays replicated, its inputs being the same on every tensor-parallel rank. Expert layers are
-split along their hidden dimension by :mod:`.experts` (the same column/row pattern inside each expert). The
-embedding is split by vocabulary rows (each rank looks up its rows, the partial embeddings are all-reduced) and the
-output layer by vocabulary columns: in training each rank keeps its vocabulary shard of the logits and the loss is
-computed from the shards (``loss.py``, Megatron's vocabulary-parallel cross-entropy), so the logits are never
-gathered whole; in evaluation they are gathered, so metrics and generation read ordinary logits.
-
-With sequence parallelism the activations between the layers stay split by sequence position: each all-reduce
-becomes a reduce-scatter (row-parallel outputs, the embedding) and an all-gather (column-parallel inputs) of the
-same bytes, and the "sequence" modules (norms) run on a rank's positions.
+"""Tensor parallelism (Megatron-LM) for a block-sequence model, applied from outside with ``parallelize_module``:
+the model declares which submodules split how (``protocols.ParallelPlan``), this module turns each kind into
+torch's ``ParallelStyle`` (docs/parallelism.md). In training the output layer leaves each rank its vocabulary shard
+of the logits for the vocabulary-parallel loss (``loss.py``); in evaluation they are gathered, so metrics and
+generation read ordinary logits. With sequence parallelism the activations between layers stay split by position.
 """
 
 from __future__ import annotations
@@ -32,17 +22,19 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ...models.moe import MoEOutput
-from ...protocols import ParallelPlan, SplitKind
+from ...protocols import HoldsWeight, ParallelPlan, SplitKind
+from .experts import owned
 
 
-def _gather_logits_outside_training(tp_mesh: Any) -> Any:
-    """A forward hook for the head: in evaluation (metrics, generation, a validation loss) the vocabulary shards are
-    gathered into whole logits; in training each rank keeps its shard for the vocabulary-parallel loss."""
+def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
+    """A forward hook for the head. With ``loss_parallel``, in evaluation (metrics, generation, a validation loss) the
+    vocabulary shards are gathered into whole logits; in training each rank keeps its shard for the
+    vocabulary-parallel loss. The logits leave the model's root unit: a view is copied (see ``owned``)."""
 
-    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
-        if module.training:
-            return None
-        return DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False).full_tensor()
+    def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
+        if loss_parallel and not module.training:
+            output = DTensor.from_local(output, tp_mesh, [Shard(-1)], run_check=False).full_tensor()
+        return owned(output)
 
     return hook
 
@@ -114,8 +106,8 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
     if made:
         parallelize_module(holder, tp_mesh, made)
     for name, kind in present.items():
-        if kind == "output" and loss_parallel:
-            holder.get_submodule(name).register_forward_hook(_gather_logits_outside_training(tp_mesh))
+        if kind == "output":
+            holder.get_submodule(name).register_forward_hook(_logits_hook(tp_mesh, loss_parallel=loss_parallel))
     for first, other in tied:
         holder.get_submodule(other).weight = holder.get_submodule(first).weight
 
@@ -133,9 +125,10 @@ def _tied_weights(holder: nn.Module, names: dict[str, SplitKind]) -> list[tuple[
     owner: dict[int, str] = {}
     pairs = []
     for name in names:
-        weight = getattr(holder.get_submodule(name), "weight", None)
-        if weight is None:
+        module = holder.get_submodule(name)
+        if not isinstance(module, HoldsWeight):
             continue
+        weight = module.weight
         if id(weight) in owner:
             pairs.append((owner[id(weight)], name))
         else:

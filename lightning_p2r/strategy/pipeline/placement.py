@@ -11,22 +11,22 @@ the step. See docs/parallelism.md.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ...layout import BREADTH_FIRST, StageCut, block_holders, check_local_sharing, check_micro_batches
+from ...layout import StageCut, block_holders, check_local_sharing
 from ...protocols import DefinesPipelineStages, PipelineParts
-from ..parallel.clipping import replicas_on_mesh
+from ..accounting import local_tensor
+from ..parallel.clipping import ranks_holding
 from .runner import PipelineRunner, PipelineStepResult
 from .stage import PipelineStageModule, keep_only
 
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+if TYPE_CHECKING:
+    from ..engines.base import EngineContext
 
 
 def pipeline_parts(module: nn.Module) -> PipelineParts:
@@ -41,15 +41,18 @@ class StagePlacement:
     """This rank's stages of one job: cut at every placement (delinking re-cuts), with the process groups of the
     replicas made once per set of ranks (``new_group`` is collective)."""
 
-    def __init__(self, *, world_size: int, global_rank: int, pipeline_parallel: int, stages_per_rank: int,
-                 schedule: str, micro_batches: int, recompute: bool, group: dist.ProcessGroup) -> None:
-        self.world_size, self.global_rank = world_size, global_rank
-        self.pipeline_parallel, self.stages_per_rank = pipeline_parallel, stages_per_rank
-        self.schedule, self.micro_batches, self.recompute = schedule, micro_batches, recompute
+    def __init__(self, ctx: EngineContext, group: dist.ProcessGroup) -> None:
+        p, a = ctx.parallel, ctx.accumulation
+        self.world_size, self.global_rank = ctx.world_size, ctx.global_rank
+        self.pipeline_parallel, self.stages_per_rank = p.pipeline_parallel, p.stages_per_rank
+        self.schedule, self.micro_batches, self.recompute = p.pipeline_schedule, a.micro_batches, a.recompute
         self.group = group
         """The pipeline's process group (the "pp" dimension of the mesh)."""
         self.cut: StageCut | None = None
         self.parts: PipelineParts | None = None
+        self._embed: list[nn.Module] = []
+        self._head: list[nn.Module] = []
+        """The modules the first and last stages hold besides their blocks (set where the model is cut)."""
         self.stage_modules: list[PipelineStageModule] = []
         self.runner: PipelineRunner | None = None
         self.params: list[nn.Parameter] = []
@@ -61,10 +64,6 @@ class StagePlacement:
         self._ranks_of: dict[str, tuple[int, ...]] = {}
         self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
 
-    @property
-    def breadth_first(self) -> bool:
-        return self.schedule in BREADTH_FIRST
-
     # ------------------------------------------------------------------------------------------- placement
     def keep_own(self, module: nn.Module, holder: nn.Module) -> set[int]:
         """Cut the model into stages and drop (on the meta device: never allocate) what other ranks hold; returns
@@ -72,8 +71,7 @@ class StagePlacement:
         parts = pipeline_parts(module)
         layer_to_block = list(holder.layer_to_block)
         cut = StageCut(self.world_size, self.pipeline_parallel, self.stages_per_rank, len(layer_to_block))
-        check_local_sharing(layer_to_block, cut)
-        check_micro_batches(self.schedule, self.micro_batches, self.pipeline_parallel)
+        check_local_sharing(layer_to_block, cut)  # again after delinking (the strategy checked it at setup)
         self.cut, self.parts = cut, parts
         stages = self.stages
         embed, head = list(parts.embed_modules), _with_tied(holder, list(parts.head_modules))
@@ -149,14 +147,11 @@ class StagePlacement:
         return self._holders_of.get(id(param), 1)
 
     def copies(self, whole: torch.Tensor) -> int:
-        """Ranks holding the same local part of ``whole``'s gradient: its mesh's replicas times its pipeline
-        replicas."""
+        """Ranks holding the same local part of ``whole``'s gradient: those within its pipeline (the other pipeline
+        slices of the world hold other stages) times its pipeline replicas."""
         grad = whole.grad
-        # A parameter on a sub-mesh of its stage (a norm weight on the data ranks only) is repeated on the stage's
-        # other tensor-parallel slices, which its placements do not show; the pipeline slices hold other stages.
-        slices = (self.world_size // grad.device_mesh.size() // self.pipeline_parallel
-                  if isinstance(grad, DTensor) else 1)
-        return replicas_on_mesh(grad) * slices * self.holders(whole)
+        within = ranks_holding(grad) // self.pipeline_parallel if isinstance(grad, DTensor) else 1
+        return within * self.holders(whole)
 
     # ---------------------------------------------------------------------------------------------- training
     def train_step(self, batch: torch.Tensor, uncounted: Any) -> PipelineStepResult:
@@ -167,7 +162,7 @@ class StagePlacement:
             param.grad = None
         self.runner.train_step(batch)
         for group, replicas in self._replicas:
-            sum_over(group, [_local(p.grad) for p in replicas if p.grad is not None])
+            sum_over(group, [local_tensor(p.grad) for p in replicas if p.grad is not None])
         with uncounted():  # metrics, not the training layout
             result = self.runner.gather_step()
         self._stashed = [(p, p.grad) for p in self.params]

@@ -40,16 +40,16 @@ def keep_only(holder: nn.Module, blocks: set[int], modules: list[nn.Module]) -> 
 
 
 class _AttachLoss(torch.autograd.Function):
-    """Pass ``hidden`` through unchanged; in backward, also give ``loss`` the gradient one, so a layer's extra loss
-    (an MoE router's weighted balance and z losses) joins the backward of the micro-batch whose hidden states carry
-    it, on the stage that computed it, without travelling to the last stage (as DeepSeek-MoE attaches its auxiliary
-    loss). One is its weight in the micro-batch's loss, whose own backward starts at one too; the schedule divides
-    both by the number of micro-batches afterwards."""
+    """Pass ``hidden`` through; in backward give ``loss`` the gradient one, so a layer's extra loss (an MoE router's)
+    joins the backward of its micro-batch on the stage that computed it, without travelling to the last stage (as
+    DeepSeek-MoE attaches its auxiliary loss). One is its weight in the micro-batch's loss; the schedule divides both
+    by the number of micro-batches. The output is a copy, not a view of ``hidden``: FSDP2 warns about a stage
+    returning a view (an in-place op on it would skip its pre-backward hook)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
         ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
-        return hidden.view_as(hidden)
+        return hidden.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,12 +62,9 @@ def attach_loss(hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
 
 
 class PipelineStageModule(nn.Module):
-    """Layers ``layers`` of the model, the embedding if ``first``, the head if ``last``.
-
-    In training the last stage returns the micro-batch's loss (the schedule's loss function passes it through);
-    in evaluation it returns the logits. Each forward keeps the micro-batch's context, whose router records the
-    strategy gathers after the step.
-    """
+    """Layers ``layers`` of the model, the embedding if ``first``, the head if ``last``. In training the last stage
+    returns the micro-batch's loss (the schedule's loss function passes it on), in evaluation the logits. Each forward
+    keeps the micro-batch's context, whose router records the strategy gathers after the step."""
 
     def __init__(self, parts: PipelineParts, blocks: nn.ModuleList, layers: range, *, first: bool, last: bool,
                  embed_modules: list[nn.Module], head_modules: list[nn.Module], recompute: bool = False) -> None:
@@ -88,7 +85,8 @@ class PipelineStageModule(nn.Module):
         self.losses: list[torch.Tensor] = []
         self.forward_calls = 0
         self.after_last_forward: Callable[[PipelineStageModule], None] | None = None
-        """Called after the step's last micro-batch's forward (the engine reshards the blocks there, breadth-first)."""
+        """Called after the step's last micro-batch's forward (placement reshards the blocks there when
+        ``Layout.resharding.after_last_micro_batch``: ZeRO-3 with a breadth-first schedule)."""
         self.micro_batches = 1
 
     def begin(self, *, computes_loss: bool, micro_batches: int, infers_shapes: bool) -> None:
@@ -114,6 +112,7 @@ class PipelineStageModule(nn.Module):
         else:
             context = self._parts.context(tokens)
         training = self.computes_loss and torch.is_grad_enabled()
+        extras: list[torch.Tensor] = []
         for layer in self.layers:
             if training and self.recompute:
                 # Activation checkpointing per layer: only the layer's input is kept; backward runs the layer again
@@ -122,7 +121,9 @@ class PipelineStageModule(nn.Module):
             else:
                 hidden, extra = stages.layer(layer, hidden, context)
             if extra is not None and training:
-                hidden = attach_loss(hidden, extra)
+                extras.append(extra)
+        if extras:
+            hidden = attach_loss(hidden, torch.stack(extras).sum())
         self.contexts.append(context)
         self.forward_calls += 1
         if self.forward_calls == self.micro_batches and self.after_last_forward is not None:

@@ -1,0 +1,156 @@
+"""Starting and ending a job's processes: refusals before any rank exists, and one failure ending every rank.
+
+Lightning's script launcher starts ranks 1..N-1 by running the command again, then runs rank 0 in the launching
+process. Two things it leaves to the strategy:
+
+- **Refuse before launching.** Everything the options, the model config and the number of processes decide is
+  checked by ``P2RStrategy.check_before_launch`` in the launching process, before a child exists: a refused layout
+  is one message, not a traceback from every rank.
+- **One failure ends the job, with one message.** A rank that fails writes its error into a folder the launching
+  process chose (``P2R_RANK_ERRORS``) and exits without a traceback. If rank 0 fails, it stops and waits for the
+  other ranks before its error (with the other ranks' different errors as notes) ends the command; if another rank
+  fails while rank 0 waits in a collective, the observer prints that rank's error, stops every rank and ends the
+  command. Either way, no rank outlives the command.
+
+Under torchrun or SLURM (processes created outside Lightning) each rank behaves as Lightning's own launcher does.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+ERRORS_ENV = "P2R_RANK_ERRORS"
+"""The folder where each rank started by the launcher writes its error (set by the launching process)."""
+
+
+class RankFailed(RuntimeError):
+    """Another rank failed first; the launching rank's own error (usually a collective whose peer went away) is the
+    consequence. The message is the failing ranks' errors."""
+
+
+def describe(error: BaseException) -> str:
+    """One line: the error's type and message (a ValueError's message is already a sentence for the user)."""
+    text = str(error).strip() or repr(error)
+    return text if isinstance(error, ValueError) else f"{type(error).__name__}: {text}"
+
+
+def read_rank_errors(folder: Path) -> dict[int, str]:
+    """The errors the ranks wrote, by rank."""
+    errors = {}
+    for path in sorted(folder.glob("rank-*.txt")):
+        errors[int(path.stem.split("-", 1)[1])] = path.read_text(encoding="utf-8")
+    return errors
+
+
+def summarize(errors: dict[int, str], *, skip: str | None = None) -> list[str]:
+    """One line per distinct error, with the ranks that raised it (``skip``: the text already shown)."""
+    by_text: dict[str, list[int]] = {}
+    for rank, text in sorted(errors.items()):
+        by_text.setdefault(text, []).append(rank)
+    return [f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: {text}"
+            for text, ranks in by_text.items() if text != skip]
+
+
+def stop_processes(processes: list[subprocess.Popen], grace: float = 5.0) -> None:
+    """Terminate the processes still running, kill those that ignore it within ``grace`` seconds (a rank blocked in
+    a collective may), and wait for every one."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace
+    for process in processes:
+        try:
+            process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _quiet_excepthook(kind: type[BaseException], error: BaseException, traceback: Any) -> None:
+    """A launched rank's uncaught error was written for the launching process, which reports it once."""
+
+
+class RankObserver(threading.Thread):
+    """Watches the ranks the launcher started: when one fails, prints its error, stops every rank (the launching
+    one included: it may be blocked in a collective) and ends the command with status 1."""
+
+    def __init__(self, processes: list[subprocess.Popen], errors: Path, period: float = 1.0) -> None:
+        super().__init__(daemon=True, name="p2r-rank-observer")
+        self.processes, self.errors, self.period = processes, errors, period
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period):
+            failed = [i + 1 for i, p in enumerate(self.processes) if p.poll() not in (None, 0)]
+            if failed and not self.stopped.is_set():
+                stop_processes(self.processes)
+                lines = summarize(read_rank_errors(self.errors)) or [
+                    f"rank {rank}: exited with status {self.processes[rank - 1].returncode}" for rank in failed]
+                sys.stderr.write("error: a rank failed, every rank was stopped:\n  " + "\n  ".join(lines) + "\n")
+                sys.stderr.flush()
+                shutil.rmtree(self.errors, ignore_errors=True)
+                os._exit(1)  # the launching rank may be inside a collective that never returns
+
+
+class CheckingLauncher(_SubprocessScriptLauncher):
+    """Lightning's script launcher with the job's checks before any child exists and one failure ending all ranks
+    (see the module docstring). ``check`` runs in every process before the job starts; it gets the Trainer and
+    the launched function's arguments."""
+
+    def __init__(self, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.check = check
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        self.check(trainer, *args)
+        self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        if self.cluster_environment.creates_processes_externally:
+            return self._run_as_launched_rank(function, *args, **kwargs)
+        errors = Path(tempfile.mkdtemp(prefix="p2r-rank-errors-"))
+        os.environ[ERRORS_ENV] = str(errors)
+        try:
+            self._call_children_scripts()
+        finally:
+            del os.environ[ERRORS_ENV]
+        observer = RankObserver(self.procs, errors)
+        observer.start()
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        try:
+            return function(*args, **kwargs)
+        except BaseException as error:
+            observer.stopped.set()
+            failed_first = any(process.poll() not in (None, 0) for process in self.procs)
+            stop_processes(self.procs)
+            others = summarize(read_rank_errors(errors), skip=describe(error))
+            if failed_first and others and not isinstance(error, KeyboardInterrupt):
+                raise RankFailed("; ".join(others) + f" (then rank 0: {describe(error)})") from error
+            for line in others:
+                error.add_note(line)
+            raise
+        finally:
+            observer.stopped.set()
+            shutil.rmtree(errors, ignore_errors=True)
+
+    def _run_as_launched_rank(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
+        folder = os.environ.get(ERRORS_ENV)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        try:
+            return function(*args, **kwargs)
+        except BaseException as error:
+            if folder and os.path.isdir(folder) and not isinstance(error, KeyboardInterrupt):
+                rank = self.cluster_environment.global_rank()
+                Path(folder, f"rank-{rank}.txt").write_text(describe(error), encoding="utf-8")
+                sys.excepthook = _quiet_excepthook
+            raise

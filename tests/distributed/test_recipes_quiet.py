@@ -1,0 +1,33 @@
+"""Every recipe, run for a few steps on the processes it asks for through the console script, prints no warning
+outside the documented allow-list (lightning_p2r.known_warnings.ALLOWED_IN_RECIPE_RUNS). The ZeRO-3 recipe is
+checked by test_recipe_zero3.py, which runs it anyway."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+from recipe_runs import ROOT, run_command, unexpected_warnings
+
+RECIPES = sorted(p for p in (ROOT / "recipes").glob("*.yaml") if p.name != "zero3_pseudo_to_real.yaml")
+
+
+def short_run_overrides(recipe: Path) -> list[str]:
+    """A few steps past the recipe's last scheduled delink; the recipes' only GPU-sized data (seq_len 256, batch 32)
+    capped so its layout runs in seconds here. The warmup is shortened with the run (else the package rightly warns
+    that the run ends inside it)."""
+    config = yaml.safe_load(recipe.read_text())
+    delinks = [step for callback in config["trainer"].get("callbacks") or []
+               for step in (callback.get("init_args", {}).get("schedule") or {})]
+    data = config.get("data", {})
+    return [f"--trainer.max_steps={max(delinks, default=0) + 3}", "--trainer.limit_val_batches=2",
+            "--model.optimizer.warmup_steps=1", f"--data.seq_len={min(data.get('seq_len', 64), 64)}",
+            f"--data.batch_size={min(data.get('batch_size', 16), 16)}", "--trainer.accelerator=cpu"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
+def test_a_recipe_prints_no_warning_outside_the_allow_list(recipe: Path, tmp_path: Path) -> None:
+    result = run_command(["fit", "--config", str(recipe), *short_run_overrides(recipe)], tmp_path, timeout=280)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert unexpected_warnings(result.stdout + result.stderr) == []

@@ -1,0 +1,98 @@
+"""The command as a newcomer meets it (issue 27): every command listed in ``--help`` with its own ``--help``, an
+unknown command with a suggestion, and recipe file errors that name the file and line."""
+
+from pathlib import Path
+
+import pytest
+
+from lightning_p2r.cli import COMMANDS, main
+from lightning_p2r.recipe_files import check_recipe_files, keys_named_in, locate_key, recipe_paths
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _exit_and_output(capsys: pytest.CaptureFixture[str], args: list[str]) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as stop:
+        main(args)
+    captured = capsys.readouterr()
+    return stop.value.code or 0, captured.out + captured.err
+
+
+def test_the_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--help"])
+    text = capsys.readouterr().out
+    for name in ("fit", "validate", "test", "predict", "generate", "plan", "calibrate", "convert-checkpoint"):
+        assert f"\n  {name} " in text
+    assert set(COMMANDS) <= {line.split()[0] for line in text.splitlines() if line.startswith("  ")}
+
+
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_each_command_has_its_own_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _exit_and_output(capsys, [command, "--help"])
+    assert code == 0
+    assert f"lightning-p2r {command}" in text or (command in ("fit", "validate", "test", "predict")
+                                                   and "--config" in text)
+
+
+def test_no_command_prints_the_commands_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _exit_and_output(capsys, [])
+    assert code == 2 and "convert-checkpoint" in text
+
+
+def test_an_unknown_command_is_named_with_the_closest_one(capsys: pytest.CaptureFixture[str]) -> None:
+    code, text = _exit_and_output(capsys, ["generat"])
+    assert code == 2
+    assert "unknown command 'generat' (did you mean 'generate'?)" in text
+
+
+def test_a_yaml_syntax_error_names_the_recipe_file_and_line(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = tmp_path / "broken.yaml"
+    recipe.write_text("trainer:\n  max_steps: 3\n  devices: [1\nmodel:\n  config: {}\n")
+    code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe)])
+    assert code == 2
+    assert f"error: recipe {recipe}: line 4, column 6:" in text
+    assert "<unicode string>" not in text
+
+
+def test_an_unknown_key_in_a_recipe_names_the_file_and_line(tmp_path: Path,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("trainer:\n  max_steps: 3\nmodel:\n  config:\n    num_layerz: 2\n")
+    code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe)])
+    assert code == 2
+    assert "model.config.num_layerz" in text and f"(in {recipe}, line 5)" in text
+
+
+def test_a_bad_strategy_value_in_a_recipe_names_the_line_but_not_when_the_command_line_gave_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    recipe = tmp_path / "strategy.yaml"
+    recipe.write_text("trainer:\n  strategy:\n    class_path: lightning_p2r.P2RStrategy\n    init_args:\n"
+                      "      sharding: zero3\n")
+    code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe), "--trainer.strategy.sharding=zero5"])
+    assert code == 2 and "zero5" in text and "(in " not in text  # the override's value, not the recipe's line
+    recipe.write_text(recipe.read_text().replace("zero3", "zero4"))
+    code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe)])
+    assert code == 2 and "zero4" in text and f"(in {recipe}, line 5)" in text
+
+
+def test_recipe_paths_and_problems(tmp_path: Path) -> None:
+    assert recipe_paths(["fit", "--config", "a.yaml", "-c", "b.yaml", "--config=c.yaml"]) == ["a.yaml", "b.yaml",
+                                                                                              "c.yaml"]
+    assert "does not exist" in check_recipe_files([str(tmp_path / "missing.yaml")])
+    assert "is a folder" in check_recipe_files([str(tmp_path)])
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- 1\n- 2\n")
+    assert "got a list at the top level" in check_recipe_files([str(listed)])
+    assert check_recipe_files(["{trainer: {max_steps: 2}}"]) is None  # inline YAML is the parser's
+    assert check_recipe_files([str(p) for p in sorted((ROOT / "recipes").glob("*.yaml"))]) is None
+
+
+def test_a_key_is_found_through_init_args_in_the_last_recipe_that_sets_it(tmp_path: Path) -> None:
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("trainer:\n  strategy:\n    class_path: x.Y\n    init_args:\n      sharding: zero3\n")
+    second.write_text("trainer:\n  max_steps: 2\n")
+    assert locate_key([str(first), str(second)], "trainer.strategy.sharding") == f"{first}, line 5"
+    assert locate_key([str(first), str(second)], "trainer.max_steps") == f"{second}, line 2"
+    assert locate_key([str(first)], "model.config") is None
+    assert keys_named_in("trainer.strategy.Option 'shardin' is not accepted")[0] == "trainer.strategy.shardin"

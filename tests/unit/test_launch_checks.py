@@ -1,0 +1,39 @@
+"""What the options, the model config, the data's batch size and the number of processes decide is refused by
+``trainer.fit`` in the launching process, before Lightning's launcher starts any other rank (issue 27)."""
+
+from pathlib import Path
+
+import pytest
+from helpers import TINY, tiny_data, tiny_trainer
+
+from lightning_p2r import M6Config, M6LanguageModel, P2RStrategy
+from lightning_p2r.strategy.launch import summarize
+
+CASES = {
+    "tensor degree": ({"tensor_parallel": 2}, {}, 3, r"tensor_parallel=2\) must divide the number of processes \(3\)"),
+    "expert degree": ({"expert_parallel": 2}, {}, 3, r"expert_parallel"),
+    "pipeline fill": ({"pipeline_parallel": 2, "micro_batches": 1}, {}, 2,
+                      r"micro_batches=1\) is fewer than pipeline_parallel=2"),
+    "stage cut": ({"pipeline_parallel": 2, "stages_per_rank": 2, "pipeline_schedule": "looped_bfs",
+                   "micro_batches": 2}, {"num_layers": 6}, 2,
+                  r"6 layers cannot be cut into .* 4 stages"),
+    "heads": ({"tensor_parallel": 2}, {"num_heads": 1}, 2, r"num_heads"),
+    "experts": ({"expert_parallel": 2}, {"num_experts": 3}, 2, r"num_experts"),
+    "batch split": ({"accumulation": "layered", "micro_batches": 3}, {}, 1, r"micro_batches=3\) must divide the batch"),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_a_layout_is_refused_before_any_rank_starts(case: str, tmp_path: Path) -> None:
+    options, model, devices, message = CASES[case]
+    trainer = None
+    with pytest.raises(ValueError, match=message):  # when the strategy is built, or when fit begins
+        trainer = tiny_trainer(tmp_path, devices=devices, strategy=P2RStrategy(**options))
+        trainer.fit(M6LanguageModel(M6Config(**(TINY | model))), datamodule=tiny_data(tmp_path, batch_size=4))
+    assert trainer is None or getattr(trainer.strategy.launcher, "procs", []) == []  # no child process started
+
+
+def test_the_ranks_errors_are_summarized_once_per_distinct_text() -> None:
+    errors = {1: "ValueError: x", 2: "ValueError: x", 3: "RuntimeError: y"}
+    assert summarize(errors) == ["ranks 1, 2: ValueError: x", "rank 3: RuntimeError: y"]
+    assert summarize(errors, skip="ValueError: x") == ["rank 3: RuntimeError: y"]
