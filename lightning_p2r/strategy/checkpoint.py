@@ -86,7 +86,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
     _barrier()
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for index, optimizer in enumerate(optimizers):
-        state[f"optimizer{index}"] = get_optimizer_state_dict(module, optimizer)
+        state[f"optimizer{index}"] = every_ranks_group_names(get_optimizer_state_dict(module, optimizer))
     dcp.save(state, checkpoint_id=str(target))
     if _is_rank_zero():
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -101,6 +101,23 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
         if current is not None:
             shutil.rmtree(current, ignore_errors=True)
     _barrier()
+
+
+def every_ranks_group_names(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an optimizer state dict keyed by parameter name) with each group listing the parameters of every
+    rank. DCP stores the groups once, as rank 0 holds them: where ranks hold different parameters (pipeline stages),
+    they would list rank 0's only, and a single-file conversion could not number the other ranks' states. (A
+    sharded load takes a group's settings, never its names.) Every rank calls this."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return state
+    names = [list(group["params"]) for group in state["param_groups"]]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    if any(len(rank_names) != len(names) for rank_names in gathered):
+        return state  # ranks with other groups: nothing to merge by position
+    for index, group in enumerate(state["param_groups"]):
+        group["params"] = list(dict.fromkeys(name for rank_names in gathered for name in rank_names[index]))
+    return state
 
 
 def _remove_stale_targets(path: Path, keep: Path | None) -> None:
