@@ -11,6 +11,7 @@ ends the command with one line that names it.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from dataclasses import dataclass, fields
@@ -24,6 +25,7 @@ from .generation import check_request, largest_new_tokens, prompt_too_long
 from .models import M6Config
 from .module import M6LanguageModel
 from .options_diff import describe_differences, differing_options
+from .recipe_files import check_recipe_files, locate_key
 from .strategy.checkpoint import check_checkpoint_path, is_sharded_checkpoint, load_meta, read_model_state
 
 # M6Config fields that do not change what a trained model computes at inference (training-only settings, the
@@ -44,6 +46,9 @@ class Recipe:
     path: Path
     config: M6Config
     data: TextDataModule
+    checkpoint_folders: tuple[Path, ...] = ()
+    """Where the recipe's fit writes checkpoints: ``<trainer.default_root_dir>/checkpoints`` and the ``dirpath`` of
+    each ``ModelCheckpoint`` (``--ckpt_path last`` takes the newest ``last*.ckpt`` among them)."""
 
 
 def read_recipe(path: str | Path) -> Recipe:
@@ -52,17 +57,12 @@ def read_recipe(path: str | Path) -> Recipe:
     import yaml
 
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise GenerateError(f"--config: recipe {path} does not exist (for example: --config recipes/quickstart.yaml)")
-    try:
-        recipe = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(error, "problem", None) or str(error).splitlines()[0]
-        raise GenerateError(f"--config: {path} is not valid YAML{where}: {problem}") from error
-    if not isinstance(recipe, dict):
-        raise GenerateError(f"--config: {path} is not a recipe (a YAML mapping with model and data sections)")
+    problem = check_recipe_files([str(path)])  # the file's syntax, named as fit names it (file, line, column)
+    if problem:
+        raise GenerateError(f"--config: {problem}")
+    recipe = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     model = _section(recipe, "model", path)
     config_options = dict(_section(model, "config", path, "model.config"))
     data_options = dict(_section(recipe, "data", path))
@@ -73,12 +73,47 @@ def read_recipe(path: str | Path) -> Recipe:
     config_options |= {"vocab_size": data.vocab_size, "max_seq_len": data.seq_len}
     unknown = sorted(set(config_options) - {f.name for f in fields(M6Config)})
     if unknown:
-        raise GenerateError(f"--config: {path}: model.config has no option {unknown[0]!r}")
+        where = locate_key([str(path)], f"model.config.{unknown[0]}")
+        raise GenerateError(f"--config: {path}: model.config has no option {unknown[0]!r}"
+                            + (f" (in {where})" if where else ""))
     try:
         config = M6Config(**config_options)
     except (TypeError, ValueError) as error:
         raise GenerateError(f"--config: {path}: {_one_line(error)}") from error
-    return Recipe(path=path, config=config, data=data)
+    return Recipe(path=path, config=config, data=data, checkpoint_folders=checkpoint_folders(recipe))
+
+
+def checkpoint_folders(recipe: dict[str, Any]) -> tuple[Path, ...]:
+    """The folders where ``lightning-p2r fit`` with this recipe writes checkpoints (as ``P2RCLI`` places them:
+    ``<default_root_dir>/checkpoints`` unless a ``ModelCheckpoint`` names its ``dirpath``)."""
+    trainer = recipe.get("trainer") if isinstance(recipe.get("trainer"), dict) else {}
+    folders = [Path(str(trainer.get("default_root_dir") or ".")) / "checkpoints"]
+    callbacks = trainer.get("callbacks") or []
+    for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
+        options = callback.get("init_args") if isinstance(callback, dict) else None
+        if (str(callback.get("class_path", "")).rsplit(".", 1)[-1] == "ModelCheckpoint" and isinstance(options, dict)
+                and options.get("dirpath")):
+            folders.append(Path(str(options["dirpath"])))
+    return tuple(dict.fromkeys(folders))
+
+
+def resolve_checkpoint(ckpt_path: str, recipe: Recipe) -> str:
+    """``ckpt_path`` itself, or for ``last`` the newest ``last*.ckpt`` (``last.ckpt``, ``last-v1.ckpt``, ...) in the
+    recipe's checkpoint folders, as ``lightning-p2r fit --ckpt_path last`` picks it. Lightning's other names
+    (``best``, ``hpc``, ``registry``) need a running Trainer: refused."""
+    if ckpt_path in ("best", "hpc", "registry") or ckpt_path.startswith("registry:"):
+        raise GenerateError(f"--ckpt_path: {ckpt_path!r} is resolved by a running Trainer, which generate does not "
+                            "start: pass a checkpoint file or directory, or 'last'")
+    if ckpt_path != "last":
+        return ckpt_path
+    candidates = [p for folder in recipe.checkpoint_folders if folder.is_dir() for p in folder.iterdir()
+                  if p.suffix == ".ckpt" and re.fullmatch(r"last(-v?\d+)?", p.stem)]
+    if not candidates:
+        folders = ", ".join(str(folder) for folder in recipe.checkpoint_folders)
+        raise GenerateError(f"--ckpt_path last: no last*.ckpt in {folders} (the checkpoint folder of recipe "
+                            f"{recipe.path}): train first (lightning-p2r fit --config {recipe.path}), or pass a "
+                            "checkpoint path")
+    return str(max(candidates, key=lambda p: p.lstat().st_mtime))
 
 
 def _section(mapping: dict[str, Any], key: str, path: Path, name: str | None = None) -> dict[str, Any]:
@@ -157,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", required=True, metavar="RECIPE",
                         help="the recipe the checkpoint was trained with (recipes/*.yaml, or a run's config.yaml)")
     parser.add_argument("--ckpt_path", required=True, metavar="CKPT",
-                        help="a checkpoint file, or a sharded checkpoint directory written by P2RStrategy")
+                        help="a checkpoint file, a sharded checkpoint directory written by P2RStrategy, or 'last': "
+                             "the newest last*.ckpt of the recipe's run (trainer.default_root_dir/checkpoints)")
     parser.add_argument("--prompt", required=True, metavar="TEXT", help="the text to continue")
     parser.add_argument("--max_new_tokens", type=int, default=None, metavar="N",
                         help="tokens to generate; prompt and continuation must fit the model's context "
@@ -192,8 +228,9 @@ def run(args: argparse.Namespace) -> None:
     if args.top_k > config.vocab_size:
         raise GenerateError(f"--top_k {args.top_k} is larger than the vocabulary ({config.vocab_size} tokens, "
                             f"data.vocab_size of {recipe.path}): choose 1 to {config.vocab_size}")
+    ckpt_path = resolve_checkpoint(args.ckpt_path, recipe)
     try:
-        check_checkpoint_path(args.ckpt_path, loads_sharded=True)  # before the tokenizer: a typo fails at once
+        check_checkpoint_path(ckpt_path, loads_sharded=True)  # before the tokenizer: a typo fails at once
     except ValueError as error:
         raise GenerateError(f"--ckpt_path: {error}") from error
     tokenizer = recipe_tokenizer(recipe.data)
@@ -209,8 +246,8 @@ def run(args: argparse.Namespace) -> None:
         check_request(len(prompt), max_new_tokens, config.max_seq_len)
     except ValueError as error:
         raise GenerateError(f"--max_new_tokens: {error}") from error
-    state, saved = read_checkpoint(args.ckpt_path)
-    module = load_model(recipe, state, saved, args.ckpt_path)
+    state, saved = read_checkpoint(ckpt_path)
+    module = load_model(recipe, state, saved, ckpt_path)
     del state
     module.to(device)
 
