@@ -136,6 +136,8 @@ def test_the_same_seed_samples_the_same_tokens() -> None:
     assert torch.equal(module.generate(prompt, 20, temperature=1.0, seed=11), first)
     assert not torch.equal(module.generate(prompt, 20, temperature=1.0, seed=12), first)
     assert first.shape == (25,) and first[:5].tolist() == prompt
+    greedy = module.generate(prompt, 20, temperature=0, seed=1)
+    assert torch.equal(module.generate(prompt, 20, temperature=0, seed=2), greedy)  # greedy draws nothing
     batch = module.generate(torch.tensor([prompt, prompt]), 4, temperature=0)
     assert batch.shape == (2, 9) and torch.equal(batch[0], batch[1])
 
