@@ -14,7 +14,7 @@ import yaml
 from helpers import tiny_trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, TextDataModule
+from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal, TextDataModule
 from lightning_p2r.cli import main as cli_main
 from lightning_p2r.generate_cli import main
 from lightning_p2r.generation import check_request, sample_next
@@ -225,6 +225,26 @@ def test_the_same_seed_generates_the_same_text(memorized: Path, capsys: pytest.C
     first = _generate(memorized, capsys, *options)[0]
     assert _generate(memorized, capsys, *options)[0] == first
     assert first.startswith("God") and len(first) > 10
+
+
+def test_a_delinked_pseudo_models_checkpoint_generates_with_its_pseudo_recipe(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Pseudo-to-Real: the recipe says one shared block, the checkpoint (written after the delink) holds two; the
+    saved structure rebuilds them before the weights load."""
+    (tmp_path / "corpus.txt").write_text(SENTENCE * 20, encoding="utf-8")
+    data = {"corpus": str(tmp_path / "corpus.txt"), "tokenizer": "bytes", "seq_len": 16, "batch_size": 4,
+            "cache_dir": str(tmp_path / "cache")}
+    pseudo = {"num_layers": 2, "num_unique_blocks": 1, "dim": 32, "num_heads": 4, "num_experts": 4, "init_seed": 0}
+    (tmp_path / "pseudo.yaml").write_text(yaml.safe_dump({"model": {"config": pseudo}, "data": data}))
+    module = M6LanguageModel(M6Config(**pseudo, vocab_size=256, max_seq_len=16), OptimizerConfig(warmup_steps=1))
+    trainer = tiny_trainer(tmp_path, max_steps=4, limit_val_batches=0, callbacks=[PseudoToReal(delink_at_step=2)])
+    trainer.fit(module, datamodule=TextDataModule(**data))
+    assert len(module.transformer.blocks) == 2
+    trainer.save_checkpoint(tmp_path / "real.ckpt")
+    main(["--config", str(tmp_path / "pseudo.yaml"), "--ckpt_path", str(tmp_path / "real.ckpt"), "--prompt", "In",
+          "--temperature", "0"])
+    expected = module.generate(list(b"In"), 14, temperature=0)
+    assert capsys.readouterr().out == bytes(expected.tolist()).decode(errors="replace") + "\n"
 
 
 # ---------------------------------------------------------------------------------------- bad input
