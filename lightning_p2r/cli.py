@@ -405,7 +405,7 @@ def _run_side_command(name: str, argv: list[str]) -> None:
 
         calibrate(argv)
     elif name == "generate":
-        from .generation import main as generate
+        from .generate_cli import main as generate
 
         generate(argv)
 

@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.text import Perplexity
 
+from .generation import generate_tokens
 from .known_warnings import silence_known_noise
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.transformer import LayerContext
@@ -298,6 +299,36 @@ class M6LanguageModel(L.LightningModule):
         if self.transformer is None:
             self.configure_model()
         return self.transformer(input_ids)
+
+    def generate(self, prompt_ids: torch.Tensor | list[int], max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, seed: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample a continuation of ``prompt_ids`` with a key/value cache (one position per new token) and MoE
+        layers that drop no token; see :mod:`lightning_p2r.generation`.
+
+        Args:
+            prompt_ids: token ids, (prompt,) or (batch, prompt).
+            max_new_tokens: tokens to add; prompt and continuation must fit ``config.max_seq_len`` (refused
+                otherwise: the window does not slide).
+            temperature: 0 is greedy decoding (deterministic); higher flattens the distribution.
+            top_k: sample among the k most likely tokens only (None: all).
+            seed: seeds a generator for the draws (the same seed draws the same text); ignored with ``generator``.
+            generator: the random generator to draw with, on the model's device.
+
+        Returns:
+            the prompt followed by the new tokens, shaped like ``prompt_ids`` with ``max_new_tokens`` more.
+        """
+        if self.transformer is None:
+            self.configure_model()
+        device = self.transformer.tok_embeddings.weight.device
+        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+        if prompt.dim() not in (1, 2):
+            raise ValueError(f"prompt_ids must be (prompt,) or (batch, prompt), got shape {tuple(prompt.shape)}")
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        tokens = generate_tokens(self.transformer, prompt.reshape(-1, prompt.shape[-1]), max_new_tokens,
+                                 temperature=temperature, top_k=top_k, generator=generator)
+        return tokens if prompt.dim() == 2 else tokens[0]
 
     def losses(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         inputs, targets = next_token_batch(batch)

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cache import LayerKV
 from .config import M6Config
 
 
@@ -63,11 +64,32 @@ def banded_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: 
     return y.reshape(batch, heads, num_chunks * chunk, head_dim)[:, :, :seq_len]
 
 
-def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None
+def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, start: int,
+                     window: int | None) -> torch.Tensor:
+    """Attention of the queries at positions ``[start, start + new)`` to the cached keys of positions
+    ``[0, start + new)``, under the same rule as the full forward: causal, and with a ``window`` only the ``window``
+    positions ending at the query (banded layers). Keys before the first query's band are not read at all, so a
+    banded layer's step costs ``window`` keys, not the whole prefix.
+
+    q: (batch, heads, new, head_dim); keys, values: (batch, heads, start + new, head_dim).
+    """
+    new = q.shape[2]
+    end = start + new
+    first = 0 if window is None else max(0, start - window + 1)
+    keys, values = keys[:, :, first:end], values[:, :, first:end]
+    mask = None
+    if new > 1:  # one query sees every key left after the slice: no mask needed
+        distance = torch.arange(start, end, device=q.device)[:, None] - torch.arange(first, end, device=q.device)
+        mask = (distance >= 0) if window is None else (distance >= 0) & (distance < window)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def rotary_tables(seq_len: int, head_dim: int, theta: float, device: torch.device | None = None, start: int = 0
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin tables of shape (seq_len, head_dim // 2), computed in fp32."""
+    """cos and sin tables of shape (seq_len, head_dim // 2) for positions ``[start, start + seq_len)``, in fp32."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    positions = torch.arange(start, start + seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)
     return angles.cos(), angles.sin()
 
 
@@ -82,7 +104,9 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through ``F.scaled_dot_product_attention``.
 
     The band width is an argument of ``forward``, not a property of the weights: a block shared by several layers
-    (pseudo model) runs dense in one layer and banded in the next, exactly as the real model would.
+    (pseudo model) runs dense in one layer and banded in the next, exactly as the real model would. With a ``cache``
+    (incremental decoding) x holds the tokens after the cached ones: their keys and values are stored, and their
+    queries attend to every cached position their band reaches.
     """
 
     def __init__(self, config: M6Config) -> None:
@@ -94,7 +118,7 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, cache: LayerKV | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # Head-major projection rows (head 0's q, k, v, then head 1's, ...), as Megatron-LM lays them out: a
         # column-parallel split of qkv then hands each tensor-parallel rank whole heads, and the head count here is
@@ -105,6 +129,12 @@ class CausalSelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
+        if cache is not None:
+            start = cache.start
+            keys, values = cache.store(k, v)
+            if start > 0:  # a prefix is cached; from position 0 (the prompt) the full forward's path below is exact
+                y = cached_attention(q, keys, values, start, window)
+                return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))
         if window is None or window >= seq_len:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         elif band_chunk_size(window) + window < seq_len // 2:

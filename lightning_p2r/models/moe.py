@@ -175,7 +175,13 @@ def expert_mlps(x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: t
 
 
 class MoEFeedForward(nn.Module):
-    """Router + experts. Input (batch, seq, dim) or (tokens, dim); returns an :class:`MoEOutput`."""
+    """Router + experts. Input (batch, seq, dim) or (tokens, dim); returns an :class:`MoEOutput`.
+
+    ``forward(x, dropless=True)`` keeps every assignment whatever ``capacity_factor`` says: the inference path
+    (generation). Capacity is a training device (it bounds each expert's work in a balanced batch); at inference it
+    would make a token's output depend on how many other tokens run in the same call (the whole prompt, or one new
+    token per step), so the cached decode would disagree with the full forward.
+    """
 
     def __init__(self, config: M6Config) -> None:
         super().__init__()
@@ -193,8 +199,9 @@ class MoEFeedForward(nn.Module):
         batch over processes may compute it over every process's tokens instead, as one process would."""
         return load_balancing_loss(probs, counts)
 
-    def forward(self, x: torch.Tensor) -> MoEOutput:
+    def forward(self, x: torch.Tensor, dropless: bool = False) -> MoEOutput:
         shape = x.shape
+        capacity_factor = None if dropless else self.capacity_factor
         x = x.reshape(-1, shape[-1])  # (tokens, dim)
         num_tokens = x.shape[0]
         router_input = x
@@ -214,7 +221,7 @@ class MoEFeedForward(nn.Module):
         token_ids = torch.arange(num_tokens, device=x.device).view(num_tokens, 1, 1)
         tokens_flat = token_ids.expand(num_tokens, self.num_prototypes, self.top_k).reshape(-1)
 
-        if self.capacity_factor is None:  # dropless: every assignment is kept, no ranking needed
+        if capacity_factor is None:  # dropless: every assignment is kept, no ranking needed
             counts = torch.bincount(experts_flat, minlength=self.num_experts)
             kept = torch.ones_like(experts_flat, dtype=torch.bool)
         else:
@@ -222,8 +229,7 @@ class MoEFeedForward(nn.Module):
             ranked, counts = expert_positions(experts_flat[priority], self.num_experts)
             positions = torch.empty_like(ranked)
             positions[priority] = ranked
-            capacity = expert_capacity(experts_flat.numel(), self.num_experts, self.capacity_factor, counts,
-                                       num_tokens)
+            capacity = expert_capacity(experts_flat.numel(), self.num_experts, capacity_factor, counts, num_tokens)
             kept = positions < capacity
         kept_experts = experts_flat[kept]
         order = torch.argsort(kept_experts, stable=True)  # kept assignments grouped by expert

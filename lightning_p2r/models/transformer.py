@@ -8,6 +8,7 @@ strategy rely on; any model that declares it can be delinked and offloaded block
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from torch import nn
 
 from ..protocols import ParallelPlan, SplitKind
 from .attention import CausalSelfAttention, rotary_tables
+from .cache import KVCache, LayerKV
 from .config import M6Config
 from .init import InitRule, draw_seed, fill_parameters
 from .moe import MoEFeedForward, MoEOutput, RoutingStats
@@ -59,9 +61,13 @@ class Block(nn.Module):
         return isinstance(self.ffn, MoEFeedForward)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                window: int | None = None) -> tuple[torch.Tensor, MoEOutput | None]:
-        h = x + self.dropout(self.attn(self.attn_norm(x), rotary=rotary, window=window))
-        ffn_out = self.ffn(self.ffn_norm(h))
+                window: int | None = None, cache: LayerKV | None = None,
+                dropless: bool = False) -> tuple[torch.Tensor, MoEOutput | None]:
+        """``cache`` (incremental decoding) and ``dropless`` (an MoE FFN drops no token) are the inference path's;
+        training calls neither."""
+        h = x + self.dropout(self.attn(self.attn_norm(x), rotary=rotary, window=window, cache=cache))
+        ffn_in = self.ffn_norm(h)
+        ffn_out = self.ffn(ffn_in, dropless=True) if dropless and self.is_moe else self.ffn(ffn_in)
         if isinstance(ffn_out, MoEOutput):
             return h + self.dropout(ffn_out.output), ffn_out
         return h + self.dropout(ffn_out), None
@@ -89,6 +95,10 @@ class LayerContext:
     """cos and sin tables (seq, head_dim // 2) for rotary positions, or None with learned positions."""
     seq_len: int
     """Length of the sequences in this call."""
+    cache: KVCache | None = None
+    """Inference only: the keys and values of the positions before this call's (see :class:`KVCache`)."""
+    dropless: bool = False
+    """Inference only: MoE layers keep every token whatever their capacity factor."""
 
 
 def init_rule(config: M6Config, seed: int) -> InitRule:
@@ -225,39 +235,64 @@ class M6Transformer(nn.Module):
                        for b in range(len(self.blocks)))
         return ParallelPlan(blocks, {"tok_embeddings": "vocabulary", "lm_head": "output", "norm": "sequence"})
 
-    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, LayerContext]:
-        """input_ids: LongTensor (batch, seq) -> hidden states (batch, seq, dim) and the per-call layer context."""
+    def embed(self, input_ids: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, LayerContext]:
+        """input_ids: LongTensor (batch, seq) at positions ``[start, start + seq)`` (``start`` > 0 after cached
+        positions) -> hidden states (batch, seq, dim) and the per-call layer context."""
         if input_ids.dim() != 2:
             raise ValueError(f"M6Transformer expects input_ids of shape (batch, seq), got {tuple(input_ids.shape)}")
         seq_len = input_ids.shape[1]
-        if seq_len > self.config.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds M6Config.max_seq_len={self.config.max_seq_len}")
+        if start + seq_len > self.config.max_seq_len:
+            where = f"sequence length {seq_len}" if start == 0 else f"positions up to {start + seq_len}"
+            raise ValueError(f"{where} exceeds M6Config.max_seq_len={self.config.max_seq_len}")
         x = self.tok_embeddings(input_ids)
         if self.pos_embeddings is not None:
-            x = x + self.pos_embeddings(torch.arange(seq_len, device=input_ids.device))
-        return x, self.layer_context(input_ids)
+            x = x + self.pos_embeddings(torch.arange(start, start + seq_len, device=input_ids.device))
+        return x, self.layer_context(input_ids, start)
 
-    def layer_context(self, input_ids: torch.Tensor) -> LayerContext:
-        """The per-call layer context of ``input_ids`` (batch, seq), without running the embedding (a pipeline
-        stage after the first rebuilds it from the micro-batch)."""
+    def layer_context(self, input_ids: torch.Tensor, start: int = 0) -> LayerContext:
+        """The per-call layer context of ``input_ids`` (batch, seq) at positions from ``start``, without running
+        the embedding (a pipeline stage after the first rebuilds it from the micro-batch)."""
         seq_len = input_ids.shape[1]
         rotary = None
         if self.config.position_embedding != "learned":  # read from the config: a stage may lack the tables' owner
-            rotary = rotary_tables(seq_len, self.config.head_dim, self.config.rope_theta, device=input_ids.device)
+            rotary = rotary_tables(seq_len, self.config.head_dim, self.config.rope_theta, device=input_ids.device,
+                                   start=start)
         return LayerContext(rotary=rotary, seq_len=seq_len)
 
     def run_layer(self, layer: int, x: torch.Tensor, context: LayerContext) -> tuple[torch.Tensor, MoEOutput | None]:
         """Run layer ``layer`` (its block under the sharing map, with its own attention window) on x."""
         block = self.blocks[self.layer_to_block[layer]]
-        return block(x, rotary=context.rotary, window=self.config.attention_window(layer))
+        window = self.config.attention_window(layer)
+        if context.cache is None and not context.dropless:
+            return block(x, rotary=context.rotary, window=window)  # training and evaluation: the call as it always was
+        cache = context.cache.layer(layer) if context.cache is not None else None
+        return block(x, rotary=context.rotary, window=window, cache=cache, dropless=context.dropless)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states (batch, seq, dim) -> logits (batch, seq, vocab_size)."""
         return self.lm_head(self.norm(x))
 
-    def forward(self, input_ids: torch.Tensor) -> M6Output:
-        """input_ids: LongTensor (batch, seq) -> :class:`M6Output` with logits (batch, seq, vocab_size)."""
-        x, context = self.embed(input_ids)
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        """An empty key/value cache for ``forward(..., cache=...)``, holding ``capacity`` positions (default and
+        at most ``max_seq_len``: the model knows no position beyond it)."""
+        capacity = self.config.max_seq_len if capacity is None else capacity
+        if capacity > self.config.max_seq_len:
+            raise ValueError(f"a KV cache of {capacity} positions exceeds M6Config.max_seq_len="
+                             f"{self.config.max_seq_len}")
+        return KVCache(self.num_layers, capacity)
+
+    def forward(self, input_ids: torch.Tensor, *, cache: KVCache | None = None,
+                dropless: bool = False) -> M6Output:
+        """input_ids: LongTensor (batch, seq) -> :class:`M6Output` with logits (batch, seq, vocab_size).
+
+        Inference: with a ``cache`` (see :meth:`new_cache`) input_ids are the tokens after the cached positions, whose
+        keys and values every layer reads instead of recomputing them; the cache then holds these positions too.
+        ``dropless`` makes MoE layers keep every token (no capacity), so the logits of a position are the same
+        whether it runs with the whole sequence or one position at a time.
+        """
+        x, context = self.embed(input_ids, start=cache.length if cache is not None else 0)
+        if cache is not None or dropless:
+            context = dataclasses.replace(context, cache=cache, dropless=dropless)
         aux_losses, z_losses, routing = [], [], {}
         for layer in range(self.num_layers):
             x, moe = self.run_layer(layer, x, context)
@@ -265,6 +300,8 @@ class M6Transformer(nn.Module):
                 aux_losses.append(moe.aux_loss)
                 z_losses.append(moe.z_loss)
                 routing[layer] = moe.stats
+        if cache is not None:
+            cache.advance(input_ids.shape[1])
         zero = x.new_zeros((), dtype=torch.float32)
         return M6Output(
             logits=self.head(x),

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
     _barrier()
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for index, optimizer in enumerate(optimizers):
-        state[f"optimizer{index}"] = get_optimizer_state_dict(module, optimizer)
+        state[f"optimizer{index}"] = every_ranks_group_names(get_optimizer_state_dict(module, optimizer))
     dcp.save(state, checkpoint_id=str(target))
     if _is_rank_zero():
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -100,6 +101,23 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
         if current is not None:
             shutil.rmtree(current, ignore_errors=True)
     _barrier()
+
+
+def every_ranks_group_names(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` (an optimizer state dict keyed by parameter name) with each group listing the parameters of every
+    rank. DCP stores the groups once, as rank 0 holds them: where ranks hold different parameters (pipeline stages),
+    they would list rank 0's only, and a single-file conversion could not number the other ranks' states. (A
+    sharded load takes a group's settings, never its names.) Every rank calls this."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return state
+    names = [list(group["params"]) for group in state["param_groups"]]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, names)
+    if any(len(rank_names) != len(names) for rank_names in gathered):
+        return state  # ranks with other groups: nothing to merge by position
+    for index, group in enumerate(state["param_groups"]):
+        group["params"] = list(dict.fromkeys(name for rank_names in gathered for name in rank_names[index]))
+    return state
 
 
 def _remove_stale_targets(path: Path, keep: Path | None) -> None:
@@ -194,6 +212,28 @@ def remove(path: str | Path) -> None:
         shutil.rmtree(path)
     elif path.exists():
         path.unlink()
+
+
+def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The model state of the sharded checkpoint ``path`` as a plain state dict of whole CPU tensors, read in one
+    process without a process group and without writing a file (what :func:`to_single_file` stores as its
+    ``state_dict``). Works for any layout that wrote it: DCP's metadata gives each tensor's whole shape, and the load
+    gathers its shards (data-parallel, tensor- or expert-parallel pieces, pipeline stages) into it."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not is_sharded_checkpoint(path):
+        raise ValueError(f"{path} is not a sharded checkpoint (a directory with {META_FILE} and DCP files)")
+    reader = FileSystemReader(str(path))
+    prefix = "model."  # save_sharded stores the module's state under "model" (DCP flattens the nested keys)
+    state = {key[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)
+             for key, item in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
+    with warnings.catch_warnings():
+        # DCP warns on every load without a process group that it assumes one process: what is asked for here.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load({"model": state}, storage_reader=reader, no_dist=True)
+    return state
 
 
 def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any]:
