@@ -52,13 +52,8 @@ def expert_major_order(received: torch.Tensor) -> torch.Tensor:
     """The permutation that turns rows received source-major (for each source rank, its rows for each local
     expert, ``received[s, e]`` of them) into expert-major order (every source's rows for expert 0, then for 1...)."""
     sources, experts = received.shape
-    sizes = received.reshape(-1).tolist()
-    starts = [0]
-    for size in sizes[:-1]:
-        starts.append(starts[-1] + size)
-    pieces = [torch.arange(starts[s * experts + e], starts[s * experts + e] + sizes[s * experts + e])
-              for e in range(experts) for s in range(sources)]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    pieces = torch.arange(int(received.sum())).split(received.reshape(-1).tolist())  # source-major, as received
+    return torch.cat([pieces[s * experts + e] for e in range(experts) for s in range(sources)])
 
 
 class _ScaleGradient(torch.autograd.Function):

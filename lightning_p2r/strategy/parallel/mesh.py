@@ -67,24 +67,19 @@ def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> Pa
     it (a replicate dimension of one rank would all-reduce every gradient with itself)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp, ep, tp, edp = dims.data_parallel, dims.expert_parallel, dims.tensor_parallel, dims.expert_data_parallel
     # Pipeline stages, when there are several, are the outermost dimension of both meshes.
-    pp: tuple[int, ...] = (dims.pipeline_parallel,) if dims.pipeline_parallel > 1 else ()
-    pp_name: tuple[str, ...] = ("pp",) if pp else ()
-    if replicate and dp > 1:
-        dense = init_device_mesh(device_type, (*pp, dp, 1, tp), mesh_dim_names=(*pp_name, "replicate", "shard", "tp"))
-        dense_data: tuple[str, ...] = ("replicate", "shard")
-    else:
-        dense = init_device_mesh(device_type, (*pp, dp, tp), mesh_dim_names=(*pp_name, "shard", "tp"))
-        dense_data = ("shard",)
+    outer = {"pp": dims.pipeline_parallel} if dims.pipeline_parallel > 1 else {}
+
+    def mesh(ranks: int, prefix: str, inner: dict[str, int]) -> tuple[Any, tuple[str, ...]]:
+        """A mesh (outer, data..., inner) over ``ranks`` data ranks, and the names of its data dimensions."""
+        hsdp = replicate and ranks > 1
+        data = {f"{prefix}replicate": ranks, f"{prefix}shard": 1} if hsdp else {f"{prefix}shard": ranks}
+        sizes = outer | data | inner
+        return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes)), tuple(data)
+
+    dense, data_dims = mesh(dims.data_parallel, "", {"tp": dims.tensor_parallel})
     if not dims.model_parallel:  # data parallelism alone: nothing is split, no expert mesh (or its groups)
-        return ParallelMeshes(dims, dense, None, dense_data, ())
-    if replicate and edp > 1:
-        experts = init_device_mesh(device_type, (*pp, edp, 1, ep, tp),
-                                   mesh_dim_names=(*pp_name, "expert_replicate", "expert_shard", "ep", "tp"))
-        expert_data: tuple[str, ...] = ("expert_replicate", "expert_shard")
-    else:
-        experts = init_device_mesh(device_type, (*pp, edp, ep, tp),
-                                   mesh_dim_names=(*pp_name, "expert_shard", "ep", "tp"))
-        expert_data = ("expert_shard",)
-    return ParallelMeshes(dims, dense, experts, dense_data, expert_data)
+        return ParallelMeshes(dims, dense, None, data_dims, ())
+    experts, expert_data_dims = mesh(dims.expert_data_parallel, "expert_",
+                                     {"ep": dims.expert_parallel, "tp": dims.tensor_parallel})
+    return ParallelMeshes(dims, dense, experts, data_dims, expert_data_dims)
