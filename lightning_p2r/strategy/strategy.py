@@ -1,10 +1,7 @@
-"""``P2RStrategy``: Lightning's hooks over one engine and one step runner.
+"""``P2RStrategy``: Lightning's hooks over one engine (``engines/``) and one step runner (``steps.py``).
 
-The hooks only decide *when*; what happens lives elsewhere: the engines (``engines/``: ``local`` streams offloaded
-blocks on one process, ``ddp`` runs DDP and ZeRO-1, ``fsdp2`` every FSDP2 layout through the one placement path of
-``placement.py``), the step runners (``steps.py``: standard, layered, pipelined), ``plan.py`` (which blocks),
-``materialize.py`` and ``accounting.py``. An engine is given an :class:`~.engines.EngineContext` and returns what it
-placed; every Lightning call is made here. See docs/architecture.md.
+The hooks only decide *when*; what happens lives in the engines, which are given an :class:`~.engines.EngineContext`
+and return what they placed. Every Lightning call is made here. See docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -70,12 +67,11 @@ class P2RStrategy(DDPStrategy):
     """Granular CPU offloading (M6-10T), ZeRO sharding and layered gradient accumulation (Lamy-Poirier 2021) for
     any LightningModule whose model declares a block sequence.
 
-    The keywords are sorted into four typed, frozen sections (``strategy.sharding_config``,
-    ``strategy.parallel_config``, ``strategy.accumulation_config``, ``strategy.offload_config``; see
-    ``options.py``), validated when the strategy is built, and readable back under their own names
-    (``strategy.sharding``). Lightning's own DDP arguments
-    (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
-    timeout) are accepted too and set by the Trainer.
+    The keywords are sorted into four typed, frozen sections (``strategy.sharding_config``, ``parallel_config``,
+    ``accumulation_config``, ``offload_config``; see ``options.py``), validated when the strategy is built, and
+    readable back under their own names (``strategy.sharding``). Lightning's own DDP arguments (accelerator,
+    parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout) are
+    accepted too and set by the Trainer.
     """
 
     strategy_name = "p2r"
@@ -254,7 +250,11 @@ class P2RStrategy(DDPStrategy):
         # A data module that declares its batch size is checked now, before any work; other data at its first batch.
         check_trainer(self.layout, trainer.accumulate_grad_batches, getattr(trainer.datamodule, "batch_size", None))
         module = self.lightning_module
-        self.check_model_sizes(self.holder_or_none())
+        try:
+            holder = find_block_sequence(module)
+        except ValueError:  # refused, by name, when the engine places the model
+            holder = None
+        self.check_model_sizes(holder)
         check_no_meta_buffers(module)
         self._share_init_seed()
         weights, self._deferred_weights = self._deferred_weights, None
@@ -303,7 +303,7 @@ class P2RStrategy(DDPStrategy):
     def _log_setup(self, placed: Placed) -> None:
         for line in placed.log:
             rank_zero_info(line)
-        holder = self.holder()  # placement found it
+        holder = holder_of(self.lightning_module)
         budget = None
         if self.device_memory_budget is not None:
             budget = parse_bytes(self.device_memory_budget, total=device_total_memory(self.root_device))
@@ -317,23 +317,9 @@ class P2RStrategy(DDPStrategy):
         """Every rank materializes its part of the same model: hand rank 0's init seed (maybe drawn from an
         unseeded generator) to the others."""
         if self.world_size > 1 and has_meta_tensors(self.lightning_module):
-            holder = self.holder()
+            holder = holder_of(self.lightning_module)
             if isinstance(holder, InitializesByName):
                 holder.init_seed = self.broadcast(holder.init_seed, src=0)
-
-    def holder_or_none(self) -> nn.Module | None:
-        try:
-            return find_block_sequence(self.lightning_module)
-        except ValueError:
-            return None
-
-    def holder(self) -> nn.Module:
-        """The module that holds the block sequence (``blocks`` and ``layer_to_block``)."""
-        return holder_of(self.lightning_module)
-
-    @override
-    def model_to_device(self) -> None:
-        self.model.to(self.root_device)
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
@@ -360,8 +346,8 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.engine.reshard(self.lightning_module)  # a forward outside training (a callback's loss) may have left
-        # units gathered
+        # A forward outside training (a callback's loss) may have left units gathered.
+        self.engine.reshard(self.lightning_module)
         return self.steps.training_step(args[0], lambda: super(P2RStrategy, self).training_step(*args, **kwargs))
 
     @override
