@@ -17,9 +17,6 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-DEFAULT_BACKEND = "inductor"
-"""What ``compile=True`` means: torch.compile's own default."""
-
 _compiled_classes: dict[tuple[type, str], type] = {}
 
 
@@ -30,11 +27,11 @@ class CompiledForward:
 
 
 def backend_of(option: bool | str) -> str | None:
-    """The torch.compile backend the ``compile`` option asks for: None (off), ``inductor`` for True, or the named
-    one."""
+    """The torch.compile backend the ``compile`` option asks for: None (off), torch.compile's default ("inductor")
+    for True, or the named one."""
     if option is False:
         return None
-    return DEFAULT_BACKEND if option is True else option
+    return "inductor" if option is True else option
 
 
 def check_compile(option: bool | str, *, count_collectives: bool) -> None:
@@ -81,8 +78,7 @@ def _settled(value: Any) -> Any:
 
 def apply_compile(option: bool | str, blocks: nn.ModuleList, indices: Iterable[int] | None = None) -> None:
     """Compile the forward of ``blocks[i]`` for each i of ``indices`` (all blocks by default) as the ``compile``
-    option says (nothing when it is False). A block compiled already (placed again after delinking) is left as it
-    is."""
+    option says. A block compiled already (placed again after delinking) is left as it is."""
     backend = backend_of(option)
     if backend is None:
         return

@@ -48,10 +48,8 @@ def describe(error: BaseException) -> str:
 
 def read_rank_errors(folder: Path) -> dict[int, str]:
     """The errors the ranks wrote, by rank."""
-    errors = {}
-    for path in sorted(folder.glob("rank-*.txt")):
-        errors[int(path.stem.split("-", 1)[1])] = path.read_text(encoding="utf-8")
-    return errors
+    return {int(path.stem.split("-", 1)[1]): path.read_text(encoding="utf-8")
+            for path in sorted(folder.glob("rank-*.txt"))}
 
 
 def summarize(errors: dict[int, str], *, skip: str | None = None) -> list[str]:
@@ -82,26 +80,20 @@ def _quiet_excepthook(kind: type[BaseException], error: BaseException, traceback
     """A launched rank's uncaught error was written for the launching process, which reports it once."""
 
 
-class RankObserver(threading.Thread):
-    """Watches the ranks the launcher started: when one fails, prints its error, stops every rank (the launching
-    one included: it may be blocked in a collective) and ends the command with status 1."""
-
-    def __init__(self, processes: list[subprocess.Popen], errors: Path, period: float = 1.0) -> None:
-        super().__init__(daemon=True, name="p2r-rank-observer")
-        self.processes, self.errors, self.period = processes, errors, period
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.period):
-            failed = [i + 1 for i, p in enumerate(self.processes) if p.poll() not in (None, 0)]
-            if failed and not self.stopped.is_set():
-                stop_processes(self.processes)
-                lines = summarize(read_rank_errors(self.errors)) or [
-                    f"rank {rank}: exited with status {self.processes[rank - 1].returncode}" for rank in failed]
-                sys.stderr.write("error: a rank failed, every rank was stopped:\n  " + "\n  ".join(lines) + "\n")
-                sys.stderr.flush()
-                shutil.rmtree(self.errors, ignore_errors=True)
-                os._exit(1)  # the launching rank may be inside a collective that never returns
+def observe_ranks(processes: list[subprocess.Popen], errors: Path, stopped: threading.Event,
+                  period: float = 1.0) -> None:
+    """Watch the ranks the launcher started, until ``stopped``: when one fails, print its error, stop every rank (the
+    launching one included: it may be blocked in a collective) and end the command with status 1."""
+    while not stopped.wait(period):
+        failed = [i + 1 for i, p in enumerate(processes) if p.poll() not in (None, 0)]
+        if failed and not stopped.is_set():
+            stop_processes(processes)
+            lines = summarize(read_rank_errors(errors)) or [
+                f"rank {rank}: exited with status {processes[rank - 1].returncode}" for rank in failed]
+            sys.stderr.write("error: a rank failed, every rank was stopped:\n  " + "\n  ".join(lines) + "\n")
+            sys.stderr.flush()
+            shutil.rmtree(errors, ignore_errors=True)
+            os._exit(1)  # the launching rank may be inside a collective that never returns
 
 
 class CheckingLauncher(_SubprocessScriptLauncher):
@@ -124,13 +116,14 @@ class CheckingLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
         finally:
             del os.environ[ERRORS_ENV]
-        observer = RankObserver(self.procs, errors)
-        observer.start()
+        stopped = threading.Event()
+        threading.Thread(target=observe_ranks, args=(self.procs, errors, stopped), daemon=True,
+                         name="p2r-rank-observer").start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as error:
-            observer.stopped.set()
+            stopped.set()
             failed_first = any(process.poll() not in (None, 0) for process in self.procs)
             stop_processes(self.procs)
             others = summarize(read_rank_errors(errors), skip=describe(error))
@@ -140,7 +133,7 @@ class CheckingLauncher(_SubprocessScriptLauncher):
                 error.add_note(line)
             raise
         finally:
-            observer.stopped.set()
+            stopped.set()
             shutil.rmtree(errors, ignore_errors=True)
 
     def _run_as_launched_rank(self, function: Callable, *args: Any, **kwargs: Any) -> Any:
