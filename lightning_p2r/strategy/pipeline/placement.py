@@ -142,16 +142,12 @@ class StagePlacement:
                 if cut.column(self.global_rank) == column:
                     self._groups[ranks] = group
 
-    def holders(self, param: torch.Tensor) -> int:
-        """Pipeline ranks holding a replica of ``param`` (1 for a parameter only one stage uses)."""
-        return self._holders_of.get(id(param), 1)
-
     def copies(self, whole: torch.Tensor) -> int:
         """Ranks holding the same local part of ``whole``'s gradient: those within its pipeline (the other pipeline
-        slices of the world hold other stages) times its pipeline replicas."""
+        slices of the world hold other stages) times the pipeline ranks holding a replica of it."""
         grad = whole.grad
         within = ranks_holding(grad) // self.pipeline_parallel if isinstance(grad, DTensor) else 1
-        return within * self.holders(whole)
+        return within * self._holders_of.get(id(whole), 1)
 
     # ---------------------------------------------------------------------------------------------- training
     def train_step(self, batch: torch.Tensor, uncounted: Any) -> PipelineStepResult:

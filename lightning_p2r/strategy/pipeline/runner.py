@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -69,24 +69,22 @@ class PipelineStepResult:
     """The mean over micro-batches of the model's per-micro-batch metrics, the same on every rank."""
 
 
+@dataclass(eq=False)
 class PipelineRunner:
     """The stages this rank holds (looped: stage indices r, r + p, ...) and the schedules that run them."""
 
-    def __init__(self, modules: list[PipelineStageModule], stage_indices: list[int], num_stages: int,
-                 device: torch.device, group: dist.ProcessGroup, schedule: str, micro_batches: int,
-                 parts: PipelineParts) -> None:
-        self.modules = modules
-        self.stage_indices = stage_indices
-        self.num_stages = num_stages
-        self.device = device
-        self.group = group
-        self.schedule_name = schedule
-        self.micro_batches = micro_batches
-        self.parts = parts
-        self._schedules: dict[tuple[Any, ...], Any] = {}
-        self.timeline: list[StageEvent] | None = None
-        """Set to a list to record every stage computation of the training steps (and ``step_spans``)."""
-        self.step_spans: list[tuple[float, float]] = []
+    modules: list[PipelineStageModule]
+    stage_indices: list[int]
+    num_stages: int
+    device: torch.device
+    group: dist.ProcessGroup
+    schedule_name: str
+    micro_batches: int
+    parts: PipelineParts
+    timeline: list[StageEvent] | None = None
+    """Set to a list to record every stage computation of the training steps (and ``step_spans``)."""
+    step_spans: list[tuple[float, float]] = field(default_factory=list)
+    _schedules: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False)
 
     def _schedule(self, training: bool, micro_batches: int, shape: tuple[int, ...]) -> Any:
         """The schedule for batches of ``shape``; tells the stage modules whether it is new (see ``begin``)."""
