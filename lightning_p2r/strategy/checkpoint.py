@@ -1,11 +1,9 @@
 """Sharded checkpoints through torch distributed checkpoint (DCP).
 
-A sharded checkpoint is a directory: DCP's files hold the model and optimizer states (each rank writes its own
-shards; DCP reshards on load, so a checkpoint of N ranks resumes on M, with any ``sharding``), and ``meta.pt``
-holds everything else Lightning saves (loops, callbacks, hyperparameters), written by rank 0 and read with
-``weights_only=True``. The directory is written under a hidden name and the checkpoint path is a symbolic link to
-it, switched atomically once it is complete, so an interrupted save never replaces an earlier checkpoint with a
-partial one.
+A sharded checkpoint is a directory: DCP's files hold the model and optimizer states (each rank writes its shards;
+DCP reshards on load, so N ranks resume on M, with any ``sharding``), and ``meta.pt`` everything else Lightning saves,
+written by rank 0. The directory is written under a hidden name and the checkpoint path is a symbolic link to it,
+switched atomically once it is complete, so an interrupted save never replaces an earlier checkpoint.
 """
 
 from __future__ import annotations
@@ -39,10 +37,9 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Single-file checkpoints written next to their destination under a hidden temporary name, flushed to disk
-    and renamed over it: a process killed mid-save leaves the previous file intact, and the temporary name
-    (``.<name>.partial``) never matches a checkpoint pattern such as ``last*.ckpt``. (Lightning's own save goes
-    through a temporary file in the system temp folder, which a move across file systems copies non-atomically.)"""
+    """Single-file checkpoints written under a hidden temporary name beside their destination (never matching
+    ``last*.ckpt``), flushed and renamed over it: a process killed mid-save leaves the previous file intact.
+    (Lightning's own temporary file in the system temp folder is copied, non-atomically, across file systems.)"""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -69,13 +66,8 @@ def _is_rank_zero() -> bool:
 def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module,
                  optimizers: list[torch.optim.Optimizer]) -> None:
     """Every rank calls this. ``checkpoint`` is Lightning's dict; its model and optimizer entries are replaced by
-    the module's and optimizers' own (sharded) states.
-
-    Crash safety: the states go to a hidden sibling directory (``.<name>.<step>``), and ``path`` is a symbolic link
-    to it, switched in one atomic rename once the directory is complete. At every instant ``path`` is either the
-    previous complete checkpoint or the new one; a process killed mid-save leaves only a hidden directory, which no
-    checkpoint pattern (``last*.ckpt``) matches and the next save removes.
-    """
+    the module's and optimizers' own (sharded) states, written to a hidden sibling directory (``.<name>.<step>``)
+    that ``path`` links to once it is complete (see the module docstring); the next save removes a partial one."""
     path = Path(path)
     current = path.resolve() if path.is_symlink() else None
     target = path.with_name(f".{path.name}.{checkpoint.get('global_step', 0)}")
@@ -104,10 +96,9 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
 
 
 def every_ranks_group_names(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (an optimizer state dict keyed by parameter name) with each group listing the parameters of every
-    rank. DCP stores the groups once, as rank 0 holds them: where ranks hold different parameters (pipeline stages),
-    they would list rank 0's only, and a single-file conversion could not number the other ranks' states. (A
-    sharded load takes a group's settings, never its names.) Every rank calls this."""
+    """``state`` (an optimizer state dict keyed by parameter name) with each group listing every rank's parameters
+    (collective). DCP stores the groups as rank 0 holds them: with pipeline stages a single-file conversion could
+    not number the other ranks' states."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return state
     names = [list(group["params"]) for group in state["param_groups"]]
@@ -147,12 +138,9 @@ def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool
 
 
 def load_optimizer_into(module: nn.Module, optimizer: torch.optim.Optimizer, index: int, path: str | Path) -> None:
-    """Load optimizer ``index`` of a sharded checkpoint into ``optimizer`` (over ``module``'s parameters).
-
-    The states are found by parameter name. The groups' settings (learning rate, betas, ...) are stored once, with
-    the parameter names of one rank (rank 0's); when ranks hold different parameters (pipeline stages) those names
-    are not this rank's, so each group keeps this rank's own parameters and takes the saved settings by position
-    (every rank's optimizer has the same groups, built by the same ``configure_optimizers``)."""
+    """Load optimizer ``index`` of a sharded checkpoint into ``optimizer`` (over ``module``'s parameters). The states
+    are found by parameter name; each group keeps this rank's own parameters and takes the saved settings (learning
+    rate, betas, ...) by position, since they are stored with one rank's names (every rank builds the same groups)."""
     state = get_optimizer_state_dict(module, optimizer)
     own_groups = [dict(group) for group in state["param_groups"]]
     dcp.load({f"optimizer{index}": state}, checkpoint_id=str(path))
@@ -177,11 +165,9 @@ def load_optimizer_into_replicated(module: nn.Module, optimizer: torch.optim.Opt
     optimizer.load_state_dict(whole.state_dict())
 
 
-def full_optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer,
-                                 state: dict[str, Any]) -> dict[str, Any]:
-    """A whole optimizer state dict of torch's own format (parameters numbered in ``optimizer``'s group order, as
-    Lightning's single-file checkpoints store it) keyed by parameter name instead, the form DCP's
-    ``set_optimizer_state_dict(..., full_state_dict=True)`` shards onto any layout."""
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Shard a single-file checkpoint's whole optimizer state onto ``optimizer`` (over FSDP2 shards): its parameters,
+    numbered in ``optimizer``'s group order, are keyed by name instead, the form DCP shards onto any layout."""
     names = {id(p): name for name, p in module.named_parameters()}
     ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     saved_groups = state["param_groups"]
@@ -191,15 +177,10 @@ def full_optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optim
                          "optimizer configuration?)")
     name_of_index = {index: ordered[position] for position, index in
                      enumerate(i for group in saved_groups for i in group["params"])}
-    return {"state": {name_of_index[index]: value for index, value in state["state"].items()},
-            "param_groups": [group | {"params": [name_of_index[i] for i in group["params"]]}
-                             for group in saved_groups]}
-
-
-def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Shard a single-file checkpoint's whole optimizer state onto ``optimizer`` (over FSDP2 shards)."""
-    set_optimizer_state_dict(module, optimizer, full_optimizer_state_by_name(module, optimizer, state),
-                             options=StateDictOptions(full_state_dict=True))
+    by_name = {"state": {name_of_index[index]: value for index, value in state["state"].items()},
+               "param_groups": [group | {"params": [name_of_index[i] for i in group["params"]]}
+                                for group in saved_groups]}
+    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def remove(path: str | Path) -> None:
@@ -215,10 +196,8 @@ def remove(path: str | Path) -> None:
 
 
 def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """The model state of the sharded checkpoint ``path`` as a plain state dict of whole CPU tensors, read in one
-    process without a process group and without writing a file (what :func:`to_single_file` stores as its
-    ``state_dict``). Works for any layout that wrote it: DCP's metadata gives each tensor's whole shape, and the load
-    gathers its shards (data-parallel, tensor- or expert-parallel pieces, pipeline stages) into it."""
+    """The model state of the sharded checkpoint ``path`` (any layout) as whole CPU tensors, read in one process
+    without a process group or a file written: DCP's metadata gives each tensor's shape, the load gathers its shards."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -237,13 +216,9 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any]:
-    """Write the sharded checkpoint ``source`` as one Lightning checkpoint file, loadable by any strategy.
-
-    DCP's ``dcp_to_torch_save`` gathers the shards (one process, no process group); the optimizer states, keyed by
-    parameter name in the sharded form, are numbered in their groups' order, torch's own format. The file is
-    written under a temporary name and renamed, so an interrupted conversion leaves no partial checkpoint.
-    Returns the checkpoint written.
-    """
+    """Write the sharded checkpoint ``source`` as one Lightning checkpoint file, loadable by any strategy, and return
+    it: DCP gathers the shards in one process, the optimizer states are numbered as torch numbers them, and the file
+    is renamed into place once written (an interrupted conversion leaves no partial checkpoint)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     source, destination = Path(source), Path(destination)
@@ -263,8 +238,7 @@ def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any
 
 
 def optimizer_state_by_number(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict keyed by parameter name (DCP's form) in torch's numbered form: parameters numbered
-    0, 1, ... in their groups' order."""
+    """An optimizer state dict keyed by parameter name (DCP's form) numbered as torch numbers it (groups' order)."""
     number = {name: i for i, name in enumerate(name for group in state["param_groups"] for name in group["params"])}
     return {"state": {number[name]: value for name, value in state["state"].items()},
             "param_groups": [group | {"params": [number[name] for name in group["params"]]}
