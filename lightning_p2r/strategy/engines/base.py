@@ -1,8 +1,6 @@
 """What an engine is given (:class:`EngineContext`) and what every engine offers the strategy (:class:`Engine`).
-
-An engine places a model for one kind of layout and runs the layout-dependent parts of a step. It never sees the
-strategy, which builds the context from its options and Lightning's state, stores what the engine returns and makes
-every Lightning call itself (``DDPStrategy``'s setup, wrapping, saving): engines are tested with a hand-made context.
+An engine never sees the strategy, which makes every Lightning call itself: engines are tested with a hand-made
+context.
 """
 
 from __future__ import annotations
@@ -118,8 +116,8 @@ class Engine:
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
-        """The optimizers the layout steps, given those ``configure_optimizers`` built (returned unchanged by
-        default; the strategy rebinds the LR schedulers when one is replaced)."""
+        """The optimizers the layout steps, given those ``configure_optimizers`` built (the strategy rebinds the LR
+        schedulers when one is replaced)."""
         return optimizers
 
     def teardown(self, module: nn.Module | None) -> None:
@@ -185,9 +183,8 @@ class Engine:
         raise NotImplementedError
 
     def load_weights(self, module: nn.Module, source: dict[str, Any] | str, strict: bool) -> None:
-        """Write a checkpoint's weights (a state dict, or a sharded checkpoint's path) into the placed model. This
-        default serves layouts where every rank holds the whole model (an offloaded block's state-dict hooks write
-        its host masters)."""
+        """Write a checkpoint's weights (a state dict, or a sharded checkpoint's path) into the placed model, where
+        every rank holds the whole model (an offloaded block's state-dict hooks write its host masters)."""
         if isinstance(source, str):
             sharded_checkpoint.load_model_into(module, source)
         else:

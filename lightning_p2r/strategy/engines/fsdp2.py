@@ -89,11 +89,10 @@ class FSDP2Engine(Engine):
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         if self.stages is not None:
-            holder = self._holder
-            self.stages.finish(holder, ctx.device)
+            self.stages.finish(self._holder, ctx.device)
             # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed
             # in teardown; the strategy's training step calls the stages directly).
-            holder.forward = self.stages.forward
+            self._holder.forward = self.stages.forward
         log = ["P2RStrategy " + self.meshes.dims.describe()] if self.meshes.dims.model_parallel else []
         return Placed(self.placement.plan, tuple(log + ([self.stages.describe()] if self.stages is not None else [])))
 
@@ -106,20 +105,15 @@ class FSDP2Engine(Engine):
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
         if self.ctx.sharding.sharding == "zero1":
-            optimizers = [partition_optimizer_states(optimizers, self.zero_group, **self._expert_partition(module))]
+            # Given an expert group (expert parallelism), the experts are a second partition, over that group.
+            layers = [m for m in holder_of(module).modules() if isinstance(m, ParallelExperts)]
+            optimizers = [partition_optimizer_states(optimizers, self.zero_group, expert_group=self.expert_zero_group,
+                                                     experts={id(p) for m in layers for p in m.parameters()})]
         self._whole_of = {}
         for optimizer in optimizers:  # which parameter each of ZeRO-1's views stands for (clipping counts it)
             if isinstance(optimizer, ZeroOneOptimizer):
                 self._whole_of |= {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
         return optimizers
-
-    def _expert_partition(self, module: nn.Module) -> dict[str, Any]:
-        """ZeRO-1's second partition (the experts' group and parameter ids), or nothing without expert parallelism."""
-        if self.expert_zero_group is None:
-            return {}
-        holder = holder_of(module)
-        experts = {id(p) for m in holder.modules() if isinstance(m, ParallelExperts) for p in m.parameters()}
-        return {"expert_group": self.expert_zero_group, "experts": experts}
 
     def module_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         """The optimizer over the module's own parameters, as checkpoints and delinking read it (collective)."""
@@ -175,9 +169,7 @@ class FSDP2Engine(Engine):
                 stage_module.reshard()
 
     def grad_copies(self) -> Callable[[torch.Tensor], int] | None:
-        if self.path == "fsdp":
-            return None  # every parameter on one mesh: torch's clipping is right
-        return self.copies
+        return None if self.path == "fsdp" else self.copies  # "fsdp": one mesh, torch's clipping is right
 
     def copies(self, param: torch.Tensor) -> int:
         """Ranks holding the same local part of ``param``'s gradient (ZeRO-1's optimizer steps plain views of the
