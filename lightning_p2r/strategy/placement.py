@@ -1,16 +1,14 @@
 """The one placement path of every FSDP2 layout (ZeRO-2/3, the replicated layouts across processes, tensor / expert
 parallelism, pipeline stages), in torchtitan's order:
 
-1. **stage parts**: under pipeline parallelism, cut the model into this rank's stages and replace what other ranks
-   hold by parameterless stand-ins (still on the meta device, so nothing is ever allocated for them);
+1. **stage parts**: under pipeline parallelism, replace what other ranks hold by meta-device stand-ins;
 2. **offload plan** of this rank's blocks (which keep their FSDP2 shards in host memory);
 3. **the model's tensor / expert plan** (``parallel.parallelize_model`` reads the model's own declaration);
 4. **recompute**: pipeline stage modules checkpoint each layer (layered accumulation recomputes in its executor);
 5. **compile** each block (``compile.py``), after the plan and recompute, before FSDP2 wraps it;
-6. **FSDP2**: ``fully_shard`` every unit (a block, and under model parallelism its experts first, over the ranks
-   holding the same experts), then the part's root, with the rulebook's one reshard rule (``Layout.resharding``);
-7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them with
-   initial values or the checkpoint's weights.
+6. **FSDP2**: ``fully_shard`` every unit (a block; its experts first, over the ranks holding them), then the roots,
+   with the rulebook's one reshard rule (``Layout.resharding``);
+7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them.
 
 The strategy's only ``fully_shard`` calls are here: one for units, one for roots.
 """
@@ -102,8 +100,8 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
         offloaded = index in plan.offloaded
         if split is not None:  # the expert weights first: their own unit, over the ranks holding them
             for layer in split.expert_layers(holder, [index]):
-                shard_unit(layer.experts, meshes.expert_data, reshard=reshard.after_each_forward, offloaded=offloaded,
-                           pin_memory=ctx.pin_memory)
+                shard_unit(layer.experts, meshes.experts[meshes.expert_data_dims], reshard=reshard.after_each_forward,
+                           offloaded=offloaded, pin_memory=ctx.pin_memory)
         shard_unit(holder.blocks[index], meshes.data, reshard=reshard.after_each_forward, offloaded=offloaded,
                    pin_memory=ctx.pin_memory)
     if stages is not None:

@@ -1,8 +1,6 @@
-"""The two differentiable collectives expert parallelism needs, over torch.distributed's public collectives.
-
-torch.distributed.nn.functional (which had them) is deprecated in torch 2.13 and warns on every first call; its
-suggested replacement lives in a private module. Both also return their output buffer as a view, which FSDP2 warns
-about when it leaves a unit. These allocate their outputs and are a few lines each.
+"""The two differentiable collectives expert parallelism needs, over torch.distributed's public collectives:
+torch.distributed.nn.functional is deprecated in torch 2.13, its replacement private, and both return views, which
+FSDP2 warns about when they leave a unit.
 """
 
 from __future__ import annotations

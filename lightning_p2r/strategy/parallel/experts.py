@@ -1,12 +1,8 @@
 """Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied to an M6 MoE layer from outside
-(docs/parallelism.md).
-
-The MoE layer routes its own tokens, applies capacity and sorts the kept assignments by expert before calling
-``Experts(rows, counts)``: there :class:`ParallelExperts` sends each row to the rank holding its expert
-(``all_to_all_single``, the counts exchanged first), computes its experts' rows and sends the results back, so
-routing and drops are those of the same tokens on one process. Under tensor parallelism each expert's hidden units
-are split too (Megatron's column/row pattern inside every expert). :class:`ParallelMoE` computes the balance loss
-over every data rank's tokens, as one process would over the global batch.
+(docs/parallelism.md). The layer routes its own tokens, so routing and drops are those of one process; then
+:class:`ParallelExperts` sends each row to the rank holding its expert and the results back (all-to-all), each
+expert's hidden units split over "tp" too, and :class:`ParallelMoE` computes the balance loss over every data rank's
+tokens, as one process would over the global batch.
 """
 
 from __future__ import annotations
@@ -78,10 +74,9 @@ class ParallelExperts(Experts):
     tp_mesh: Any
     """The tensor-parallel mesh (None without tensor parallelism)."""
     gradient_scale: float
-    """1 / expert_parallel. Through the all-to-all an expert's gradient sums the tokens of every rank of its expert
-    group, while FSDP2 averages it only over the ranks holding the same expert; the dense weights' gradients are
-    averaged over all data ranks. The scale makes the experts' average the same (one process's gradient). (FSDP2's
-    ``set_gradient_divide_factor`` would do it in the reduction, but needs a reduce op gloo lacks.)"""
+    """1 / expert_parallel: through the all-to-all an expert's gradient sums its expert group's tokens, while FSDP2
+    averages it only over the ranks holding the same expert. (FSDP2's ``set_gradient_divide_factor`` would do it in
+    the reduction, but needs a reduce op gloo lacks.)"""
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: (rows, dim) sorted by global expert, ``counts[e]`` rows for expert e -> (rows, dim) in the same order."""

@@ -24,6 +24,7 @@ class ParallelMeshes:
     data_dims: tuple[str, ...]
     """The dense mesh's data dimensions, as FSDP2 takes them: ("replicate", "shard") or ("shard",)."""
     expert_data_dims: tuple[str, ...]
+    """Where FSDP2 lays out the experts: the ranks holding the same experts."""
 
     @property
     def tensor(self) -> Any:
@@ -33,21 +34,6 @@ class ParallelMeshes:
     def data(self) -> Any:
         """Where FSDP2 lays out the dense parameters."""
         return self.dense[self.data_dims]
-
-    @property
-    def expert_data(self) -> Any:
-        """Where FSDP2 lays out the experts (the ranks holding the same experts)."""
-        return self.experts[self.expert_data_dims]
-
-    @property
-    def expert(self) -> Any:
-        """The ranks of one expert group (the all-to-all's group)."""
-        return self.experts["ep"]
-
-    @property
-    def expert_tensor(self) -> Any:
-        """The 2-d ("ep", "tp") mesh the expert weights are placed on."""
-        return self.experts["ep", "tp"]
 
     def data_group(self) -> Any:
         """The process group of every rank that sees a different batch (expert ranks included)."""

@@ -51,6 +51,6 @@ def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMes
     present = [i for i, block in enumerate(holder.blocks) if next(block.parameters(), None) is not None]
     for layer in plan.expert_layers(holder, present):
         parallelize_experts(
-            layer, expert_tensor_mesh=meshes.expert_tensor,
-            expert_group=meshes.expert.get_group() if dims.expert_parallel > 1 else None,
+            layer, expert_tensor_mesh=meshes.experts["ep", "tp"],
+            expert_group=meshes.experts["ep"].get_group() if dims.expert_parallel > 1 else None,
             tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None, data_group=data_group)
