@@ -1,9 +1,6 @@
 """Run a rank's pipeline stages with ``torch.distributed.pipelining``'s schedules, and bring a step's losses and
-metrics to every rank.
-
-``PipelineStage`` learns the shapes of the tensors it sends from its first micro-batch and keeps them, so a batch
-of another shape (the last, shorter batch of an epoch; evaluation, whose last stage returns logits) gets stages and
-a schedule of its own, kept for the next batch of that shape.
+metrics to every rank. ``PipelineStage`` keeps the shapes it learned from its first micro-batch, so a batch of another
+shape (an epoch's shorter last batch; evaluation) gets stages and a schedule of its own, kept for the next such batch.
 """
 
 from __future__ import annotations
