@@ -1,11 +1,10 @@
-"""Per-block ``torch.compile`` (``P2RStrategy(compile=...)``), step 5 of the placement order (``placement.py``):
-after the model's tensor / expert plan and recompute, before FSDP2 wraps the block, as torchtitan does.
+"""Per-block ``torch.compile`` (``P2RStrategy(compile=...)``), after the model's tensor / expert plan and recompute,
+before FSDP2 wraps the block, as torchtitan does (``placement.py``).
 
-A block's class is switched to a subclass whose ``forward`` is compiled (as ``fully_shard`` switches classes), not
-its ``__call__`` as ``nn.Module.compile`` would: the layouts' hooks (FSDP2's gathers, the streaming engine's
-fetches) run eagerly around the compiled code instead of becoming guards that change every layer, a deep copy
-(delinking) stays compiled, and every block of a class shares one compiled function. Graph breaks are allowed: the
-MoE layer reads its segment sizes on the host and the all-to-all sends data-dependent splits (docs/offload.md).
+A block's class is switched to a subclass whose ``forward`` is compiled, not its ``__call__``: the layouts' hooks
+(FSDP2's gathers, the streaming engine's fetches) run eagerly around the compiled code instead of becoming guards,
+a deep copy (delinking) stays compiled, and every block of a class shares one compiled function. Graph breaks are
+allowed: the MoE layer reads its segment sizes on the host (docs/offload.md).
 """
 
 from __future__ import annotations

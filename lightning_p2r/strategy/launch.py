@@ -1,18 +1,11 @@
 """Starting and ending a job's processes: refusals before any rank exists, and one failure ending every rank.
 
 Lightning's script launcher starts ranks 1..N-1 by running the command again, then runs rank 0 in the launching
-process. Two things it leaves to the strategy:
-
-- **Refuse before launching.** Everything the options, the model config and the number of processes decide is
-  checked by ``P2RStrategy.check_before_launch`` in the launching process, before a child exists: a refused layout
-  is one message, not a traceback from every rank.
-- **One failure ends the job, with one message.** A rank that fails writes its error into a folder the launching
-  process chose (``P2R_RANK_ERRORS``) and exits without a traceback. If rank 0 fails, it stops and waits for the
-  other ranks before its error (with the other ranks' different errors as notes) ends the command; if another rank
-  fails while rank 0 waits in a collective, the observer prints that rank's error, stops every rank and ends the
-  command. Either way, no rank outlives the command.
-
-Under torchrun or SLURM (processes created outside Lightning) each rank behaves as Lightning's own launcher does.
+process. Here the job's checks (``P2RStrategy.check_before_launch``) run first, so a refused layout is one message,
+not a traceback from every rank; and a rank that fails writes its error into a folder the launching process chose
+(``P2R_RANK_ERRORS``): rank 0 reports it once, with the other ranks' different errors as notes, or, if rank 0 is
+blocked in a collective, an observer thread prints it and stops every rank. No rank outlives the command. Under
+torchrun or SLURM (processes created outside Lightning) each rank behaves as Lightning's own launcher does.
 """
 
 from __future__ import annotations

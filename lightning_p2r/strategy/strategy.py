@@ -324,10 +324,8 @@ class P2RStrategy(DDPStrategy):
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self._adopt_optimizers(self.engine.adapt_optimizers(list(self.optimizers), self.lightning_module))
-
-    def _adopt_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Step ``optimizers`` from now on; a replaced optimizer takes over its LR schedulers (their one owner)."""
+        optimizers = self.engine.adapt_optimizers(list(self.optimizers), self.lightning_module)
+        # A replaced optimizer takes over its LR schedulers (their one owner).
         for old, new in zip(self.optimizers, optimizers):
             if unwrapped(old) is not new:
                 for config in self.lr_scheduler_configs:
