@@ -62,8 +62,7 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
 
 def clip_grad_norm_across_meshes(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                                  copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
-    """Scale the gradients of ``params`` so their total norm is at most ``max_norm`` (torch's
-    ``clip_grads_with_norm_``, given the norm across meshes); returns the norm before."""
+    """Scale the gradients of ``params`` so their total norm is at most ``max_norm``; returns the norm before."""
     params = [p for p in params if p.grad is not None]
     total = total_grad_norm(params, norm_type, copies)
     # By gradient device and mesh: torch's clipping scales each call's gradients with one fused kernel, which takes

@@ -45,8 +45,7 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-    """Rows of ``x`` (``in_splits[j]`` of them for rank j) exchanged over ``group``; ``out_splits[j]`` rows come back
-    from rank j. Backward sends the gradients the opposite way."""
+    """Rows of ``x`` sent over ``group`` (``in_splits[j]`` to rank j, ``out_splits[j]`` from it); backward: reversed."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 

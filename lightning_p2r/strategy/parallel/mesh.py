@@ -1,8 +1,7 @@
-"""The two device meshes of a tensor / expert / pipeline parallel job (the rank arithmetic, torch-free, is
-``lightning_p2r.layout.ParallelDims``): the dense mesh ``(pp, data..., "tp")`` and the expert mesh
-``(pp, expert data..., "ep", "tp")``, both from ``init_device_mesh`` over the same ranks. A parameter's FSDP2 and
-model-parallel placements must come from one mesh, and the dense weights and the experts are sharded over different
-data dimensions: hence two meshes rather than one with flattened dimensions (docs/parallelism.md).
+"""The two device meshes of a tensor / expert / pipeline parallel job over the same ranks (``layout.ParallelDims``):
+the dense mesh ``(pp, data..., "tp")`` and the expert mesh ``(pp, expert data..., "ep", "tp")``. A parameter's FSDP2
+and model-parallel placements must come from one mesh, and the dense weights and the experts are sharded over
+different data dimensions: hence two meshes rather than one with flattened dimensions (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -47,10 +46,9 @@ class ParallelMeshes:
 
 
 def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> ParallelMeshes:
-    """The two meshes of ``dims``. ``replicate``: FSDP2's replicate layout (every data rank holds every parameter, as
-    ``layout.fsdp_mode_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks. A
-    data dimension of one rank is a plain size-1 shard dimension either way: FSDP2 then issues no collective for
-    it (a replicate dimension of one rank would all-reduce every gradient with itself)."""
+    """The two meshes of ``dims``. ``replicate``: FSDP2's replicate layout (sharding "none" and "zero1"), else
+    parameters sharded over the data ranks. A data dimension of one rank is a size-1 shard dimension either way (a
+    replicate dimension of one rank would all-reduce every gradient with itself)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     # Pipeline stages, when there are several, are the outermost dimension of both meshes.

@@ -25,9 +25,7 @@ from .experts import owned
 
 
 def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
-    """A forward hook for the head. With ``loss_parallel``, in evaluation (metrics, generation, a validation loss) the
-    vocabulary shards are gathered into whole logits; in training each rank keeps its shard for the
-    vocabulary-parallel loss. The logits leave the model's root unit: a view is copied (see ``owned``)."""
+    """The head's forward hook: with ``loss_parallel`` the logits stay split in training, whole in evaluation."""
 
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         if loss_parallel and not module.training:
@@ -65,8 +63,7 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
 
 
 def _keep_own_positions(tp_mesh: Any) -> Any:
-    """A forward hook for an MoE layer under sequence parallelism: its output (computed on the whole sequence, the
-    same on every tensor-parallel rank) is cut back to this rank's positions."""
+    """A forward hook cutting an MoE layer's output (the whole sequence's) back to this rank's positions."""
 
     def hook(module: nn.Module, args: Any, output: MoEOutput) -> MoEOutput:
         whole = DTensor.from_local(output.output, tp_mesh, [Replicate()], run_check=False)
@@ -81,8 +78,7 @@ def _holds_parameters(module: nn.Module | None) -> bool:
 
 def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *, loss_parallel: bool,
                           sequence_parallel: bool = False) -> None:
-    """Split ``holder``'s blocks and the modules outside them over ``tp_mesh`` as ``plan`` declares (in place; works
-    on the meta device). ``loss_parallel``: see :func:`_logits_hook`."""
+    """Split ``holder``'s blocks and other modules over ``tp_mesh`` as ``plan`` declares (in place, also on meta)."""
     for block, entries in zip(holder.blocks, plan.blocks):
         # A pipeline stage holds some blocks: the others are parameterless stand-ins, with nothing to split.
         if not _holds_parameters(block):

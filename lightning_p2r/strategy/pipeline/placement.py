@@ -34,8 +34,7 @@ def pipeline_parts(module: nn.Module) -> PipelineParts:
 
 
 class StagePlacement:
-    """This rank's stages of one job: cut at every placement (delinking re-cuts), with the process groups of the
-    replicas made once per set of ranks (``new_group`` is collective)."""
+    """This rank's stages of one job, cut at every placement (delinking re-cuts), and the replicas' process groups."""
 
     def __init__(self, ctx: EngineContext, group: dist.ProcessGroup) -> None:
         p, a = ctx.parallel, ctx.accumulation
@@ -60,10 +59,8 @@ class StagePlacement:
         self._ranks_of: dict[str, tuple[int, ...]] = {}
         self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
 
-    # ------------------------------------------------------------------------------------------- placement
     def keep_own(self, module: nn.Module, holder: nn.Module) -> set[int]:
-        """Cut the model into stages and drop (on the meta device: never allocate) what other ranks hold; returns
-        the indices of this rank's blocks. Collective (replica groups are created on every rank)."""
+        """Cut the model into stages, drop what other ranks hold and return this rank's blocks (collective)."""
         parts = pipeline_parts(module)
         layer_to_block = list(holder.layer_to_block)
         cut = StageCut(self.world_size, self.pipeline_parallel, self.stages_per_rank, len(layer_to_block))
@@ -108,8 +105,7 @@ class StagePlacement:
         self.stage_modules, self.runner = [], None
 
     def _pipeline_ranks_of(self, holder: nn.Module, layer_to_block: list[int]) -> dict[str, tuple[int, ...]]:
-        """The pipeline ranks holding each parameter (by its name in the holder, which sharding keeps), and a
-        process group for every set of several. Collective (groups are created on every rank)."""
+        """The pipeline ranks holding each parameter (by name), and a process group per set of several (collective)."""
         cut = self.cut
         if self._outside_ranks is None:
             # Known once, before anything is dropped: delinking changes only the blocks.
@@ -141,7 +137,6 @@ class StagePlacement:
         within = ranks_holding(grad) // self.pipeline_parallel if isinstance(grad, DTensor) else 1
         return within * self._holders_of.get(id(whole), 1)
 
-    # ---------------------------------------------------------------------------------------------- training
     def train_step(self, batch: torch.Tensor, uncounted: Any) -> PipelineStepResult:
         """Forward and backward of every micro-batch; replicas' gradients summed, then held aside until
         :meth:`restore_gradients` (Lightning zeroes them before ``backward``); the step's loss and metrics."""
@@ -186,8 +181,7 @@ class StagePlacement:
 
 
 def _with_tied(holder: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
-    """``modules`` and any other module outside the blocks holding a parameter of theirs (a tied embedding), so the
-    stage's FSDP2 root manages every module that holds the shared tensor."""
+    """``modules`` and any other module outside the blocks sharing a parameter with them (a tied embedding)."""
     shared = {id(p) for m in modules for p in m.parameters()}
     extra = [child for child in holder.children() if child is not holder.blocks and not any(
         child is m for m in modules) and any(id(p) in shared for p in child.parameters())]

@@ -20,8 +20,7 @@ from .stage import PipelineStageModule, stage_output_loss
 
 
 def schedule_class(name: str) -> type:
-    """Torch's schedule class for one of our option names ("interleaved_1f1b" is torch's "Interleaved1F1B"; torch
-    matches names without regard to case)."""
+    """Torch's schedule class for an option name (torch matches "interleaved1f1b" to its "Interleaved1F1B")."""
     return get_schedule_class(name.replace("_", ""))
 
 
@@ -38,8 +37,7 @@ class StageEvent:
 
 
 class TimedPipelineStage(PipelineStage):
-    """A ``PipelineStage`` that records when it computes (for the pipeline benchmark's measured bubble): the
-    schedule has already waited for the chunk's inputs when it calls these, so their time is this rank's work."""
+    """A ``PipelineStage`` that records when it computes (its inputs have arrived): the pipeline benchmark's bubble."""
 
     def __init__(self, *args: Any, events: list[StageEvent], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -102,8 +100,7 @@ class PipelineRunner:
         return self._schedules[key]
 
     def train_step(self, batch: torch.Tensor) -> None:
-        """Forward and backward of every micro-batch of ``batch``; the gradients are left in the parameters, divided
-        by the number of micro-batches (the schedule's ``scale_grads``)."""
+        """Forward and backward of every micro-batch; the gradients, divided by the micro-batches, stay in place."""
         schedule = self._schedule(True, self.micro_batches, tuple(batch.shape))
         if self.timeline is not None:
             dist.barrier(group=self.group)  # the ranks start the step together, so their idle times compare
@@ -121,8 +118,7 @@ class PipelineRunner:
             return schedule.step(tokens=batch)
 
     def gather_step(self) -> PipelineStepResult:
-        """Bring the micro-batch losses (last stage) and every stage's router records together on every rank of the
-        pipeline, and compute the step's loss and metrics as one process would (one small object gather)."""
+        """The step's loss and metrics on every rank, from the micro-batch losses and every stage's router records."""
         local_losses = [float(loss) for module in self.modules for loss in module.step_losses()]
         records: list[dict[str, Any]] = []
         for micro_batch in range(self.micro_batches):
@@ -140,8 +136,7 @@ class PipelineRunner:
             for _, rank_records in gathered:
                 self.parts.absorb(context, rank_records[micro_batch])
             per_micro_batch.append(self.parts.metrics(torch.tensor(losses[micro_batch]), context))
-        metrics = {key: torch.stack([m[key].float() for m in per_micro_batch]).mean()
-                   for key in per_micro_batch[0]}
+        metrics = {key: torch.stack([m[key].float() for m in per_micro_batch]).mean() for key in per_micro_batch[0]}
         return PipelineStepResult(loss=metrics["loss"], metrics=metrics)
 
 

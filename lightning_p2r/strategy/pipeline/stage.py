@@ -1,8 +1,7 @@
 """One pipeline stage as a module ``torch.distributed.pipelining.PipelineStage`` can run: a range of whole layers of
-the model, plus the embedding on the first stage and the head on the last. It references modules that stay
-registered in the model (checkpoints and the optimizer see the model's own names) and is the FSDP2 root of its
-blocks. Its forward takes the previous stage's hidden states and the micro-batch itself (every rank of a pipeline
-reads the same batch), from which a later stage rebuilds the context the embedding would have made.
+the model, plus the embedding on the first stage and the head on the last; the FSDP2 root of its blocks, which stay
+registered in the model. Its forward takes the previous stage's hidden states and the micro-batch itself (every rank
+of a pipeline reads it), from which a later stage rebuilds the context the embedding would have made.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ class AbsentModule(nn.Module):
 
 
 def keep_only(holder: nn.Module, blocks: set[int], modules: list[nn.Module]) -> None:
-    """Replace, in place, every block of ``holder`` not in ``blocks`` and every other child holding parameters that
-    is not in ``modules`` by an :class:`AbsentModule` (on the meta device this allocates nothing, ever)."""
+    """Replace each block not in ``blocks``, and each other child with parameters not in ``modules``, by a stand-in."""
     for index in range(len(holder.blocks)):
         if index not in blocks:
             holder.blocks[index] = AbsentModule()
@@ -81,8 +79,7 @@ class PipelineStageModule(nn.Module):
         self.losses: list[torch.Tensor] = []
         self.forward_calls = 0
         self.after_last_forward: Callable[[PipelineStageModule], None] | None = None
-        """Called after the step's last micro-batch's forward (placement reshards the blocks there when
-        ``Layout.resharding.after_last_micro_batch``: ZeRO-3 with a breadth-first schedule)."""
+        """Called after the step's last forward (placement reshards there: ZeRO-3 with a breadth-first schedule)."""
         self.micro_batches = 1
 
     def begin(self, *, computes_loss: bool, micro_batches: int, infers_shapes: bool) -> None:
