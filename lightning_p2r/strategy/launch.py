@@ -1,11 +1,8 @@
-"""Starting and ending a job's processes: refusals before any rank exists, and one failure ending every rank.
-
-Lightning's script launcher starts ranks 1..N-1 by running the command again, then runs rank 0 in the launching
-process. Here the job's checks (``P2RStrategy.check_before_launch``) run first, so a refused layout is one message,
-not a traceback from every rank; and a rank that fails writes its error into a folder the launching process chose
-(``P2R_RANK_ERRORS``): rank 0 reports it once, with the other ranks' different errors as notes, or, if rank 0 is
+"""Starting and ending a job's processes. The job's checks (``P2RStrategy.check_before_launch``) run before
+Lightning's script launcher starts any other rank, so a refused layout is one message. A rank that fails writes its
+error into a folder the launching process chose (``P2R_RANK_ERRORS``): rank 0 reports it once, or, if rank 0 is
 blocked in a collective, an observer thread prints it and stops every rank. No rank outlives the command. Under
-torchrun or SLURM (processes created outside Lightning) each rank behaves as Lightning's own launcher does.
+torchrun or SLURM each rank behaves as Lightning's own launcher does.
 """
 
 from __future__ import annotations
@@ -29,8 +26,7 @@ ERRORS_ENV = "P2R_RANK_ERRORS"
 
 
 class RankFailed(RuntimeError):
-    """Another rank failed first; the launching rank's own error (usually a collective whose peer went away) is the
-    consequence. The message is the failing ranks' errors."""
+    """Another rank failed first (the launching rank's own error is the consequence); the message is their errors."""
 
 
 def describe(error: BaseException) -> str:
@@ -55,8 +51,7 @@ def summarize(errors: dict[int, str], *, skip: str | None = None) -> list[str]:
 
 
 def stop_processes(processes: list[subprocess.Popen], grace: float = 5.0) -> None:
-    """Terminate the processes still running, kill those that ignore it within ``grace`` seconds (a rank blocked in
-    a collective may), and wait for every one."""
+    """Terminate the processes still running, kill those that ignore it for ``grace`` seconds, and wait for each."""
     for process in processes:
         if process.poll() is None:
             process.terminate()
@@ -75,8 +70,7 @@ def _quiet_excepthook(kind: type[BaseException], error: BaseException, traceback
 
 def observe_ranks(processes: list[subprocess.Popen], errors: Path, stopped: threading.Event,
                   period: float = 1.0) -> None:
-    """Watch the ranks the launcher started, until ``stopped``: when one fails, print its error, stop every rank (the
-    launching one included: it may be blocked in a collective) and end the command with status 1."""
+    """Until ``stopped``: when a started rank fails, print its error, stop every rank and end the command (status 1)."""
     while not stopped.wait(period):
         failed = [i + 1 for i, p in enumerate(processes) if p.poll() not in (None, 0)]
         if failed and not stopped.is_set():
@@ -90,9 +84,8 @@ def observe_ranks(processes: list[subprocess.Popen], errors: Path, stopped: thre
 
 
 class CheckingLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher with the job's checks before any child exists and one failure ending all ranks
-    (see the module docstring). ``check`` runs in every process before the job starts; it gets the Trainer and
-    the launched function's arguments."""
+    """Lightning's script launcher with the job's checks before any child exists and one failure ending all ranks.
+    ``check`` runs in every process before the job starts, given the Trainer and the launched function's arguments."""
 
     def __init__(self, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -31,12 +31,10 @@ class ShardingConfig:
     """How model states are split across the data-parallel ranks (ZeRO)."""
 
     sharding: Sharding = "none"
-    """"none" (replicated, DDP), "zero1" (optimizer states sharded: DDP + ZeroRedundancyOptimizer), "zero2" (+
-    gradients: FSDP2 without resharding after forward) or "zero3" (+ parameters: FSDP2); see docs/sharding.md."""
+    """"none" (replicated, DDP), "zero1" (optimizer states sharded), "zero2" (+ gradients) or "zero3" (+ parameters)."""
 
     count_collectives: bool = False
-    """Record the collectives (calls and bytes, per kind) of every optimizer step in ``strategy.collectives``; costs a
-    Python call per operator, so it is for measurements."""
+    """Record each optimizer step's collectives (calls and bytes per kind) in ``strategy.collectives``, to measure."""
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
@@ -46,8 +44,7 @@ class ShardingConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model itself is split across ranks (Megatron-LM tensor parallel, expert parallel); the remaining ranks
-    are data parallel, with ``sharding`` applying to them."""
+    """How the model itself is split across ranks; the remaining ranks are data parallel, with ``sharding``."""
 
     tensor_parallel: int = 1
     """Ranks that split each layer: attention by heads, FFNs and experts by hidden units, embedding and output by
@@ -62,8 +59,7 @@ class ParallelConfig:
     rotary positions and sequence lengths divisible by tensor_parallel."""
 
     pipeline_parallel: int = 1
-    """Ranks that split the model by depth into stages of whole layers (``torch.distributed.pipelining``); must
-    divide the number of processes."""
+    """Ranks that split the model by depth into stages of whole layers; must divide the number of processes."""
 
     pipeline_schedule: PipelineSchedule = "1f1b"
     """With pipeline_parallel > 1: "gpipe" or "1f1b" with one stage per rank, "interleaved_1f1b" with several, or
@@ -90,8 +86,7 @@ class AccumulationConfig:
     size must divide; Lightning's ``accumulate_grad_batches`` must then be 1)."""
 
     recompute: bool = False
-    """Layered accumulation, or pipeline_parallel > 1: keep just each layer's input per micro-batch and recompute
-    the layer's interior in backward (activation checkpointing at block granularity)."""
+    """Layered accumulation, or pipeline_parallel > 1: keep each layer's input, recompute its interior in backward."""
 
     compile: bool | str = False
     """torch.compile each block's forward: True uses the default backend ("inductor"), a string names another
@@ -122,8 +117,7 @@ class OffloadConfig:
     """Explicit block indices to keep in host memory."""
 
     device_memory_budget: int | str | None = None
-    """Bytes (or "12GB", "512MiB", "80%" of the device) for model states on the device; the planner keeps as many
-    blocks resident as fit."""
+    """Device bytes for model states ("12GB", "512MiB", "80%" of the device); as many blocks as fit stay resident."""
 
     activation_allowance: int | str = 0
     """Bytes (or a size string) the budget reserves for activations."""
@@ -136,8 +130,7 @@ class OffloadConfig:
     """Offloaded blocks copied in ahead of use (in forward and in backward order)."""
 
     pin_memory: bool | Literal["auto"] = "auto"
-    """Page-locked host buffers for asynchronous copies; "auto" pins only when an accelerator exists (CPU-only torch
-    cannot pin memory)."""
+    """Page-locked host buffers for asynchronous copies; "auto" pins only when an accelerator exists."""
 
     overlap_host_step: bool | Literal["auto"] = "auto"
     """Run an offloaded block's host optimizer step while the device computes earlier blocks' backward, only where it
