@@ -1,11 +1,7 @@
-"""Sharded checkpoints through torch distributed checkpoint (DCP).
-
-A sharded checkpoint is a directory: DCP's files hold the model and optimizer states (each rank writes its own
-shards; DCP reshards on load, so a checkpoint of N ranks resumes on M, with any ``sharding``), and ``meta.pt``
-holds everything else Lightning saves (loops, callbacks, hyperparameters), written by rank 0 and read with
-``weights_only=True``. The directory is written under a hidden name and the checkpoint path is a symbolic link to
-it, switched atomically once it is complete, so an interrupted save never replaces an earlier checkpoint with a
-partial one.
+"""Sharded checkpoints through torch distributed checkpoint (DCP): a directory whose DCP files hold the model and
+optimizer states (resharded on load: N ranks resume on M, with any ``sharding``) and ``meta.pt`` everything else
+Lightning saves. It is written under a hidden name, then the checkpoint path, a symbolic link, is switched to it
+atomically: an interrupted save never replaces an earlier checkpoint.
 """
 
 from __future__ import annotations
@@ -39,10 +35,9 @@ def is_sharded_checkpoint(path: str | Path) -> bool:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Single-file checkpoints written next to their destination under a hidden temporary name, flushed to disk
-    and renamed over it: a process killed mid-save leaves the previous file intact, and the temporary name
-    (``.<name>.partial``) never matches a checkpoint pattern such as ``last*.ckpt``. (Lightning's own save goes
-    through a temporary file in the system temp folder, which a move across file systems copies non-atomically.)"""
+    """Single-file checkpoints written under a hidden temporary name beside their destination (never matching
+    ``last*.ckpt``), flushed and renamed over it: a process killed mid-save leaves the previous file intact.
+    (Lightning's own temporary file in the system temp folder is copied, non-atomically, across file systems.)"""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
         if storage_options is not None:
@@ -68,21 +63,17 @@ def _is_rank_zero() -> bool:
 
 def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module,
                  optimizers: list[torch.optim.Optimizer]) -> None:
-    """Every rank calls this. ``checkpoint`` is Lightning's dict; its model and optimizer entries are replaced by
-    the module's and optimizers' own (sharded) states.
-
-    Crash safety: the states go to a hidden sibling directory (``.<name>.<step>``), and ``path`` is a symbolic link
-    to it, switched in one atomic rename once the directory is complete. At every instant ``path`` is either the
-    previous complete checkpoint or the new one; a process killed mid-save leaves only a hidden directory, which no
-    checkpoint pattern (``last*.ckpt``) matches and the next save removes.
-    """
+    """Every rank calls this: Lightning's ``checkpoint`` with the module's and optimizers' own (sharded) states, in a
+    hidden sibling directory (``.<name>.<step>``) that ``path`` links to once complete (see the module docstring)."""
     path = Path(path)
     current = path.resolve() if path.is_symlink() else None
     target = path.with_name(f".{path.name}.{checkpoint.get('global_step', 0)}")
     if current is not None and current.name == target.name:  # saved again at the same step: alternate
         target = target.with_name(target.name + "b")
-    if _is_rank_zero():
-        _remove_stale_targets(path, keep=current)
+    if _is_rank_zero():  # hidden state directories no link points to: left by an interrupted save
+        for stale in path.parent.glob(f".{path.name}.*"):
+            if stale.is_dir() and (current is None or stale.resolve() != current):
+                shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     state: dict[str, Any] = {"model": get_model_state_dict(module)}
     for index, optimizer in enumerate(optimizers):
@@ -104,10 +95,8 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
 
 
 def every_ranks_group_names(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` (an optimizer state dict keyed by parameter name) with each group listing the parameters of every
-    rank. DCP stores the groups once, as rank 0 holds them: where ranks hold different parameters (pipeline stages),
-    they would list rank 0's only, and a single-file conversion could not number the other ranks' states. (A
-    sharded load takes a group's settings, never its names.) Every rank calls this."""
+    """``state`` (keyed by parameter name) with each group listing every rank's parameters (collective): DCP stores
+    rank 0's groups, and a single-file conversion of pipeline stages must number the other ranks' states too."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return state
     names = [list(group["params"]) for group in state["param_groups"]]
@@ -118,13 +107,6 @@ def every_ranks_group_names(state: dict[str, Any]) -> dict[str, Any]:
     for index, group in enumerate(state["param_groups"]):
         group["params"] = list(dict.fromkeys(name for rank_names in gathered for name in rank_names[index]))
     return state
-
-
-def _remove_stale_targets(path: Path, keep: Path | None) -> None:
-    """Hidden state directories of ``path`` that no link points to: left by a save that was interrupted."""
-    for stale in path.parent.glob(f".{path.name}.*"):
-        if stale.is_dir() and (keep is None or stale.resolve() != keep):
-            shutil.rmtree(stale, ignore_errors=True)
 
 
 def load_meta(path: str | Path) -> dict[str, Any]:
@@ -147,12 +129,8 @@ def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool
 
 
 def load_optimizer_into(module: nn.Module, optimizer: torch.optim.Optimizer, index: int, path: str | Path) -> None:
-    """Load optimizer ``index`` of a sharded checkpoint into ``optimizer`` (over ``module``'s parameters).
-
-    The states are found by parameter name. The groups' settings (learning rate, betas, ...) are stored once, with
-    the parameter names of one rank (rank 0's); when ranks hold different parameters (pipeline stages) those names
-    are not this rank's, so each group keeps this rank's own parameters and takes the saved settings by position
-    (every rank's optimizer has the same groups, built by the same ``configure_optimizers``)."""
+    """Load optimizer ``index`` of a sharded checkpoint into ``optimizer``, states by parameter name; each group keeps
+    this rank's parameters and takes the saved settings by position (they are stored with one rank's names)."""
     state = get_optimizer_state_dict(module, optimizer)
     own_groups = [dict(group) for group in state["param_groups"]]
     dcp.load({f"optimizer{index}": state}, checkpoint_id=str(path))
@@ -166,8 +144,7 @@ def load_optimizer_into(module: nn.Module, optimizer: torch.optim.Optimizer, ind
 
 def load_optimizer_into_replicated(module: nn.Module, optimizer: torch.optim.Optimizer, index: int,
                                    path: str | Path) -> None:
-    """Load a sharded checkpoint's optimizer state where every rank holds the whole model: into a plain optimizer,
-    or into a ``ZeroRedundancyOptimizer``, which takes the whole state and keeps its own partition."""
+    """Load a sharded checkpoint's optimizer state where every rank holds the whole model (ZeRO-1 keeps its part)."""
     if not isinstance(optimizer, ZeroRedundancyOptimizer):
         load_optimizer_into(module, optimizer, index, path)
         return
@@ -177,11 +154,8 @@ def load_optimizer_into_replicated(module: nn.Module, optimizer: torch.optim.Opt
     optimizer.load_state_dict(whole.state_dict())
 
 
-def full_optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optimizer,
-                                 state: dict[str, Any]) -> dict[str, Any]:
-    """A whole optimizer state dict of torch's own format (parameters numbered in ``optimizer``'s group order, as
-    Lightning's single-file checkpoints store it) keyed by parameter name instead, the form DCP's
-    ``set_optimizer_state_dict(..., full_state_dict=True)`` shards onto any layout."""
+def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Shard a single-file checkpoint's optimizer state onto ``optimizer``, keyed by name as DCP shards it."""
     names = {id(p): name for name, p in module.named_parameters()}
     ordered = [names.get(id(p)) for group in optimizer.param_groups for p in group["params"]]
     saved_groups = state["param_groups"]
@@ -191,15 +165,10 @@ def full_optimizer_state_by_name(module: nn.Module, optimizer: torch.optim.Optim
                          "optimizer configuration?)")
     name_of_index = {index: ordered[position] for position, index in
                      enumerate(i for group in saved_groups for i in group["params"])}
-    return {"state": {name_of_index[index]: value for index, value in state["state"].items()},
-            "param_groups": [group | {"params": [name_of_index[i] for i in group["params"]]}
-                             for group in saved_groups]}
-
-
-def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Shard a single-file checkpoint's whole optimizer state onto ``optimizer`` (over FSDP2 shards)."""
-    set_optimizer_state_dict(module, optimizer, full_optimizer_state_by_name(module, optimizer, state),
-                             options=StateDictOptions(full_state_dict=True))
+    by_name = {"state": {name_of_index[index]: value for index, value in state["state"].items()},
+               "param_groups": [group | {"params": [name_of_index[i] for i in group["params"]]}
+                                for group in saved_groups]}
+    set_optimizer_state_dict(module, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def remove(path: str | Path) -> None:
@@ -215,10 +184,7 @@ def remove(path: str | Path) -> None:
 
 
 def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
-    """The model state of the sharded checkpoint ``path`` as a plain state dict of whole CPU tensors, read in one
-    process without a process group and without writing a file (what :func:`to_single_file` stores as its
-    ``state_dict``). Works for any layout that wrote it: DCP's metadata gives each tensor's whole shape, and the load
-    gathers its shards (data-parallel, tensor- or expert-parallel pieces, pipeline stages) into it."""
+    """The model state of the sharded checkpoint ``path`` (any layout) as whole CPU tensors, with no process group."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -237,13 +203,8 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any]:
-    """Write the sharded checkpoint ``source`` as one Lightning checkpoint file, loadable by any strategy.
-
-    DCP's ``dcp_to_torch_save`` gathers the shards (one process, no process group); the optimizer states, keyed by
-    parameter name in the sharded form, are numbered in their groups' order, torch's own format. The file is
-    written under a temporary name and renamed, so an interrupted conversion leaves no partial checkpoint.
-    Returns the checkpoint written.
-    """
+    """Write the sharded checkpoint ``source`` as one Lightning checkpoint file (any strategy loads it), renamed into
+    place once written, and return it; the optimizer states are numbered as torch numbers them."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     source, destination = Path(source), Path(destination)
@@ -263,8 +224,7 @@ def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any
 
 
 def optimizer_state_by_number(state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state dict keyed by parameter name (DCP's form) in torch's numbered form: parameters numbered
-    0, 1, ... in their groups' order."""
+    """An optimizer state dict keyed by parameter name (DCP's form) numbered as torch numbers it (groups' order)."""
     number = {name: i for i, name in enumerate(name for group in state["param_groups"] for name in group["params"])}
     return {"state": {number[name]: value for name, value in state["state"].items()},
             "param_groups": [group | {"params": [number[name] for name in group["params"]]}
@@ -276,9 +236,8 @@ _SPECIAL_PATHS = ("last", "best", "hpc", "registry")
 
 
 def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
-    """Raise a ``ValueError`` that names the problem and the fix if ``path`` cannot be resumed from, before anything
-    else is built: missing, empty or corrupt files, directories that are not sharded checkpoints, and sharded
-    checkpoints given to a strategy that does not read them (``loads_sharded``: P2RStrategy reads both forms)."""
+    """Raise a ``ValueError`` naming the problem and the fix if ``path`` cannot be resumed from: missing, empty or
+    corrupt, a directory that is no sharded checkpoint, or a sharded one a strategy cannot read (``loads_sharded``)."""
     if not check_checkpoint_location(path, loads_sharded):
         return
     try:
@@ -290,8 +249,7 @@ def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
 
 
 def check_checkpoint_location(path: str | Path, loads_sharded: bool) -> bool:
-    """The checks that need no load (see :func:`check_checkpoint_path`); True when ``path`` is a file still to be
-    read, False when there is nothing more to check (a sharded checkpoint, or a name Lightning resolves)."""
+    """The checks that need no load: True for a file still to read, False for a sharded checkpoint or a ckpt name."""
     if str(path) in _SPECIAL_PATHS or str(path).startswith("registry:"):
         return False
     path = Path(path)

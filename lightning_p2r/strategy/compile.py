@@ -1,11 +1,7 @@
-"""Per-block ``torch.compile`` (``P2RStrategy(compile=...)``), step 5 of the placement order (``placement.py``):
-after the model's tensor / expert plan and recompute, before FSDP2 wraps the block, as torchtitan does.
-
-A block's class is switched to a subclass whose ``forward`` is compiled (as ``fully_shard`` switches classes), not
-its ``__call__`` as ``nn.Module.compile`` would: the layouts' hooks (FSDP2's gathers, the streaming engine's
-fetches) run eagerly around the compiled code instead of becoming guards that change every layer, a deep copy
-(delinking) stays compiled, and every block of a class shares one compiled function. Graph breaks are allowed: the
-MoE layer reads its segment sizes on the host and the all-to-all sends data-dependent splits (docs/offload.md).
+"""Per-block ``torch.compile`` (``P2RStrategy(compile=...)``), before FSDP2 wraps the block (``placement.py``).
+A block's class is switched to a subclass whose ``forward`` is compiled, not its ``__call__``: the layouts' hooks
+(FSDP2's gathers, the streaming engine's fetches) run eagerly around the compiled code instead of becoming guards,
+a deep copy (delinking) stays compiled, and every block of a class shares one compiled function (docs/offload.md).
 """
 
 from __future__ import annotations
@@ -17,9 +13,6 @@ import torch
 from torch import nn
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-DEFAULT_BACKEND = "inductor"
-"""What ``compile=True`` means: torch.compile's own default."""
-
 _compiled_classes: dict[tuple[type, str], type] = {}
 
 
@@ -30,17 +23,15 @@ class CompiledForward:
 
 
 def backend_of(option: bool | str) -> str | None:
-    """The torch.compile backend the ``compile`` option asks for: None (off), ``inductor`` for True, or the named
-    one."""
+    """The torch.compile backend the ``compile`` option asks for: None (off), "inductor" (True) or the named one."""
     if option is False:
         return None
-    return DEFAULT_BACKEND if option is True else option
+    return "inductor" if option is True else option
 
 
 def check_compile(option: bool | str, *, count_collectives: bool) -> None:
-    """Refuse, before any process group exists, what cannot compile (torch would fail, or silently run eagerly, at the
-    first forward): a backend torch.compile does not know, and ``count_collectives=True``, whose counter is a
-    ``TorchDispatchMode`` around the step, under which dynamo does not compile (nor later, in this process)."""
+    """Refuse, before any process group exists, what would fail or silently run eagerly at the first forward: an
+    unknown backend, and ``count_collectives=True`` (dynamo does not compile under its ``TorchDispatchMode``)."""
     backend = backend_of(option)
     if backend is None:
         return
@@ -49,10 +40,8 @@ def check_compile(option: bool | str, *, count_collectives: bool) -> None:
         raise ValueError(f"P2RStrategy(compile={option!r}): torch.compile knows no backend {backend!r}; use True "
                          f"(inductor) or one of {sorted(known)}")
     if count_collectives:
-        raise ValueError(
-            f"P2RStrategy(compile={option!r}, count_collectives=True): the collective counter records every "
-            "operator through a TorchDispatchMode, under which torch.compile does not compile (the blocks would "
-            "run eagerly); count collectives on an eager run (compile=False)")
+        raise ValueError(f"P2RStrategy(compile={option!r}, count_collectives=True): the counter is a dispatch mode, "
+                         "under which torch.compile does not compile; count collectives on an eager run")
 
 
 def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
@@ -65,24 +54,19 @@ def compiled_class(cls: type[nn.Module], backend: str) -> type[nn.Module]:
             return compiled(self, *(_settled(a) for a in args), **{k: _settled(v) for k, v in kwargs.items()})
 
         _compiled_classes[key] = type(f"Compiled{cls.__name__}", (CompiledForward, cls),
-                                      {"forward": forward, "compile_backend": backend,
-                                       "__module__": cls.__module__})
+                                      {"forward": forward, "compile_backend": backend, "__module__": cls.__module__})
     return _compiled_classes[key]
 
 
 def _settled(value: Any) -> Any:
-    """``value``, or a plain copy of it when it is the result of a collective still in flight: a tensor-parallel
-    layer hands its all-reduced output on as an ``AsyncCollectiveTensor`` (a subclass that waits when first used),
-    and a compiled block taking one as its input gives autograd a plain gradient where the DTensor backward before
-    it needs a DTensor (measured: wrong gradients, or an AttributeError in backward, with rotary positions, where
-    the first block reads the embedding's output directly). The copy waits and stays on the autograd graph."""
+    """``value``, or a plain copy of it (which waits, on the autograd graph) when it is an ``AsyncCollectiveTensor``,
+    a tensor-parallel layer's all-reduced output still in flight: a compiled block taking one gives autograd a plain
+    gradient where the DTensor backward before it needs a DTensor (measured: wrong gradients, with rotary positions)."""
     return value.clone() if isinstance(value, AsyncCollectiveTensor) else value
 
 
 def apply_compile(option: bool | str, blocks: nn.ModuleList, indices: Iterable[int] | None = None) -> None:
-    """Compile the forward of ``blocks[i]`` for each i of ``indices`` (all blocks by default) as the ``compile``
-    option says (nothing when it is False). A block compiled already (placed again after delinking) is left as it
-    is."""
+    """Compile the forward of ``blocks[i]`` for each i of ``indices`` (default all), unless compiled already."""
     backend = backend_of(option)
     if backend is None:
         return

@@ -1,18 +1,8 @@
-"""Starting and ending a job's processes: refusals before any rank exists, and one failure ending every rank.
-
-Lightning's script launcher starts ranks 1..N-1 by running the command again, then runs rank 0 in the launching
-process. Two things it leaves to the strategy:
-
-- **Refuse before launching.** Everything the options, the model config and the number of processes decide is
-  checked by ``P2RStrategy.check_before_launch`` in the launching process, before a child exists: a refused layout
-  is one message, not a traceback from every rank.
-- **One failure ends the job, with one message.** A rank that fails writes its error into a folder the launching
-  process chose (``P2R_RANK_ERRORS``) and exits without a traceback. If rank 0 fails, it stops and waits for the
-  other ranks before its error (with the other ranks' different errors as notes) ends the command; if another rank
-  fails while rank 0 waits in a collective, the observer prints that rank's error, stops every rank and ends the
-  command. Either way, no rank outlives the command.
-
-Under torchrun or SLURM (processes created outside Lightning) each rank behaves as Lightning's own launcher does.
+"""Starting and ending a job's processes. The job's checks (``P2RStrategy.check_before_launch``) run before
+Lightning's script launcher starts any other rank, so a refused layout is one message. A rank that fails writes its
+error into a folder the launching process chose (``P2R_RANK_ERRORS``): rank 0 reports it once, or, if rank 0 is
+blocked in a collective, an observer thread prints it and stops every rank. No rank outlives the command. Under
+torchrun or SLURM each rank behaves as Lightning's own launcher does.
 """
 
 from __future__ import annotations
@@ -36,8 +26,7 @@ ERRORS_ENV = "P2R_RANK_ERRORS"
 
 
 class RankFailed(RuntimeError):
-    """Another rank failed first; the launching rank's own error (usually a collective whose peer went away) is the
-    consequence. The message is the failing ranks' errors."""
+    """Another rank failed first (the launching rank's own error is the consequence); the message is their errors."""
 
 
 def describe(error: BaseException) -> str:
@@ -48,10 +37,8 @@ def describe(error: BaseException) -> str:
 
 def read_rank_errors(folder: Path) -> dict[int, str]:
     """The errors the ranks wrote, by rank."""
-    errors = {}
-    for path in sorted(folder.glob("rank-*.txt")):
-        errors[int(path.stem.split("-", 1)[1])] = path.read_text(encoding="utf-8")
-    return errors
+    return {int(path.stem.split("-", 1)[1]): path.read_text(encoding="utf-8")
+            for path in sorted(folder.glob("rank-*.txt"))}
 
 
 def summarize(errors: dict[int, str], *, skip: str | None = None) -> list[str]:
@@ -64,8 +51,7 @@ def summarize(errors: dict[int, str], *, skip: str | None = None) -> list[str]:
 
 
 def stop_processes(processes: list[subprocess.Popen], grace: float = 5.0) -> None:
-    """Terminate the processes still running, kill those that ignore it within ``grace`` seconds (a rank blocked in
-    a collective may), and wait for every one."""
+    """Terminate the processes still running, kill those that ignore it for ``grace`` seconds, and wait for each."""
     for process in processes:
         if process.poll() is None:
             process.terminate()
@@ -82,32 +68,24 @@ def _quiet_excepthook(kind: type[BaseException], error: BaseException, traceback
     """A launched rank's uncaught error was written for the launching process, which reports it once."""
 
 
-class RankObserver(threading.Thread):
-    """Watches the ranks the launcher started: when one fails, prints its error, stops every rank (the launching
-    one included: it may be blocked in a collective) and ends the command with status 1."""
-
-    def __init__(self, processes: list[subprocess.Popen], errors: Path, period: float = 1.0) -> None:
-        super().__init__(daemon=True, name="p2r-rank-observer")
-        self.processes, self.errors, self.period = processes, errors, period
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.period):
-            failed = [i + 1 for i, p in enumerate(self.processes) if p.poll() not in (None, 0)]
-            if failed and not self.stopped.is_set():
-                stop_processes(self.processes)
-                lines = summarize(read_rank_errors(self.errors)) or [
-                    f"rank {rank}: exited with status {self.processes[rank - 1].returncode}" for rank in failed]
-                sys.stderr.write("error: a rank failed, every rank was stopped:\n  " + "\n  ".join(lines) + "\n")
-                sys.stderr.flush()
-                shutil.rmtree(self.errors, ignore_errors=True)
-                os._exit(1)  # the launching rank may be inside a collective that never returns
+def observe_ranks(processes: list[subprocess.Popen], errors: Path, stopped: threading.Event,
+                  period: float = 1.0) -> None:
+    """Until ``stopped``: when a started rank fails, print its error, stop every rank and end the command (status 1)."""
+    while not stopped.wait(period):
+        failed = [i + 1 for i, p in enumerate(processes) if p.poll() not in (None, 0)]
+        if failed and not stopped.is_set():
+            stop_processes(processes)
+            lines = summarize(read_rank_errors(errors)) or [
+                f"rank {rank}: exited with status {processes[rank - 1].returncode}" for rank in failed]
+            sys.stderr.write("error: a rank failed, every rank was stopped:\n  " + "\n  ".join(lines) + "\n")
+            sys.stderr.flush()
+            shutil.rmtree(errors, ignore_errors=True)
+            os._exit(1)  # the launching rank may be inside a collective that never returns
 
 
 class CheckingLauncher(_SubprocessScriptLauncher):
-    """Lightning's script launcher with the job's checks before any child exists and one failure ending all ranks
-    (see the module docstring). ``check`` runs in every process before the job starts; it gets the Trainer and
-    the launched function's arguments."""
+    """Lightning's script launcher with the job's checks before any child exists and one failure ending all ranks.
+    ``check`` runs in every process before the job starts, given the Trainer and the launched function's arguments."""
 
     def __init__(self, check: Callable[..., None], *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -124,13 +102,14 @@ class CheckingLauncher(_SubprocessScriptLauncher):
             self._call_children_scripts()
         finally:
             del os.environ[ERRORS_ENV]
-        observer = RankObserver(self.procs, errors)
-        observer.start()
+        stopped = threading.Event()
+        threading.Thread(target=observe_ranks, args=(self.procs, errors, stopped), daemon=True,
+                         name="p2r-rank-observer").start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
         except BaseException as error:
-            observer.stopped.set()
+            stopped.set()
             failed_first = any(process.poll() not in (None, 0) for process in self.procs)
             stop_processes(self.procs)
             others = summarize(read_rank_errors(errors), skip=describe(error))
@@ -140,7 +119,7 @@ class CheckingLauncher(_SubprocessScriptLauncher):
                 error.add_note(line)
             raise
         finally:
-            observer.stopped.set()
+            stopped.set()
             shutil.rmtree(errors, ignore_errors=True)
 
     def _run_as_launched_rank(self, function: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -1,10 +1,6 @@
-"""``P2RStrategy``'s options as four typed, frozen sections, each validated once, when it is built.
-
-Users keep writing the flat keywords they know from Lightning's strategies (``P2RStrategy(sharding="zero3",
-offload_fraction=0.25, accumulation="layered", micro_batches=4)``); the strategy sorts them into these sections
-and reads them back as ``strategy.sharding``, ``strategy.offload_fraction`` and so on. The field docstrings are the
-one source of the options' documentation: ``docs/configuration.md`` and the strategy's ``--help`` text are made from
-them. Errors name the keyword and the fix.
+"""``P2RStrategy``'s flat keywords as four typed, frozen sections, each validated once, when it is built, and read
+back as ``strategy.sharding`` and so on. The field docstrings are the options' reference: ``docs/configuration.md``
+and the strategy's ``--help`` text are made from them (the docs/*.md pages explain each option at length).
 """
 
 from __future__ import annotations
@@ -35,14 +31,10 @@ class ShardingConfig:
     """How model states are split across the data-parallel ranks (ZeRO)."""
 
     sharding: Sharding = "none"
-    """"none" (replicated, DDP), "zero1" (optimizer states sharded: DDP + ZeroRedundancyOptimizer), "zero2" (+
-    gradients: FSDP2 without resharding after forward) or "zero3" (+ parameters: FSDP2). On one process "none" and
-    "zero1" are the same thing; "zero2"/"zero3" then still run FSDP2 (on a group of one), so their checkpoints and
-    layouts match a multi-process run."""
+    """"none" (replicated, DDP), "zero1" (optimizer states sharded), "zero2" (+ gradients) or "zero3" (+ parameters)."""
 
     count_collectives: bool = False
-    """Record the collectives (calls and bytes, per kind) of every optimizer step in ``strategy.collectives``; costs a
-    Python call per operator, so it is for measurements."""
+    """Record each optimizer step's collectives (calls and bytes per kind) in ``strategy.collectives``, to measure."""
 
     def __post_init__(self) -> None:
         if self.sharding not in SHARDINGS:
@@ -52,40 +44,30 @@ class ShardingConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How the model itself is split across ranks (Megatron-LM tensor parallel, expert parallel); the remaining ranks
-    are data parallel, with ``sharding`` applying to them."""
+    """How the model itself is split across ranks; the remaining ranks are data parallel, with ``sharding``."""
 
     tensor_parallel: int = 1
     """Ranks that split each layer: attention by heads, FFNs and experts by hidden units, embedding and output by
     vocabulary (Megatron-LM). Must divide the number of processes, ``num_heads`` and ``vocab_size``."""
 
     expert_parallel: int = 1
-    """Ranks that split the experts of each MoE layer (each holds ``num_experts / expert_parallel`` of them; tokens
-    reach their experts by all-to-all). Borrowed from the data-parallel ranks: must divide processes /
-    tensor_parallel, and ``num_experts``."""
+    """Ranks that split the experts of each MoE layer (tokens reach them by all-to-all), borrowed from the data
+    ranks: must divide processes / tensor_parallel, and ``num_experts``."""
 
     sequence_parallel: bool = False
-    """With tensor_parallel > 1: keep the activations between layers split by sequence position over the
-    tensor-parallel ranks (Megatron-LM's sequence parallelism), so norms and dropout run on a rank's positions and
-    the activations' memory divides by tensor_parallel; the all-reduces become all-gathers and reduce-scatters of the
-    same bytes. Needs rotary positions and sequence lengths divisible by tensor_parallel."""
+    """With tensor_parallel > 1: keep the activations between layers split by sequence position (Megatron-LM). Needs
+    rotary positions and sequence lengths divisible by tensor_parallel."""
 
     pipeline_parallel: int = 1
-    """Ranks that split the model by depth into stages of whole layers (modular pipeline parallelism, Lamy-Poirier
-    2021), run by ``torch.distributed.pipelining``; the embedding is in the first stage, the head in the last. Must
-    divide the number of processes; each stage's ranks are split by tensor_parallel and expert_parallel as without
-    it, the rest being data parallel."""
+    """Ranks that split the model by depth into stages of whole layers; must divide the number of processes."""
 
     pipeline_schedule: PipelineSchedule = "1f1b"
-    """With pipeline_parallel > 1: "gpipe" (all forwards, then all backwards) or "1f1b" (depth-first) with one stage
-    per rank, "interleaved_1f1b" (depth-first) with several, or "looped_bfs" (breadth-first, any number: each stage
-    runs every micro-batch before the next stage, so a sharded or offloaded stage is fetched once per direction per
-    step; Lamy-Poirier's modular pipeline)."""
+    """With pipeline_parallel > 1: "gpipe" or "1f1b" with one stage per rank, "interleaved_1f1b" with several, or
+    "looped_bfs" (breadth-first, any number: a stage is fetched once per direction per step)."""
 
     stages_per_rank: int = 1
-    """Stages each pipeline rank holds, looped: rank r holds stages r, r + p, r + 2p, ... (p = pipeline_parallel),
-    which shrinks the bubble to (p - 1) / (stages_per_rank * micro_batches + p - 1) of the step. ``num_layers`` must
-    divide into pipeline_parallel * stages_per_rank stages."""
+    """Stages each pipeline rank holds, looped (rank r holds stages r, r + p, ...); ``num_layers`` must divide into
+    pipeline_parallel * stages_per_rank stages."""
 
     def __post_init__(self) -> None:
         check_parallel_options(Layout(**{f.name: getattr(self, f.name) for f in fields(self)}))
@@ -96,32 +78,23 @@ class AccumulationConfig:
     """How the micro-batches of one optimizer step are scheduled."""
 
     accumulation: Accumulation = "standard"
-    """"standard" (depth-first: each micro-batch runs forward and backward through the whole model) or "layered"
-    (breadth-first: every micro-batch passes block i before block i+1, so each offloaded or sharded block is fetched
+    """"standard" (depth-first, Lightning's) or "layered" (breadth-first: each offloaded or sharded block is fetched
     and its gradient reduced once per optimizer step)."""
 
     micro_batches: int = 1
-    """Layered accumulation, or pipeline_parallel > 1 (the pipeline's micro-batches): the micro-batches each
-    training batch is split into (the batch size must divide), all accumulated into one optimizer step; Lightning's
-    ``accumulate_grad_batches`` must then be 1. Standard accumulation is Lightning's own
-    ``accumulate_grad_batches``."""
+    """Layered accumulation, or pipeline_parallel > 1: the micro-batches each training batch is split into (the batch
+    size must divide; Lightning's ``accumulate_grad_batches`` must then be 1)."""
 
     recompute: bool = False
-    """Layered accumulation, or pipeline_parallel > 1: keep just each layer's input per micro-batch and recompute
-    the layer's interior in backward (activation checkpointing at block granularity)."""
+    """Layered accumulation, or pipeline_parallel > 1: keep each layer's input, recompute its interior in backward."""
 
     compile: bool | str = False
-    """torch.compile each block's forward (after tensor/expert parallelism and recompute, before FSDP2 shards it):
-    True uses torch.compile's default backend ("inductor"), a string names another backend ("aot_eager" traces and
-    runs the same graphs without generating code). Losses equal eager within fp32 tolerance; a layout that cannot
-    compile is refused with the reason."""
+    """torch.compile each block's forward: True uses the default backend ("inductor"), a string names another
+    ("aot_eager"); a layout that cannot compile is refused with the reason."""
 
     reduce_every_micro_batch: bool = False
-    """Standard accumulation on FSDP2 (zero2/zero3, or offload/layered across ranks): reduce(-scatter) the gradients
-    after every micro-batch, which keeps only gradient shards between micro-batches (ZeRO-2's memory) at the cost of
-    one reduction per unit per micro-batch. False reduces once, after the last micro-batch, as DDP's ``no_sync``
-    does: each unit then holds its whole unsharded gradient between micro-batches. Offloaded units always reduce
-    every micro-batch (their gradients must not stay on the device)."""
+    """Standard accumulation on FSDP2: reduce(-scatter) the gradients after every micro-batch (ZeRO-2's memory, more
+    reductions) rather than once after the last, as DDP's ``no_sync`` does (offloaded units always do)."""
 
     pipelined: InitVar[bool] = False
     """Whether pipeline_parallel > 1 (set by the strategy): micro_batches is then the pipeline's."""
@@ -144,8 +117,7 @@ class OffloadConfig:
     """Explicit block indices to keep in host memory."""
 
     device_memory_budget: int | str | None = None
-    """Bytes (or "12GB", "512MiB", "80%" of the device) for model states on the device; the planner keeps as many
-    blocks resident as fit."""
+    """Device bytes for model states ("12GB", "512MiB", "80%" of the device); as many blocks as fit stay resident."""
 
     activation_allowance: int | str = 0
     """Bytes (or a size string) the budget reserves for activations."""
@@ -158,15 +130,11 @@ class OffloadConfig:
     """Offloaded blocks copied in ahead of use (in forward and in backward order)."""
 
     pin_memory: bool | Literal["auto"] = "auto"
-    """Page-locked host buffers for asynchronous copies; "auto" pins only when an accelerator exists (CPU-only torch
-    cannot pin memory)."""
+    """Page-locked host buffers for asynchronous copies; "auto" pins only when an accelerator exists."""
 
     overlap_host_step: bool | Literal["auto"] = "auto"
-    """Run an offloaded block's host optimizer step as soon as its gradients reach the host, while the device
-    computes the backward of earlier blocks. Used only where it cannot change the result: no gradient clipping, no
-    gradient scaler, no gradient accumulation. "auto" turns it on only with an accelerator: on a CPU-only machine
-    the host step would compete with the backward for the same cores (measured: 476 ms instead of 345 ms per step
-    on 2 cores)."""
+    """Run an offloaded block's host optimizer step while the device computes earlier blocks' backward, only where it
+    cannot change the result; "auto": only with an accelerator (on a CPU the two compete for the cores)."""
 
     log_telemetry: bool = True
     """Log the offload statistics (``offload/*``) through the Trainer's loggers."""

@@ -1,16 +1,13 @@
 """The one placement path of every FSDP2 layout (ZeRO-2/3, the replicated layouts across processes, tensor / expert
 parallelism, pipeline stages), in torchtitan's order:
 
-1. **stage parts**: under pipeline parallelism, cut the model into this rank's stages and replace what other ranks
-   hold by parameterless stand-ins (still on the meta device, so nothing is ever allocated for them);
+1. **stage parts**: under pipeline parallelism, replace what other ranks hold by meta-device stand-ins;
 2. **offload plan** of this rank's blocks (which keep their FSDP2 shards in host memory);
 3. **the model's tensor / expert plan** (``parallel.parallelize_model`` reads the model's own declaration);
 4. **recompute**: pipeline stage modules checkpoint each layer (layered accumulation recomputes in its executor);
 5. **compile** each block (``compile.py``), after the plan and recompute, before FSDP2 wraps it;
-6. **FSDP2**: ``fully_shard`` every unit (a block, and under model parallelism its experts first, over the ranks
-   holding the same experts), then the part's root, with the rulebook's one reshard rule (``Layout.resharding``);
-7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them with
-   initial values or the checkpoint's weights.
+6. **FSDP2**: ``fully_shard`` every unit (a block; its experts first), then the roots (``Layout.resharding``);
+7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them.
 
 The strategy's only ``fully_shard`` calls are here: one for units, one for roots.
 """
@@ -49,21 +46,18 @@ class Placement:
 
 
 def shard_unit(unit: nn.Module, mesh: object, *, reshard: bool, offloaded: bool, pin_memory: bool) -> None:
-    """``fully_shard`` one unit; an offloaded one keeps its shards (parameters, gradients, optimizer states) in host
-    memory through FSDP2's CPU offload."""
+    """``fully_shard`` one unit; an offloaded one keeps its shards in host memory (FSDP2's CPU offload)."""
     policy = CPUOffloadPolicy(pin_memory=pin_memory) if offloaded else OffloadPolicy()
     fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
 
 
 def shard_root(root: nn.Module, mesh: object) -> None:
-    """``fully_shard`` a part's root (the parameters outside its units); roots never reshard after forward, since
-    the backward starts with them."""
+    """``fully_shard`` a part's root; roots never reshard after forward, since the backward starts with them."""
     fully_shard(root, mesh=mesh, reshard_after_forward=False)
 
 
 def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshes, ctx: EngineContext) -> ParallelPlan:
-    """Split the model over the tensor and expert dimensions as it declares (works on the meta device). A module
-    that takes its training loss from ``token_loss`` gets the vocabulary-parallel one (the logits stay split)."""
+    """Split the model as it declares; a ``token_loss`` module gets the vocabulary-parallel loss (logits stay split)."""
     plan = model_plan(holder)
     output = [holder.get_submodule(name) for name, kind in plan.outside.items() if kind == "output"]
     # A pipeline rank without the output layer (a stand-in) never computes the loss.
@@ -102,8 +96,8 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
         offloaded = index in plan.offloaded
         if split is not None:  # the expert weights first: their own unit, over the ranks holding them
             for layer in split.expert_layers(holder, [index]):
-                shard_unit(layer.experts, meshes.expert_data, reshard=reshard.after_each_forward, offloaded=offloaded,
-                           pin_memory=ctx.pin_memory)
+                shard_unit(layer.experts, meshes.experts[meshes.expert_data_dims], reshard=reshard.after_each_forward,
+                           offloaded=offloaded, pin_memory=ctx.pin_memory)
         shard_unit(holder.blocks[index], meshes.data, reshard=reshard.after_each_forward, offloaded=offloaded,
                    pin_memory=ctx.pin_memory)
     if stages is not None:
@@ -131,9 +125,8 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
 
 
 def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan, ctx: EngineContext) -> None:
-    """Each unit in turn gets storage for this rank's shards only (an offloaded block's in host memory, as FSDP2's
-    CPU offload keeps them; another pipeline rank's block is a stand-in with nothing to allocate) and its values:
-    the peak is the shards plus one whole tensor being cut."""
+    """Each unit in turn gets storage for this rank's shards only (an offloaded block's in host memory) and its
+    values: the peak is the shards plus one whole tensor being cut."""
     initializer = Initializer(module, holder)  # after fully_shard: the parameters are DTensors now
     fill = ctx.weights is None
     for index, block in enumerate(holder.blocks):

@@ -1,7 +1,5 @@
 """Which blocks live on the device and which in host memory, for a model in hand: its blocks' footprints and the
-device's memory, handed to the rulebook's pure plan (``lightning_p2r.layout.plan_offload``: a fraction of the
-blocks spread through the depth, an explicit list, or as many resident blocks as a device memory budget holds
-beside everything else the device must keep).
+device's memory, handed to the rulebook's pure plan (``lightning_p2r.layout.plan_offload``).
 """
 
 from __future__ import annotations
@@ -43,9 +41,8 @@ def device_total_memory(device: torch.device) -> int:
 def plan_for_model(model: nn.Module, blocks: nn.ModuleList, device: torch.device, offload: OffloadConfig,
                    mine: Collection[int] | None = None) -> OffloadPlan:
     """The offload options applied to ``model`` (whose block sequence is ``blocks``) as it is now, also after
-    delinking changed its blocks. ``mine``: this pipeline rank's blocks (all by default), of which a fraction or a
-    budget is a share; ``offload_blocks`` names blocks by their index in the model. A budget may be a share of
-    ``device``'s memory."""
+    delinking. ``mine``: this pipeline rank's blocks (all by default), of which a fraction or a budget is a share;
+    ``offload_blocks`` names blocks by their index in the model."""
     own = sorted(range(len(blocks)) if mine is None else mine)
     chosen = offload.offload_blocks
     if chosen is not None and len(own) < len(blocks):

@@ -1,10 +1,5 @@
-"""``P2RStrategy``: Lightning's hooks over one engine and one step runner.
-
-The hooks only decide *when*; what happens lives elsewhere: the engines (``engines/``: ``local`` streams offloaded
-blocks on one process, ``ddp`` runs DDP and ZeRO-1, ``fsdp2`` every FSDP2 layout through the one placement path of
-``placement.py``), the step runners (``steps.py``: standard, layered, pipelined), ``plan.py`` (which blocks),
-``materialize.py`` and ``accounting.py``. An engine is given an :class:`~.engines.EngineContext` and returns what it
-placed; every Lightning call is made here. See docs/architecture.md.
+"""``P2RStrategy``: Lightning's hooks over one engine (``engines/``) and one step runner (``steps.py``). The hooks
+decide *when*; the engines, given an :class:`~.engines.EngineContext`, decide what (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -70,12 +65,11 @@ class P2RStrategy(DDPStrategy):
     """Granular CPU offloading (M6-10T), ZeRO sharding and layered gradient accumulation (Lamy-Poirier 2021) for
     any LightningModule whose model declares a block sequence.
 
-    The keywords are sorted into four typed, frozen sections (``strategy.sharding_config``,
-    ``strategy.parallel_config``, ``strategy.accumulation_config``, ``strategy.offload_config``; see
-    ``options.py``), validated when the strategy is built, and readable back under their own names
-    (``strategy.sharding``). Lightning's own DDP arguments
-    (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
-    timeout) are accepted too and set by the Trainer.
+    The keywords are sorted into four typed, frozen sections (``strategy.sharding_config``, ``parallel_config``,
+    ``accumulation_config``, ``offload_config``; see ``options.py``), validated when the strategy is built, and
+    readable back under their own names (``strategy.sharding``). Lightning's own DDP arguments (accelerator,
+    parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout) are
+    accepted too and set by the Trainer.
     """
 
     strategy_name = "p2r"
@@ -114,14 +108,12 @@ class P2RStrategy(DDPStrategy):
     ) -> None:
         # Validated first, so a bad option fails before Lightning sets anything up.
         self.sharding_config = ShardingConfig(sharding=sharding, count_collectives=count_collectives)
-        self.parallel_config = ParallelConfig(tensor_parallel=tensor_parallel, expert_parallel=expert_parallel,
-                                              sequence_parallel=sequence_parallel,
-                                              pipeline_parallel=pipeline_parallel,
-                                              pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
-        self.accumulation_config = AccumulationConfig(accumulation=accumulation, micro_batches=micro_batches,
-                                                      recompute=recompute, compile=compile,
-                                                      reduce_every_micro_batch=reduce_every_micro_batch,
-                                                      pipelined=pipeline_parallel > 1)
+        self.parallel_config = ParallelConfig(
+            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, sequence_parallel=sequence_parallel,
+            pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
+        self.accumulation_config = AccumulationConfig(
+            accumulation=accumulation, micro_batches=micro_batches, recompute=recompute, compile=compile,
+            reduce_every_micro_batch=reduce_every_micro_batch, pipelined=pipeline_parallel > 1)
         self.offload_config = OffloadConfig(
             offload_fraction=offload_fraction, offload_blocks=offload_blocks,
             device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
@@ -130,16 +122,14 @@ class P2RStrategy(DDPStrategy):
         if pipeline_parallel > 1:  # the one option rule across sections (each section checked itself)
             check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
-                         cluster_environment=cluster_environment,
+                         cluster_environment=cluster_environment, precision_plugin=precision_plugin,
                          checkpoint_io=checkpoint_io or sharded_checkpoint.AtomicCheckpointIO(),
-                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                         timeout=timeout)
+                         process_group_backend=process_group_backend, timeout=timeout)
         self.collectives: CollectiveStats | None = None
         self.collectives_history: list[CollectiveStats] = []
         self._counter = CollectiveCounter() if count_collectives else None
         self._pending_sharded_checkpoint: str | None = None
-        # Weights of a checkpoint restored before setup: setup writes them into the tensors where they will live
-        # (a state dict, or the sharded checkpoint's path), then drops them.
+        # Weights of a checkpoint restored before setup: setup writes them where they will live, then drops them.
         self._deferred_weights: Weights | None = None
         self.plan: OffloadPlan | None = None
         self.engine: Engine | None = None
@@ -149,7 +139,6 @@ class P2RStrategy(DDPStrategy):
         self.telemetry: OffloadStats | None = None
         self.telemetry_history: list[OffloadStats] = []
 
-    # ------------------------------------------------------------------------------------------ environment
     @property
     def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
         """Which placement path runs this job: "local" (one process, the streaming engine), "ddp", or one of the FSDP2
@@ -203,9 +192,8 @@ class P2RStrategy(DDPStrategy):
                                           self.num_nodes)
 
     def check_before_launch(self, trainer: L.Trainer | None, *launch_args: Any) -> None:
-        """Everything the options, the model's config, the data's batch size and the number of processes decide,
-        checked in the launching process before any other rank exists (each launched rank checks again, cheaply).
-        ``launch_args``: the arguments of the Trainer's entry point (the module, the data module)."""
+        """What the options, the model, the data's batch size and the number of processes decide, checked before any
+        other rank exists (each rank checks again). ``launch_args``: the Trainer entry point's (module, data module)."""
         self.set_world_ranks()  # the number of processes, known from the Trainer's devices and nodes
         self._check_path_options()
         module = next((a for a in launch_args if isinstance(a, L.LightningModule)), None)
@@ -225,8 +213,7 @@ class P2RStrategy(DDPStrategy):
         self.engine.setup_environment(self.context())
 
     def _check_path_options(self) -> None:
-        """The layout's rules against the number of processes, then those of the engine chosen for them, before any
-        process group exists."""
+        """The layout's rules, then the chosen engine's, against the number of processes (before any process group)."""
         ctx = self.context()
         check_layout(self.layout, self.world_size, accelerator=ctx.device.type != "cpu")
         self.engine = engine_for(self.path)
@@ -235,9 +222,8 @@ class P2RStrategy(DDPStrategy):
     @contextlib.contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Any:
-        """The model is built on the meta device (no memory anywhere): ``setup`` plans the placement from its shapes,
-        then allocates each tensor once, where it will live (see ``materialize.py``). ``empty_init=False`` (a
-        user who needs real values while building) keeps Lightning's behaviour: built whole on the root device."""
+        """The model is built on the meta device: ``setup`` allocates each tensor once, where it will live
+        (``materialize.py``). ``empty_init=False`` keeps Lightning's behaviour: built whole on the root device."""
         if empty_init is False:
             with super().tensor_init_context(empty_init):
                 yield
@@ -245,7 +231,6 @@ class P2RStrategy(DDPStrategy):
         with torch.device("meta"):
             yield
 
-    # ------------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: L.Trainer) -> None:
         warning = oversubscription_warning(self.root_device.type, self.num_processes, os.cpu_count() or 1)
@@ -254,7 +239,11 @@ class P2RStrategy(DDPStrategy):
         # A data module that declares its batch size is checked now, before any work; other data at its first batch.
         check_trainer(self.layout, trainer.accumulate_grad_batches, getattr(trainer.datamodule, "batch_size", None))
         module = self.lightning_module
-        self.check_model_sizes(self.holder_or_none())
+        try:
+            holder = find_block_sequence(module)
+        except ValueError:  # refused, by name, when the engine places the model
+            holder = None
+        self.check_model_sizes(holder)
         check_no_meta_buffers(module)
         self._share_init_seed()
         weights, self._deferred_weights = self._deferred_weights, None
@@ -274,16 +263,14 @@ class P2RStrategy(DDPStrategy):
         self._log_setup(placed)
 
     def check_model_sizes(self, holder: nn.Module | None) -> None:
-        """The layout's rules against the model's sizes, before anything is placed: a model that states them
-        (``StatesSizes``, an M6 model) is checked whole here; another model by what the placement reads from it."""
+        """The layout's rules against the sizes a model states (``StatesSizes``, an M6 model), before it is placed."""
         if isinstance(holder, StatesSizes) and isinstance(holder.config, ModelSizes):
             check_layout(self.layout, self.world_size, ModelShape.of(holder.config),
                          accelerator=self.context().device.type != "cpu")
 
     def _use_layout_clipping(self) -> None:
-        """Lightning clips through the precision plugin, which calls torch's clip_grad_norm_; that cannot combine
-        norms of tensors on different meshes (see parallel/clipping.py). The plugin offers no strategy hook, so this
-        job's plugin instance gets the mesh-aware norm (its class and every other method are unchanged)."""
+        """Lightning clips through the precision plugin with torch's clip_grad_norm_, which cannot combine norms on
+        different meshes: this job's plugin instance gets the mesh-aware norm (the plugin offers no strategy hook)."""
         copies = self.engine.grad_copies()
         if copies is None:
             return
@@ -303,7 +290,7 @@ class P2RStrategy(DDPStrategy):
     def _log_setup(self, placed: Placed) -> None:
         for line in placed.log:
             rank_zero_info(line)
-        holder = self.holder()  # placement found it
+        holder = holder_of(self.lightning_module)
         budget = None
         if self.device_memory_budget is not None:
             budget = parse_bytes(self.device_memory_budget, total=device_total_memory(self.root_device))
@@ -314,34 +301,17 @@ class P2RStrategy(DDPStrategy):
                                     prefetch=self.prefetch, budget=budget))
 
     def _share_init_seed(self) -> None:
-        """Every rank materializes its part of the same model: hand rank 0's init seed (maybe drawn from an
-        unseeded generator) to the others."""
+        """Hand rank 0's init seed (maybe unseeded) to the others: every rank materializes its part of one model."""
         if self.world_size > 1 and has_meta_tensors(self.lightning_module):
-            holder = self.holder()
+            holder = holder_of(self.lightning_module)
             if isinstance(holder, InitializesByName):
                 holder.init_seed = self.broadcast(holder.init_seed, src=0)
-
-    def holder_or_none(self) -> nn.Module | None:
-        try:
-            return find_block_sequence(self.lightning_module)
-        except ValueError:
-            return None
-
-    def holder(self) -> nn.Module:
-        """The module that holds the block sequence (``blocks`` and ``layer_to_block``)."""
-        return holder_of(self.lightning_module)
-
-    @override
-    def model_to_device(self) -> None:
-        self.model.to(self.root_device)
 
     @override
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         super().setup_optimizers(trainer)
-        self._adopt_optimizers(self.engine.adapt_optimizers(list(self.optimizers), self.lightning_module))
-
-    def _adopt_optimizers(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """Step ``optimizers`` from now on; a replaced optimizer takes over its LR schedulers (their one owner)."""
+        optimizers = self.engine.adapt_optimizers(list(self.optimizers), self.lightning_module)
+        # A replaced optimizer takes over its LR schedulers (their one owner).
         for old, new in zip(self.optimizers, optimizers):
             if unwrapped(old) is not new:
                 for config in self.lr_scheduler_configs:
@@ -349,19 +319,17 @@ class P2RStrategy(DDPStrategy):
                         config.scheduler = rebind_scheduler(config.scheduler, new)
         self.optimizers = optimizers
 
-    # ---------------------------------------------------------------------------------------------- steps
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Any:
         """Lightning enters this around the backward of every micro-batch but the last (standard accumulation)."""
-        sync = super().block_backward_sync() if self.engine.wraps_ddp else self.engine.no_sync(self.lightning_module)
-        with sync:
+        with super().block_backward_sync() if self.engine.wraps_ddp else self.engine.no_sync(self.lightning_module):
             yield
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self.engine.reshard(self.lightning_module)  # a forward outside training (a callback's loss) may have left
-        # units gathered
+        # A forward outside training (a callback's loss) may have left units gathered.
+        self.engine.reshard(self.lightning_module)
         return self.steps.training_step(args[0], lambda: super(P2RStrategy, self).training_step(*args, **kwargs))
 
     @override
@@ -378,8 +346,7 @@ class P2RStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def uncounted(self) -> Any:
-        """Collectives issued inside are left out of ``collectives`` (``count_collectives=True``): for a measurement's
-        own communication (a callback that reduces a metric), which is not part of the training layout."""
+        """Collectives issued inside (a callback reducing a metric) are left out of ``collectives``: not the layout."""
         with self._counter.pause() if self._counter is not None else contextlib.nullcontext():
             yield
 
@@ -426,13 +393,11 @@ class P2RStrategy(DDPStrategy):
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
-    # ------------------------------------------------------------------------------------------ delinking
     def delink_model(self, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer,
                      num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
                      perturb: Perturbation | None = None) -> torch.optim.Optimizer:
-        """Delink the model where it lives and re-place the new blocks (the engine decides how); returns the
-        optimizer over the new parameters. The caller (the ``PseudoToReal`` callback) rebinds the learning-rate
-        schedulers to it: it is their one owner after delinking."""
+        """Delink the model where it lives and re-place the new blocks (the engine decides how); returns the optimizer
+        over the new parameters, to which the caller (``PseudoToReal``) rebinds the learning-rate schedulers."""
         new_optimizer, placed = self.engine.delink(pl_module, unwrapped(optimizer), self.context(), num_unique_blocks,
                                                    optimizer_state, perturb)
         if self.engine.wraps_ddp:  # DDP's reducer would silently skip the new parameters
@@ -442,7 +407,6 @@ class P2RStrategy(DDPStrategy):
         self.plan = placed.plan
         return new_optimizer
 
-    # ----------------------------------------------------------------------------------------- checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         return {} if self.engine.saves_sharded else super().lightning_module_state_dict()  # DCP writes the shards
@@ -465,8 +429,7 @@ class P2RStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        """Checkpoints move between stages: a sharded (DCP) one resumes with any ``sharding`` on any number of
-        processes, a single-file one on the FSDP2 engine too (its whole states are sharded on load)."""
+        """A sharded (DCP) checkpoint resumes with any ``sharding`` and processes; a single file on FSDP2 too."""
         self._pending_sharded_checkpoint = None
         # Checked as it is read (one load): a missing, empty, corrupt or foreign file gets a clear error.
         is_file = sharded_checkpoint.check_checkpoint_location(checkpoint_path, loads_sharded=True)
@@ -497,7 +460,6 @@ class P2RStrategy(DDPStrategy):
             self.engine.load_optimizer_state(self.lightning_module, index, unwrapped(optimizer), checkpoint,
                                              self._pending_sharded_checkpoint, self.root_device)
 
-    # -------------------------------------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
         release_to_host(self.optimizers, self.streamer)

@@ -1,7 +1,5 @@
-"""Three engines behind one interface (:class:`~.base.Engine`): ``local`` (one process, the streaming offload
-engine), ``ddp`` (DDP, + ZeroRedundancyOptimizer for zero1) and ``fsdp2`` (every FSDP2 layout), one per placement
-path of the rulebook (``lightning_p2r.layout.placement_path``).
-"""
+"""Three engines behind one interface (:class:`~.base.Engine`), one per placement path of the rulebook: ``local``
+(one process, the streaming offload engine), ``ddp`` (DDP, + ZeroRedundancyOptimizer for zero1) and ``fsdp2``."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """What an engine is given (:class:`EngineContext`) and what every engine offers the strategy (:class:`Engine`).
-
-An engine places a model for one kind of layout and runs the layout-dependent parts of a step. It never sees the
-strategy, which builds the context from its options and Lightning's state, stores what the engine returns and makes
-every Lightning call itself (``DDPStrategy``'s setup, wrapping, saving): engines are tested with a hand-made context.
+An engine never sees the strategy, which makes every Lightning call itself: engines are tested with a hand-made
+context.
 """
 
 from __future__ import annotations
@@ -33,14 +31,12 @@ if TYPE_CHECKING:
     from ..steps import StepRunner
 
 Weights = tuple[dict[str, Any] | str, bool]
-"""A checkpoint's weights waiting to be written into the placed model: a state dict or a sharded checkpoint's
-path, and whether loading is strict."""
+"""A checkpoint's weights for the placed model (a state dict or a sharded checkpoint's path), and strictness."""
 
 
 @dataclass(frozen=True)
 class EngineContext:
-    """Everything an engine reads besides the module: the four option sections, where this rank is, and the few
-    decisions only the strategy can make (it knows the Trainer)."""
+    """Everything an engine reads besides the module: the options, where this rank is, and the Trainer's decisions."""
 
     sharding: ShardingConfig
     parallel: ParallelConfig
@@ -66,15 +62,13 @@ class EngineContext:
         return layout_of(self.sharding, self.parallel, self.accumulation, self.offload)
 
     def without_weights(self) -> EngineContext:
-        """This context as an engine keeps it after placing: the checkpoint's weights are written by then, and a
-        whole state dict must not stay alive for the rest of the run."""
+        """This context as an engine keeps it after placing (a whole state dict must not stay alive for the run)."""
         return dataclasses.replace(self, weights=None)
 
 
 @dataclass(frozen=True)
 class Placed:
-    """What a placement made (``Engine.place`` returns it, and delinking when it places anew): the offload plan (None
-    where no block can be offloaded: DDP) and the lines the setup log shows about the layout."""
+    """What a placement made: the offload plan (None where no block can be offloaded: DDP) and its setup log lines."""
 
     plan: OffloadPlan | None = None
     log: tuple[str, ...] = ()
@@ -89,8 +83,7 @@ def holder_of(module: nn.Module) -> nn.Module:
 
 
 class Engine:
-    """How one kind of layout places the model, syncs gradients, checkpoints and delinks. The strategy calls these at
-    the points the docstrings name; the defaults serve a layout where every rank holds the whole model, unsharded."""
+    """How one kind of layout places the model, syncs gradients, checkpoints and delinks (defaults: the whole model)."""
 
     needs_process_group = True
     """Whether the strategy must start torch.distributed for this engine."""
@@ -103,7 +96,6 @@ class Engine:
         self.ctx: EngineContext | None = None
         """The context of the latest placement (without the checkpoint's weights)."""
 
-    # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
         """Refuse option combinations this engine cannot run, before any process group exists."""
         check_compile(ctx.accumulation.compile, count_collectives=ctx.sharding.count_collectives)
@@ -112,20 +104,17 @@ class Engine:
         """After the process group exists: build the device meshes and groups this engine needs."""
 
     def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
-        """Materialize ``module`` (maybe on the meta device) where the layout puts each tensor and write
-        ``ctx.weights`` or initial values into it."""
+        """Materialize ``module`` where the layout puts each tensor, with ``ctx.weights`` or initial values."""
         raise NotImplementedError
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
-        """The optimizers the layout steps, given those ``configure_optimizers`` built (returned unchanged by
-        default; the strategy rebinds the LR schedulers when one is replaced)."""
+        """The optimizers the layout steps, given ``configure_optimizers``'s (the strategy rebinds their schedulers)."""
         return optimizers
 
     def teardown(self, module: nn.Module | None) -> None:
         """After training: leave the module ordinary (it may be saved or used after ``fit``)."""
 
-    # ------------------------------------------------------------------------------------------- training
     def block_events(self) -> BlockEvents | None:
         """What layered accumulation calls around each block (fetches, gathers, reductions)."""
         return None
@@ -166,28 +155,21 @@ class Engine:
         """Refresh the device bytes the streaming engine's telemetry counts as static (one process only)."""
 
     def grad_copies(self) -> Callable[[torch.Tensor], int] | None:
-        """For gradient clipping across device meshes: how many ranks hold the same local part of a parameter's
-        gradient. None: torch's own clipping is right for this layout."""
+        """How many ranks hold the same local part of a parameter's gradient (None: torch's clipping is right)."""
         return None
 
-    # ------------------------------------------------------------------------------------------ delinking
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
                perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
-        """Delink the model in place and re-place the new blocks; returns the optimizer over the new parameters (the
-        caller rebinds the LR schedulers to it) and what is placed now."""
+        """Delink the model in place and re-place the new blocks; returns the new optimizer and what is placed now."""
         raise NotImplementedError
 
-    # ---------------------------------------------------------------------------------------- checkpoints
-    def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module,
-                     optimizers: list[Any]) -> None:
+    def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module, optimizers: list[Any]) -> None:
         """Write a sharded checkpoint (engines with ``saves_sharded``)."""
         raise NotImplementedError
 
     def load_weights(self, module: nn.Module, source: dict[str, Any] | str, strict: bool) -> None:
-        """Write a checkpoint's weights (a state dict, or a sharded checkpoint's path) into the placed model. This
-        default serves layouts where every rank holds the whole model (an offloaded block's state-dict hooks write
-        its host masters)."""
+        """Write a checkpoint's weights into the model, whole on every rank (offloaded blocks' hooks write masters)."""
         if isinstance(source, str):
             sharded_checkpoint.load_model_into(module, source)
         else:

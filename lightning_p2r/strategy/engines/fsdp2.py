@@ -1,8 +1,6 @@
-"""Every FSDP2 layout in one engine: ZeRO-2/3 on any number of processes, the replicated layouts ("none"/"zero1"
-across processes with offload or layered accumulation: FSDP2's HSDP with shards of one rank), tensor / expert
-parallelism on a device mesh, and pipeline stages. They differ only in the steps of the one placement path they
-take (``placement.py``) and, for pipelines, in the step runner. Offloaded blocks keep their shards in host memory
-through FSDP2's ``CPUOffloadPolicy``; checkpoints are torch distributed checkpoints (DCP)."""
+"""Every FSDP2 layout in one engine: ZeRO-2/3, the replicated layouts across processes (HSDP with shards of one
+rank), tensor / expert parallelism and pipeline stages. They differ only in the steps of the one placement path they
+take (``placement.py``) and, for pipelines, in the step runner; checkpoints are torch distributed checkpoints."""
 
 from __future__ import annotations
 
@@ -36,8 +34,7 @@ if TYPE_CHECKING:
 
 
 class FSDP2Engine(Engine):
-    """``path`` names the steps of the placement this job takes: "fsdp" (FSDP2 over all ranks), "model_parallel"
-    (the model's tensor / expert plan first, FSDP2 over the data ranks) or "pipeline" (stages first)."""
+    """``path``: "fsdp" (FSDP2 on all ranks), "model_parallel" (the model's plan first) or "pipeline" (stages first)."""
 
     saves_sharded = True
 
@@ -54,16 +51,13 @@ class FSDP2Engine(Engine):
         self._whole_of: dict[int, torch.Tensor] = {}
         self._holder: nn.Module | None = None
 
-    # ------------------------------------------------------------------------------------------ lifecycle
     def check_options(self, ctx: EngineContext) -> None:
-        """The layout rulebook checked the degrees and combinations; what is FSDP2's own is its CPU offload, which
-        moves a unit's parameters, gradients and optimizer states together."""
+        """FSDP2's own rule: its CPU offload moves a unit's parameters, gradients and optimizer states together."""
         super().check_options(ctx)
         check_fsdp_offload_states(set(ctx.offload.offload_states))
 
     def setup_environment(self, ctx: EngineContext) -> None:
-        """One mesh ``(pipeline, data..., tensor)`` and its expert twin (see ``parallel/mesh.py``): FSDP2 shards over
-        the data dimensions, the stages' point-to-point traffic runs over "pp"."""
+        """The dense mesh and its expert twin (``parallel/mesh.py``); the stages' traffic runs over "pp"."""
         self.ctx = ctx
         dims = ctx.layout.dims(ctx.world_size)
         self.meshes = meshes = build_meshes(dims, ctx.device.type,
@@ -81,19 +75,17 @@ class FSDP2Engine(Engine):
     def place(self, module: nn.Module, ctx: EngineContext, *, move_module: bool = True) -> Placed:
         if self.stages is not None and ctx.gradient_scaler:
             raise ValueError("P2RStrategy(pipeline_parallel > 1) with precision='16-mixed': the pipeline's schedule "
-                             "runs the backward itself, where a gradient scaler cannot scale the loss; use "
-                             "precision='bf16-mixed' (or 32)")
+                             "runs the backward itself, unscaled; use precision='bf16-mixed' (or 32)")
         self.ctx = ctx.without_weights()
         self._holder = holder_of(module)
         self.placement = place(module, ctx, self.meshes, self.stages, move_module=move_module)
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         if self.stages is not None:
-            holder = self._holder
-            self.stages.finish(holder, ctx.device)
+            self.stages.finish(self._holder, ctx.device)
             # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed
             # in teardown; the strategy's training step calls the stages directly).
-            holder.forward = self.stages.forward
+            self._holder.forward = self.stages.forward
         log = ["P2RStrategy " + self.meshes.dims.describe()] if self.meshes.dims.model_parallel else []
         return Placed(self.placement.plan, tuple(log + ([self.stages.describe()] if self.stages is not None else [])))
 
@@ -102,31 +94,24 @@ class FSDP2Engine(Engine):
             with contextlib.suppress(ValueError):
                 vars(holder_of(module)).pop("forward", None)
 
-    # --------------------------------------------------------------------------------------------- optimizer
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
         if self.ctx.sharding.sharding == "zero1":
-            optimizers = [partition_optimizer_states(optimizers, self.zero_group, **self._expert_partition(module))]
+            # Given an expert group (expert parallelism), the experts are a second partition, over that group.
+            layers = [m for m in holder_of(module).modules() if isinstance(m, ParallelExperts)]
+            optimizers = [partition_optimizer_states(optimizers, self.zero_group, expert_group=self.expert_zero_group,
+                                                     experts={id(p) for m in layers for p in m.parameters()})]
         self._whole_of = {}
         for optimizer in optimizers:  # which parameter each of ZeRO-1's views stands for (clipping counts it)
             if isinstance(optimizer, ZeroOneOptimizer):
                 self._whole_of |= {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
         return optimizers
 
-    def _expert_partition(self, module: nn.Module) -> dict[str, Any]:
-        """ZeRO-1's second partition (the experts' group and parameter ids), or nothing without expert parallelism."""
-        if self.expert_zero_group is None:
-            return {}
-        holder = holder_of(module)
-        experts = {id(p) for m in holder.modules() if isinstance(m, ParallelExperts) for p in m.parameters()}
-        return {"expert_group": self.expert_zero_group, "experts": experts}
-
     def module_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         """The optimizer over the module's own parameters, as checkpoints and delinking read it (collective)."""
         optimizer = unwrapped_optimizer(optimizer)
         return optimizer.to_module_optimizer() if isinstance(optimizer, ZeroOneOptimizer) else optimizer
 
-    # ---------------------------------------------------------------------------------------------- training
     def step_runner(self, module: nn.Module, precision: Precision, counter: CollectiveCounter | None) -> StepRunner:
         if self.stages is None:
             return super().step_runner(module, precision, counter)
@@ -146,15 +131,13 @@ class FSDP2Engine(Engine):
 
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module) -> Iterator[None]:
-        """Skip the gradient reduction of every unit that is not offloaded (each keeps its whole unsharded gradient
-        until the last micro-batch reduces it), unless the options ask to reduce every micro-batch. Offloaded units
-        always reduce: their gradients must not stay on the device."""
-        if self.ctx.accumulation.reduce_every_micro_batch or self.stages is not None:
-            yield
-            return
-        holder = holder_of(module)
-        offloaded = {id(m) for i in self.placement.plan.offloaded for m in holder.blocks[i].modules()}
-        units = [u for u in fsdp_modules(module) if id(u) not in offloaded]
+        """Skip the gradient reduction of every unit that is not offloaded (their gradients must not stay on the
+        device) until the last micro-batch, unless the options ask to reduce every micro-batch."""
+        units = []
+        if not self.ctx.accumulation.reduce_every_micro_batch and self.stages is None:
+            blocks = holder_of(module).blocks
+            offloaded = {id(m) for i in self.placement.plan.offloaded for m in blocks[i].modules()}
+            units = [u for u in fsdp_modules(module) if id(u) not in offloaded]
         for unit in units:
             unit.set_requires_gradient_sync(False, recurse=False)
         try:
@@ -175,25 +158,20 @@ class FSDP2Engine(Engine):
                 stage_module.reshard()
 
     def grad_copies(self) -> Callable[[torch.Tensor], int] | None:
-        if self.path == "fsdp":
-            return None  # every parameter on one mesh: torch's clipping is right
-        return self.copies
+        return None if self.path == "fsdp" else self.copies  # "fsdp": one mesh, torch's clipping is right
 
     def copies(self, param: torch.Tensor) -> int:
-        """Ranks holding the same local part of ``param``'s gradient (ZeRO-1's optimizer steps plain views of the
-        parameters: their parameter's count)."""
+        """Ranks holding the same local part of ``param``'s gradient (a ZeRO-1 view counts as its parameter)."""
         whole = self._whole_of.get(id(param), param)
         if self.stages is not None:
             return self.stages.copies(whole)
         return ranks_holding(whole.grad)
 
-    # --------------------------------------------------------------------------------------------- delinking
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
                perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
-        """FSDP2 cannot change the modules it manages: this rank's part of the model is gathered into a plain host copy
-        (tensor by tensor; a shared block's copies start from this rank's replica, equal on every rank), delinked there
-        like any other model, and placed afresh in its stead; the optimizer is rebuilt over the new shards."""
+        """FSDP2 cannot change the modules it manages: this rank's part of the model is gathered, tensor by tensor,
+        into a plain host copy, delinked there, and placed afresh; the optimizer is rebuilt over the new shards."""
         if self.placement is None:
             raise RuntimeError("P2RStrategy delinks a placed model: nothing is placed yet (delink after setup)")
         root = self.placement.root
@@ -221,9 +199,7 @@ class FSDP2Engine(Engine):
             plain_optimizer = optimizer_subset(plain_optimizer, kept)
         return self.adapt_optimizers([shard_optimizer(plain_optimizer, names, plain)], module)[0], placed
 
-    # ------------------------------------------------------------------------------------------- checkpoints
-    def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module,
-                     optimizers: list[Any]) -> None:
+    def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module, optimizers: list[Any]) -> None:
         whole = [self.module_optimizer(o) for o in optimizers]
         self.reshard(module)  # an evaluation forward (a callback's) may have left units gathered
         sharded_checkpoint.save_sharded(checkpoint, filepath, module, whole)
@@ -242,10 +218,9 @@ class FSDP2Engine(Engine):
         """Into an optimizer over the module's own parameters, then into the partitioned one if zero1."""
         if sharded_path is None and self.stages is not None:
             raise ValueError(
-                "resuming a pipeline-parallel run from a single-file checkpoint: its optimizer state is numbered over "
-                "the whole model's parameters, which no pipeline rank holds. Resume from a sharded (torch distributed "
-                "checkpoint) directory, which any sharding='zero2'/'zero3' or pipeline run saves and which reshards "
-                "across pipeline degrees; a single file's weights alone load with M6LanguageModel.load_from_checkpoint")
+                "resuming a pipeline-parallel run from a single-file checkpoint, whose optimizer state is numbered "
+                "over the whole model: resume from a sharded checkpoint directory (any zero2/zero3 or pipeline run "
+                "saves one); a single file's weights alone load with M6LanguageModel.load_from_checkpoint")
         target = self.module_optimizer(optimizer)
         if sharded_path is not None:
             sharded_checkpoint.load_optimizer_into(module, target, index, sharded_path)

@@ -1,9 +1,6 @@
-"""Gradient-norm clipping over parameters placed on several device meshes.
-
-``torch.nn.utils.clip_grad_norm_`` stacks the per-tensor norms, and DTensors on different meshes (dense weights,
-experts, norms on the data ranks alone) cannot be stacked; reducing each mesh's norm through DTensor would run one
-all-reduce per mesh dimension in sequence. Here each rank sums ``|g|^p`` over its local parts, each divided by the
-number of ranks holding the same part, and one all-reduce over all ranks gives the global sum.
+"""Gradient-norm clipping over parameters placed on several device meshes, which ``clip_grad_norm_`` cannot stack.
+Each rank sums ``|g|^p`` over its local parts, each divided by the number of ranks holding the same part, and one
+all-reduce over all ranks gives the global sum (DTensor would run one all-reduce per mesh dimension in sequence).
 """
 
 from __future__ import annotations
@@ -35,8 +32,7 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
                     copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
     """The ``norm_type`` norm of all the gradients of ``params``, the same on every rank (collective, any order).
     ``copies(param)``: the ranks holding the same local part of its gradient, where the layout knows better than the
-    mesh (pipeline stages). The parts are grouped by device and holders; ``get_total_norm`` reduces each group where it
-    lives (one fused kernel, no host sync per tensor), and the group norms meet for one all-reduce."""
+    mesh (pipeline stages). Each group of parts (by device and holders) is reduced by one fused kernel."""
     inf = math.isinf(norm_type)
     groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
     for param in params:
@@ -66,20 +62,15 @@ def total_grad_norm(params: Iterable[torch.Tensor], norm_type: float = 2.0,
 
 def clip_grad_norm_across_meshes(params: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0,
                                  copies: Callable[[torch.Tensor], int] | None = None) -> torch.Tensor:
-    """Scale the gradients of ``params`` so their total norm is at most ``max_norm`` (torch's
-    ``clip_grads_with_norm_``, given the norm across meshes); returns the norm before."""
+    """Scale the gradients of ``params`` so their total norm is at most ``max_norm``; returns the norm before."""
     params = [p for p in params if p.grad is not None]
     total = total_grad_norm(params, norm_type, copies)
-    for group in _by_placement(params):
-        clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
-    return total
-
-
-def _by_placement(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """Parameters by their gradient's device and mesh: torch's clipping scales each call's gradients with one fused
-    kernel, which takes DTensors of one mesh only."""
+    # By gradient device and mesh: torch's clipping scales each call's gradients with one fused kernel, which takes
+    # DTensors of one mesh only.
     grouped: dict[tuple[torch.device, int | None], list[torch.Tensor]] = {}
     for param in params:
         mesh = id(param.grad.device_mesh) if isinstance(param.grad, DTensor) else None
         grouped.setdefault((param.grad.device, mesh), []).append(param)
-    return list(grouped.values())
+    for group in grouped.values():
+        clip_grads_with_norm_(group, max_norm, total.to(group[0].grad.device))
+    return total

@@ -1,8 +1,6 @@
-"""The two differentiable collectives expert parallelism needs, over torch.distributed's public collectives.
-
-torch.distributed.nn.functional (which had them) is deprecated in torch 2.13 and warns on every first call; its
-suggested replacement lives in a private module. Both also return their output buffer as a view, which FSDP2 warns
-about when it leaves a unit. These allocate their outputs and are a few lines each.
+"""The two differentiable collectives expert parallelism needs, over torch.distributed's public collectives:
+torch.distributed.nn.functional is deprecated in torch 2.13, its replacement private, and both return views, which
+FSDP2 warns about when they leave a unit.
 """
 
 from __future__ import annotations
@@ -47,8 +45,7 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
-    """Rows of ``x`` (``in_splits[j]`` of them for rank j) exchanged over ``group``; ``out_splits[j]`` rows come back
-    from rank j. Backward sends the gradients the opposite way."""
+    """Rows of ``x`` sent over ``group`` (``in_splits[j]`` to rank j, ``out_splits[j]`` from it); backward: reversed."""
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 

@@ -1,12 +1,6 @@
 """Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied to an M6 MoE layer from outside
-(docs/parallelism.md).
-
-The MoE layer routes its own tokens, applies capacity and sorts the kept assignments by expert before calling
-``Experts(rows, counts)``: there :class:`ParallelExperts` sends each row to the rank holding its expert
-(``all_to_all_single``, the counts exchanged first), computes its experts' rows and sends the results back, so
-routing and drops are those of the same tokens on one process. Under tensor parallelism each expert's hidden units
-are split too (Megatron's column/row pattern inside every expert). :class:`ParallelMoE` computes the balance loss
-over every data rank's tokens, as one process would over the global batch.
+(docs/parallelism.md). The layer routes its own tokens (routing and drops are one process's); :class:`ParallelExperts`
+sends each row to its expert's rank and back, and :class:`ParallelMoE` balances over every data rank's tokens.
 """
 
 from __future__ import annotations
@@ -24,9 +18,8 @@ from .differentiable import all_reduce_sum, all_to_all
 
 
 def owned(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, copied when it is a view (``DTensor.to_local`` returns one). A view leaving an FSDP2 unit with a
-    gradient draws FSDP2's warning (an in-place op on it would skip the unit's pre-backward hook). The copy is one
-    pass over the output, small beside the matmuls that made it."""
+    """``tensor``, copied when it is a view (``DTensor.to_local`` returns one): FSDP2 warns about a view leaving a unit
+    with a gradient (an in-place op on it would skip the unit's pre-backward hook)."""
     return tensor.clone() if tensor._base is not None and torch.is_grad_enabled() else tensor
 
 
@@ -42,8 +35,7 @@ def reduce_from_tensor_parallel(x: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
 
 
 def rank_splits(counts: list[int], ranks: int) -> list[int]:
-    """Rows for each expert-parallel rank, from the rows per (global) expert: rank j holds experts
-    ``[j * E / ranks, (j + 1) * E / ranks)``."""
+    """Rows for each expert-parallel rank, from the rows per global expert (rank j holds the j-th slice of them)."""
     per_rank = len(counts) // ranks
     return [sum(counts[j * per_rank:(j + 1) * per_rank]) for j in range(ranks)]
 
@@ -52,13 +44,8 @@ def expert_major_order(received: torch.Tensor) -> torch.Tensor:
     """The permutation that turns rows received source-major (for each source rank, its rows for each local
     expert, ``received[s, e]`` of them) into expert-major order (every source's rows for expert 0, then for 1...)."""
     sources, experts = received.shape
-    sizes = received.reshape(-1).tolist()
-    starts = [0]
-    for size in sizes[:-1]:
-        starts.append(starts[-1] + size)
-    pieces = [torch.arange(starts[s * experts + e], starts[s * experts + e] + sizes[s * experts + e])
-              for e in range(experts) for s in range(sources)]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    pieces = torch.arange(int(received.sum())).split(received.reshape(-1).tolist())  # source-major, as received
+    return torch.cat([pieces[s * experts + e] for e in range(experts) for s in range(sources)])
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -75,18 +62,16 @@ class _ScaleGradient(torch.autograd.Function):
 
 
 class ParallelExperts(Experts):
-    """:class:`Experts` whose weights are split over expert-parallel ranks (by expert) and tensor-parallel ranks (by
-    hidden unit). Made by :func:`parallelize_experts`, never constructed directly."""
+    """:class:`Experts` split over expert-parallel ranks (by expert) and tensor-parallel ranks (by hidden unit)."""
 
     expert_group: Any
     """The all-to-all's process group (None without expert parallelism)."""
     tp_mesh: Any
     """The tensor-parallel mesh (None without tensor parallelism)."""
     gradient_scale: float
-    """1 / expert_parallel. Through the all-to-all an expert's gradient sums the tokens of every rank of its expert
-    group, while FSDP2 averages it only over the ranks holding the same expert; the dense weights' gradients are
-    averaged over all data ranks. The scale makes the experts' average the same (one process's gradient). (FSDP2's
-    ``set_gradient_divide_factor`` would do it in the reduction, but needs a reduce op gloo lacks.)"""
+    """1 / expert_parallel: through the all-to-all an expert's gradient sums its expert group's tokens, while FSDP2
+    averages it only over the ranks holding the same expert. (FSDP2's ``set_gradient_divide_factor`` would do it in
+    the reduction, but needs a reduce op gloo lacks.)"""
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: (rows, dim) sorted by global expert, ``counts[e]`` rows for expert e -> (rows, dim) in the same order."""
@@ -108,9 +93,7 @@ class ParallelExperts(Experts):
         rows = all_to_all(x, recv_splits, send_splits, self.expert_group)
         order = expert_major_order(received).to(device)
         out = self._compute(rows.index_select(0, order), received.sum(dim=0).tolist(), w_in, w_out)
-        back = torch.empty_like(order)
-        back[order] = torch.arange(order.numel(), device=device)
-        out = out.index_select(0, back)  # source-major again, as the rows arrived
+        out = out.index_select(0, torch.argsort(order))  # source-major again, as the rows arrived
         return all_to_all(out, send_splits, recv_splits, self.expert_group)
 
     def _compute(self, x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
@@ -123,8 +106,7 @@ class ParallelExperts(Experts):
 
 
 class ParallelMoE(MoEFeedForward):
-    """:class:`MoEFeedForward` whose load-balancing loss counts every data-parallel rank's tokens. Made by
-    :func:`parallelize_experts`."""
+    """:class:`MoEFeedForward` whose load-balancing loss counts every data-parallel rank's tokens."""
 
     data_group: Any
     """The process group of the ranks that see different batches (None: this process's tokens only)."""
@@ -144,9 +126,7 @@ class ParallelMoE(MoEFeedForward):
 
 def parallelize_experts(moe: MoEFeedForward, *, expert_tensor_mesh: Any, expert_group: Any, tp_mesh: Any,
                         data_group: Any) -> None:
-    """Switch one MoE layer to :class:`ParallelMoE` and its experts to :class:`ParallelExperts`, with the expert
-    weights placed on ``expert_tensor_mesh`` (("ep", "tp"): experts split over "ep", hidden units over "tp"). Any of
-    the groups may be None (that kind of parallelism is off). Works on the meta device."""
+    """Switch one MoE layer to :class:`ParallelMoE`, its experts to :class:`ParallelExperts` (groups None: off)."""
     experts = moe.experts
     for name, hidden_dim in (("w_in", 2), ("w_out", 1)):
         param = getattr(experts, name)

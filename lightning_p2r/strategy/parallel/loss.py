@@ -1,8 +1,6 @@
 """Vocabulary-parallel cross-entropy (Megatron-LM): the loss from each tensor-parallel rank's shard of the logits,
-which are never gathered whole. The normaliser and the target's logit are sums over the vocabulary: three
-all-reduces of one number per token (the maximum, without gradient; the sum of exponentials; the target logit, from
-the rank holding it) give them, with identity backward, so each rank's gradient is ``softmax - one_hot`` on its
-shard, as on one process.
+never gathered whole. Three all-reduces of one number per token (the maximum; the sum of exponentials; the target
+logit) give the sums over the vocabulary, so each rank's gradient is ``softmax - one_hot`` on its shard.
 """
 
 from __future__ import annotations
@@ -27,23 +25,18 @@ class VocabParallelCrossEntropy:
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if logits.shape[-1] == self.vocab_size:
             return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_mesh)
-
-
-def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
-    """Mean cross-entropy from this rank's vocabulary shard of the logits (…, vocab / tp); collective over
-    ``tp_mesh`` (every rank of it calls this with its shard of the same tokens' logits)."""
-    group = tp_mesh.get_group()
-    shard = local_logits.shape[-1]
-    start = dist.get_rank(group) * shard
-    logits = local_logits.float().reshape(-1, shard)  # (tokens, shard)
-    targets = targets.reshape(-1)
-    peak = logits.detach().max(dim=-1).values
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-    shifted = logits - peak.unsqueeze(-1)
-    sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), tp_mesh)
-    local = targets - start
-    here = (local >= 0) & (local < shard)
-    picked = shifted.gather(1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * here
-    target_logit = reduce_from_tensor_parallel(picked, tp_mesh)
-    return (sum_exp.log() - target_logit).mean()
+        # This rank's vocabulary shard: collective over the tensor-parallel ranks, which hold the same tokens' shards.
+        group = self.tp_mesh.get_group()
+        shard = logits.shape[-1]
+        start = dist.get_rank(group) * shard
+        logits = logits.float().reshape(-1, shard)  # (tokens, shard)
+        targets = targets.reshape(-1)
+        peak = logits.detach().max(dim=-1).values
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        shifted = logits - peak.unsqueeze(-1)
+        sum_exp = reduce_from_tensor_parallel(shifted.exp().sum(dim=-1), self.tp_mesh)
+        local = targets - start
+        here = (local >= 0) & (local < shard)
+        picked = shifted.gather(1, local.clamp(0, shard - 1).unsqueeze(-1)).squeeze(-1) * here
+        target_logit = reduce_from_tensor_parallel(picked, self.tp_mesh)
+        return (sum_exp.log() - target_logit).mean()

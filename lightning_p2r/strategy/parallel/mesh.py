@@ -1,8 +1,7 @@
-"""The two device meshes of a tensor / expert / pipeline parallel job (the rank arithmetic, torch-free, is
-``lightning_p2r.layout.ParallelDims``): the dense mesh ``(pp, data..., "tp")`` and the expert mesh
-``(pp, expert data..., "ep", "tp")``, both from ``init_device_mesh`` over the same ranks. A parameter's FSDP2 and
-model-parallel placements must come from one mesh, and the dense weights and the experts are sharded over different
-data dimensions: hence two meshes rather than one with flattened dimensions (docs/parallelism.md).
+"""The two device meshes of a tensor / expert / pipeline parallel job over the same ranks (``layout.ParallelDims``):
+the dense mesh ``(pp, data..., "tp")`` and the expert mesh ``(pp, expert data..., "ep", "tp")``. A parameter's FSDP2
+and model-parallel placements must come from one mesh, and the dense weights and the experts are sharded over
+different data dimensions: hence two meshes rather than one with flattened dimensions (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ class ParallelMeshes:
     data_dims: tuple[str, ...]
     """The dense mesh's data dimensions, as FSDP2 takes them: ("replicate", "shard") or ("shard",)."""
     expert_data_dims: tuple[str, ...]
+    """Where FSDP2 lays out the experts: the ranks holding the same experts."""
 
     @property
     def tensor(self) -> Any:
@@ -33,21 +33,6 @@ class ParallelMeshes:
     def data(self) -> Any:
         """Where FSDP2 lays out the dense parameters."""
         return self.dense[self.data_dims]
-
-    @property
-    def expert_data(self) -> Any:
-        """Where FSDP2 lays out the experts (the ranks holding the same experts)."""
-        return self.experts[self.expert_data_dims]
-
-    @property
-    def expert(self) -> Any:
-        """The ranks of one expert group (the all-to-all's group)."""
-        return self.experts["ep"]
-
-    @property
-    def expert_tensor(self) -> Any:
-        """The 2-d ("ep", "tp") mesh the expert weights are placed on."""
-        return self.experts["ep", "tp"]
 
     def data_group(self) -> Any:
         """The process group of every rank that sees a different batch (expert ranks included)."""
@@ -61,30 +46,24 @@ class ParallelMeshes:
 
 
 def build_meshes(dims: ParallelDims, device_type: str, *, replicate: bool) -> ParallelMeshes:
-    """The two meshes of ``dims``. ``replicate``: FSDP2's replicate layout (every data rank holds every parameter, as
-    ``layout.fsdp_mode_for`` names it for sharding "none" and "zero1"), else parameters sharded over the data ranks. A
-    data dimension of one rank is a plain size-1 shard dimension either way: FSDP2 then issues no collective for
-    it (a replicate dimension of one rank would all-reduce every gradient with itself)."""
+    """The two meshes of ``dims``. ``replicate``: FSDP2's replicate layout (sharding "none" and "zero1"), else
+    parameters sharded over the data ranks. A data dimension of one rank is a size-1 shard dimension either way (a
+    replicate dimension of one rank would all-reduce every gradient with itself)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    dp, ep, tp, edp = dims.data_parallel, dims.expert_parallel, dims.tensor_parallel, dims.expert_data_parallel
     # Pipeline stages, when there are several, are the outermost dimension of both meshes.
-    pp: tuple[int, ...] = (dims.pipeline_parallel,) if dims.pipeline_parallel > 1 else ()
-    pp_name: tuple[str, ...] = ("pp",) if pp else ()
-    if replicate and dp > 1:
-        dense = init_device_mesh(device_type, (*pp, dp, 1, tp), mesh_dim_names=(*pp_name, "replicate", "shard", "tp"))
-        dense_data: tuple[str, ...] = ("replicate", "shard")
-    else:
-        dense = init_device_mesh(device_type, (*pp, dp, tp), mesh_dim_names=(*pp_name, "shard", "tp"))
-        dense_data = ("shard",)
+    outer = {"pp": dims.pipeline_parallel} if dims.pipeline_parallel > 1 else {}
+
+    def mesh(ranks: int, prefix: str, inner: dict[str, int]) -> tuple[Any, tuple[str, ...]]:
+        """A mesh (outer, data..., inner) over ``ranks`` data ranks, and the names of its data dimensions."""
+        hsdp = replicate and ranks > 1
+        data = {f"{prefix}replicate": ranks, f"{prefix}shard": 1} if hsdp else {f"{prefix}shard": ranks}
+        sizes = outer | data | inner
+        return init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes)), tuple(data)
+
+    dense, data_dims = mesh(dims.data_parallel, "", {"tp": dims.tensor_parallel})
     if not dims.model_parallel:  # data parallelism alone: nothing is split, no expert mesh (or its groups)
-        return ParallelMeshes(dims, dense, None, dense_data, ())
-    if replicate and edp > 1:
-        experts = init_device_mesh(device_type, (*pp, edp, 1, ep, tp),
-                                   mesh_dim_names=(*pp_name, "expert_replicate", "expert_shard", "ep", "tp"))
-        expert_data: tuple[str, ...] = ("expert_replicate", "expert_shard")
-    else:
-        experts = init_device_mesh(device_type, (*pp, edp, ep, tp),
-                                   mesh_dim_names=(*pp_name, "expert_shard", "ep", "tp"))
-        expert_data = ("expert_shard",)
-    return ParallelMeshes(dims, dense, experts, dense_data, expert_data)
+        return ParallelMeshes(dims, dense, None, data_dims, ())
+    experts, expert_data_dims = mesh(dims.expert_data_parallel, "expert_",
+                                     {"ep": dims.expert_parallel, "tp": dims.tensor_parallel})
+    return ParallelMeshes(dims, dense, experts, data_dims, expert_data_dims)

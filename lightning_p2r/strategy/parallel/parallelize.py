@@ -21,8 +21,7 @@ def model_plan(holder: nn.Module) -> ParallelPlan:
     if len(plan.blocks) != len(holder.blocks):
         raise ValueError(f"the parallel plan of {type(holder).__name__} has {len(plan.blocks)} block entries for "
                          f"{len(holder.blocks)} blocks")
-    for index, entries in enumerate(plan.blocks):
-        block = holder.blocks[index]
+    for index, (entries, block) in enumerate(zip(plan.blocks, holder.blocks)):
         if next(block.parameters(), None) is None:
             continue  # another pipeline stage's block: a stand-in
         names = {name for name, _ in block.named_modules()}
@@ -40,8 +39,7 @@ def model_plan(holder: nn.Module) -> ParallelPlan:
 def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, *, loss_parallel: bool = False,
                       sequence_parallel: bool = False) -> None:
     """Tensor parallelism first (the planned layers' weights become DTensors on "tp"), then the expert layers (split
-    over "ep" and "tp"), on the meta device; FSDP2 shards the placed DTensors further afterwards, as torchtitan orders
-    them. ``plan``: the model's (:func:`model_plan`; the strategy checked the sizes before placing).
+    over "ep" and "tp"), on the meta device; FSDP2 shards the placed DTensors further afterwards, as torchtitan does.
     ``loss_parallel``: the module's loss is ``loss.VocabParallelCrossEntropy``."""
     dims = meshes.dims
     if dims.tensor_parallel > 1:
@@ -51,6 +49,6 @@ def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMes
     present = [i for i, block in enumerate(holder.blocks) if next(block.parameters(), None) is not None]
     for layer in plan.expert_layers(holder, present):
         parallelize_experts(
-            layer, expert_tensor_mesh=meshes.expert_tensor,
-            expert_group=meshes.expert.get_group() if dims.expert_parallel > 1 else None,
+            layer, expert_tensor_mesh=meshes.experts["ep", "tp"],
+            expert_group=meshes.experts["ep"].get_group() if dims.expert_parallel > 1 else None,
             tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None, data_group=data_group)

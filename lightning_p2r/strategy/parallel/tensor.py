@@ -1,8 +1,6 @@
 """Tensor parallelism (Megatron-LM) for a block-sequence model, applied from outside with ``parallelize_module``:
 the model declares which submodules split how (``protocols.ParallelPlan``), this module turns each kind into
-torch's ``ParallelStyle`` (docs/parallelism.md). In training the output layer leaves each rank its vocabulary shard
-of the logits for the vocabulary-parallel loss (``loss.py``); in evaluation they are gathered, so metrics and
-generation read ordinary logits. With sequence parallelism the activations between layers stay split by position.
+torch's ``ParallelStyle`` (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -27,9 +25,7 @@ from .experts import owned
 
 
 def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
-    """A forward hook for the head. With ``loss_parallel``, in evaluation (metrics, generation, a validation loss) the
-    vocabulary shards are gathered into whole logits; in training each rank keeps its shard for the
-    vocabulary-parallel loss. The logits leave the model's root unit: a view is copied (see ``owned``)."""
+    """The head's forward hook: with ``loss_parallel`` the logits stay split in training, whole in evaluation."""
 
     def hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
         if loss_parallel and not module.training:
@@ -42,10 +38,8 @@ def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
 def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
            loss_parallel: bool = False) -> dict[str, Any]:
     """torch's ``ParallelStyle`` for each of a plan's entries (see ``protocols.SplitKind``). With
-    ``sequence_parallel`` the residual stream between the layers stays split by sequence position: the norms run on
-    a rank's positions, the column-parallel layers gather the sequence first, the row-parallel ones reduce-scatter
-    it (Megatron-LM's sequence parallelism), and an expert layer gathers the sequence (its hook keeps its rank's part
-    of the output). ``loss_parallel``: the output layer leaves each rank its vocabulary shard of the logits."""
+    ``sequence_parallel`` the residual stream between the layers stays split by sequence position (Megatron-LM), and
+    an expert layer gathers the sequence. ``loss_parallel``: the output layer leaves each rank its vocabulary shard."""
     sequence = Shard(1) if sequence_parallel else Replicate()
     made: dict[str, Any] = {}
     for name, kind in entries.items():
@@ -69,8 +63,7 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
 
 
 def _keep_own_positions(tp_mesh: Any) -> Any:
-    """A forward hook for an MoE layer under sequence parallelism: its output (computed on the whole sequence, the
-    same on every tensor-parallel rank) is cut back to this rank's positions."""
+    """A forward hook cutting an MoE layer's output (the whole sequence's) back to this rank's positions."""
 
     def hook(module: nn.Module, args: Any, output: MoEOutput) -> MoEOutput:
         whole = DTensor.from_local(output.output, tp_mesh, [Replicate()], run_check=False)
@@ -85,10 +78,7 @@ def _holds_parameters(module: nn.Module | None) -> bool:
 
 def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *, loss_parallel: bool,
                           sequence_parallel: bool = False) -> None:
-    """Split ``holder``'s blocks and the modules outside them over ``tp_mesh`` as ``plan`` declares (in place; works
-    on the meta device). ``loss_parallel``: in training the output layer leaves each rank its vocabulary shard of
-    the logits (the loss is then computed by ``loss.VocabParallelCrossEntropy``); in evaluation, and without it,
-    the logits are gathered."""
+    """Split ``holder``'s blocks and other modules over ``tp_mesh`` as ``plan`` declares (in place, also on meta)."""
     for block, entries in zip(holder.blocks, plan.blocks):
         # A pipeline stage holds some blocks: the others are parameterless stand-ins, with nothing to split.
         if not _holds_parameters(block):
@@ -122,15 +112,9 @@ def _find(holder: nn.Module, name: str) -> nn.Module:
 
 def _tied_weights(holder: nn.Module, names: dict[str, SplitKind]) -> list[tuple[str, str]]:
     """Pairs of planned modules sharing one ``weight`` (first name, the other)."""
-    owner: dict[int, str] = {}
-    pairs = []
+    sharing: dict[int, list[str]] = {}
     for name in names:
         module = holder.get_submodule(name)
-        if not isinstance(module, HoldsWeight):
-            continue
-        weight = module.weight
-        if id(weight) in owner:
-            pairs.append((owner[id(weight)], name))
-        else:
-            owner[id(weight)] = name
-    return pairs
+        if isinstance(module, HoldsWeight):
+            sharing.setdefault(id(module.weight), []).append(name)
+    return [(first, other) for first, *others in sharing.values() for other in others]

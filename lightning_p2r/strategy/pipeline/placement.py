@@ -1,12 +1,8 @@
-"""Modular pipeline parallelism's part of placement (Lamy-Poirier 2021): which stages and blocks this rank keeps,
-the stage modules that ``torch.distributed.pipelining`` runs, the replicas shared between pipeline ranks, and the
-pipelined step.
+"""Modular pipeline parallelism's part of placement (Lamy-Poirier 2021) and the pipelined step (docs/parallelism.md).
 
-Each rank keeps only what its stages use: the other blocks (and the embedding or head, where another rank holds
-them) are replaced by :class:`~.stage.AbsentModule` while the model is still on the meta device, so no rank ever
-allocates them. A parameter used by stages on several ranks (the block a pseudo model shares between all its
-layers, an embedding tied to the head) is a replica on each of them and its gradient is all-reduced among them after
-the step. See docs/parallelism.md.
+Each rank keeps only what its stages use: the rest is replaced by :class:`~.stage.AbsentModule` while the model is
+still on the meta device, so no rank ever allocates it. A parameter used by stages on several ranks (a pseudo model's
+shared block, an embedding tied to the head) is a replica on each, its gradient all-reduced among them after the step.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ def pipeline_parts(module: nn.Module) -> PipelineParts:
 
 
 class StagePlacement:
-    """This rank's stages of one job: cut at every placement (delinking re-cuts), with the process groups of the
-    replicas made once per set of ranks (``new_group`` is collective)."""
+    """This rank's stages of one job, cut at every placement (delinking re-cuts), and the replicas' process groups."""
 
     def __init__(self, ctx: EngineContext, group: dist.ProcessGroup) -> None:
         p, a = ctx.parallel, ctx.accumulation
@@ -64,21 +59,19 @@ class StagePlacement:
         self._ranks_of: dict[str, tuple[int, ...]] = {}
         self._stashed: list[tuple[nn.Parameter, torch.Tensor | None]] = []
 
-    # ------------------------------------------------------------------------------------------- placement
     def keep_own(self, module: nn.Module, holder: nn.Module) -> set[int]:
-        """Cut the model into stages and drop (on the meta device: never allocate) what other ranks hold; returns
-        the indices of this rank's blocks. Collective (replica groups are created on every rank)."""
+        """Cut the model into stages, drop what other ranks hold and return this rank's blocks (collective)."""
         parts = pipeline_parts(module)
         layer_to_block = list(holder.layer_to_block)
         cut = StageCut(self.world_size, self.pipeline_parallel, self.stages_per_rank, len(layer_to_block))
         check_local_sharing(layer_to_block, cut)  # again after delinking (the strategy checked it at setup)
         self.cut, self.parts = cut, parts
+        self._embed, self._head = list(parts.embed_modules), _with_tied(holder, list(parts.head_modules))
+        self._ranks_of = self._pipeline_ranks_of(holder, layer_to_block)
         stages = self.stages
-        embed, head = list(parts.embed_modules), _with_tied(holder, list(parts.head_modules))
-        self._embed, self._head = embed, head
-        self._ranks_of = self._pipeline_ranks_of(holder, layer_to_block, embed, head)
         mine = {layer_to_block[layer] for stage in stages for layer in cut.stage_layers(stage)}
-        keep_only(holder, mine, (embed if 0 in stages else []) + (head if cut.num_stages - 1 in stages else []))
+        kept = (self._embed if 0 in stages else []) + (self._head if cut.num_stages - 1 in stages else [])
+        keep_only(holder, mine, kept)
         return mine
 
     @property
@@ -111,53 +104,42 @@ class StagePlacement:
         """Before a re-placement (delinking): forget the stage modules and the runner."""
         self.stage_modules, self.runner = [], None
 
-    def _pipeline_ranks_of(self, holder: nn.Module, layer_to_block: list[int], embed: list[nn.Module],
-                           head: list[nn.Module]) -> dict[str, tuple[int, ...]]:
-        """The pipeline ranks holding each parameter (by its name in the holder, which sharding keeps), and a
-        process group for every set of several. Collective (groups are created on every rank)."""
+    def _pipeline_ranks_of(self, holder: nn.Module, layer_to_block: list[int]) -> dict[str, tuple[int, ...]]:
+        """The pipeline ranks holding each parameter (by name), and a process group per set of several (collective)."""
         cut = self.cut
         if self._outside_ranks is None:
             # Known once, before anything is dropped: delinking changes only the blocks.
             self._outside_ranks = {}
             names = {id(p): n for n, p in holder.named_parameters()}
-            for modules, stage in ((embed, 0), (head, cut.num_stages - 1)):
+            for modules, stage in ((self._embed, 0), (self._head, cut.num_stages - 1)):
                 for param in (p for m in modules for p in m.parameters()):
                     held = set(self._outside_ranks.get(names[id(param)], ())) | {cut.owner(stage)}
                     self._outside_ranks[names[id(param)]] = tuple(sorted(held))
         holders = block_holders(layer_to_block, cut)
-        self._create_groups([r for r in [*holders.values(), *self._outside_ranks.values()] if len(r) > 1])
+        # One process group per set of several pipeline ranks and per pipeline (column of the mesh); every rank
+        # creates every group, in the same order (``new_group`` is collective).
+        shared = {r for r in [*holders.values(), *self._outside_ranks.values()] if len(r) > 1}
+        for ranks in sorted(shared - set(self._groups)):
+            for column in range(cut.ranks_per_stage):
+                group = dist.new_group(cut.global_ranks(list(ranks), column))
+                if cut.column(self.global_rank) == column:
+                    self._groups[ranks] = group
         ranks_of = dict(self._outside_ranks)
         for block, ranks in holders.items():
             for name, _ in holder.blocks[block].named_parameters():
                 ranks_of[f"blocks.{block}.{name}"] = ranks
         return ranks_of
 
-    def _create_groups(self, rank_sets: list[tuple[int, ...]]) -> None:
-        """One process group per set of pipeline ranks sharing replicas and per pipeline (column of the mesh); every
-        rank creates every group, in the same order (``new_group`` is collective)."""
-        cut = self.cut
-        for ranks in sorted(set(rank_sets) - set(self._groups)):
-            for column in range(cut.ranks_per_stage):
-                group = dist.new_group(cut.global_ranks(list(ranks), column))
-                if cut.column(self.global_rank) == column:
-                    self._groups[ranks] = group
-
-    def holders(self, param: torch.Tensor) -> int:
-        """Pipeline ranks holding a replica of ``param`` (1 for a parameter only one stage uses)."""
-        return self._holders_of.get(id(param), 1)
-
     def copies(self, whole: torch.Tensor) -> int:
         """Ranks holding the same local part of ``whole``'s gradient: those within its pipeline (the other pipeline
-        slices of the world hold other stages) times its pipeline replicas."""
+        slices of the world hold other stages) times the pipeline ranks holding a replica of it."""
         grad = whole.grad
         within = ranks_holding(grad) // self.pipeline_parallel if isinstance(grad, DTensor) else 1
-        return within * self.holders(whole)
+        return within * self._holders_of.get(id(whole), 1)
 
-    # ---------------------------------------------------------------------------------------------- training
     def train_step(self, batch: torch.Tensor, uncounted: Any) -> PipelineStepResult:
-        """Forward and backward of every micro-batch through the pipeline; replicas' gradients summed; the step's
-        loss and metrics on every rank. The gradients are then held aside until :meth:`restore_gradients`, because
-        Lightning zeroes them between ``training_step`` and ``backward``."""
+        """Forward and backward of every micro-batch; replicas' gradients summed, then held aside until
+        :meth:`restore_gradients` (Lightning zeroes them before ``backward``); the step's loss and metrics."""
         for param in self.params:  # the last step's gradients (Lightning zeroes them after training_step, too late)
             param.grad = None
         self.runner.train_step(batch)
@@ -180,9 +162,8 @@ class StagePlacement:
         self._stashed = []
 
     def forward(self, inputs: torch.Tensor) -> Any:
-        """The model's forward on a pipelined rank (validation, test, predict, a callback's loss): the inputs run
-        through every stage, forward only and without gradient, and the output built from the last stage's logits
-        reaches every rank of the pipeline. Collective over the pipeline's ranks, which all read the same batch."""
+        """The model's forward on a pipelined rank (evaluation, a callback's loss), without gradient: the output built
+        from the last stage's logits reaches every rank of the pipeline (collective; all read the same batch)."""
         cut = self.cut
         logits = self.runner.evaluate(self.parts.window(inputs))
         source = cut.global_ranks([cut.owner(cut.num_stages - 1)], cut.column(self.global_rank))[0]
@@ -200,8 +181,7 @@ class StagePlacement:
 
 
 def _with_tied(holder: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
-    """``modules`` and any other module outside the blocks holding a parameter of theirs (a tied embedding), so the
-    stage's FSDP2 root manages every module that holds the shared tensor."""
+    """``modules`` and any other module outside the blocks sharing a parameter with them (a tied embedding)."""
     shared = {id(p) for m in modules for p in m.parameters()}
     extra = [child for child in holder.children() if child is not holder.blocks and not any(
         child is m for m in modules) and any(id(p) in shared for p in child.parameters())]

@@ -1,16 +1,13 @@
 """Run a rank's pipeline stages with ``torch.distributed.pipelining``'s schedules, and bring a step's losses and
-metrics to every rank.
-
-``PipelineStage`` learns the shapes of the tensors it sends from its first micro-batch and keeps them, so a batch
-of another shape (the last, shorter batch of an epoch; evaluation, whose last stage returns logits) gets stages and
-a schedule of its own, kept for the next batch of that shape.
+metrics to every rank. ``PipelineStage`` keeps the shapes it learned from its first micro-batch, so a batch of another
+shape (an epoch's shorter last batch; evaluation) gets stages and a schedule of its own, kept for the next such batch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,8 +20,7 @@ from .stage import PipelineStageModule, stage_output_loss
 
 
 def schedule_class(name: str) -> type:
-    """Torch's schedule class for one of our option names ("interleaved_1f1b" is torch's "Interleaved1F1B"; torch
-    matches names without regard to case)."""
+    """Torch's schedule class for an option name (torch matches "interleaved1f1b" to its "Interleaved1F1B")."""
     return get_schedule_class(name.replace("_", ""))
 
 
@@ -41,8 +37,7 @@ class StageEvent:
 
 
 class TimedPipelineStage(PipelineStage):
-    """A ``PipelineStage`` that records when it computes (for the pipeline benchmark's measured bubble): the
-    schedule has already waited for the chunk's inputs when it calls these, so their time is this rank's work."""
+    """A ``PipelineStage`` that records when it computes (its inputs have arrived): the pipeline benchmark's bubble."""
 
     def __init__(self, *args: Any, events: list[StageEvent], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -69,24 +64,22 @@ class PipelineStepResult:
     """The mean over micro-batches of the model's per-micro-batch metrics, the same on every rank."""
 
 
+@dataclass(eq=False)
 class PipelineRunner:
     """The stages this rank holds (looped: stage indices r, r + p, ...) and the schedules that run them."""
 
-    def __init__(self, modules: list[PipelineStageModule], stage_indices: list[int], num_stages: int,
-                 device: torch.device, group: dist.ProcessGroup, schedule: str, micro_batches: int,
-                 parts: PipelineParts) -> None:
-        self.modules = modules
-        self.stage_indices = stage_indices
-        self.num_stages = num_stages
-        self.device = device
-        self.group = group
-        self.schedule_name = schedule
-        self.micro_batches = micro_batches
-        self.parts = parts
-        self._schedules: dict[tuple[Any, ...], Any] = {}
-        self.timeline: list[StageEvent] | None = None
-        """Set to a list to record every stage computation of the training steps (and ``step_spans``)."""
-        self.step_spans: list[tuple[float, float]] = []
+    modules: list[PipelineStageModule]
+    stage_indices: list[int]
+    num_stages: int
+    device: torch.device
+    group: dist.ProcessGroup
+    schedule_name: str
+    micro_batches: int
+    parts: PipelineParts
+    timeline: list[StageEvent] | None = None
+    """Set to a list to record every stage computation of the training steps (and ``step_spans``)."""
+    step_spans: list[tuple[float, float]] = field(default_factory=list)
+    _schedules: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False)
 
     def _schedule(self, training: bool, micro_batches: int, shape: tuple[int, ...]) -> Any:
         """The schedule for batches of ``shape``; tells the stage modules whether it is new (see ``begin``)."""
@@ -107,8 +100,7 @@ class PipelineRunner:
         return self._schedules[key]
 
     def train_step(self, batch: torch.Tensor) -> None:
-        """Forward and backward of every micro-batch of ``batch``; the gradients are left in the parameters, divided
-        by the number of micro-batches (the schedule's ``scale_grads``)."""
+        """Forward and backward of every micro-batch; the gradients, divided by the micro-batches, stay in place."""
         schedule = self._schedule(True, self.micro_batches, tuple(batch.shape))
         if self.timeline is not None:
             dist.barrier(group=self.group)  # the ranks start the step together, so their idle times compare
@@ -126,8 +118,7 @@ class PipelineRunner:
             return schedule.step(tokens=batch)
 
     def gather_step(self) -> PipelineStepResult:
-        """Bring the micro-batch losses (last stage) and every stage's router records together on every rank of the
-        pipeline, and compute the step's loss and metrics as one process would (one small object gather)."""
+        """The step's loss and metrics on every rank, from the micro-batch losses and every stage's router records."""
         local_losses = [float(loss) for module in self.modules for loss in module.step_losses()]
         records: list[dict[str, Any]] = []
         for micro_batch in range(self.micro_batches):
@@ -145,8 +136,7 @@ class PipelineRunner:
             for _, rank_records in gathered:
                 self.parts.absorb(context, rank_records[micro_batch])
             per_micro_batch.append(self.parts.metrics(torch.tensor(losses[micro_batch]), context))
-        metrics = {key: torch.stack([m[key].float() for m in per_micro_batch]).mean()
-                   for key in per_micro_batch[0]}
+        metrics = {key: torch.stack([m[key].float() for m in per_micro_batch]).mean() for key in per_micro_batch[0]}
         return PipelineStepResult(loss=metrics["loss"], metrics=metrics)
 
 

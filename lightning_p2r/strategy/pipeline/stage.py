@@ -1,10 +1,7 @@
 """One pipeline stage as a module ``torch.distributed.pipelining.PipelineStage`` can run: a range of whole layers of
-the model, plus the embedding on the first stage and the head on the last.
-
-The stage only references modules that stay registered in the model (so checkpoints and the optimizer see the
-model's own names); it is the FSDP2 root of its blocks. Its forward takes the previous stage's hidden states
-(positional, sent by the pipeline) and the micro-batch itself (keyword, given to every stage: all ranks of a
-pipeline read the same batch), from which a later stage rebuilds the context the embedding would have made.
+the model, plus the embedding on the first stage and the head on the last; the FSDP2 root of its blocks, which stay
+registered in the model. Its forward takes the previous stage's hidden states and the micro-batch itself (every rank
+of a pipeline reads it), from which a later stage rebuilds the context the embedding would have made.
 """
 
 from __future__ import annotations
@@ -28,8 +25,7 @@ class AbsentModule(nn.Module):
 
 
 def keep_only(holder: nn.Module, blocks: set[int], modules: list[nn.Module]) -> None:
-    """Replace, in place, every block of ``holder`` not in ``blocks`` and every other child holding parameters that
-    is not in ``modules`` by an :class:`AbsentModule` (on the meta device this allocates nothing, ever)."""
+    """Replace each block not in ``blocks``, and each other child with parameters not in ``modules``, by a stand-in."""
     for index in range(len(holder.blocks)):
         if index not in blocks:
             holder.blocks[index] = AbsentModule()
@@ -41,10 +37,8 @@ def keep_only(holder: nn.Module, blocks: set[int], modules: list[nn.Module]) -> 
 
 class _AttachLoss(torch.autograd.Function):
     """Pass ``hidden`` through; in backward give ``loss`` the gradient one, so a layer's extra loss (an MoE router's)
-    joins the backward of its micro-batch on the stage that computed it, without travelling to the last stage (as
-    DeepSeek-MoE attaches its auxiliary loss). One is its weight in the micro-batch's loss; the schedule divides both
-    by the number of micro-batches. The output is a copy, not a view of ``hidden``: FSDP2 warns about a stage
-    returning a view (an in-place op on it would skip its pre-backward hook)."""
+    joins the backward on the stage that computed it (as DeepSeek-MoE attaches its auxiliary loss). The output is a
+    copy: FSDP2 warns about a stage returning a view (an in-place op on it would skip its pre-backward hook)."""
 
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
@@ -85,14 +79,12 @@ class PipelineStageModule(nn.Module):
         self.losses: list[torch.Tensor] = []
         self.forward_calls = 0
         self.after_last_forward: Callable[[PipelineStageModule], None] | None = None
-        """Called after the step's last micro-batch's forward (placement reshards the blocks there when
-        ``Layout.resharding.after_last_micro_batch``: ZeRO-3 with a breadth-first schedule)."""
+        """Called after the step's last forward (placement reshards there: ZeRO-3 with a breadth-first schedule)."""
         self.micro_batches = 1
 
     def begin(self, *, computes_loss: bool, micro_batches: int, infers_shapes: bool) -> None:
         """Before a step: the mode, and a fresh record of contexts and losses. ``infers_shapes``: the schedule is new,
-        and its stage will first run one forward on placeholder inputs to learn the shapes it sends (torch's dynamic
-        metadata inference); that call is not one of the step's micro-batches."""
+        so its stage first runs one forward on placeholder inputs to learn its shapes (not one of the micro-batches)."""
         self.computes_loss = computes_loss
         self.micro_batches = micro_batches
         self.contexts, self.losses = [], []
