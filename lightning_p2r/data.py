@@ -420,12 +420,24 @@ def _default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_p2r"
 
 
+def _match_manifest(prepared: str, manifest: Any, tokenizer: str | None, vocab_size: int | None
+                    ) -> tuple[str, int]:
+    """The prepared directory's tokenizer and vocabulary; a recipe that names others is refused, naming both."""
+    if vocab_size is not None and vocab_size != manifest.vocab_size:
+        raise ValueError(f"data.vocab_size={vocab_size} but {prepared} was prepared with vocab_size "
+                         f"{manifest.vocab_size}: drop data.vocab_size, or prepare the corpus again with it")
+    if tokenizer is not None and tokenizer != manifest.tokenizer:
+        raise ValueError(f"data.tokenizer={tokenizer!r} but {prepared} was prepared with tokenizer "
+                         f"{manifest.tokenizer!r}: drop data.tokenizer, or prepare the corpus again with it")
+    return manifest.tokenizer, manifest.vocab_size
+
+
 class TextDataModule(pl.LightningDataModule):
     """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
 
     Args:
         corpus: 'kjv' for the bundled King James Bible, or a path to a UTF-8 .txt file or a folder of .txt files.
-        tokenizer: 'bpe' (byte-level BPE trained on the corpus and cached) or 'bytes' (raw UTF-8 bytes).
+        tokenizer: 'bpe' (byte-level BPE trained on the corpus and cached; the default) or 'bytes' (raw UTF-8 bytes).
         vocab_size: Tokenizer vocabulary size; default 4096 for bpe (minimum 512) and 256 for bytes (the only value).
         seq_len: Tokens the model sees per sample; each row holds seq_len + 1 tokens for the shifted targets.
         batch_size: Windows per batch (per device).
@@ -433,12 +445,16 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes; 0 loads batches in the main process.
         cache_dir: Folder for the tokenizer and token-id cache; default $LIGHTNING_P2R_CACHE or ~/.cache/lightning_p2r.
         seed: Seed of the training shuffle order.
+        prepared: A directory written by ``lightning-p2r prepare-data``: training and validation then stream its
+            token chunks with litdata (memory flat in the corpus size, exact mid-epoch resume from Lightning's
+            checkpoint), and its manifest gives the tokenizer and vocabulary, so ``corpus`` and ``val_fraction`` do
+            not apply and ``tokenizer``/``vocab_size``, if given, must match it.
     """
 
     def __init__(
         self,
         corpus: str = "kjv",
-        tokenizer: TokenizerKind = "bpe",
+        tokenizer: TokenizerKind | None = None,
         vocab_size: int | None = None,
         seq_len: int = 128,
         batch_size: int = 16,
@@ -446,8 +462,16 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         seed: int = 1234,
+        prepared: str | None = None,
     ) -> None:
         super().__init__()
+        self.manifest = None
+        if prepared is not None:
+            from .prepared import read_manifest
+
+            self.manifest = read_manifest(prepared)
+            tokenizer, vocab_size = _match_manifest(prepared, self.manifest, tokenizer, vocab_size)
+        tokenizer = tokenizer or "bpe"
         if tokenizer not in ("bpe", "bytes"):
             raise ValueError(f"tokenizer must be one of 'bpe', 'bytes', got {tokenizer!r}")
         if vocab_size is None:
@@ -464,7 +488,7 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers}")
-        if corpus != "kjv" and not Path(corpus).expanduser().exists():
+        if prepared is None and corpus != "kjv" and not Path(corpus).expanduser().exists():
             raise FileNotFoundError(
                 f"corpus path {corpus} does not exist. Pass corpus='kjv' for the bundled Bible, or an existing "
                 ".txt file or folder of .txt files."
@@ -479,6 +503,7 @@ class TextDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
         self.seed = seed
+        self.prepared = prepared
         self.tokenizer: TextTokenizer | None = None
         self.train_windows: torch.Tensor | None = None
         self.val_windows: torch.Tensor | None = None
@@ -493,12 +518,37 @@ class TextDataModule(pl.LightningDataModule):
     def _load(self) -> tuple[TextTokenizer, torch.Tensor]:
         return _tokenize_cached(self.corpus, self.tokenizer_kind, self._vocab_size, self.cache_dir)
 
+    def load_tokenizer(self) -> TextTokenizer:
+        """The tokenizer the model's ids come from: the prepared directory's, or the one built for ``corpus``."""
+        if self.manifest is not None:
+            from .prepared import load_prepared_tokenizer
+
+            return load_prepared_tokenizer(self.prepared, self.manifest)
+        text = load_corpus(self.corpus) if self.tokenizer_kind == "bpe" else ""
+        return build_tokenizer(self.tokenizer_kind, self._vocab_size, text, self.cache_dir)
+
     def prepare_data(self) -> None:
         """Build the tokenizer and token-id cache once (Lightning runs this on one process per node)."""
-        self.tokenizer, _ = self._load()
+        if self.manifest is None:
+            self.tokenizer, _ = self._load()
+
+    def _data_parallel_ranks(self) -> tuple[int, int]:
+        """(replicas, rank) of this process's data-parallel group: tensor-parallel ranks share their batches."""
+        strategy = self.trainer.strategy if self.trainer else None
+        if isinstance(strategy, ParallelStrategy):
+            kwargs = strategy.distributed_sampler_kwargs
+            return kwargs["num_replicas"], kwargs["rank"]
+        return 1, 0
 
     def setup(self, stage: str | None = None) -> None:
-        """Load cached ids (building them if needed), split into train/validation and cut them into windows."""
+        """Load cached ids (building them if needed), split into train/validation and cut them into windows; with
+        ``prepared``, check the prepared corpus holds a step's windows instead (the loaders stream it)."""
+        if self.manifest is not None:
+            from .streaming import check_windows
+
+            self.tokenizer = self.load_tokenizer()
+            check_windows(self.manifest, self.prepared, self.seq_len, self.batch_size, self._data_parallel_ranks()[0])
+            return
         if self.train_windows is not None and self.val_windows is not None:
             return  # Lightning calls setup once per stage; the windows do not depend on it.
         self.tokenizer, ids = self._load()
@@ -525,6 +575,13 @@ class TextDataModule(pl.LightningDataModule):
         self.val_windows = pack_sequences(val_ids, self.seq_len)
 
     def _loader(self, rows: torch.Tensor | None, shuffle: bool) -> DataLoader[torch.Tensor]:
+        if self.manifest is not None:
+            from .streaming import streaming_loader
+
+            replicas, rank = self._data_parallel_ranks()
+            return streaming_loader(self.prepared, "train" if shuffle else "val", self.seq_len, self.batch_size,
+                                    shuffle=shuffle, seed=self.seed, num_workers=self.num_workers,
+                                    replicas=replicas, rank=rank)
         if rows is None:
             raise RuntimeError("TextDataModule.setup() must run before requesting a dataloader")
         if self.num_workers > 0:
@@ -532,12 +589,7 @@ class TextDataModule(pl.LightningDataModule):
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         sampler = None
         if shuffle:
-            world, rank = 1, 0
-            strategy = self.trainer.strategy if self.trainer else None
-            if isinstance(strategy, ParallelStrategy):
-                # The strategy's data-parallel ranks (tensor-parallel ranks share their batches).
-                kwargs = strategy.distributed_sampler_kwargs
-                world, rank = kwargs["num_replicas"], kwargs["rank"]
+            world, rank = self._data_parallel_ranks()
             sampler = EpochShuffleSampler(rows.shape[0], self.seed, num_replicas=world, rank=rank)
             epoch, done = self._resume_position
             if 0 < done < len(sampler) // self.batch_size:
