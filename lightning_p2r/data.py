@@ -432,6 +432,22 @@ def _match_manifest(prepared: str, manifest: Any, tokenizer: str | None, vocab_s
     return manifest.tokenizer, manifest.vocab_size
 
 
+def _language_weights(prepared: str, manifest: Any, languages: list[str] | None, alpha: float) -> dict[str, float]:
+    """The training mixture over a multilingual directory's (chosen) languages; empty for one language."""
+    if not manifest.languages:
+        if languages is not None:
+            raise ValueError(f"data.languages={languages} but {prepared} holds one corpus, not languages")
+        return {}
+    chosen = list(manifest.languages) if languages is None else languages
+    unknown = [code for code in chosen if code not in manifest.languages]
+    if unknown or not chosen:
+        raise ValueError(f"{prepared} has no language {', '.join(map(repr, unknown)) or '(none chosen)'}: it holds "
+                         f"{', '.join(manifest.languages)}")
+    from .streaming import mixture_weights
+
+    return mixture_weights({code: manifest.languages[code]["train"]["tokens"] for code in chosen}, alpha)
+
+
 class TextDataModule(pl.LightningDataModule):
     """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
 
@@ -449,6 +465,10 @@ class TextDataModule(pl.LightningDataModule):
             token chunks with litdata (memory flat in the corpus size, exact mid-epoch resume from Lightning's
             checkpoint), and its manifest gives the tokenizer and vocabulary, so ``corpus`` and ``val_fraction`` do
             not apply and ``tokenizer``/``vocab_size``, if given, must match it.
+        languages: With a multilingual prepared directory (``prepare-data --source bible-multi``), the languages to
+            train and validate on; default all it holds.
+        language_alpha: With several languages, each training window's language is drawn with probability
+            proportional to (its training tokens) ** language_alpha: 1 as the corpus is, 0 uniform (mGPT, XLM).
     """
 
     def __init__(
@@ -463,14 +483,23 @@ class TextDataModule(pl.LightningDataModule):
         cache_dir: str | None = None,
         seed: int = 1234,
         prepared: str | None = None,
+        languages: list[str] | None = None,
+        language_alpha: float = 0.3,
     ) -> None:
         super().__init__()
+        if not 0.0 <= language_alpha <= 1.0:
+            raise ValueError(f"language_alpha must be between 0 (uniform) and 1 (as the corpus is), got "
+                             f"{language_alpha}")
         self.manifest = None
+        self.language_weights: dict[str, float] = {}
         if prepared is not None:
             from .prepared import read_manifest
 
             self.manifest = read_manifest(prepared)
             tokenizer, vocab_size = _match_manifest(prepared, self.manifest, tokenizer, vocab_size)
+            self.language_weights = _language_weights(prepared, self.manifest, languages, language_alpha)
+        elif languages is not None:
+            raise ValueError("data.languages applies to a multilingual prepared directory (data.prepared) only")
         tokenizer = tokenizer or "bpe"
         if tokenizer not in ("bpe", "bytes"):
             raise ValueError(f"tokenizer must be one of 'bpe', 'bytes', got {tokenizer!r}")
@@ -579,9 +608,12 @@ class TextDataModule(pl.LightningDataModule):
             from .streaming import streaming_loader
 
             replicas, rank = self._data_parallel_ranks()
-            return streaming_loader(self.prepared, "train" if shuffle else "val", self.seq_len, self.batch_size,
-                                    shuffle=shuffle, seed=self.seed, num_workers=self.num_workers,
-                                    replicas=replicas, rank=rank)
+            split = self.manifest.split_dirs("train" if shuffle else "val")
+            if self.language_weights:
+                split = {code: folder for code, folder in split.items() if code in self.language_weights}
+            return streaming_loader(self.prepared, split, self.seq_len, self.batch_size, shuffle=shuffle,
+                                    seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank,
+                                    weights=self.language_weights)
         if rows is None:
             raise RuntimeError("TextDataModule.setup() must run before requesting a dataloader")
         if self.num_workers > 0:

@@ -16,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "a recipe then trains from it with data.prepared: OUT (docs/data.md).",
         usage="lightning-p2r prepare-data --source SOURCE --out OUT [options]")
     parser.add_argument("--source", required=True, metavar="SOURCE",
-                        help="'kjv' (the bundled King James Bible), a UTF-8 .txt file, or a folder of .txt files")
+                        help="'kjv' (the bundled King James Bible), 'bible-multi' (22 languages, the [multilingual] "
+                             "extra), a UTF-8 .txt file, or a folder of .txt files")
     parser.add_argument("--out", required=True, metavar="OUT", help="the prepared directory to write")
     parser.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe",
                         help="byte-level BPE trained on the corpus, or raw UTF-8 bytes (default: bpe)")
@@ -26,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the corpus's last fraction of bytes, cut at a line end, held out (default: 0.05)")
     parser.add_argument("--num_workers", type=int, default=1, metavar="N",
                         help="processes that encode pieces of the corpus in parallel (default: 1)")
+    parser.add_argument("--languages", default=None, metavar="CODES",
+                        help="bible-multi only: comma-separated language codes, e.g. en,fr,zh (default: all 22)")
     parser.add_argument("--overwrite", action="store_true",
                         help="rebuild OUT when it was prepared from other inputs (default: refuse)")
     return parser
@@ -39,6 +42,7 @@ def main(argv: list[str]) -> None:
     try:
         manifest = prepare_data(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                                 val_fraction=args.val_fraction, num_workers=args.num_workers,
+                                languages=args.languages.split(",") if args.languages else None,
                                 overwrite=args.overwrite, log=lambda line: print(line, file=sys.stderr))
     except PreparedDataError as error:
         parser.error(str(error))

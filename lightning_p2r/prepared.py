@@ -20,7 +20,7 @@ import json
 import os
 import shutil
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +30,6 @@ from .data import BPETokenizer, ByteTokenizer, TextTokenizer, TokenizerKind, _at
 
 MANIFEST = "manifest.json"
 FORMAT = 1
-SPLITS = ("train", "val")
 _BLOCK = 8 << 20
 _LITDATA_HINT = ("litdata is not installed: run `pip install -c constraints.txt --no-deps litdata==0.2.76` (without "
                  "--no-deps pip also installs torchvision, whose CUDA build breaks `import lightning` on a CPU torch)")
@@ -162,15 +161,18 @@ def cut_pieces(corpus: Corpus, val_fraction: float, piece_bytes: int) -> dict[st
         if local < part.size:
             ranges["val"].append((part, local, part.size))
         before += part.size
-    pieces: dict[str, list[Piece]] = {}
-    for split, spans in ranges.items():
-        pieces[split] = []
-        for part, start, end in spans:
-            while start < end:
-                stop = min(end, _line_end_after(corpus, part, start + piece_bytes))
-                stop = stop if stop > start else end
-                pieces[split].append(Piece(part, start, stop))
-                start = stop
+    return {split: [piece for part, start, end in spans for piece in _pieces_of(corpus, part, piece_bytes, start, end)]
+            for split, spans in ranges.items()}
+
+
+def _pieces_of(corpus: Corpus, part: Part, piece_bytes: int, start: int = 0, end: int | None = None) -> list[Piece]:
+    """``part``'s bytes from ``start`` to ``end`` cut at line ends into pieces of about ``piece_bytes``."""
+    end = part.size if end is None else end
+    pieces = []
+    while start < end:
+        stop = min(end, _line_end_after(corpus, part, start + piece_bytes))
+        pieces.append(Piece(part, start, stop if stop > start else end))
+        start = pieces[-1].end
     return pieces
 
 
@@ -239,11 +241,19 @@ class Manifest:
     val_fraction: float
     splits: dict[str, dict[str, int]]
     """Per split: ``tokens`` and ``bytes`` (of UTF-8 text), the second for bits per byte."""
+    languages: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """A multilingual corpus's counts per language and split (its data is under ``<language>/<split>``)."""
     format: int = FORMAT
+
+    def split_dirs(self, split: str) -> dict[str, str]:
+        """Where a split's chunks are, per language ("" for a single-language corpus), relative to the directory."""
+        if not self.languages:
+            return {"": split}
+        return {code: f"{code}/{split}" for code, splits in self.languages.items() if split in splits}
 
     def inputs(self) -> dict[str, Any]:
         """The fields that decide the content: equal inputs mean a re-run would write the same tokens."""
-        return {k: v for k, v in asdict(self).items() if k not in ("splits", "source")}
+        return {k: v for k, v in asdict(self).items() if k not in ("splits", "languages", "source")}
 
 
 def read_manifest(directory: str | Path) -> Manifest:
@@ -264,9 +274,10 @@ def read_manifest(directory: str | Path) -> Manifest:
         raise PreparedDataError(f"{path} is not a manifest this version reads ({exc}): {hint} again") from exc
     if manifest.format != FORMAT:
         raise PreparedDataError(f"{path} has format {manifest.format}, this version reads {FORMAT}: {hint} again")
-    for split in SPLITS:
-        if not (directory / split / "index.json").is_file():
-            raise PreparedDataError(f"{directory / split} has no index.json: {hint} again")
+    for split in manifest.splits:
+        for where in manifest.split_dirs(split).values():
+            if not (directory / where / "index.json").is_file():
+                raise PreparedDataError(f"{directory / where} has no index.json: {hint} again")
     return manifest
 
 
@@ -309,24 +320,66 @@ def _split_tokens(directory: Path) -> int:
     return sum(int(chunk["dim"]) for chunk in index["chunks"])
 
 
+def _bible_streams(languages: list[str], piece_bytes: int) -> tuple[Corpus, str, dict[str, dict[str, list[Piece]]]]:
+    """bible-multi as one in-memory part per (language, split), its hash, and its pieces per language and split."""
+    from .bible_multi import SPLITS as BIBLE_SPLITS
+    from .bible_multi import check_languages, read_texts
+
+    try:
+        texts = read_texts(check_languages(languages))
+    except (ValueError, ImportError) as error:
+        raise PreparedDataError(str(error)) from None
+    data = {f"{code}/{split}": text.encode() for code, splits in texts.items() for split, text in splits.items()}
+    corpus = Corpus("bible-multi", [Part(name, len(text)) for name, text in data.items()], data)
+    digest = hashlib.sha256(b"".join(name.encode() + b"\0" + text for name, text in data.items())).hexdigest()
+    streams = {code: {split: _pieces_of(corpus, corpus.parts[i * len(BIBLE_SPLITS) + j], piece_bytes)
+                      for j, split in enumerate(BIBLE_SPLITS)} for i, code in enumerate(texts)}
+    return corpus, digest, streams
+
+
+def _balanced_sample(streams: dict[str, dict[str, list[Piece]]]) -> list[Piece]:
+    """Training pieces for the tokenizer with every language equally represented: as many pieces from each
+    language, taken evenly across its text (a language with more text does not get more merges)."""
+    per_language = min(len(splits["train"]) for splits in streams.values())
+    sample = []
+    for splits in streams.values():
+        train = splits["train"]
+        step = len(train) / per_language
+        sample += [train[int(i * step)] for i in range(per_language)]
+    return sample
+
+
 def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: TokenizerKind = "bpe",
                  vocab_size: int | None = None, val_fraction: float = 0.05, num_workers: int = 1,
                  piece_bytes: int = 1 << 20, sample_bytes: int = 64 << 20, overwrite: bool = False,
-                 log: Any = print) -> Manifest:
+                 languages: list[str] | None = None, log: Any = print) -> Manifest:
     """Tokenize ``source`` into the prepared directory ``out`` and return its manifest (see the module docstring).
 
-    Re-running with the same inputs returns the existing manifest without writing; other inputs over an existing
-    directory are refused unless ``overwrite``, which rebuilds it (never mixes old chunks with new ones).
+    ``source='bible-multi'`` writes one ``<language>/{train,val,test}`` per language of ``languages`` (default all)
+    with its book split (``bible_multi.py``; ``val_fraction`` does not apply) and one tokenizer trained on a
+    language-balanced sample. Re-running with the same inputs returns the existing manifest without writing; other
+    inputs over an existing directory are refused unless ``overwrite``, which rebuilds it (never mixes old chunks
+    with new ones).
     """
     vocab_size = vocab_size if vocab_size is not None else (4096 if tokenizer == "bpe" else 256)
     _check_options(tokenizer, vocab_size, val_fraction, num_workers, piece_bytes)
     litdata = require_litdata()
     out = Path(out).expanduser()
-    corpus, source_sha = open_corpus(source)
-    pieces = cut_pieces(corpus, val_fraction, piece_bytes)
-    if not pieces["val"] or not pieces["train"]:
-        raise PreparedDataError(f"corpus {corpus.name} ({corpus.size} bytes) is too small to hold out "
-                                f"val_fraction={val_fraction} at a line end: use a larger corpus")
+    if source == "bible-multi":
+        from .bible_multi import TRANSLATIONS
+
+        languages = list(TRANSLATIONS) if languages is None else languages
+        corpus, source_sha, streams = _bible_streams(languages, piece_bytes)
+        val_fraction, sample = 0.0, _balanced_sample(streams)
+    else:
+        if languages is not None:
+            raise PreparedDataError("languages apply to the bible-multi corpus only")
+        corpus, source_sha = open_corpus(source)
+        streams = {"": cut_pieces(corpus, val_fraction, piece_bytes)}
+        sample = streams[""]["train"]
+        if not streams[""]["val"] or not streams[""]["train"]:
+            raise PreparedDataError(f"corpus {corpus.name} ({corpus.size} bytes) is too small to hold out "
+                                    f"val_fraction={val_fraction} at a line end: use a larger corpus")
     existing = None
     if out.exists():
         try:
@@ -335,7 +388,7 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
             if not overwrite:
                 raise PreparedDataError(f"{out} exists but is not a complete prepared directory: remove it or pass "
                                         "--overwrite") from None
-    tok = _train_tokenizer(corpus, pieces["train"], tokenizer, vocab_size, sample_bytes)
+    tok = _train_tokenizer(corpus, sample, tokenizer, vocab_size, sample_bytes)
     tokenizer_sha = hashlib.sha256(tok.to_json().encode() if isinstance(tok, BPETokenizer) else b"bytes").hexdigest()
     wanted = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, {})
     if existing is not None:
@@ -353,18 +406,26 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
     if isinstance(tok, BPETokenizer):
         tokenizer_path = str(partial / "tokenizer.json")
         tok.save(tokenizer_path)
-    splits: dict[str, dict[str, int]] = {}
-    for split in SPLITS:
-        jobs = [_EncodeJob(p.part.path, p.start, p.end, None if p.part.path else corpus.read(p.part, p.start, p.end),
-                           tokenizer_path, vocab_size) for p in pieces[split]]
-        workers = min(num_workers, len(jobs))
-        log(f"{split}: encoding {len(jobs)} pieces of {corpus.name} with {workers} worker(s)")
-        litdata.optimize(fn=encode_piece, inputs=jobs, output_dir=str(partial / split), num_workers=workers,
-                         chunk_bytes="64MB", item_loader=litdata.TokensLoader(), reorder_files=False,
-                         keep_data_ordered=True, verbose=False, start_method="fork")
-        splits[split] = {"tokens": _split_tokens(partial / split),
-                         "bytes": sum(p.end - p.start for p in pieces[split])}
-    manifest = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, splits)
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    for language, pieces in streams.items():
+        counts[language] = {}
+        for split, split_pieces in pieces.items():
+            target = partial / language / split
+            jobs = [_EncodeJob(p.part.path, p.start, p.end, None if p.part.path else corpus.read(p.part, p.start,
+                                                                                                     p.end),
+                               tokenizer_path, vocab_size) for p in split_pieces]
+            workers = min(num_workers, len(jobs))
+            log(f"{language + '/' if language else ''}{split}: encoding {len(jobs)} pieces of {corpus.name} with "
+                f"{workers} worker(s)")
+            litdata.optimize(fn=encode_piece, inputs=jobs, output_dir=str(target), num_workers=workers,
+                             chunk_bytes="64MB", item_loader=litdata.TokensLoader(), reorder_files=False,
+                             keep_data_ordered=True, verbose=False, start_method="fork")
+            counts[language][split] = {"tokens": _split_tokens(target),
+                                       "bytes": sum(p.end - p.start for p in split_pieces)}
+    totals = {split: {key: sum(c[split][key] for c in counts.values()) for key in ("tokens", "bytes")}
+              for split in next(iter(counts.values()))}
+    manifest = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, totals,
+                        {code: c for code, c in counts.items() if code})
     _atomic_write(partial / MANIFEST, (json.dumps(asdict(manifest), indent=2) + "\n").encode())
     if out.exists():
         shutil.rmtree(out)  # only reached with overwrite: the new copy is complete before the old one goes
