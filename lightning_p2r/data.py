@@ -655,12 +655,37 @@ class TextDataModule(pl.LightningDataModule):
         """Shuffled training windows; the order is fixed by ``seed`` and partial batches are dropped."""
         return self._loader(self.train_windows, shuffle=True)
 
-    def val_dataloader(self) -> DataLoader[torch.Tensor]:
-        """Validation windows in stream order."""
+    @property
+    def eval_languages(self) -> list[str]:
+        """A multilingual prepared directory's chosen languages: validation and test have one loader each, in this
+        order (empty otherwise)."""
+        return list(self.language_weights)
+
+    def tokens_per_byte(self, split: str) -> dict[str, float]:
+        """Per language, the split's tokens per byte of text (bits per byte = loss * this / ln 2)."""
+        counts = self.manifest.languages if self.manifest is not None else {}
+        return {code: counts[code][split]["tokens"] / counts[code][split]["bytes"] for code in self.eval_languages}
+
+    def _language_loaders(self, split: str) -> list[Any]:
+        from .streaming import streaming_loader
+
+        replicas, rank = self._data_parallel_ranks()
+        folders = self.manifest.split_dirs(split)
+        return [streaming_loader(self.prepared, folders[code], self.seq_len, self.batch_size, shuffle=False,
+                                 seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank)
+                for code in self.eval_languages]
+
+    def val_dataloader(self) -> Any:
+        """Validation windows in stream order; one loader per language of a multilingual prepared directory."""
+        if self.eval_languages:
+            return self._language_loaders("val")
         return self._loader(self.val_windows, shuffle=False)
 
-    def test_dataloader(self) -> DataLoader[torch.Tensor]:
-        """The validation windows (the package keeps no separate test split)."""
+    def test_dataloader(self) -> Any:
+        """The held-out test books of each language of a multilingual prepared directory; otherwise the validation
+        windows (a single corpus keeps no separate test split)."""
+        if self.eval_languages:
+            return self._language_loaders("test")
         return self._loader(self.val_windows, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader[torch.Tensor]:

@@ -1,5 +1,6 @@
 """bible-multi: the same held-out books in every language, the language mixture, training on several languages."""
 
+import math
 from pathlib import Path
 
 import lightning as L
@@ -8,6 +9,7 @@ import torch
 
 from lightning_p2r import M6Config, M6LanguageModel, TextDataModule
 from lightning_p2r.bible_multi import TEST_BOOKS, TRANSLATIONS, VAL_BOOKS, check_languages, read_texts
+from lightning_p2r.module import next_token_loss
 from lightning_p2r.prepared import PreparedDataError, prepare_data, read_manifest
 from lightning_p2r.streaming import mixture_weights
 
@@ -101,6 +103,21 @@ def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, t
                         val_check_interval=3, default_root_dir=tmp_path)
     trainer.fit(model, datamodule=data)
     assert trainer.global_step == 3 and "val/loss" in trainer.callback_metrics
+    # Per language, the loss over the batches validation read, recomputed here; bytes: one token per byte.
+    metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
+    model.eval()
+    expected = {}
+    with torch.no_grad():
+        for code, loader in zip(data.eval_languages, data._language_loaders("val")):
+            losses = [next_token_loss(model(b[:, :-1]).logits, b[:, 1:]) for _, b in zip(range(2), loader)]
+            expected[code] = float(torch.stack(losses).mean())
+    for code in ("en", "zh"):
+        assert metrics[f"val/loss/{code}"] == pytest.approx(expected[code], rel=1e-5)
+        assert metrics[f"val/bpb/{code}"] == pytest.approx(expected[code] / math.log(2), rel=1e-5)
+        assert metrics[f"val/ppl/{code}"] == pytest.approx(math.exp(expected[code]), rel=1e-5)
+    assert metrics["val/loss"] == pytest.approx(sum(expected.values()) / 2, rel=1e-5)  # equal tokens per language
+    tested = trainer.test(model, datamodule=data, verbose=False)[0]
+    assert {"test/loss/en", "test/bpb/zh", "test/loss"} <= set(tested)
     with pytest.raises(ValueError, match="has no language 'de'.*holds en, fr, zh"):
         TextDataModule(prepared=str(prepared), languages=["de"])
     with pytest.raises(ValueError, match="language_alpha must be between"):
