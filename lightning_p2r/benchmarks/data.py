@@ -50,8 +50,11 @@ MEMORY_COLUMNS = ["prepared_mb", "tokens", "windows_read", "seconds", "peak_rss_
 def _text_file(folder: Path, megabytes: float) -> Path:
     kjv = load_corpus("kjv") + "\n"
     copies = max(1, round(megabytes * 1e6 / len(kjv.encode())))
+    text = kjv * copies
+    if megabytes * 1e6 < len(kjv):  # a smaller corpus (the smoke test): the start of the KJV, whole lines
+        text = text[:text.index("\n", int(megabytes * 1e6)) + 1]
     path = folder / "corpus.txt"
-    path.write_text(kjv * copies, encoding="utf-8")
+    path.write_text(text, encoding="utf-8")
     return path
 
 
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batches", type=int, default=400, help="batches the loader row times")
     args = parser.parse_args(argv)
     if args.quick:
-        args.corpus_mb, args.sizes_mb, args.batches = 1.0, [8, 16], 20
+        args.corpus_mb, args.sizes_mb, args.batches = 0.3, [8, 16], 20
     apply_threads(args.threads)
     env = environment_info("cpu")
     print_environment(env)
