@@ -11,7 +11,8 @@ Three tables (one CSV and PNG each):
   the tokens/s the quickstart model's training step consumes on the same batches (forward, backward, AdamW step,
   one process). ``loader_over_step`` above 1 means the loader is never what training waits for.
 - ``data_memory``: peak RSS of a fresh process that streams every training window of prepared directories of
-  ``--sizes-mb`` MB of tokens: flat, not growing with the corpus, is what streaming promises.
+  ``--sizes-mb`` MB of tokens, before the first window (imports, the loader) and at the end: flat, not growing with
+  the corpus, is what streaming promises.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from lightning_p2r.streaming import streaming_loader
 
 PREPARE_COLUMNS = ["tokenizer", "workers", "text_mb", "tokens", "seconds", "mb_per_s"]
 LOADER_COLUMNS = ["batch_size", "seq_len", "loader_tokens_per_s", "step_tokens_per_s", "loader_over_step"]
-MEMORY_COLUMNS = ["prepared_mb", "tokens", "windows_read", "seconds", "peak_rss_mb"]
+MEMORY_COLUMNS = ["prepared_mb", "tokens", "windows_read", "seconds", "rss_before_mb", "peak_rss_mb"]
 
 
 def _text_file(folder: Path, megabytes: float) -> Path:
@@ -124,23 +125,25 @@ def _token_directory(root: Path, megabytes: int) -> Path:
 
 
 def _stream_all(directory: str) -> None:
-    """Child process: read every training window of ``directory``; print tokens, windows, seconds and peak RSS."""
+    """Child process: read every training window of ``directory``; print windows, seconds, and the peak RSS before
+    the first window and at the end."""
     loader = streaming_loader(directory, "train", 128, 16, shuffle=True, seed=0, num_workers=0, replicas=1, rank=0)
+    before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     start, windows = time.perf_counter(), 0
     for batch in loader:
         windows += batch.shape[0]
     rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(windows, time.perf_counter() - start, rss_mb)
+    print(windows, time.perf_counter() - start, before_mb, rss_mb)
 
 
 def measure_memory(root: Path, megabytes: int) -> dict[str, Any]:
     directory = _token_directory(root, megabytes)
     result = subprocess.run([sys.executable, "-m", "lightning_p2r.benchmarks.data", "--stream-all", str(directory)],
                             capture_output=True, text=True, check=True)
-    windows, seconds, rss_mb = result.stdout.split()[-3:]
+    windows, seconds, before_mb, rss_mb = result.stdout.split()[-4:]
     tokens = sum(p.stat().st_size for p in (directory / "train").glob("*.bin")) // 2
     return {"prepared_mb": megabytes, "tokens": tokens, "windows_read": int(windows), "seconds": float(seconds),
-            "peak_rss_mb": float(rss_mb)}
+            "rss_before_mb": float(before_mb), "peak_rss_mb": float(rss_mb)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
