@@ -661,6 +661,17 @@ class TextDataModule(pl.LightningDataModule):
         order (empty otherwise)."""
         return list(self.language_weights)
 
+    def realized_mixture(self) -> dict[str, float]:
+        """The share of this epoch's training windows (on this rank) that each language has given so far, as counted
+        by litdata's loader: what the mixture ``language_weights`` asked for turned into (empty for one language)."""
+        loader = self.trainer.train_dataloader if self.trainer is not None else None
+        if len(self.language_weights) < 2 or not hasattr(loader, "state_dict"):
+            return {}
+        per_worker = loader.state_dict()["num_samples_yielded"].values()
+        counts = [sum(column) for column in zip(*per_worker)]
+        total = sum(counts)
+        return {code: count / total for code, count in zip(self.language_weights, counts)} if total else {}
+
     def tokens_per_byte(self, split: str) -> dict[str, float]:
         """Per language, the split's tokens per byte of text (bits per byte = loss * this / ln 2)."""
         counts = self.manifest.languages if self.manifest is not None else {}

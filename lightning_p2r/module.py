@@ -468,6 +468,10 @@ class M6LanguageModel(L.LightningModule):
         if schedulers is not None:
             scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
             self.log("lr", scheduler.get_last_lr()[0])
+        if self.trainer.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
+            mixture = getattr(self.trainer.datamodule, "realized_mixture", None)
+            for code, share in (mixture() if mixture is not None else {}).items():
+                self.log(f"data/mixture/{code}", share)
 
     def on_train_epoch_start(self) -> None:
         self._last_batch_end = None  # the gap across validation or epoch boundaries is not throughput

@@ -100,9 +100,12 @@ def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, t
                                      num_experts=4))
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=2,
-                        val_check_interval=3, default_root_dir=tmp_path)
+                        val_check_interval=3, default_root_dir=tmp_path, log_every_n_steps=1)
     trainer.fit(model, datamodule=data)
     assert trainer.global_step == 3 and "val/loss" in trainer.callback_metrics
+    realized = data.realized_mixture()  # 12 windows drawn: both languages, shares summing to one
+    assert set(realized) == {"en", "zh"} and sum(realized.values()) == pytest.approx(1.0)
+    assert {"data/mixture/en", "data/mixture/zh"} <= set(trainer.logged_metrics)
     # Per language, the loss over the batches validation read, recomputed here; bytes: one token per byte.
     metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
     model.eval()
