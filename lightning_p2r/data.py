@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 if TYPE_CHECKING:
@@ -452,7 +453,9 @@ class TextDataModule(pl.LightningDataModule):
     """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
 
     Args:
-        corpus: 'kjv' for the bundled King James Bible, or a path to a UTF-8 .txt file or a folder of .txt files.
+        corpus: 'kjv' for the bundled King James Bible (the default), or a path to a UTF-8 .txt file or a folder of
+            .txt files; with ``prepared``, also 'bible-multi', and the source the run prepares that directory from
+            when it is not there yet.
         tokenizer: 'bpe' (byte-level BPE trained on the corpus and cached; the default) or 'bytes' (raw UTF-8 bytes).
         vocab_size: Tokenizer vocabulary size; default 4096 for bpe (minimum 512) and 256 for bytes (the only value).
         seq_len: Tokens the model sees per sample; each row holds seq_len + 1 tokens for the shifted targets.
@@ -463,8 +466,9 @@ class TextDataModule(pl.LightningDataModule):
         seed: Seed of the training shuffle order.
         prepared: A directory written by ``lightning-p2r prepare-data``: training and validation then stream its
             token chunks with litdata (memory flat in the corpus size, exact mid-epoch resume from Lightning's
-            checkpoint), and its manifest gives the tokenizer and vocabulary, so ``corpus`` and ``val_fraction`` do
-            not apply and ``tokenizer``/``vocab_size``, if given, must match it.
+            checkpoint), and its manifest gives the tokenizer and vocabulary (``tokenizer``/``vocab_size``, if
+            given, must match it). Without ``corpus`` the directory must exist; with it, ``fit`` prepares it first
+            (``prepare_data``, once per node) with these tokenizer, vocabulary and ``val_fraction`` settings.
         languages: With a multilingual prepared directory (``prepare-data --source bible-multi``), the languages to
             train and validate on; default all it holds.
         language_alpha: With several languages, each training window's language is drawn with probability
@@ -473,7 +477,7 @@ class TextDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        corpus: str = "kjv",
+        corpus: str | None = None,
         tokenizer: TokenizerKind | None = None,
         vocab_size: int | None = None,
         seq_len: int = 128,
@@ -492,12 +496,15 @@ class TextDataModule(pl.LightningDataModule):
                              f"{language_alpha}")
         self.manifest = None
         self.language_weights: dict[str, float] = {}
+        self._languages, self._language_alpha = languages, language_alpha
         if prepared is not None:
-            from .prepared import read_manifest
+            from .prepared import MANIFEST, read_manifest
 
-            self.manifest = read_manifest(prepared)
-            tokenizer, vocab_size = _match_manifest(prepared, self.manifest, tokenizer, vocab_size)
-            self.language_weights = _language_weights(prepared, self.manifest, languages, language_alpha)
+            if (Path(prepared).expanduser() / MANIFEST).is_file() or corpus is None:
+                # Prepared already (or nothing to prepare it from: refused here, naming prepare-data).
+                self.manifest = read_manifest(prepared)
+                tokenizer, vocab_size = _match_manifest(prepared, self.manifest, tokenizer, vocab_size)
+                self.language_weights = _language_weights(prepared, self.manifest, languages, language_alpha)
         elif languages is not None:
             raise ValueError("data.languages applies to a multilingual prepared directory (data.prepared) only")
         tokenizer = tokenizer or "bpe"
@@ -517,7 +524,10 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers}")
-        if prepared is None and corpus != "kjv" and not Path(corpus).expanduser().exists():
+        corpus = corpus or ("kjv" if prepared is None else None)
+        if corpus == "bible-multi" and prepared is None:
+            raise ValueError("corpus 'bible-multi' is streamed: set data.prepared to the directory to prepare it in")
+        if corpus not in (None, "kjv", "bible-multi") and not Path(corpus).expanduser().exists():
             raise FileNotFoundError(
                 f"corpus path {corpus} does not exist. Pass corpus='kjv' for the bundled Bible, or an existing "
                 ".txt file or folder of .txt files."
@@ -547,19 +557,40 @@ class TextDataModule(pl.LightningDataModule):
     def _load(self) -> tuple[TextTokenizer, torch.Tensor]:
         return _tokenize_cached(self.corpus, self.tokenizer_kind, self._vocab_size, self.cache_dir)
 
+    def _open_prepared(self) -> None:
+        """Read the prepared directory's manifest (once it exists) and what follows from it: the tokenizer and
+        vocabulary it must match, and the language mixture."""
+        from .prepared import read_manifest
+
+        self.manifest = read_manifest(self.prepared)
+        _match_manifest(self.prepared, self.manifest, self.tokenizer_kind, self._vocab_size)
+        self.language_weights = _language_weights(self.prepared, self.manifest, self._languages,
+                                                  self._language_alpha)
+
     def load_tokenizer(self) -> TextTokenizer:
         """The tokenizer the model's ids come from: the prepared directory's, or the one built for ``corpus``."""
-        if self.manifest is not None:
+        if self.prepared is not None:
             from .prepared import load_prepared_tokenizer
 
+            if self.manifest is None:
+                self._open_prepared()
             return load_prepared_tokenizer(self.prepared, self.manifest)
         text = load_corpus(self.corpus) if self.tokenizer_kind == "bpe" else ""
         return build_tokenizer(self.tokenizer_kind, self._vocab_size, text, self.cache_dir)
 
     def prepare_data(self) -> None:
-        """Build the tokenizer and token-id cache once (Lightning runs this on one process per node)."""
-        if self.manifest is None:
+        """Build the tokenizer and token-id cache once (Lightning runs this on one process per node); with
+        ``prepared`` and ``corpus``, prepare the directory from the corpus (a no-op once it is, refused if it was
+        prepared from other inputs)."""
+        if self.prepared is None:
             self.tokenizer, _ = self._load()
+        elif self.corpus is not None:
+            from .prepared import prepare_data
+
+            prepare_data(self.corpus, self.prepared, tokenizer=self.tokenizer_kind, vocab_size=self._vocab_size,
+                         val_fraction=self.val_fraction, num_workers=max(1, self.num_workers),
+                         languages=self._languages if self.corpus == "bible-multi" else None,
+                         log=rank_zero_info)
 
     def _data_parallel_ranks(self) -> tuple[int, int]:
         """(replicas, rank) of this process's data-parallel group: tensor-parallel ranks share their batches."""
@@ -572,9 +603,10 @@ class TextDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Load cached ids (building them if needed), split into train/validation and cut them into windows; with
         ``prepared``, check the prepared corpus holds a step's windows instead (the loaders stream it)."""
-        if self.manifest is not None:
+        if self.prepared is not None:
             from .streaming import check_windows
 
+            self._open_prepared()
             self.tokenizer = self.load_tokenizer()
             check_windows(self.manifest, self.prepared, self.seq_len, self.batch_size, self._data_parallel_ranks()[0])
             return
@@ -604,7 +636,7 @@ class TextDataModule(pl.LightningDataModule):
         self.val_windows = pack_sequences(val_ids, self.seq_len)
 
     def _loader(self, rows: torch.Tensor | None, shuffle: bool) -> DataLoader[torch.Tensor]:
-        if self.manifest is not None:
+        if self.prepared is not None:
             from .streaming import streaming_loader
 
             replicas, rank = self._data_parallel_ranks()

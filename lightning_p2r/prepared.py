@@ -252,8 +252,10 @@ class Manifest:
         return {code: f"{code}/{split}" for code, splits in self.languages.items() if split in splits}
 
     def inputs(self) -> dict[str, Any]:
-        """The fields that decide the content: equal inputs mean a re-run would write the same tokens."""
-        return {k: v for k, v in asdict(self).items() if k not in ("splits", "languages", "source")}
+        """The fields that decide the content: equal inputs mean a re-run would write the same tokens (the trained
+        tokenizer follows from them, so a re-run can tell without training it)."""
+        return {k: v for k, v in asdict(self).items()
+                if k not in ("splits", "languages", "source", "tokenizer_sha256")}
 
 
 def read_manifest(directory: str | Path) -> Manifest:
@@ -388,9 +390,7 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
             if not overwrite:
                 raise PreparedDataError(f"{out} exists but is not a complete prepared directory: remove it or pass "
                                         "--overwrite") from None
-    tok = _train_tokenizer(corpus, sample, tokenizer, vocab_size, sample_bytes)
-    tokenizer_sha = hashlib.sha256(tok.to_json().encode() if isinstance(tok, BPETokenizer) else b"bytes").hexdigest()
-    wanted = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, {})
+    wanted = Manifest(tokenizer, vocab_size, "", corpus.name, source_sha, val_fraction, {})
     if existing is not None:
         if existing.inputs() == wanted.inputs():
             log(f"{out} is already prepared from these inputs: nothing to do")
@@ -399,6 +399,8 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
             changed = sorted(k for k, v in wanted.inputs().items() if existing.inputs().get(k) != v)
             raise PreparedDataError(f"{out} was prepared from other inputs ({', '.join(changed)} differ): pass "
                                     "--overwrite to rebuild it, or choose another --out")
+    tok = _train_tokenizer(corpus, sample, tokenizer, vocab_size, sample_bytes)
+    tokenizer_sha = hashlib.sha256(tok.to_json().encode() if isinstance(tok, BPETokenizer) else b"bytes").hexdigest()
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)

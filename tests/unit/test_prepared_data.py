@@ -212,3 +212,27 @@ def test_prepare_data_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("lightning-p2r prepare-data: error: corpus") and "does not exist" in error
     assert not os.path.exists(tmp_path / "o2")
+
+
+def test_a_run_prepares_its_directory_once_and_refuses_another_corpus(tmp_path: Path) -> None:
+    source, other = _corpus(tmp_path / "a"), _corpus(tmp_path / "b", lines=300)
+    out = tmp_path / "prepared"
+
+    def fit(corpus: Path) -> L.Trainer:
+        data = TextDataModule(corpus=str(corpus), prepared=str(out), tokenizer="bytes", seq_len=16, batch_size=4)
+        model = M6LanguageModel(M6Config(**TINY))
+        trainer = _trainer(tmp_path / "run", 2)
+        trainer.fit(model, datamodule=data)
+        return trainer
+
+    assert fit(source).global_step == 2
+    assert read_manifest(out).source == str(source)
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert fit(source).global_step == 2 and (out / "manifest.json").stat().st_mtime_ns == stamp  # prepared once
+    with pytest.raises(PreparedDataError, match="prepared from other inputs .*source_sha256"):
+        fit(other)
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="does not exist.*prepare-data"):
+        TextDataModule(prepared=str(tmp_path / "never-prepared"))
+    with pytest.raises(ValueError, match="bible-multi' is streamed"):
+        TextDataModule(corpus="bible-multi")
