@@ -378,6 +378,7 @@ COMMANDS: dict[str, str] = {
     "test": "one pass over the test data with a recipe and --ckpt_path",
     "predict": "next-token predictions over the predict data with a recipe and --ckpt_path",
     "generate": "sample text from a checkpoint (single-file or sharded) with a recipe's tokenizer",
+    "prepare-data": "tokenize a corpus once into streamed chunks a recipe trains from (data.prepared)",
     "plan": "price parallel layouts of a recipe's model on a cluster and rank them",
     "calibrate": "measure this machine's compute, memory and collective speeds for the planner",
     "convert-checkpoint": "write a sharded checkpoint as one file any strategy loads",
@@ -408,6 +409,10 @@ def _run_side_command(name: str, argv: list[str]) -> None:
         from .generate_cli import main as generate
 
         generate(argv)
+    elif name == "prepare-data":
+        from .prepare_cli import main as prepare
+
+        prepare(argv)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -20,6 +20,7 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 if TYPE_CHECKING:
@@ -420,12 +421,42 @@ def _default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_p2r"
 
 
+def _match_manifest(prepared: str, manifest: Any, tokenizer: str | None, vocab_size: int | None
+                    ) -> tuple[str, int]:
+    """The prepared directory's tokenizer and vocabulary; a recipe that names others is refused, naming both."""
+    if vocab_size is not None and vocab_size != manifest.vocab_size:
+        raise ValueError(f"data.vocab_size={vocab_size} but {prepared} was prepared with vocab_size "
+                         f"{manifest.vocab_size}: drop data.vocab_size, or prepare the corpus again with it")
+    if tokenizer is not None and tokenizer != manifest.tokenizer:
+        raise ValueError(f"data.tokenizer={tokenizer!r} but {prepared} was prepared with tokenizer "
+                         f"{manifest.tokenizer!r}: drop data.tokenizer, or prepare the corpus again with it")
+    return manifest.tokenizer, manifest.vocab_size
+
+
+def _language_weights(prepared: str, manifest: Any, languages: list[str] | None, alpha: float) -> dict[str, float]:
+    """The training mixture over a multilingual directory's (chosen) languages; empty for one language."""
+    if not manifest.languages:
+        if languages is not None:
+            raise ValueError(f"data.languages={languages} but {prepared} holds one corpus, not languages")
+        return {}
+    chosen = list(manifest.languages) if languages is None else languages
+    unknown = [code for code in chosen if code not in manifest.languages]
+    if unknown or not chosen:
+        raise ValueError(f"{prepared} has no language {', '.join(map(repr, unknown)) or '(none chosen)'}: it holds "
+                         f"{', '.join(manifest.languages)}")
+    from .streaming import mixture_weights
+
+    return mixture_weights({code: manifest.languages[code]["train"]["tokens"] for code in chosen}, alpha)
+
+
 class TextDataModule(pl.LightningDataModule):
     """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
 
     Args:
-        corpus: 'kjv' for the bundled King James Bible, or a path to a UTF-8 .txt file or a folder of .txt files.
-        tokenizer: 'bpe' (byte-level BPE trained on the corpus and cached) or 'bytes' (raw UTF-8 bytes).
+        corpus: 'kjv' for the bundled King James Bible (the default), or a path to a UTF-8 .txt file or a folder of
+            .txt files; with ``prepared``, also 'bible-multi', and the source the run prepares that directory from
+            when it is not there yet.
+        tokenizer: 'bpe' (byte-level BPE trained on the corpus and cached; the default) or 'bytes' (raw UTF-8 bytes).
         vocab_size: Tokenizer vocabulary size; default 4096 for bpe (minimum 512) and 256 for bytes (the only value).
         seq_len: Tokens the model sees per sample; each row holds seq_len + 1 tokens for the shifted targets.
         batch_size: Windows per batch (per device).
@@ -433,12 +464,21 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: DataLoader worker processes; 0 loads batches in the main process.
         cache_dir: Folder for the tokenizer and token-id cache; default $LIGHTNING_P2R_CACHE or ~/.cache/lightning_p2r.
         seed: Seed of the training shuffle order.
+        prepared: A directory written by ``lightning-p2r prepare-data``: training and validation then stream its
+            token chunks with litdata (memory flat in the corpus size, exact mid-epoch resume from Lightning's
+            checkpoint), and its manifest gives the tokenizer and vocabulary (``tokenizer``/``vocab_size``, if
+            given, must match it). Without ``corpus`` the directory must exist; with it, ``fit`` prepares it first
+            (``prepare_data``, once per node) with these tokenizer, vocabulary and ``val_fraction`` settings.
+        languages: With a multilingual prepared directory (``prepare-data --source bible-multi``), the languages to
+            train and validate on; default all it holds.
+        language_alpha: With several languages, each training window's language is drawn with probability
+            proportional to (its training tokens) ** language_alpha: 1 as the corpus is, 0 uniform (mGPT, XLM).
     """
 
     def __init__(
         self,
-        corpus: str = "kjv",
-        tokenizer: TokenizerKind = "bpe",
+        corpus: str | None = None,
+        tokenizer: TokenizerKind | None = None,
         vocab_size: int | None = None,
         seq_len: int = 128,
         batch_size: int = 16,
@@ -446,8 +486,28 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         seed: int = 1234,
+        prepared: str | None = None,
+        languages: list[str] | None = None,
+        language_alpha: float = 0.3,
     ) -> None:
         super().__init__()
+        if not 0.0 <= language_alpha <= 1.0:
+            raise ValueError(f"language_alpha must be between 0 (uniform) and 1 (as the corpus is), got "
+                             f"{language_alpha}")
+        self.manifest = None
+        self.language_weights: dict[str, float] = {}
+        self._languages, self._language_alpha = languages, language_alpha
+        if prepared is not None:
+            from .prepared import MANIFEST, read_manifest
+
+            if (Path(prepared).expanduser() / MANIFEST).is_file() or corpus is None:
+                # Prepared already (or nothing to prepare it from: refused here, naming prepare-data).
+                self.manifest = read_manifest(prepared)
+                tokenizer, vocab_size = _match_manifest(prepared, self.manifest, tokenizer, vocab_size)
+                self.language_weights = _language_weights(prepared, self.manifest, languages, language_alpha)
+        elif languages is not None:
+            raise ValueError("data.languages applies to a multilingual prepared directory (data.prepared) only")
+        tokenizer = tokenizer or "bpe"
         if tokenizer not in ("bpe", "bytes"):
             raise ValueError(f"tokenizer must be one of 'bpe', 'bytes', got {tokenizer!r}")
         if vocab_size is None:
@@ -464,7 +524,10 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
         if num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers}")
-        if corpus != "kjv" and not Path(corpus).expanduser().exists():
+        corpus = corpus or ("kjv" if prepared is None else None)
+        if corpus == "bible-multi" and prepared is None:
+            raise ValueError("corpus 'bible-multi' is streamed: set data.prepared to the directory to prepare it in")
+        if corpus not in (None, "kjv", "bible-multi") and not Path(corpus).expanduser().exists():
             raise FileNotFoundError(
                 f"corpus path {corpus} does not exist. Pass corpus='kjv' for the bundled Bible, or an existing "
                 ".txt file or folder of .txt files."
@@ -479,6 +542,7 @@ class TextDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
         self.seed = seed
+        self.prepared = prepared
         self.tokenizer: TextTokenizer | None = None
         self.train_windows: torch.Tensor | None = None
         self.val_windows: torch.Tensor | None = None
@@ -493,12 +557,59 @@ class TextDataModule(pl.LightningDataModule):
     def _load(self) -> tuple[TextTokenizer, torch.Tensor]:
         return _tokenize_cached(self.corpus, self.tokenizer_kind, self._vocab_size, self.cache_dir)
 
+    def _open_prepared(self) -> None:
+        """Read the prepared directory's manifest (once it exists) and what follows from it: the tokenizer and
+        vocabulary it must match, and the language mixture."""
+        from .prepared import read_manifest
+
+        self.manifest = read_manifest(self.prepared)
+        _match_manifest(self.prepared, self.manifest, self.tokenizer_kind, self._vocab_size)
+        self.language_weights = _language_weights(self.prepared, self.manifest, self._languages,
+                                                  self._language_alpha)
+
+    def load_tokenizer(self) -> TextTokenizer:
+        """The tokenizer the model's ids come from: the prepared directory's, or the one built for ``corpus``."""
+        if self.prepared is not None:
+            from .prepared import load_prepared_tokenizer
+
+            if self.manifest is None:
+                self._open_prepared()
+            return load_prepared_tokenizer(self.prepared, self.manifest)
+        text = load_corpus(self.corpus) if self.tokenizer_kind == "bpe" else ""
+        return build_tokenizer(self.tokenizer_kind, self._vocab_size, text, self.cache_dir)
+
     def prepare_data(self) -> None:
-        """Build the tokenizer and token-id cache once (Lightning runs this on one process per node)."""
-        self.tokenizer, _ = self._load()
+        """Build the tokenizer and token-id cache once (Lightning runs this on one process per node); with
+        ``prepared`` and ``corpus``, prepare the directory from the corpus (a no-op once it is, refused if it was
+        prepared from other inputs)."""
+        if self.prepared is None:
+            self.tokenizer, _ = self._load()
+        elif self.corpus is not None:
+            from .prepared import prepare_data
+
+            prepare_data(self.corpus, self.prepared, tokenizer=self.tokenizer_kind, vocab_size=self._vocab_size,
+                         val_fraction=self.val_fraction, num_workers=max(1, self.num_workers),
+                         languages=self._languages if self.corpus == "bible-multi" else None,
+                         log=rank_zero_info)
+
+    def _data_parallel_ranks(self) -> tuple[int, int]:
+        """(replicas, rank) of this process's data-parallel group: tensor-parallel ranks share their batches."""
+        strategy = self.trainer.strategy if self.trainer else None
+        if isinstance(strategy, ParallelStrategy):
+            kwargs = strategy.distributed_sampler_kwargs
+            return kwargs["num_replicas"], kwargs["rank"]
+        return 1, 0
 
     def setup(self, stage: str | None = None) -> None:
-        """Load cached ids (building them if needed), split into train/validation and cut them into windows."""
+        """Load cached ids (building them if needed), split into train/validation and cut them into windows; with
+        ``prepared``, check the prepared corpus holds a step's windows instead (the loaders stream it)."""
+        if self.prepared is not None:
+            from .streaming import check_windows
+
+            self._open_prepared()
+            self.tokenizer = self.load_tokenizer()
+            check_windows(self.manifest, self.prepared, self.seq_len, self.batch_size, self._data_parallel_ranks()[0])
+            return
         if self.train_windows is not None and self.val_windows is not None:
             return  # Lightning calls setup once per stage; the windows do not depend on it.
         self.tokenizer, ids = self._load()
@@ -525,6 +636,16 @@ class TextDataModule(pl.LightningDataModule):
         self.val_windows = pack_sequences(val_ids, self.seq_len)
 
     def _loader(self, rows: torch.Tensor | None, shuffle: bool) -> DataLoader[torch.Tensor]:
+        if self.prepared is not None:
+            from .streaming import streaming_loader
+
+            replicas, rank = self._data_parallel_ranks()
+            split = self.manifest.split_dirs("train" if shuffle else "val")
+            if self.language_weights:
+                split = {code: folder for code, folder in split.items() if code in self.language_weights}
+            return streaming_loader(self.prepared, split, self.seq_len, self.batch_size, shuffle=shuffle,
+                                    seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank,
+                                    weights=self.language_weights)
         if rows is None:
             raise RuntimeError("TextDataModule.setup() must run before requesting a dataloader")
         if self.num_workers > 0:
@@ -532,12 +653,7 @@ class TextDataModule(pl.LightningDataModule):
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         sampler = None
         if shuffle:
-            world, rank = 1, 0
-            strategy = self.trainer.strategy if self.trainer else None
-            if isinstance(strategy, ParallelStrategy):
-                # The strategy's data-parallel ranks (tensor-parallel ranks share their batches).
-                kwargs = strategy.distributed_sampler_kwargs
-                world, rank = kwargs["num_replicas"], kwargs["rank"]
+            world, rank = self._data_parallel_ranks()
             sampler = EpochShuffleSampler(rows.shape[0], self.seed, num_replicas=world, rank=rank)
             epoch, done = self._resume_position
             if 0 < done < len(sampler) // self.batch_size:
@@ -571,12 +687,48 @@ class TextDataModule(pl.LightningDataModule):
         """Shuffled training windows; the order is fixed by ``seed`` and partial batches are dropped."""
         return self._loader(self.train_windows, shuffle=True)
 
-    def val_dataloader(self) -> DataLoader[torch.Tensor]:
-        """Validation windows in stream order."""
+    @property
+    def eval_languages(self) -> list[str]:
+        """A multilingual prepared directory's chosen languages: validation and test have one loader each, in this
+        order (empty otherwise)."""
+        return list(self.language_weights)
+
+    def realized_mixture(self) -> dict[str, float]:
+        """The share of this epoch's training windows (on this rank) that each language has given so far, as counted
+        by litdata's loader: what the mixture ``language_weights`` asked for turned into (empty for one language)."""
+        loader = self.trainer.train_dataloader if self.trainer is not None else None
+        if len(self.language_weights) < 2 or not hasattr(loader, "state_dict"):
+            return {}
+        per_worker = loader.state_dict()["num_samples_yielded"].values()
+        counts = [sum(column) for column in zip(*per_worker)]
+        total = sum(counts)
+        return {code: count / total for code, count in zip(self.language_weights, counts)} if total else {}
+
+    def tokens_per_byte(self, split: str) -> dict[str, float]:
+        """Per language, the split's tokens per byte of text (bits per byte = loss * this / ln 2)."""
+        counts = self.manifest.languages if self.manifest is not None else {}
+        return {code: counts[code][split]["tokens"] / counts[code][split]["bytes"] for code in self.eval_languages}
+
+    def _language_loaders(self, split: str) -> list[Any]:
+        from .streaming import streaming_loader
+
+        replicas, rank = self._data_parallel_ranks()
+        folders = self.manifest.split_dirs(split)
+        return [streaming_loader(self.prepared, folders[code], self.seq_len, self.batch_size, shuffle=False,
+                                 seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank)
+                for code in self.eval_languages]
+
+    def val_dataloader(self) -> Any:
+        """Validation windows in stream order; one loader per language of a multilingual prepared directory."""
+        if self.eval_languages:
+            return self._language_loaders("val")
         return self._loader(self.val_windows, shuffle=False)
 
-    def test_dataloader(self) -> DataLoader[torch.Tensor]:
-        """The validation windows (the package keeps no separate test split)."""
+    def test_dataloader(self) -> Any:
+        """The held-out test books of each language of a multilingual prepared directory; otherwise the validation
+        windows (a single corpus keeps no separate test split)."""
+        if self.eval_languages:
+            return self._language_loaders("test")
         return self._loader(self.val_windows, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader[torch.Tensor]:

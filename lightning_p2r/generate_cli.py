@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .data import TextDataModule, TextTokenizer, build_tokenizer, load_corpus
+from .data import TextDataModule, TextTokenizer
 from .generation import check_request, largest_new_tokens, prompt_too_long
 from .models import M6Config
 from .module import M6LanguageModel
@@ -129,9 +129,9 @@ def _one_line(error: BaseException) -> str:
 
 
 def recipe_tokenizer(data: TextDataModule) -> TextTokenizer:
-    """The tokenizer training used: the same corpus, kind and size give the same (cached) tokenizer."""
-    text = load_corpus(data.corpus) if data.tokenizer_kind == "bpe" else ""
-    return build_tokenizer(data.tokenizer_kind, data.vocab_size, text, data.cache_dir)
+    """The tokenizer training used: the prepared directory's, or the same corpus, kind and size give the same
+    (cached) tokenizer."""
+    return data.load_tokenizer()
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -12,6 +12,11 @@ import warnings
 _NOISE = (
     # Lightning's own pytree helper uses an API torch deprecated; nothing a user changes removes it.
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+    # Lightning warns about every IterableDataset with a length under worker processes; litdata's StreamingDataset
+    # gives each worker its own share of the windows and counts them, so the length is right (prepared data).
+    r"Your `IterableDataset` has `__len__` defined",
+    # litdata reads a window of token ids with torch.frombuffer from a read-only buffer and clones it at once.
+    r"The given buffer is not writable, and PyTorch does not support non-writable tensors",
 )
 
 # Raised by torch's LR scheduler on its first step when the optimizer it drives is not the one it was created

@@ -18,6 +18,7 @@ from torchmetrics.text import Perplexity
 
 from .generation import generate_tokens
 from .known_warnings import silence_known_noise
+from .language_eval import LanguageLosses
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.transformer import LayerContext
 from .options_diff import describe_differences, differing_options
@@ -229,6 +230,7 @@ class M6LanguageModel(L.LightningModule):
         """The training cross-entropy of logits against targets. A strategy whose LM head leaves each rank a
         vocabulary shard of the logits in training (tensor parallelism) puts a vocabulary-parallel one here."""
         self.val_perplexity = Perplexity()
+        self._language_losses: LanguageLosses | None = None
         self._last_batch_end: float | None = None
 
     # ------------------------------------------------------------------------------------------------ model
@@ -466,6 +468,10 @@ class M6LanguageModel(L.LightningModule):
         if schedulers is not None:
             scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
             self.log("lr", scheduler.get_last_lr()[0])
+        if self.trainer.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
+            mixture = getattr(self.trainer.datamodule, "realized_mixture", None)
+            for code, share in (mixture() if mixture is not None else {}).items():
+                self.log(f"data/mixture/{code}", share)
 
     def on_train_epoch_start(self) -> None:
         self._last_batch_end = None  # the gap across validation or epoch boundaries is not throughput
@@ -473,17 +479,51 @@ class M6LanguageModel(L.LightningModule):
     def on_validation_start(self) -> None:
         self._last_batch_end = None
 
-    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+    def _start_languages(self) -> None:
+        """A multilingual data module gives one evaluation loader per language: sum each language's loss."""
+        languages = getattr(self.trainer.datamodule, "eval_languages", None) if self._trainer is not None else None
+        self._language_losses = LanguageLosses(list(languages)) if languages else None
+
+    def _log_languages(self, split: str) -> None:
+        """Each language's loss, perplexity and bits per byte over the whole pass, summed over the ranks."""
+        if self._language_losses is None:
+            return
+        sums = torch.stack([self._language_losses.loss_sums, self._language_losses.tokens]).to(self.device)
+        sums = self.trainer.strategy.reduce(sums, reduce_op="sum").double().cpu()
+        self._language_losses.loss_sums, self._language_losses.tokens = sums[0], sums[1]
+        metrics = self._language_losses.metrics(split, self.trainer.datamodule.tokens_per_byte(split))
+        self.log_dict(metrics, prog_bar=False)
+        self._language_losses = None
+
+    def on_validation_epoch_start(self) -> None:
+        self._start_languages()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_languages("val")
+
+    def on_test_epoch_start(self) -> None:
+        self._start_languages()
+
+    def on_test_epoch_end(self) -> None:
+        self._log_languages("test")
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
         inputs, targets = next_token_batch(batch)
         out = self(inputs)
         loss = next_token_loss(out.logits, targets)
+        if self._language_losses is not None:  # logged per language, and overall, at the end of the pass
+            self._language_losses.add(dataloader_idx, loss, targets.numel())
+            return
         self.val_perplexity(out.logits.float(), targets)
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", self.val_perplexity)
 
-    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+    def test_step(self, batch: torch.Tensor, batch_idx: int, dataloader_idx: int = 0) -> None:
         inputs, targets = next_token_batch(batch)
         loss = next_token_loss(self(inputs).logits, targets)
+        if self._language_losses is not None:
+            self._language_losses.add(dataloader_idx, loss, targets.numel())
+            return
         self.log("test/loss", loss, sync_dist=True)
 
     def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

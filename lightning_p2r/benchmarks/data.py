@@ -1,0 +1,195 @@
+"""The streaming data path: prepare-data throughput, loader speed against training, memory against corpus size.
+
+    python -m lightning_p2r.benchmarks.data [--corpus-mb 32] [--sizes-mb 10 100 1000] [--out DIR]
+
+Three tables (one CSV and PNG each):
+
+- ``data_prepare``: ``prepare_data`` on the KJV repeated to ``--corpus-mb`` MB of text, bytes and BPE tokenizers, 1
+  and 2 workers: seconds and MB of text per second (the BPE rows, at the quickstart's vocabulary, include training
+  the tokenizer on the sample).
+- ``data_loader``: windows of the quickstart recipe's shape streamed from the prepared BPE corpus, tokens/s, against
+  the tokens/s the quickstart model's training step consumes on the same batches (forward, backward, AdamW step,
+  one process). ``loader_over_step`` above 1 means the loader is never what training waits for.
+- ``data_memory``: peak RSS of a fresh process that streams every training window of prepared directories of
+  ``--sizes-mb`` MB of tokens, before the first window (imports, the loader) and at the end: flat, not growing with
+  the corpus, is what streaming promises.
+"""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from lightning_p2r.benchmarks.report import (
+    apply_threads,
+    base_parser,
+    environment_info,
+    print_environment,
+    print_table,
+    save_bar_chart,
+    save_line_chart,
+    with_environment,
+    write_csv,
+)
+from lightning_p2r.data import load_corpus
+from lightning_p2r.prepared import prepare_data, require_litdata
+from lightning_p2r.streaming import streaming_loader
+
+PREPARE_COLUMNS = ["tokenizer", "workers", "text_mb", "tokens", "seconds", "mb_per_s"]
+LOADER_COLUMNS = ["batch_size", "seq_len", "loader_tokens_per_s", "step_tokens_per_s", "loader_over_step"]
+MEMORY_COLUMNS = ["prepared_mb", "tokens", "windows_read", "seconds", "rss_before_mb", "peak_rss_mb"]
+
+
+def _text_file(folder: Path, megabytes: float) -> Path:
+    kjv = load_corpus("kjv") + "\n"
+    copies = max(1, round(megabytes * 1e6 / len(kjv.encode())))
+    text = kjv * copies
+    if megabytes * 1e6 < len(kjv):  # a smaller corpus (the smoke test): the start of the KJV, whole lines
+        text = text[:text.index("\n", int(megabytes * 1e6)) + 1]
+    path = folder / "corpus.txt"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def measure_prepare(folder: Path, corpus: Path, tokenizer: str, workers: int, vocab_size: int) -> dict[str, Any]:
+    start = time.perf_counter()
+    manifest = prepare_data(str(corpus), folder / f"{tokenizer}-{workers}", tokenizer=tokenizer,
+                            vocab_size=vocab_size if tokenizer == "bpe" else 256, num_workers=workers,
+                            log=lambda line: None)
+    seconds = time.perf_counter() - start
+    text_mb = corpus.stat().st_size / 1e6
+    tokens = sum(split["tokens"] for split in manifest.splits.values())
+    return {"tokenizer": tokenizer, "workers": workers, "text_mb": text_mb, "tokens": tokens, "seconds": seconds,
+            "mb_per_s": text_mb / seconds}
+
+
+def _quickstart_model() -> tuple[Any, int, int]:
+    from lightning_p2r.generate_cli import read_recipe
+
+    recipe = read_recipe(Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml")
+    from lightning_p2r.module import M6LanguageModel
+
+    module = M6LanguageModel(recipe.config)
+    module.configure_model()
+    return module, recipe.data.batch_size, recipe.data.seq_len
+
+
+def measure_loader(prepared: Path, batches: int, quickstart: tuple[Any, int, int]) -> dict[str, Any]:
+    """Loader tokens/s over ``batches`` batches, and the training step's tokens/s on the first few of them."""
+    module, batch_size, seq_len = quickstart
+    loader = streaming_loader(prepared, "train", seq_len, batch_size, shuffle=True, seed=0, num_workers=0,
+                              replicas=1, rank=0)
+    iterator = iter(loader)
+    held = [next(iterator) for _ in range(10)]
+    start, tokens = time.perf_counter(), 0
+    for count, batch in enumerate(iterator, 1):
+        tokens += batch.numel()
+        if count == batches:
+            break
+    loader_tps = tokens / (time.perf_counter() - start)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
+    module.train()
+    times = []
+    for batch in held:
+        start = time.perf_counter()
+        module.losses(batch)["loss"].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    step_tps = held[0].numel() / float(np.median(times[3:]))  # the first steps warm the allocator up
+    return {"batch_size": batch_size, "seq_len": seq_len, "loader_tokens_per_s": loader_tps,
+            "step_tokens_per_s": step_tps, "loader_over_step": loader_tps / step_tps}
+
+
+def _random_tokens(seed: int) -> Any:
+    """litdata ``optimize`` function: 4M random int16 token ids (8 MB) per input."""
+    yield torch.from_numpy(np.random.default_rng(seed).integers(0, 4096, size=1 << 22, dtype=np.int16))
+
+
+def _token_directory(root: Path, megabytes: int) -> Path:
+    """A prepared-like split of random tokens, ``megabytes`` MB of int16 ids, written with litdata directly."""
+    litdata = require_litdata()
+    out = root / f"tokens-{megabytes}mb" / "train"
+    inputs = list(range(max(1, round(megabytes / 8.388608))))
+    litdata.optimize(fn=_random_tokens, inputs=inputs, output_dir=str(out), chunk_bytes="64MB", num_workers=1,
+                     item_loader=litdata.TokensLoader(), verbose=False, start_method="fork")
+    return out.parent
+
+
+def _stream_all(directory: str) -> None:
+    """Child process: read every training window of ``directory``; print windows, seconds, and the peak RSS before
+    the first window and at the end."""
+    loader = streaming_loader(directory, "train", 128, 16, shuffle=True, seed=0, num_workers=0, replicas=1, rank=0)
+    before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    start, windows = time.perf_counter(), 0
+    for batch in loader:
+        windows += batch.shape[0]
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(windows, time.perf_counter() - start, before_mb, rss_mb)
+
+
+def measure_memory(root: Path, megabytes: int) -> dict[str, Any]:
+    directory = _token_directory(root, megabytes)
+    result = subprocess.run([sys.executable, "-m", "lightning_p2r.benchmarks.data", "--stream-all", str(directory)],
+                            capture_output=True, text=True, check=True)
+    windows, seconds, before_mb, rss_mb = result.stdout.split()[-4:]
+    tokens = sum(p.stat().st_size for p in (directory / "train").glob("*.bin")) // 2
+    return {"prepared_mb": megabytes, "tokens": tokens, "windows_read": int(windows), "seconds": float(seconds),
+            "rss_before_mb": float(before_mb), "peak_rss_mb": float(rss_mb)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--stream-all"]:
+        _stream_all(argv[1])
+        return {}
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--corpus-mb", type=float, default=32.0, help="text size for the prepare rows")
+    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 1000], help="token sizes, memory rows")
+    parser.add_argument("--batches", type=int, default=400, help="batches the loader row times")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.corpus_mb, args.sizes_mb, args.batches = 0.3, [8, 16], 20
+    apply_threads(args.threads)
+    env = environment_info("cpu")
+    print_environment(env)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="p2r-data-bench-") as tmp:
+        root = Path(tmp)
+        corpus = _text_file(root, args.corpus_mb)
+        quickstart = _quickstart_model()  # its BPE vocabulary for the BPE rows, its shape for the loader row
+        vocab_size = quickstart[0].config.vocab_size
+        prepare = [measure_prepare(root, corpus, tokenizer, workers, vocab_size)
+                   for tokenizer in ("bytes", "bpe") for workers in (1, 2)]
+        print_table(prepare, PREPARE_COLUMNS)
+        loader = [measure_loader(root / "bpe-2", args.batches, quickstart)]
+        print_table(loader, LOADER_COLUMNS)
+        memory = [measure_memory(root, size) for size in args.sizes_mb]
+        print_table(memory, MEMORY_COLUMNS)
+    write_csv(with_environment(prepare, env), out / "data_prepare.csv")
+    write_csv(with_environment(loader, env), out / "data_loader.csv")
+    write_csv(with_environment(memory, env), out / "data_memory.csv")
+    save_bar_chart(out / "data_prepare.png", [f"{r['tokenizer']}, {r['workers']} worker(s)" for r in prepare],
+                   {"MB of text / s": [r["mb_per_s"] for r in prepare]}, ylabel="MB/s",
+                   title=f"prepare-data, {args.corpus_mb:g} MB of text, {env['device_name']}")
+    save_bar_chart(out / "data_loader.png", ["loader", "training step"],
+                   {"tokens / s": [loader[0]["loader_tokens_per_s"], loader[0]["step_tokens_per_s"]]},
+                   ylabel="tokens/s", title="streamed windows vs the quickstart step's consumption")
+    save_line_chart(out / "data_memory.png", args.sizes_mb, {"peak RSS, MB": [r["peak_rss_mb"] for r in memory]},
+                    xlabel="prepared tokens, MB", ylabel="peak RSS of the streaming process, MB",
+                    title="memory while streaming every window")
+    print(f"wrote data_prepare/data_loader/data_memory .csv and .png to {out}")
+    return {"prepare": prepare, "loader": loader, "memory": memory}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,435 @@
+"""``prepare-data``: a corpus tokenized once into litdata chunks that training streams, with a manifest.
+
+A prepared directory holds ``train/`` and ``val/`` (litdata's ``index.json`` and ``chunk-*.bin`` files of token ids),
+``tokenizer.json`` (for BPE) and ``manifest.json``, written last: a directory without a manifest is half-written.
+Everything is first written to ``<out>.partial`` and renamed into place, so a crash mid-way never leaves a directory
+that looks complete, and a re-run over an existing directory either finds the same inputs (a no-op) or refuses.
+
+The corpus is one byte stream (a file, the sorted ``*.txt`` files of a folder joined by a blank line, the bundled
+KJV, or documents handed in from Python); its last ``val_fraction`` of bytes, cut at a line end, is validation, as
+in the in-memory path. The stream is cut into pieces of about ``piece_bytes`` at line ends, and litdata's
+``optimize`` encodes the pieces in parallel workers; each worker reads its own byte range, so a large corpus is
+never held whole in memory.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .data import BPETokenizer, ByteTokenizer, TextTokenizer, TokenizerKind, _atomic_write, load_corpus
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+_BLOCK = 8 << 20
+_LITDATA_HINT = ("litdata is not installed: run `pip install -c constraints.txt --no-deps litdata==0.2.76` (without "
+                 "--no-deps pip also installs torchvision, whose CUDA build breaks `import lightning` on a CPU torch)")
+
+
+class PreparedDataError(ValueError):
+    """A refused ``prepare-data`` input or prepared directory, reported as one line naming it."""
+
+
+def require_litdata() -> Any:
+    try:
+        import litdata
+    except ImportError as exc:
+        raise PreparedDataError(_LITDATA_HINT) from exc
+    return litdata
+
+
+# ---------------------------------------------------------------------------------------------- the corpus stream
+
+
+@dataclass(frozen=True)
+class Part:
+    """One file of the stream (``path``), or the in-memory text of a named source (``path`` is None)."""
+
+    name: str
+    size: int
+    path: str | None = None
+
+
+class Corpus:
+    """The corpus as one byte stream made of parts; ``read(part, start, end)`` returns that part's byte range."""
+
+    def __init__(self, name: str, parts: list[Part], texts: dict[str, bytes] | None = None) -> None:
+        self.name, self.parts, self._texts = name, parts, texts or {}
+
+    @property
+    def size(self) -> int:
+        return sum(part.size for part in self.parts)
+
+    def read(self, part: Part, start: int, end: int) -> bytes:
+        if part.path is None:
+            return self._texts[part.name][start:end]
+        with open(part.path, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+
+def _checked_file(path: Path) -> tuple[Part, str]:
+    """A file part and its SHA-256, read once in blocks; a non-UTF-8 byte is refused with its offset."""
+    digest, decoder, offset = hashlib.sha256(), codecs.getincrementaldecoder("utf-8")(), 0
+    with open(path, "rb") as f:
+        while block := f.read(_BLOCK):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as exc:
+                raise PreparedDataError(
+                    f"{path} is not valid UTF-8 (byte offset {offset + exc.start}): re-save it as UTF-8 "
+                    "(e.g. `iconv -f latin1 -t utf-8`) or leave it out of the corpus") from exc
+            digest.update(block)
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as exc:
+        raise PreparedDataError(f"{path} is not valid UTF-8: it ends inside a multi-byte character") from exc
+    return Part(str(path), offset, str(path)), digest.hexdigest()
+
+
+def open_corpus(source: str | Iterable[str]) -> tuple[Corpus, str]:
+    """The corpus of ``source`` ('kjv', a UTF-8 file, a folder of ``*.txt`` files, or an iterable of documents)
+    and the SHA-256 of its content, which the manifest records."""
+    if not isinstance(source, str) or source == "kjv":
+        name = "kjv" if source == "kjv" else "documents"
+        if name == "kjv":
+            text = load_corpus("kjv").encode("utf-8")
+        else:
+            text = b"\n\n".join(document.encode("utf-8") for document in source)
+        if not text.strip():
+            raise PreparedDataError("the documents handed to prepare_data are empty")
+        return Corpus(name, [Part(name, len(text))], {name: text}), hashlib.sha256(text).hexdigest()
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise PreparedDataError(f"corpus {path} does not exist: pass 'kjv', a UTF-8 .txt file or a folder of them")
+    files = sorted(p for p in path.rglob("*.txt") if p.is_file()) if path.is_dir() else [path]
+    if not files:
+        raise PreparedDataError(f"corpus folder {path} holds no *.txt file")
+    parts, digest = [], hashlib.sha256()
+    for file in files:
+        part, file_digest = _checked_file(file)
+        parts.append(part)
+        digest.update(f"{file.relative_to(path) if path.is_dir() else file.name}\0{file_digest}\0".encode())
+    corpus = Corpus(str(path), parts)
+    if corpus.size == 0:
+        raise PreparedDataError(f"corpus {path} is empty")
+    return corpus, digest.hexdigest()
+
+
+def _line_end_after(corpus: Corpus, part: Part, offset: int) -> int:
+    """The first offset at or after ``offset`` that starts a line of ``part`` (or the part's end)."""
+    if offset <= 0:
+        return 0
+    while offset < part.size:
+        block = corpus.read(part, offset - 1, min(part.size, offset - 1 + (1 << 16)))
+        newline = block.find(b"\n")
+        if newline >= 0:
+            return offset + newline
+        offset += len(block) - 1
+    return part.size
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A byte range of one part: the unit a litdata worker encodes."""
+
+    part: Part
+    start: int
+    end: int
+
+
+def cut_pieces(corpus: Corpus, val_fraction: float, piece_bytes: int) -> dict[str, list[Piece]]:
+    """Train and validation pieces: the stream's last ``val_fraction`` of bytes (cut at a line end) is validation,
+    and each split is cut at line ends into pieces of about ``piece_bytes``."""
+    cut_at, before = round(corpus.size * (1.0 - val_fraction)), 0
+    ranges: dict[str, list[tuple[Part, int, int]]] = {"train": [], "val": []}
+    for part in corpus.parts:
+        local = min(max(cut_at - before, 0), part.size)
+        local = _line_end_after(corpus, part, local) if 0 < local < part.size else local
+        if local > 0:
+            ranges["train"].append((part, 0, local))
+        if local < part.size:
+            ranges["val"].append((part, local, part.size))
+        before += part.size
+    return {split: [piece for part, start, end in spans for piece in _pieces_of(corpus, part, piece_bytes, start, end)]
+            for split, spans in ranges.items()}
+
+
+def _pieces_of(corpus: Corpus, part: Part, piece_bytes: int, start: int = 0, end: int | None = None) -> list[Piece]:
+    """``part``'s bytes from ``start`` to ``end`` cut at line ends into pieces of about ``piece_bytes``."""
+    end = part.size if end is None else end
+    pieces = []
+    while start < end:
+        stop = min(end, _line_end_after(corpus, part, start + piece_bytes))
+        pieces.append(Piece(part, start, stop if stop > start else end))
+        start = pieces[-1].end
+    return pieces
+
+
+# -------------------------------------------------------------------------------------------------- encoding
+
+
+@dataclass(frozen=True)
+class _EncodeJob:
+    """Everything a litdata worker needs to encode one piece; picklable so it crosses into worker processes. A
+    file piece is read by the worker (``path``, ``start``, ``end``); an in-memory piece travels as its ``data``."""
+
+    path: str | None
+    start: int
+    end: int
+    data: bytes | None
+    tokenizer_path: str | None
+    vocab_size: int
+
+    def text(self) -> str:
+        if self.data is not None:
+            return self.data.decode("utf-8")
+        with open(self.path, "rb") as f:  # type: ignore[arg-type]
+            f.seek(self.start)
+            return f.read(self.end - self.start).decode("utf-8")
+
+
+_TOKENIZERS: dict[str | None, TextTokenizer] = {}
+
+
+def _tokenizer_for(path: str | None, vocab_size: int) -> TextTokenizer:
+    """Each worker loads the tokenizer once, not once per piece."""
+    if path not in _TOKENIZERS:
+        _TOKENIZERS[path] = ByteTokenizer() if path is None else BPETokenizer.load(path, vocab_size)
+    return _TOKENIZERS[path]
+
+
+def token_dtype(vocab_size: int) -> torch.dtype:
+    """The narrowest dtype litdata stores that holds every id (halves the chunks of a BPE corpus against int32)."""
+    return torch.uint8 if vocab_size <= 1 << 8 else torch.int16 if vocab_size <= 1 << 15 else torch.int32
+
+
+def encode_piece(job: _EncodeJob) -> Iterator[torch.Tensor]:
+    """litdata's ``optimize`` function: the token ids of one piece, as one tensor."""
+    text = job.text()
+    tokenizer = _tokenizer_for(job.tokenizer_path, job.vocab_size)
+    if isinstance(tokenizer, BPETokenizer):
+        ids = [i for row in tokenizer.encode_batch(text.splitlines(keepends=True)) for i in row]
+    else:
+        ids = tokenizer.encode(text)
+    if ids:
+        yield torch.tensor(ids, dtype=token_dtype(job.vocab_size))
+
+
+# -------------------------------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a prepared directory holds and was made from; ``manifest.json`` on disk."""
+
+    tokenizer: TokenizerKind
+    vocab_size: int
+    tokenizer_sha256: str
+    source: str
+    source_sha256: str
+    val_fraction: float
+    splits: dict[str, dict[str, int]]
+    """Per split: ``tokens`` and ``bytes`` (of UTF-8 text), the second for bits per byte."""
+    languages: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """A multilingual corpus's counts per language and split (its data is under ``<language>/<split>``)."""
+    format: int = FORMAT
+
+    def split_dirs(self, split: str) -> dict[str, str]:
+        """Where a split's chunks are, per language ("" for a single-language corpus), relative to the directory."""
+        if not self.languages:
+            return {"": split}
+        return {code: f"{code}/{split}" for code, splits in self.languages.items() if split in splits}
+
+    def inputs(self) -> dict[str, Any]:
+        """The fields that decide the content: equal inputs mean a re-run would write the same tokens (the trained
+        tokenizer follows from them, so a re-run can tell without training it)."""
+        return {k: v for k, v in asdict(self).items()
+                if k not in ("splits", "languages", "source", "tokenizer_sha256")}
+
+
+def read_manifest(directory: str | Path) -> Manifest:
+    """The manifest of a prepared directory, refusing one that is missing, half-written or of another format."""
+    directory = Path(directory).expanduser()
+    hint = f"run `lightning-p2r prepare-data --source SOURCE --out {directory}`"
+    if not directory.is_dir():
+        partial = directory.with_name(directory.name + ".partial")
+        state = " (a half-written .partial copy exists: an earlier prepare-data stopped)" if partial.exists() else ""
+        raise PreparedDataError(f"prepared data {directory} does not exist{state}: {hint}")
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise PreparedDataError(f"{directory} has no {MANIFEST}, so it is not a (complete) prepared directory: {hint}")
+    try:
+        raw = json.loads(path.read_text())
+        manifest = Manifest(**raw)
+    except (ValueError, TypeError) as exc:
+        raise PreparedDataError(f"{path} is not a manifest this version reads ({exc}): {hint} again") from exc
+    if manifest.format != FORMAT:
+        raise PreparedDataError(f"{path} has format {manifest.format}, this version reads {FORMAT}: {hint} again")
+    for split in manifest.splits:
+        for where in manifest.split_dirs(split).values():
+            if not (directory / where / "index.json").is_file():
+                raise PreparedDataError(f"{directory / where} has no index.json: {hint} again")
+    return manifest
+
+
+def load_prepared_tokenizer(directory: str | Path, manifest: Manifest) -> TextTokenizer:
+    if manifest.tokenizer == "bytes":
+        return ByteTokenizer()
+    return BPETokenizer.load(Path(directory).expanduser() / "tokenizer.json", manifest.vocab_size)
+
+
+# --------------------------------------------------------------------------------------------------- prepare
+
+
+def _train_tokenizer(corpus: Corpus, pieces: list[Piece], kind: TokenizerKind, vocab_size: int,
+                     sample_bytes: int) -> TextTokenizer:
+    """Raw bytes, or a BPE trained on up to ``sample_bytes`` of training text taken evenly across the pieces."""
+    if kind == "bytes":
+        return ByteTokenizer()
+    step = max(1, -(-sum(p.end - p.start for p in pieces) // sample_bytes))
+    sample = "".join(corpus.read(p.part, p.start, p.end).decode("utf-8") for p in pieces[::step])
+    return BPETokenizer.train(sample, vocab_size)
+
+
+def _check_options(kind: str, vocab_size: int, val_fraction: float, num_workers: int, piece_bytes: int) -> None:
+    if kind not in ("bpe", "bytes"):
+        raise PreparedDataError(f"tokenizer must be 'bpe' or 'bytes', got {kind!r}")
+    if kind == "bytes" and vocab_size != 256:
+        raise PreparedDataError(f"tokenizer 'bytes' has vocab_size 256, got {vocab_size}")
+    if kind == "bpe" and not 512 <= vocab_size <= 1 << 31:
+        raise PreparedDataError(f"vocab_size must be at least 512 for tokenizer 'bpe', got {vocab_size}")
+    if not 0.0 < val_fraction < 1.0:
+        raise PreparedDataError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
+    if num_workers < 1:
+        raise PreparedDataError(f"num_workers must be at least 1, got {num_workers}")
+    if piece_bytes < 1024:
+        raise PreparedDataError(f"piece_bytes must be at least 1024, got {piece_bytes}")
+
+
+def _split_tokens(directory: Path) -> int:
+    index = json.loads((directory / "index.json").read_text())
+    return sum(int(chunk["dim"]) for chunk in index["chunks"])
+
+
+def _bible_streams(languages: list[str], piece_bytes: int) -> tuple[Corpus, str, dict[str, dict[str, list[Piece]]]]:
+    """bible-multi as one in-memory part per (language, split), its hash, and its pieces per language and split."""
+    from .bible_multi import SPLITS as BIBLE_SPLITS
+    from .bible_multi import check_languages, read_texts
+
+    try:
+        texts = read_texts(check_languages(languages))
+    except (ValueError, ImportError) as error:
+        raise PreparedDataError(str(error)) from None
+    data = {f"{code}/{split}": text.encode() for code, splits in texts.items() for split, text in splits.items()}
+    corpus = Corpus("bible-multi", [Part(name, len(text)) for name, text in data.items()], data)
+    digest = hashlib.sha256(b"".join(name.encode() + b"\0" + text for name, text in data.items())).hexdigest()
+    streams = {code: {split: _pieces_of(corpus, corpus.parts[i * len(BIBLE_SPLITS) + j], piece_bytes)
+                      for j, split in enumerate(BIBLE_SPLITS)} for i, code in enumerate(texts)}
+    return corpus, digest, streams
+
+
+def _balanced_sample(streams: dict[str, dict[str, list[Piece]]]) -> list[Piece]:
+    """Training pieces for the tokenizer with every language equally represented: as many pieces from each
+    language, taken evenly across its text (a language with more text does not get more merges)."""
+    per_language = min(len(splits["train"]) for splits in streams.values())
+    sample = []
+    for splits in streams.values():
+        train = splits["train"]
+        step = len(train) / per_language
+        sample += [train[int(i * step)] for i in range(per_language)]
+    return sample
+
+
+def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: TokenizerKind = "bpe",
+                 vocab_size: int | None = None, val_fraction: float = 0.05, num_workers: int = 1,
+                 piece_bytes: int = 1 << 20, sample_bytes: int = 64 << 20, overwrite: bool = False,
+                 languages: list[str] | None = None, log: Any = print) -> Manifest:
+    """Tokenize ``source`` into the prepared directory ``out`` and return its manifest (see the module docstring).
+
+    ``source='bible-multi'`` writes one ``<language>/{train,val,test}`` per language of ``languages`` (default all)
+    with its book split (``bible_multi.py``; ``val_fraction`` does not apply) and one tokenizer trained on a
+    language-balanced sample. Re-running with the same inputs returns the existing manifest without writing; other
+    inputs over an existing directory are refused unless ``overwrite``, which rebuilds it (never mixes old chunks
+    with new ones).
+    """
+    vocab_size = vocab_size if vocab_size is not None else (4096 if tokenizer == "bpe" else 256)
+    _check_options(tokenizer, vocab_size, val_fraction, num_workers, piece_bytes)
+    litdata = require_litdata()
+    out = Path(out).expanduser()
+    if source == "bible-multi":
+        from .bible_multi import TRANSLATIONS
+
+        languages = list(TRANSLATIONS) if languages is None else languages
+        corpus, source_sha, streams = _bible_streams(languages, piece_bytes)
+        val_fraction, sample = 0.0, _balanced_sample(streams)
+    else:
+        if languages is not None:
+            raise PreparedDataError("languages apply to the bible-multi corpus only")
+        corpus, source_sha = open_corpus(source)
+        streams = {"": cut_pieces(corpus, val_fraction, piece_bytes)}
+        sample = streams[""]["train"]
+        if not streams[""]["val"] or not streams[""]["train"]:
+            raise PreparedDataError(f"corpus {corpus.name} ({corpus.size} bytes) is too small to hold out "
+                                    f"val_fraction={val_fraction} at a line end: use a larger corpus")
+    existing = None
+    if out.exists():
+        try:
+            existing = read_manifest(out)
+        except PreparedDataError:
+            if not overwrite:
+                raise PreparedDataError(f"{out} exists but is not a complete prepared directory: remove it or pass "
+                                        "--overwrite") from None
+    wanted = Manifest(tokenizer, vocab_size, "", corpus.name, source_sha, val_fraction, {})
+    if existing is not None:
+        if existing.inputs() == wanted.inputs():
+            log(f"{out} is already prepared from these inputs: nothing to do")
+            return existing
+        if not overwrite:
+            changed = sorted(k for k, v in wanted.inputs().items() if existing.inputs().get(k) != v)
+            raise PreparedDataError(f"{out} was prepared from other inputs ({', '.join(changed)} differ): pass "
+                                    "--overwrite to rebuild it, or choose another --out")
+    tok = _train_tokenizer(corpus, sample, tokenizer, vocab_size, sample_bytes)
+    tokenizer_sha = hashlib.sha256(tok.to_json().encode() if isinstance(tok, BPETokenizer) else b"bytes").hexdigest()
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    tokenizer_path = None
+    if isinstance(tok, BPETokenizer):
+        tokenizer_path = str(partial / "tokenizer.json")
+        tok.save(tokenizer_path)
+    counts: dict[str, dict[str, dict[str, int]]] = {}
+    for language, pieces in streams.items():
+        counts[language] = {}
+        for split, split_pieces in pieces.items():
+            target = partial / language / split
+            jobs = [_EncodeJob(p.part.path, p.start, p.end, None if p.part.path else corpus.read(p.part, p.start,
+                                                                                                     p.end),
+                               tokenizer_path, vocab_size) for p in split_pieces]
+            workers = min(num_workers, len(jobs))
+            log(f"{language + '/' if language else ''}{split}: encoding {len(jobs)} pieces of {corpus.name} with "
+                f"{workers} worker(s)")
+            litdata.optimize(fn=encode_piece, inputs=jobs, output_dir=str(target), num_workers=workers,
+                             chunk_bytes="64MB", item_loader=litdata.TokensLoader(), reorder_files=False,
+                             keep_data_ordered=True, verbose=False, start_method="fork")
+            counts[language][split] = {"tokens": _split_tokens(target),
+                                       "bytes": sum(p.end - p.start for p in split_pieces)}
+    totals = {split: {key: sum(c[split][key] for c in counts.values()) for key in ("tokens", "bytes")}
+              for split in next(iter(counts.values()))}
+    manifest = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, totals,
+                        {code: c for code, c in counts.items() if code})
+    _atomic_write(partial / MANIFEST, (json.dumps(asdict(manifest), indent=2) + "\n").encode())
+    if out.exists():
+        shutil.rmtree(out)  # only reached with overwrite: the new copy is complete before the old one goes
+    os.replace(partial, out)
+    return manifest

@@ -1,0 +1,80 @@
+"""Loaders that stream windows of a prepared directory (``prepare-data``) with litdata.
+
+Memory does not grow with the corpus: litdata reads the chunks it needs and drops them. The training loader is
+litdata's ``StreamingDataLoader``, whose ``state_dict`` Lightning stores in its checkpoints and restores on resume,
+so a resumed run continues with exactly the batches an uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .prepared import Manifest, PreparedDataError, require_litdata
+
+
+def collate_long(windows: list[torch.Tensor]) -> torch.Tensor:
+    """Stack windows into one batch of int64 ids (chunks store the narrowest dtype; embeddings want int64)."""
+    return torch.stack(windows).long()
+
+
+def check_windows(manifest: Manifest, directory: str | Path, seq_len: int, batch_size: int, replicas: int) -> None:
+    """Refuse, before training, a prepared corpus too small for one batch per data-parallel rank (training) or one
+    window per rank (validation)."""
+    window = seq_len + 1
+    needs = {"train": batch_size * replicas, "val": replicas}
+    for split, need in needs.items():
+        have = manifest.splits[split]["tokens"] // window
+        if have < need:
+            raise PreparedDataError(
+                f"the {split} split of {directory} has {manifest.splits[split]['tokens']} tokens, {have} windows of "
+                f"seq_len + 1 = {window}, fewer than the {need} one step needs ({replicas} data-parallel rank(s)"
+                f"{f' x batch_size {batch_size}' if split == 'train' else ''}): lower seq_len or batch_size, or "
+                "prepare a larger corpus")
+
+
+def mixture_weights(tokens: dict[str, int], alpha: float) -> dict[str, float]:
+    """mGPT / XLM language sampling: language l is drawn with probability proportional to ``n_l ** alpha`` (its
+    training tokens): alpha 1 samples as the corpus is, alpha 0 uniformly; small alphas up-sample small languages."""
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"data.language_alpha must be between 0 and 1 (0 uniform, 1 as the corpus is), got {alpha}")
+    if not tokens or any(count <= 0 for count in tokens.values()):
+        raise ValueError(f"every language needs training tokens to be sampled, got {tokens}")
+    raw = {code: count**alpha for code, count in tokens.items()}
+    total = sum(raw.values())
+    return {code: value / total for code, value in raw.items()}
+
+
+def streaming_loader(directory: str | Path, split: str | dict[str, str], seq_len: int, batch_size: int, *,
+                     shuffle: bool, seed: int, num_workers: int, replicas: int, rank: int,
+                     weights: dict[str, float] | None = None) -> Any:
+    """A ``StreamingDataLoader`` of ``seq_len + 1``-token windows of ``directory/split`` for data-parallel rank
+    ``rank`` of ``replicas``. Training drops the ragged tail so every rank runs the same number of steps.
+
+    ``split`` may map languages to their split folders: training then draws each window's language by ``weights``
+    (and an epoch ends when one language runs out), validation reads every language to its end.
+    """
+    litdata = require_litdata()
+    from litdata.utilities.env import _DistributedEnv
+
+    folders = {"": split} if isinstance(split, str) else split
+    datasets = []
+    for folder in folders.values():
+        dataset = litdata.StreamingDataset(str(Path(directory).expanduser() / folder), shuffle=shuffle, seed=seed,
+                                           item_loader=litdata.TokensLoader(block_size=seq_len + 1),
+                                           drop_last=shuffle or replicas > 1)
+        # litdata takes every torch.distributed rank for a data-parallel replica. Under tensor or pipeline
+        # parallelism the ranks of one group must read the same batch, so the strategy's data-parallel ranks
+        # replace its guess (a private attribute: litdata has no public way to name the replicas).
+        dataset.distributed_env = _DistributedEnv(replicas, rank, 1)
+        datasets.append(dataset)
+    if len(datasets) == 1:
+        combined = datasets[0]
+    else:
+        probabilities = [weights[code] for code in folders] if shuffle and weights else None
+        combined = litdata.CombinedStreamingDataset(datasets, seed=seed, weights=probabilities,
+                                                    iterate_over_all=not shuffle)
+    return litdata.StreamingDataLoader(combined, batch_size=batch_size, num_workers=num_workers,
+                                       collate_fn=collate_long, drop_last=shuffle or replicas > 1)

