@@ -31,7 +31,8 @@ class ShardingConfig:
     """How model states are split across the data-parallel ranks (ZeRO)."""
 
     sharding: Sharding = "none"
-    """"none" (replicated, DDP), "zero1" (optimizer states sharded), "zero2" (+ gradients) or "zero3" (+ parameters)."""
+    """"none" (replicated, DDP), "zero1" (optimizer states sharded), "zero2" (+ gradients) or "zero3" (+ parameters).
+    On one process "zero2"/"zero3" still run FSDP2 (a group of one), so checkpoints and layouts match a larger run."""
 
     count_collectives: bool = False
     """Record each optimizer step's collectives (calls and bytes per kind) in ``strategy.collectives``, to measure."""
@@ -55,19 +56,20 @@ class ParallelConfig:
     ranks: must divide processes / tensor_parallel, and ``num_experts``."""
 
     sequence_parallel: bool = False
-    """With tensor_parallel > 1: keep the activations between layers split by sequence position (Megatron-LM). Needs
-    rotary positions and sequence lengths divisible by tensor_parallel."""
+    """With tensor_parallel > 1: keep the activations between layers split by sequence position (Megatron-LM), which
+    divides their memory by tensor_parallel. Needs rotary positions and sequence lengths divisible by it."""
 
     pipeline_parallel: int = 1
-    """Ranks that split the model by depth into stages of whole layers; must divide the number of processes."""
+    """Ranks that split the model by depth into stages of whole layers (Lamy-Poirier's modular pipeline, run by
+    ``torch.distributed.pipelining``; embedding in the first stage, head in the last); must divide the processes."""
 
     pipeline_schedule: PipelineSchedule = "1f1b"
     """With pipeline_parallel > 1: "gpipe" or "1f1b" with one stage per rank, "interleaved_1f1b" with several, or
     "looped_bfs" (breadth-first, any number: a stage is fetched once per direction per step)."""
 
     stages_per_rank: int = 1
-    """Stages each pipeline rank holds, looped (rank r holds stages r, r + p, ...); ``num_layers`` must divide into
-    pipeline_parallel * stages_per_rank stages."""
+    """Stages each pipeline rank holds, looped (rank r holds stages r, r + p, ...), which shrinks the bubble to
+    (p - 1) / (stages_per_rank * micro_batches + p - 1); ``num_layers`` must divide into p * stages_per_rank."""
 
     def __post_init__(self) -> None:
         check_parallel_options(Layout(**{f.name: getattr(self, f.name) for f in fields(self)}))
@@ -83,7 +85,7 @@ class AccumulationConfig:
 
     micro_batches: int = 1
     """Layered accumulation, or pipeline_parallel > 1: the micro-batches each training batch is split into (the batch
-    size must divide; Lightning's ``accumulate_grad_batches`` must then be 1)."""
+    size must divide; Lightning's ``accumulate_grad_batches`` must then be 1, which standard accumulation uses)."""
 
     recompute: bool = False
     """Layered accumulation, or pipeline_parallel > 1: keep each layer's input, recompute its interior in backward."""
@@ -134,7 +136,8 @@ class OffloadConfig:
 
     overlap_host_step: bool | Literal["auto"] = "auto"
     """Run an offloaded block's host optimizer step while the device computes earlier blocks' backward, only where it
-    cannot change the result; "auto": only with an accelerator (on a CPU the two compete for the cores)."""
+    cannot change the result (no clipping, gradient scaler or accumulation); "auto": only with an accelerator (on a
+    CPU the two compete for the cores: 476 ms instead of 345 ms per step measured on 2 cores)."""
 
     log_telemetry: bool = True
     """Log the offload statistics (``offload/*``) through the Trainer's loggers."""
