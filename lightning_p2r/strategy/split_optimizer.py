@@ -1,10 +1,8 @@
 """One optimizer to Lightning, two places to step: the device for resident parameters, the host for offloaded ones.
 
-``SplitOptimizer`` presents Lightning, LR schedulers and clipping the user's optimizer's groups in their order, each
-offloaded parameter replaced by its host master (whose ``.grad`` is the host gradient buffer); underneath, one
-optimizer of the same class steps the resident parameters on the device and one per offloaded block its masters on
-the host (torch's fused CPU AdamW, ~5x the foreach one), with the groups' settings copied before every step. Its
-state dict is in that canonical order, so a checkpoint loads under another offload plan, or none.
+``SplitOptimizer`` shows the user's groups in their order, each offloaded parameter replaced by its host master;
+underneath, one optimizer of the same class per side (one per offloaded block on the host) steps with the groups'
+settings. Its state dict is in that canonical order, so a checkpoint loads under another offload plan, or none.
 """
 
 from __future__ import annotations
@@ -64,47 +62,36 @@ class SplitOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, engine: OffloadEngine) -> None:
         self.engine = engine
         self.optimizer_class = type(optimizer)
-        self._initialized = False
         offloaded_by_param = {id(p): (index, position) for index, block in engine.blocks.items()
                               for position, p in enumerate(block.params)}
         self._position_of: dict[int, tuple[int, int]] = {}  # id(host master) -> (block, position)
         canonical_groups = []
-        # For every canonical slot: ("device", None) or ("host", block index), in group order.
-        self._owner: list[tuple[str, int | None]] = []
-        device_groups: list[dict[str, Any]] = []
-        host_groups: dict[int, list[dict[str, Any]]] = {index: [] for index in engine.blocks}
-        hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        # The groups of each side: None for the device, else an offloaded block's index.
+        side_groups: dict[int | None, list[dict[str, Any]]] = {side: [] for side in (None, *engine.blocks)}
         for group_index, group in enumerate(optimizer.param_groups):
-            canonical, on_device, on_host = [], [], {index: [] for index in engine.blocks}
+            settings = {k: v for k, v in group.items() if k != "params"}
+            canonical, on_side = [], {side: [] for side in side_groups}
             for param in group["params"]:
                 where = offloaded_by_param.get(id(param))
-                if where is None:
-                    canonical.append(param)
-                    on_device.append(param)
-                    self._owner.append(("device", None))
-                else:
-                    index, position = where
-                    master = self._master(index, position)
-                    self._position_of[id(master)] = where
-                    canonical.append(master)
-                    on_host[index].append(master)
-                    self._owner.append(("host", index))
-            canonical_groups.append(hyper[group_index] | {"params": canonical})
-            device_groups.append(hyper[group_index] | {"params": on_device, "_canonical": group_index})
-            for index, params in on_host.items():
-                host_groups[index].append(hyper[group_index] | {"params": params, "_canonical": group_index})
+                if where is not None:
+                    param = self._master(*where)
+                    self._position_of[id(param)] = where
+                canonical.append(param)
+                on_side[None if where is None else where[0]].append(param)
+            canonical_groups.append(settings | {"params": canonical})
+            for side, params in on_side.items():
+                side_groups[side].append(settings | {"params": params, "_canonical": group_index})
         super().__init__(canonical_groups, optimizer.defaults)
-        kwargs = optimizer_constructor_kwargs(optimizer)
-        self._kwargs = kwargs
-        self.device_optimizer = self._build(device_groups, kwargs)
+        self._kwargs = optimizer_constructor_kwargs(optimizer)
+        self.device_optimizer = self._build(side_groups.pop(None), self._kwargs)
         # The host side uses torch's fused CPU kernel (~5x the foreach one) where the optimizer has one.
-        host_kwargs = {k: v for k, v in kwargs.items() if k not in _IMPLEMENTATION_FLAGS}
-        if "fused" in kwargs:
+        host_kwargs = {k: v for k, v in self._kwargs.items() if k not in _IMPLEMENTATION_FLAGS}
+        if "fused" in self._kwargs:
             host_kwargs["fused"] = True
-            for groups in host_groups.values():
+            for groups in side_groups.values():
                 for group in groups:
                     group.update({"fused": True, "foreach": None})
-        self.host_optimizers = {index: self._build(groups, host_kwargs) for index, groups in host_groups.items()}
+        self.host_optimizers = {index: self._build(groups, host_kwargs) for index, groups in side_groups.items()}
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future] = {}
         self._initialized = True
@@ -201,10 +188,6 @@ class SplitOptimizer(torch.optim.Optimizer):
         self.engine.start_accumulation(set_to_none=set_to_none)
 
     # -------------------------------------------------------------------------------------------- state
-    def _optimizer_of(self, slot: int) -> torch.optim.Optimizer | None:
-        kind, index = self._owner[slot]
-        return self.device_optimizer if kind == "device" else self.host_optimizers[index]
-
     def _canonical_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -221,11 +204,8 @@ class SplitOptimizer(torch.optim.Optimizer):
         pass
 
     def state_dict(self) -> dict[str, Any]:
-        state = {}
-        for slot, param in enumerate(self._canonical_params()):
-            optimizer = self._optimizer_of(slot)
-            if optimizer is not None and param in optimizer.state and optimizer.state[param]:
-                state[slot] = dict(optimizer.state[param])
+        merged = self.state  # each parameter is in exactly one inner optimizer
+        state = {slot: dict(merged[p]) for slot, p in enumerate(self._canonical_params()) if merged.get(p)}
         return {"state": state, "param_groups": regrouped(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -235,21 +215,12 @@ class SplitOptimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer state does not match this model's parameter groups")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        slots = {int(k): v for k, v in state_dict["state"].items()}
-        params = self._canonical_params()
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        slot_of = {id(p): slot for slot, p in enumerate(self._canonical_params())}
         for optimizer in self._inner():
-            local_state, local_groups, local_index = {}, [], 0
-            positions = {id(p): slot for slot, p in enumerate(params)}
-            for group in optimizer.param_groups:
-                indices = []
-                for param in group["params"]:
-                    slot = positions[id(param)]
-                    if slot in slots:
-                        local_state[local_index] = slots[slot]
-                    indices.append(local_index)
-                    local_index += 1
-                local_groups.append({k: v for k, v in group.items() if k != "params"} | {"params": indices})
-            optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+            slots = [slot_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+            local_state = {i: saved_state[slot] for i, slot in enumerate(slots) if slot in saved_state}
+            optimizer.load_state_dict({"state": local_state, "param_groups": regrouped(optimizer.param_groups)})
             self._sync_hyperparameters(optimizer)
 
     def shutdown(self) -> None:
