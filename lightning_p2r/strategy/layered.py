@@ -147,9 +147,8 @@ class LayeredStep:
 
     def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Backward of every micro-batch, layer by layer from the head down; gradients accumulate into ``.grad``.
-
-        ``scale`` multiplies every loss term before its backward (a ``GradScaler``'s ``scale``): the gradients then
-        carry the scale the optimizer step's unscaling divides out, exactly as a scaled loss's backward would."""
+        ``scale`` multiplies every loss term before its backward (a ``GradScaler``'s ``scale``), so the gradients
+        carry the scale the optimizer step's unscaling divides out, as a scaled loss's backward would."""
         scale = scale if scale is not None else (lambda tensor: tensor)
         if self._done:
             raise RuntimeError("this layered step has already run its backward")

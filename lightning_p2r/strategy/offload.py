@@ -122,8 +122,8 @@ class OffloadEngine:
 
     def _offload(self, index: int, param_prefix: str) -> _OffloadedBlock:
         block = self.holder.blocks[index]
-        names, params, host, trainable = [], [], [], set()
-        for position, (name, param) in enumerate(block.named_parameters()):
+        names, params, host = [], [], []
+        for name, param in block.named_parameters():
             master = param.detach()
             if master.device.type != "cpu" or not self.offload_params:
                 master = master.to("cpu", copy=True)
@@ -137,13 +137,12 @@ class OffloadEngine:
                 param.data = placeholder
             else:  # ZeRO-Offload style: parameters stay on the device, gradients and optimizer go to the host
                 param.data = param.data.to(self.device)
-            if param.requires_grad:
-                trainable.add(position)
             names.append(f"{param_prefix}{index}.{name}")
             params.append(param)
             host.append(master)
         param_bytes = sum(h.numel() * h.element_size() for h in host)
-        return _OffloadedBlock(index, names, params, host, [None] * len(host), frozenset(trainable), param_bytes,
+        trainable = frozenset(position for position, param in enumerate(params) if param.requires_grad)
+        return _OffloadedBlock(index, names, params, host, [None] * len(host), trainable, param_bytes,
                                resident=not self.offload_params, unwritten=set(trainable))
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
@@ -252,10 +251,8 @@ class OffloadEngine:
                 # The block comes back when backward reaches its output. Other outputs (router losses) may only
                 # depend on the block's parameters through paths that also feed the hidden state, as in M6.
                 hidden.register_hook(partial(self._before_block_backward, layer))
-        if index not in self.blocks:
-            return
-        next_layer = layer + 1
-        if next_layer >= len(self.holder.layer_to_block) or self.holder.layer_to_block[next_layer] != index:
+        last = layer + 1 == len(self.holder.layer_to_block) or self.holder.layer_to_block[layer + 1] != index
+        if last and index in self.blocks:  # the block's last layer in a row
             self.release(index)
 
     def _before_block_backward(self, layer: int, grad: torch.Tensor) -> None:
@@ -308,9 +305,7 @@ class OffloadEngine:
                     for param, master in zip(block.params, block.host):
                         param.data.copy_(master, non_blocking=self.pin_memory)
                         param.data.record_stream(self._copy_stream)
-                    event = torch.cuda.Event()
-                    event.record(self._copy_stream)
-                block.ready_event = event
+                    block.ready_event = self._copy_stream.record_event()
             else:
                 for param, master in zip(block.params, block.host):
                     param.data.copy_(master)
@@ -339,9 +334,7 @@ class OffloadEngine:
         self._streamed_blocks -= 1
         self._resident_param_bytes -= block.param_bytes
         if self._compute_stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._compute_stream)
-            self._releases.append(event)
+            self._releases.append(self._compute_stream.record_event())
 
     def _offload_grads(self, block: _OffloadedBlock) -> None:
         start = time.perf_counter()
@@ -383,10 +376,9 @@ class OffloadEngine:
             self.release(block.index)
 
     def start_accumulation(self, set_to_none: bool = True) -> None:
-        """A new optimizer step begins (the optimizer's ``zero_grad``). ``set_to_none``: the host masters lose their
-        ``.grad`` until a gradient of the new step arrives (which overwrites the buffer instead of adding), so
-        clipping and the optimizer never see last step's gradient of a parameter that gets none now. Otherwise the
-        buffers are zeroed and stay linked, as ``zero_grad(set_to_none=False)`` leaves zero gradients."""
+        """A new optimizer step begins (``zero_grad``). ``set_to_none``: the host masters lose their ``.grad`` until a
+        gradient of the new step overwrites the buffer, so nothing sees last step's gradient of a parameter that gets
+        none now. Otherwise the buffers are zeroed and stay linked, as ``set_to_none=False`` leaves zero gradients."""
         for block in self.blocks.values():
             if set_to_none:
                 block.unwritten = set(block.trainable)
@@ -423,25 +415,23 @@ class OffloadEngine:
 class EngineEvents(BlockEvents):
     """Layered accumulation on one process: an offloaded block is copied in once per direction for every micro-batch,
     and its gradient goes to the host once. A block several layers run (a pseudo model) stays on the device from its
-    first layer to its last in each direction; its gradient leaves (and its host step may start) only after the last
-    layer's backward, before which it is a partial sum."""
+    first layer to its last in each direction, and its gradient (a partial sum until then) leaves after the last."""
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
-        self._uses_left: dict[str, dict[int, int]] = {}
+        self._uses_left: dict[str, Counter] = {}
 
     def __enter__(self) -> EngineEvents:
         # Each block's layers left to run in each direction (the strategy enters once for the forward pass and
         # once for the backward pass of a step; either way the counts start full).
         self.engine.manual = True
         counts = Counter(self.engine.holder.layer_to_block)
-        self._uses_left = {"forward": dict(counts), "backward": dict(counts)}
+        self._uses_left = {"forward": counts, "backward": counts.copy()}
         return self
 
     def _last_use(self, direction: str, block: int) -> bool:
-        left = self._uses_left.setdefault(direction, {})
-        left[block] = left.get(block, 1) - 1
-        return left[block] <= 0
+        self._uses_left[direction][block] -= 1
+        return self._uses_left[direction][block] <= 0
 
     def __exit__(self, *exc: object) -> None:
         self.engine.manual = False

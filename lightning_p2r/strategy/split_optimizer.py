@@ -245,15 +245,11 @@ def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimize
         by_master = {id(master): param for block in engine.blocks.values()
                      for master, param in zip(block.host, block.params)}
         slots = [by_master.get(id(p), p) for group in optimizer.param_groups for p in group["params"]]
+        optimizer.shutdown()  # before the engine lets go of the blocks its host steps write
+    if engine is not None:
         engine.detach("cpu")
-        optimizer.shutdown()
-        module.to("cpu")
-        plain = optimizer.to_plain(slots)
-    else:
-        if engine is not None:
-            engine.detach("cpu")
-        module.to("cpu")
-        plain = optimizer
+    module.to("cpu")
+    plain = optimizer.to_plain(slots) if isinstance(optimizer, SplitOptimizer) else optimizer
     optimizer_state_to(plain, torch.device("cpu"))
     return plain
 
@@ -271,10 +267,9 @@ def split_single_optimizer(optimizers: list[torch.optim.Optimizer], engine: Offl
 
 
 def release_to_host(optimizers: list[Any], engine: OffloadEngine | None) -> None:
-    """At teardown: stop the split optimizers' host-step threads and give every offloaded parameter its values
-    back as an ordinary tensor in host memory (``engine`` must not be used afterwards). To the host, because
-    putting every offloaded block on the device at once could run out of memory, and Lightning's teardown moves
-    the module to the CPU anyway."""
+    """At teardown: stop the split optimizers' host-step threads and give every offloaded parameter its values back
+    in host memory (all blocks may not fit on the device; Lightning's teardown moves the module to the CPU anyway).
+    ``engine`` must not be used afterwards."""
     for optimizer in optimizers:
         if isinstance(optimizer, SplitOptimizer):
             optimizer.shutdown()
