@@ -1,8 +1,6 @@
-"""Materializing a model built on the meta device: each tensor allocated once, where the placement puts it (host
-memory for an offloaded block, this rank's shard after ``fully_shard``), and filled once, with the checkpoint's
-value or its initial one. Initial values come from the model (``initial_value(name)``: a pure function of its init
-seed and the name, so they do not depend on the placement), else from the modules' ``reset_parameters()`` (torch's
-convention, which draws from the global generator and so depends on the order of materialization).
+"""Materializing a model built on the meta device: each tensor allocated once, where the placement puts it, and
+filled once, with the checkpoint's value or its initial one: the model's ``initial_value(name)`` (a pure function of
+its seed and the name, so independent of the placement), else the modules' ``reset_parameters()``.
 """
 
 from __future__ import annotations
@@ -80,20 +78,17 @@ def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def write(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the whole value ``full`` into ``param``: all of it, or this rank's part of a DTensor."""
-    if isinstance(param, DTensor):
-        local = param.to_local()
-        if all(type(p) in (Shard, Replicate) for p in param.placements):
-            local.copy_(local_part(full, param).to(local.dtype))
-        else:
-            # FSDP2 over a tensor-parallel dimension of the same tensor dimension (a strided shard): DTensor cuts
-            # this rank's part itself, locally, since every rank holds the whole value (src_data_rank=None).
-            mesh = param.device_mesh
-            part = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None)
-            local.copy_(part.to_local().to(local.dtype))
+def write(param: DTensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the whole value ``full`` into ``param``."""
+    local = param.to_local()
+    if all(type(p) in (Shard, Replicate) for p in param.placements):
+        local.copy_(local_part(full, param).to(local.dtype))
     else:
-        param.copy_(full.to(param.dtype))
+        # FSDP2 over a tensor-parallel dimension of the same tensor dimension (a strided shard): DTensor cuts
+        # this rank's part itself, locally, since every rank holds the whole value (src_data_rank=None).
+        mesh = param.device_mesh
+        part = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None)
+        local.copy_(part.to_local().to(local.dtype))
 
 
 class Initializer:

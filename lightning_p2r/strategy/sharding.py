@@ -1,6 +1,5 @@
-"""The data-parallel pieces the engines share (see docs/sharding.md for the ZeRO stages): ZeRO-1's
-``ZeroRedundancyOptimizer`` on DDP, and around FSDP2's units, the stage runner of layered accumulation, the
-events that gather and reduce each block once per step, and resharding.
+"""The data-parallel pieces the engines share (docs/sharding.md): ZeRO-1's ``ZeroRedundancyOptimizer`` on DDP, and
+around FSDP2's units, layered accumulation's stage runner and events, and resharding.
 """
 
 from __future__ import annotations
@@ -24,9 +23,7 @@ def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
                               process_group: Any = None) -> ZeroRedundancyOptimizer:
     """The same optimizer class, groups and settings, with its states partitioned across the ranks of
     ``process_group`` (all of them by default; ``cls``: a subclass of ``ZeroRedundancyOptimizer`` to build)."""
-    groups = [dict(g) for g in optimizer.param_groups]
-    for group in groups:
-        group.pop("initial_lr", None)
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
     first, rest = groups[0], groups[1:]
     kwargs = optimizer_constructor_kwargs(optimizer)
     # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
@@ -66,10 +63,9 @@ def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: i
 
 # ------------------------------------------------------------------------------------------ zero2/zero3 (FSDP2)
 class StageRunner(nn.Module):
-    """The modules owning parameters outside the blocks (embedding, final norm, head) as one FSDP2 root. Layered
-    accumulation calls the model's embedding and head stages directly, not through its ``forward``, and FSDP2 gathers
-    a unit's parameters in that unit's forward hooks under one root: so each stage call runs *through* this module's
-    ``forward``. The modules stay registered where they were; this module only references them."""
+    """The modules owning parameters outside the blocks (embedding, final norm, head) as one FSDP2 root, which only
+    references them. Layered accumulation calls the embedding and head stages directly, and FSDP2 gathers a unit's
+    parameters in its forward hooks, so each stage call runs *through* this module's ``forward``."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         super().__init__()
@@ -118,8 +114,7 @@ class FSDPEvents(BlockEvents):
     def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_last: bool) -> None:
         self.blocks = blocks
         self.runner = runner
-        self.reshard_after_last = reshard_after_last
-        """``Layout.resharding.after_last_micro_batch``: zero3 reshards each block after its last forward."""
+        self.reshard_after_last = reshard_after_last  # zero3 reshards each block after its last forward
 
     def after_forward(self, block: int) -> None:
         if self.reshard_after_last:
@@ -153,6 +148,3 @@ def reshard_all(module: nn.Module, runner: nn.Module | None) -> None:
         unit.reshard()
     if runner is not None:
         runner.reshard()
-
-
-# --------------------------------------------------------------------------------------------- accounting
