@@ -57,10 +57,9 @@ class CollectiveStats:
 
 
 def collective_payload(namespace: str, name: str, args: Any, kwargs: dict[str, Any]) -> tuple[str, int]:
-    """The kind of a collective op and its payload in bytes (see :class:`CollectiveStats`). Process-group ops
-    ("c10d": FSDP2, DDP, ``torch.distributed`` calls) carry their input and output tensors; functional ops
-    ("_c10d_functional": DTensor's redistributions under tensor parallelism) carry only their input, so a functional
-    gather's payload is its input times the group size. An all-to-all's payload is what this rank sends."""
+    """The kind of a collective op and its payload in bytes (see :class:`CollectiveStats`). Process-group ("c10d")
+    ops carry their input and output tensors; functional ones (DTensor's redistributions) only their input, so a
+    functional gather's payload is its input times the group size. An all-to-all's payload is what this rank sends."""
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     sizes = [t.numel() * t.element_size() for t in tensors]
     kind = _kind(name)

@@ -124,9 +124,8 @@ def _rerun(stages: LayeredStages, layer: int, leaf: torch.Tensor, context: Any,
 
 class LayeredStep:
     """One optimizer step of layered accumulation, split where Lightning splits a step: :func:`layered_forward` runs
-    every micro-batch's forward (in ``training_step``), :meth:`backward` their backward (in ``backward``: Lightning
-    zeroes the gradients in between). The heads keep their graphs until backward: their logits are as large as those
-    of one step on the whole batch."""
+    every micro-batch's forward (in ``training_step``), :meth:`backward` their backward (in ``backward``). The heads
+    keep their graphs until backward: their logits are as large as those of one step on the whole batch."""
 
     def __init__(self, stages: LayeredStages, events: BlockEvents, recompute: bool, m: int) -> None:
         self.stages = stages
@@ -247,5 +246,5 @@ def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: Blo
         totals[i] = totals[i].to(loss.device) + loss.detach()
         metrics.append({key: value.detach() for key, value in head_metrics.items()})
     step.loss = torch.stack([t.float() for t in totals]).mean()
-    step.metrics = {key: torch.stack([m[key].float() for m in metrics]).mean() for key in metrics[0]}
+    step.metrics = {key: torch.stack([values[key].float() for values in metrics]).mean() for key in metrics[0]}
     return step

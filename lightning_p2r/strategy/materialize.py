@@ -5,8 +5,7 @@ its seed and the name, so independent of the placement), else the modules' ``res
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -32,31 +31,23 @@ def check_no_meta_buffers(module: nn.Module) -> None:
             "configure_model (it is then built whole, eagerly)")
 
 
-@contextlib.contextmanager
-def _swap_on_conversion() -> Iterator[None]:
-    """``to_empty`` swaps each tensor in place instead of giving each module a new Parameter: a parameter shared by
-    two modules (a tied LM head) stays one object, and FSDP2's references to its DTensors stay valid."""
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
-
-
 def allocate(module: nn.Module, device: torch.device | str, *, skip: Iterable[nn.Module] = ()) -> list[nn.Parameter]:
     """Give every meta parameter and buffer of ``module`` (outside the ``skip`` subtrees) uninitialized storage on
     ``device``; returns the parameters allocated (each once)."""
     skipped = {id(m) for tree in skip for m in tree.modules()}
     allocated: dict[int, nn.Parameter] = {}
-    with _swap_on_conversion():
-        for submodule in module.modules():
-            if id(submodule) in skipped:
-                continue
+    # to_empty swaps each tensor in place instead of giving each module a new Parameter: a parameter shared by two
+    # modules (a tied LM head) stays one object, and FSDP2's references to its DTensors stay valid.
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for submodule in (m for m in module.modules() if id(m) not in skipped):
             own = [p for p in submodule.parameters(recurse=False) if p.device.type == "meta"]
             if own or any(b.device.type == "meta" for b in submodule.buffers(recurse=False)):
                 submodule.to_empty(device=device, recurse=False)
                 allocated.update((id(p), p) for p in own)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
     return list(allocated.values())
 
 
@@ -102,26 +93,23 @@ class Initializer:
                        if self.values_from is not None else {})
 
     def fill(self, params: Iterable[nn.Parameter]) -> None:
-        pending = []
+        pending = set()  # ids of the parameters left to their modules' reset_parameters()
         for param in params:
             name = self._names.get(id(param))
             if name is None:
-                pending.append(param)
+                pending.add(id(param))
             elif isinstance(param, DTensor):
                 write(param, self.values_from.initial_value(name))  # whole value, then this rank's part
             else:
                 with torch.no_grad():
                     self.values_from.initial_value(name, out=param)  # in place: no temporary copy
-        if pending:
-            self._reset_owners(pending)
-
-    def _reset_owners(self, params: list[nn.Parameter]) -> None:
-        wanted = {id(p) for p in params}
+        if not pending:
+            return
         for module in self.root.modules():
-            if any(id(p) in wanted for p in module.parameters(recurse=False)):
+            if any(id(p) in pending for p in module.parameters(recurse=False)):
                 reset = getattr(module, "reset_parameters", None)
                 if not callable(reset):
-                    names = [n for n, p in module.named_parameters(recurse=False) if id(p) in wanted]
+                    names = [n for n, p in module.named_parameters(recurse=False) if id(p) in pending]
                     raise ValueError(
                         f"{type(module).__name__} was built on the meta device, but neither the model "
                         f"(initial_value(name)) nor the module (reset_parameters()) can initialize {names}")

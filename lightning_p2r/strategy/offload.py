@@ -7,6 +7,7 @@ restored values, and version counters stay untouched because the copy goes throu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections import Counter, deque
@@ -282,7 +283,7 @@ class OffloadEngine:
             return  # the next fetch copies the updated host masters in
         block = self.blocks[index]
         # May run on the host-step thread: name the device and the compute stream explicitly.
-        with torch.no_grad(), torch.cuda.stream(self._compute_stream):  # no stream (None) on a CPU: a no-op
+        with torch.no_grad(), _on_stream(self._compute_stream):
             for param, master in zip(block.params, block.host):
                 param.data.copy_(master, non_blocking=self.pin_memory)
         self.stats.h2d_bytes += block.param_bytes
@@ -452,3 +453,8 @@ class EngineEvents(BlockEvents):
     def after_backward(self, block: int) -> None:
         if block in self.engine.blocks and self._last_use("backward", block):
             self.engine.flush_grads(block)
+
+
+def _on_stream(stream: object | None) -> contextlib.AbstractContextManager:
+    # torch.cuda.stream(None) is a no-op too, but it initializes CUDA on a machine that has it (a CPU run there).
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

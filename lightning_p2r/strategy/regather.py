@@ -76,13 +76,10 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, target_of: Callable[[torch
     groups = [{k: v for k, v in group.items() if k != "params"} | {"params": [target_of(p) for p in group["params"]]}
               for group in optimizer.param_groups]
     result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if state:
-                target = target_of(param)
-                result.state[target] = {key: convert(value, target) if isinstance(value, torch.Tensor) else value
-                                        for key, value in sorted(state.items())}
+    for param in [p for group in optimizer.param_groups for p in group["params"] if optimizer.state.get(p)]:
+        target = target_of(param)
+        result.state[target] = {key: convert(value, target) if isinstance(value, torch.Tensor) else value
+                                for key, value in sorted(optimizer.state[param].items())}
     return result
 
 

@@ -67,8 +67,7 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
             param.grad = None
 
     def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Take the whole state and the group settings (learning rates included) of ``optimizer``, an optimizer over
-        the DTensor parameters in the same group order."""
+        """Take the whole state and group settings of ``optimizer``, over the DTensor parameters in the same order."""
         index = {id(p): i for i, p in enumerate(self.whole_params)}
         state = {index[id(p)]: {k: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for p, s in optimizer.state.items()}
@@ -83,9 +82,8 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
 
 
 def to_module_optimizer(optimizer: ReplicatedZeroOptimizer, world_size: int, rank: int) -> torch.optim.Optimizer:
-    """A plain optimizer of the same class, settings and groups over the module's DTensor parameters, holding the
-    whole state in host memory (gathered from the partitions; it never all lands on the device). ``world_size`` and
-    ``rank``: of the optimizer's process group. Collective: every rank of that group must call it."""
+    """A plain optimizer of the same class, settings and groups over the module's DTensor parameters, with the whole
+    state gathered into host memory. Collective over the optimizer's process group (``world_size``, ``rank``)."""
     full = consolidated_state_dict(optimizer, world_size, rank)
     params = optimizer.whole_params  # numbered as the views are, in group order
     groups = [extras | {k: v for k, v in g.items() if k != "params"} | {"params": [params[i] for i in g["params"]]}
@@ -108,9 +106,8 @@ def _like(param: torch.Tensor, value: Any) -> Any:
 
 def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], process_group: Any = None, *,
                                expert_group: Any = None, experts: set[int] | None = None) -> torch.optim.Optimizer:
-    """The strategy's one optimizer wrapped as a :class:`ReplicatedZeroOptimizer` over ``process_group`` (all ranks
-    by default), or, given ``expert_group``, as a :class:`SplitZeroOptimizer` partitioning the ``experts`` (ids)
-    over it (the strategy rebinds its LR schedulers)."""
+    """The strategy's one optimizer as a :class:`ReplicatedZeroOptimizer` over ``process_group`` (all ranks by default),
+    or, given ``expert_group``, a :class:`SplitZeroOptimizer` partitioning the ``experts`` (ids) over it."""
     if len(optimizers) != 1:
         raise ValueError(f"P2RStrategy(sharding='zero1') on FSDP2 supports one optimizer, got {len(optimizers)}")
     if expert_group is not None:
@@ -144,8 +141,7 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, dense_group: Any, expert_group: Any,
              experts: set[int]) -> SplitZeroOptimizer:
-        """``experts``: ids of the expert parameters (partitioned over ``expert_group``; the rest over
-        ``dense_group``)."""
+        """``experts``: ids of the parameters partitioned over ``expert_group`` (the rest over ``dense_group``)."""
         parts, slots = [], []
         for expert_part, group in ((False, dense_group), (True, expert_group)):
             kept = [(i, [p for p in g["params"] if (id(p) in experts) == expert_part])

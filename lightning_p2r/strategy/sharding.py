@@ -24,12 +24,11 @@ def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
     """The same optimizer class, groups and settings, with its states partitioned across the ranks of
     ``process_group`` (all of them by default; ``cls``: a subclass of ``ZeroRedundancyOptimizer`` to build)."""
     groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
-    first, rest = groups[0], groups[1:]
     kwargs = optimizer_constructor_kwargs(optimizer)
     # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
-    kwargs |= {k: v for k, v in first.items() if k in kwargs}
-    zero = cls(first["params"], optimizer_class=type(optimizer), process_group=process_group, **kwargs)
-    for group in rest:
+    kwargs |= {k: v for k, v in groups[0].items() if k in kwargs}
+    zero = cls(groups[0]["params"], optimizer_class=type(optimizer), process_group=process_group, **kwargs)
+    for group in groups[1:]:
         zero.add_param_group(group)
     if optimizer.state:
         zero.load_state_dict(optimizer.state_dict())
@@ -37,9 +36,8 @@ def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
 
 
 def consolidated_state_dict(optimizer: ZeroRedundancyOptimizer, world_size: int, rank: int) -> dict[str, Any]:
-    """The whole state dict of a ``ZeroRedundancyOptimizer`` on this rank, in host memory (torch keeps consolidated
-    states on the CPU). Collective: ``consolidate_state_dict`` hands the full state to one rank per call, so every
-    rank calls it once per rank."""
+    """The whole state dict of a ``ZeroRedundancyOptimizer`` on this rank, in host memory. Collective: each call of
+    ``consolidate_state_dict`` hands the full state to one rank, so every rank calls it once per rank."""
     full: dict[str, Any] = {}
     for target in range(world_size):
         optimizer.consolidate_state_dict(to=target)
@@ -108,8 +106,7 @@ def smallest_parameter_root(module: nn.Module) -> nn.Module:
 class FSDPEvents(BlockEvents):
     """Layered accumulation on FSDP2: each block is gathered once for the forward of all micro-batches (zero3
     reshards it right after), once for their backward, and its gradient is reduce-scattered once, after the last
-    micro-batch; until then FSDP2 accumulates the unsharded gradient. The same for the stage runner's parameters
-    (embedding and head), whose backward opens and closes the step."""
+    micro-batch. The same for the stage runner's parameters (embedding and head), whose backward opens and closes it."""
 
     def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_last: bool) -> None:
         self.blocks = blocks

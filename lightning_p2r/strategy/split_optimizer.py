@@ -27,8 +27,7 @@ _IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differenti
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes this rank holds of an optimizer's per-parameter state tensors (moments; scalar step counters left out;
-    local shards only for FSDP2's DTensors)."""
+    """Bytes this rank holds of an optimizer's per-parameter state tensors (local shards; scalar steps left out)."""
     if optimizer is None:
         return 0
     return sum(local_bytes(v) for state in optimizer.state.values()
@@ -36,8 +35,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def device_optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Optimizer-state bytes on the device: only the device side of a :class:`SplitOptimizer` (its host
-    optimizers keep their state in host memory)."""
+    """Optimizer-state bytes on the device: only the device side of a :class:`SplitOptimizer`."""
     if isinstance(optimizer, SplitOptimizer):
         optimizer = optimizer.device_optimizer
     return optimizer_state_bytes(optimizer)
@@ -128,9 +126,7 @@ class SplitOptimizer(torch.optim.Optimizer):
     def _sync_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             canonical = self.param_groups[group["_canonical"]]
-            for key, value in canonical.items():
-                if key != "params" and key not in _IMPLEMENTATION_FLAGS:
-                    group[key] = value
+            group.update({k: v for k, v in canonical.items() if k != "params" and k not in _IMPLEMENTATION_FLAGS})
 
     def _host_step(self, index: int) -> float:
         optimizer = self.host_optimizers[index]
@@ -193,10 +189,7 @@ class SplitOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self) -> dict:  # type: ignore[override]
-        merged: dict = {}
-        for optimizer in self._inner():
-            merged.update(optimizer.state)
-        return merged
+        return {param: state for optimizer in self._inner() for param, state in optimizer.state.items()}
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -238,16 +231,13 @@ class SplitOptimizer(torch.optim.Optimizer):
 
 def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimizer,
                    module: nn.Module) -> torch.optim.Optimizer:
-    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (not to be used afterwards), and
-    return an ordinary optimizer over the module's own parameters with the full state: a :class:`SplitOptimizer`'s
-    host masters are mapped back to the parameters they stand for before the engine lets go of them."""
+    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (not to be used afterwards);
+    returns an ordinary optimizer over the module's own parameters, with the full state."""
     if isinstance(optimizer, SplitOptimizer):
         by_master = {id(master): param for block in engine.blocks.values()
                      for master, param in zip(block.host, block.params)}
         slots = [by_master.get(id(p), p) for group in optimizer.param_groups for p in group["params"]]
-        optimizer.shutdown()  # before the engine lets go of the blocks its host steps write
-    if engine is not None:
-        engine.detach("cpu")
+    release_to_host([optimizer], engine)
     module.to("cpu")
     plain = optimizer.to_plain(slots) if isinstance(optimizer, SplitOptimizer) else optimizer
     optimizer_state_to(plain, torch.device("cpu"))

@@ -63,7 +63,6 @@ class LayeredSteps(StepRunner):
         self._step: LayeredStep | None = None
 
     def training_step(self, batch: Any, lightning_step: Callable[[], Any]) -> Any:
-        # The backward runs in ``backward`` (Lightning zeroes the gradients between the two).
         micro = split_micro_batches(batch, self.micro_batches)
         with self.precision.train_step_context(), counting(self.counter):
             stages = stages_through_runner(self.module.layered_stages(), self.engine.stage_runner())

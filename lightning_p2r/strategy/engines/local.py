@@ -105,9 +105,8 @@ class LocalEngine(Engine):
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
                perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
-        """Delink with the whole model in host memory, then re-plan and re-offload: the real model may not fit
-        on the device (that is why it was trained pseudo first), so the copies are made on the host and only the
-        blocks the new plan keeps resident move back."""
+        """Delink with the whole model in host memory (the real model may not fit on the device: that is why it was
+        trained pseudo first), then re-plan: only the blocks the new plan keeps resident move back."""
         plain = detach_to_host(self.streaming, optimizer, module)
         self.streaming = None
         new_optimizer = delink(module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state,
