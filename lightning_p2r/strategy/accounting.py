@@ -1,8 +1,6 @@
-"""Counting what a training step holds and moves: local tensor bytes, and the collectives it issues.
-
-FSDP2, DDP and ``ZeroRedundancyOptimizer`` all call torch.distributed, whose process-group operations go through
-the dispatcher as ``c10d`` ops. A dispatch mode sees each of them with its tensors, so the counts and bytes
-below are observed, not derived from a model of what the engines should do.
+"""Counting what a training step holds and moves: local tensor bytes, and the collectives it issues. A dispatch
+mode sees each ``c10d`` op (FSDP2, DDP, ``ZeroRedundancyOptimizer``) with its tensors, so the counts and bytes are
+observed, not derived from a model of what the engines should do.
 """
 
 from __future__ import annotations
@@ -38,10 +36,9 @@ _GATHER_SCATTER = ("allgather", "reduce_scatter", "_allgather_base", "_reduce_sc
 class CollectiveStats:
     """Collectives issued during one optimizer step (all of its micro-batches)."""
 
-    calls: Counter = field(default_factory=Counter)
-    """Number of calls per kind (all_gather, reduce_scatter, all_reduce, broadcast, ...)."""
+    calls: Counter = field(default_factory=Counter)  # per kind (all_gather, reduce_scatter, all_reduce, ...)
+    # Payload bytes per kind: the full buffer a gather or scatter assembles or splits, the tensors reduced or sent.
     bytes: Counter = field(default_factory=Counter)
-    """Payload bytes per kind: the full buffer a gather or scatter assembles or splits, the tensors reduced or sent."""
 
     @property
     def total_calls(self) -> int:
@@ -60,10 +57,9 @@ class CollectiveStats:
 
 
 def collective_payload(namespace: str, name: str, args: Any, kwargs: dict[str, Any]) -> tuple[str, int]:
-    """The kind of a collective op and its payload in bytes (see :class:`CollectiveStats`). Process-group ops
-    ("c10d": FSDP2, DDP, ``torch.distributed`` calls) carry their input and output tensors; functional ops
-    ("_c10d_functional": DTensor's redistributions under tensor parallelism) carry only their input, so a functional
-    gather's payload is its input times the group size. An all-to-all's payload is what this rank sends."""
+    """The kind of a collective op and its payload in bytes (see :class:`CollectiveStats`). Process-group ("c10d")
+    ops carry their input and output tensors; functional ones (DTensor's redistributions) only their input, so a
+    functional gather's payload is its input times the group size. An all-to-all's payload is what this rank sends."""
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     sizes = [t.numel() * t.element_size() for t in tensors]
     kind = _kind(name)
@@ -74,19 +70,14 @@ def collective_payload(namespace: str, name: str, args: Any, kwargs: dict[str, A
             return kind, sizes[1]  # (output, input, ...)
         return kind, sum(sizes[len(sizes) // 2:])  # (outputs, inputs, ...)
     if namespace == "_c10d_functional":
-        if kind == "all_gather":
-            return kind, sizes[0] * int(args[1])
-        return kind, sizes[0]
+        return kind, sizes[0] * (int(args[1]) if kind == "all_gather" else 1)
     return kind, max(sizes, default=0) if name.startswith(_GATHER_SCATTER) else sum(sizes)
 
 
 def _kind(op_name: str) -> str:
     name = op_name.strip("_").split(".")[0].rstrip("_")
-    for prefix, kind in (("allgather", "all_gather"), ("all_gather", "all_gather"),
-                         ("reduce_scatter", "reduce_scatter"), ("allreduce", "all_reduce"),
-                         ("all_reduce", "all_reduce"), ("broadcast", "broadcast"), ("alltoall", "all_to_all"),
-                         ("all_to_all", "all_to_all")):
-        if name.startswith(prefix):
+    for kind in ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all"):
+        if name.replace("_", "").startswith(kind.replace("_", "")):  # c10d spells allgather, functional all_gather
             return kind
     return name
 

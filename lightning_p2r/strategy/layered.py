@@ -1,16 +1,10 @@
-"""Layered (breadth-first) gradient accumulation: a pure-torch executor for one optimizer step (Lamy-Poirier 2021,
-arXiv:2106.02679).
+"""Layered (breadth-first) gradient accumulation, a pure-torch executor for one optimizer step (Lamy-Poirier 2021,
+arXiv:2106.02679): every micro-batch passes layer i before layer i + 1 (backward, i - 1), so the strategy (through
+:class:`BlockEvents`) fetches each block once per direction and reduces its gradient once, not m times.
 
-Standard accumulation runs each micro-batch forward and backward through every layer, so a block whose weights live
-elsewhere (host memory, other ranks) is fetched 2m times per step and its gradient reduced m times. Layered
-accumulation swaps the loops: every micro-batch passes layer i before layer i + 1 (and, backward, i - 1), so the
-strategy (through :class:`BlockEvents`) fetches each block once per direction and reduces its gradient once.
-
-Each layer's output is detached and handed on as a fresh leaf that requires grad: one small autograd graph per
-(layer, micro-batch), backpropagated and freed in the schedule's order, its input leaf's ``.grad`` feeding the layer
-below; the boundary is also all a recompute needs. Without ``recompute`` every layer's interior activations of every
-micro-batch are alive when forward ends (as for one step on the whole batch); with it forward keeps only the
-boundaries and backward re-runs one layer for one micro-batch at a time, under the RNG state of its first run.
+Each layer's output is detached and handed on as a fresh leaf: one small autograd graph per (layer, micro-batch),
+its input leaf's ``.grad`` feeding the layer below. With ``recompute`` forward keeps only these boundaries and
+backward re-runs one layer for one micro-batch at a time, under the RNG state of its first run.
 """
 
 from __future__ import annotations
@@ -62,10 +56,8 @@ class BlockEvents:
 
 
 def split_micro_batches(batch: Any, micro_batches: int) -> list[Any]:
-    """Split every tensor of ``batch`` along dim 0 into ``micro_batches`` equal parts.
-
-    Recurses through tuples (named ones too), lists and dicts; other leaves are shared by every micro-batch.
-    """
+    """Split every tensor of ``batch`` along dim 0 into ``micro_batches`` equal parts, through tuples (named ones
+    too), lists and dicts; other leaves are shared by every micro-batch."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches must be an integer >= 1, got {micro_batches!r}")
     return _split(batch, micro_batches)
@@ -130,25 +122,10 @@ def _rerun(stages: LayeredStages, layer: int, leaf: torch.Tensor, context: Any,
             return stages.layer(layer, leaf, context)
 
 
-def _mean_metrics(per_micro_batch: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    if not per_micro_batch:
-        return {}
-    return {key: torch.stack([torch.as_tensor(m[key]).detach().float() for m in per_micro_batch]).mean()
-            for key in per_micro_batch[0]}
-
-
-def _check_can_train(micro_batches: list[Any]) -> None:
-    if not micro_batches:
-        raise ValueError("an accumulation step needs at least one micro-batch, got an empty list")
-    if not torch.is_grad_enabled():
-        raise RuntimeError("gradient accumulation needs autograd: call it with gradients enabled, not under no_grad")
-
-
 class LayeredStep:
     """One optimizer step of layered accumulation, split where Lightning splits a step: :func:`layered_forward` runs
-    every micro-batch's forward (in ``training_step``), :meth:`backward` their backward (in ``backward``: Lightning
-    zeroes the gradients in between). The heads keep their graphs until backward: their logits are as large as those
-    of one step on the whole batch."""
+    every micro-batch's forward (in ``training_step``), :meth:`backward` their backward (in ``backward``). The heads
+    keep their graphs until backward: their logits are as large as those of one step on the whole batch."""
 
     def __init__(self, stages: LayeredStages, events: BlockEvents, recompute: bool, m: int) -> None:
         self.stages = stages
@@ -163,17 +140,14 @@ class LayeredStep:
         self.extras: list[list[torch.Tensor | None]] = []
         self.rng_states: list[list[_RerunState]] = []
         self.head_losses: list[torch.Tensor | None] = []
-        self.loss = torch.zeros(())
-        """Detached mean of the micro-batch losses (head loss plus the layers' extra losses)."""
-        self.metrics: dict[str, torch.Tensor] = {}
-        """Mean over micro-batches of the head metrics."""
+        self.loss = torch.zeros(())  # detached mean of the micro-batch losses (head loss plus the layers' extra ones)
+        self.metrics: dict[str, torch.Tensor] = {}  # mean over micro-batches of the head metrics
         self._done = False
 
     def backward(self, scale: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         """Backward of every micro-batch, layer by layer from the head down; gradients accumulate into ``.grad``.
-
-        ``scale`` multiplies every loss term before its backward (a ``GradScaler``'s ``scale``): the gradients then
-        carry the scale the optimizer step's unscaling divides out, exactly as a scaled loss's backward would."""
+        ``scale`` multiplies every loss term before its backward (a ``GradScaler``'s ``scale``), so the gradients
+        carry the scale the optimizer step's unscaling divides out, as a scaled loss's backward would."""
         scale = scale if scale is not None else (lambda tensor: tensor)
         if self._done:
             raise RuntimeError("this layered step has already run its backward")
@@ -229,7 +203,10 @@ def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: Blo
                     recompute: bool = False) -> LayeredStep:
     """The forward half of one layered step, under the caller's autocast: every micro-batch through layer i before layer
     i + 1, then the head. The step's ``loss`` and ``metrics`` are known on return; its ``backward()`` finishes it."""
-    _check_can_train(micro_batches)
+    if not micro_batches:
+        raise ValueError("an accumulation step needs at least one micro-batch, got an empty list")
+    if not torch.is_grad_enabled():
+        raise RuntimeError("gradient accumulation needs autograd: call it with gradients enabled, not under no_grad")
     events = events if events is not None else BlockEvents()
     m = len(micro_batches)
     step = LayeredStep(stages, events, recompute, m)
@@ -269,5 +246,5 @@ def layered_forward(stages: LayeredStages, micro_batches: list[Any], events: Blo
         totals[i] = totals[i].to(loss.device) + loss.detach()
         metrics.append({key: value.detach() for key, value in head_metrics.items()})
     step.loss = torch.stack([t.float() for t in totals]).mean()
-    step.metrics = _mean_metrics(metrics)
+    step.metrics = {key: torch.stack([values[key].float() for values in metrics]).mean() for key in metrics[0]}
     return step

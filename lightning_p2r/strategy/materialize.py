@@ -1,14 +1,11 @@
-"""Materializing a model built on the meta device: each tensor allocated once, where the placement puts it (host
-memory for an offloaded block, this rank's shard after ``fully_shard``), and filled once, with the checkpoint's
-value or its initial one. Initial values come from the model (``initial_value(name)``: a pure function of its init
-seed and the name, so they do not depend on the placement), else from the modules' ``reset_parameters()`` (torch's
-convention, which draws from the global generator and so depends on the order of materialization).
+"""Materializing a model built on the meta device: each tensor allocated once, where the placement puts it, and
+filled once, with the checkpoint's value or its initial one: the model's ``initial_value(name)`` (a pure function of
+its seed and the name, so independent of the placement), else the modules' ``reset_parameters()``.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -34,31 +31,23 @@ def check_no_meta_buffers(module: nn.Module) -> None:
             "configure_model (it is then built whole, eagerly)")
 
 
-@contextlib.contextmanager
-def _swap_on_conversion() -> Iterator[None]:
-    """``to_empty`` swaps each tensor in place instead of giving each module a new Parameter: a parameter shared by
-    two modules (a tied LM head) stays one object, and FSDP2's references to its DTensors stay valid."""
-    previous = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(previous)
-
-
 def allocate(module: nn.Module, device: torch.device | str, *, skip: Iterable[nn.Module] = ()) -> list[nn.Parameter]:
     """Give every meta parameter and buffer of ``module`` (outside the ``skip`` subtrees) uninitialized storage on
     ``device``; returns the parameters allocated (each once)."""
     skipped = {id(m) for tree in skip for m in tree.modules()}
     allocated: dict[int, nn.Parameter] = {}
-    with _swap_on_conversion():
-        for submodule in module.modules():
-            if id(submodule) in skipped:
-                continue
+    # to_empty swaps each tensor in place instead of giving each module a new Parameter: a parameter shared by two
+    # modules (a tied LM head) stays one object, and FSDP2's references to its DTensors stay valid.
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for submodule in (m for m in module.modules() if id(m) not in skipped):
             own = [p for p in submodule.parameters(recurse=False) if p.device.type == "meta"]
             if own or any(b.device.type == "meta" for b in submodule.buffers(recurse=False)):
                 submodule.to_empty(device=device, recurse=False)
                 allocated.update((id(p), p) for p in own)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
     return list(allocated.values())
 
 
@@ -80,20 +69,17 @@ def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def write(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the whole value ``full`` into ``param``: all of it, or this rank's part of a DTensor."""
-    if isinstance(param, DTensor):
-        local = param.to_local()
-        if all(type(p) in (Shard, Replicate) for p in param.placements):
-            local.copy_(local_part(full, param).to(local.dtype))
-        else:
-            # FSDP2 over a tensor-parallel dimension of the same tensor dimension (a strided shard): DTensor cuts
-            # this rank's part itself, locally, since every rank holds the whole value (src_data_rank=None).
-            mesh = param.device_mesh
-            part = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None)
-            local.copy_(part.to_local().to(local.dtype))
+def write(param: DTensor, full: torch.Tensor) -> None:
+    """Copy this rank's part of the whole value ``full`` into ``param``."""
+    local = param.to_local()
+    if all(type(p) in (Shard, Replicate) for p in param.placements):
+        local.copy_(local_part(full, param).to(local.dtype))
     else:
-        param.copy_(full.to(param.dtype))
+        # FSDP2 over a tensor-parallel dimension of the same tensor dimension (a strided shard): DTensor cuts
+        # this rank's part itself, locally, since every rank holds the whole value (src_data_rank=None).
+        mesh = param.device_mesh
+        part = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None)
+        local.copy_(part.to_local().to(local.dtype))
 
 
 class Initializer:
@@ -107,26 +93,23 @@ class Initializer:
                        if self.values_from is not None else {})
 
     def fill(self, params: Iterable[nn.Parameter]) -> None:
-        pending = []
+        pending = set()  # ids of the parameters left to their modules' reset_parameters()
         for param in params:
             name = self._names.get(id(param))
             if name is None:
-                pending.append(param)
+                pending.add(id(param))
             elif isinstance(param, DTensor):
                 write(param, self.values_from.initial_value(name))  # whole value, then this rank's part
             else:
                 with torch.no_grad():
                     self.values_from.initial_value(name, out=param)  # in place: no temporary copy
-        if pending:
-            self._reset_owners(pending)
-
-    def _reset_owners(self, params: list[nn.Parameter]) -> None:
-        wanted = {id(p) for p in params}
+        if not pending:
+            return
         for module in self.root.modules():
-            if any(id(p) in wanted for p in module.parameters(recurse=False)):
+            if any(id(p) in pending for p in module.parameters(recurse=False)):
                 reset = getattr(module, "reset_parameters", None)
                 if not callable(reset):
-                    names = [n for n, p in module.named_parameters(recurse=False) if id(p) in wanted]
+                    names = [n for n, p in module.named_parameters(recurse=False) if id(p) in pending]
                     raise ValueError(
                         f"{type(module).__name__} was built on the meta device, but neither the model "
                         f"(initial_value(name)) nor the module (reset_parameters()) can initialize {names}")

@@ -1,14 +1,8 @@
-"""The streaming engine of granular offloading (docs/offload.md): offloaded blocks live in host memory and visit
-the device.
-
-Each offloaded parameter keeps a persistent host master (pinned with an accelerator) and, from its first gradient
-on, a host gradient buffer; the module's parameter is a device tensor whose storage is empty except while its block
-runs. A forward pre-hook copies the block in (prefetching the next ``prefetch`` offloaded blocks), a forward hook
-releases it and hooks its output, so backward brings it back for autograd's saved tensors; once autograd has
-accumulated the block's gradients they go to the host buffers and the block is released. Parameters are swapped by
-resizing their storage, as FSDP does: saved tensors share it and see the restored values, and version counters stay
-untouched because the copy goes through ``param.data``. On a CPU-only machine the same mechanism runs with ordinary
-copies, so residency and byte counts are tested without a GPU. Why not FSDP2's ``CPUOffloadPolicy``: docs/offload.md.
+"""The streaming engine of granular offloading (docs/offload.md): offloaded blocks live in host memory (a master
+per parameter, and a gradient buffer) and visit the device while they run. Block hooks fetch a block (prefetching the
+next ones) and release it; a hook on its output brings it back in backward, and its accumulated gradients go to the
+host. Parameters are swapped by resizing their storage, as FSDP does: autograd's saved tensors share it and see the
+restored values, and version counters stay untouched because the copy goes through ``param.data``.
 """
 
 from __future__ import annotations
@@ -16,9 +10,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from functools import partial
 
 import torch
 from torch import nn
@@ -31,22 +26,14 @@ from .layered import BlockEvents
 class OffloadStats:
     """What the engine did during one optimizer step (all micro-batches of it)."""
 
-    h2d_bytes: int = 0
-    """Parameter bytes copied host -> device."""
-    d2h_bytes: int = 0
-    """Gradient bytes copied device -> host."""
-    copy_wait_seconds: float = 0.0
-    """Time the compute waited for copies (on CPU: the synchronous copy time)."""
-    host_step_seconds: float = 0.0
-    """Time of the optimizer step on the host (offloaded blocks)."""
-    device_step_seconds: float = 0.0
-    """Time of the optimizer step on the device (everything else)."""
+    h2d_bytes: int = 0  # parameter bytes copied host -> device
+    d2h_bytes: int = 0  # gradient bytes copied device -> host
+    copy_wait_seconds: float = 0.0  # time the compute waited for copies (on CPU: the synchronous copy time)
+    host_step_seconds: float = 0.0  # optimizer step on the host (offloaded blocks)
+    device_step_seconds: float = 0.0  # optimizer step on the device (everything else)
     peak_resident_offloaded_blocks: int = 0
-    """Most offloaded blocks resident on the device at once."""
-    peak_device_model_bytes: int = 0
-    """Peak model-state bytes on the device: resident parameters, gradients and optimizer states."""
-    fetches: int = 0
-    """Host -> device block copies."""
+    peak_device_model_bytes: int = 0  # resident parameters, gradients and optimizer states
+    fetches: int = 0  # host -> device block copies
 
     def as_metrics(self, prefix: str = "offload/") -> dict[str, float]:
         return {prefix + f.name: float(getattr(self, f.name)) for f in fields(self)}
@@ -58,23 +45,19 @@ class _OffloadedBlock:
     names: list[str]
     params: list[nn.Parameter]
     host: list[torch.Tensor]
-    host_grads: list[torch.Tensor | None]
-    trainable: frozenset[int]
-    """Positions of the parameters that take gradients (frozen ones are streamed but never offloaded back)."""
+    host_grads: list[torch.Tensor | None]  # made by the first gradient: setup holds only the parameters
+    trainable: frozenset[int]  # positions of the parameters that take gradients (frozen ones only stream in)
     param_bytes: int
     resident: bool = False
     in_backward: bool = False
     grads_received: set[int] = field(default_factory=set)
-    unwritten: set[int] = field(default_factory=set)
-    """Host gradient buffers not yet written in this optimizer step (their contents are from an earlier one)."""
+    unwritten: set[int] = field(default_factory=set)  # host gradient buffers still holding an earlier step's
     ready_event: object | None = None
-    reload_release: bool = False
-    """Set while ``load_state_dict`` holds the block on the device only to write into it."""
+    reload_release: bool = False  # load_state_dict holds the block on the device only to write into it
 
 
 def _hidden_state(output: object) -> torch.Tensor | None:
-    """The tensor a block hands to the next layer: the output itself, or the first item of a sequence, dict or
-    dataclass."""
+    """The tensor a block hands to the next layer: the output, or the first item of a sequence, dict or dataclass."""
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, (tuple, list)) and output:
@@ -113,9 +96,7 @@ class OffloadEngine:
         # Release events of streamed blocks: the host waits on old ones before allocating more (see fetch).
         self._releases: deque = deque()
         self._check_no_tied_parameters(offloaded)
-        self.blocks: dict[int, _OffloadedBlock] = {}
-        for index in offloaded:
-            self.blocks[index] = self._offload(index, param_prefix)
+        self.blocks = {index: self._offload(index, param_prefix) for index in offloaded}
         # Running totals for the telemetry, kept by fetch and release (the peak is checked on every hook).
         self._streamed_blocks = 0
         self._resident_param_bytes = 0 if offload_params else sum(b.param_bytes for b in self.blocks.values())
@@ -135,16 +116,15 @@ class OffloadEngine:
         offloaded_ids = {id(p) for i in offloaded for p in self.holder.blocks[i].parameters()}
         inside_blocks = {id(m) for m in self.holder.blocks.modules()}
         for name, module in self.holder.named_modules():
-            if id(module) in inside_blocks:
-                continue
-            if any(id(p) in offloaded_ids for p in module.parameters(recurse=False)):
+            tied = any(id(p) in offloaded_ids for p in module.parameters(recurse=False))
+            if tied and id(module) not in inside_blocks:
                 raise ValueError(f"module {name!r} shares a parameter with an offloaded block; P2RStrategy cannot "
                                  "offload a block whose parameters are tied to a module outside the blocks")
 
     def _offload(self, index: int, param_prefix: str) -> _OffloadedBlock:
         block = self.holder.blocks[index]
-        names, params, host, host_grads, trainable = [], [], [], [], set()
-        for position, (name, param) in enumerate(block.named_parameters()):
+        names, params, host = [], [], []
+        for name, param in block.named_parameters():
             master = param.detach()
             if master.device.type != "cpu" or not self.offload_params:
                 master = master.to("cpu", copy=True)
@@ -158,14 +138,12 @@ class OffloadEngine:
                 param.data = placeholder
             else:  # ZeRO-Offload style: parameters stay on the device, gradients and optimizer go to the host
                 param.data = param.data.to(self.device)
-            if param.requires_grad:
-                trainable.add(position)
             names.append(f"{param_prefix}{index}.{name}")
             params.append(param)
             host.append(master)
-            host_grads.append(None)  # allocated by the first gradient: setup holds only the parameters
         param_bytes = sum(h.numel() * h.element_size() for h in host)
-        return _OffloadedBlock(index, names, params, host, host_grads, frozenset(trainable), param_bytes,
+        trainable = frozenset(position for position, param in enumerate(params) if param.requires_grad)
+        return _OffloadedBlock(index, names, params, host, [None] * len(host), trainable, param_bytes,
                                resident=not self.offload_params, unwritten=set(trainable))
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
@@ -174,7 +152,8 @@ class OffloadEngine:
 
     def detach(self, device: torch.device | str) -> None:
         """Remove the hooks and give every offloaded parameter its values back as an ordinary tensor on ``device``."""
-        self.wait_for_copies()
+        if self._copy_stream is not None:
+            self._copy_stream.synchronize()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -195,57 +174,48 @@ class OffloadEngine:
         for index, block in self.blocks.items():
             for position in block.trainable:
                 self._handles.append(block.params[position].register_post_accumulate_grad_hook(
-                    self._grad_hook(index, position)))
+                    partial(self._on_grad, index, position)))
             # The module's own state dict must never read or write an empty placeholder (that is a segfault,
             # not an error): the host master is the value, whoever asks for it.
             module = self.holder.blocks[index]
-            self._handles.append(module.register_state_dict_post_hook(self._state_dict_hook(index)))
-            self._handles.append(module.register_load_state_dict_pre_hook(self._load_pre_hook(index)))
-            self._handles.append(module.register_load_state_dict_post_hook(self._load_post_hook(index)))
+            self._handles.append(module.register_state_dict_post_hook(partial(self._save_masters, index)))
+            self._handles.append(module.register_load_state_dict_pre_hook(partial(self._load_masters, index)))
+            self._handles.append(module.register_load_state_dict_post_hook(partial(self._after_load, index)))
 
     def _local_names(self, index: int) -> list[str]:
         return [name for name, _ in self.holder.blocks[index].named_parameters()]
 
-    def _state_dict_hook(self, index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, state: dict, prefix: str, local_metadata: object) -> None:
-            for name, master in zip(self._local_names(index), self.blocks[index].host):
+    def _save_masters(self, index: int, module: nn.Module, state: dict, prefix: str, local_metadata: object) -> None:
+        for name, master in zip(self._local_names(index), self.blocks[index].host):
+            if prefix + name in state:
+                state[prefix + name] = master.detach()
+
+    def _load_masters(self, index: int, module: nn.Module, state: dict, prefix: str, *args: object) -> None:
+        block = self.blocks[index]
+        with torch.no_grad():
+            for name, master in zip(self._local_names(index), block.host):
                 if prefix + name in state:
-                    state[prefix + name] = master.detach()
-        return hook
+                    master.copy_(state[prefix + name])
+        # The module then copies the same values into its parameters: give them storage to land in.
+        block.reload_release = not block.resident
+        self.fetch(index, wait=True)
 
-    def _load_pre_hook(self, index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, state: dict, prefix: str, *args: object) -> None:
-            block = self.blocks[index]
-            with torch.no_grad():
-                for name, master in zip(self._local_names(index), block.host):
-                    if prefix + name in state:
-                        master.copy_(state[prefix + name])
-            # The module then copies the same values into its parameters: give them storage to land in.
-            block.reload_release = not block.resident
-            self.fetch(index, wait=True)
-        return hook
-
-    def _load_post_hook(self, index: int) -> Callable[..., None]:
-        def hook(module: nn.Module, incompatible_keys: object) -> None:
-            block = self.blocks[index]
-            if block.reload_release:
-                block.reload_release = False
-                self.release(index)
-        return hook
+    def _after_load(self, index: int, module: nn.Module, incompatible_keys: object) -> None:
+        block = self.blocks[index]
+        if block.reload_release:
+            block.reload_release = False
+            self.release(index)
 
     def _start_forward(self, module: nn.Module, args: object) -> None:
         self._layer = 0
 
-    def _block_of_layer(self, layer: int) -> int:
-        return self.holder.layer_to_block[layer]
-
     def _upcoming(self, layer: int, step: int) -> list[int]:
         """The next ``prefetch`` distinct offloaded blocks after ``layer`` in direction ``step`` (+1 or -1)."""
         found: list[int] = []
-        current = self._block_of_layer(layer)
+        current = self.holder.layer_to_block[layer]
         position = layer + step
         while 0 <= position < len(self.holder.layer_to_block) and len(found) < self.prefetch:
-            index = self._block_of_layer(position)
+            index = self.holder.layer_to_block[position]
             if index in self.blocks and index != current and index not in found:
                 found.append(index)
             position += step
@@ -255,14 +225,13 @@ class OffloadEngine:
         if self.manual:
             return
         layer = self._layer
-        if layer >= len(self.holder.layer_to_block) or self.holder.blocks[self._block_of_layer(layer)] is not block:
+        index = self.holder.layer_to_block[layer] if layer < len(self.holder.layer_to_block) else None
+        if index is None or self.holder.blocks[index] is not block:
             raise RuntimeError(
                 "P2RStrategy offloading follows the model's layers in order from the block sequence's forward; a "
                 "block was called out of that order (activation checkpointing, or a block called outside the "
-                "model's forward), which is not supported with offloaded blocks"
-            )
+                "model's forward), which is not supported with offloaded blocks")
         self._layer += 1
-        index = self._block_of_layer(layer)
         if index in self.blocks:
             self.fetch(index, wait=True)
         for upcoming in self._upcoming(layer, +1):
@@ -272,47 +241,40 @@ class OffloadEngine:
         if self.manual:
             return
         layer = self._layer - 1
-        index = self._block_of_layer(layer)
+        index = self.holder.layer_to_block[layer]
         if torch.is_grad_enabled():
             hidden = _hidden_state(output)
             if hidden is None:
                 raise TypeError(
                     f"P2RStrategy offloading needs each block to return its hidden state as a tensor, or first in a "
-                    f"tuple, list, dict or dataclass; got {type(output).__name__}"
-                )
+                    f"tuple, list, dict or dataclass; got {type(output).__name__}")
             if hidden.requires_grad:
                 # The block comes back when backward reaches its output. Other outputs (router losses) may only
                 # depend on the block's parameters through paths that also feed the hidden state, as in M6.
-                hidden.register_hook(self._backward_hook(layer))
-        if index not in self.blocks:
-            return
-        next_layer = layer + 1
-        if next_layer >= len(self.holder.layer_to_block) or self._block_of_layer(next_layer) != index:
+                hidden.register_hook(partial(self._before_block_backward, layer))
+        last = layer + 1 == len(self.holder.layer_to_block) or self.holder.layer_to_block[layer + 1] != index
+        if last and index in self.blocks:  # the block's last layer in a row
             self.release(index)
 
-    def _backward_hook(self, layer: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
-            index = self._block_of_layer(layer)
-            if index in self.blocks:
-                self.blocks[index].in_backward = True
-                self.fetch(index, wait=True)
-            for upcoming in self._upcoming(layer, -1):
-                self.fetch(upcoming, wait=False)
-        return hook
+    def _before_block_backward(self, layer: int, grad: torch.Tensor) -> None:
+        index = self.holder.layer_to_block[layer]
+        if index in self.blocks:
+            self.blocks[index].in_backward = True
+            self.fetch(index, wait=True)
+        for upcoming in self._upcoming(layer, -1):
+            self.fetch(upcoming, wait=False)
 
-    def _grad_hook(self, index: int, position: int) -> Callable[[nn.Parameter], None]:
-        def hook(param: nn.Parameter) -> None:
-            block = self.blocks[index]
-            if position not in block.grads_received:  # accumulated in place after the first micro-batch
-                self._grad_bytes_on_device += param.grad.numel() * param.grad.element_size()
-            self._track_peak()
-            block.grads_received.add(position)
-            if self.manual:
-                return
-            # Autograd accumulates a leaf's gradient once per backward, after every layer that used it.
-            if block.grads_received == block.trainable:
-                self._offload_grads(block)
-        return hook
+    def _on_grad(self, index: int, position: int, param: nn.Parameter) -> None:
+        block = self.blocks[index]
+        if position not in block.grads_received:  # accumulated in place after the first micro-batch
+            self._grad_bytes_on_device += param.grad.numel() * param.grad.element_size()
+        self._track_peak()
+        block.grads_received.add(position)
+        if self.manual:
+            return
+        # Autograd accumulates a leaf's gradient once per backward, after every layer that used it.
+        if block.grads_received == block.trainable:
+            self._offload_grads(block)
 
     # -------------------------------------------------------------------------------------- data movement
     def push_params(self, index: int) -> None:
@@ -344,9 +306,7 @@ class OffloadEngine:
                     for param, master in zip(block.params, block.host):
                         param.data.copy_(master, non_blocking=self.pin_memory)
                         param.data.record_stream(self._copy_stream)
-                    event = torch.cuda.Event()
-                    event.record(self._copy_stream)
-                block.ready_event = event
+                    block.ready_event = self._copy_stream.record_event()
             else:
                 for param, master in zip(block.params, block.host):
                     param.data.copy_(master)
@@ -375,25 +335,24 @@ class OffloadEngine:
         self._streamed_blocks -= 1
         self._resident_param_bytes -= block.param_bytes
         if self._compute_stream is not None:
-            event = torch.cuda.Event()
-            event.record(self._compute_stream)
-            self._releases.append(event)
+            self._releases.append(self._compute_stream.record_event())
 
     def _offload_grads(self, block: _OffloadedBlock) -> None:
         start = time.perf_counter()
         for position, (param, buffer) in enumerate(zip(block.params, block.host_grads)):
             if param.grad is None:
                 continue
-            if buffer is None:
-                buffer = self._new_grad_buffer(block, position)
+            master = block.host[position]
+            if buffer is None:  # made by the first gradient: a model that is only evaluated never needs one
+                buffer = torch.empty(master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pin_memory)
+                block.host_grads[position] = buffer
             if position in block.unwritten:
                 buffer.copy_(param.grad)  # synchronous: the host step reads the buffer right after
                 block.unwritten.discard(position)
-                master = block.host[position]
-                if isinstance(master, nn.Parameter):
-                    master.grad = buffer  # a gradient of this step again (zero_grad unlinked it)
             else:
                 buffer.add_(param.grad.to(buffer.device))
+            if isinstance(master, nn.Parameter):
+                master.grad = buffer  # the host optimizer's gradient (zero_grad may have unlinked it)
             size = param.grad.numel() * param.grad.element_size()
             self.stats.d2h_bytes += size
             self._grad_bytes_on_device -= size
@@ -405,16 +364,6 @@ class OffloadEngine:
         if self.on_block_grads_ready is not None:
             self.on_block_grads_ready(block.index)
 
-    def _new_grad_buffer(self, block: _OffloadedBlock, position: int) -> torch.Tensor:
-        """The persistent host gradient buffer of one parameter, made when its first gradient arrives (a model
-        that is only evaluated never needs one); linked as the host master's ``.grad`` for the host optimizer."""
-        master = block.host[position]
-        buffer = torch.empty(master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pin_memory)
-        block.host_grads[position] = buffer
-        if isinstance(master, nn.Parameter):
-            master.grad = buffer
-        return buffer
-
     def flush_grads(self, index: int) -> None:
         """Layered accumulation: the block's gradient of every micro-batch is complete; copy it to the host."""
         block = self.blocks[index]
@@ -424,15 +373,13 @@ class OffloadEngine:
     def finish_backward(self) -> None:
         """After ``backward``: offload what a block left behind (parameters that got no gradient)."""
         for block in self.blocks.values():
-            if block.grads_received or block.in_backward:
-                self._offload_grads(block)
+            self.flush_grads(block.index)
             self.release(block.index)
 
     def start_accumulation(self, set_to_none: bool = True) -> None:
-        """A new optimizer step begins (the optimizer's ``zero_grad``). ``set_to_none``: the host masters lose their
-        ``.grad`` until a gradient of the new step arrives (which overwrites the buffer instead of adding), so
-        clipping and the optimizer never see last step's gradient of a parameter that gets none now. Otherwise the
-        buffers are zeroed and stay linked, as ``zero_grad(set_to_none=False)`` leaves zero gradients."""
+        """A new optimizer step begins (``zero_grad``). ``set_to_none``: the host masters lose their ``.grad`` until a
+        gradient of the new step overwrites the buffer, so nothing sees last step's gradient of a parameter that gets
+        none now. Otherwise the buffers are zeroed and stay linked, as ``set_to_none=False`` leaves zero gradients."""
         for block in self.blocks.values():
             if set_to_none:
                 block.unwritten = set(block.trainable)
@@ -452,10 +399,6 @@ class OffloadEngine:
         return (position in block.trainable and position not in block.unwritten
                 and block.host_grads[position] is not None)
 
-    def wait_for_copies(self) -> None:
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
-
     # ------------------------------------------------------------------------------------------ telemetry
     def _track_peak(self) -> None:
         stats = self.stats
@@ -473,27 +416,23 @@ class OffloadEngine:
 class EngineEvents(BlockEvents):
     """Layered accumulation on one process: an offloaded block is copied in once per direction for every micro-batch,
     and its gradient goes to the host once. A block several layers run (a pseudo model) stays on the device from its
-    first layer to its last in each direction; its gradient leaves (and its host step may start) only after the last
-    layer's backward, before which it is a partial sum."""
+    first layer to its last in each direction, and its gradient (a partial sum until then) leaves after the last."""
 
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
-        self._uses_left: dict[str, dict[int, int]] = {}
+        self._uses_left: dict[str, Counter] = {}
 
     def __enter__(self) -> EngineEvents:
         # Each block's layers left to run in each direction (the strategy enters once for the forward pass and
         # once for the backward pass of a step; either way the counts start full).
         self.engine.manual = True
-        counts: dict[int, int] = {}
-        for block in self.engine.holder.layer_to_block:
-            counts[block] = counts.get(block, 0) + 1
-        self._uses_left = {"forward": dict(counts), "backward": dict(counts)}
+        counts = Counter(self.engine.holder.layer_to_block)
+        self._uses_left = {"forward": counts, "backward": counts.copy()}
         return self
 
     def _last_use(self, direction: str, block: int) -> bool:
-        left = self._uses_left.setdefault(direction, {})
-        left[block] = left.get(block, 1) - 1
-        return left[block] <= 0
+        self._uses_left[direction][block] -= 1
+        return self._uses_left[direction][block] <= 0
 
     def __exit__(self, *exc: object) -> None:
         self.engine.manual = False
@@ -517,4 +456,5 @@ class EngineEvents(BlockEvents):
 
 
 def _on_stream(stream: object | None) -> contextlib.AbstractContextManager:
+    # torch.cuda.stream(None) is a no-op too, but it initializes CUDA on a machine that has it (a CPU run there).
     return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()

@@ -1,9 +1,8 @@
 """Gather an FSDP2-sharded module and its optimizer into plain host copies, and shard optimizer state back.
 
 FSDP2 cannot change the structure of a module it manages, so delinking gathers the model into a plain host copy
-(one tensor at a time: at most one whole parameter on the device), delinks the copy like any other model and places
-it afresh. The copy is built from a *meta template* taken before sharding (an FSDP2 module cannot be copied); deep-
-copying it with every meta tensor mapped to a real one keeps tied parameters tied.
+(one tensor at a time), delinks that and places it afresh. The copy is a deep copy of a *meta template* taken before
+sharding (an FSDP2 module cannot be copied) with every meta tensor mapped to a real one, so tied parameters stay tied.
 """
 
 from __future__ import annotations
@@ -22,11 +21,9 @@ from .optimizers import unwrapped
 
 def meta_template(module: nn.Module) -> nn.Module:
     """A copy of ``module``'s structure on the meta device (no memory), parameters and buffers included."""
-    memo: dict[int, object] = {}
+    memo: dict[int, object] = {id(buffer): torch.empty_like(buffer, device="meta") for buffer in module.buffers()}
     for param in module.parameters():
         memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-    for buffer in module.buffers():
-        memo[id(buffer)] = torch.empty_like(buffer, device="meta")
     return copy.deepcopy(module, memo)
 
 
@@ -67,9 +64,7 @@ def _share_plain_attributes(live: nn.Module, copied: nn.Module) -> None:
     everyone who holds them, as they do when an unsharded model is delinked in place."""
     for source, target in zip(live.modules(), copied.modules()):
         for key, value in list(vars(target).items()):
-            if key.startswith("_") or isinstance(value, (torch.Tensor, nn.Module)):
-                continue
-            if key in vars(source):
+            if key in vars(source) and not key.startswith("_") and not isinstance(value, (torch.Tensor, nn.Module)):
                 setattr(target, key, vars(source)[key])
 
 
@@ -81,13 +76,10 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, target_of: Callable[[torch
     groups = [{k: v for k, v in group.items() if k != "params"} | {"params": [target_of(p) for p in group["params"]]}
               for group in optimizer.param_groups]
     result = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if state:
-                target = target_of(param)
-                result.state[target] = {key: convert(value, target) if isinstance(value, torch.Tensor) else value
-                                        for key, value in sorted(state.items())}
+    for param in [p for group in optimizer.param_groups for p in group["params"] if optimizer.state.get(p)]:
+        target = target_of(param)
+        result.state[target] = {key: convert(value, target) if isinstance(value, torch.Tensor) else value
+                                for key, value in sorted(optimizer.state[param].items())}
     return result
 
 
@@ -97,10 +89,7 @@ def optimizer_subset(optimizer: torch.optim.Optimizer, kept: list[tuple[int, lis
     groups = [{k: v for k, v in optimizer.param_groups[i].items() if k != "params"} | {"params": params}
               for i, params in kept]
     subset = type(optimizer)(groups, **optimizer_constructor_kwargs(optimizer))
-    for _, params in kept:
-        for param in params:
-            if param in optimizer.state:
-                subset.state[param] = optimizer.state[param]
+    subset.state.update({p: optimizer.state[p] for _, params in kept for p in params if p in optimizer.state})
     return subset
 
 
@@ -124,23 +113,9 @@ def delinked_plain_copy(sharded: nn.Module, template: nn.Module, optimizer: torc
     delinked module, its optimizer, and each parameter's name by ``id`` (sharding replaces the parameters, so
     :func:`shard_optimizer` finds the new ones by name)."""
     plain = gather_plain_module(sharded, template)
-    plain_optimizer = gather_plain_optimizer(optimizer, sharded, plain)
-    plain_optimizer = delink(plain, plain_optimizer, num_unique_blocks=num_unique_blocks,
-                             optimizer_state=optimizer_state, perturb=perturb)
-    names = {id(p): name for name, p in plain.named_parameters()}
-    return plain, plain_optimizer, names
-
-
-def shard_like(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """``full`` laid out as ``param`` is: this rank's shard, on the device the shard of ``param`` lives on."""
-    if not isinstance(param, DTensor):
-        return full.to(param.device)
-    mesh = param.device_mesh
-    # Every rank holds the whole tensor, so each cuts its own shard without communicating (src_data_rank=None).
-    local = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None).to_local()
-    local = local.to(param.to_local().device)
-    return DTensor.from_local(local, mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    plain_optimizer = delink(plain, gather_plain_optimizer(optimizer, sharded, plain),
+                             num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state, perturb=perturb)
+    return plain, plain_optimizer, {id(p): name for name, p in plain.named_parameters()}
 
 
 def shard_optimizer(plain_optimizer: torch.optim.Optimizer, names: dict[int, str],
@@ -150,8 +125,17 @@ def shard_optimizer(plain_optimizer: torch.optim.Optimizer, names: dict[int, str
     live = dict(sharded.named_parameters())
 
     def shard(value: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # Per-element states are laid out like their parameter; scalars (Adam's step) stay as they are.
-        return shard_like(value, target) if value.shape == target.shape and value.dim() > 0 else value
+        """Per-element states laid out as their parameter (this rank's shard, on its device); scalars (Adam's step)
+        as they are."""
+        if value.shape != target.shape or value.dim() == 0:
+            return value
+        if not isinstance(target, DTensor):
+            return value.to(target.device)
+        mesh = target.device_mesh
+        # Every rank holds the whole tensor, so each cuts its own shard without communicating (src_data_rank=None).
+        local = distribute_tensor(value.to(mesh.device_type), mesh, target.placements, src_data_rank=None).to_local()
+        return DTensor.from_local(local.to(target.to_local().device), mesh, target.placements, run_check=False,
+                                  shape=target.shape, stride=target.stride())
 
     return remap_optimizer(plain_optimizer, lambda p: live[names[id(p)]], shard)
 

@@ -1,9 +1,7 @@
-"""ZeRO-1 where FSDP2 holds the model replicated (offload or layered accumulation across ranks, tensor / expert
-parallelism): torch's ``ZeroRedundancyOptimizer``, which cannot broadcast DTensors, runs over *views*, plain
-parameters aliasing each DTensor's local storage (the whole parameter, or its tensor-parallel part). Each rank steps
-its partition in place and broadcasts it, which updates the DTensors' storage (and an offloaded unit's host copy).
-Checkpoints and delinking convert from and to a plain optimizer over the module's parameters
-(:meth:`ZeroOneOptimizer.to_module_optimizer`, :meth:`ZeroOneOptimizer.load_whole_state`).
+"""ZeRO-1 where FSDP2 holds the model replicated: torch's ``ZeroRedundancyOptimizer``, which cannot broadcast
+DTensors, runs over *views*, plain parameters aliasing each DTensor's local storage, so stepping and broadcasting a
+partition updates the DTensors in place. Checkpoints and delinking convert from and to a plain optimizer over the
+module's parameters.
 """
 
 from __future__ import annotations
@@ -11,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
@@ -25,7 +24,8 @@ from .sharding import consolidated_state_dict, zero_redundancy_optimizer
 class ZeroOneOptimizer:
     """What both ZeRO-1 optimizers on FSDP2 offer the engine: plain ``views`` standing for the module's
     ``whole_params`` (the DTensor parameters), gradients linked into the views after every backward, and the whole
-    state converted both ways (a plain optimizer over the module's parameters, for checkpoints and delinking)."""
+    state converted both ways with a plain optimizer over the module's parameters, for checkpoints and delinking:
+    ``load_whole_state(optimizer)`` and ``to_module_optimizer()`` (collective)."""
 
     whole_params: list[nn.Parameter]
     views: list[nn.Parameter]
@@ -35,20 +35,10 @@ class ZeroOneOptimizer:
         for param, view in zip(self.whole_params, self.views):
             view.grad = None if param.grad is None else local_tensor(param.grad)
 
-    def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Take the whole state and settings of ``optimizer``, an optimizer over the module's parameters."""
-        raise NotImplementedError
-
-    def to_module_optimizer(self) -> torch.optim.Optimizer:
-        """A plain optimizer over the module's parameters with the whole state (collective)."""
-        raise NotImplementedError
-
 
 class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
-    """A ``ZeroRedundancyOptimizer`` over views of replicated DTensor parameters. Build it with :meth:`wrap`.
-
-    Beyond its parent: ``link_grads`` after every backward, and ``zero_grad`` clears the DTensor gradients too.
-    """
+    """A ``ZeroRedundancyOptimizer`` over views of replicated DTensor parameters (build it with :meth:`wrap`), whose
+    ``zero_grad`` clears the DTensor gradients too."""
 
     group_extras: list[dict[str, Any]]
     zero_group: Any
@@ -56,9 +46,8 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, process_group: Any = None) -> ReplicatedZeroOptimizer:
         """The same optimizer class, groups, settings and (whole) state, partitioned across the ranks of
-        ``process_group`` (all of them by default), which must hold the same local part of every parameter: the
-        engine builds it on FSDP2's replicate layout only (``fsdp_mode_for("zero1")``), over the data ranks of one
-        tensor-parallel position."""
+        ``process_group`` (all by default), which must hold the same local part of every parameter (FSDP2's replicate
+        layout, over the data ranks of one tensor-parallel position)."""
         whole = [p for group in optimizer.param_groups for p in group["params"]]
         views = {id(p): nn.Parameter(local_tensor(p).detach(), requires_grad=p.requires_grad) for p in whole}
         plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: local_tensor(value))
@@ -78,8 +67,7 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
             param.grad = None
 
     def load_whole_state(self, optimizer: torch.optim.Optimizer) -> None:
-        """Take the whole state and the group settings (learning rates included) of ``optimizer``, an optimizer over
-        the DTensor parameters in the same group order."""
+        """Take the whole state and group settings of ``optimizer``, over the DTensor parameters in the same order."""
         index = {id(p): i for i, p in enumerate(self.whole_params)}
         state = {index[id(p)]: {k: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for p, s in optimizer.state.items()}
@@ -89,15 +77,13 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
                                                                                                self.param_groups)]
 
     def to_module_optimizer(self) -> torch.optim.Optimizer:
-        import torch.distributed as dist
-
+        """A plain optimizer over the module's parameters with the whole state (collective, see below)."""
         return to_module_optimizer(self, dist.get_world_size(self.zero_group), dist.get_rank(self.zero_group))
 
 
 def to_module_optimizer(optimizer: ReplicatedZeroOptimizer, world_size: int, rank: int) -> torch.optim.Optimizer:
-    """A plain optimizer of the same class, settings and groups over the module's DTensor parameters, holding the
-    whole state in host memory (gathered from the partitions; it never all lands on the device). ``world_size`` and
-    ``rank``: of the optimizer's process group. Collective: every rank of that group must call it."""
+    """A plain optimizer of the same class, settings and groups over the module's DTensor parameters, with the whole
+    state gathered into host memory. Collective over the optimizer's process group (``world_size``, ``rank``)."""
     full = consolidated_state_dict(optimizer, world_size, rank)
     params = optimizer.whole_params  # numbered as the views are, in group order
     groups = [extras | {k: v for k, v in g.items() if k != "params"} | {"params": [params[i] for i in g["params"]]}
@@ -120,9 +106,8 @@ def _like(param: torch.Tensor, value: Any) -> Any:
 
 def partition_optimizer_states(optimizers: list[torch.optim.Optimizer], process_group: Any = None, *,
                                expert_group: Any = None, experts: set[int] | None = None) -> torch.optim.Optimizer:
-    """The strategy's one optimizer wrapped as a :class:`ReplicatedZeroOptimizer` over ``process_group`` (all ranks
-    by default), or, given ``expert_group``, as a :class:`SplitZeroOptimizer` partitioning the ``experts`` (ids)
-    over it (the strategy rebinds its LR schedulers)."""
+    """The strategy's one optimizer as a :class:`ReplicatedZeroOptimizer` over ``process_group`` (all ranks by default),
+    or, given ``expert_group``, a :class:`SplitZeroOptimizer` partitioning the ``experts`` (ids) over it."""
     if len(optimizers) != 1:
         raise ValueError(f"P2RStrategy(sharding='zero1') on FSDP2 supports one optimizer, got {len(optimizers)}")
     if expert_group is not None:
@@ -148,21 +133,19 @@ class _LinkedGroup(dict):
 
 
 class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
-    """ZeRO-1 under expert parallelism: the dense weights are held alike by every data rank, the experts only by
-    the ranks holding the same experts, so their optimizer states are partitioned over two groups: two
-    :class:`ReplicatedZeroOptimizer` behind the one optimizer Lightning steps. Its ``param_groups`` are the user's
-    groups (a scheduler drives both parts through them); checkpoints and delinking see one plain optimizer over the
-    module's parameters in the user's order (:meth:`to_module_optimizer`). Build it with :meth:`wrap`."""
+    """ZeRO-1 under expert parallelism: the dense weights are held alike by every data rank, the experts only by the
+    ranks holding the same experts, so two :class:`ReplicatedZeroOptimizer` partition them over two groups behind the
+    one optimizer Lightning steps. Its ``param_groups`` are the user's groups (a scheduler drives both parts through
+    them). Build it with :meth:`wrap`."""
 
     @classmethod
     def wrap(cls, optimizer: torch.optim.Optimizer, dense_group: Any, expert_group: Any,
              experts: set[int]) -> SplitZeroOptimizer:
-        """``experts``: ids of the expert parameters (partitioned over ``expert_group``; the rest over
-        ``dense_group``)."""
+        """``experts``: ids of the parameters partitioned over ``expert_group`` (the rest over ``dense_group``)."""
         parts, slots = [], []
-        for chosen, group in ((lambda p: id(p) not in experts, dense_group), (lambda p: id(p) in experts,
-                                                                               expert_group)):
-            kept = [(i, [p for p in g["params"] if chosen(p)]) for i, g in enumerate(optimizer.param_groups)]
+        for expert_part, group in ((False, dense_group), (True, expert_group)):
+            kept = [(i, [p for p in g["params"] if (id(p) in experts) == expert_part])
+                    for i, g in enumerate(optimizer.param_groups)]
             kept = [(i, params) for i, params in kept if params]
             if not kept:
                 continue
@@ -170,8 +153,7 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
             parts.append(ReplicatedZeroOptimizer.wrap(subset, group))
             slots.append([i for i, _ in kept])
         zero = cls.__new__(cls)
-        views = [v for part in parts for v in part.views]
-        torch.optim.Optimizer.__init__(zero, views, dict(optimizer.defaults))
+        torch.optim.Optimizer.__init__(zero, [v for part in parts for v in part.views], dict(optimizer.defaults))
         zero.parts, zero.slots = parts, slots
         zero.order = [list(g["params"]) for g in optimizer.param_groups]  # the user's parameters, in order
         zero.param_groups = [_LinkedGroup([part.param_groups[slot.index(i)] for part, slot in zip(parts, slots)
@@ -219,6 +201,5 @@ class SplitZeroOptimizer(ZeroOneOptimizer, torch.optim.Optimizer):
         result = type(first)([settings[i] | {"params": list(params)} for i, params in enumerate(self.order)],
                              **optimizer_constructor_kwargs(first))
         for plain in plains:
-            for param, state in plain.state.items():
-                result.state[param] = state
+            result.state.update(plain.state)
         return result

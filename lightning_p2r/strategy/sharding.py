@@ -1,6 +1,5 @@
-"""The data-parallel pieces the engines share (see docs/sharding.md for the ZeRO stages): ZeRO-1's
-``ZeroRedundancyOptimizer`` on DDP, and around FSDP2's units, the stage runner of layered accumulation, the
-events that gather and reduce each block once per step, and resharding.
+"""The data-parallel pieces the engines share (docs/sharding.md): ZeRO-1's ``ZeroRedundancyOptimizer`` on DDP, and
+around FSDP2's units, layered accumulation's stage runner and events, and resharding.
 """
 
 from __future__ import annotations
@@ -24,15 +23,12 @@ def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
                               process_group: Any = None) -> ZeroRedundancyOptimizer:
     """The same optimizer class, groups and settings, with its states partitioned across the ranks of
     ``process_group`` (all of them by default; ``cls``: a subclass of ``ZeroRedundancyOptimizer`` to build)."""
-    groups = [dict(g) for g in optimizer.param_groups]
-    for group in groups:
-        group.pop("initial_lr", None)
-    first, rest = groups[0], groups[1:]
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
     kwargs = optimizer_constructor_kwargs(optimizer)
     # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
-    kwargs |= {k: v for k, v in first.items() if k in kwargs}
-    zero = cls(first["params"], optimizer_class=type(optimizer), process_group=process_group, **kwargs)
-    for group in rest:
+    kwargs |= {k: v for k, v in groups[0].items() if k in kwargs}
+    zero = cls(groups[0]["params"], optimizer_class=type(optimizer), process_group=process_group, **kwargs)
+    for group in groups[1:]:
         zero.add_param_group(group)
     if optimizer.state:
         zero.load_state_dict(optimizer.state_dict())
@@ -40,9 +36,8 @@ def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
 
 
 def consolidated_state_dict(optimizer: ZeroRedundancyOptimizer, world_size: int, rank: int) -> dict[str, Any]:
-    """The whole state dict of a ``ZeroRedundancyOptimizer`` on this rank, in host memory (torch keeps consolidated
-    states on the CPU). Collective: ``consolidate_state_dict`` hands the full state to one rank per call, so every
-    rank calls it once per rank."""
+    """The whole state dict of a ``ZeroRedundancyOptimizer`` on this rank, in host memory. Collective: each call of
+    ``consolidate_state_dict`` hands the full state to one rank, so every rank calls it once per rank."""
     full: dict[str, Any] = {}
     for target in range(world_size):
         optimizer.consolidate_state_dict(to=target)
@@ -66,10 +61,9 @@ def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: i
 
 # ------------------------------------------------------------------------------------------ zero2/zero3 (FSDP2)
 class StageRunner(nn.Module):
-    """The modules owning parameters outside the blocks (embedding, final norm, head) as one FSDP2 root. Layered
-    accumulation calls the model's embedding and head stages directly, not through its ``forward``, and FSDP2 gathers
-    a unit's parameters in that unit's forward hooks under one root: so each stage call runs *through* this module's
-    ``forward``. The modules stay registered where they were; this module only references them."""
+    """The modules owning parameters outside the blocks (embedding, final norm, head) as one FSDP2 root, which only
+    references them. Layered accumulation calls the embedding and head stages directly, and FSDP2 gathers a unit's
+    parameters in its forward hooks, so each stage call runs *through* this module's ``forward``."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         super().__init__()
@@ -112,14 +106,12 @@ def smallest_parameter_root(module: nn.Module) -> nn.Module:
 class FSDPEvents(BlockEvents):
     """Layered accumulation on FSDP2: each block is gathered once for the forward of all micro-batches (zero3
     reshards it right after), once for their backward, and its gradient is reduce-scattered once, after the last
-    micro-batch; until then FSDP2 accumulates the unsharded gradient. The same for the stage runner's parameters
-    (embedding and head), whose backward opens and closes the step."""
+    micro-batch. The same for the stage runner's parameters (embedding and head), whose backward opens and closes it."""
 
     def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_last: bool) -> None:
         self.blocks = blocks
         self.runner = runner
-        self.reshard_after_last = reshard_after_last
-        """``Layout.resharding.after_last_micro_batch``: zero3 reshards each block after its last forward."""
+        self.reshard_after_last = reshard_after_last  # zero3 reshards each block after its last forward
 
     def after_forward(self, block: int) -> None:
         if self.reshard_after_last:
@@ -153,6 +145,3 @@ def reshard_all(module: nn.Module, runner: nn.Module | None) -> None:
         unit.reshard()
     if runner is not None:
         runner.reshard()
-
-
-# --------------------------------------------------------------------------------------------- accounting

@@ -1,10 +1,8 @@
 """One optimizer to Lightning, two places to step: the device for resident parameters, the host for offloaded ones.
 
-``SplitOptimizer`` presents Lightning, LR schedulers and clipping the user's optimizer's groups in their order, each
-offloaded parameter replaced by its host master (whose ``.grad`` is the host gradient buffer); underneath, one
-optimizer of the same class steps the resident parameters on the device and one per offloaded block its masters on
-the host (torch's fused CPU AdamW, ~5x the foreach one), with the groups' settings copied before every step. Its
-state dict is in that canonical order, so a checkpoint loads under another offload plan, or none.
+``SplitOptimizer`` shows the user's groups in their order, each offloaded parameter replaced by its host master;
+underneath, one optimizer of the same class per side (one per offloaded block on the host) steps with the groups'
+settings. Its state dict is in that canonical order, so a checkpoint loads under another offload plan, or none.
 """
 
 from __future__ import annotations
@@ -29,8 +27,7 @@ _IMPLEMENTATION_FLAGS = frozenset({"fused", "foreach", "capturable", "differenti
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Bytes this rank holds of an optimizer's per-parameter state tensors (moments; scalar step counters left out;
-    local shards only for FSDP2's DTensors)."""
+    """Bytes this rank holds of an optimizer's per-parameter state tensors (local shards; scalar steps left out)."""
     if optimizer is None:
         return 0
     return sum(local_bytes(v) for state in optimizer.state.values()
@@ -38,8 +35,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
 
 
 def device_optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
-    """Optimizer-state bytes on the device: only the device side of a :class:`SplitOptimizer` (its host
-    optimizers keep their state in host memory)."""
+    """Optimizer-state bytes on the device: only the device side of a :class:`SplitOptimizer`."""
     if isinstance(optimizer, SplitOptimizer):
         optimizer = optimizer.device_optimizer
     return optimizer_state_bytes(optimizer)
@@ -64,47 +60,36 @@ class SplitOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, engine: OffloadEngine) -> None:
         self.engine = engine
         self.optimizer_class = type(optimizer)
-        self._initialized = False
         offloaded_by_param = {id(p): (index, position) for index, block in engine.blocks.items()
                               for position, p in enumerate(block.params)}
         self._position_of: dict[int, tuple[int, int]] = {}  # id(host master) -> (block, position)
         canonical_groups = []
-        # For every canonical slot: ("device", None) or ("host", block index), in group order.
-        self._owner: list[tuple[str, int | None]] = []
-        device_groups: list[dict[str, Any]] = []
-        host_groups: dict[int, list[dict[str, Any]]] = {index: [] for index in engine.blocks}
-        hyper = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        # The groups of each side: None for the device, else an offloaded block's index.
+        side_groups: dict[int | None, list[dict[str, Any]]] = {side: [] for side in (None, *engine.blocks)}
         for group_index, group in enumerate(optimizer.param_groups):
-            canonical, on_device, on_host = [], [], {index: [] for index in engine.blocks}
+            settings = {k: v for k, v in group.items() if k != "params"}
+            canonical, on_side = [], {side: [] for side in side_groups}
             for param in group["params"]:
                 where = offloaded_by_param.get(id(param))
-                if where is None:
-                    canonical.append(param)
-                    on_device.append(param)
-                    self._owner.append(("device", None))
-                else:
-                    index, position = where
-                    master = self._master(index, position)
-                    self._position_of[id(master)] = where
-                    canonical.append(master)
-                    on_host[index].append(master)
-                    self._owner.append(("host", index))
-            canonical_groups.append(hyper[group_index] | {"params": canonical})
-            device_groups.append(hyper[group_index] | {"params": on_device, "_canonical": group_index})
-            for index, params in on_host.items():
-                host_groups[index].append(hyper[group_index] | {"params": params, "_canonical": group_index})
+                if where is not None:
+                    param = self._master(*where)
+                    self._position_of[id(param)] = where
+                canonical.append(param)
+                on_side[None if where is None else where[0]].append(param)
+            canonical_groups.append(settings | {"params": canonical})
+            for side, params in on_side.items():
+                side_groups[side].append(settings | {"params": params, "_canonical": group_index})
         super().__init__(canonical_groups, optimizer.defaults)
-        kwargs = optimizer_constructor_kwargs(optimizer)
-        self._kwargs = kwargs
-        self.device_optimizer = self._build(device_groups, kwargs)
+        self._kwargs = optimizer_constructor_kwargs(optimizer)
+        self.device_optimizer = self._build(side_groups.pop(None), self._kwargs)
         # The host side uses torch's fused CPU kernel (~5x the foreach one) where the optimizer has one.
-        host_kwargs = {k: v for k, v in kwargs.items() if k not in _IMPLEMENTATION_FLAGS}
-        if "fused" in kwargs:
+        host_kwargs = {k: v for k, v in self._kwargs.items() if k not in _IMPLEMENTATION_FLAGS}
+        if "fused" in self._kwargs:
             host_kwargs["fused"] = True
-            for groups in host_groups.values():
+            for groups in side_groups.values():
                 for group in groups:
                     group.update({"fused": True, "foreach": None})
-        self.host_optimizers = {index: self._build(groups, host_kwargs) for index, groups in host_groups.items()}
+        self.host_optimizers = {index: self._build(groups, host_kwargs) for index, groups in side_groups.items()}
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future] = {}
         self._initialized = True
@@ -141,9 +126,7 @@ class SplitOptimizer(torch.optim.Optimizer):
     def _sync_hyperparameters(self, optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             canonical = self.param_groups[group["_canonical"]]
-            for key, value in canonical.items():
-                if key != "params" and key not in _IMPLEMENTATION_FLAGS:
-                    group[key] = value
+            group.update({k: v for k, v in canonical.items() if k != "params" and k not in _IMPLEMENTATION_FLAGS})
 
     def _host_step(self, index: int) -> float:
         optimizer = self.host_optimizers[index]
@@ -201,19 +184,12 @@ class SplitOptimizer(torch.optim.Optimizer):
         self.engine.start_accumulation(set_to_none=set_to_none)
 
     # -------------------------------------------------------------------------------------------- state
-    def _optimizer_of(self, slot: int) -> torch.optim.Optimizer | None:
-        kind, index = self._owner[slot]
-        return self.device_optimizer if kind == "device" else self.host_optimizers[index]
-
     def _canonical_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
     @property
     def state(self) -> dict:  # type: ignore[override]
-        merged: dict = {}
-        for optimizer in self._inner():
-            merged.update(optimizer.state)
-        return merged
+        return {param: state for optimizer in self._inner() for param, state in optimizer.state.items()}
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -221,11 +197,8 @@ class SplitOptimizer(torch.optim.Optimizer):
         pass
 
     def state_dict(self) -> dict[str, Any]:
-        state = {}
-        for slot, param in enumerate(self._canonical_params()):
-            optimizer = self._optimizer_of(slot)
-            if optimizer is not None and param in optimizer.state and optimizer.state[param]:
-                state[slot] = dict(optimizer.state[param])
+        merged = self.state  # each parameter is in exactly one inner optimizer
+        state = {slot: dict(merged[p]) for slot, p in enumerate(self._canonical_params()) if merged.get(p)}
         return {"state": state, "param_groups": regrouped(self.param_groups)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -235,21 +208,12 @@ class SplitOptimizer(torch.optim.Optimizer):
             raise ValueError("the optimizer state does not match this model's parameter groups")
         for group, saved in zip(self.param_groups, saved_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
-        slots = {int(k): v for k, v in state_dict["state"].items()}
-        params = self._canonical_params()
+        saved_state = {int(k): v for k, v in state_dict["state"].items()}
+        slot_of = {id(p): slot for slot, p in enumerate(self._canonical_params())}
         for optimizer in self._inner():
-            local_state, local_groups, local_index = {}, [], 0
-            positions = {id(p): slot for slot, p in enumerate(params)}
-            for group in optimizer.param_groups:
-                indices = []
-                for param in group["params"]:
-                    slot = positions[id(param)]
-                    if slot in slots:
-                        local_state[local_index] = slots[slot]
-                    indices.append(local_index)
-                    local_index += 1
-                local_groups.append({k: v for k, v in group.items() if k != "params"} | {"params": indices})
-            optimizer.load_state_dict({"state": local_state, "param_groups": local_groups})
+            slots = [slot_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+            local_state = {i: saved_state[slot] for i, slot in enumerate(slots) if slot in saved_state}
+            optimizer.load_state_dict({"state": local_state, "param_groups": regrouped(optimizer.param_groups)})
             self._sync_hyperparameters(optimizer)
 
     def shutdown(self) -> None:
@@ -267,22 +231,15 @@ class SplitOptimizer(torch.optim.Optimizer):
 
 def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimizer,
                    module: nn.Module) -> torch.optim.Optimizer:
-    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (not to be used afterwards), and
-    return an ordinary optimizer over the module's own parameters with the full state: a :class:`SplitOptimizer`'s
-    host masters are mapped back to the parameters they stand for before the engine lets go of them."""
+    """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (not to be used afterwards);
+    returns an ordinary optimizer over the module's own parameters, with the full state."""
     if isinstance(optimizer, SplitOptimizer):
         by_master = {id(master): param for block in engine.blocks.values()
                      for master, param in zip(block.host, block.params)}
         slots = [by_master.get(id(p), p) for group in optimizer.param_groups for p in group["params"]]
-        engine.detach("cpu")
-        optimizer.shutdown()
-        module.to("cpu")
-        plain = optimizer.to_plain(slots)
-    else:
-        if engine is not None:
-            engine.detach("cpu")
-        module.to("cpu")
-        plain = optimizer
+    release_to_host([optimizer], engine)
+    module.to("cpu")
+    plain = optimizer.to_plain(slots) if isinstance(optimizer, SplitOptimizer) else optimizer
     optimizer_state_to(plain, torch.device("cpu"))
     return plain
 
@@ -300,10 +257,9 @@ def split_single_optimizer(optimizers: list[torch.optim.Optimizer], engine: Offl
 
 
 def release_to_host(optimizers: list[Any], engine: OffloadEngine | None) -> None:
-    """At teardown: stop the split optimizers' host-step threads and give every offloaded parameter its values
-    back as an ordinary tensor in host memory (``engine`` must not be used afterwards). To the host, because
-    putting every offloaded block on the device at once could run out of memory, and Lightning's teardown moves
-    the module to the CPU anyway."""
+    """At teardown: stop the split optimizers' host-step threads and give every offloaded parameter its values back
+    in host memory (all blocks may not fit on the device; Lightning's teardown moves the module to the CPU anyway).
+    ``engine`` must not be used afterwards."""
     for optimizer in optimizers:
         if isinstance(optimizer, SplitOptimizer):
             optimizer.shutdown()

@@ -1,13 +1,7 @@
-"""How one training batch's forward and backward run: one step runner per mode, behind one interface. Lightning
-calls the strategy's ``training_step``, zeroes the gradients, then calls its ``backward``.
-
-- :class:`StandardSteps`: Lightning's own; micro-batches are Lightning's ``accumulate_grad_batches``.
-- :class:`LayeredSteps`: every micro-batch's forward block by block in ``training_step``, their backward in
-  ``backward``.
-- :class:`PipelinedSteps`: the schedule runs the whole step in ``training_step``; ``backward`` hands the gradients
-  back.
-
-A runner returns None from ``training_step`` to skip the step (the module refused the loss), as a module's does.
+"""How one training batch's forward and backward run, one step runner per mode: :class:`StandardSteps` (Lightning's
+own), :class:`LayeredSteps` (every micro-batch's forward block by block in ``training_step``, their backward in
+``backward``), :class:`PipelinedSteps` (the schedule runs the whole step in ``training_step``; ``backward`` hands
+the gradients back). A runner returns None from ``training_step`` to skip the step (the module refused the loss).
 """
 
 from __future__ import annotations
@@ -23,34 +17,21 @@ from torch import nn
 from ..protocols import DefinesLayeredStages, ScreensLoss
 from .accounting import CollectiveCounter, counting
 from .engines.base import Engine
-from .layered import LayeredStages, LayeredStep, layered_forward, split_micro_batches
+from .layered import LayeredStep, layered_forward, split_micro_batches
 from .pipeline.placement import StagePlacement
 from .sharding import stages_through_runner
 
 
 class StepRunner:
-    """One accumulation mode's forward and backward. ``lightning_step`` / ``lightning_backward``: Lightning's own
-    (``DDPStrategy``'s) for this call, which a runner may use or replace; a runner that replaces the backward calls
-    ``post_backward`` after it, as Lightning's does."""
+    """One accumulation mode's forward and backward, by default Lightning's own. ``lightning_step`` /
+    ``lightning_backward``: Lightning's own (``DDPStrategy``'s) for this call, which a runner may use or replace; a
+    runner that replaces the backward calls ``post_backward`` after it, as Lightning's does."""
 
     def __init__(self, module: nn.Module, precision: Precision, counter: CollectiveCounter | None) -> None:
         self.module = module
         self.precision = precision
         self.counter = counter
 
-    def training_step(self, batch: Any, lightning_step: Callable[[], Any]) -> Any:
-        raise NotImplementedError
-
-    def backward(self, loss: torch.Tensor, lightning_backward: Callable[[], torch.Tensor],
-                 post_backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def usable(self, loss: torch.Tensor) -> bool:
-        """The module's non-finite loss policy, as in its own ``training_step``."""
-        return not isinstance(self.module, ScreensLoss) or self.module.loss_is_usable(loss)
-
-
-class StandardSteps(StepRunner):
     def training_step(self, batch: Any, lightning_step: Callable[[], Any]) -> Any:
         with counting(self.counter):
             return lightning_step()
@@ -59,6 +40,14 @@ class StandardSteps(StepRunner):
                  post_backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
         with counting(self.counter):
             return lightning_backward()
+
+    def usable(self, loss: torch.Tensor) -> bool:
+        """The module's non-finite loss policy, as in its own ``training_step``."""
+        return not isinstance(self.module, ScreensLoss) or self.module.loss_is_usable(loss)
+
+
+class StandardSteps(StepRunner):
+    """Lightning's own steps: micro-batches are Lightning's ``accumulate_grad_batches``."""
 
 
 class LayeredSteps(StepRunner):
@@ -73,14 +62,10 @@ class LayeredSteps(StepRunner):
         self.micro_batches, self.recompute = micro_batches, recompute
         self._step: LayeredStep | None = None
 
-    def _stages(self) -> LayeredStages:
-        return stages_through_runner(self.module.layered_stages(), self.engine.stage_runner())
-
     def training_step(self, batch: Any, lightning_step: Callable[[], Any]) -> Any:
-        # The backward runs in ``backward`` (Lightning zeroes the gradients between the two).
         micro = split_micro_batches(batch, self.micro_batches)
         with self.precision.train_step_context(), counting(self.counter):
-            stages = self._stages()
+            stages = stages_through_runner(self.module.layered_stages(), self.engine.stage_runner())
             events = self.engine.block_events()
             with events or contextlib.nullcontext():
                 self._step = layered_forward(stages, micro, events, recompute=self.recompute)
@@ -95,8 +80,7 @@ class LayeredSteps(StepRunner):
                  post_backward: Callable[[torch.Tensor], None]) -> torch.Tensor:
         step, self._step = self._step, None
         if step is None:  # a forward outside layered_forward (none today), handled as Lightning would
-            with counting(self.counter):
-                return lightning_backward()
+            return super().backward(loss, lightning_backward, post_backward)
         loss = self.precision.pre_backward(loss, self.module)
         # The micro-batch losses are backpropagated one by one, not the returned loss: a gradient scaler (fp16)
         # must scale each of them, or the optimizer step unscales gradients that were never scaled.

@@ -1,6 +1,5 @@
-"""DDP (``sharding="none"``) and DDP + ``ZeroRedundancyOptimizer`` (``"zero1"``) across processes: every rank holds
-the whole model, gradients are all-reduced by DDP's reducer. The strategy wraps the placed model with Lightning's
-own DDP setup (``wraps_ddp``); this engine only materializes it and partitions the optimizer states."""
+"""DDP (``sharding="none"``) and DDP + ``ZeroRedundancyOptimizer`` (``"zero1"``): every rank holds the whole model.
+The strategy wraps it with Lightning's DDP (``wraps_ddp``); this engine materializes it and partitions the states."""
 
 from __future__ import annotations
 
@@ -21,10 +20,9 @@ class DDPEngine(Engine):
         self.ctx = ctx.without_weights()
         holder = holder_of(module)
         if has_meta_tensors(module):  # every rank holds the whole model
-            initializer = Initializer(module, holder)
             params = allocate(module, ctx.device)
             if ctx.weights is None:
-                initializer.fill(params)
+                Initializer(module, holder).fill(params)
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         apply_compile(ctx.accumulation.compile, holder.blocks)

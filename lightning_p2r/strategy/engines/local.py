@@ -15,12 +15,7 @@ from ..materialize import Initializer, allocate, has_meta_tensors
 from ..offload import EngineEvents, OffloadEngine
 from ..optimizers import optimizer_state_to
 from ..plan import plan_for_model
-from ..split_optimizer import (
-    SplitOptimizer,
-    detach_to_host,
-    device_optimizer_state_bytes,
-    split_single_optimizer,
-)
+from ..split_optimizer import SplitOptimizer, detach_to_host, device_optimizer_state_bytes, split_single_optimizer
 from .base import Engine, EngineContext, Placed, holder_of
 
 
@@ -30,8 +25,7 @@ class LocalEngine(Engine):
     def __init__(self) -> None:
         super().__init__()
         self.streaming: OffloadEngine | None = None
-        self.optimizer: torch.optim.Optimizer | None = None
-        """The optimizer this engine last returned (the host steps and the telemetry read it)."""
+        self.optimizer: torch.optim.Optimizer | None = None  # the last one returned (host steps, telemetry read it)
         self._resident_model_bytes = 0
 
     def offload_streamer(self) -> OffloadEngine | None:
@@ -43,25 +37,23 @@ class LocalEngine(Engine):
 
     def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
         """Plan (from the shapes alone: the model may still be on the meta device), materialize offloaded blocks
-        straight into host memory, where the streaming engine keeps them as its masters, and the rest on the
-        device."""
+        straight into host memory, where the streaming engine keeps them as its masters, and the rest on the device."""
         self.ctx = ctx.without_weights()
         holder = holder_of(module)
         plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload)
         lazy = has_meta_tensors(module)
-        initializer = Initializer(module, holder) if lazy else None
-        fill = lazy and ctx.weights is None
+        initializer = Initializer(module, holder) if lazy and ctx.weights is None else None  # else: loaded
         if lazy:
             for index in plan.offloaded:
                 params = allocate(holder.blocks[index], "cpu")
-                if fill:
+                if initializer is not None:
                     initializer.fill(params)
         self.streaming = OffloadEngine(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
                                        pin_memory=ctx.pin_memory, param_prefix=_blocks_prefix(module, holder),
                                        offload_params="params" in ctx.offload.offload_states)
         if lazy:
             params = allocate(module, ctx.device)
-            if fill:
+            if initializer is not None:
                 initializer.fill(params)
         module.to(ctx.device)  # the offloaded blocks' parameters are empty device placeholders
         apply_compile(ctx.accumulation.compile, holder.blocks)  # the streaming hooks stay outside (compile.py)
@@ -74,11 +66,8 @@ class LocalEngine(Engine):
     # --------------------------------------------------------------------------------------------- optimizer
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
-        if self.streaming is None or not self.streaming.blocks:
-            self.optimizer = optimizers[0] if optimizers else None
-            self.update_static_bytes()
-            return optimizers
-        return [self._split(optimizers)]
+        optimizer = self._split(optimizers)
+        return [optimizer] if isinstance(optimizer, SplitOptimizer) else optimizers
 
     def _split(self, optimizers: list[torch.optim.Optimizer],
                carry_state_from: torch.optim.Optimizer | None = None) -> torch.optim.Optimizer:
@@ -106,9 +95,7 @@ class LocalEngine(Engine):
 
     # ---------------------------------------------------------------------------------------------- training
     def block_events(self) -> BlockEvents | None:
-        if self.streaming is not None and self.streaming.blocks:
-            return EngineEvents(self.streaming)
-        return None
+        return EngineEvents(self.streaming) if self.streaming is not None and self.streaming.blocks else None
 
     def post_backward(self, optimizers: list[Any]) -> None:
         if self.streaming is not None:
@@ -118,9 +105,8 @@ class LocalEngine(Engine):
     def delink(self, module: nn.Module, optimizer: torch.optim.Optimizer, ctx: EngineContext,
                num_unique_blocks: int | None, optimizer_state: OptimizerStatePolicy,
                perturb: Perturbation | None = None) -> tuple[torch.optim.Optimizer, Placed]:
-        """Delink with the whole model in host memory, then re-plan and re-offload: the real model may not fit
-        on the device (that is why it was trained pseudo first), so the copies are made on the host and only the
-        blocks the new plan keeps resident move back."""
+        """Delink with the whole model in host memory (the real model may not fit on the device: that is why it was
+        trained pseudo first), then re-plan: only the blocks the new plan keeps resident move back."""
         plain = detach_to_host(self.streaming, optimizer, module)
         self.streaming = None
         new_optimizer = delink(module, plain, num_unique_blocks=num_unique_blocks, optimizer_state=optimizer_state,
