@@ -343,8 +343,8 @@ class OffloadEngine:
             if param.grad is None:
                 continue
             master = block.host[position]
-            if buffer is None:  # made by the first gradient: a model that is only evaluated never needs one
-                buffer = torch.empty(master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pin_memory)
+            if buffer is None:  # made by the first gradient, as zeros: after zero_grad(set_to_none=False) it adds
+                buffer = torch.zeros(master.shape, dtype=master.dtype, device="cpu", pin_memory=self.pin_memory)
                 block.host_grads[position] = buffer
             if position in block.unwritten:
                 buffer.copy_(param.grad)  # synchronous: the host step reads the buffer right after

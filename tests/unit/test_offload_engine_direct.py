@@ -239,6 +239,18 @@ def test_gradient_accumulation_adds_into_host_buffers() -> None:
     assert_same_tensors(gradients(model, engine), gradients(reference))
 
 
+def test_a_first_gradient_after_zero_grad_without_none_starts_from_zero() -> None:
+    """zero_grad(set_to_none=False) before a parameter's first gradient ever: the host buffer is made then, and the
+    gradient adds into it, so it must be made as zeros (an uninitialized buffer would add into garbage)."""
+    reference, model, engine = build((0, 2), prefetch=1)
+    engine.start_accumulation(set_to_none=False)
+    torch.full((1 << 20,), 7.0).sum()  # leave freed memory behind that an uninitialized buffer could reuse
+    reference(batch(1)).backward()
+    model(batch(1)).backward()
+    engine.finish_backward()
+    assert_same_tensors(gradients(model, engine), gradients(reference))
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_a_block_shared_by_layers_offloads_its_gradient_once_after_all_uses(prefetch: int) -> None:
     reference, model, engine = build((0, 1), layer_to_block=(0, 0, 1, 1), prefetch=prefetch)
