@@ -421,16 +421,25 @@ def _default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_p2r"
 
 
-def _match_manifest(prepared: str, manifest: Any, tokenizer: str | None, vocab_size: int | None
-                    ) -> tuple[str, int]:
-    """The prepared directory's tokenizer and vocabulary; a recipe that names others is refused, naming both."""
+def _read_prepared(prepared: str, tokenizer: str | None, vocab_size: int | None, languages: list[str] | None,
+                   alpha: float) -> tuple[Any, dict[str, float]]:
+    """A prepared directory's manifest, checked against the recipe's tokenizer and vocabulary, and its language
+    mixture."""
+    from .prepared import read_manifest
+
+    manifest = read_manifest(prepared)
+    _match_manifest(prepared, manifest, tokenizer, vocab_size)
+    return manifest, _language_weights(prepared, manifest, languages, alpha)
+
+
+def _match_manifest(prepared: str, manifest: Any, tokenizer: str | None, vocab_size: int | None) -> None:
+    """A recipe that names another tokenizer or vocabulary than the prepared directory's is refused, naming both."""
     if vocab_size is not None and vocab_size != manifest.vocab_size:
         raise ValueError(f"data.vocab_size={vocab_size} but {prepared} was prepared with vocab_size "
                          f"{manifest.vocab_size}: drop data.vocab_size, or prepare the corpus again with it")
     if tokenizer is not None and tokenizer != manifest.tokenizer:
         raise ValueError(f"data.tokenizer={tokenizer!r} but {prepared} was prepared with tokenizer "
                          f"{manifest.tokenizer!r}: drop data.tokenizer, or prepare the corpus again with it")
-    return manifest.tokenizer, manifest.vocab_size
 
 
 def _language_weights(prepared: str, manifest: Any, languages: list[str] | None, alpha: float) -> dict[str, float]:
@@ -498,13 +507,13 @@ class TextDataModule(pl.LightningDataModule):
         self.language_weights: dict[str, float] = {}
         self._languages, self._language_alpha = languages, language_alpha
         if prepared is not None:
-            from .prepared import MANIFEST, read_manifest
+            from .prepared import MANIFEST
 
             if (Path(prepared).expanduser() / MANIFEST).is_file() or corpus is None:
                 # Prepared already (or nothing to prepare it from: refused here, naming prepare-data).
-                self.manifest = read_manifest(prepared)
-                tokenizer, vocab_size = _match_manifest(prepared, self.manifest, tokenizer, vocab_size)
-                self.language_weights = _language_weights(prepared, self.manifest, languages, language_alpha)
+                self.manifest, self.language_weights = _read_prepared(prepared, tokenizer, vocab_size, languages,
+                                                                      language_alpha)
+                tokenizer, vocab_size = self.manifest.tokenizer, self.manifest.vocab_size
         elif languages is not None:
             raise ValueError("data.languages applies to a multilingual prepared directory (data.prepared) only")
         tokenizer = tokenizer or "bpe"
@@ -560,12 +569,8 @@ class TextDataModule(pl.LightningDataModule):
     def _open_prepared(self) -> None:
         """Read the prepared directory's manifest (once it exists) and what follows from it: the tokenizer and
         vocabulary it must match, and the language mixture."""
-        from .prepared import read_manifest
-
-        self.manifest = read_manifest(self.prepared)
-        _match_manifest(self.prepared, self.manifest, self.tokenizer_kind, self._vocab_size)
-        self.language_weights = _language_weights(self.prepared, self.manifest, self._languages,
-                                                  self._language_alpha)
+        self.manifest, self.language_weights = _read_prepared(self.prepared, self.tokenizer_kind, self._vocab_size,
+                                                              self._languages, self._language_alpha)
 
     def load_tokenizer(self) -> TextTokenizer:
         """The tokenizer the model's ids come from: the prepared directory's, or the one built for ``corpus``."""
