@@ -44,7 +44,8 @@ from lightning_p2r.prepared import prepare_data, require_litdata
 from lightning_p2r.streaming import streaming_loader
 
 PREPARE_COLUMNS = ["tokenizer", "workers", "text_mb", "tokens", "seconds", "mb_per_s"]
-LOADER_COLUMNS = ["batch_size", "seq_len", "loader_tokens_per_s", "step_tokens_per_s", "loader_over_step"]
+LOADER_COLUMNS = ["step_device", "batch_size", "seq_len", "loader_tokens_per_s", "step_tokens_per_s",
+                  "loader_over_step"]
 MEMORY_COLUMNS = ["prepared_mb", "tokens", "windows_read", "seconds", "rss_before_mb", "peak_rss_mb"]
 
 
@@ -82,9 +83,13 @@ def _quickstart_model() -> tuple[Any, int, int]:
     return module, recipe.data.batch_size, recipe.data.seq_len
 
 
-def measure_loader(prepared: Path, batches: int, quickstart: tuple[Any, int, int]) -> dict[str, Any]:
-    """Loader tokens/s over ``batches`` batches, and the training step's tokens/s on the first few of them."""
+def measure_loader(prepared: Path, batches: int, quickstart: tuple[Any, int, int],
+                   device: str = "cpu") -> dict[str, Any]:
+    """Loader tokens/s over ``batches`` batches, and the training step's tokens/s on ``device`` on the first few of
+    them (a GPU step consumes far more tokens per second than a CPU one: the ratio that matters there)."""
     module, batch_size, seq_len = quickstart
+    device = torch.device(device)
+    module.to(device)
     loader = streaming_loader(prepared, "train", seq_len, batch_size, shuffle=True, seed=0, num_workers=0,
                               replicas=1, rank=0)
     iterator = iter(loader)
@@ -100,12 +105,14 @@ def measure_loader(prepared: Path, batches: int, quickstart: tuple[Any, int, int
     times = []
     for batch in held:
         start = time.perf_counter()
-        module.losses(batch)["loss"].backward()
+        module.losses(batch.to(device))["loss"].backward()
         optimizer.step()
         optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     step_tps = held[0].numel() / float(np.median(times[3:]))  # the first steps warm the allocator up
-    return {"batch_size": batch_size, "seq_len": seq_len, "loader_tokens_per_s": loader_tps,
+    return {"step_device": device.type, "batch_size": batch_size, "seq_len": seq_len, "loader_tokens_per_s": loader_tps,
             "step_tokens_per_s": step_tps, "loader_over_step": loader_tps / step_tps}
 
 
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.quick:
         args.corpus_mb, args.sizes_mb, args.batches = 0.3, [8, 16], 20
     apply_threads(args.threads)
-    env = environment_info("cpu")
+    env = environment_info(args.device)
     print_environment(env)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         prepare = [measure_prepare(root, corpus, tokenizer, workers, vocab_size)
                    for tokenizer in ("bytes", "bpe") for workers in (1, 2)]
         print_table(prepare, PREPARE_COLUMNS)
-        loader = [measure_loader(root / "bpe-2", args.batches, quickstart)]
+        loader = [measure_loader(root / "bpe-2", args.batches, quickstart, args.device)]
         print_table(loader, LOADER_COLUMNS)
         memory = [measure_memory(root, size) for size in args.sizes_mb]
         print_table(memory, MEMORY_COLUMNS)

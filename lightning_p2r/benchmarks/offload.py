@@ -36,10 +36,12 @@ from lightning_p2r.benchmarks.report import (
     with_environment,
     write_csv,
 )
+from lightning_p2r.planning.model import model_forward_flops
 
 FRACTIONS = (0.0, 0.25, 0.5, 0.75, 1.0)
-COLUMNS = ["setup", "offloaded", "tokens_per_s", "step_ms", "peak_model_MB", "cuda_max_alloc_MB", "h2d_MB",
-           "d2h_MB", "copy_wait_ms", "host_step_ms", "device_step_ms", "resident_blocks_max"]
+COLUMNS = ["setup", "offloaded", "tokens_per_s", "step_ms", "model_tflops", "mfu", "peak_model_MB",
+           "cuda_max_alloc_MB", "h2d_MB", "d2h_MB", "copy_wait_ms", "host_step_ms", "device_step_ms",
+           "resident_blocks_max"]
 
 
 class StepTimer(L.Callback):
@@ -58,14 +60,30 @@ class FSDP2OffloadModule(M6LanguageModel):
     def configure_model(self) -> None:
         if self.transformer is not None:
             return
-        super().configure_model()
         from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        # CPUOffloadPolicy wants the parameters on the host before fully_shard: Lightning's init context would
+        # otherwise build them on the GPU.
+        with torch.device("cpu"):
+            super().configure_model()
 
         policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
         mesh = self.device_mesh["data_parallel"]
         for block in self.transformer.blocks:
             fully_shard(block, mesh=mesh, offload_policy=policy)
         fully_shard(self.transformer, mesh=mesh, offload_policy=policy)
+
+
+def _offloading_model_parallel() -> Any:
+    """Lightning's ModelParallelStrategy, less its ``model_to_device``: that moves every parameter to the GPU after
+    ``configure_model``, and CPUOffloadPolicy needs FSDP2's sharded parameters to stay on the host."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class OffloadingModelParallel(ModelParallelStrategy):
+        def model_to_device(self) -> None:
+            pass
+
+    return OffloadingModelParallel(data_parallel_size=1, tensor_parallel_size=1)
 
 
 def _config(args: Any) -> M6Config:
@@ -83,13 +101,17 @@ def _run(args: Any, strategy: Any, module_class: type = M6LanguageModel) -> dict
         trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=args.steps,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
-                            callbacks=[timer])
+                            callbacks=[timer], precision=args.precision)
         if accelerator == "cuda":
             torch.cuda.reset_peak_memory_stats()
         trainer.fit(module, datamodule=data)
     steps = [b - a for a, b in zip(timer.ends, timer.ends[1:])][args.warmup:]
     step = statistics.median(steps)
-    row: dict[str, Any] = {"tokens_per_s": args.batch_size * args.seq_len / step, "step_ms": 1000 * step,
+    tokens_per_s = args.batch_size * args.seq_len / step
+    # Model FLOPs: forward and backward (3x the forward) of the matmuls and attention, no recompute counted.
+    tflops = 3 * model_forward_flops(module.config, args.seq_len) * tokens_per_s / 1e12
+    row: dict[str, Any] = {"tokens_per_s": tokens_per_s, "step_ms": 1000 * step, "model_tflops": tflops,
+                           "mfu": tflops / args.peak_tflops if args.peak_tflops else float("nan"),
                            "cuda_max_alloc_MB": torch.cuda.max_memory_allocated() / 2**20
                            if accelerator == "cuda" else float("nan")}
     history = getattr(trainer.strategy, "telemetry_history", None)
@@ -100,6 +122,19 @@ def _run(args: Any, strategy: Any, module_class: type = M6LanguageModel) -> dict
                 "host_step_ms": 1000 * stats.host_step_seconds, "device_step_ms": 1000 * stats.device_step_seconds,
                 "resident_blocks_max": max(s.peak_resident_offloaded_blocks for s in history[args.warmup:])}
     return row
+
+
+def matmul_peak_tflops(device: torch.device, size: int = 8192, repeats: int = 10) -> float:
+    """TFLOP/s of a large bf16 matmul on ``device``: what the mfu column divides by when no peak is given."""
+    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    torch.cuda.synchronize(device)
+    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
 def _optimizer_rows(args: Any) -> list[dict[str, Any]]:
@@ -133,9 +168,10 @@ def _plot(path: Path, rows: list[dict[str, Any]], title: str) -> None:
     left.set_title("throughput", fontsize=10)
     left.set_ylabel("tokens/s")
     left.set_xlabel("blocks offloaded")
-    memory = [r.get("cuda_max_alloc_MB") for r in rows]
-    use_cuda = any(m == m for m in memory if m is not None)  # NaN != NaN: no CUDA figures
-    right.bar(labels, memory if use_cuda else [r.get("peak_model_MB", float("nan")) for r in rows],
+    nan = float("nan")
+    memory = [nan if r.get("cuda_max_alloc_MB") is None else r["cuda_max_alloc_MB"] for r in rows]
+    use_cuda = any(m == m for m in memory)  # NaN != NaN: no CUDA figures (a failed peer has none either)
+    right.bar(labels, memory if use_cuda else [r.get("peak_model_MB", nan) for r in rows],
               color="tab:orange")
     right.set_title("torch.cuda.max_memory_allocated" if use_cuda else "peak device model-state (telemetry)",
                     fontsize=10)
@@ -159,11 +195,17 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
     parser.add_argument("--optimizer-params", type=float, default=50e6)
     parser.add_argument("--optimizer-iters", type=int, default=5)
     parser.add_argument("--no-peer", action="store_true", help="skip the FSDP2 CPUOffloadPolicy peer")
+    parser.add_argument("--precision", default="32-true", help="Trainer precision, e.g. bf16-mixed on a GPU")
+    parser.add_argument("--peak-tflops", type=float, help="the device's peak TFLOP/s for the mfu column (default on "
+                        "CUDA: a measured 8192^3 bf16 matmul's; none on CPU)")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.warmup, args.layers, args.dim, args.seq_len, args.batch_size = 5, 1, 4, 64, 32, 4
         args.optimizer_params, args.optimizer_iters = 2e5, 2
     apply_threads(args.threads)
+    if args.peak_tflops is None and args.device.startswith("cuda"):
+        args.peak_tflops = matmul_peak_tflops(torch.device(args.device))
+        print(f"mfu is against a measured bf16 matmul peak of {args.peak_tflops:.0f} TFLOP/s")
     env = environment_info(args.device)
     print_environment(env)
 
@@ -174,10 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]]:
         rows.append(row)
     if not args.no_peer:
         try:
-            from lightning.pytorch.strategies import ModelParallelStrategy
-
-            peer = _run(args, ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1),
-                        FSDP2OffloadModule)
+            peer = _run(args, _offloading_model_parallel(), FSDP2OffloadModule)
             rows.append({"setup": "ModelParallelStrategy + FSDP2 CPUOffloadPolicy", "offloaded": "all"} | peer)
         except Exception as error:  # the peer is informative, not essential: say why it is missing
             print(f"peer skipped: {type(error).__name__}: {error}")
