@@ -1,8 +1,11 @@
 """The per-language table `lightning-p2r validate`/`test` and the multilingual benchmark print: a pure function of
 the logged metrics."""
 
+import warnings
+
 import torch
 
+from lightning_p2r.known_warnings import silence_known_noise
 from lightning_p2r.language_eval import LanguageLosses, language_rows, language_table
 
 
@@ -36,3 +39,14 @@ def test_the_table_has_one_line_per_row_with_headers_and_rounded_numbers() -> No
     assert lines[4].split()[0] == "all" and lines[4].split()[1] == "500"  # every language the metrics hold
     without_tokens = {key: value for key, value in _metrics().items() if "/tokens" not in key}
     assert language_table(without_tokens, "val", ["en"]).splitlines()[2].split()[2] == "-"
+
+
+def test_the_sync_dist_notice_is_silenced_for_the_language_metrics_only() -> None:
+    """They are summed over the ranks before they are logged; another metric logged without sync_dist still warns."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        silence_known_noise()
+        for name in ("val/bpb/zh", "test/tokens", "val/loss", "train/loss", "val/accuracy/en"):
+            warnings.warn(f"It is recommended to use `self.log({name!r}, ..., sync_dist=True)` when logging on epoch "
+                          "level in distributed setting to accumulate the metric across devices.", stacklevel=1)
+    assert [str(w.message).split("'")[1] for w in caught] == ["train/loss", "val/accuracy/en"]
