@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import Strategy
 
 from .data import TextDataModule
 from .known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
+from .language_eval import language_table
 from .module import M6LanguageModel
 from .options_diff import describe_differences, differing_options
 from .recipe_files import check_recipe_files, keys_named_in, locate_key, recipe_paths
@@ -251,20 +252,33 @@ class P2RCLI(LightningCLI):
         self._run_refusing_bad_input(self.trainer.fit, kwargs)
 
     def validate(self, **kwargs: Any) -> None:
-        self._run_refusing_bad_input(self.trainer.validate, kwargs)
+        self._evaluate("val", self.trainer.validate, kwargs)
 
     def test(self, **kwargs: Any) -> None:
-        self._run_refusing_bad_input(self.trainer.test, kwargs)
+        self._evaluate("test", self.trainer.test, kwargs)
 
     def predict(self, **kwargs: Any) -> None:
         self._run_refusing_bad_input(self.trainer.predict, kwargs)
 
-    def _run_refusing_bad_input(self, run: Any, kwargs: dict[str, Any]) -> None:
+    def _evaluate(self, split: str, run: Any, kwargs: dict[str, Any]) -> None:
+        """Validate or test; a multilingual data module's pass ends with the per-language table (rank 0), in place
+        of Lightning's, which gives each language's loader a column repeating the same pass-wide metrics. An
+        explicit ``--verbose`` keeps Lightning's table as well."""
+        languages = list(getattr(self.datamodule, "eval_languages", None) or [])
+        if languages and not any(word.split("=", 1)[0] == "--verbose" for word in self._command_line):
+            kwargs["verbose"] = False
+        results = self._run_refusing_bad_input(run, kwargs)
+        table = language_table(results[0] if results else {}, split, languages) if languages else ""
+        if table and self.trainer.is_global_zero:
+            print(f"{'validation' if split == 'val' else 'test'} per language (loss in nats per token, bits per "
+                  f"byte of UTF-8 text, tokens scored on all ranks):\n{table}")
+
+    def _run_refusing_bad_input(self, run: Any, kwargs: dict[str, Any]) -> Any:
         """A refusal before anything trained (the strategy's checks in the launching process, a data or checkpoint
         check on the ranks) ends the command with one line, the other ranks' different errors below it; an error
         once training has started keeps its traceback."""
         try:
-            run(**kwargs)
+            return run(**kwargs)
         except RankFailed as error:
             sys.stderr.write(f"error: a rank failed, every rank was stopped: {error}\n")
             raise SystemExit(1) from None

@@ -17,6 +17,9 @@ _NOISE = (
     r"Your `IterableDataset` has `__len__` defined",
     # litdata reads a window of token ids with torch.frombuffer from a read-only buffer and clones it at once.
     r"The given buffer is not writable, and PyTorch does not support non-writable tensors",
+    # The per-language metrics of a multilingual evaluation pass are summed over the ranks before they are logged
+    # (M6LanguageModel._log_languages); Lightning, not knowing, asks for sync_dist once per metric and language.
+    r"It is recommended to use `self.log\('(val|test)/(loss|ppl|bpb|tokens)(/[a-z]+)?', \.\.\., sync_dist=True\)`",
 )
 
 # Raised by torch's LR scheduler on its first step when the optimizer it drives is not the one it was created

@@ -21,26 +21,13 @@ from lightning_p2r.benchmarks.report import (
     base_parser,
     environment_info,
     print_environment,
-    print_table,
     save_bar_chart,
     with_environment,
     write_csv,
 )
+from lightning_p2r.language_eval import language_rows, language_table
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "multilingual.yaml"
-COLUMNS = ["language", "script", "loss", "ppl", "bpb"]
-
-
-def per_language_rows(metrics: dict[str, float], languages: list[str]) -> list[dict[str, Any]]:
-    """One row per language (and ``all``) from the ``val/loss/<code>``, ``val/ppl/<code>``, ``val/bpb/<code>``
-    metrics a validation pass logged."""
-    from lightning_p2r.bible_multi import SCRIPTS
-
-    rows = [{"language": code, "script": SCRIPTS.get(code, "Latin"), "loss": metrics[f"val/loss/{code}"],
-             "ppl": metrics[f"val/ppl/{code}"], "bpb": metrics[f"val/bpb/{code}"]} for code in languages]
-    rows.append({"language": "all", "script": "", "loss": metrics["val/loss"], "ppl": metrics["val/ppl"],
-                 "bpb": metrics["val/bpb"]})
-    return rows
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -75,8 +62,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cli = P2RCLI(M6LanguageModel, TextDataModule, args=cli_args, run=False, save_config_callback=None)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
-    rows = per_language_rows(metrics, cli.datamodule.eval_languages)
-    print_table(rows, COLUMNS)
+    rows = language_rows(metrics, "val", cli.datamodule.eval_languages)
+    print(language_table(metrics, "val", cli.datamodule.eval_languages))  # what `lightning-p2r validate` prints
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(with_environment(rows, env), out / "multilingual.csv")

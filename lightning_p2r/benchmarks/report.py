@@ -1,4 +1,5 @@
-"""Helpers shared by the benchmarks: CLI flags, environment, timing, CSV, plain-text tables and plots."""
+"""Helpers shared by the benchmarks: CLI flags, environment, timing, CSV, plain-text tables and plots (the tables
+themselves are :mod:`lightning_p2r.text_table`'s, which the CLI prints too)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from lightning_p2r.text_table import format_cell, format_table
 
 DEFAULT_OUT = Path("runs/benchmarks")
 DOCS_OUT = Path("docs/benchmarks")
@@ -107,28 +110,6 @@ def write_csv(rows: Sequence[Mapping[str, Any]], path: str | os.PathLike[str]) -
     return path
 
 
-def _cell(value: Any) -> str:
-    if isinstance(value, float):
-        if value != value:  # NaN
-            return "-"
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        return f"{value:.3g}" if 0 < abs(value) < 0.01 else f"{value:.3f}"
-    return "-" if value is None else str(value)
-
-
-def format_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> str:
-    """An aligned plain-text table: text left-aligned, numbers right-aligned."""
-    cells = [[_cell(row.get(col)) for col in columns] for row in rows]
-    widths = [max([len(col)] + [len(r[i]) for r in cells]) for i, col in enumerate(columns)]
-    numeric = [all(isinstance(row.get(col), int | float) for row in rows) for col in columns]
-
-    def line(values: Sequence[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(values, widths, numeric)).rstrip()
-
-    return "\n".join([line(columns), line(["-" * w for w in widths]), *(line(r) for r in cells)])
-
-
 def print_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str]) -> None:
     print(format_table(rows, columns))
 
@@ -153,7 +134,7 @@ def save_bar_chart(path: str | os.PathLike[str], categories: Sequence[str], seri
     for i, (label, values) in enumerate(series.items()):
         xs = [c + (i - (len(series) - 1) / 2) * width for c in range(len(categories))]
         bars = ax.bar(xs, values, width, label=label)
-        ax.bar_label(bars, labels=[_cell(float(v)) for v in values], fontsize=7, padding=2)
+        ax.bar_label(bars, labels=[format_cell(float(v)) for v in values], fontsize=7, padding=2)
     # Long or many category names would overlap side by side: slant them.
     crowded = sum(len(c) for c in categories) > 70
     ax.set_xticks(range(len(categories)), categories, rotation=25 if crowded else 0,

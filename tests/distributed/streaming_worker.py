@@ -45,7 +45,9 @@ def main() -> None:
         checkpoint = args.out / f"{config['name']}.ckpt"
         trainer.save_checkpoint(checkpoint)
         trainer, rest = fit(config, args.out, args.devices, 6, resume=checkpoint)
-        report = {"straight": straight.seen, "resumed": first.seen + rest.seen}
+        sampler = trainer.strategy.distributed_sampler_kwargs  # what the data module handed litdata
+        report = {"straight": straight.seen, "resumed": first.seen + rest.seen,
+                  "replicas": [sampler["num_replicas"], sampler["rank"]]}
         (args.out / f"{config['name']}-rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 

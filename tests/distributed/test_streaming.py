@@ -1,5 +1,6 @@
 """Streaming a prepared directory on two processes: data-parallel ranks read different batches, the ranks of a
-tensor-parallel group the same one, and a resumed run reads what an uninterrupted one would have read."""
+tensor-parallel group or of a pipeline the same one, and a resumed run reads what an uninterrupted one would have
+read."""
 
 import json
 from pathlib import Path
@@ -13,6 +14,7 @@ pytest.importorskip("litdata", reason="litdata is installed by the README's seco
 
 WORKER = Path(__file__).with_name("streaming_worker.py")
 CONFIGS = [{"name": "dp2", "strategy": {}}, {"name": "tp2", "strategy": {"tensor_parallel": 2}},
+           {"name": "pp2", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
            {"name": "dp2_workers", "strategy": {}, "workers": 1}]
 
 
@@ -38,11 +40,14 @@ def test_data_parallel_ranks_read_their_own_batches_and_resume_them(runs: Path, 
     for rank in ranks:
         assert len(rank["straight"]) == 6 and rank["resumed"] == rank["straight"]
     assert all(a != b for a, b in zip(ranks[0]["straight"], ranks[1]["straight"]))
+    assert [rank["replicas"] for rank in ranks] == [[2, 0], [2, 1]]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
-def test_a_tensor_parallel_group_reads_one_batch_and_resumes_it(runs: Path) -> None:
-    ranks = _ranks(runs, "tp2")
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_a_tensor_parallel_group_or_a_pipeline_reads_one_batch_and_resumes_it(runs: Path, name: str) -> None:
+    ranks = _ranks(runs, name)
+    assert [rank["replicas"] for rank in ranks] == [[1, 0], [1, 0]]  # one data-parallel replica over both ranks
     assert ranks[0]["straight"] == ranks[1]["straight"] and len(ranks[0]["straight"]) == 6
     assert ranks[0]["resumed"] == ranks[0]["straight"]

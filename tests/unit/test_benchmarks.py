@@ -293,5 +293,7 @@ def test_multilingual_benchmark_writes_csv_and_png(tmp_path: Path, capsys: pytes
     assert [row["language"] for row in rows] == ["en", "zh", "all"]
     for row in rows:
         assert float(row["bpb"]) > 0 and float(row["ppl"]) == pytest.approx(math.exp(float(row["loss"])), rel=1e-4)
+    assert all(int(row["tokens"]) > 0 for row in rows)
+    assert rows[-1]["tokens"] == str(int(rows[0]["tokens"]) + int(rows[1]["tokens"]))
     _assert_png(tmp_path / "multilingual.png")
-    assert "bpb" in capsys.readouterr().out
+    assert "bits/byte" in capsys.readouterr().out

@@ -125,3 +125,37 @@ def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, t
         TextDataModule(prepared=str(prepared), languages=["de"])
     with pytest.raises(ValueError, match="language_alpha must be between"):
         TextDataModule(prepared=str(prepared), language_alpha=2.0)
+
+
+def test_validate_and_test_print_the_per_language_table_of_the_logged_metrics(prepared: Path, tmp_path: Path,
+                                                                               capsys) -> None:
+    from lightning_p2r.cli import P2RCLI
+
+    recipe = Path(__file__).resolve().parents[2] / "recipes" / "multilingual.yaml"
+    options = ["--config", str(recipe), f"--data.prepared={prepared}", "--data.corpus=null", "--data.tokenizer=bytes",
+               "--data.vocab_size=256", "--data.seq_len=16", "--data.batch_size=4", "--model.config.num_layers=1",
+               "--model.config.dim=32", "--model.config.num_heads=4", "--model.config.num_experts=2",
+               "--model.config.attention=dense", "--model.optimizer.warmup_steps=0",
+               "--trainer.limit_val_batches=2", "--trainer.limit_test_batches=2", "--trainer.logger=false",
+               "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+               "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={tmp_path}"]
+    P2RCLI(M6LanguageModel, TextDataModule, args=["fit", *options, "--trainer.max_steps=1",
+                                                  "--trainer.val_check_interval=1"])
+    capsys.readouterr()
+    checkpoint = f"--ckpt_path={tmp_path / 'checkpoints' / 'last.ckpt'}"
+    for command, split in (("validate", "val"), ("test", "test")):
+        cli = P2RCLI(M6LanguageModel, TextDataModule, args=[command, *options, checkpoint])
+        out = capsys.readouterr().out
+        assert "DataLoader 0" not in out  # Lightning's table (a column per language's loader) is off
+        lines = out[out.index(f"{'validation' if split == 'val' else 'test'} per language"):].splitlines()
+        assert lines[1].split() == ["language", "script", "tokens", "loss", "perplexity", "bits/byte"]
+        logged = {key: float(value) for key, value in cli.trainer.logged_metrics.items()}
+        rows = [line.split() for line in lines[3:7]]
+        assert [row[:2] for row in rows[:3]] == [["en", "Latin"], ["fr", "Latin"], ["zh", "Han"]]
+        assert rows[3][0] == "all" and len(rows[3]) == 5 and len(lines) == 7  # no script; nothing after it
+        for row in rows:
+            suffix = "" if row[0] == "all" else f"/{row[0]}"
+            numbers = row[-4:]
+            assert int(numbers[0]) == logged[f"{split}/tokens{suffix}"] == (2 * 4 * 16 * (3 if suffix == "" else 1))
+            for text, key in zip(numbers[1:], ("loss", "ppl", "bpb")):
+                assert float(text.replace(",", "")) == pytest.approx(logged[f"{split}/{key}{suffix}"], abs=6e-4)
