@@ -421,43 +421,6 @@ def _default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_p2r"
 
 
-def _read_prepared(prepared: str, tokenizer: str | None, vocab_size: int | None, languages: list[str] | None,
-                   alpha: float) -> tuple[Any, dict[str, float]]:
-    """A prepared directory's manifest, checked against the recipe's tokenizer and vocabulary, and its language
-    mixture."""
-    from .prepared import read_manifest
-
-    manifest = read_manifest(prepared)
-    _match_manifest(prepared, manifest, tokenizer, vocab_size)
-    return manifest, _language_weights(prepared, manifest, languages, alpha)
-
-
-def _match_manifest(prepared: str, manifest: Any, tokenizer: str | None, vocab_size: int | None) -> None:
-    """A recipe that names another tokenizer or vocabulary than the prepared directory's is refused, naming both."""
-    if vocab_size is not None and vocab_size != manifest.vocab_size:
-        raise ValueError(f"data.vocab_size={vocab_size} but {prepared} was prepared with vocab_size "
-                         f"{manifest.vocab_size}: drop data.vocab_size, or prepare the corpus again with it")
-    if tokenizer is not None and tokenizer != manifest.tokenizer:
-        raise ValueError(f"data.tokenizer={tokenizer!r} but {prepared} was prepared with tokenizer "
-                         f"{manifest.tokenizer!r}: drop data.tokenizer, or prepare the corpus again with it")
-
-
-def _language_weights(prepared: str, manifest: Any, languages: list[str] | None, alpha: float) -> dict[str, float]:
-    """The training mixture over a multilingual directory's (chosen) languages; empty for one language."""
-    if not manifest.languages:
-        if languages is not None:
-            raise ValueError(f"data.languages={languages} but {prepared} holds one corpus, not languages")
-        return {}
-    chosen = list(manifest.languages) if languages is None else languages
-    unknown = [code for code in chosen if code not in manifest.languages]
-    if unknown or not chosen:
-        raise ValueError(f"{prepared} has no language {', '.join(map(repr, unknown)) or '(none chosen)'}: it holds "
-                         f"{', '.join(manifest.languages)}")
-    from .streaming import mixture_weights
-
-    return mixture_weights({code: manifest.languages[code]["train"]["tokens"] for code in chosen}, alpha)
-
-
 class TextDataModule(pl.LightningDataModule):
     """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
 
@@ -482,6 +445,10 @@ class TextDataModule(pl.LightningDataModule):
             train and validate on; default all it holds.
         language_alpha: With several languages, each training window's language is drawn with probability
             proportional to (its training tokens) ** language_alpha: 1 as the corpus is, 0 uniform (mGPT, XLM).
+        language_weights: With a multilingual prepared directory, explicit sampling weights per language, e.g.
+            {en: 3, fr: 1} (normalised; they replace language_alpha). Its keys are the languages trained and
+            evaluated on (data.languages, if also given, must name the same ones); a language weighted 0 is
+            evaluated but never drawn for training. Negative, non-finite or all-zero weights are refused.
     """
 
     def __init__(
@@ -498,24 +465,26 @@ class TextDataModule(pl.LightningDataModule):
         prepared: str | None = None,
         languages: list[str] | None = None,
         language_alpha: float = 0.3,
+        language_weights: dict[str, float] | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= language_alpha <= 1.0:
             raise ValueError(f"language_alpha must be between 0 (uniform) and 1 (as the corpus is), got "
                              f"{language_alpha}")
-        self.manifest = None
-        self.language_weights: dict[str, float] = {}
-        self._languages, self._language_alpha = languages, language_alpha
+        from .mixture import chosen_languages
+
+        self.manifest, self.prepared = None, prepared
+        self.mixture: dict[str, float] = {}  # each language's probability of giving a training window
+        self._streams: dict[str, Any] = {}  # mixture.Stream by name; one named "" for a single corpus
+        self._languages = chosen_languages(corpus, prepared, languages, language_weights)
+        self._language_alpha, self._language_weights = language_alpha, language_weights
         if prepared is not None:
             from .prepared import MANIFEST
 
             if (Path(prepared).expanduser() / MANIFEST).is_file() or corpus is None:
                 # Prepared already (or nothing to prepare it from: refused here, naming prepare-data).
-                self.manifest, self.language_weights = _read_prepared(prepared, tokenizer, vocab_size, languages,
-                                                                      language_alpha)
+                self._open_prepared(tokenizer, vocab_size)
                 tokenizer, vocab_size = self.manifest.tokenizer, self.manifest.vocab_size
-        elif languages is not None:
-            raise ValueError("data.languages applies to a multilingual prepared directory (data.prepared) only")
         tokenizer = tokenizer or "bpe"
         if tokenizer not in ("bpe", "bytes"):
             raise ValueError(f"tokenizer must be one of 'bpe', 'bytes', got {tokenizer!r}")
@@ -566,11 +535,14 @@ class TextDataModule(pl.LightningDataModule):
     def _load(self) -> tuple[TextTokenizer, torch.Tensor]:
         return _tokenize_cached(self.corpus, self.tokenizer_kind, self._vocab_size, self.cache_dir)
 
-    def _open_prepared(self) -> None:
+    def _open_prepared(self, tokenizer: str | None, vocab_size: int | None) -> None:
         """Read the prepared directory's manifest (once it exists) and what follows from it: the tokenizer and
         vocabulary it must match, and the language mixture."""
-        self.manifest, self.language_weights = _read_prepared(self.prepared, self.tokenizer_kind, self._vocab_size,
-                                                              self._languages, self._language_alpha)
+        from .mixture import read_mixture
+
+        mixture = read_mixture(self.prepared, tokenizer, vocab_size, self._languages, self._language_alpha,
+                               self._language_weights)
+        self.manifest, self.mixture, self._streams = mixture.manifest, mixture.weights, mixture.streams
 
     def load_tokenizer(self) -> TextTokenizer:
         """The tokenizer the model's ids come from: the prepared directory's, or the one built for ``corpus``."""
@@ -578,7 +550,7 @@ class TextDataModule(pl.LightningDataModule):
             from .prepared import load_prepared_tokenizer
 
             if self.manifest is None:
-                self._open_prepared()
+                self._open_prepared(self.tokenizer_kind, self._vocab_size)
             return load_prepared_tokenizer(self.prepared, self.manifest)
         text = load_corpus(self.corpus) if self.tokenizer_kind == "bpe" else ""
         return build_tokenizer(self.tokenizer_kind, self._vocab_size, text, self.cache_dir)
@@ -611,7 +583,7 @@ class TextDataModule(pl.LightningDataModule):
         if self.prepared is not None:
             from .streaming import check_windows
 
-            self._open_prepared()
+            self._open_prepared(self.tokenizer_kind, self._vocab_size)
             self.tokenizer = self.load_tokenizer()
             check_windows(self.manifest, self.prepared, self.seq_len, self.batch_size, self._data_parallel_ranks()[0])
             return
@@ -645,12 +617,10 @@ class TextDataModule(pl.LightningDataModule):
             from .streaming import streaming_loader
 
             replicas, rank = self._data_parallel_ranks()
-            split = self.manifest.split_dirs("train" if shuffle else "val")
-            if self.language_weights:
-                split = {code: folder for code, folder in split.items() if code in self.language_weights}
-            return streaming_loader(self.prepared, split, self.seq_len, self.batch_size, shuffle=shuffle,
+            folders = {name: stream.folder("train" if shuffle else "val") for name, stream in self._streams.items()}
+            return streaming_loader(self.prepared, folders, self.seq_len, self.batch_size, shuffle=shuffle,
                                     seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank,
-                                    weights=self.language_weights)
+                                    weights=self.mixture)
         if rows is None:
             raise RuntimeError("TextDataModule.setup() must run before requesting a dataloader")
         if self.num_workers > 0:
@@ -696,32 +666,32 @@ class TextDataModule(pl.LightningDataModule):
     def eval_languages(self) -> list[str]:
         """A multilingual prepared directory's chosen languages: validation and test have one loader each, in this
         order (empty otherwise)."""
-        return list(self.language_weights)
+        return list(self.mixture)
 
     def realized_mixture(self) -> dict[str, float]:
         """The share of this epoch's training windows (on this rank) that each language has given so far, as counted
-        by litdata's loader: what the mixture ``language_weights`` asked for turned into (empty for one language)."""
+        by litdata's loader: what the requested ``mixture`` turned into (empty for one language)."""
         loader = self.trainer.train_dataloader if self.trainer is not None else None
-        if len(self.language_weights) < 2 or not hasattr(loader, "state_dict"):
+        if len(self.mixture) < 2 or not hasattr(loader, "state_dict"):
             return {}
         per_worker = loader.state_dict()["num_samples_yielded"].values()
         counts = [sum(column) for column in zip(*per_worker)]
         total = sum(counts)
-        return {code: count / total for code, count in zip(self.language_weights, counts)} if total else {}
+        return {code: count / total for code, count in zip(self.mixture, counts)} if total else {}
 
     def tokens_per_byte(self, split: str) -> dict[str, float]:
         """Per language, the split's tokens per byte of text (bits per byte = loss * this / ln 2)."""
-        counts = self.manifest.languages if self.manifest is not None else {}
-        return {code: counts[code][split]["tokens"] / counts[code][split]["bytes"] for code in self.eval_languages}
+        counts = {name: self._streams[name].counts(split) for name in self.eval_languages}
+        return {name: count["tokens"] / count["bytes"] for name, count in counts.items()}
 
     def _language_loaders(self, split: str) -> list[Any]:
         from .streaming import streaming_loader
 
         replicas, rank = self._data_parallel_ranks()
-        folders = self.manifest.split_dirs(split)
-        return [streaming_loader(self.prepared, folders[code], self.seq_len, self.batch_size, shuffle=False,
-                                 seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank)
-                for code in self.eval_languages]
+        return [streaming_loader(self.prepared, self._streams[name].folder(split), self.seq_len, self.batch_size,
+                                 shuffle=False, seed=self.seed, num_workers=self.num_workers, replicas=replicas,
+                                 rank=rank)
+                for name in self.eval_languages]
 
     def val_dataloader(self) -> Any:
         """Validation windows in stream order; one loader per language of a multilingual prepared directory."""

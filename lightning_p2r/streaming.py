@@ -53,8 +53,9 @@ def streaming_loader(directory: str | Path, split: str | dict[str, str], seq_len
     """A ``StreamingDataLoader`` of ``seq_len + 1``-token windows of ``directory/split`` for data-parallel rank
     ``rank`` of ``replicas``. Training drops the ragged tail so every rank runs the same number of steps.
 
-    ``split`` may map languages to their split folders: training then draws each window's language by ``weights``
-    (and an epoch ends when one language runs out), validation reads every language to its end.
+    ``split`` may map names (languages) to split folders, joined onto ``directory`` (an absolute folder stands as it
+    is): training then draws each window's folder by ``weights`` (and an epoch ends when one of them runs out),
+    validation reads every folder to its end.
     """
     litdata = require_litdata()
     from litdata.utilities.env import _DistributedEnv

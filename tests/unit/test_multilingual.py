@@ -86,7 +86,7 @@ def test_mixture_weights_follow_the_temperature() -> None:
 def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, tmp_path: Path) -> None:
     data = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_alpha=0.0, seq_len=16,
                           batch_size=4)
-    assert data.language_weights == pytest.approx({"en": 0.5, "zh": 0.5})
+    assert data.mixture == pytest.approx({"en": 0.5, "zh": 0.5})
     # English windows are ASCII; Chinese windows are mostly bytes of three-byte UTF-8 characters.
     windows = torch.cat([batch for _, batch in zip(range(100), data.train_dataloader())])
     chinese = ((windows >= 0x80).float().mean(dim=1) > 0.5).float().mean().item()
@@ -94,13 +94,13 @@ def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, t
     unbalanced = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_alpha=1.0, seq_len=16,
                                 batch_size=4)
     windows = torch.cat([batch for _, batch in zip(range(100), unbalanced.train_dataloader())])
-    expected = unbalanced.language_weights["zh"]
+    expected = unbalanced.mixture["zh"]
     assert abs(((windows >= 0x80).float().mean(dim=1) > 0.5).float().mean().item() - expected) < 0.1
     model = M6LanguageModel(M6Config(vocab_size=256, max_seq_len=16, num_layers=2, dim=32, num_heads=4,
                                      num_experts=4))
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=2,
-                        val_check_interval=3, default_root_dir=tmp_path, log_every_n_steps=1)
+                        limit_test_batches=2, val_check_interval=3, default_root_dir=tmp_path, log_every_n_steps=1)
     trainer.fit(model, datamodule=data)
     assert trainer.global_step == 3 and "val/loss" in trainer.callback_metrics
     realized = data.realized_mixture()  # 12 windows drawn: both languages, shares summing to one
@@ -125,3 +125,53 @@ def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, t
         TextDataModule(prepared=str(prepared), languages=["de"])
     with pytest.raises(ValueError, match="language_alpha must be between"):
         TextDataModule(prepared=str(prepared), language_alpha=2.0)
+
+
+def _chinese_share(data: TextDataModule, batches: int = 100) -> float:
+    """English windows are ASCII; Chinese windows are mostly bytes of three-byte UTF-8 characters."""
+    windows = torch.cat([batch for _, batch in zip(range(batches), data.train_dataloader())])
+    return ((windows >= 0x80).float().mean(dim=1) > 0.5).float().mean().item()
+
+
+def test_explicit_language_weights_choose_the_languages_and_their_shares(prepared: Path) -> None:
+    data = TextDataModule(prepared=str(prepared), language_weights={"zh": 1, "en": 3}, seq_len=16, batch_size=4)
+    assert data.mixture == pytest.approx({"zh": 0.25, "en": 0.75}) and data.eval_languages == ["zh", "en"]
+    assert abs(_chinese_share(data) - 0.25) < 0.08  # 400 windows drawn
+    ordered = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_weights={"zh": 1, "en": 3},
+                             language_alpha=1.0)  # the weights replace the temperature; data.languages sets the order
+    assert list(ordered.mixture) == ["en", "zh"] and ordered.mixture["zh"] == pytest.approx(0.25)
+    # A language weighted zero is evaluated but never drawn for training.
+    held_out = TextDataModule(prepared=str(prepared), language_weights={"en": 1.0, "zh": 0.0}, seq_len=16,
+                              batch_size=4)
+    assert held_out.eval_languages == ["en", "zh"] and _chinese_share(held_out, 30) == 0.0
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"language_weights": {"en": -1.0, "zh": 1.0}}, r"data.language_weights=\{'en': -1.0, 'zh': 1.0\}: -1.0 is not a "
+                                                    "finite number >= 0; give finite, non-negative weights"),
+    ({"language_weights": {"en": math.inf, "zh": 1.0}}, "data.language_weights=.*inf is not a finite number"),
+    ({"language_weights": {"en": math.nan}}, "data.language_weights=.*nan is not a finite number"),
+    ({"language_weights": {"en": 0, "zh": 0.0}}, "data.language_weights=.*no weight is above zero.*e.g. {en: 3"),
+    ({"language_weights": {}}, r"data.language_weights=\{\}: no weight is above zero"),
+    ({"language_weights": {"en": 1, "xx": 1}}, "data.language_weights: .* has no language 'xx': it holds en, fr, zh"),
+    ({"language_weights": {"en": 1, "zh": 1}, "languages": ["en", "fr"]},
+     r"data.languages=\['en', 'fr'\] but data.language_weights names \['en', 'zh'\]: name the same languages"),
+])
+def test_bad_language_weights_are_refused_in_one_line_when_the_data_module_is_built(prepared: Path, options,
+                                                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        TextDataModule(prepared=str(prepared), **options)
+    assert "\n" not in str(error.value)
+
+
+def test_language_weights_of_a_corpus_still_to_prepare_are_checked_before_preparing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="data.language_weights: bible-multi has no language 'xx'"):
+        TextDataModule(corpus="bible-multi", prepared=str(tmp_path / "multi"), language_weights={"en": 1, "xx": 2})
+    with pytest.raises(ValueError, match="data.corpus=kjv prepares one corpus, not languages"):
+        TextDataModule(corpus="kjv", prepared=str(tmp_path / "kjv"), language_weights={"en": 1})
+    with pytest.raises(ValueError, match="data.language_weights applies to a multilingual prepared directory only"):
+        TextDataModule(language_weights={"en": 1})
+    data = TextDataModule(corpus="bible-multi", prepared=str(tmp_path / "multi"), tokenizer="bytes",
+                          language_weights={"fr": 2, "en": 1})
+    assert data._languages == ["fr", "en"]  # prepare_data prepares just these
+    assert not any(tmp_path.iterdir())

@@ -236,3 +236,11 @@ def test_a_run_prepares_its_directory_once_and_refuses_another_corpus(tmp_path: 
         TextDataModule(prepared=str(tmp_path / "never-prepared"))
     with pytest.raises(ValueError, match="bible-multi' is streamed"):
         TextDataModule(corpus="bible-multi")
+
+
+def test_language_weights_on_a_single_corpus_directory_are_refused(prepared_bytes) -> None:
+    _, out = prepared_bytes
+    with pytest.raises(ValueError, match=r"data.language_weights=\{'en': 1\} but .* holds one corpus, not languages: "
+                                         "drop data.language_weights") as error:
+        TextDataModule(prepared=str(out), language_weights={"en": 1})
+    assert "\n" not in str(error.value)
