@@ -440,7 +440,9 @@ class TextDataModule(pl.LightningDataModule):
             token chunks with litdata (memory flat in the corpus size, exact mid-epoch resume from Lightning's
             checkpoint), and its manifest gives the tokenizer and vocabulary (``tokenizer``/``vocab_size``, if
             given, must match it). Without ``corpus`` the directory must exist; with it, ``fit`` prepares it first
-            (``prepare_data``, once per node) with these tokenizer, vocabulary and ``val_fraction`` settings.
+            (``prepare_data``, once per node) with these tokenizer, vocabulary and ``val_fraction`` settings. A list
+            of prepared single-corpus directories with one tokenizer (``prepare-data --tokenizer_from``) is mixed
+            window by window (``prepared_weights``) and validated per directory, named by the last path component.
         languages: With a multilingual prepared directory (``prepare-data --source bible-multi``), the languages to
             train and validate on; default all it holds.
         language_alpha: With several languages, each training window's language is drawn with probability
@@ -449,6 +451,8 @@ class TextDataModule(pl.LightningDataModule):
             {en: 3, fr: 1} (normalised; they replace language_alpha). Its keys are the languages trained and
             evaluated on (data.languages, if also given, must name the same ones); a language weighted 0 is
             evaluated but never drawn for training. Negative, non-finite or all-zero weights are refused.
+        prepared_weights: With a list of prepared directories in ``prepared``, each one's sampling weight, in the
+            list's order (normalised); default: in proportion to their training tokens, as if concatenated.
     """
 
     def __init__(
@@ -462,26 +466,29 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         seed: int = 1234,
-        prepared: str | None = None,
+        prepared: str | list[str] | None = None,
         languages: list[str] | None = None,
         language_alpha: float = 0.3,
         language_weights: dict[str, float] | None = None,
+        prepared_weights: list[float] | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= language_alpha <= 1.0:
             raise ValueError(f"language_alpha must be between 0 (uniform) and 1 (as the corpus is), got "
                              f"{language_alpha}")
-        from .mixture import chosen_languages
+        from .mixture import check_directory_list, chosen_languages
 
         self.manifest, self.prepared = None, prepared
-        self.mixture: dict[str, float] = {}  # each language's probability of giving a training window
+        self.mixture: dict[str, float] = {}  # each language's (or listed directory's) share of training windows
         self._streams: dict[str, Any] = {}  # mixture.Stream by name; one named "" for a single corpus
+        check_directory_list(corpus, prepared, prepared_weights)
         self._languages = chosen_languages(corpus, prepared, languages, language_weights)
         self._language_alpha, self._language_weights = language_alpha, language_weights
+        self._prepared_weights = prepared_weights
         if prepared is not None:
             from .prepared import MANIFEST
 
-            if (Path(prepared).expanduser() / MANIFEST).is_file() or corpus is None:
+            if corpus is None or (Path(prepared).expanduser() / MANIFEST).is_file():
                 # Prepared already (or nothing to prepare it from: refused here, naming prepare-data).
                 self._open_prepared(tokenizer, vocab_size)
                 tokenizer, vocab_size = self.manifest.tokenizer, self.manifest.vocab_size
@@ -541,8 +548,13 @@ class TextDataModule(pl.LightningDataModule):
         from .mixture import read_mixture
 
         mixture = read_mixture(self.prepared, tokenizer, vocab_size, self._languages, self._language_alpha,
-                               self._language_weights)
+                               self._language_weights, self._prepared_weights)
         self.manifest, self.mixture, self._streams = mixture.manifest, mixture.weights, mixture.streams
+
+    @property
+    def _first_directory(self) -> Path:
+        """The prepared directory (the first of a list): its tokenizer is every listed directory's."""
+        return next(iter(self._streams.values())).directory
 
     def load_tokenizer(self) -> TextTokenizer:
         """The tokenizer the model's ids come from: the prepared directory's, or the one built for ``corpus``."""
@@ -551,7 +563,7 @@ class TextDataModule(pl.LightningDataModule):
 
             if self.manifest is None:
                 self._open_prepared(self.tokenizer_kind, self._vocab_size)
-            return load_prepared_tokenizer(self.prepared, self.manifest)
+            return load_prepared_tokenizer(self._first_directory, self.manifest)
         text = load_corpus(self.corpus) if self.tokenizer_kind == "bpe" else ""
         return build_tokenizer(self.tokenizer_kind, self._vocab_size, text, self.cache_dir)
 
@@ -585,7 +597,8 @@ class TextDataModule(pl.LightningDataModule):
 
             self._open_prepared(self.tokenizer_kind, self._vocab_size)
             self.tokenizer = self.load_tokenizer()
-            check_windows(self.manifest, self.prepared, self.seq_len, self.batch_size, self._data_parallel_ranks()[0])
+            for directory, manifest in {s.directory: s.manifest for s in self._streams.values()}.items():
+                check_windows(manifest, directory, self.seq_len, self.batch_size, self._data_parallel_ranks()[0])
             return
         if self.train_windows is not None and self.val_windows is not None:
             return  # Lightning calls setup once per stage; the windows do not depend on it.
@@ -618,9 +631,9 @@ class TextDataModule(pl.LightningDataModule):
 
             replicas, rank = self._data_parallel_ranks()
             folders = {name: stream.folder("train" if shuffle else "val") for name, stream in self._streams.items()}
-            return streaming_loader(self.prepared, folders, self.seq_len, self.batch_size, shuffle=shuffle,
+            return streaming_loader(self._first_directory, folders, self.seq_len, self.batch_size, shuffle=shuffle,
                                     seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank,
-                                    weights=self.mixture)
+                                    weights=self.mixture, consumed=self._batches_trained)
         if rows is None:
             raise RuntimeError("TextDataModule.setup() must run before requesting a dataloader")
         if self.num_workers > 0:
@@ -645,6 +658,13 @@ class TextDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
+    def _batches_trained(self) -> int | None:
+        """Batches of the current epoch handed to training so far (counting those before a resume): Lightning's
+        own count, which a streamed mixture's loader checkpoints its position by."""
+        if self.trainer is None:
+            return None
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
     def state_dict(self) -> dict[str, Any]:
         """How far into the current epoch training got, so a resumed run continues with the next batch."""
         done = 0
@@ -663,14 +683,15 @@ class TextDataModule(pl.LightningDataModule):
         return self._loader(self.train_windows, shuffle=True)
 
     @property
-    def eval_languages(self) -> list[str]:
-        """A multilingual prepared directory's chosen languages: validation and test have one loader each, in this
-        order (empty otherwise)."""
+    def eval_streams(self) -> list[str]:
+        """The mixture's streams (a multilingual directory's chosen languages, or the names of the listed prepared
+        directories): validation and test have one loader each, in this order (empty for a single corpus)."""
         return list(self.mixture)
 
     def realized_mixture(self) -> dict[str, float]:
-        """The share of this epoch's training windows (on this rank) that each language has given so far, as counted
-        by litdata's loader: what the requested ``mixture`` turned into (empty for one language)."""
+        """The share of this epoch's training windows (on this rank) that each stream (language or listed directory)
+        has given so far, as counted by litdata's loader: what the requested ``mixture`` turned into (empty for one
+        stream)."""
         loader = self.trainer.train_dataloader if self.trainer is not None else None
         if len(self.mixture) < 2 or not hasattr(loader, "state_dict"):
             return {}
@@ -680,30 +701,31 @@ class TextDataModule(pl.LightningDataModule):
         return {code: count / total for code, count in zip(self.mixture, counts)} if total else {}
 
     def tokens_per_byte(self, split: str) -> dict[str, float]:
-        """Per language, the split's tokens per byte of text (bits per byte = loss * this / ln 2)."""
-        counts = {name: self._streams[name].counts(split) for name in self.eval_languages}
+        """Per evaluated stream, the split's tokens per byte of text (bits per byte = loss * this / ln 2)."""
+        counts = {name: self._streams[name].counts(split) for name in self.eval_streams}
         return {name: count["tokens"] / count["bytes"] for name, count in counts.items()}
 
-    def _language_loaders(self, split: str) -> list[Any]:
+    def _stream_loaders(self, split: str) -> list[Any]:
         from .streaming import streaming_loader
 
         replicas, rank = self._data_parallel_ranks()
-        return [streaming_loader(self.prepared, self._streams[name].folder(split), self.seq_len, self.batch_size,
-                                 shuffle=False, seed=self.seed, num_workers=self.num_workers, replicas=replicas,
-                                 rank=rank)
-                for name in self.eval_languages]
+        return [streaming_loader(self._first_directory, self._streams[name].folder(split), self.seq_len,
+                                 self.batch_size, shuffle=False, seed=self.seed, num_workers=self.num_workers,
+                                 replicas=replicas, rank=rank)
+                for name in self.eval_streams]
 
     def val_dataloader(self) -> Any:
-        """Validation windows in stream order; one loader per language of a multilingual prepared directory."""
-        if self.eval_languages:
-            return self._language_loaders("val")
+        """Validation windows in stream order; one loader per language of a multilingual prepared directory, or per
+        directory of a list."""
+        if self.eval_streams:
+            return self._stream_loaders("val")
         return self._loader(self.val_windows, shuffle=False)
 
     def test_dataloader(self) -> Any:
         """The held-out test books of each language of a multilingual prepared directory; otherwise the validation
-        windows (a single corpus keeps no separate test split)."""
-        if self.eval_languages:
-            return self._language_loaders("test")
+        windows (a single corpus keeps no separate test split), one loader per directory of a list."""
+        if self.eval_streams:
+            return self._stream_loaders("test")
         return self._loader(self.val_windows, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader[torch.Tensor]:

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cli = P2RCLI(M6LanguageModel, TextDataModule, args=cli_args, run=False, save_config_callback=None)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
-    rows = per_language_rows(metrics, cli.datamodule.eval_languages)
+    rows = per_language_rows(metrics, cli.datamodule.eval_streams)
     print_table(rows, COLUMNS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

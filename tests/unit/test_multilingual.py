@@ -111,7 +111,7 @@ def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, t
     model.eval()
     expected = {}
     with torch.no_grad():
-        for code, loader in zip(data.eval_languages, data._language_loaders("val")):
+        for code, loader in zip(data.eval_streams, data._stream_loaders("val")):
             losses = [next_token_loss(model(b[:, :-1]).logits, b[:, 1:]) for _, b in zip(range(2), loader)]
             expected[code] = float(torch.stack(losses).mean())
     for code in ("en", "zh"):
@@ -135,7 +135,7 @@ def _chinese_share(data: TextDataModule, batches: int = 100) -> float:
 
 def test_explicit_language_weights_choose_the_languages_and_their_shares(prepared: Path) -> None:
     data = TextDataModule(prepared=str(prepared), language_weights={"zh": 1, "en": 3}, seq_len=16, batch_size=4)
-    assert data.mixture == pytest.approx({"zh": 0.25, "en": 0.75}) and data.eval_languages == ["zh", "en"]
+    assert data.mixture == pytest.approx({"zh": 0.25, "en": 0.75}) and data.eval_streams == ["zh", "en"]
     assert abs(_chinese_share(data) - 0.25) < 0.08  # 400 windows drawn
     ordered = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_weights={"zh": 1, "en": 3},
                              language_alpha=1.0)  # the weights replace the temperature; data.languages sets the order
@@ -143,7 +143,7 @@ def test_explicit_language_weights_choose_the_languages_and_their_shares(prepare
     # A language weighted zero is evaluated but never drawn for training.
     held_out = TextDataModule(prepared=str(prepared), language_weights={"en": 1.0, "zh": 0.0}, seq_len=16,
                               batch_size=4)
-    assert held_out.eval_languages == ["en", "zh"] and _chinese_share(held_out, 30) == 0.0
+    assert held_out.eval_streams == ["en", "zh"] and _chinese_share(held_out, 30) == 0.0
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -175,3 +175,36 @@ def test_language_weights_of_a_corpus_still_to_prepare_are_checked_before_prepar
                           language_weights={"fr": 2, "en": 1})
     assert data._languages == ["fr", "en"]  # prepare_data prepares just these
     assert not any(tmp_path.iterdir())
+
+
+def test_a_multilingual_directory_is_not_listed_with_others(prepared: Path) -> None:
+    with pytest.raises(ValueError, match="data.prepared lists .*bible, a directory of 3 languages: list single-corpus"):
+        TextDataModule(prepared=[str(prepared), str(prepared)])
+
+
+def test_a_resumed_language_mixture_continues_with_the_batches_of_an_uninterrupted_run(prepared: Path,
+                                                                                       tmp_path: Path) -> None:
+    seen: list[list[torch.Tensor]] = []
+
+    class Batches(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen[-1].append(batch.clone())
+
+    def run(max_steps: int, ckpt_path: Path | None = None) -> L.Trainer:
+        L.seed_everything(3)
+        seen.append([])
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, callbacks=[Batches()],
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            default_root_dir=tmp_path, limit_val_batches=0)
+        data = TextDataModule(prepared=str(prepared), language_weights={"en": 1, "fr": 1, "zh": 2}, seq_len=16,
+                              batch_size=4, seed=7)
+        model = M6LanguageModel(M6Config(vocab_size=256, max_seq_len=16, num_layers=1, dim=32, num_heads=4,
+                                         num_experts=2))
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+        return trainer
+
+    run(5)
+    run(2).save_checkpoint(tmp_path / "mid.ckpt")
+    run(5, tmp_path / "mid.ckpt")
+    straight, first, rest = seen
+    assert [b.tolist() for b in first + rest] == [b.tolist() for b in straight]
