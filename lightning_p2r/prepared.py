@@ -4,6 +4,8 @@ A prepared directory holds ``train/`` and ``val/`` (litdata's ``index.json`` and
 ``tokenizer.json`` (for BPE) and ``manifest.json``, written last: a directory without a manifest is half-written.
 Everything is first written to ``<out>.partial`` and renamed into place, so a crash mid-way never leaves a directory
 that looks complete, and a re-run over an existing directory either finds the same inputs (a no-op) or refuses.
+An ``--overwrite`` run moves the old copy aside to ``<out>.previous`` just before the new one is renamed in, and
+deletes it after: a crash between the two renames leaves no ``<out>``, and the next run puts the old copy back.
 
 The corpus is one byte stream (a file, the sorted ``*.txt`` files of a folder joined by a blank line, the bundled
 KJV, or documents handed in from Python); its last ``val_fraction`` of bytes, cut at a line end, is validation, as
@@ -266,8 +268,10 @@ def read_manifest(directory: str | Path) -> Manifest:
     directory = Path(directory).expanduser()
     hint = f"run `lightning-p2r prepare-data --source SOURCE --out {directory}`"
     if not directory.is_dir():
-        partial = directory.with_name(directory.name + ".partial")
-        state = " (a half-written .partial copy exists: an earlier prepare-data stopped)" if partial.exists() else ""
+        partial, previous = _sibling(directory, ".partial"), _sibling(directory, ".previous")
+        state = (" (an earlier prepare-data --overwrite stopped while replacing it; its old copy is in "
+                 f"{previous.name}, and re-running prepare-data puts it back first)" if previous.exists() else
+                 " (a half-written .partial copy exists: an earlier prepare-data stopped)" if partial.exists() else "")
         raise PreparedDataError(f"prepared data {directory} does not exist{state}: {hint}")
     path = directory / MANIFEST
     if not path.is_file():
@@ -284,6 +288,22 @@ def read_manifest(directory: str | Path) -> Manifest:
             if not (directory / where / "index.json").is_file():
                 raise PreparedDataError(f"{directory / where} has no index.json: {hint} again")
     return manifest
+
+
+def _sibling(directory: Path, suffix: str) -> Path:
+    return directory.with_name(directory.name + suffix)
+
+
+def _recover(out: Path) -> None:
+    """Undo what a prepare-data killed while replacing ``out`` left: the old copy is put back if the new one never
+    arrived, and deleted if it did."""
+    previous = _sibling(out, ".previous")
+    if not previous.exists():
+        return
+    if out.exists():
+        shutil.rmtree(previous)
+    else:
+        os.replace(previous, out)
 
 
 def load_prepared_tokenizer(directory: str | Path, manifest: Manifest) -> TextTokenizer:
@@ -404,6 +424,7 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
     _check_options(tokenizer, vocab_size, val_fraction, num_workers, piece_bytes)
     litdata = require_litdata()
     out = Path(out).expanduser()
+    _recover(out)
     if source == "bible-multi":
         from .bible_multi import TRANSLATIONS
 
@@ -440,8 +461,8 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
                                     "--overwrite to rebuild it, or choose another --out")
     tok = borrowed.tokenizer if borrowed else _train_tokenizer(corpus, sample, tokenizer, vocab_size, sample_bytes)
     tokenizer_sha = _tokenizer_sha(tok)
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    partial = _sibling(out, ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # what a stopped run left
     partial.mkdir(parents=True)
     tokenizer_path = None
     if isinstance(tok, BPETokenizer):
@@ -468,7 +489,8 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
     manifest = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, totals,
                         {code: c for code, c in counts.items() if code}, tokenizer_borrowed=borrowed is not None)
     _atomic_write(partial / MANIFEST, (json.dumps(asdict(manifest), indent=2) + "\n").encode())
-    if out.exists():
-        shutil.rmtree(out)  # only reached with overwrite: the new copy is complete before the old one goes
+    if out.exists():  # only reached with overwrite: the new copy is complete before the old one goes
+        os.replace(out, _sibling(out, ".previous"))
     os.replace(partial, out)
+    _recover(out)
     return manifest
