@@ -264,7 +264,7 @@ class P2RCLI(LightningCLI):
         """Validate or test; a multilingual data module's pass ends with the per-language table (rank 0), in place
         of Lightning's, which gives each language's loader a column repeating the same pass-wide metrics. An
         explicit ``--verbose`` keeps Lightning's table as well."""
-        languages = list(getattr(self.datamodule, "eval_languages", None) or [])
+        languages = list(getattr(self.datamodule, "eval_streams", None) or [])
         if languages and not any(word.split("=", 1)[0] == "--verbose" for word in self._command_line):
             kwargs["verbose"] = False
         results = self._run_refusing_bad_input(run, kwargs)

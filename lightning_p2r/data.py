@@ -421,43 +421,6 @@ def _default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_p2r"
 
 
-def _read_prepared(prepared: str, tokenizer: str | None, vocab_size: int | None, languages: list[str] | None,
-                   alpha: float) -> tuple[Any, dict[str, float]]:
-    """A prepared directory's manifest, checked against the recipe's tokenizer and vocabulary, and its language
-    mixture."""
-    from .prepared import read_manifest
-
-    manifest = read_manifest(prepared)
-    _match_manifest(prepared, manifest, tokenizer, vocab_size)
-    return manifest, _language_weights(prepared, manifest, languages, alpha)
-
-
-def _match_manifest(prepared: str, manifest: Any, tokenizer: str | None, vocab_size: int | None) -> None:
-    """A recipe that names another tokenizer or vocabulary than the prepared directory's is refused, naming both."""
-    if vocab_size is not None and vocab_size != manifest.vocab_size:
-        raise ValueError(f"data.vocab_size={vocab_size} but {prepared} was prepared with vocab_size "
-                         f"{manifest.vocab_size}: drop data.vocab_size, or prepare the corpus again with it")
-    if tokenizer is not None and tokenizer != manifest.tokenizer:
-        raise ValueError(f"data.tokenizer={tokenizer!r} but {prepared} was prepared with tokenizer "
-                         f"{manifest.tokenizer!r}: drop data.tokenizer, or prepare the corpus again with it")
-
-
-def _language_weights(prepared: str, manifest: Any, languages: list[str] | None, alpha: float) -> dict[str, float]:
-    """The training mixture over a multilingual directory's (chosen) languages; empty for one language."""
-    if not manifest.languages:
-        if languages is not None:
-            raise ValueError(f"data.languages={languages} but {prepared} holds one corpus, not languages")
-        return {}
-    chosen = list(manifest.languages) if languages is None else languages
-    unknown = [code for code in chosen if code not in manifest.languages]
-    if unknown or not chosen:
-        raise ValueError(f"{prepared} has no language {', '.join(map(repr, unknown)) or '(none chosen)'}: it holds "
-                         f"{', '.join(manifest.languages)}")
-    from .streaming import mixture_weights
-
-    return mixture_weights({code: manifest.languages[code]["train"]["tokens"] for code in chosen}, alpha)
-
-
 class TextDataModule(pl.LightningDataModule):
     """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
 
@@ -477,11 +440,19 @@ class TextDataModule(pl.LightningDataModule):
             token chunks with litdata (memory flat in the corpus size, exact mid-epoch resume from Lightning's
             checkpoint), and its manifest gives the tokenizer and vocabulary (``tokenizer``/``vocab_size``, if
             given, must match it). Without ``corpus`` the directory must exist; with it, ``fit`` prepares it first
-            (``prepare_data``, once per node) with these tokenizer, vocabulary and ``val_fraction`` settings.
+            (``prepare_data``, once per node) with these tokenizer, vocabulary and ``val_fraction`` settings. A list
+            of prepared single-corpus directories with one tokenizer (``prepare-data --tokenizer_from``) is mixed
+            window by window (``prepared_weights``) and validated per directory, named by the last path component.
         languages: With a multilingual prepared directory (``prepare-data --source bible-multi``), the languages to
             train and validate on; default all it holds.
         language_alpha: With several languages, each training window's language is drawn with probability
             proportional to (its training tokens) ** language_alpha: 1 as the corpus is, 0 uniform (mGPT, XLM).
+        language_weights: With a multilingual prepared directory, explicit sampling weights per language, e.g.
+            {en: 3, fr: 1} (normalised; they replace language_alpha). Its keys are the languages trained and
+            evaluated on (data.languages, if also given, must name the same ones); a language weighted 0 is
+            evaluated but never drawn for training. Negative, non-finite or all-zero weights are refused.
+        prepared_weights: With a list of prepared directories in ``prepared``, each one's sampling weight, in the
+            list's order (normalised); default: in proportion to their training tokens, as if concatenated.
     """
 
     def __init__(
@@ -495,27 +466,32 @@ class TextDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         cache_dir: str | None = None,
         seed: int = 1234,
-        prepared: str | None = None,
+        prepared: str | list[str] | None = None,
         languages: list[str] | None = None,
         language_alpha: float = 0.3,
+        language_weights: dict[str, float] | None = None,
+        prepared_weights: list[float] | None = None,
     ) -> None:
         super().__init__()
         if not 0.0 <= language_alpha <= 1.0:
             raise ValueError(f"language_alpha must be between 0 (uniform) and 1 (as the corpus is), got "
                              f"{language_alpha}")
-        self.manifest = None
-        self.language_weights: dict[str, float] = {}
-        self._languages, self._language_alpha = languages, language_alpha
+        from .mixture import check_directory_list, chosen_languages
+
+        self.manifest, self.prepared = None, prepared
+        self.mixture: dict[str, float] = {}  # each language's (or listed directory's) share of training windows
+        self._streams: dict[str, Any] = {}  # mixture.Stream by name; one named "" for a single corpus
+        check_directory_list(corpus, prepared, prepared_weights)
+        self._languages = chosen_languages(corpus, prepared, languages, language_weights)
+        self._language_alpha, self._language_weights = language_alpha, language_weights
+        self._prepared_weights = prepared_weights
         if prepared is not None:
             from .prepared import MANIFEST
 
-            if (Path(prepared).expanduser() / MANIFEST).is_file() or corpus is None:
+            if corpus is None or (Path(prepared).expanduser() / MANIFEST).is_file():
                 # Prepared already (or nothing to prepare it from: refused here, naming prepare-data).
-                self.manifest, self.language_weights = _read_prepared(prepared, tokenizer, vocab_size, languages,
-                                                                      language_alpha)
+                self._open_prepared(tokenizer, vocab_size)
                 tokenizer, vocab_size = self.manifest.tokenizer, self.manifest.vocab_size
-        elif languages is not None:
-            raise ValueError("data.languages applies to a multilingual prepared directory (data.prepared) only")
         tokenizer = tokenizer or "bpe"
         if tokenizer not in ("bpe", "bytes"):
             raise ValueError(f"tokenizer must be one of 'bpe', 'bytes', got {tokenizer!r}")
@@ -566,11 +542,19 @@ class TextDataModule(pl.LightningDataModule):
     def _load(self) -> tuple[TextTokenizer, torch.Tensor]:
         return _tokenize_cached(self.corpus, self.tokenizer_kind, self._vocab_size, self.cache_dir)
 
-    def _open_prepared(self) -> None:
+    def _open_prepared(self, tokenizer: str | None, vocab_size: int | None) -> None:
         """Read the prepared directory's manifest (once it exists) and what follows from it: the tokenizer and
         vocabulary it must match, and the language mixture."""
-        self.manifest, self.language_weights = _read_prepared(self.prepared, self.tokenizer_kind, self._vocab_size,
-                                                              self._languages, self._language_alpha)
+        from .mixture import read_mixture
+
+        mixture = read_mixture(self.prepared, tokenizer, vocab_size, self._languages, self._language_alpha,
+                               self._language_weights, self._prepared_weights)
+        self.manifest, self.mixture, self._streams = mixture.manifest, mixture.weights, mixture.streams
+
+    @property
+    def _first_directory(self) -> Path:
+        """The prepared directory (the first of a list): its tokenizer is every listed directory's."""
+        return next(iter(self._streams.values())).directory
 
     def load_tokenizer(self) -> TextTokenizer:
         """The tokenizer the model's ids come from: the prepared directory's, or the one built for ``corpus``."""
@@ -578,8 +562,8 @@ class TextDataModule(pl.LightningDataModule):
             from .prepared import load_prepared_tokenizer
 
             if self.manifest is None:
-                self._open_prepared()
-            return load_prepared_tokenizer(self.prepared, self.manifest)
+                self._open_prepared(self.tokenizer_kind, self._vocab_size)
+            return load_prepared_tokenizer(self._first_directory, self.manifest)
         text = load_corpus(self.corpus) if self.tokenizer_kind == "bpe" else ""
         return build_tokenizer(self.tokenizer_kind, self._vocab_size, text, self.cache_dir)
 
@@ -611,9 +595,10 @@ class TextDataModule(pl.LightningDataModule):
         if self.prepared is not None:
             from .streaming import check_windows
 
-            self._open_prepared()
+            self._open_prepared(self.tokenizer_kind, self._vocab_size)
             self.tokenizer = self.load_tokenizer()
-            check_windows(self.manifest, self.prepared, self.seq_len, self.batch_size, self._data_parallel_ranks()[0])
+            for directory, manifest in {s.directory: s.manifest for s in self._streams.values()}.items():
+                check_windows(manifest, directory, self.seq_len, self.batch_size, self._data_parallel_ranks()[0])
             return
         if self.train_windows is not None and self.val_windows is not None:
             return  # Lightning calls setup once per stage; the windows do not depend on it.
@@ -645,12 +630,10 @@ class TextDataModule(pl.LightningDataModule):
             from .streaming import streaming_loader
 
             replicas, rank = self._data_parallel_ranks()
-            split = self.manifest.split_dirs("train" if shuffle else "val")
-            if self.language_weights:
-                split = {code: folder for code, folder in split.items() if code in self.language_weights}
-            return streaming_loader(self.prepared, split, self.seq_len, self.batch_size, shuffle=shuffle,
+            folders = {name: stream.folder("train" if shuffle else "val") for name, stream in self._streams.items()}
+            return streaming_loader(self._first_directory, folders, self.seq_len, self.batch_size, shuffle=shuffle,
                                     seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank,
-                                    weights=self.language_weights)
+                                    weights=self.mixture, consumed=self._batches_trained)
         if rows is None:
             raise RuntimeError("TextDataModule.setup() must run before requesting a dataloader")
         if self.num_workers > 0:
@@ -675,6 +658,13 @@ class TextDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
+    def _batches_trained(self) -> int | None:
+        """Batches of the current epoch handed to training so far (counting those before a resume): Lightning's
+        own count, which a streamed mixture's loader checkpoints its position by."""
+        if self.trainer is None:
+            return None
+        return self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+
     def state_dict(self) -> dict[str, Any]:
         """How far into the current epoch training got, so a resumed run continues with the next batch."""
         done = 0
@@ -693,47 +683,49 @@ class TextDataModule(pl.LightningDataModule):
         return self._loader(self.train_windows, shuffle=True)
 
     @property
-    def eval_languages(self) -> list[str]:
-        """A multilingual prepared directory's chosen languages: validation and test have one loader each, in this
-        order (empty otherwise)."""
-        return list(self.language_weights)
+    def eval_streams(self) -> list[str]:
+        """The mixture's streams (a multilingual directory's chosen languages, or the names of the listed prepared
+        directories): validation and test have one loader each, in this order (empty for a single corpus)."""
+        return list(self.mixture)
 
     def realized_mixture(self) -> dict[str, float]:
-        """The share of this epoch's training windows (on this rank) that each language has given so far, as counted
-        by litdata's loader: what the mixture ``language_weights`` asked for turned into (empty for one language)."""
+        """The share of this epoch's training windows (on this rank) that each stream (language or listed directory)
+        has given so far, as counted by litdata's loader: what the requested ``mixture`` turned into (empty for one
+        stream)."""
         loader = self.trainer.train_dataloader if self.trainer is not None else None
-        if len(self.language_weights) < 2 or not hasattr(loader, "state_dict"):
+        if len(self.mixture) < 2 or not hasattr(loader, "state_dict"):
             return {}
         per_worker = loader.state_dict()["num_samples_yielded"].values()
         counts = [sum(column) for column in zip(*per_worker)]
         total = sum(counts)
-        return {code: count / total for code, count in zip(self.language_weights, counts)} if total else {}
+        return {code: count / total for code, count in zip(self.mixture, counts)} if total else {}
 
     def tokens_per_byte(self, split: str) -> dict[str, float]:
-        """Per language, the split's tokens per byte of text (bits per byte = loss * this / ln 2)."""
-        counts = self.manifest.languages if self.manifest is not None else {}
-        return {code: counts[code][split]["tokens"] / counts[code][split]["bytes"] for code in self.eval_languages}
+        """Per evaluated stream, the split's tokens per byte of text (bits per byte = loss * this / ln 2)."""
+        counts = {name: self._streams[name].counts(split) for name in self.eval_streams}
+        return {name: count["tokens"] / count["bytes"] for name, count in counts.items()}
 
-    def _language_loaders(self, split: str) -> list[Any]:
+    def _stream_loaders(self, split: str) -> list[Any]:
         from .streaming import streaming_loader
 
         replicas, rank = self._data_parallel_ranks()
-        folders = self.manifest.split_dirs(split)
-        return [streaming_loader(self.prepared, folders[code], self.seq_len, self.batch_size, shuffle=False,
-                                 seed=self.seed, num_workers=self.num_workers, replicas=replicas, rank=rank)
-                for code in self.eval_languages]
+        return [streaming_loader(self._first_directory, self._streams[name].folder(split), self.seq_len,
+                                 self.batch_size, shuffle=False, seed=self.seed, num_workers=self.num_workers,
+                                 replicas=replicas, rank=rank)
+                for name in self.eval_streams]
 
     def val_dataloader(self) -> Any:
-        """Validation windows in stream order; one loader per language of a multilingual prepared directory."""
-        if self.eval_languages:
-            return self._language_loaders("val")
+        """Validation windows in stream order; one loader per language of a multilingual prepared directory, or per
+        directory of a list."""
+        if self.eval_streams:
+            return self._stream_loaders("val")
         return self._loader(self.val_windows, shuffle=False)
 
     def test_dataloader(self) -> Any:
         """The held-out test books of each language of a multilingual prepared directory; otherwise the validation
-        windows (a single corpus keeps no separate test split)."""
-        if self.eval_languages:
-            return self._language_loaders("test")
+        windows (a single corpus keeps no separate test split), one loader per directory of a list."""
+        if self.eval_streams:
+            return self._stream_loaders("test")
         return self._loader(self.val_windows, shuffle=False)
 
     def predict_dataloader(self) -> DataLoader[torch.Tensor]:

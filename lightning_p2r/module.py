@@ -480,8 +480,9 @@ class M6LanguageModel(L.LightningModule):
         self._last_batch_end = None
 
     def _start_languages(self) -> None:
-        """A multilingual data module gives one evaluation loader per language: sum each language's loss."""
-        languages = getattr(self.trainer.datamodule, "eval_languages", None) if self._trainer is not None else None
+        """A multilingual data module gives one evaluation loader per language (or per mixed prepared directory): sum
+        each one's loss."""
+        languages = getattr(self.trainer.datamodule, "eval_streams", None) if self._trainer is not None else None
         self._language_losses = LanguageLosses(list(languages)) if languages else None
 
     def _log_languages(self, split: str) -> None:

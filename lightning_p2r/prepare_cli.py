@@ -19,8 +19,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="'kjv' (the bundled King James Bible), 'bible-multi' (22 languages, the [multilingual] "
                              "extra), a UTF-8 .txt file, or a folder of .txt files")
     parser.add_argument("--out", required=True, metavar="OUT", help="the prepared directory to write")
-    parser.add_argument("--tokenizer", choices=("bpe", "bytes"), default="bpe",
+    parser.add_argument("--tokenizer", choices=("bpe", "bytes"), default=None,
                         help="byte-level BPE trained on the corpus, or raw UTF-8 bytes (default: bpe)")
+    parser.add_argument("--tokenizer_from", default=None, metavar="DIR",
+                        help="reuse the tokenizer of this prepared directory instead of training one (its kind and "
+                             "vocabulary too), so that a recipe can mix the two: data.prepared: [DIR, OUT]")
     parser.add_argument("--vocab_size", type=int, default=None, metavar="N",
                         help="vocabulary size: 512 or more for bpe (default 4096), 256 for bytes")
     parser.add_argument("--val_fraction", type=float, default=0.05, metavar="F",
@@ -43,7 +46,8 @@ def main(argv: list[str]) -> None:
         manifest = prepare_data(args.source, args.out, tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                                 val_fraction=args.val_fraction, num_workers=args.num_workers,
                                 languages=args.languages.split(",") if args.languages else None,
-                                overwrite=args.overwrite, log=lambda line: print(line, file=sys.stderr))
+                                overwrite=args.overwrite, tokenizer_from=args.tokenizer_from,
+                                log=lambda line: print(line, file=sys.stderr))
     except PreparedDataError as error:
         parser.error(str(error))
     seconds = time.perf_counter() - start

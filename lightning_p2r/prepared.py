@@ -4,6 +4,8 @@ A prepared directory holds ``train/`` and ``val/`` (litdata's ``index.json`` and
 ``tokenizer.json`` (for BPE) and ``manifest.json``, written last: a directory without a manifest is half-written.
 Everything is first written to ``<out>.partial`` and renamed into place, so a crash mid-way never leaves a directory
 that looks complete, and a re-run over an existing directory either finds the same inputs (a no-op) or refuses.
+An ``--overwrite`` run moves the old copy aside to ``<out>.previous`` just before the new one is renamed in, and
+deletes it after: a crash between the two renames leaves no ``<out>``, and the next run puts the old copy back.
 
 The corpus is one byte stream (a file, the sorted ``*.txt`` files of a folder joined by a blank line, the bundled
 KJV, or documents handed in from Python); its last ``val_fraction`` of bytes, cut at a line end, is validation, as
@@ -244,6 +246,9 @@ class Manifest:
     languages: dict[str, dict[str, dict[str, int]]] = field(default_factory=dict)
     """A multilingual corpus's counts per language and split (its data is under ``<language>/<split>``)."""
     format: int = FORMAT
+    tokenizer_borrowed: bool = False
+    """The tokenizer was copied from another prepared directory (``--tokenizer_from``), not trained on this corpus:
+    its ``tokenizer_sha256`` is then one of the inputs."""
 
     def split_dirs(self, split: str) -> dict[str, str]:
         """Where a split's chunks are, per language ("" for a single-language corpus), relative to the directory."""
@@ -254,8 +259,8 @@ class Manifest:
     def inputs(self) -> dict[str, Any]:
         """The fields that decide the content: equal inputs mean a re-run would write the same tokens (the trained
         tokenizer follows from them, so a re-run can tell without training it)."""
-        return {k: v for k, v in asdict(self).items()
-                if k not in ("splits", "languages", "source", "tokenizer_sha256")}
+        derived = ("splits", "languages", "source") + (() if self.tokenizer_borrowed else ("tokenizer_sha256",))
+        return {k: v for k, v in asdict(self).items() if k not in derived}
 
 
 def read_manifest(directory: str | Path) -> Manifest:
@@ -263,8 +268,10 @@ def read_manifest(directory: str | Path) -> Manifest:
     directory = Path(directory).expanduser()
     hint = f"run `lightning-p2r prepare-data --source SOURCE --out {directory}`"
     if not directory.is_dir():
-        partial = directory.with_name(directory.name + ".partial")
-        state = " (a half-written .partial copy exists: an earlier prepare-data stopped)" if partial.exists() else ""
+        partial, previous = _sibling(directory, ".partial"), _sibling(directory, ".previous")
+        state = (" (an earlier prepare-data --overwrite stopped while replacing it; its old copy is in "
+                 f"{previous.name}, and re-running prepare-data puts it back first)" if previous.exists() else
+                 " (a half-written .partial copy exists: an earlier prepare-data stopped)" if partial.exists() else "")
         raise PreparedDataError(f"prepared data {directory} does not exist{state}: {hint}")
     path = directory / MANIFEST
     if not path.is_file():
@@ -281,6 +288,22 @@ def read_manifest(directory: str | Path) -> Manifest:
             if not (directory / where / "index.json").is_file():
                 raise PreparedDataError(f"{directory / where} has no index.json: {hint} again")
     return manifest
+
+
+def _sibling(directory: Path, suffix: str) -> Path:
+    return directory.with_name(directory.name + suffix)
+
+
+def _recover(out: Path) -> None:
+    """Undo what a prepare-data killed while replacing ``out`` left: the old copy is put back if the new one never
+    arrived, and deleted if it did."""
+    previous = _sibling(out, ".previous")
+    if not previous.exists():
+        return
+    if out.exists():
+        shutil.rmtree(previous)
+    else:
+        os.replace(previous, out)
 
 
 def load_prepared_tokenizer(directory: str | Path, manifest: Manifest) -> TextTokenizer:
@@ -317,6 +340,34 @@ def _check_options(kind: str, vocab_size: int, val_fraction: float, num_workers:
         raise PreparedDataError(f"piece_bytes must be at least 1024, got {piece_bytes}")
 
 
+def _tokenizer_sha(tok: TextTokenizer) -> str:
+    return hashlib.sha256(tok.to_json().encode() if isinstance(tok, BPETokenizer) else b"bytes").hexdigest()
+
+
+@dataclass(frozen=True)
+class _Borrowed:
+    """The tokenizer of another prepared directory (``tokenizer_from``)."""
+
+    tokenizer: TextTokenizer
+    kind: TokenizerKind
+    vocab_size: int
+    sha256: str
+
+
+def _borrowed_tokenizer(directory: str | Path | None, kind: str | None, vocab_size: int | None) -> _Borrowed | None:
+    """``tokenizer_from``'s tokenizer; an explicit ``tokenizer`` or ``vocab_size`` must be the one it has."""
+    if directory is None:
+        return None
+    manifest = read_manifest(directory)
+    for option, wanted, has in (("tokenizer", kind, manifest.tokenizer), ("vocab_size", vocab_size,
+                                                                             manifest.vocab_size)):
+        if wanted is not None and wanted != has:
+            raise PreparedDataError(f"{option} {wanted!r} but --tokenizer_from {directory} has {option} {has!r}: drop "
+                                    f"--{option} (the borrowed tokenizer decides it)")
+    tok = load_prepared_tokenizer(directory, manifest)
+    return _Borrowed(tok, manifest.tokenizer, manifest.vocab_size, _tokenizer_sha(tok))
+
+
 def _split_tokens(directory: Path) -> int:
     index = json.loads((directory / "index.json").read_text())
     return sum(int(chunk["dim"]) for chunk in index["chunks"])
@@ -351,22 +402,29 @@ def _balanced_sample(streams: dict[str, dict[str, list[Piece]]]) -> list[Piece]:
     return sample
 
 
-def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: TokenizerKind = "bpe",
+def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: TokenizerKind | None = None,
                  vocab_size: int | None = None, val_fraction: float = 0.05, num_workers: int = 1,
                  piece_bytes: int = 1 << 20, sample_bytes: int = 64 << 20, overwrite: bool = False,
-                 languages: list[str] | None = None, log: Any = print) -> Manifest:
+                 languages: list[str] | None = None, log: Any = print,
+                 tokenizer_from: str | Path | None = None) -> Manifest:
     """Tokenize ``source`` into the prepared directory ``out`` and return its manifest (see the module docstring).
 
     ``source='bible-multi'`` writes one ``<language>/{train,val,test}`` per language of ``languages`` (default all)
     with its book split (``bible_multi.py``; ``val_fraction`` does not apply) and one tokenizer trained on a
     language-balanced sample. Re-running with the same inputs returns the existing manifest without writing; other
     inputs over an existing directory are refused unless ``overwrite``, which rebuilds it (never mixes old chunks
-    with new ones).
+    with new ones). ``tokenizer`` is 'bpe' unless given; ``tokenizer_from``, another prepared directory, gives the
+    tokenizer instead of training one (its kind and vocabulary too), so that the two directories can be mixed.
     """
+    borrowed = _borrowed_tokenizer(tokenizer_from, tokenizer, vocab_size)
+    if borrowed is not None:
+        tokenizer, vocab_size = borrowed.kind, borrowed.vocab_size
+    tokenizer = tokenizer or "bpe"
     vocab_size = vocab_size if vocab_size is not None else (4096 if tokenizer == "bpe" else 256)
     _check_options(tokenizer, vocab_size, val_fraction, num_workers, piece_bytes)
     litdata = require_litdata()
     out = Path(out).expanduser()
+    _recover(out)
     if source == "bible-multi":
         from .bible_multi import TRANSLATIONS
 
@@ -390,19 +448,21 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
             if not overwrite:
                 raise PreparedDataError(f"{out} exists but is not a complete prepared directory: remove it or pass "
                                         "--overwrite") from None
-    wanted = Manifest(tokenizer, vocab_size, "", corpus.name, source_sha, val_fraction, {})
+    wanted = Manifest(tokenizer, vocab_size, borrowed.sha256 if borrowed else "", corpus.name, source_sha,
+                      val_fraction, {}, tokenizer_borrowed=borrowed is not None)
     if existing is not None:
         if existing.inputs() == wanted.inputs():
             log(f"{out} is already prepared from these inputs: nothing to do")
             return existing
         if not overwrite:
-            changed = sorted(k for k, v in wanted.inputs().items() if existing.inputs().get(k) != v)
+            before, now = existing.inputs(), wanted.inputs()
+            changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
             raise PreparedDataError(f"{out} was prepared from other inputs ({', '.join(changed)} differ): pass "
                                     "--overwrite to rebuild it, or choose another --out")
-    tok = _train_tokenizer(corpus, sample, tokenizer, vocab_size, sample_bytes)
-    tokenizer_sha = hashlib.sha256(tok.to_json().encode() if isinstance(tok, BPETokenizer) else b"bytes").hexdigest()
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+    tok = borrowed.tokenizer if borrowed else _train_tokenizer(corpus, sample, tokenizer, vocab_size, sample_bytes)
+    tokenizer_sha = _tokenizer_sha(tok)
+    partial = _sibling(out, ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # what a stopped run left
     partial.mkdir(parents=True)
     tokenizer_path = None
     if isinstance(tok, BPETokenizer):
@@ -427,9 +487,10 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
     totals = {split: {key: sum(c[split][key] for c in counts.values()) for key in ("tokens", "bytes")}
               for split in next(iter(counts.values()))}
     manifest = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, totals,
-                        {code: c for code, c in counts.items() if code})
+                        {code: c for code, c in counts.items() if code}, tokenizer_borrowed=borrowed is not None)
     _atomic_write(partial / MANIFEST, (json.dumps(asdict(manifest), indent=2) + "\n").encode())
-    if out.exists():
-        shutil.rmtree(out)  # only reached with overwrite: the new copy is complete before the old one goes
+    if out.exists():  # only reached with overwrite: the new copy is complete before the old one goes
+        os.replace(out, _sibling(out, ".previous"))
     os.replace(partial, out)
+    _recover(out)
     return manifest

@@ -7,6 +7,7 @@ so a resumed run continues with exactly the batches an uninterrupted run would h
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +50,14 @@ def mixture_weights(tokens: dict[str, int], alpha: float) -> dict[str, float]:
 
 def streaming_loader(directory: str | Path, split: str | dict[str, str], seq_len: int, batch_size: int, *,
                      shuffle: bool, seed: int, num_workers: int, replicas: int, rank: int,
-                     weights: dict[str, float] | None = None) -> Any:
+                     weights: dict[str, float] | None = None, consumed: Callable[[], int | None] | None = None) -> Any:
     """A ``StreamingDataLoader`` of ``seq_len + 1``-token windows of ``directory/split`` for data-parallel rank
     ``rank`` of ``replicas``. Training drops the ragged tail so every rank runs the same number of steps.
 
-    ``split`` may map languages to their split folders: training then draws each window's language by ``weights``
-    (and an epoch ends when one language runs out), validation reads every language to its end.
+    ``split`` may map names (languages) to split folders, joined onto ``directory`` (an absolute folder stands as it
+    is): training then draws each window's folder by ``weights`` (and an epoch ends when one of them runs out),
+    validation reads every folder to its end. ``consumed`` counts the batches of the epoch training has taken: a
+    training mixture's checkpointed state is then the one after that batch (``mixture_loader.py`` says why).
     """
     litdata = require_litdata()
     from litdata.utilities.env import _DistributedEnv
@@ -70,11 +73,15 @@ def streaming_loader(directory: str | Path, split: str | dict[str, str], seq_len
         # replace its guess (a private attribute: litdata has no public way to name the replicas).
         dataset.distributed_env = _DistributedEnv(replicas, rank, 1)
         datasets.append(dataset)
+    loader_options = {"batch_size": batch_size, "num_workers": num_workers, "collate_fn": collate_long,
+                      "drop_last": shuffle or replicas > 1}
     if len(datasets) == 1:
-        combined = datasets[0]
-    else:
-        probabilities = [weights[code] for code in folders] if shuffle and weights else None
-        combined = litdata.CombinedStreamingDataset(datasets, seed=seed, weights=probabilities,
-                                                    iterate_over_all=not shuffle)
-    return litdata.StreamingDataLoader(combined, batch_size=batch_size, num_workers=num_workers,
-                                       collate_fn=collate_long, drop_last=shuffle or replicas > 1)
+        return litdata.StreamingDataLoader(datasets[0], **loader_options)
+    probabilities = [weights[code] for code in folders] if shuffle and weights else None
+    combined = litdata.CombinedStreamingDataset(datasets, seed=seed, weights=probabilities,
+                                                iterate_over_all=not shuffle)
+    if not shuffle:
+        return litdata.StreamingDataLoader(combined, **loader_options)
+    from .mixture_loader import MixtureLoader
+
+    return MixtureLoader(combined, parts=datasets, consumed=consumed, **loader_options)

@@ -62,8 +62,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             cli = P2RCLI(M6LanguageModel, TextDataModule, args=cli_args, run=False, save_config_callback=None)
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         metrics = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)[0]
-    rows = language_rows(metrics, "val", cli.datamodule.eval_languages)
-    print(language_table(metrics, "val", cli.datamodule.eval_languages))  # what `lightning-p2r validate` prints
+    rows = language_rows(metrics, "val", cli.datamodule.eval_streams)
+    print(language_table(metrics, "val", cli.datamodule.eval_streams))  # what `lightning-p2r validate` prints
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(with_environment(rows, env), out / "multilingual.csv")

@@ -86,7 +86,7 @@ def test_mixture_weights_follow_the_temperature() -> None:
 def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, tmp_path: Path) -> None:
     data = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_alpha=0.0, seq_len=16,
                           batch_size=4)
-    assert data.language_weights == pytest.approx({"en": 0.5, "zh": 0.5})
+    assert data.mixture == pytest.approx({"en": 0.5, "zh": 0.5})
     # English windows are ASCII; Chinese windows are mostly bytes of three-byte UTF-8 characters.
     windows = torch.cat([batch for _, batch in zip(range(100), data.train_dataloader())])
     chinese = ((windows >= 0x80).float().mean(dim=1) > 0.5).float().mean().item()
@@ -94,13 +94,13 @@ def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, t
     unbalanced = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_alpha=1.0, seq_len=16,
                                 batch_size=4)
     windows = torch.cat([batch for _, batch in zip(range(100), unbalanced.train_dataloader())])
-    expected = unbalanced.language_weights["zh"]
+    expected = unbalanced.mixture["zh"]
     assert abs(((windows >= 0x80).float().mean(dim=1) > 0.5).float().mean().item() - expected) < 0.1
     model = M6LanguageModel(M6Config(vocab_size=256, max_seq_len=16, num_layers=2, dim=32, num_heads=4,
                                      num_experts=4))
     trainer = L.Trainer(max_steps=3, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, limit_val_batches=2,
-                        val_check_interval=3, default_root_dir=tmp_path, log_every_n_steps=1)
+                        limit_test_batches=2, val_check_interval=3, default_root_dir=tmp_path, log_every_n_steps=1)
     trainer.fit(model, datamodule=data)
     assert trainer.global_step == 3 and "val/loss" in trainer.callback_metrics
     realized = data.realized_mixture()  # 12 windows drawn: both languages, shares summing to one
@@ -111,7 +111,7 @@ def test_the_data_module_mixes_the_chosen_languages_and_trains(prepared: Path, t
     model.eval()
     expected = {}
     with torch.no_grad():
-        for code, loader in zip(data.eval_languages, data._language_loaders("val")):
+        for code, loader in zip(data.eval_streams, data._stream_loaders("val")):
             losses = [next_token_loss(model(b[:, :-1]).logits, b[:, 1:]) for _, b in zip(range(2), loader)]
             expected[code] = float(torch.stack(losses).mean())
     for code in ("en", "zh"):
@@ -159,3 +159,86 @@ def test_validate_and_test_print_the_per_language_table_of_the_logged_metrics(pr
             assert int(numbers[0]) == logged[f"{split}/tokens{suffix}"] == (2 * 4 * 16 * (3 if suffix == "" else 1))
             for text, key in zip(numbers[1:], ("loss", "ppl", "bpb")):
                 assert float(text.replace(",", "")) == pytest.approx(logged[f"{split}/{key}{suffix}"], abs=6e-4)
+
+
+def _chinese_share(data: TextDataModule, batches: int = 100) -> float:
+    """English windows are ASCII; Chinese windows are mostly bytes of three-byte UTF-8 characters."""
+    windows = torch.cat([batch for _, batch in zip(range(batches), data.train_dataloader())])
+    return ((windows >= 0x80).float().mean(dim=1) > 0.5).float().mean().item()
+
+
+def test_explicit_language_weights_choose_the_languages_and_their_shares(prepared: Path) -> None:
+    data = TextDataModule(prepared=str(prepared), language_weights={"zh": 1, "en": 3}, seq_len=16, batch_size=4)
+    assert data.mixture == pytest.approx({"zh": 0.25, "en": 0.75}) and data.eval_streams == ["zh", "en"]
+    assert abs(_chinese_share(data) - 0.25) < 0.08  # 400 windows drawn
+    ordered = TextDataModule(prepared=str(prepared), languages=["en", "zh"], language_weights={"zh": 1, "en": 3},
+                             language_alpha=1.0)  # the weights replace the temperature; data.languages sets the order
+    assert list(ordered.mixture) == ["en", "zh"] and ordered.mixture["zh"] == pytest.approx(0.25)
+    # A language weighted zero is evaluated but never drawn for training.
+    held_out = TextDataModule(prepared=str(prepared), language_weights={"en": 1.0, "zh": 0.0}, seq_len=16,
+                              batch_size=4)
+    assert held_out.eval_streams == ["en", "zh"] and _chinese_share(held_out, 30) == 0.0
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"language_weights": {"en": -1.0, "zh": 1.0}}, r"data.language_weights=\{'en': -1.0, 'zh': 1.0\}: -1.0 is not a "
+                                                    "finite number >= 0; give finite, non-negative weights"),
+    ({"language_weights": {"en": math.inf, "zh": 1.0}}, "data.language_weights=.*inf is not a finite number"),
+    ({"language_weights": {"en": math.nan}}, "data.language_weights=.*nan is not a finite number"),
+    ({"language_weights": {"en": 0, "zh": 0.0}}, "data.language_weights=.*no weight is above zero.*e.g. {en: 3"),
+    ({"language_weights": {}}, r"data.language_weights=\{\}: no weight is above zero"),
+    ({"language_weights": {"en": 1, "xx": 1}}, "data.language_weights: .* has no language 'xx': it holds en, fr, zh"),
+    ({"language_weights": {"en": 1, "zh": 1}, "languages": ["en", "fr"]},
+     r"data.languages=\['en', 'fr'\] but data.language_weights names \['en', 'zh'\]: name the same languages"),
+])
+def test_bad_language_weights_are_refused_in_one_line_when_the_data_module_is_built(prepared: Path, options,
+                                                                                    message: str) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        TextDataModule(prepared=str(prepared), **options)
+    assert "\n" not in str(error.value)
+
+
+def test_language_weights_of_a_corpus_still_to_prepare_are_checked_before_preparing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="data.language_weights: bible-multi has no language 'xx'"):
+        TextDataModule(corpus="bible-multi", prepared=str(tmp_path / "multi"), language_weights={"en": 1, "xx": 2})
+    with pytest.raises(ValueError, match="data.corpus=kjv prepares one corpus, not languages"):
+        TextDataModule(corpus="kjv", prepared=str(tmp_path / "kjv"), language_weights={"en": 1})
+    with pytest.raises(ValueError, match="data.language_weights applies to a multilingual prepared directory only"):
+        TextDataModule(language_weights={"en": 1})
+    data = TextDataModule(corpus="bible-multi", prepared=str(tmp_path / "multi"), tokenizer="bytes",
+                          language_weights={"fr": 2, "en": 1})
+    assert data._languages == ["fr", "en"]  # prepare_data prepares just these
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_multilingual_directory_is_not_listed_with_others(prepared: Path) -> None:
+    with pytest.raises(ValueError, match="data.prepared lists .*bible, a directory of 3 languages: list single-corpus"):
+        TextDataModule(prepared=[str(prepared), str(prepared)])
+
+
+def test_a_resumed_language_mixture_continues_with_the_batches_of_an_uninterrupted_run(prepared: Path,
+                                                                                       tmp_path: Path) -> None:
+    seen: list[list[torch.Tensor]] = []
+
+    class Batches(L.Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+            seen[-1].append(batch.clone())
+
+    def run(max_steps: int, ckpt_path: Path | None = None) -> L.Trainer:
+        L.seed_everything(3)
+        seen.append([])
+        trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, callbacks=[Batches()],
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            default_root_dir=tmp_path, limit_val_batches=0)
+        data = TextDataModule(prepared=str(prepared), language_weights={"en": 1, "fr": 1, "zh": 2}, seq_len=16,
+                              batch_size=4, seed=7)
+        model = M6LanguageModel(M6Config(vocab_size=256, max_seq_len=16, num_layers=1, dim=32, num_heads=4,
+                                         num_experts=2))
+        trainer.fit(model, datamodule=data, ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)
+        return trainer
+
+    run(5)
+    run(2).save_checkpoint(tmp_path / "mid.ckpt")
+    run(5, tmp_path / "mid.ckpt")
+    straight, first, rest = seen
+    assert [b.tolist() for b in first + rest] == [b.tolist() for b in straight]

@@ -236,3 +236,34 @@ def test_a_run_prepares_its_directory_once_and_refuses_another_corpus(tmp_path: 
         TextDataModule(prepared=str(tmp_path / "never-prepared"))
     with pytest.raises(ValueError, match="bible-multi' is streamed"):
         TextDataModule(corpus="bible-multi")
+
+
+def test_language_weights_on_a_single_corpus_directory_are_refused(prepared_bytes) -> None:
+    _, out = prepared_bytes
+    with pytest.raises(ValueError, match=r"data.language_weights=\{'en': 1\} but .* holds one corpus, not languages: "
+                                         "drop data.language_weights") as error:
+        TextDataModule(prepared=str(out), language_weights={"en": 1})
+    assert "\n" not in str(error.value)
+
+
+def test_a_tokenizer_borrowed_from_another_directory_is_one_of_the_inputs(tmp_path: Path) -> None:
+    first, second = tmp_path / "first", tmp_path / "second"
+    prepare_data(str(_corpus(tmp_path / "a", 600)), first, tokenizer="bpe", vocab_size=512, **QUIET)
+    other = tmp_path / "other.txt"
+    other.write_text("".join(f"{i * 7919} {i * 104729} and more digits {i}\n" for i in range(600)))
+    manifest = prepare_data(str(other), second, tokenizer_from=first, **QUIET)  # kind and vocabulary come with it
+    assert (manifest.tokenizer, manifest.vocab_size, manifest.tokenizer_borrowed) == ("bpe", 512, True)
+    assert manifest.tokenizer_sha256 == read_manifest(first).tokenizer_sha256
+    assert (second / "tokenizer.json").read_bytes() == (first / "tokenizer.json").read_bytes()
+    lines: list[str] = []
+    prepare_data(str(other), second, tokenizer_from=first, log=lines.append)
+    assert "nothing to do" in lines[0]
+    with pytest.raises(PreparedDataError, match="tokenizer_borrowed, tokenizer_sha256 differ"):
+        prepare_data(str(other), second, tokenizer="bpe", vocab_size=512, **QUIET)  # would train a tokenizer of its own
+    with pytest.raises(PreparedDataError, match=f"vocab_size 1024 but --tokenizer_from {first} has vocab_size 512"):
+        prepare_data(str(other), tmp_path / "third", vocab_size=1024, tokenizer_from=first, **QUIET)
+    with pytest.raises(PreparedDataError, match=f"tokenizer 'bytes' but --tokenizer_from {first} has tokenizer 'bpe'"):
+        prepare_data(str(other), tmp_path / "third", tokenizer="bytes", tokenizer_from=first, **QUIET)
+    with pytest.raises(PreparedDataError, match="does not exist"):
+        prepare_data(str(other), tmp_path / "third", tokenizer_from=tmp_path / "nowhere", **QUIET)
+    assert not (tmp_path / "third").exists()
