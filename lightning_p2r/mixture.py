@@ -157,7 +157,7 @@ def read_mixture(prepared: str | list[str], tokenizer: str | None, vocab_size: i
         return _listed_directories(list(prepared), tokenizer, vocab_size, prepared_weights)
     manifest = read_manifest(prepared)
     match_manifest(prepared, manifest, tokenizer, vocab_size)
-    directory = Path(prepared).expanduser()
+    directory = Path(prepared).expanduser().resolve()  # stream folders join onto it
     if not manifest.languages:
         if language_weights is not None:
             raise ValueError(f"data.language_weights={_shown(language_weights)} but {prepared} holds one corpus, not "
@@ -182,7 +182,7 @@ def _listed_directories(prepared: list[str], tokenizer: str | None, vocab_size: 
     tokenizer; weighted by ``weights`` or else by training tokens (as if the corpora were concatenated)."""
     streams: dict[str, Stream] = {}
     for entry in prepared:
-        directory = Path(entry).expanduser()
+        directory = Path(entry).expanduser().resolve()
         manifest = read_manifest(directory)
         match_manifest(entry, manifest, tokenizer, vocab_size)
         if manifest.languages:

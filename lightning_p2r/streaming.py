@@ -65,7 +65,9 @@ def streaming_loader(directory: str | Path, split: str | dict[str, str], seq_len
     folders = {"": split} if isinstance(split, str) else split
     datasets = []
     for folder in folders.values():
-        dataset = litdata.StreamingDataset(str(Path(directory).expanduser() / folder), shuffle=shuffle, seed=seed,
+        # An absolute path: litdata reads a relative one against another folder than the working directory.
+        dataset = litdata.StreamingDataset(str((Path(directory).expanduser() / folder).resolve()), shuffle=shuffle,
+                                           seed=seed,
                                            item_loader=litdata.TokensLoader(block_size=seq_len + 1),
                                            drop_last=shuffle or replicas > 1)
         # litdata takes every torch.distributed rank for a data-parallel replica. Under tensor or pipeline
