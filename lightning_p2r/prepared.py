@@ -128,17 +128,29 @@ def open_corpus(source: str | Iterable[str]) -> tuple[Corpus, str]:
     return corpus, digest.hexdigest()
 
 
+MIN_SPLIT_BYTES = 64
+"""The least validation text a prepared corpus holds out: about one window of a small model."""
+LINE_SEARCH_BYTES = 1 << 16
+"""How far past a cut point a line end is looked for before the cut falls back to a space, then to a character
+boundary: text without line ends (one long line) still splits, and pieces stay near their size."""
+
+
 def _line_end_after(corpus: Corpus, part: Part, offset: int) -> int:
-    """The first offset at or after ``offset`` that starts a line of ``part`` (or the part's end)."""
+    """The first offset at or after ``offset`` that starts a line of ``part``; failing one within
+    ``LINE_SEARCH_BYTES``, the first that follows a space, else the first UTF-8 character boundary (or the part's
+    end)."""
     if offset <= 0:
         return 0
-    while offset < part.size:
-        block = corpus.read(part, offset - 1, min(part.size, offset - 1 + (1 << 16)))
-        newline = block.find(b"\n")
-        if newline >= 0:
-            return offset + newline
-        offset += len(block) - 1
-    return part.size
+    if offset >= part.size:
+        return part.size
+    block = corpus.read(part, offset - 1, min(part.size, offset - 1 + LINE_SEARCH_BYTES))
+    for separator in (b"\n", b" "):
+        found = block.find(separator)
+        if found >= 0:
+            return offset + found
+    # No space either: cut before the first byte that starts a character (not a UTF-8 continuation byte).
+    starts = [i for i, byte in enumerate(block[1:], 1) if byte & 0xC0 != 0x80]
+    return offset - 1 + starts[0] if starts else min(part.size, offset - 1 + len(block))
 
 
 @dataclass(frozen=True)
@@ -151,8 +163,9 @@ class Piece:
 
 
 def cut_pieces(corpus: Corpus, val_fraction: float, piece_bytes: int) -> dict[str, list[Piece]]:
-    """Train and validation pieces: the stream's last ``val_fraction`` of bytes (cut at a line end) is validation,
-    and each split is cut at line ends into pieces of about ``piece_bytes``."""
+    """Train and validation pieces: the stream's last ``val_fraction`` of bytes (cut at a line end, see
+    :func:`_line_end_after` for text without one) is validation, and each split is cut at line ends into pieces of
+    about ``piece_bytes``."""
     cut_at, before = round(corpus.size * (1.0 - val_fraction)), 0
     ranges: dict[str, list[tuple[Part, int, int]]] = {"train": [], "val": []}
     for part in corpus.parts:
@@ -437,9 +450,11 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
         corpus, source_sha = open_corpus(source)
         streams = {"": cut_pieces(corpus, val_fraction, piece_bytes)}
         sample = streams[""]["train"]
-        if not streams[""]["val"] or not streams[""]["train"]:
+        held_out = sum(piece.end - piece.start for piece in streams[""]["val"])
+        if held_out < MIN_SPLIT_BYTES or not streams[""]["train"]:
             raise PreparedDataError(f"corpus {corpus.name} ({corpus.size} bytes) is too small to hold out "
-                                    f"val_fraction={val_fraction} at a line end: use a larger corpus")
+                                    f"val_fraction={val_fraction} ({held_out} bytes, under {MIN_SPLIT_BYTES}): use "
+                                    "a larger corpus or a larger val_fraction")
     existing = None
     if out.exists():
         try:
