@@ -421,6 +421,21 @@ def _default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "lightning_p2r"
 
 
+def _auto_prepared_dir(corpus: str, tokenizer: str | None, vocab_size: int | None, val_fraction: float,
+                       languages: list[str] | None, cache_dir: str | None) -> Path:
+    """Where ``prepared="auto"`` keeps a corpus's prepared directory: under the cache folder, one per corpus,
+    tokenizer, vocabulary, split and languages, so a recipe's overrides never meet another run's directory. The
+    corpus's content is not in the name: ``prepare_data`` compares its hash and rebuilds the directory when it
+    changed."""
+    tokenizer = tokenizer or "bpe"
+    vocab_size = vocab_size or (DEFAULT_BPE_VOCAB if tokenizer == "bpe" else BYTE_VOCAB)
+    source = corpus if corpus in ("kjv", "bible-multi") else str(Path(corpus).expanduser().resolve())
+    key = _sha256(repr((source, tokenizer, vocab_size, val_fraction, languages)))[:12]
+    name = corpus if corpus in ("kjv", "bible-multi") else Path(source).stem
+    root = Path(cache_dir).expanduser() if cache_dir is not None else _default_cache_dir()
+    return root / "prepared" / f"{name}-{tokenizer}{vocab_size}-{key}"
+
+
 class TextDataModule(pl.LightningDataModule):
     """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
 
@@ -443,6 +458,9 @@ class TextDataModule(pl.LightningDataModule):
             (``prepare_data``, once per node) with these tokenizer, vocabulary and ``val_fraction`` settings. A list
             of prepared single-corpus directories with one tokenizer (``prepare-data --tokenizer_from``) is mixed
             window by window (``prepared_weights``) and validated per directory, named by the last path component.
+            ``"auto"`` (the quickstart's): a directory in ``cache_dir``/prepared named by the corpus, tokenizer,
+            vocabulary, ``val_fraction`` and languages, prepared by the first fit and rebuilt when the corpus's
+            content changes.
         languages: With a multilingual prepared directory (``prepare-data --source bible-multi``), the languages to
             train and validate on; default all it holds.
         language_alpha: With several languages, each training window's language is drawn with probability
@@ -485,6 +503,12 @@ class TextDataModule(pl.LightningDataModule):
         self._languages = chosen_languages(corpus, prepared, languages, language_weights)
         self._language_alpha, self._language_weights = language_alpha, language_weights
         self._prepared_weights = prepared_weights
+        # "auto": a prepared directory in the cache, named by the inputs, rebuilt when the corpus changes.
+        self._rebuild_prepared = prepared == "auto"
+        if self._rebuild_prepared:
+            prepared = self.prepared = str(_auto_prepared_dir(corpus or "kjv", tokenizer, vocab_size, val_fraction,
+                                                              self._languages, cache_dir))
+            corpus = corpus or "kjv"
         if prepared is not None:
             from .prepared import MANIFEST
 
@@ -579,7 +603,7 @@ class TextDataModule(pl.LightningDataModule):
             prepare_data(self.corpus, self.prepared, tokenizer=self.tokenizer_kind, vocab_size=self._vocab_size,
                          val_fraction=self.val_fraction, num_workers=max(1, self.num_workers),
                          languages=self._languages if self.corpus == "bible-multi" else None,
-                         log=rank_zero_info)
+                         overwrite=self._rebuild_prepared, log=rank_zero_info)
 
     def _data_parallel_ranks(self) -> tuple[int, int]:
         """(replicas, rank) of this process's data-parallel group: tensor-parallel ranks share their batches."""

@@ -76,6 +76,25 @@ def test_pieces_cover_the_corpus_once_at_line_ends(tmp_path: Path) -> None:
     assert [Path(p.name).name for p in corpus.parts] == ["a.txt", "b.txt", "c.txt"]
 
 
+@pytest.mark.parametrize(("text", "after"), [
+    ("And the evening and the morning were the first day. " * 300, b" "),  # one long line: cut after a space
+    ("\u592a\u521d\u6709\u9053\uff0c\u9053\u4e0e\u795e\u540c\u5728" * 600, None),  # no space either
+])
+def test_text_without_line_ends_still_splits_between_characters(tmp_path: Path, text: str, after: bytes | None
+                                                                 ) -> None:
+    source = tmp_path / "one_line.txt"
+    source.write_text(text, encoding="utf-8")
+    corpus, _ = open_corpus(str(source))
+    pieces = cut_pieces(corpus, 0.05, 4096)
+    data = source.read_bytes()
+    cuts = [piece.end for piece in pieces["train"]] + [piece.start for piece in pieces["val"]]
+    assert pieces["val"] and len(pieces["train"]) > 1 and abs(pieces["val"][0].start / len(data) - 0.95) < 0.01
+    for cut in cuts:
+        data[:cut].decode("utf-8")  # every cut falls between characters
+        if after is not None and cut < len(data):
+            assert data[cut - 1:cut] == after
+
+
 def test_bpe_prepared_ids_match_the_saved_tokenizer(tmp_path: Path) -> None:
     source = _corpus(tmp_path / "src", 600)
     manifest = prepare_data(str(source), tmp_path / "bpe", tokenizer="bpe", vocab_size=512, val_fraction=0.1,
@@ -267,3 +286,45 @@ def test_a_tokenizer_borrowed_from_another_directory_is_one_of_the_inputs(tmp_pa
     with pytest.raises(PreparedDataError, match="does not exist"):
         prepare_data(str(other), tmp_path / "third", tokenizer_from=tmp_path / "nowhere", **QUIET)
     assert not (tmp_path / "third").exists()
+
+
+def _first_batch(data: TextDataModule) -> torch.Tensor:
+    data.prepare_data()
+    data.setup("fit")
+    return next(iter(data.train_dataloader()))
+
+
+def test_a_relative_prepared_path_streams_from_the_working_directory(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    _corpus(tmp_path / "src")
+    options = {"tokenizer": "bytes", "seq_len": 16, "batch_size": 2}
+    single = _first_batch(TextDataModule(corpus="src/corpus.txt", prepared="runs/data/one", **options))
+    listed = _first_batch(TextDataModule(prepared=["runs/data/one"], seq_len=16, batch_size=2))
+    assert single.shape == listed.shape == (2, 17)
+
+
+def test_auto_prepares_into_the_cache_by_inputs_and_rebuilds_a_changed_corpus(tmp_path: Path) -> None:
+    source = _corpus(tmp_path / "src")
+    options = {"corpus": str(source), "prepared": "auto", "tokenizer": "bytes", "seq_len": 16, "batch_size": 2,
+               "cache_dir": str(tmp_path / "cache")}
+    data = TextDataModule(**options)
+    _first_batch(data)
+    folder = Path(data.prepared)
+    assert folder.parent == tmp_path / "cache" / "prepared" and folder.name.startswith("corpus-bytes256-")
+    first = read_manifest(folder)
+    # Other settings get their own directory: an override never meets (or is refused by) another run's data.
+    other = TextDataModule(**options | {"val_fraction": 0.2})
+    assert Path(other.prepared) != folder
+    # The same inputs reuse the directory; a changed corpus rebuilds it where a named directory would refuse.
+    assert TextDataModule(**options).prepared == data.prepared
+    source.write_text(source.read_text(encoding="utf-8") * 2, encoding="utf-8")
+    _first_batch(TextDataModule(**options))
+    rebuilt = read_manifest(folder)
+    assert rebuilt.splits["train"]["bytes"] > first.splits["train"]["bytes"]
+
+
+def test_the_quickstart_recipe_streams_prepared_data() -> None:
+    import yaml
+
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml").read_text())
+    assert recipe["data"]["prepared"] == "auto" and recipe["data"]["corpus"] == "kjv"
