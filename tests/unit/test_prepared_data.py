@@ -2,6 +2,8 @@
 
 import json
 import os
+import random
+import string
 from collections import Counter
 from pathlib import Path
 
@@ -328,3 +330,22 @@ def test_the_quickstart_recipe_streams_prepared_data() -> None:
 
     recipe = yaml.safe_load((Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml").read_text())
     assert recipe["data"]["prepared"] == "auto" and recipe["data"]["corpus"] == "kjv"
+
+
+def test_a_shuffled_batch_draws_from_the_whole_split(tmp_path: Path) -> None:
+    """litdata's default shuffles blocks of 256 consecutive windows, so one batch came from one passage; the
+    loader asks for a full permutation of each chunk instead."""
+    rng = random.Random(0)  # random letters: every 16-byte window is unique, so its content gives its position
+    source = tmp_path / "random.txt"
+    source.write_text("".join("".join(rng.choices(string.ascii_lowercase, k=60)) + "\n" for _ in range(2000)))
+    out = tmp_path / "bytes"
+    prepare_data(str(source), out, tokenizer="bytes", **QUIET)
+    ordered = torch.stack(_read_split(out, "train", seq_len=15))  # 16-token windows, in order
+    position = {tuple(row.tolist()): index for index, row in enumerate(ordered)}
+    assert len(position) == len(ordered) > 4 * 256
+    loader = streaming_loader(out, "train", 15, 16, shuffle=True, seed=0, num_workers=0, replicas=1, rank=0)
+    spreads = []
+    for _, batch in zip(range(5), loader):
+        indexes = [position[tuple(row.tolist())] for row in batch]
+        spreads.append(max(indexes) - min(indexes))
+    assert min(spreads) > 256, spreads
