@@ -1,6 +1,7 @@
 """The planner's predicted step time against measured CPU runs of the same layouts.
 
     python -m lightning_p2r.benchmarks.planner [--clusters DIR] [--layouts ...] [--steps 12] [--out DIR] [--quick]
+    python -m lightning_p2r.benchmarks.planner --cross-validate [--clusters DIR] [--measured CSV] [--seed 0]
 
 The machine is described by one cluster file per process count (``cluster-1.yaml``, ``cluster-2.yaml``: on this
 CPU-only machine processes share memory bandwidth and caches, so two busy processes are each slower than one
@@ -9,7 +10,9 @@ per process, the way every benchmark worker runs) and written next to the result
 benchmark's MoE M6 (fp32, dropless, every other layer MoE) for a few steps on gloo processes; the measured step is
 the median optimizer-step interval after warm-up (rank 0's). The prediction is
 ``lightning_p2r.planning.estimate_step`` for the same model, layout, batch and cluster, with its parts. The table
-gives both and the error; the issue's bar is 25%.
+gives both and the error; the issue's bar is 25%. ``--cross-validate`` runs the held-out protocol of
+:mod:`lightning_p2r.benchmarks.planner_cv` instead (a random sample of layouts and three models; the fitted
+constants are fitted on one half and judged on the other).
 """
 
 from __future__ import annotations
@@ -89,18 +92,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--clusters", help="a folder with cluster-<processes>.yaml files of this machine (default: "
                         "calibrate now)")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--steps", type=int, help="optimizer steps per layout (default 12; 8 with --cross-validate)")
+    parser.add_argument("--cross-validate", action="store_true",
+                        help="the cross-validation protocol (lightning_p2r.benchmarks.planner_cv) instead of the "
+                             "fixed layouts")
+    parser.add_argument("--measured", help="with --cross-validate: re-evaluate this planner_cv.csv, run nothing")
+    parser.add_argument("--seed", type=int, default=0, help="with --cross-validate: the layout sample's seed")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--layouts", type=str, default=",".join(LAYOUTS), help="comma-separated, of: " +
                         ", ".join(LAYOUTS))
     args = parser.parse_args(argv)
     names = chosen_layouts(parser, args.layouts, LAYOUTS)
+    if args.measured and not args.cross_validate:
+        parser.error("--measured needs --cross-validate")
     if args.quick:
         args.steps = WARMUP + 2
+    args.steps = args.steps or (8 if args.cross_validate else 12)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.cross_validate:
+        from lightning_p2r.benchmarks import planner_cv
+
+        process_counts = planner_cv.PROCESSES
+        prefix = "planner_cv_cluster"
+    else:
+        process_counts = tuple(sorted({LAYOUTS[name]["devices"] for name in names}))
+        prefix = "cluster"
     clusters = {}
-    for processes in sorted({LAYOUTS[name]["devices"] for name in names}):
+    for processes in process_counts:
         if args.clusters:
             try:
                 clusters[processes] = load_cluster(Path(args.clusters) / f"cluster-{processes}.yaml")
@@ -108,8 +127,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 parser.error(str(error))
         else:
             clusters[processes] = calibrate(processes=processes, threads=1, quick=args.quick)
-            write_cluster(clusters[processes], out / f"cluster-{processes}.yaml",
-                          f"Calibrated by python -m lightning_p2r.benchmarks.planner ({processes} processes)")
+        write_cluster(clusters[processes], out / f"{prefix}-{processes}.yaml",
+                      f"Calibrated by lightning-p2r calibrate --processes {processes} (one thread per process)")
+    if args.cross_validate:
+        return planner_cv.run(args, clusters)
     model = model_config(args.quick)
     env = environment_info("cpu")
     print_environment(env)

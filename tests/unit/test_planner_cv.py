@@ -1,0 +1,107 @@
+"""The planner's cross-validation protocol (its pure parts: the draw, the fit, the scores) and the framework terms of
+the cost model."""
+
+import math
+
+import pytest
+
+from lightning_p2r.benchmarks import planner_cv
+from lightning_p2r.models.config import M6Config
+from lightning_p2r.planning import Cluster, Workload, estimate_step
+from lightning_p2r.planning.framework import (
+    extra_lightning_batches,
+    fitted_counts,
+    framework_seconds,
+    hooked_module_passes,
+    pipeline_stage_actions,
+    tensor_parallel_layer_passes,
+)
+from lightning_p2r.planning.layout import Layout
+from lightning_p2r.planning.share import rank_share
+
+CONFIG = M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=16, num_heads=2, moe_layers=[], init_seed=0)
+WORKLOAD = Workload(global_batch=8, seq_len=16)
+
+
+def _share(layout: Layout, devices: int):
+    return rank_share(CONFIG, layout, Cluster(devices=devices, devices_per_node=devices), WORKLOAD)
+
+
+def test_extra_lightning_batches_count_only_the_trainers_accumulation() -> None:
+    assert extra_lightning_batches(Layout(micro_batches=4)) == 3
+    assert extra_lightning_batches(Layout(micro_batches=4, accumulation="layered")) == 0
+    assert extra_lightning_batches(Layout(micro_batches=4, pipeline_parallel=2)) == 0
+
+
+def test_hooked_modules_are_the_blocks_and_a_root_per_micro_batch_where_blocks_are_driven_one_by_one() -> None:
+    assert hooked_module_passes(Layout(), _share(Layout(), 1), 1) == 0  # plain single process
+    assert hooked_module_passes(Layout(), _share(Layout(), 2), 2) == 0  # DDP
+    zero3 = Layout(sharding="zero3", micro_batches=2)
+    assert hooked_module_passes(zero3, _share(zero3, 2), 2) == 2 * (4 + 1)
+    layered = Layout(accumulation="layered", micro_batches=4)
+    assert hooked_module_passes(layered, _share(layered, 1), 1) == 4 * 5
+    pipeline = Layout(pipeline_parallel=2, micro_batches=2)
+    assert hooked_module_passes(pipeline, _share(pipeline, 2), 2) == 2 * (2 + 1)  # the rank's 2 blocks
+
+
+def test_pipeline_actions_and_tensor_parallel_layers() -> None:
+    assert pipeline_stage_actions(Layout()) == 0
+    assert pipeline_stage_actions(Layout(pipeline_parallel=2, stages_per_rank=2, micro_batches=4,
+                                         pipeline_schedule="looped_bfs")) == 16
+    tp = Layout(tensor_parallel=2, micro_batches=2)
+    assert tensor_parallel_layer_passes(tp, _share(tp, 2)) == 8
+    assert tensor_parallel_layer_passes(Layout(), _share(Layout(), 2)) == 0
+
+
+def test_framework_seconds_are_counts_times_the_clusters_constants_and_join_the_step() -> None:
+    layout = Layout(sharding="zero3", micro_batches=2)
+    plain = Cluster(devices=2, devices_per_node=2)
+    fitted = Cluster(devices=2, devices_per_node=2, batch_overhead=0.01, module_hook_overhead=0.001)
+    counts = fitted_counts(CONFIG, layout, fitted, WORKLOAD)
+    assert counts == {"batch_overhead": 1, "module_hook_overhead": 10, "stage_overhead": 0, "dtensor_overhead": 0}
+    assert framework_seconds(CONFIG, layout, plain, WORKLOAD) == 0
+    assert framework_seconds(CONFIG, layout, fitted, WORKLOAD) == pytest.approx(0.02)
+    difference = estimate_step(CONFIG, layout, fitted, WORKLOAD).total - estimate_step(CONFIG, layout, plain,
+                                                                                        WORKLOAD).total
+    assert difference == pytest.approx(0.02)
+
+
+def test_spearman_and_the_nonnegative_fit() -> None:
+    assert planner_cv.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+    assert planner_cv.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
+    assert planner_cv.spearman([1, 2, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)
+    assert math.isnan(planner_cv.spearman([1, 2], [1, 2]))
+    # residual = 2 * x0 (x1 would need a negative coefficient: the fit leaves it at zero)
+    features = [[1, 1], [2, 0], [3, 2], [4, 1]]
+    coefficients = planner_cv.fit_nonnegative(features, [2.0 * f[0] for f in features])
+    assert coefficients == pytest.approx([2.0, 0.0])
+    assert planner_cv.fit_nonnegative([[1.0], [2.0]], [-1.0, -2.0]) == [0.0]
+
+
+def test_the_draw_is_seeded_split_in_halves_and_from_the_planners_space() -> None:
+    first, again = planner_cv.sample_layouts(3), planner_cv.sample_layouts(3)
+    assert [(d["model"], d["processes"], d["layout"], d["half"]) for d in first] == \
+        [(d["model"], d["processes"], d["layout"], d["half"]) for d in again]
+    assert len(first) >= 16 and {d["processes"] for d in first} == {1, 2, 4}
+    assert {d["model"] for d in first} == set(planner_cv.MODELS)
+    halves = [d["half"] for d in first]
+    assert abs(halves.count("A") - halves.count("B")) <= 1
+    for d in first:
+        assert d["layout"] in planner_cv.layout_pool(d["model"], d["processes"])
+        assert planner_cv.layout_of(planner_cv.layout_options(d["layout"])) == d["layout"]
+
+
+def test_cross_validation_scores_only_the_held_out_half() -> None:
+    rows = []
+    for i in range(8):
+        measured = 0.1 * (i + 1)
+        rows.append({"model": "dense" if i % 2 else "moe", "processes": 1, "half": "AB"[i % 2],
+                     "measured_s": measured, "base_s": measured - 0.05 * (i % 3),
+                     "feature_batch_overhead": i % 3, "feature_module_hook_overhead": 0,
+                     "feature_stage_overhead": 0, "feature_dtensor_overhead": 0})
+    result = planner_cv.cross_validate(rows)
+    for scores in result.values():
+        assert scores["coefficients"]["batch_overhead"] == pytest.approx(0.05)
+        assert scores["max_abs_error_pct"] == pytest.approx(0, abs=1e-6)
+        assert scores["worst_best_regret_pct"] == pytest.approx(0)
+    assert {r["fitted_on"] for r in rows if r["half"] == "A"} == {"B"}
