@@ -18,6 +18,7 @@ constants are fitted on one half and judged on the other).
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lightning_p2r.planning import load_cluster, write_cluster
 
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--clusters", help="a folder with cluster-<processes>.yaml files of this machine (default: "
-                        "calibrate now)")
+    parser.add_argument("--clusters", help="a folder with cluster-<processes>.yaml files of this machine (or, with "
+                        "--cross-validate, planner_cv_cluster-<processes>.yaml; default: calibrate now)")
     parser.add_argument("--steps", type=int, help="optimizer steps per layout (default 12; 8 with --cross-validate)")
     parser.add_argument("--cross-validate", action="store_true",
                         help="the cross-validation protocol (lightning_p2r.benchmarks.planner_cv) instead of the "
@@ -118,19 +119,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         process_counts = tuple(sorted({LAYOUTS[name]["devices"] for name in names}))
         prefix = "cluster"
-    clusters = {}
-    for processes in process_counts:
-        if args.clusters:
-            try:
-                clusters[processes] = load_cluster(Path(args.clusters) / f"cluster-{processes}.yaml")
-            except ValueError as error:
-                parser.error(str(error))
-        else:
-            clusters[processes] = calibrate(processes=processes, threads=1, quick=args.quick)
-        write_cluster(clusters[processes], out / f"{prefix}-{processes}.yaml",
-                      f"Calibrated by lightning-p2r calibrate --processes {processes} (one thread per process)")
+    clusters: dict[int, Any] = {}
+
+    def cluster_for(processes: int) -> Any:  # calibrated on first use (the protocol asks just before its runs)
+        if processes not in clusters:
+            if args.clusters:
+                try:
+                    folder = Path(args.clusters)  # the protocol's own files first, then calibrate's names
+                    path = folder / f"{prefix}-{processes}.yaml"
+                    clusters[processes] = load_cluster(path if path.is_file() else folder / f"cluster-{processes}.yaml")
+                except ValueError as error:
+                    parser.error(str(error))
+            else:
+                print(f"calibrating {processes} process(es), load {os.getloadavg()[0]:.2f}", flush=True)
+                clusters[processes] = calibrate(processes=processes, threads=1, quick=args.quick)
+            write_cluster(clusters[processes], out / f"{prefix}-{processes}.yaml",
+                          f"Calibrated by lightning-p2r calibrate --processes {processes} (one thread per process)")
+        return clusters[processes]
+
     if args.cross_validate:
-        return planner_cv.run(args, clusters)
+        return planner_cv.run(args, cluster_for)
+    for processes in process_counts:
+        cluster_for(processes)
     model = model_config(args.quick)
     env = environment_info("cpu")
     print_environment(env)

@@ -181,6 +181,10 @@ def cross_validate(rows: list[dict[str, Any]]) -> dict[str, Any]:
     from lightning_p2r.planning.framework import FITTED
 
     result: dict[str, Any] = {}
+    for half in ("A", "B"):  # the model without fitted terms, on the same halves: what the fit changes
+        base = [r | {"predicted_s": r["base_s"], "error_pct": 100 * (r["base_s"] - r["measured_s"]) / r["measured_s"]}
+                for r in rows if r["half"] == half]
+        result[f"no fitted terms, half {half}"] = {"coefficients": {}} | scores(base)
     for fit_half, test_half in (("A", "B"), ("B", "A")):
         train = [r for r in rows if r["half"] == fit_half]
         test = [r for r in rows if r["half"] == test_half]
@@ -251,8 +255,11 @@ def print_scores(result: dict[str, Any]) -> None:
               f"predicted-best slower than measured-best by: {regret}")
 
 
-def run(args: Any, clusters: dict[int, Any]) -> dict[str, Any]:
-    """The protocol (see the module docstring); ``args`` are the planner benchmark's parsed options."""
+def run(args: Any, cluster_for: Any) -> dict[str, Any]:
+    """The protocol (see the module docstring); ``args`` are the planner benchmark's parsed options and
+    ``cluster_for(processes)`` the cluster of that many processes. It is asked for each process count just before
+    that count's layouts run (the draw is ordered by processes), so a calibration and the runs it prices see the
+    shared machine's load close together in time."""
     import csv
 
     from lightning_p2r.benchmarks.report import environment_info, print_environment, print_table, write_csv
@@ -270,6 +277,7 @@ def run(args: Any, clusters: dict[int, Any]) -> dict[str, Any]:
     else:
         rows = []
         for entry in sample_layouts(args.seed):
+            cluster_for(entry["processes"])
             row = {"model": entry["model"], "processes": entry["processes"], "half": entry["half"],
                    "layout": entry["layout"].describe(), "options": layout_options(entry["layout"])}
             load = os.getloadavg()[0]
@@ -284,7 +292,7 @@ def run(args: Any, clusters: dict[int, Any]) -> dict[str, Any]:
                   f"(load {row['load_avg_1m']}) {row['status'] if row['status'] != 'ok' else ''}", flush=True)
             write_csv(rows, out / "planner_cv.csv")  # after every run: an interrupted protocol keeps what it has
     measured = [r for r in rows if not math.isnan(r["measured_s"])]
-    predictions(measured, clusters)
+    predictions(measured, {n: cluster_for(n) for n in PROCESSES})
     result = cross_validate(measured)
     print_table(measured, ["half", "model", "processes", "layout", "measured_s", "base_s", "predicted_s",
                            "error_pct", "load_avg_1m"])

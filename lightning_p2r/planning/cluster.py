@@ -85,7 +85,8 @@ class Cluster:
     stage_overhead: float = 0.0
     """Seconds per pipeline stage action (one stage's forward or backward of one micro-batch); fitted."""
     dtensor_overhead: float = 0.0
-    """Seconds per tensor-parallel layer per micro-batch (DTensor dispatch); fitted."""
+    """Seconds per operator pass under tensor parallelism (DTensor dispatch, on top of ``operator_overhead``);
+    fitted."""
     host_device_bandwidth: float = 25e9
     """Bytes/s between a device and host memory, per direction (pinned memory)."""
     host_device_latency: float = 10e-6

@@ -1,5 +1,5 @@
 """Framework time the operator count misses: Python that runs per Lightning batch, per hooked module, per pipeline
-stage action and per tensor-parallel layer, on top of the operators ``operator_overhead`` prices.
+stage action and per tensor-parallel operator, on top of the operators ``operator_overhead`` prices.
 
 Each term is a count (a pure function of the model, the layout and the rank's share) times one constant of the
 cluster file. The constants are not measured by ``lightning-p2r calibrate`` one by one: they are fitted to measured
@@ -13,8 +13,9 @@ and judged on the other half (docs/planning.md). Each term's assumption, in one 
   executor or the offload engine drives runs Python hooks in forward and backward, once per micro-batch.
 - ``stage_overhead``: a pipeline schedule runs each stage's forward and backward per micro-batch as a separate
   action, with its Python bookkeeping and its send and receive calls.
-- ``dtensor_overhead``: under tensor parallelism each layer's parallel modules dispatch through DTensor, once per
-  micro-batch (the sharding propagation of each operator is Python).
+- ``dtensor_overhead``: under tensor parallelism the layers' operators dispatch through DTensor (sharding
+  propagation in Python), each forward and backward pass of each micro-batch: a cost per operator on top of
+  ``operator_overhead``, counted with the same operator count.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
+from .model import layer_operator_launches
 from .share import RankShare, rank_share
 
 FITTED = ("batch_overhead", "module_hook_overhead", "stage_overhead", "dtensor_overhead")
@@ -49,11 +51,14 @@ def pipeline_stage_actions(layout: Layout) -> int:
     return 2 * layout.stages_per_rank * layout.micro_batches
 
 
-def tensor_parallel_layer_passes(layout: Layout, share: RankShare) -> int:
-    """The rank's layers times micro-batches under tensor parallelism (none without it)."""
+def tensor_parallel_operator_passes(config: M6Config, layout: Layout, share: RankShare) -> int:
+    """Operators the rank's layers launch per step under tensor parallelism (none without it): forward and backward
+    (three forwards' worth, as ``operator_overhead`` counts them) of every micro-batch."""
     if layout.tensor_parallel == 1:
         return 0
-    return layout.micro_batches * len(share.layers)
+    local_experts = config.num_experts // layout.expert_parallel
+    launches = sum(layer_operator_launches(config, layer, local_experts) for layer in share.layers)
+    return 3 * layout.micro_batches * launches
 
 
 def fitted_counts(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
@@ -63,7 +68,7 @@ def fitted_counts(config: M6Config, layout: Layout, cluster: Cluster, workload: 
     return {"batch_overhead": extra_lightning_batches(layout),
             "module_hook_overhead": hooked_module_passes(layout, share, cluster.devices),
             "stage_overhead": pipeline_stage_actions(layout),
-            "dtensor_overhead": tensor_parallel_layer_passes(layout, share)}
+            "dtensor_overhead": tensor_parallel_operator_passes(config, layout, share)}
 
 
 def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,

@@ -14,7 +14,7 @@
   reduce-scatter (or the first block's copy) shows; otherwise all of it.
 - **overhead**: the framework's fixed cost per step, measured by ``lightning-p2r calibrate``.
 - **framework**: Python time per Lightning batch beyond the first, per hooked module, per pipeline action and per
-  tensor-parallel layer, each per micro-batch (:mod:`lightning_p2r.planning.framework`: fitted constants).
+  tensor-parallel operator, each per micro-batch (:mod:`lightning_p2r.planning.framework`: fitted constants).
 - **optimizer**: the device's Adam step over its resident parameters (``optimizer_seconds_per_param``) and the
   host's over offloaded ones (``host_optimizer_seconds_per_param``).
 - **weight traffic**: every micro-batch reads each local weight in its forward and input-gradient matmuls (once
@@ -62,7 +62,7 @@ class StepEstimate:
     overhead: float = 0.0
     """The framework's fixed cost per step (``Cluster.step_overhead``)."""
     framework: float = 0.0
-    """Framework time that grows with micro-batches, hooked modules, pipeline actions and tensor-parallel layers
+    """Framework time that grows with micro-batches, hooked modules, pipeline actions and tensor-parallel operators
     (:mod:`lightning_p2r.planning.framework`; zero with a cluster file that has no such constants)."""
 
     @property
