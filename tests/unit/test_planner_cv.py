@@ -107,3 +107,22 @@ def test_cross_validation_scores_only_the_held_out_half() -> None:
         assert scores["max_abs_error_pct"] == pytest.approx(0, abs=1e-6)
         assert scores["worst_best_regret_pct"] == pytest.approx(0)
     assert {r["fitted_on"] for r in rows if r["half"] == "A"} == {"B"}
+
+
+def test_projection_bands_come_from_the_held_out_errors(tmp_path) -> None:
+    import json
+
+    from lightning_p2r.benchmarks.projections import band, cross_validated_bands, with_bands
+
+    assert band(10.0, 25) == pytest.approx((8.0, 10 / 0.75))
+    assert band(10.0, 100)[1] == math.inf
+    path = tmp_path / "scores.json"
+    assert cross_validated_bands(path) == {}
+    path.write_text(json.dumps({"no fitted terms, half A": {"median_abs_error_pct": 50, "max_abs_error_pct": 90},
+                                "fit A, test B": {"median_abs_error_pct": 12, "max_abs_error_pct": 30},
+                                "fit B, test A": {"median_abs_error_pct": 15, "max_abs_error_pct": 25}}))
+    bands = cross_validated_bands(path)
+    assert bands == {"typical": 15, "worst": 30}
+    rows = [{"step_s": 10.0}, {"layout": "none fits"}]
+    with_bands(rows, bands)
+    assert rows[0]["step_s_worst_band"] == "7.69-14.3" and "step_s_typical_band" not in rows[1]
