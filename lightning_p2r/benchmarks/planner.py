@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "fixed layouts")
     parser.add_argument("--measured", help="with --cross-validate: re-evaluate this planner_cv.csv, run nothing")
     parser.add_argument("--seed", type=int, default=0, help="with --cross-validate: the layout sample's seed")
+    parser.add_argument("--repeat-of", help="with --cross-validate: an earlier planner_cv.csv of the same seed, to "
+                        "report how far the same layouts measured apart (the machine's noise)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--layouts", type=str, default=",".join(LAYOUTS), help="comma-separated, of: " +
                         ", ".join(LAYOUTS))

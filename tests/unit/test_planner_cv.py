@@ -126,3 +126,13 @@ def test_projection_bands_come_from_the_held_out_errors(tmp_path) -> None:
     rows = [{"step_s": 10.0}, {"layout": "none fits"}]
     with_bands(rows, bands)
     assert rows[0]["step_s_worst_band"] == "7.69-14.3" and "step_s_typical_band" not in rows[1]
+
+
+def test_repeatability_compares_the_same_layouts_of_two_runs() -> None:
+    now = [{"model": "dense", "processes": 1, "layout": "none", "measured_s": 0.2},
+           {"model": "moe", "processes": 2, "layout": "tp2", "measured_s": 0.3}]
+    earlier = [{"model": "dense", "processes": "1", "layout": "none", "measured_s": "0.1"},
+               {"model": "moe", "processes": "2", "layout": "tp2", "measured_s": "0.3"},
+               {"model": "deep", "processes": "4", "layout": "pp2", "measured_s": "nan"}]
+    assert planner_cv.repeatability(now, earlier) == {"layouts": 2, "median_pct": 50.0, "max_pct": 100.0}
+    assert planner_cv.repeatability(now, []) == {}
