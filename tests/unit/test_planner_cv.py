@@ -136,3 +136,11 @@ def test_repeatability_compares_the_same_layouts_of_two_runs() -> None:
                {"model": "deep", "processes": "4", "layout": "pp2", "measured_s": "nan"}]
     assert planner_cv.repeatability(now, earlier) == {"layouts": 2, "median_pct": 50.0, "max_pct": 100.0}
     assert planner_cv.repeatability(now, []) == {}
+
+
+def test_best_of_keeps_the_faster_of_each_calibrated_constant() -> None:
+    slow = Cluster(devices=2, devices_per_node=2, device_flops=1e10, operator_overhead=2e-5, intra_node_latency=1e-4)
+    fast = Cluster(devices=2, devices_per_node=2, device_flops=2e10, operator_overhead=3e-5, intra_node_latency=5e-5)
+    best = planner_cv.best_of(slow, fast)
+    assert (best.device_flops, best.operator_overhead, best.intra_node_latency) == (2e10, 2e-5, 5e-5)
+    assert best.devices == 2 and best.overlap_collectives == slow.overlap_collectives
