@@ -279,8 +279,19 @@ def repeatability(rows: list[dict[str, Any]], earlier: list[dict[str, Any]]) -> 
             "max_pct": max(differences)}
 
 
+def passes_spread(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """:func:`repeatability` of pass 2 against pass 1 of the same rows (empty with one pass)."""
+    if not rows or "pass2_s" not in rows[0]:
+        return {}
+    first = [r | {"measured_s": float(r["pass1_s"])} for r in rows]
+    second = [r | {"measured_s": float(r["pass2_s"])} for r in rows if not math.isnan(float(r["pass2_s"]))]
+    return repeatability(second, first)
+
+
 def print_scores(result: dict[str, Any]) -> None:
     for direction, s in result.items():
+        if "coefficients" not in s:  # the passes' or runs' spread, printed where it is measured
+            continue
         coefficients = ", ".join(f"{k}={v:.3g}" for k, v in s["coefficients"].items()) or "none"
         per_model = ", ".join(f"{m} {v:+.2f}" for m, v in s["spearman_per_model"].items())
         regret = ", ".join(f"{m} {v:.1f}%" for m, v in s["best_regret_pct"].items())
@@ -338,20 +349,17 @@ def run(args: Any, cluster_for: Any) -> dict[str, Any]:
                       f"(load {row[f'pass{number}_load_avg_1m']}) {row['status'] if row['status'] != 'ok' else ''}",
                       flush=True)
                 write_csv(rows, out / "planner_cv.csv")  # after every run: an interrupted protocol keeps what it has
-        if passes > 1:
-            first = [r | {"measured_s": r["pass1_s"]} for r in rows]
-            second = [r | {"measured_s": r["pass2_s"]} for r in rows if not math.isnan(r["pass2_s"])]
-            spread = repeatability(second, first)
-            print(f"pass 2 against pass 1, the same layouts: median difference "
-                  f"{spread.get('median_pct', math.nan):.0f}%, largest {spread.get('max_pct', math.nan):.0f}%")
     measured = [r for r in rows if not math.isnan(r["measured_s"])]
     predictions(measured, {n: cluster_for(n) for n in PROCESSES})
     result = cross_validate(measured)
-    if not args.measured and max(1, getattr(args, "passes", 1)) > 1:
-        result["passes"] = spread
+    spread = passes_spread(rows)
     print_table(measured, ["half", "model", "processes", "layout", "measured_s", "base_s", "predicted_s",
                            "error_pct", "load_avg_1m"])
     print_scores(result)
+    if spread:
+        result["passes"] = spread
+        print(f"pass 2 against pass 1, the same layouts: median difference {spread['median_pct']:.0f}%, largest "
+              f"{spread['max_pct']:.0f}% ({spread['layouts']} layouts)")
     if args.repeat_of:
         with open(args.repeat_of, encoding="utf-8") as file:
             result["repeatability"] = repeatability(measured, list(csv.DictReader(file)))

@@ -107,6 +107,10 @@ def test_cross_validation_scores_only_the_held_out_half() -> None:
         assert scores["max_abs_error_pct"] == pytest.approx(0, abs=1e-6)
         assert scores["worst_best_regret_pct"] == pytest.approx(0)
     assert {r["fitted_on"] for r in rows if r["half"] == "A"} == {"B"}
+    planner_cv.print_scores(result | {"passes": {"layouts": 8, "median_pct": 1.0, "max_pct": 2.0}})
+    two_passes = [{"model": "dense", "processes": 1, "layout": "none", "pass1_s": 0.2, "pass2_s": 0.1}]
+    assert planner_cv.passes_spread(two_passes) == {"layouts": 1, "median_pct": 100.0, "max_pct": 100.0}
+    assert planner_cv.passes_spread(rows) == {}
 
 
 def test_projection_bands_come_from_the_held_out_errors(tmp_path) -> None:
