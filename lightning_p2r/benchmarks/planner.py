@@ -1,6 +1,7 @@
 """The planner's predicted step time against measured CPU runs of the same layouts.
 
     python -m lightning_p2r.benchmarks.planner [--clusters DIR] [--layouts ...] [--steps 12] [--out DIR] [--quick]
+    python -m lightning_p2r.benchmarks.planner --cross-validate [--clusters DIR] [--measured CSV] [--seed 0]
 
 The machine is described by one cluster file per process count (``cluster-1.yaml``, ``cluster-2.yaml``: on this
 CPU-only machine processes share memory bandwidth and caches, so two busy processes are each slower than one
@@ -9,12 +10,15 @@ per process, the way every benchmark worker runs) and written next to the result
 benchmark's MoE M6 (fp32, dropless, every other layer MoE) for a few steps on gloo processes; the measured step is
 the median optimizer-step interval after warm-up (rank 0's). The prediction is
 ``lightning_p2r.planning.estimate_step`` for the same model, layout, batch and cluster, with its parts. The table
-gives both and the error; the issue's bar is 25%.
+gives both and the error; the issue's bar is 25%. ``--cross-validate`` runs the held-out protocol of
+:mod:`lightning_p2r.benchmarks.planner_cv` instead (a random sample of layouts and three models; the fitted
+constants are fitted on one half and judged on the other).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -59,10 +63,13 @@ def _worker(spec: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     from lightning_p2r import P2RStrategy
-    from lightning_p2r.measure.run import fit_on_random_tokens
+    from lightning_p2r.measure.run import OptimizerStepTimer, fit_on_random_tokens
 
-    trainer, _, step_s = fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"]), warmup=WARMUP)
-    report = {"rank": trainer.global_rank, "step_s": step_s}
+    timer = OptimizerStepTimer()
+    trainer, _, step_s = fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"]), warmup=WARMUP,
+                                              callbacks=(timer,))
+    intervals = [b - a for a, b in zip(timer.ends[WARMUP - 1:], timer.ends[WARMUP:])]
+    report = {"rank": trainer.global_rank, "step_s": step_s, "min_step_s": min(intervals)}
     Path(spec["out"]).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.barrier()
@@ -87,29 +94,70 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from lightning_p2r.planning import load_cluster, write_cluster
 
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--clusters", help="a folder with cluster-<processes>.yaml files of this machine (default: "
-                        "calibrate now)")
-    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--clusters", help="a folder with cluster-<processes>.yaml files of this machine (or, with "
+                        "--cross-validate, planner_cv_cluster-<processes>.yaml; default: calibrate now)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per layout (default 12; 8 with --cross-validate)")
+    parser.add_argument("--cross-validate", action="store_true",
+                        help="the cross-validation protocol (lightning_p2r.benchmarks.planner_cv) instead of the "
+                             "fixed layouts")
+    parser.add_argument("--measured", help="with --cross-validate: re-evaluate this planner_cv.csv, run nothing")
+    parser.add_argument("--seed", type=int, default=0, help="with --cross-validate: the layout sample's seed")
+    parser.add_argument("--passes", type=int, default=1, help="with --cross-validate: measure every layout this many "
+                        "times (each pass recalibrates) and keep the fastest median; the passes' spread is reported")
+    parser.add_argument("--repeat-of", help="with --cross-validate: an earlier planner_cv.csv of the same seed, to "
+                        "report how far the same layouts measured apart (the machine's noise)")
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--layouts", type=str, default=",".join(LAYOUTS), help="comma-separated, of: " +
                         ", ".join(LAYOUTS))
     args = parser.parse_args(argv)
     names = chosen_layouts(parser, args.layouts, LAYOUTS)
+    if args.measured and not args.cross_validate:
+        parser.error("--measured needs --cross-validate")
     if args.quick:
         args.steps = WARMUP + 2
+    args.steps = args.steps or (8 if args.cross_validate else 12)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    clusters = {}
-    for processes in sorted({LAYOUTS[name]["devices"] for name in names}):
-        if args.clusters:
-            try:
-                clusters[processes] = load_cluster(Path(args.clusters) / f"cluster-{processes}.yaml")
-            except ValueError as error:
-                parser.error(str(error))
-        else:
-            clusters[processes] = calibrate(processes=processes, threads=1, quick=args.quick)
-            write_cluster(clusters[processes], out / f"cluster-{processes}.yaml",
-                          f"Calibrated by python -m lightning_p2r.benchmarks.planner ({processes} processes)")
+    if args.cross_validate:
+        from lightning_p2r.benchmarks import planner_cv
+
+        process_counts = planner_cv.PROCESSES
+        prefix = "planner_cv_cluster"
+    else:
+        process_counts = tuple(sorted({LAYOUTS[name]["devices"] for name in names}))
+        prefix = "cluster"
+    clusters: dict[int, Any] = {}
+
+    def cluster_for(processes: int, refresh: bool = False) -> Any:
+        # Calibrated on first use (the protocol asks just before its runs); ``refresh`` calibrates again and keeps the
+        # faster of each constant (a later pass of the protocol: contention only ever slows a measurement down).
+        if refresh and processes in clusters and not args.clusters:
+            from lightning_p2r.benchmarks.planner_cv import best_of
+
+            print(f"calibrating {processes} process(es) again, load {os.getloadavg()[0]:.2f}", flush=True)
+            clusters[processes] = best_of(clusters[processes], calibrate(processes=processes, threads=1,
+                                                                         quick=args.quick))
+            write_cluster(clusters[processes], out / f"{prefix}-{processes}.yaml",
+                          f"The faster of each constant of {processes}-process calibrations (one thread per process)")
+        if processes not in clusters:
+            if args.clusters:
+                try:
+                    folder = Path(args.clusters)  # the protocol's own files first, then calibrate's names
+                    path = folder / f"{prefix}-{processes}.yaml"
+                    clusters[processes] = load_cluster(path if path.is_file() else folder / f"cluster-{processes}.yaml")
+                except ValueError as error:
+                    parser.error(str(error))
+            else:
+                print(f"calibrating {processes} process(es), load {os.getloadavg()[0]:.2f}", flush=True)
+                clusters[processes] = calibrate(processes=processes, threads=1, quick=args.quick)
+            write_cluster(clusters[processes], out / f"{prefix}-{processes}.yaml",
+                          f"Calibrated by lightning-p2r calibrate --processes {processes} (one thread per process)")
+        return clusters[processes]
+
+    if args.cross_validate:
+        return planner_cv.run(args, cluster_for)
+    for processes in process_counts:
+        cluster_for(processes)
     model = model_config(args.quick)
     env = environment_info("cpu")
     print_environment(env)

@@ -14,7 +14,9 @@ Three scenarios, each with its assumptions in ``SCENARIOS`` below and in docs/pl
 3. **ZeRO's 100B model on 400 V100s**: the paper's layout (tensor parallel 16 inside a DGX-2, ZeRO-2 over 25 data
    ranks) priced, and the fastest layout the planner finds; TFLOP/s per GPU next to the paper's 38.
 
-Prints each table, writes ``projections.csv``, ``projection_bandwidth.png`` and ``projection_breakdown.png``.
+Prints each table, writes ``projections.csv``, ``projection_bandwidth.png`` and ``projection_breakdown.png``. Each
+step time carries the band the planner's cross-validation supports (``docs/benchmarks/planner_cv_scores.json``:
+the held-out median and largest |error| on CPU): a floor on the uncertainty, since the GPU constants are assumed.
 """
 
 from __future__ import annotations
@@ -206,17 +208,55 @@ def save_sweep(path: Path, sweeps: dict[str, list[tuple[float, float]]]) -> Path
     return path
 
 
+CROSS_VALIDATION = Path("docs/benchmarks/planner_cv_scores.json")
+
+
+def cross_validated_bands(path: Path = CROSS_VALIDATION) -> dict[str, float]:
+    """The held-out |error| (%) the planner's cross-validation measured (``benchmarks.planner --cross-validate``):
+    "typical", the larger of the two directions' medians, and "worst", the largest; empty without the file."""
+    import json
+
+    if not path.is_file():
+        return {}
+    scores = [v for k, v in json.loads(path.read_text()).items() if k.startswith("fit ")]
+    return {"typical": max(s["median_abs_error_pct"] for s in scores),
+            "worst": max(s["max_abs_error_pct"] for s in scores)}
+
+
+def band(step: float, error_pct: float) -> tuple[float, float]:
+    """The step times a prediction ``step`` allows when the prediction errs by at most ``error_pct`` of the
+    measured step: (step / (1 + e), step / (1 - e)); no upper bound from an error of 100% or more."""
+    e = error_pct / 100
+    return step / (1 + e), (step / (1 - e) if e < 1 else float("inf"))
+
+
+def with_bands(rows: list[dict[str, Any]], bands: dict[str, float]) -> None:
+    for row in rows:
+        if "step_s" in row:
+            for name, error in bands.items():
+                low, high = band(row["step_s"], error)
+                row[f"step_s_{name}_band"] = f"{low:.3g}-{high:.3g}"
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--cross-validation", type=Path, default=CROSS_VALIDATION,
+                        help="the planner cross-validation's scores, for the error bands (default: %(default)s)")
     args = parser.parse_args(argv if argv is not None else sys.argv[1:])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = m6_10t(args.quick)
     dense_rows, sweeps = dense_1t(args.quick)
     rows += dense_rows + zero_100b(args.quick)
+    bands = cross_validated_bands(args.cross_validation)
+    with_bands(rows, bands)
     columns = ["scenario", "parameters", "devices", "global_batch", "layout", "fits", "step_s", "tokens_per_s",
                "tflops_per_device", "device_GB", "host_GB", "bubble_s", "exposed_comm_s", "note"]
+    columns[7:7] = [f"step_s_{name}_band" for name in bands]
     print("PROJECTIONS of the cost model, not measurements (assumptions: docs/planning.md)")
+    if bands:
+        print(f"error bands: the planner's held-out |error| on CPU (median {bands['typical']:.0f}%, largest "
+              f"{bands['worst']:.0f}%, {args.cross_validation}); GPU constants here are assumed, not calibrated")
     print_table(rows, columns)
     thresholds = []
     for family, sweep in sweeps.items():

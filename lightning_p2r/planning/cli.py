@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--memory-headroom", type=float, default=0.9,
                         help="share of device memory a plan may fill (default 0.9)")
     parser.add_argument("--csv", help="also write every fitting layout's row to this CSV file")
+    parser.add_argument("--trial", type=int, metavar="K",
+                        help="then run the K best layouts on this machine for a few steps (random tokens, no "
+                             "checkpoint), print measured beside predicted and recommend the measured best")
+    parser.add_argument("--trial-steps", type=int, default=6,
+                        help="optimizer steps per trial, the first 2 untimed (default 6)")
     return parser
 
 
@@ -174,6 +179,16 @@ def main(argv: list[str]) -> None:
         parser.error(str(error))
     if args.top < 1 or not 0 < args.memory_headroom <= 1:
         parser.error("--top must be >= 1 and --memory-headroom in (0, 1]")
+    accelerator = "cpu"
+    if args.trial is not None:
+        from ..measure.trial import machine_devices, trial_refusal
+
+        accelerator, available = machine_devices()
+        refusal = trial_refusal(args.trial, cluster.devices, accelerator, available)
+        if refusal is None and args.trial_steps < 3:
+            refusal = f"--trial-steps must be >= 3 (2 warm-up steps, then timed ones), got {args.trial_steps}"
+        if refusal:
+            parser.error(refusal)
     space = SearchSpace()
     changes = {"shardings": _names(args.sharding, SHARDINGS, "--sharding", parser),
                "schedules": _names(args.schedules, SCHEDULES, "--schedules", parser),
@@ -195,12 +210,32 @@ def main(argv: list[str]) -> None:
     print(format_rows(rows, columns))
     print("\nall figures are predictions of the cost model (docs/planning.md); the best layout as a recipe fragment:")
     print(strategy_fragment(plans[0], workload, cluster))
+    if args.trial is not None:
+        trial(config, plans[: args.trial], workload, cluster, args.trial_steps, accelerator)
     if args.csv:
         every = plan_rows(plans, workload, None, cluster)
         with open(args.csv, "w", newline="") as file:
             writer = csv.DictWriter(file, fieldnames=columns[:-1] if pseudo else columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(every)
+
+
+def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Cluster, steps: int,
+          accelerator: str) -> list[dict[str, Any]]:
+    """Run ``plans`` on this machine (``lightning_p2r.measure.trial``), print measured beside predicted and the
+    measured best as a recipe fragment; returns the rows."""
+    from ..measure.trial import run_trials
+
+    print(f"\ntrials: the {len(plans)} best layouts, {steps} optimizer steps each on {cluster.devices} "
+          f"{accelerator} process(es), random tokens")
+    rows = run_trials(config, [(p.layout, p.step.total) for p in plans], workload, devices=cluster.devices,
+                      steps=steps, accelerator=accelerator)
+    print(format_rows(rows, ["rank", "layout", "predicted_s", "measured_s", "error_pct", "load_avg_1m"]))
+    best = min(range(len(rows)), key=lambda i: rows[i]["measured_s"])
+    print(f"\nmeasured best: rank {rows[best]['rank']} ({rows[best]['layout']}, {rows[best]['measured_s']:.4g} s "
+          "per step); timings on a shared machine are noisy (load_avg_1m): as a recipe fragment:")
+    print(strategy_fragment(plans[best], workload, cluster))
+    return rows
 
 
 def _describe_model(config: M6Config) -> str:

@@ -76,6 +76,17 @@ class Cluster:
     step_overhead: float = 0.0
     """Seconds of fixed cost per optimizer step outside the model (the Trainer's hooks and logging, the strategy's
     cross-rank checks)."""
+    batch_overhead: float = 0.0
+    """Seconds per Lightning batch beyond the first of a step (standard accumulation repeats Lightning's batch loop);
+    fitted, not measured (``lightning_p2r.planning.framework``)."""
+    module_hook_overhead: float = 0.0
+    """Seconds per hooked module (FSDP2 unit, a block the layered executor or offload engine drives) per
+    micro-batch; fitted."""
+    stage_overhead: float = 0.0
+    """Seconds per pipeline stage action (one stage's forward or backward of one micro-batch); fitted."""
+    dtensor_overhead: float = 0.0
+    """Seconds per operator pass under tensor parallelism (DTensor dispatch, on top of ``operator_overhead``);
+    fitted."""
     host_device_bandwidth: float = 25e9
     """Bytes/s between a device and host memory, per direction (pinned memory)."""
     host_device_latency: float = 10e-6
@@ -140,7 +151,8 @@ class Cluster:
         return dataclasses.asdict(self)
 
 
-_TIMES = {"operator_overhead", "step_overhead", "host_device_latency", "intra_node_latency", "inter_node_latency",
+_TIMES = {"operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
+          "dtensor_overhead", "host_device_latency", "intra_node_latency", "inter_node_latency",
           "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}
 
 

@@ -13,6 +13,8 @@
   (``overlap_collectives``, ``overlap_copies``): then only what exceeds the compute, plus the last unit's
   reduce-scatter (or the first block's copy) shows; otherwise all of it.
 - **overhead**: the framework's fixed cost per step, measured by ``lightning-p2r calibrate``.
+- **framework**: Python time per Lightning batch beyond the first, per hooked module, per pipeline action and per
+  tensor-parallel operator, each per micro-batch (:mod:`lightning_p2r.planning.framework`: fitted constants).
 - **optimizer**: the device's Adam step over its resident parameters (``optimizer_seconds_per_param``) and the
   host's over offloaded ones (``host_optimizer_seconds_per_param``).
 - **weight traffic**: every micro-batch reads each local weight in its forward and input-gradient matmuls (once
@@ -30,6 +32,7 @@ from dataclasses import dataclass, fields
 from ..layout import bubble_fraction as pipeline_bubble
 from ..models.config import M6Config
 from .cluster import Cluster
+from .framework import framework_seconds
 from .layout import Layout, Workload
 from .memory import stored_elements, unsharded_elements
 from .model import (
@@ -58,6 +61,9 @@ class StepEstimate:
     optimizer: float
     overhead: float = 0.0
     """The framework's fixed cost per step (``Cluster.step_overhead``)."""
+    framework: float = 0.0
+    """Framework time that grows with micro-batches, hooked modules, pipeline actions and tensor-parallel operators
+    (:mod:`lightning_p2r.planning.framework`; zero with a cluster file that has no such constants)."""
 
     @property
     def total(self) -> float:
@@ -148,7 +154,8 @@ def estimate_step(config: M6Config, layout: Layout, cluster: Cluster, workload: 
                         expert_parallel=parts["expert parallel"], pipeline_sends=parts["pipeline"],
                         data_parallel=data, offload_copies=copies,
                         optimizer=_optimizer_seconds(config, layout, cluster, workload, share),
-                        overhead=cluster.step_overhead)
+                        overhead=cluster.step_overhead,
+                        framework=framework_seconds(config, layout, cluster, workload, share))
 
 
 def _optimizer_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,

@@ -1,0 +1,105 @@
+"""Measured trials of planned layouts: ``lightning-p2r plan --trial K`` runs each of the K best layouts that fit this
+machine for a few optimizer steps (the recipe's model and batch, random tokens, no checkpoint, no logger) and puts
+the measured step beside the predicted one.
+
+A layout runs in a fresh worker process (Lightning's launcher starts its other ranks), one thread per process, as
+the planner benchmark runs its layouts (:func:`~lightning_p2r.measure.run.run_rank_worker`); the measured step is
+rank 0's median optimizer-step interval after the warm-up steps. The prediction is only comparable when the cluster
+file describes this machine (``lightning-p2r calibrate``); otherwise the trial still ranks the layouts by what they
+measure here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from ..models.config import M6Config
+from ..planning.layout import Layout, Workload
+
+WARMUP = 2
+"""Optimizer steps a trial runs before it starts timing (first-step allocations, lazy initialization)."""
+
+
+def machine_devices() -> tuple[str, int]:
+    """(accelerator, devices) this machine can run a trial on: its CUDA GPUs, or one CPU process per core."""
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda", torch.cuda.device_count()
+    return "cpu", os.cpu_count() or 1
+
+
+def trial_refusal(trials: int, devices: int, accelerator: str, available: int) -> str | None:
+    """Why ``--trial trials`` cannot run layouts of ``devices`` devices on this machine (None when it can)."""
+    if trials < 1:
+        return f"--trial must be >= 1 (the number of best layouts to run), got {trials}"
+    if devices > available:
+        unit = "GPUs" if accelerator == "cuda" else "CPU cores (one training process each)"
+        return (f"--trial: the layouts need {devices} devices and this machine has {available} {unit}; "
+                f"plan with --devices {available} or fewer to run trials here")
+    return None
+
+
+def trial_spec(config: M6Config, layout: Layout, workload: Workload, *, devices: int, steps: int,
+               accelerator: str, out: str) -> dict[str, Any]:
+    """The worker spec that trains ``config`` with ``layout`` on ``devices`` processes (see
+    :func:`~lightning_p2r.measure.run.fit_on_random_tokens`): the Trainer accumulates the micro-batches of standard
+    accumulation without a pipeline (``Layout.trainer_accumulation``), the strategy everything else."""
+    return {"name": layout.describe(), "model": asdict(config), "devices": devices, "steps": steps,
+            "global_batch": workload.global_batch, "seq_len": workload.seq_len, "precision": workload.precision,
+            "accumulate_grad_batches": layout.trainer_accumulation, "strategy": layout.strategy_options(),
+            "accelerator": accelerator, "out": out}
+
+
+def run_trial(spec: dict[str, Any], timeout: int = 1800) -> float:
+    """Seconds per optimizer step of ``spec`` measured in a worker process (rank 0's median after warm-up)."""
+    from .run import run_rank_worker
+
+    return run_rank_worker("lightning_p2r.measure.trial", spec, timeout)[0]["step_s"]
+
+
+def run_trials(config: M6Config, layouts: list[tuple[Layout, float]], workload: Workload, *, devices: int,
+               steps: int, accelerator: str) -> list[dict[str, Any]]:
+    """Measure each (layout, predicted seconds) in turn; rows in the given order with ``measured_s`` and the
+    prediction's error relative to the measurement."""
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for rank, (layout, predicted) in enumerate(layouts, 1):
+            spec = trial_spec(config, layout, workload, devices=devices, steps=steps, accelerator=accelerator,
+                              out=str(Path(folder) / f"trial{rank}"))
+            measured = run_trial(spec)
+            rows.append({"rank": rank, "layout": layout.describe(), "predicted_s": predicted, "measured_s": measured,
+                         "error_pct": 100 * (predicted - measured) / measured, "load_avg_1m": _load()})
+            print(f"trial {rank}/{len(layouts)}: {layout.describe()}: measured {measured:.4g} s, predicted "
+                  f"{predicted:.4g} s", flush=True)
+    return rows
+
+
+def _load() -> float:
+    return round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else float("nan")
+
+
+def _worker(spec: dict[str, Any]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ..strategy import P2RStrategy
+    from .run import fit_on_random_tokens
+
+    torch.set_num_threads(1)
+    trainer, _, step_s = fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"]),
+                                              warmup=min(WARMUP, spec["steps"] - 1))
+    Path(spec["out"]).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps({"step_s": step_s}))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        _worker(json.loads(sys.argv[2]))

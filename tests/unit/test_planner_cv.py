@@ -1,0 +1,150 @@
+"""The planner's cross-validation protocol (its pure parts: the draw, the fit, the scores) and the framework terms of
+the cost model."""
+
+import math
+
+import pytest
+
+from lightning_p2r.benchmarks import planner_cv
+from lightning_p2r.models.config import M6Config
+from lightning_p2r.planning import Cluster, Workload, estimate_step
+from lightning_p2r.planning.framework import (
+    extra_lightning_batches,
+    fitted_counts,
+    framework_seconds,
+    hooked_module_passes,
+    pipeline_stage_actions,
+    tensor_parallel_operator_passes,
+)
+from lightning_p2r.planning.layout import Layout
+from lightning_p2r.planning.share import rank_share
+
+CONFIG = M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=16, num_heads=2, moe_layers=[], init_seed=0)
+WORKLOAD = Workload(global_batch=8, seq_len=16)
+
+
+def _share(layout: Layout, devices: int):
+    return rank_share(CONFIG, layout, Cluster(devices=devices, devices_per_node=devices), WORKLOAD)
+
+
+def test_extra_lightning_batches_count_only_the_trainers_accumulation() -> None:
+    assert extra_lightning_batches(Layout(micro_batches=4)) == 3
+    assert extra_lightning_batches(Layout(micro_batches=4, accumulation="layered")) == 0
+    assert extra_lightning_batches(Layout(micro_batches=4, pipeline_parallel=2)) == 0
+
+
+def test_hooked_modules_are_the_blocks_and_a_root_per_micro_batch_where_blocks_are_driven_one_by_one() -> None:
+    assert hooked_module_passes(Layout(), _share(Layout(), 1), 1) == 0  # plain single process
+    assert hooked_module_passes(Layout(), _share(Layout(), 2), 2) == 0  # DDP
+    zero3 = Layout(sharding="zero3", micro_batches=2)
+    assert hooked_module_passes(zero3, _share(zero3, 2), 2) == 2 * (4 + 1)
+    layered = Layout(accumulation="layered", micro_batches=4)
+    assert hooked_module_passes(layered, _share(layered, 1), 1) == 4 * 5
+    pipeline = Layout(pipeline_parallel=2, micro_batches=2)
+    assert hooked_module_passes(pipeline, _share(pipeline, 2), 2) == 2 * (2 + 1)  # the rank's 2 blocks
+
+
+def test_pipeline_actions_and_tensor_parallel_operators() -> None:
+    assert pipeline_stage_actions(Layout()) == 0
+    assert pipeline_stage_actions(Layout(pipeline_parallel=2, stages_per_rank=2, micro_batches=4,
+                                         pipeline_schedule="looped_bfs")) == 16
+    tp = Layout(tensor_parallel=2, micro_batches=2)
+    assert tensor_parallel_operator_passes(CONFIG, tp, _share(tp, 2)) == 3 * 2 * 4 * 30  # 30 per dense layer
+    assert tensor_parallel_operator_passes(CONFIG, Layout(), _share(Layout(), 2)) == 0
+
+
+def test_framework_seconds_are_counts_times_the_clusters_constants_and_join_the_step() -> None:
+    layout = Layout(sharding="zero3", micro_batches=2)
+    plain = Cluster(devices=2, devices_per_node=2)
+    fitted = Cluster(devices=2, devices_per_node=2, batch_overhead=0.01, module_hook_overhead=0.001)
+    counts = fitted_counts(CONFIG, layout, fitted, WORKLOAD)
+    assert counts == {"batch_overhead": 1, "module_hook_overhead": 10, "stage_overhead": 0, "dtensor_overhead": 0}
+    assert framework_seconds(CONFIG, layout, plain, WORKLOAD) == 0
+    assert framework_seconds(CONFIG, layout, fitted, WORKLOAD) == pytest.approx(0.02)
+    difference = estimate_step(CONFIG, layout, fitted, WORKLOAD).total - estimate_step(CONFIG, layout, plain,
+                                                                                        WORKLOAD).total
+    assert difference == pytest.approx(0.02)
+
+
+def test_spearman_and_the_nonnegative_fit() -> None:
+    assert planner_cv.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+    assert planner_cv.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
+    assert planner_cv.spearman([1, 2, 2], [1, 2, 3]) == pytest.approx(math.sqrt(3) / 2)
+    assert math.isnan(planner_cv.spearman([1, 2], [1, 2]))
+    # residual = 2 * x0 (x1 would need a negative coefficient: the fit leaves it at zero)
+    features = [[1, 1], [2, 0], [3, 2], [4, 1]]
+    coefficients = planner_cv.fit_nonnegative(features, [2.0 * f[0] for f in features])
+    assert coefficients == pytest.approx([2.0, 0.0])
+    assert planner_cv.fit_nonnegative([[1.0], [2.0]], [-1.0, -2.0]) == [0.0]
+
+
+def test_the_draw_is_seeded_split_in_halves_and_from_the_planners_space() -> None:
+    first, again = planner_cv.sample_layouts(3), planner_cv.sample_layouts(3)
+    assert [(d["model"], d["processes"], d["layout"], d["half"]) for d in first] == \
+        [(d["model"], d["processes"], d["layout"], d["half"]) for d in again]
+    assert len(first) >= 16 and {d["processes"] for d in first} == {1, 2, 4}
+    assert {d["model"] for d in first} == set(planner_cv.MODELS)
+    halves = [d["half"] for d in first]
+    assert abs(halves.count("A") - halves.count("B")) <= 1
+    for d in first:
+        assert d["layout"] in planner_cv.layout_pool(d["model"], d["processes"])
+        assert planner_cv.layout_of(planner_cv.layout_options(d["layout"])) == d["layout"]
+
+
+def test_cross_validation_scores_only_the_held_out_half() -> None:
+    rows = []
+    for i in range(8):
+        measured = 0.1 * (i + 1)
+        rows.append({"model": "dense" if i % 2 else "moe", "processes": 1, "half": "AB"[i % 2],
+                     "measured_s": measured, "base_s": measured - 0.05 * (i % 3),
+                     "feature_batch_overhead": i % 3, "feature_module_hook_overhead": 0,
+                     "feature_stage_overhead": 0, "feature_dtensor_overhead": 0})
+    result = planner_cv.cross_validate(rows)
+    assert result["no fitted terms, half A"]["max_abs_error_pct"] > 10  # the base model misses the batch term
+    for direction in ("fit A, test B", "fit B, test A"):
+        scores = result[direction]
+        assert scores["coefficients"]["batch_overhead"] == pytest.approx(0.05)
+        assert scores["max_abs_error_pct"] == pytest.approx(0, abs=1e-6)
+        assert scores["worst_best_regret_pct"] == pytest.approx(0)
+    assert {r["fitted_on"] for r in rows if r["half"] == "A"} == {"B"}
+    planner_cv.print_scores(result | {"passes": {"layouts": 8, "median_pct": 1.0, "max_pct": 2.0}})
+    two_passes = [{"model": "dense", "processes": 1, "layout": "none", "pass1_s": 0.2, "pass2_s": 0.1}]
+    assert planner_cv.passes_spread(two_passes) == {"layouts": 1, "median_pct": 100.0, "max_pct": 100.0}
+    assert planner_cv.passes_spread(rows) == {}
+
+
+def test_projection_bands_come_from_the_held_out_errors(tmp_path) -> None:
+    import json
+
+    from lightning_p2r.benchmarks.projections import band, cross_validated_bands, with_bands
+
+    assert band(10.0, 25) == pytest.approx((8.0, 10 / 0.75))
+    assert band(10.0, 100)[1] == math.inf
+    path = tmp_path / "scores.json"
+    assert cross_validated_bands(path) == {}
+    path.write_text(json.dumps({"no fitted terms, half A": {"median_abs_error_pct": 50, "max_abs_error_pct": 90},
+                                "fit A, test B": {"median_abs_error_pct": 12, "max_abs_error_pct": 30},
+                                "fit B, test A": {"median_abs_error_pct": 15, "max_abs_error_pct": 25}}))
+    bands = cross_validated_bands(path)
+    assert bands == {"typical": 15, "worst": 30}
+    rows = [{"step_s": 10.0}, {"layout": "none fits"}]
+    with_bands(rows, bands)
+    assert rows[0]["step_s_worst_band"] == "7.69-14.3" and "step_s_typical_band" not in rows[1]
+
+
+def test_repeatability_compares_the_same_layouts_of_two_runs() -> None:
+    now = [{"model": "dense", "processes": 1, "layout": "none", "measured_s": 0.2},
+           {"model": "moe", "processes": 2, "layout": "tp2", "measured_s": 0.3}]
+    earlier = [{"model": "dense", "processes": "1", "layout": "none", "measured_s": "0.1"},
+               {"model": "moe", "processes": "2", "layout": "tp2", "measured_s": "0.3"},
+               {"model": "deep", "processes": "4", "layout": "pp2", "measured_s": "nan"}]
+    assert planner_cv.repeatability(now, earlier) == {"layouts": 2, "median_pct": 50.0, "max_pct": 100.0}
+    assert planner_cv.repeatability(now, []) == {}
+
+
+def test_best_of_keeps_the_faster_of_each_calibrated_constant() -> None:
+    slow = Cluster(devices=2, devices_per_node=2, device_flops=1e10, operator_overhead=2e-5, intra_node_latency=1e-4)
+    fast = Cluster(devices=2, devices_per_node=2, device_flops=2e10, operator_overhead=3e-5, intra_node_latency=5e-5)
+    best = planner_cv.best_of(slow, fast)
+    assert (best.device_flops, best.operator_overhead, best.intra_node_latency) == (2e10, 2e-5, 5e-5)
+    assert best.devices == 2 and best.overlap_collectives == slow.overlap_collectives
