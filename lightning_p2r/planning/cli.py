@@ -42,12 +42,15 @@ def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise ValueError(f"{path}: model.config.{key} is not an M6Config field"
                              + (f"; did you mean {close[0]}?" if close else ""))
-    try:
-        config = M6Config(**model)
-    except ValueError as error:
-        raise ValueError(f"{path}: model.config: {error}") from None
     trainer = recipe.get("trainer") or {}
     data = recipe.get("data") or {}
+    # Linked as `lightning-p2r fit` links them: the data's sequence length and vocabulary size are the model's.
+    vocab_size = data.get("vocab_size") or (256 if data.get("tokenizer") == "bytes" else None)
+    linked = {"max_seq_len": data.get("seq_len", 128)} | ({"vocab_size": vocab_size} if vocab_size else {})
+    try:
+        config = M6Config(**(model | linked))
+    except ValueError as error:
+        raise ValueError(f"{path}: model.config: {error}") from None
     strategy = ((trainer.get("strategy") or {}).get("init_args") or {}) if isinstance(trainer.get("strategy"),
                                                                                       dict) else {}
     devices = trainer.get("devices", 1)
@@ -175,6 +178,7 @@ def main(argv: list[str]) -> None:
         if args.devices is not None:
             cluster = cluster.with_devices(args.devices)
         workload = workload_for(settings, args)
+        config = dataclasses.replace(config, max_seq_len=workload.seq_len)  # --seq-len, linked as fit links it
     except ValueError as error:
         parser.error(str(error))
     if args.top < 1 or not 0 < args.memory_headroom <= 1:

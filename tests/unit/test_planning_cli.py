@@ -90,3 +90,19 @@ def test_plan_names_a_wrong_model_field_of_the_recipe(capsys, tmp_path) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--cluster", str(CLUSTER), "--config", str(recipe)])
     assert "model.config: M6Config.num_heads (5) must divide dim" in capsys.readouterr().err
+
+
+def test_the_planned_model_takes_the_recipes_sequence_length_and_vocabulary_as_fit_does(tmp_path) -> None:
+    """A recipe with data.seq_len above M6Config's default max_seq_len (128) was planned, and trialled, with 128:
+    the trial's first step then failed on the longer sequences."""
+    from lightning_p2r.planning.cli import recipe_inputs
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model:\n  config:\n    num_layers: 2\n    dim: 64\n    num_heads: 2\n"
+                      "data:\n  seq_len: 256\n  vocab_size: 1024\n")
+    config, settings = recipe_inputs(recipe)
+    assert (config.max_seq_len, config.vocab_size, settings["seq_len"]) == (256, 1024, 256)
+    recipe.write_text("model:\n  config:\n    num_layers: 2\n    dim: 64\n    num_heads: 2\n"
+                      "data:\n  tokenizer: bytes\n")
+    config, _ = recipe_inputs(recipe)
+    assert (config.max_seq_len, config.vocab_size) == (128, 256)
