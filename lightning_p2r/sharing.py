@@ -260,8 +260,8 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: set[int]) -
             router = getattr(getattr(block, "ffn", None), "router", None)
             if router_policy == "reinit" and router is not None:
                 rule = getattr(block, "init_rule", None)
-                if rule is not None:
-                    rule.fill_(f"{getattr(block, 'name_in_model', f'blocks.{index}.')}ffn.router.weight",
+                if rule is not None:  # a new draw of the init distribution (not the values the run started from)
+                    rule.fill_(f"{getattr(block, 'name_in_model', f'blocks.{index}.')}ffn.router.weight@upcycled",
                                router.weight)
                 else:
                     nn.init.normal_(router.weight, std=0.02)
