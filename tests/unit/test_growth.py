@@ -244,3 +244,19 @@ def test_parallelism_refuses_shared_experts() -> None:
         model.parallel_plan()
     delink(model)
     model.parallel_plan()  # upcycled: splits as usual
+
+
+@pytest.mark.parametrize("changes", [{}, {"num_unique_blocks": None, "pseudo_depth": "shared"}])
+def test_checkpoint_after_growth_and_upcycling_loads_into_the_pseudo_module(changes: dict) -> None:
+    """The module records the structure (blocks, upcycled experts); loading rebuilds it before the weights."""
+    trained = _module(num_unique_experts=1, **changes)
+    trained.configure_model()
+    delink(trained.transformer)
+    checkpoint = {"state_dict": trained.state_dict()}
+    trained.on_save_checkpoint(checkpoint)
+    fresh = _module(num_unique_experts=1, **changes)
+    fresh.on_load_checkpoint(checkpoint)
+    fresh.load_state_dict(checkpoint["state_dict"])
+    assert fresh.transformer.layer_to_block == list(range(4))
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(_tokens()).logits, trained(_tokens()).logits, rtol=0, atol=0)
