@@ -152,6 +152,11 @@ def delink(
 ) -> torch.optim.Optimizer | None:
     """Give shared blocks their own copies, in place, keeping the function exactly.
 
+    A shallow pseudo model (the holder's ``full_depth`` exceeds the layers it runs) is *grown* instead: new layer i
+    runs a copy of block i mod U, which changes the function unless the holder's ``growth_init`` is "zero_outputs".
+    Experts that share an FFN are upcycled into one copy each (see the module docstring); a model whose blocks are
+    real already but whose experts are shared is upcycled only.
+
     Args:
         model: a module containing a block sequence (see the module docstring).
         optimizer: the optimizer over ``model``'s parameters, or None. It is not modified.
