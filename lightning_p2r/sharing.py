@@ -254,7 +254,7 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: set[int]) -
         for module_name, module in block.named_modules():
             if getattr(module, "is_shared", False) is not True:
                 continue
-            copies = module.num_experts // module.w_in.shape[0]
+            copies = module.num_experts // module.num_unique
             for name in ("w_in", "w_out"):
                 grown = nn.Parameter(getattr(module, name).detach().repeat(copies, 1, 1))
                 setattr(module, name, grown)
@@ -262,6 +262,7 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: set[int]) -
                 if noise > 0:
                     seed = perturb.seed if perturb is not None else 0
                     _add_relative_noise(grown, Perturbation(noise, seed), f"blocks.{index}.{module_name}.{name}")
+            module.num_unique = module.num_experts
             router = getattr(getattr(block, "ffn", None), "router", None)
             if router_policy == "reinit" and router is not None:
                 rule = getattr(block, "init_rule", None)

@@ -157,15 +157,16 @@ class Experts(nn.Module):
     def __init__(self, num_experts: int, dim: int, hidden_dim: int, num_unique: int | None = None) -> None:
         super().__init__()
         self.num_experts = num_experts
-        unique = num_experts if num_unique is None else num_unique
-        self.w_in = nn.Parameter(torch.empty(unique, dim, hidden_dim))
-        self.w_out = nn.Parameter(torch.empty(unique, hidden_dim, dim))
+        # Recorded, not read from the weights' shape: a placed weight (sharded, expert-parallel) may be a local part.
+        self.num_unique = num_experts if num_unique is None else num_unique
+        self.w_in = nn.Parameter(torch.empty(self.num_unique, dim, hidden_dim))
+        self.w_out = nn.Parameter(torch.empty(self.num_unique, hidden_dim, dim))
         self.reset_parameters()
 
     @property
     def is_shared(self) -> bool:
         """Whether several experts run one FFN (not yet upcycled)."""
-        return self.w_in.shape[0] < self.num_experts
+        return self.num_unique < self.num_experts
 
     def reset_parameters(self) -> None:
         # Each expert like an nn.Linear of its own (fan-in scaling); M6Transformer re-initializes the whole model.
@@ -175,7 +176,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: (rows, dim) sorted by expert, ``counts[e]`` rows for expert e -> (rows, dim)."""
         if self.is_shared:  # expert e runs FFN e mod unique; repeat's backward sums the experts' gradients
-            copies = self.num_experts // self.w_in.shape[0]
+            copies = self.num_experts // self.num_unique
             return expert_mlps(x, counts, self.w_in.repeat(copies, 1, 1), self.w_out.repeat(copies, 1, 1))
         return expert_mlps(x, counts, self.w_in, self.w_out)
 
