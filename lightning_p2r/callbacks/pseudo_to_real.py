@@ -68,8 +68,10 @@ def plan_stages(
     delink_at_step: int | None,
     delink_at_fraction: float | None,
     schedule: dict[int, int] | None,
+    upcycle_only: bool = False,
 ) -> list[tuple[int, int]]:
-    """(step, num_unique_blocks after) for each planned delinking, validated against the run and the model."""
+    """(step, num_unique_blocks after) for each planned delinking, validated against the run and the model.
+    ``upcycle_only``: the blocks are real but the experts share FFNs, so the first delinking upcycles them only."""
     if schedule:
         stages = sorted((int(step), int(blocks)) for step, blocks in schedule.items())
     elif delink_at_step is not None:
@@ -81,13 +83,14 @@ def plan_stages(
     else:
         return []
     blocks = current_blocks
-    for step, target in stages:
+    for index, (step, target) in enumerate(stages):
         if step < 0 or (max_steps > 0 and step >= max_steps):
             raise ValueError(
                 f"PseudoToReal: delinking at step {step} is outside the run (Trainer max_steps={max_steps}); "
                 "choose a step in [0, max_steps)"
             )
-        blocks = check_delink_target(num_layers, blocks, target)
+        if not (upcycle_only and index == 0 and blocks == num_layers):
+            blocks = check_delink_target(num_layers, blocks, target)
     return stages
 
 
@@ -237,8 +240,9 @@ class PseudoToReal(L.Callback):
             return
         # Plan from the blocks the run started with, so a resumed run validates the same whole schedule.
         initial_blocks = self.events[0].blocks_before if self.events else len(holder.blocks)
+        upcycle_only = bool(shared_experts(holder)) or (bool(self.events) and self.events[0].experts_upcycled)
         stages = plan_stages(num_layers, initial_blocks, trainer.max_steps, self.delink_at_step,
-                             self.delink_at_fraction, self.schedule)
+                             self.delink_at_fraction, self.schedule, upcycle_only=upcycle_only)
         self._stages = stages[len(self.events):]
 
     def _check_growth(self, trainer: L.Trainer) -> None:

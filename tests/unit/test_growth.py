@@ -260,3 +260,23 @@ def test_checkpoint_after_growth_and_upcycling_loads_into_the_pseudo_module(chan
     assert fresh.transformer.layer_to_block == list(range(4))
     with torch.no_grad():
         torch.testing.assert_close(fresh(_tokens()).logits, trained(_tokens()).logits, rtol=0, atol=0)
+
+
+def test_the_callback_upcycles_a_model_whose_blocks_are_real(tmp_path: Path) -> None:
+    callback = PseudoToReal(delink_at_step=2)
+    module = _module(num_unique_blocks=None, pseudo_depth="shared", num_unique_experts=1)
+    tiny_trainer(tmp_path, max_steps=3, callbacks=[callback], val_check_interval=100).fit(
+        module, datamodule=tiny_data(tmp_path))
+    (event,) = callback.events
+    assert (event.blocks_before, event.blocks_after, event.experts_upcycled) == (4, 4, True)
+    assert event.loss_after == pytest.approx(event.loss_before, abs=1e-5)  # router kept, no noise: same function
+    assert not module.transformer.blocks[0].ffn.experts.is_shared
+
+
+def test_growth_under_p2r_strategy_is_refused_before_the_first_step(tmp_path: Path) -> None:
+    from lightning_p2r import P2RStrategy
+
+    trainer = tiny_trainer(tmp_path, max_steps=4, strategy=P2RStrategy(), callbacks=[PseudoToReal(delink_at_step=2)])
+    with pytest.raises(ValueError, match="not supported under P2RStrategy yet") as error:
+        trainer.fit(_module(), datamodule=tiny_data(tmp_path))
+    assert "\n" not in str(error.value)
