@@ -323,7 +323,8 @@ def _rebuild_optimizer(
         if id(source) in group_of:
             new_groups[group_of[id(source)]]["params"].append(param)
     # Parameters the optimizer held that are not in the model (rare) stay where they were.
-    in_model = {id(p) for p in model.parameters()}
+    # Tensors replaced by upcycling (the shared expert weights) left the model: they leave the optimizer too.
+    in_model = {id(p) for p in model.parameters()} | {id(source) for source in origin.values()}
     for index, group in enumerate(optimizer.param_groups):
         new_groups[index]["params"].extend(p for p in group["params"] if id(p) not in in_model)
 

@@ -147,6 +147,8 @@ def test_optimizer_state_is_carried_into_grown_layers_and_upcycled_experts(polic
     # Upcycled experts: the shared FFN's gradient summed all experts'; "scale" divides by their number.
     n = TINY["num_experts"] if policy == "scale" else 1
     assert w_in["exp_avg"].shape == params["blocks.1.ffn.experts.w_in"].shape
+    held = [p for group in new_optimizer.param_groups for p in group["params"]]
+    assert len(held) == len(params) and {id(p) for p in held} == {id(p) for p in params.values()}
     for e in range(TINY["num_experts"]):
         torch.testing.assert_close(w_in["exp_avg"][e], shared_in["exp_avg"][0] / n)
         torch.testing.assert_close(w_in["exp_avg_sq"][e], shared_in["exp_avg_sq"][0] / n**2)
@@ -280,3 +282,33 @@ def test_growth_under_p2r_strategy_is_refused_before_the_first_step(tmp_path: Pa
     with pytest.raises(ValueError, match="not supported under P2RStrategy yet") as error:
         trainer.fit(_module(), datamodule=tiny_data(tmp_path))
     assert "\n" not in str(error.value)
+
+
+def test_a_run_resumed_between_growth_stages_reaches_the_same_weights(tmp_path: Path) -> None:
+    """A checkpoint taken after the first growth (2 layers, experts upcycled) resumes into a module built shallow
+    with shared experts, and the run ends bit-identical to the uninterrupted one."""
+    import lightning as L
+    from equivalence import assert_bit_identical
+
+    def weights(module: M6LanguageModel) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+    schedule, changes = {2: 2, 4: 4}, {"num_unique_experts": 1, "growth_init": "zero_outputs"}
+    L.seed_everything(5)
+    straight = _module(**changes)
+    tiny_trainer(tmp_path / "straight", max_steps=6, val_check_interval=100,
+                 callbacks=[PseudoToReal(schedule=schedule)]).fit(straight, datamodule=tiny_data(tmp_path))
+
+    L.seed_everything(5)
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=3, save_top_k=-1,
+                                                save_on_train_epoch_end=False)
+    tiny_trainer(tmp_path / "first", max_steps=6, val_check_interval=100,
+                 callbacks=[PseudoToReal(schedule=schedule), saver]).fit(_module(**changes),
+                                                                         datamodule=tiny_data(tmp_path))
+    path = next((tmp_path / "ckpt").glob("*step=3.ckpt"))
+    callback, resumed = PseudoToReal(schedule=schedule), _module(**changes)
+    tiny_trainer(tmp_path / "second", max_steps=6, val_check_interval=100, callbacks=[callback]).fit(
+        resumed, datamodule=tiny_data(tmp_path), ckpt_path=path, weights_only=True)
+    assert [event.step for event in callback.events] == [2, 4]
+    assert resumed.transformer.layer_to_block == [0, 1, 2, 3]
+    assert_bit_identical(weights(resumed), weights(straight))
