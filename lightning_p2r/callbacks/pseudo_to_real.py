@@ -104,6 +104,11 @@ class PseudoToReal(L.Callback):
 
     Give exactly one of ``delink_at_step``, ``delink_at_fraction``, ``schedule`` or ``auto=True``.
 
+    A shallow pseudo model (``M6Config.pseudo_depth="shallow"``) is grown instead, which changes its function unless
+    ``M6Config.growth_init="zero_outputs"``: the language-model loss on the same batch before and after is logged as
+    ``p2r/loss_before_growth`` and ``p2r/loss_after_growth``. Experts sharing one FFN (``M6Config.num_unique_experts``)
+    are upcycled at the first delinking. Both are refused under P2RStrategy, with ``auto`` and with "per_layer".
+
     Args:
         delink_at_step: optimizer step at which the model becomes real (each layer its own block).
         delink_at_fraction: the same, as a fraction of ``Trainer(max_steps)``.

@@ -125,9 +125,10 @@ class M6Config:
     residual_init: Literal["depth", "applications", "blocks"] = "depth"
     """Std of the residual output projections (attention out, FFN out, experts' w_out), by what it counts: "depth"
     std / sqrt(2 * num_layers) (GPT-2; every layer adds two branches); "applications" std / sqrt(2 * num_layers * g)
-    with g = num_layers / num_unique_blocks, for a shared block whose g applications add correlated, not independent,
-    branches to the residual stream (equal to "depth" for the real model); "blocks" std / sqrt(2 *
-    num_unique_blocks), treating a shared block as one layer. Only the init differs: delinking copies weights."""
+    with g = num_layers / num_unique_blocks (1 for a shallow pseudo model: its blocks run once), for a shared block
+    whose g applications add correlated, not independent, branches to the residual stream (equal to "depth" for the
+    real model); "blocks" std / sqrt(2 * num_unique_blocks), treating a shared block as one layer. Only the init
+    differs: delinking copies weights."""
 
     init_seed: int | None = None
     """Seed of the weight init. Each parameter's initial value is drawn from a generator seeded by (init_seed, the

@@ -109,7 +109,7 @@ def init_rule(config: M6Config, seed: int) -> InitRule:
 
 def residual_count(config: M6Config) -> int:
     """How many residual layers the output-projection init divides by (``M6Config.residual_init``)."""
-    applications_per_block = config.num_layers // config.num_blocks
+    applications_per_block = config.run_depth // config.num_blocks  # 1 for a shallow pseudo model
     return {"depth": config.num_layers, "applications": config.num_layers * applications_per_block,
             "blocks": config.num_blocks}[config.residual_init]
 
