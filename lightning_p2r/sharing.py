@@ -256,9 +256,12 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: set[int]) -
                 continue
             copies = module.num_experts // module.num_unique
             for name in ("w_in", "w_out"):
-                grown = nn.Parameter(getattr(module, name).detach().repeat(copies, 1, 1))
+                shared = getattr(module, name)
+                grown = nn.Parameter(shared.detach().repeat(copies, 1, 1))
                 setattr(module, name, grown)
                 copies_of[id(grown)] = copies
+                if id(shared) in fresh:  # a zeroed output projection stays fresh after upcycling
+                    fresh.add(id(grown))
                 if noise > 0:
                     seed = perturb.seed if perturb is not None else 0
                     _add_relative_noise(grown, Perturbation(noise, seed), f"blocks.{index}.{module_name}.{name}")

@@ -90,6 +90,7 @@ def test_identity_preserving_growth_keeps_the_loss_and_plain_growth_changes_it(e
             for block in model.blocks[2:]:
                 assert not block.attn.out.weight.any() and not block.ffn.experts.w_out.any()
                 assert block.attn.out.weight not in new_optimizer.state  # a fresh tensor starts a fresh state
+                assert block.ffn.experts.w_out not in new_optimizer.state
                 assert block.attn.qkv.weight in new_optimizer.state
     before, after = losses["zero_outputs"]
     assert after == pytest.approx(before, abs=1e-6)
