@@ -175,10 +175,12 @@ def layer_operator_launches(config: M6Config, layer: int, local_experts: int | N
     return launches
 
 
-def pseudo_of(config: M6Config, depth: str = "shared") -> M6Config:
+def pseudo_of(config: M6Config, depth: str | None = None) -> M6Config:
     """The pseudo model of ``config`` (M6-10T): the fewest shared blocks it allows. One block, unless MoE and dense
-    layers alternate, which then share one block of each kind in a cycle. ``depth="shallow"``: the shallow pseudo
-    model of issue 30 (``M6Config.pseudo_depth``), which runs only its blocks, one layer each."""
+    layers alternate, which then share one block of each kind in a cycle. ``depth`` (default: the config's
+    ``pseudo_depth``) "shallow" gives the shallow pseudo model of issue 30, which runs only its blocks, one layer
+    each (so the planner CLI and the projections price it when the config asks for it)."""
+    depth = config.pseudo_depth if depth is None else depth
     layouts = ("cycle",) if depth == "shallow" else ("sequence", "cycle")
     for blocks in (b for b in range(1, config.num_layers + 1) if config.num_layers % b == 0):
         for sharing in layouts:

@@ -140,6 +140,7 @@ def test_a_shallow_pseudo_stage_is_priced_at_the_layers_it_runs() -> None:
         estimate_memory(deep, layout, machines, WORK).model_states
     assert evaluate(shallow_config, layout, machines, WORK).step.compute == pytest.approx(four_layers.compute)
     assert pseudo_of(deep, depth="shallow").pseudo_depth == "shallow"
+    assert pseudo_of(deep.replace(pseudo_depth="shallow", sharing="cycle")).pseudo_depth == "shallow"
 
 
 # ------------------------------------------------------------------------------------------------------ layout
