@@ -23,7 +23,7 @@ from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.transformer import LayerContext
 from .options_diff import describe_differences, differing_options
 from .protocols import LayeredStages, PipelineParts
-from .sharing import delink
+from .sharing import delink, shared_experts
 
 STRUCTURE_KEY = "lightning_p2r_structure"
 
@@ -272,6 +272,7 @@ class M6LanguageModel(L.LightningModule):
         # now, so loading rebuilds it before the weights arrive.
         if self.transformer is not None:
             checkpoint[STRUCTURE_KEY] = {"num_unique_blocks": len(self.transformer.blocks),
+                                         "experts_shared": bool(shared_experts(self.transformer)),
                                          "qkv_layout": QKV_LAYOUT}
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -289,8 +290,9 @@ class M6LanguageModel(L.LightningModule):
             return
         self.configure_model()
         current = len(self.transformer.blocks)
-        if saved != current:
-            if saved < current or saved % current:
+        upcycled = checkpoint[STRUCTURE_KEY].get("experts_shared") is False and shared_experts(self.transformer)
+        if saved != current or upcycled:
+            if saved < current or saved % current or (upcycled and saved == current < self.transformer.full_depth):
                 raise ValueError(
                     f"the checkpoint holds a model with {saved} unique blocks, which cannot be built from this "
                     f"model's {current} by delinking; create the module with num_unique_blocks={saved}"

@@ -6,7 +6,13 @@ Pure PyTorch, no Lightning. Works for any ``nn.Module`` that contains a *block s
 - ``layer_to_block``: a settable ``list[int]``; layer ``l`` runs ``blocks[layer_to_block[l]]``, and layers that
   share a block are consecutive (groups of ``num_layers // len(blocks)``).
 
-``M6Transformer`` declares both; so can a user's own model.
+``M6Transformer`` declares both; so can a user's own model. Optionally it declares ``full_depth`` (an int larger
+than ``len(layer_to_block)``: a *shallow* pseudo model, which runs only its ``len(blocks)`` blocks, block i at layer
+i, and which delinking grows towards ``full_depth`` layers, layer i running a copy of block i mod U) and
+``growth_init`` ("copy", or "zero_outputs": the output projections of the layers gained are zeroed so the function
+is kept). MoE layers whose experts share one FFN (``models.moe.Experts.is_shared``) are upcycled at delinking: every
+expert gets its own copy (Komatsuzaki et al. 2022), with the router kept or re-initialized and optional noise as the
+holder's ``config`` says (``upcycle_router``, ``upcycle_noise``).
 
 Optimizer state and the "scale" rule. While ``g`` layers share one tensor, its gradient is the *sum* of the ``g``
 layers' contributions. After splitting it into ``n`` copies each shared by ``g / n`` layers, each copy's gradient is
@@ -85,6 +91,22 @@ def find_block_sequence(model: nn.Module) -> nn.Module:
     )
 
 
+# Output projections of the residual branches: zeroed on the layers a shallow model gains with growth_init=
+# "zero_outputs", so each such layer adds nothing to the residual stream at first.
+_RESIDUAL_OUTPUTS = ("attn.out.weight", "attn.out.bias", "fc_out.weight", "fc_out.bias", "experts.w_out")
+
+
+def full_depth(holder: nn.Module) -> int:
+    """The real model's depth: the holder's ``full_depth`` if it declares one (a shallow pseudo model), else the
+    number of layers it runs."""
+    return int(getattr(holder, "full_depth", len(holder.layer_to_block)))
+
+
+def shared_experts(holder: nn.Module) -> list[nn.Module]:
+    """The expert modules of the block sequence whose experts still share FFNs (to be upcycled)."""
+    return [module for module in holder.blocks.modules() if getattr(module, "is_shared", False) is True]
+
+
 def check_delink_target(num_layers: int, current: int, target: int | None) -> int:
     """Resolve and validate the number of blocks after delinking; raise ValueError explaining what is wrong."""
     target = num_layers if target is None else target
@@ -130,6 +152,11 @@ def delink(
 ) -> torch.optim.Optimizer | None:
     """Give shared blocks their own copies, in place, keeping the function exactly.
 
+    A shallow pseudo model (the holder's ``full_depth`` exceeds the layers it runs) is *grown* instead: new layer i
+    runs a copy of block i mod U, which changes the function unless the holder's ``growth_init`` is "zero_outputs".
+    Experts that share an FFN are upcycled into one copy each (see the module docstring); a model whose blocks are
+    real already but whose experts are shared is upcycled only.
+
     Args:
         model: a module containing a block sequence (see the module docstring).
         optimizer: the optimizer over ``model``'s parameters, or None. It is not modified.
@@ -154,12 +181,27 @@ def delink(
     holder = find_block_sequence(model)
     layer_to_block = list(holder.layer_to_block)
     current = len(holder.blocks)
-    target = check_delink_target(len(layer_to_block), current, num_unique_blocks)
+    depth = full_depth(holder)
+    shallow = depth > len(layer_to_block)
+    upcycle = bool(shared_experts(holder))
+    if upcycle and current == depth:
+        target = current  # the blocks are real already: upcycle the experts only
+    else:
+        target = check_delink_target(depth, current, num_unique_blocks)
     copies_per_block = target // current
+    if isinstance(optimizer_state, MeasuredSecondMoments) and (shallow or upcycle):
+        raise ValueError("optimizer_state='per_layer' measures shared layers' gradients: it cannot carry state into "
+                         "a growing (shallow) model or upcycled experts; use 'scale'")
 
     # Remember where every parameter came from, by name, before the structure changes.
     # The holder's layout ("sequence" unless it says otherwise) is kept; validated before anything changes.
-    new_map, sources = new_layout(layer_to_block, target, getattr(holder, "sharing", "sequence"))
+    if shallow:
+        if layer_to_block != list(range(current)):
+            raise ValueError(f"a shallow pseudo model runs block i at layer i; got layer_to_block {layer_to_block}")
+        # Growth by the cycle map: new layer (and block) i is a copy of block i mod current.
+        new_map, sources = list(range(target)), [block % current for block in range(target)]
+    else:
+        new_map, sources = new_layout(layer_to_block, target, getattr(holder, "sharing", "sequence"))
     prefix = _prefix_of(model, holder)
     old_params = dict(model.named_parameters(remove_duplicate=False))
     new_blocks: list[nn.Module] = []
@@ -169,8 +211,16 @@ def delink(
         # The first copy keeps the original module; the others are exact deep copies.
         new_blocks.append(block if source not in used else copy.deepcopy(block))
         used.add(source)
+    fresh: set[int] = set()  # tensors whose optimizer state starts afresh (zeroed outputs, a re-drawn router)
+    if shallow and target > current and getattr(holder, "growth_init", "copy") == "zero_outputs":
+        for block in new_blocks[current:]:
+            for name, param in block.named_parameters():
+                if name.endswith(_RESIDUAL_OUTPUTS):
+                    param.zero_()
+                    fresh.add(id(param))
     holder.blocks = nn.ModuleList(new_blocks)
     holder.layer_to_block = new_map
+    upcycled = _upcycle(holder, perturb, fresh) if upcycle else {}
     if perturb is not None and perturb.relative_scale > 0:
         # Seeded by the name inside the block sequence, which is the same in every layout (a sharded model is
         # delinked as a plain copy of a submodule, whose names lack the outer prefix).
@@ -187,7 +237,47 @@ def delink(
         # Named inside the block sequence, like the noise: the same names in every layout and placement.
         ratios = {param: optimizer_state.ratios[name] for name, param in holder.blocks.named_parameters(prefix="blocks")
                   if name in optimizer_state.ratios}
-    return _rebuild_optimizer(optimizer, model, origin, copies_per_block, optimizer_state, ratios)
+    # A shallow model's block ran once per step before and each copy runs once after: its gradient scale does not
+    # change, so "scale" divides a split block's moments by 1 there (by the number of copies for shared depth).
+    return _rebuild_optimizer(optimizer, model, origin, 1 if shallow else copies_per_block, optimizer_state, ratios,
+                              upcycled, fresh)
+
+
+def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: set[int]) -> dict[int, int]:
+    """Give every expert of each shared expert module its own copy of the FFN it ran (sparse upcycling). Returns,
+    per new expert tensor's id, how many experts shared each FFN before (its gradient was their sum)."""
+    config = getattr(holder, "config", None)
+    router_policy = getattr(config, "upcycle_router", "keep")
+    noise = float(getattr(config, "upcycle_noise", 0.0))
+    copies_of: dict[int, int] = {}
+    for index, block in enumerate(holder.blocks):
+        for module_name, module in block.named_modules():
+            if getattr(module, "is_shared", False) is not True:
+                continue
+            copies = module.num_experts // module.num_unique
+            for name in ("w_in", "w_out"):
+                shared = getattr(module, name)
+                grown = nn.Parameter(shared.detach().repeat(copies, 1, 1))
+                setattr(module, name, grown)
+                copies_of[id(grown)] = copies
+                if id(shared) in fresh:  # a zeroed output projection stays fresh after upcycling
+                    fresh.add(id(grown))
+                if noise > 0:
+                    seed = perturb.seed if perturb is not None else 0
+                    _add_relative_noise(grown, Perturbation(noise, seed), f"blocks.{index}.{module_name}.{name}")
+            module.num_unique = module.num_experts
+            router = getattr(getattr(block, "ffn", None), "router", None)
+            if router_policy == "reinit" and router is not None:
+                rule = getattr(block, "init_rule", None)
+                if rule is not None:  # a new draw of the init distribution (not the values the run started from)
+                    rule.fill_(f"{getattr(block, 'name_in_model', f'blocks.{index}.')}ffn.router.weight@upcycled",
+                               router.weight)
+                else:
+                    nn.init.normal_(router.weight, std=0.02)
+                fresh.add(id(router.weight))
+    if config is not None and hasattr(config, "num_unique_experts"):
+        config.num_unique_experts = None  # keep the config truthful: every expert has its own FFN now
+    return copies_of
 
 
 def _add_relative_noise(param: torch.Tensor, perturb: Perturbation, name: str) -> None:
@@ -225,6 +315,8 @@ def _rebuild_optimizer(
     copies: int,
     policy: OptimizerStatePolicy | MeasuredSecondMoments,
     ratios: dict[nn.Parameter, torch.Tensor],
+    upcycled: dict[int, int] | None = None,
+    fresh: set[int] | None = None,
 ) -> torch.optim.Optimizer:
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     new_groups = [{key: value for key, value in group.items() if key != "params"} | {"params": []}
@@ -234,7 +326,8 @@ def _rebuild_optimizer(
         if id(source) in group_of:
             new_groups[group_of[id(source)]]["params"].append(param)
     # Parameters the optimizer held that are not in the model (rare) stay where they were.
-    in_model = {id(p) for p in model.parameters()}
+    # Tensors replaced by upcycling (the shared expert weights) left the model: they leave the optimizer too.
+    in_model = {id(p) for p in model.parameters()} | {id(source) for source in origin.values()}
     for index, group in enumerate(optimizer.param_groups):
         new_groups[index]["params"].extend(p for p in group["params"] if id(p) not in in_model)
 
@@ -245,20 +338,25 @@ def _rebuild_optimizer(
         for param in group["params"]:
             source = origin.get(param, param)
             state = optimizer.state.get(source)
-            if not state:
+            if not state or id(param) in (fresh or ()):
                 continue
-            is_split = id(param) in split_ids
+            expert_copies = (upcycled or {}).get(id(param), 1)
+            is_split = id(param) in split_ids or expert_copies > 1
             if is_split and policy == "reset":
                 continue
             scaled = is_split and policy not in ("copy", "reset")  # scale, per_layer (measured or not)
-            new_optimizer.state[param] = _carry_state(state, copies if scaled else 1,
-                                                      ratios.get(param) if is_split else None)
+            divisor = (copies if id(param) in split_ids else 1) * expert_copies
+            new_optimizer.state[param] = _carry_state(state, divisor if scaled else 1,
+                                                      ratios.get(param) if is_split else None, expert_copies)
     return new_optimizer
 
 
-def _carry_state(state: dict, copies: int, second_moment_ratio: torch.Tensor | None = None) -> dict:
+def _carry_state(state: dict, copies: int, second_moment_ratio: torch.Tensor | None = None,
+                 repeat: int = 1) -> dict:
     carried = {}
     for key, value in state.items():
+        if isinstance(value, torch.Tensor) and repeat > 1 and value.dim() == 3:
+            value = value.repeat(repeat, 1, 1)  # an upcycled expert tensor: each expert starts from the shared state
         if not isinstance(value, torch.Tensor):
             carried[key] = value
         elif key in _LINEAR_STATE:

@@ -27,8 +27,10 @@ from ..sharing import (
     check_delink_target,
     delink,
     find_block_sequence,
+    full_depth,
     new_layout,
     rebind_scheduler,
+    shared_experts,
 )
 from .gradient_agreement import GradientAgreementProbe
 from .per_layer_moments import SecondMomentTracker
@@ -46,6 +48,17 @@ class DelinkEvent:
     loss_before: float
     loss_after: float
     reason: str
+    layers_before: int = 0
+    """Layers the forward ran before (fewer than the depth for a shallow pseudo model); 0 in older records."""
+    layers_after: int = 0
+    """Layers it runs after: more than ``layers_before`` when a shallow model grew (its function changed)."""
+    experts_upcycled: bool = False
+    """Whether shared experts were upcycled into one FFN each at this event."""
+    lm_loss_before: float = math.nan
+    """The language-model loss (cross-entropy, without the routers' aux and z losses, which count once per MoE layer
+    run and so grow with the depth) on the same batch, before."""
+    lm_loss_after: float = math.nan
+    """The same, after."""
 
 
 def plan_stages(
@@ -55,8 +68,10 @@ def plan_stages(
     delink_at_step: int | None,
     delink_at_fraction: float | None,
     schedule: dict[int, int] | None,
+    upcycle_only: bool = False,
 ) -> list[tuple[int, int]]:
-    """(step, num_unique_blocks after) for each planned delinking, validated against the run and the model."""
+    """(step, num_unique_blocks after) for each planned delinking, validated against the run and the model.
+    ``upcycle_only``: the blocks are real but the experts share FFNs, so the first delinking upcycles them only."""
     if schedule:
         stages = sorted((int(step), int(blocks)) for step, blocks in schedule.items())
     elif delink_at_step is not None:
@@ -68,13 +83,14 @@ def plan_stages(
     else:
         return []
     blocks = current_blocks
-    for step, target in stages:
+    for index, (step, target) in enumerate(stages):
         if step < 0 or (max_steps > 0 and step >= max_steps):
             raise ValueError(
                 f"PseudoToReal: delinking at step {step} is outside the run (Trainer max_steps={max_steps}); "
                 "choose a step in [0, max_steps)"
             )
-        blocks = check_delink_target(num_layers, blocks, target)
+        if not (upcycle_only and index == 0 and blocks == num_layers):
+            blocks = check_delink_target(num_layers, blocks, target)
     return stages
 
 
@@ -87,6 +103,11 @@ class PseudoToReal(L.Callback):
     """Delink the model's shared blocks mid-training (M6-10T "Pseudo-to-Real").
 
     Give exactly one of ``delink_at_step``, ``delink_at_fraction``, ``schedule`` or ``auto=True``.
+
+    A shallow pseudo model (``M6Config.pseudo_depth="shallow"``) is grown instead, which changes its function unless
+    ``M6Config.growth_init="zero_outputs"``: the language-model loss on the same batch before and after is logged as
+    ``p2r/loss_before_growth`` and ``p2r/loss_after_growth``. Experts sharing one FFN (``M6Config.num_unique_experts``)
+    are upcycled at the first delinking. Both are refused under P2RStrategy, with ``auto`` and with "per_layer".
 
     Args:
         delink_at_step: optimizer step at which the model becomes real (each layer its own block).
@@ -204,12 +225,15 @@ class PseudoToReal(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         holder = find_block_sequence(pl_module)
-        num_layers = len(holder.layer_to_block)
+        num_layers = full_depth(holder)
         if not isinstance(trainer.strategy, (SingleDeviceStrategy, DDPStrategy, DelinksInPlace)):
             raise ValueError(
                 f"PseudoToReal cannot re-apply {type(trainer.strategy).__name__}'s wrapping after delinking; "
                 "use a single device, DDP, or lightning_p2r's P2RStrategy"
             )
+        growing = num_layers > len(holder.layer_to_block) or bool(shared_experts(holder))
+        if growing and not self.events:
+            self._check_growth(trainer)
         # Stages already done (a resumed run) are not planned again; the model was rebuilt real on load.
         done_blocks = self.events[-1].blocks_after if self.events else None
         if done_blocks is not None and done_blocks != len(holder.blocks):
@@ -221,9 +245,22 @@ class PseudoToReal(L.Callback):
             return
         # Plan from the blocks the run started with, so a resumed run validates the same whole schedule.
         initial_blocks = self.events[0].blocks_before if self.events else len(holder.blocks)
+        upcycle_only = bool(shared_experts(holder)) or (bool(self.events) and self.events[0].experts_upcycled)
         stages = plan_stages(num_layers, initial_blocks, trainer.max_steps, self.delink_at_step,
-                             self.delink_at_fraction, self.schedule)
+                             self.delink_at_fraction, self.schedule, upcycle_only=upcycle_only)
         self._stages = stages[len(self.events):]
+
+    def _check_growth(self, trainer: L.Trainer) -> None:
+        """A shallow pseudo model or shared experts: refuse what growth and upcycling do not support yet."""
+        if isinstance(trainer.strategy, DelinksInPlace):
+            raise ValueError("PseudoToReal: growing a shallow model or upcycling shared experts is not supported under "
+                             "P2RStrategy yet; train the pseudo stage on a single device or DDP")
+        if self.auto:
+            raise ValueError("PseudoToReal(auto=True) measures layers that share a block; a shallow model or shared "
+                             "experts has none: give delink_at_step, delink_at_fraction or schedule")
+        if self.optimizer_state == "per_layer":
+            raise ValueError("PseudoToReal(optimizer_state='per_layer') cannot carry state into a growing model or "
+                             "upcycled experts; use 'scale'")
 
     # ---------------------------------------------------------------------------------------------- trigger
     @override
@@ -332,9 +369,11 @@ class PseudoToReal(L.Callback):
             self._probe.remove()
             self._probe = None
         policy = self._measured_policy(trainer)
-        blocks_before = len(find_block_sequence(pl_module).blocks)
+        holder = find_block_sequence(pl_module)
+        blocks_before, layers_before = len(holder.blocks), len(holder.layer_to_block)
+        upcycling = bool(shared_experts(holder))
         params_before = _count(pl_module)
-        loss_before = _batch_loss(pl_module, batch)
+        loss_before, lm_loss_before = _batch_loss(pl_module, batch)
         if len(trainer.optimizers) != 1:
             raise ValueError(f"PseudoToReal supports one optimizer, the module configured {len(trainer.optimizers)}")
         # Seeded by the step: every rank draws the same noise, and each stage of a staged plan new noise.
@@ -352,12 +391,19 @@ class PseudoToReal(L.Callback):
             if self.restart_schedule:
                 config.scheduler.last_epoch = -1
                 config.scheduler.step()
+        loss_after, lm_loss_after = _batch_loss(pl_module, batch)
         event = DelinkEvent(step=trainer.global_step, blocks_before=blocks_before,
                             blocks_after=len(find_block_sequence(pl_module).blocks), params_before=params_before,
                             params_after=_count(pl_module), loss_before=loss_before,
-                            loss_after=_batch_loss(pl_module, batch), reason=reason)
+                            loss_after=loss_after, reason=reason, layers_before=layers_before,
+                            layers_after=len(find_block_sequence(pl_module).layer_to_block),
+                            experts_upcycled=upcycling, lm_loss_before=lm_loss_before, lm_loss_after=lm_loss_after)
         self.events.append(event)
         metrics = {f"p2r/{key}": float(value) for key, value in asdict(event).items() if key != "reason"}
+        if event.layers_after > event.layers_before:
+            # Growth changes the function (the model gets deeper): the same batch's language-model loss on both sides
+            # says by how much (equal up to rounding with growth_init="zero_outputs").
+            metrics |= {"p2r/loss_before_growth": event.lm_loss_before, "p2r/loss_after_growth": event.lm_loss_after}
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
 
@@ -394,18 +440,20 @@ def _count(module: torch.nn.Module) -> int:
 
 
 @torch.no_grad()
-def _batch_loss(pl_module: L.LightningModule, batch: Any) -> float:
-    """The module's loss on ``batch`` in eval mode (no dropout or router jitter), for the before/after record;
-    the random state is left as it was, so recording does not change the run. NaN without ``losses``."""
+def _batch_loss(pl_module: L.LightningModule, batch: Any) -> tuple[float, float]:
+    """The module's loss and language-model loss ("ce") on ``batch`` in eval mode (no dropout or router jitter), for
+    the before/after record; the random state is left as it was, so recording does not change the run. NaN without
+    ``losses`` (or without a "ce" entry)."""
     losses = getattr(pl_module, "losses", None)
     if losses is None:
-        return math.nan
+        return math.nan, math.nan
     was_training = pl_module.training
     devices = [batch.device] if isinstance(batch, torch.Tensor) and batch.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         pl_module.eval()
         try:
-            return float(losses(batch)["loss"])
+            result = losses(batch)
+            return float(result["loss"]), float(result.get("ce", math.nan))
         finally:
             pl_module.train(was_training)
 

@@ -13,6 +13,9 @@ from typing import Any, Literal
 AttentionPattern = Literal["dense", "alternating", "local"]
 SharingLayout = Literal["sequence", "cycle"]
 PositionEmbedding = Literal["rotary", "learned"]
+PseudoDepth = Literal["shared", "shallow"]
+GrowthInit = Literal["copy", "zero_outputs"]
+UpcycleRouter = Literal["keep", "reinit"]
 
 
 def _choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
@@ -56,6 +59,34 @@ class M6Config:
     "cycle" runs the blocks in turn through the depth (1,2,3,1,2,3), as stacking studies found better. Delinking
     keeps the layout: each new block copies the old block its layers ran."""
 
+    pseudo_depth: PseudoDepth = "shared"
+    """Depth of the pseudo model (issue 30). "shared": every one of num_layers layers runs, sharing the blocks (M6-10T:
+    sharing saves memory, not compute). "shallow": while the model has fewer blocks than layers it runs only
+    num_unique_blocks layers, block i at layer i, so a step costs about num_unique_blocks / num_layers of the real
+    step; delinking *grows* it (staged: U -> 2U -> ... -> num_layers), layer i running a copy of block i mod U.
+    Growth changes the function (the model gets deeper) unless ``growth_init`` is "zero_outputs". Needs
+    sharing="cycle"."""
+
+    growth_init: GrowthInit = "copy"
+    """How the layers a shallow pseudo model gains at delinking start: "copy" (exact copies of the blocks they
+    cycle to: the function changes), or "zero_outputs" (the copies' attention output and FFN / expert output
+    projections are zero, so each new layer adds nothing to the residual stream and the loss is unchanged at
+    growth; their optimizer state starts fresh)."""
+
+    num_unique_experts: int | None = None
+    """Distinct expert FFNs per MoE layer. None (or num_experts) gives each expert its own; 1 makes all experts of
+    a layer run one shared FFN (the memory and optimizer state of one expert), and delinking upcycles them into
+    num_experts copies (Komatsuzaki et al. 2022, sparse upcycling); expert e runs FFN e mod num_unique_experts.
+    Must divide num_experts. Tensor / expert parallelism cannot split shared experts: upcycle first."""
+
+    upcycle_router: UpcycleRouter = "keep"
+    """At upcycling, keep the router as trained ("keep": with upcycle_noise=0 every expert is the same FFN, so the
+    function is unchanged) or draw it afresh from the init ("reinit")."""
+
+    upcycle_noise: float = 0.0
+    """At upcycling, Gaussian noise of this standard deviation relative to each expert tensor's RMS on every expert
+    copy, to break their symmetry (0: exact copies)."""
+
     dim: int = 128
     """Hidden size of the residual stream."""
 
@@ -94,9 +125,10 @@ class M6Config:
     residual_init: Literal["depth", "applications", "blocks"] = "depth"
     """Std of the residual output projections (attention out, FFN out, experts' w_out), by what it counts: "depth"
     std / sqrt(2 * num_layers) (GPT-2; every layer adds two branches); "applications" std / sqrt(2 * num_layers * g)
-    with g = num_layers / num_unique_blocks, for a shared block whose g applications add correlated, not independent,
-    branches to the residual stream (equal to "depth" for the real model); "blocks" std / sqrt(2 *
-    num_unique_blocks), treating a shared block as one layer. Only the init differs: delinking copies weights."""
+    with g = num_layers / num_unique_blocks (1 for a shallow pseudo model: its blocks run once), for a shared block
+    whose g applications add correlated, not independent, branches to the residual stream (equal to "depth" for the
+    real model); "blocks" std / sqrt(2 * num_unique_blocks), treating a shared block as one layer. Only the init
+    differs: delinking copies weights."""
 
     init_seed: int | None = None
     """Seed of the weight init. Each parameter's initial value is drawn from a generator seeded by (init_seed, the
@@ -166,6 +198,14 @@ class M6Config:
         _choice("position_embedding", self.position_embedding, ("rotary", "learned"))
         _choice("attention", self.attention, ("dense", "alternating", "local"))
         _choice("sharing", self.sharing, ("sequence", "cycle"))
+        _choice("pseudo_depth", self.pseudo_depth, ("shared", "shallow"))
+        _choice("growth_init", self.growth_init, ("copy", "zero_outputs"))
+        _choice("upcycle_router", self.upcycle_router, ("keep", "reinit"))
+        if self.pseudo_depth == "shallow" and self.sharing != "cycle":
+            raise ValueError("M6Config.pseudo_depth='shallow' grows layer i from block i mod num_unique_blocks: "
+                             "set sharing='cycle'")
+        if not 0.0 <= self.upcycle_noise < 1.0:
+            raise ValueError(f"M6Config.upcycle_noise must be in [0, 1), got {self.upcycle_noise!r}")
         _choice("residual_init", self.residual_init, ("depth", "applications", "blocks"))
         if self.rope_theta <= 0:
             raise ValueError(f"M6Config.rope_theta must be > 0, got {self.rope_theta!r}")
@@ -192,6 +232,11 @@ class M6Config:
                         f"M6Config.moe_layers mixes MoE and dense layers {self.layers_of_block(block)} that share "
                         f"block {block}; list all or none of them"
                     )
+        if self.num_unique_experts is not None and (
+                isinstance(self.num_unique_experts, bool) or not isinstance(self.num_unique_experts, int)
+                or self.num_unique_experts < 1 or self.num_experts % self.num_unique_experts):
+            raise ValueError(f"M6Config.num_unique_experts must divide num_experts ({self.num_experts}) or be None, "
+                             f"got {self.num_unique_experts!r}")
         if self.num_experts % self.num_prototypes:
             raise ValueError(
                 f"M6Config.num_prototypes ({self.num_prototypes}) must divide num_experts ({self.num_experts})"
@@ -212,6 +257,16 @@ class M6Config:
     def num_blocks(self) -> int:
         """Resolved num_unique_blocks: None means one block per layer (the real model)."""
         return self.num_layers if self.num_unique_blocks is None else self.num_unique_blocks
+
+    @property
+    def run_depth(self) -> int:
+        """Layers a forward pass runs: num_layers, or the number of blocks for a shallow pseudo model."""
+        return self.num_blocks if self.pseudo_depth == "shallow" else self.num_layers
+
+    @property
+    def unique_experts(self) -> int:
+        """Resolved num_unique_experts: None means one FFN per expert."""
+        return self.num_experts if self.num_unique_experts is None else self.num_unique_experts
 
     @property
     def head_dim(self) -> int:

@@ -147,13 +147,26 @@ class Router(nn.Linear):
 
 
 class Experts(nn.Module):
-    """``num_experts`` two-layer GELU MLPs held as stacked weights."""
+    """``num_experts`` two-layer GELU MLPs held as stacked weights.
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int) -> None:
+    With ``num_unique`` < num_experts the weights hold only ``num_unique`` FFNs and expert e runs FFN
+    e mod num_unique (``M6Config.num_unique_experts``): the memory and optimizer state of ``num_unique`` experts,
+    until ``sharing.upcycle_experts`` gives every expert its own copy.
+    """
+
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, num_unique: int | None = None) -> None:
         super().__init__()
-        self.w_in = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
-        self.w_out = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.num_experts = num_experts
+        # Recorded, not read from the weights' shape: a placed weight (sharded, expert-parallel) may be a local part.
+        self.num_unique = num_experts if num_unique is None else num_unique
+        self.w_in = nn.Parameter(torch.empty(self.num_unique, dim, hidden_dim))
+        self.w_out = nn.Parameter(torch.empty(self.num_unique, hidden_dim, dim))
         self.reset_parameters()
+
+    @property
+    def is_shared(self) -> bool:
+        """Whether several experts run one FFN (not yet upcycled)."""
+        return self.num_unique < self.num_experts
 
     def reset_parameters(self) -> None:
         # Each expert like an nn.Linear of its own (fan-in scaling); M6Transformer re-initializes the whole model.
@@ -162,6 +175,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x: (rows, dim) sorted by expert, ``counts[e]`` rows for expert e -> (rows, dim)."""
+        if self.is_shared:  # expert e runs FFN e mod unique; repeat's backward sums the experts' gradients
+            copies = self.num_experts // self.num_unique
+            return expert_mlps(x, counts, self.w_in.repeat(copies, 1, 1), self.w_out.repeat(copies, 1, 1))
         return expert_mlps(x, counts, self.w_in, self.w_out)
 
 
@@ -192,7 +208,7 @@ class MoEFeedForward(nn.Module):
         self.capacity_factor = config.capacity_factor
         self.jitter = config.router_jitter
         self.router = Router(config.dim, config.num_experts)
-        self.experts = Experts(config.num_experts, config.dim, config.hidden_dim)
+        self.experts = Experts(config.num_experts, config.dim, config.hidden_dim, config.num_unique_experts)
 
     def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss of this call's tokens (:func:`load_balancing_loss`). A strategy that splits the

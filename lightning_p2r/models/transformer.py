@@ -109,7 +109,7 @@ def init_rule(config: M6Config, seed: int) -> InitRule:
 
 def residual_count(config: M6Config) -> int:
     """How many residual layers the output-projection init divides by (``M6Config.residual_init``)."""
-    applications_per_block = config.num_layers // config.num_blocks
+    applications_per_block = config.run_depth // config.num_blocks  # 1 for a shallow pseudo model
     return {"depth": config.num_layers, "applications": config.num_layers * applications_per_block,
             "blocks": config.num_blocks}[config.residual_init]
 
@@ -130,7 +130,8 @@ class M6Transformer(nn.Module):
         self.pos_embeddings = (
             nn.Embedding(config.max_seq_len, config.dim) if config.position_embedding == "learned" else None
         )
-        self._layer_to_block: list[int] = config.layer_to_block
+        # A shallow pseudo model runs only its first run_depth layers (block i at layer i under the cycle layout).
+        self._layer_to_block: list[int] = config.layer_to_block[:config.run_depth]
         self.blocks = nn.ModuleList(
             Block(config, moe=config.is_moe_layer(config.layers_of_block(block)[0]))
             for block in range(config.num_blocks)
@@ -144,7 +145,18 @@ class M6Transformer(nn.Module):
 
     @property
     def num_layers(self) -> int:
+        """Layers a forward pass runs (fewer than ``config.num_layers`` for a shallow pseudo model)."""
         return len(self.layer_to_block)
+
+    @property
+    def full_depth(self) -> int:
+        """The real model's depth, which delinking grows a shallow pseudo model to (``config.num_layers``)."""
+        return self.config.num_layers
+
+    @property
+    def growth_init(self) -> str:
+        """How layers gained at growth start ("copy" or "zero_outputs"); ``delink`` reads it."""
+        return self.config.growth_init
 
     @property
     def sharing(self) -> str:
@@ -158,11 +170,13 @@ class M6Transformer(nn.Module):
 
     @layer_to_block.setter
     def layer_to_block(self, value: list[int]) -> None:
-        if len(value) != self.config.num_layers:
-            raise ValueError(f"layer_to_block needs one entry per layer ({self.config.num_layers}), got {len(value)}")
+        blocks = len(set(value))
+        expected = blocks if self.config.pseudo_depth == "shallow" else self.config.num_layers
+        if len(value) != expected:
+            raise ValueError(f"layer_to_block needs one entry per layer run ({expected}), got {len(value)}")
         self._layer_to_block = list(value)
         # Keep the config truthful, so what is saved or logged describes the structure actually trained.
-        self.config.num_unique_blocks = len(set(value))
+        self.config.num_unique_blocks = blocks
         self._name_blocks()
 
     # ----------------------------------------------------------------------------------------------- init
@@ -230,6 +244,10 @@ class M6Transformer(nn.Module):
                                            "ffn_norm": "sequence"}
         dense: dict[str, SplitKind] = {"ffn.fc_in": "column", "ffn.fc_out": "row"}
         config = self.config
+        if config.unique_experts < config.num_experts and any(map(config.is_moe_layer, range(config.num_layers))):
+            raise ValueError("tensor / expert parallelism cannot split experts that share one FFN "
+                             "(M6Config.num_unique_experts): upcycle them first (delink) or set "
+                             "num_unique_experts=None")
         # From the config, not the modules: a pipeline rank holds stand-ins for the blocks of other stages.
         blocks = tuple(attention | ({"ffn": "expert"} if config.is_moe_layer(config.layers_of_block(b)[0]) else dense)
                        for b in range(len(self.blocks)))

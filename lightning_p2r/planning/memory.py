@@ -29,7 +29,7 @@ from dataclasses import dataclass, fields
 from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
-from .model import layer_activation_elements
+from .model import as_run, layer_activation_elements
 from .share import (
     RankShare,
     block_params_of,
@@ -105,6 +105,7 @@ def unsharded_elements(config: M6Config, layout: Layout, share: RankShare, block
 def estimate_memory(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
                     pipeline_rank: int | None = None) -> MemoryEstimate:
     """One rank's memory; ``pipeline_rank`` None: the pipeline rank with the largest device total."""
+    config = as_run(config)  # a shallow pseudo model is priced as the layers it runs (issue 30)
     if pipeline_rank is None:
         return max((estimate_memory(config, layout, cluster, workload, rank)
                     for rank in distinct_pipeline_ranks(config, layout)), key=lambda estimate: estimate.device_total)

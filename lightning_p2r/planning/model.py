@@ -175,13 +175,30 @@ def layer_operator_launches(config: M6Config, layer: int, local_experts: int | N
     return launches
 
 
-def pseudo_of(config: M6Config) -> M6Config:
+def pseudo_of(config: M6Config, depth: str | None = None) -> M6Config:
     """The pseudo model of ``config`` (M6-10T): the fewest shared blocks it allows. One block, unless MoE and dense
-    layers alternate, which then share one block of each kind in a cycle."""
+    layers alternate, which then share one block of each kind in a cycle. ``depth`` (default: the config's
+    ``pseudo_depth``) "shallow" gives the shallow pseudo model of issue 30, which runs only its blocks, one layer
+    each (so the planner CLI and the projections price it when the config asks for it)."""
+    depth = config.pseudo_depth if depth is None else depth
+    layouts = ("cycle",) if depth == "shallow" else ("sequence", "cycle")
     for blocks in (b for b in range(1, config.num_layers + 1) if config.num_layers % b == 0):
-        for sharing in ("sequence", "cycle"):
+        for sharing in layouts:
             try:
-                return config.replace(num_unique_blocks=blocks, sharing=sharing)
+                return config.replace(num_unique_blocks=blocks, sharing=sharing, pseudo_depth=depth)
             except ValueError:
                 continue
     return config
+
+
+def as_run(config: M6Config) -> M6Config:
+    """The model a forward pass runs. A shallow pseudo model (``pseudo_depth="shallow"``) of U blocks runs U layers,
+    block i at layer i: it is priced as the real model of depth U (about U / num_layers of the real step's layer
+    compute and activations, and the U blocks' parameters). Any other config is returned as it is: a shared-depth
+    pseudo model runs every layer."""
+    if config.pseudo_depth != "shallow" or config.num_blocks == config.num_layers:
+        return config
+    blocks = config.num_blocks
+    moe_layers = None if config.moe_layers is None else [layer for layer in range(blocks) if config.is_moe_layer(layer)]
+    return config.replace(num_layers=blocks, num_unique_blocks=None, pseudo_depth="shared", sharing="sequence",
+                          moe_layers=moe_layers)

@@ -36,6 +36,7 @@ from .framework import framework_seconds
 from .layout import Layout, Workload
 from .memory import stored_elements, unsharded_elements
 from .model import (
+    as_run,
     head_forward_flops,
     layer_attention_flops,
     layer_elementwise_elements,
@@ -120,6 +121,7 @@ def bubble_fraction(layout: Layout) -> float:
 def estimate_step(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload, *,
                   clip_gradients: bool = False, pipeline_rank: int | None = None) -> StepEstimate:
     """One rank's step; ``pipeline_rank`` None: the slowest pipeline rank (a pipeline steps at its pace)."""
+    config = as_run(config)  # a shallow pseudo model is priced as the layers it runs (issue 30)
     if pipeline_rank is None:
         return max((estimate_step(config, layout, cluster, workload, clip_gradients=clip_gradients,
                                   pipeline_rank=rank) for rank in distinct_pipeline_ranks(config, layout)),

@@ -23,12 +23,16 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--no-rewrap", action="store_true", help="negative control: skip re-wrapping after delink")
+    parser.add_argument("--growth", action="store_true",
+                        help="a shallow pseudo model with shared experts: grown and upcycled at the delink step")
     args = parser.parse_args()
     if args.no_rewrap:
         p2r._rewrap = lambda trainer, pl_module: None
 
     L.seed_everything(5)
-    module = M6LanguageModel(M6Config(**(TINY | {"num_layers": 4, "num_unique_blocks": 1})),
+    growth = {"sharing": "cycle", "pseudo_depth": "shallow", "num_unique_experts": 1,
+              "growth_init": "zero_outputs"} if args.growth else {}
+    module = M6LanguageModel(M6Config(**(TINY | {"num_layers": 4, "num_unique_blocks": 1} | growth)),
                              OptimizerConfig(lr=1e-2, warmup_steps=1))
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=6, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
@@ -45,6 +49,7 @@ def main() -> None:
     result = {
         "rank": rank,
         "blocks": len(module.transformer.blocks),
+        "layers": module.transformer.num_layers,
         "params": sum(p.numel() for p in module.parameters()),
         "ddp_params": registered,
         "max_rank_difference": float((gathered[0] - gathered[1]).abs().max()),

@@ -36,3 +36,14 @@ def test_without_rewrapping_ranks_drift_apart(tmp_path: Path) -> None:
     """The negative control: the failure the callback's re-wrap prevents is real."""
     ranks = _run(tmp_path, "--no-rewrap")
     assert ranks[0]["max_rank_difference"] > 0.0
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_ddp_growth_and_upcycling_keep_ranks_identical(tmp_path: Path) -> None:
+    """Issue 30: a shallow model grown from 1 to 4 layers, its experts upcycled, under DDP: the re-wrap covers the
+    new (and reshaped) parameters."""
+    for result in _run(tmp_path, "--growth"):
+        assert (result["blocks"], result["layers"]) == (4, 4)
+        assert result["ddp_params"] == result["params"]
+        assert result["max_rank_difference"] == 0.0

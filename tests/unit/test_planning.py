@@ -120,6 +120,29 @@ def test_the_pseudo_model_shares_as_few_blocks_as_its_layers_allow() -> None:
     assert (alternating.num_blocks, alternating.sharing) == (2, "cycle")
 
 
+
+def test_a_shallow_pseudo_stage_is_priced_at_the_layers_it_runs() -> None:
+    """Issue 30: a shallow pseudo model of U blocks runs U of the L layers, so its step computes about U / L of the
+    real step's layers; a shared-depth pseudo model runs all L."""
+    deep = DENSE.replace(num_layers=16, dim=256, num_heads=4)
+    layout, machines = Layout(), cluster(1)
+    real = estimate_step(deep, layout, machines, WORK)
+    shared = estimate_step(pseudo_of(deep), layout, machines, WORK)
+    shallow_config = deep.replace(num_unique_blocks=4, sharing="cycle", pseudo_depth="shallow")
+    shallow = estimate_step(shallow_config, layout, machines, WORK)
+    four_layers = estimate_step(deep.replace(num_layers=4), layout, machines, WORK)
+    assert shallow.compute == pytest.approx(four_layers.compute)
+    assert shared.compute > 0.95 * real.compute  # every layer still runs (the shared weights' cost aside)
+    head = estimate_step(deep.replace(num_layers=1), layout, machines, WORK).compute * 4 / 3 - four_layers.compute / 3
+    # layer compute (the step's compute less the embedding and head, which every depth pays) scales as U / L
+    assert (shallow.compute - head) / (real.compute - head) == pytest.approx(4 / 16, rel=1e-6)
+    assert estimate_memory(shallow_config, layout, machines, WORK).model_states < \
+        estimate_memory(deep, layout, machines, WORK).model_states
+    assert evaluate(shallow_config, layout, machines, WORK).step.compute == pytest.approx(four_layers.compute)
+    assert pseudo_of(deep, depth="shallow").pseudo_depth == "shallow"
+    assert pseudo_of(deep.replace(pseudo_depth="shallow", sharing="cycle")).pseudo_depth == "shallow"
+
+
 # ------------------------------------------------------------------------------------------------------ layout
 @pytest.mark.parametrize(("layout", "devices", "message"), [
     (Layout(tensor_parallel=3), 6, "tensor_parallel=3) splits attention by heads: M6Config.num_heads=4"),
