@@ -13,14 +13,14 @@ Three tables (one CSV and PNG each):
   consumes on the same batches (forward, backward, AdamW step, one process, on ``--device``). ``loader_over_step``
   above 1 means the loader is never what training waits for. The multilingual row needs the ``[multilingual]``
   extra and is skipped, saying so, without it.
-- ``data_memory``: peak RSS of a fresh process that streams every training window of prepared directories of
-  ``--sizes-mb`` MB of tokens, before the first window (imports, the loader) and at the end: flat, not growing with
-  the corpus, is what streaming promises.
+- ``data_memory``: a fresh process streams every training window of prepared directories of ``--sizes-mb`` MB of
+  tokens: its peak RSS before the first window (imports, the loader) and at the end, the largest anonymous RSS
+  (what it allocated) sampled while reading, and the file-backed RSS at the end (memory-mapped chunk pages, which
+  the kernel reclaims under pressure). Streaming promises the anonymous part flat in the corpus size.
 """
 
 from __future__ import annotations
 
-import resource
 import subprocess
 import sys
 import tempfile
@@ -49,7 +49,8 @@ from lightning_p2r.streaming import streaming_loader
 PREPARE_COLUMNS = ["tokenizer", "workers", "text_mb", "tokens", "seconds", "mb_per_s"]
 LOADER_COLUMNS = ["recipe", "step_device", "batch_size", "seq_len", "loader_tokens_per_s", "step_tokens_per_s",
                   "loader_over_step"]
-MEMORY_COLUMNS = ["prepared_mb", "tokens", "windows_read", "seconds", "rss_before_mb", "peak_rss_mb"]
+MEMORY_COLUMNS = ["prepared_mb", "tokens", "windows_read", "seconds", "rss_before_mb", "peak_rss_mb",
+                  "peak_anon_mb", "file_pages_mb"]
 
 
 def _text_file(folder: Path, megabytes: float) -> Path:
@@ -149,26 +150,42 @@ def _token_directory(root: Path, megabytes: int) -> Path:
     return out.parent
 
 
+def _memory_mb() -> dict[str, float]:
+    """This process's own memory from /proc/self/status, MB: peak RSS (VmHWM), and the RSS split into anonymous
+    memory (what the process allocated) and file pages (memory-mapped chunks: the kernel's cache, reclaimable).
+    Not ``getrusage``'s ru_maxrss: Linux carries that across fork and exec, so a child of a large parent reports
+    the parent's size (the first runs here read the parent's 730 MB)."""
+    fields = {"VmHWM": "peak", "RssAnon": "anon", "RssFile": "file"}
+    values = {fields[key]: int(rest.split()[0]) / 1024
+              for key, _, rest in (line.partition(":") for line in Path("/proc/self/status").read_text().splitlines())
+              if key in fields}
+    return values if len(values) == 3 else {"peak": float("nan"), "anon": float("nan"), "file": float("nan")}
+
+
 def _stream_all(directory: str) -> None:
-    """Child process: read every training window of ``directory``; print windows, seconds, and the peak RSS before
-    the first window and at the end."""
+    """Child process: read every training window of ``directory``; print windows, seconds, the peak RSS before the
+    first window and at the end, the largest anonymous RSS sampled while reading and the file-backed RSS at the
+    end."""
     loader = streaming_loader(directory, "train", 128, 16, shuffle=True, seed=0, num_workers=0, replicas=1, rank=0)
-    before_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    start, windows = time.perf_counter(), 0
-    for batch in loader:
+    before = _memory_mb()
+    start, windows, anon = time.perf_counter(), 0, before["anon"]
+    for index, batch in enumerate(loader):
         windows += batch.shape[0]
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(windows, time.perf_counter() - start, before_mb, rss_mb)
+        if index % 1000 == 0:
+            anon = max(anon, _memory_mb()["anon"])
+    after = _memory_mb()
+    print(windows, time.perf_counter() - start, before["peak"], after["peak"], max(anon, after["anon"]), after["file"])
 
 
 def measure_memory(root: Path, megabytes: int) -> dict[str, Any]:
     directory = _token_directory(root, megabytes)
     result = subprocess.run([sys.executable, "-m", "lightning_p2r.benchmarks.data", "--stream-all", str(directory)],
                             capture_output=True, text=True, check=True)
-    windows, seconds, before_mb, rss_mb = result.stdout.split()[-4:]
+    windows, seconds, before_mb, rss_mb, anon_mb, file_mb = result.stdout.split()[-6:]
     tokens = sum(p.stat().st_size for p in (directory / "train").glob("*.bin")) // 2
     return {"prepared_mb": megabytes, "tokens": tokens, "windows_read": int(windows), "seconds": float(seconds),
-            "rss_before_mb": float(before_mb), "peak_rss_mb": float(rss_mb)}
+            "rss_before_mb": float(before_mb), "peak_rss_mb": float(rss_mb), "peak_anon_mb": float(anon_mb),
+            "file_pages_mb": float(file_mb)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -219,7 +236,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    {"loader": [row["loader_tokens_per_s"] for row in loader],
                     "training step": [row["step_tokens_per_s"] for row in loader]},
                    ylabel="tokens/s", title="streamed windows vs each recipe's training step")
-    save_line_chart(out / "data_memory.png", args.sizes_mb, {"peak RSS, MB": [r["peak_rss_mb"] for r in memory]},
+    save_line_chart(out / "data_memory.png", args.sizes_mb,
+                    {"peak RSS, MB": [r["peak_rss_mb"] for r in memory],
+                     "anonymous (allocated), MB": [r["peak_anon_mb"] for r in memory],
+                     "file pages (mapped chunks), MB": [r["file_pages_mb"] for r in memory]},
                     xlabel="prepared tokens, MB", ylabel="peak RSS of the streaming process, MB",
                     title="memory while streaming every window")
     print(f"wrote data_prepare/data_loader/data_memory .csv and .png to {out}")

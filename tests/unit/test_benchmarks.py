@@ -278,6 +278,10 @@ def test_data_benchmark_writes_csvs_and_pngs(tmp_path: Path, capsys: pytest.Capt
     assert float(loader["loader_over_step"]) > 0
     memory = _read_csv(tmp_path / "data_memory.csv")[0]
     assert int(memory["windows_read"]) > 0 and float(memory["peak_rss_mb"]) > 0
+    # The streaming child's own memory (not its parent's, which ru_maxrss would report): split, and below the peak.
+    assert 0 < float(memory["peak_anon_mb"]) <= float(memory["peak_rss_mb"])
+    assert 0 < float(memory["file_pages_mb"]) <= float(memory["peak_rss_mb"])
+    assert {row["recipe"] for row in _read_csv(tmp_path / "data_loader.csv")} >= {"quickstart"}
     for name in ("data_prepare", "data_loader", "data_memory"):
         _assert_png(tmp_path / f"{name}.png")
     assert "loader_over_step" in capsys.readouterr().out
