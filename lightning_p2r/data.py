@@ -452,7 +452,7 @@ class TextDataModule(pl.LightningDataModule):
         cache_dir: Folder for the tokenizer and token-id cache; default $LIGHTNING_P2R_CACHE or ~/.cache/lightning_p2r.
         seed: Seed of the training shuffle order.
         prepared: A directory written by ``lightning-p2r prepare-data``: training and validation then stream its
-            token chunks with litdata (memory flat in the corpus size, exact mid-epoch resume from Lightning's
+            token chunks with litdata (allocated memory flat in the corpus size, exact mid-epoch resume from Lightning's
             checkpoint), and its manifest gives the tokenizer and vocabulary (``tokenizer``/``vocab_size``, if
             given, must match it). Without ``corpus`` the directory must exist; with it, ``fit`` prepares it first
             (``prepare_data``, once per node) with these tokenizer, vocabulary and ``val_fraction`` settings. A list
