@@ -77,3 +77,13 @@ def run_depth_first(loss_fn: Callable[[Any], tuple[torch.Tensor, dict[str, torch
         metrics.append({key: value.detach() for key, value in loss_metrics.items()})
     return AccumulationResult(torch.stack(losses).mean(), {
         key: torch.stack([torch.as_tensor(m[key]).detach().float() for m in metrics]).mean() for key in metrics[0]})
+
+
+class RecordBatches(L.Callback):
+    """Keeps a copy of every training batch, in order: what a resumed run is compared on."""
+
+    def __init__(self) -> None:
+        self.seen: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.seen.append(batch.clone())

@@ -10,6 +10,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import RecordBatches
 
 from lightning_p2r import M6Config, M6LanguageModel, TextDataModule
 from lightning_p2r.cli import main as cli_main
@@ -190,22 +191,14 @@ def _trainer(root: Path, max_steps: int) -> L.Trainer:
                      enable_checkpointing=False)
 
 
-class _Batches(L.Callback):
-    def __init__(self) -> None:
-        self.seen: list[torch.Tensor] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.seen.append(batch.clone())
-
-
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_a_resumed_stream_continues_with_the_batches_of_an_uninterrupted_run(prepared_bytes, tmp_path: Path,
                                                                             num_workers: int) -> None:
     _, out = prepared_bytes
 
-    def run(max_steps: int, ckpt_path: Path | None = None) -> tuple[M6LanguageModel, _Batches, L.Trainer]:
+    def run(max_steps: int, ckpt_path: Path | None = None) -> tuple[M6LanguageModel, RecordBatches, L.Trainer]:
         L.seed_everything(3)
-        model, batches = M6LanguageModel(M6Config(**TINY)), _Batches()
+        model, batches = M6LanguageModel(M6Config(**TINY)), RecordBatches()
         trainer = _trainer(tmp_path, max_steps)
         trainer.callbacks.append(batches)
         data = TextDataModule(prepared=str(out), seq_len=16, batch_size=4, num_workers=num_workers, seed=5)

@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from helpers import RecordBatches
 
 from lightning_p2r import M6Config, M6LanguageModel, TextDataModule
 from lightning_p2r.cli import main as cli_main
@@ -63,21 +64,13 @@ def test_a_list_of_directories_is_mixed_by_its_weights(two_dirs: tuple[str, str]
     assert _digit_share(only_letters, 30) == 0.0  # weighted zero: validated, never drawn
 
 
-class _Batches(L.Callback):
-    def __init__(self) -> None:
-        self.seen: list[torch.Tensor] = []
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.seen.append(batch.clone())
-
-
 @pytest.mark.parametrize("num_workers", [0, 1])
 def test_a_list_trains_validates_per_directory_and_resumes_exactly(two_dirs: tuple[str, str], tmp_path: Path,
                                                                   num_workers: int) -> None:
     # Lightning reads a mixture's loader (no length) one batch ahead: the checkpoint must hold the batch trained on.
-    def run(max_steps: int, ckpt_path: Path | None = None) -> tuple[M6LanguageModel, _Batches, L.Trainer]:
+    def run(max_steps: int, ckpt_path: Path | None = None) -> tuple[M6LanguageModel, RecordBatches, L.Trainer]:
         L.seed_everything(3)
-        model, batches = M6LanguageModel(M6Config(**TINY)), _Batches()
+        model, batches = M6LanguageModel(M6Config(**TINY)), RecordBatches()
         trainer = L.Trainer(max_steps=max_steps, accelerator="cpu", devices=1, logger=False, callbacks=[batches],
                             enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                             default_root_dir=tmp_path, limit_val_batches=2, limit_test_batches=2,
