@@ -33,8 +33,17 @@ class Arm:
     delink_noise: float = 0.0
     rewarm_steps: int = 0
     residual_init: str = "depth"
+    pseudo_depth: str = "shared"
+    """"shallow": the first stage runs its ``blocks`` as that many layers, and delinking grows the depth."""
+    growth_init: str = "copy"
+    unique_experts: int | None = None
+    """FFNs the experts of a layer share before the first delinking upcycles them (None: one per expert)."""
+    upcycle_router: str = "keep"
     trunk: str | None = None
     """The arm whose checkpoint at this arm's first delink step it resumes from (its shared stage)."""
+    parent: str | None = None
+    """A variant of another arm: it trains at that arm's best LR (no sweep of its own), and its stages have that
+    arm's shapes, so it is priced with that arm's measured step times."""
     note: str = ""
 
     def delink_steps(self, steps: int) -> dict[int, int | None]:
@@ -43,7 +52,14 @@ class Arm:
 
     def model_options(self) -> dict[str, object]:
         """The model options this arm sets (everything else is the recipe's)."""
-        return {"num_unique_blocks": self.blocks, "sharing": self.sharing, "residual_init": self.residual_init}
+        return {"num_unique_blocks": self.blocks, "sharing": self.sharing, "residual_init": self.residual_init,
+                "pseudo_depth": self.pseudo_depth, "growth_init": self.growth_init,
+                "num_unique_experts": self.unique_experts, "upcycle_router": self.upcycle_router}
+
+    def cli_args(self) -> list[str]:
+        """``model_options`` as LightningCLI overrides of the recipe."""
+        return [f"--model.config.{key}={'null' if value is None else value}"
+                for key, value in self.model_options().items()]
 
 
 @dataclass(frozen=True)
@@ -77,6 +93,7 @@ def ablation_arms(p2r: Arm, rewarm_steps: int, noise: float) -> list[Arm]:
     """One lever at a time on top of the ``p2r`` arm: the optimizer-state policy, symmetry breaking, and the
     residual init of the shared block (which changes the shared stage, so those arms train their own trunk, as
     does per_layer, which measures during the shared stage)."""
+    p2r = replace(p2r, parent="p2r")
     return [
         replace(p2r, name="p2r_copy", optimizer_state="copy", note="moments kept as they were"),
         replace(p2r, name="p2r_reset", optimizer_state="reset", note="moments dropped"),
@@ -89,6 +106,47 @@ def ablation_arms(p2r: Arm, rewarm_steps: int, noise: float) -> list[Arm]:
                 note="residual outputs std / sqrt(2 L g)"),
         replace(p2r, name="p2r_init_blocks", residual_init="blocks", trunk=None,
                 note="residual outputs std / sqrt(2U)"),
+    ]
+
+
+GSTACK_GROWTH_FRACTION = 10e9 / 300e9
+"""Where G_stack grows (Du et al. 2024), as a fraction of the token budget: 10B tokens into their 7B model's 300B.
+Their fitted rule for the growth point, log10(d) = 0.88 log10(N) + 163.27 / log10(C) - 5.74, extrapolates to
+about 10^12 tokens for a model of a few million parameters trained on a million tokens (more than the whole run),
+so the ratio of their flagship run is kept instead."""
+
+
+def growth_arms(num_layers: int, growth_factor: int = 4, upcycle_fraction: float = 0.1,
+                point_factor: float = 3.0) -> list[Arm]:
+    """Issue 30's arms. Swept over LRs: ``scratch``, ``cycled`` (the best of the sharing protocol), ``stack`` (a
+    shallow model of L/``growth_factor`` blocks run as that many layers, grown to L by the cycle map at G_stack's
+    point), ``upcycle`` (the real depth, each layer's experts sharing one FFN, upcycled at ``upcycle_fraction``)
+    and ``stack_upcycle`` (both, in one delinking at G_stack's point). Variants at their parent's best LR: the growth
+    point ``point_factor`` x earlier and later, the identity-preserving growth, and a re-initialized router."""
+    if num_layers % growth_factor or num_layers % 4:
+        raise ValueError(f"the growth arms need num_layers divisible by 4 and by {growth_factor}, got {num_layers}")
+    shallow = num_layers // growth_factor
+    point = GSTACK_GROWTH_FRACTION
+    stack = Arm("stack", shallow, sharing="cycle", pseudo_depth="shallow", schedule=((point, None),),
+                note=f"{shallow} layers grown to {num_layers} at {point:.1%} (G_stack's point)")
+    upcycle = Arm("upcycle", None, unique_experts=1, schedule=((upcycle_fraction, None),),
+                  note=f"one FFN per layer shared by the experts, upcycled at {upcycle_fraction:.0%}")
+    return [
+        Arm("scratch", None, note="the real model from step 0"),
+        Arm("cycled", num_layers // 4, sharing="cycle", schedule=((0.05, num_layers // 2), (0.1, None)),
+            note="L/4 blocks cycled, L/2 at 5%, real at 10%"),
+        stack,
+        upcycle,
+        replace(stack, name="stack_upcycle", unique_experts=1,
+                note=f"{shallow} layers sharing one FFN, grown and upcycled at {point:.1%}"),
+        replace(stack, name="stack_early", schedule=((point / point_factor, None),), parent="stack",
+                note=f"grown at {point / point_factor:.1%}"),
+        replace(stack, name="stack_late", schedule=((point * point_factor, None),), parent="stack",
+                note=f"grown at {point * point_factor:.1%}"),
+        replace(stack, name="stack_zero_outputs", growth_init="zero_outputs", parent="stack",
+                note="new layers' output projections zeroed (the function is kept at growth)"),
+        replace(upcycle, name="upcycle_reinit", upcycle_router="reinit", parent="upcycle",
+                note="the router re-initialized at upcycling"),
     ]
 
 

@@ -57,6 +57,7 @@ from lightning_p2r.benchmarks.p2r_protocol import (
     ablation_arms,
     best_lr,
     first_crossing,
+    growth_arms,
     main_arms,
     paired_difference,
     seconds_to,
@@ -78,6 +79,7 @@ from lightning_p2r.measure.run import worker_env
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pseudo_to_real.yaml"
 SETTINGS = ("single", "zero3", "offload")
 TIMED_ARMS = ("scratch", "p2r", "cycled")
+GROWTH_TIMED_ARMS = ("scratch", "cycled", "stack", "upcycle", "stack_upcycle")
 # --quick: a tiny model on a tiny byte-level corpus; the smoke test checks plumbing, the numbers mean nothing.
 QUICK_OVERRIDES = ["--model.config.num_layers=4", "--model.config.dim=32", "--model.config.num_heads=2",
                    "--model.config.num_experts=2", "--model.config.sparse_window=8", "--model.optimizer.warmup_steps=2",
@@ -270,13 +272,13 @@ class Runner:
     def _spec(self, run: Run, save_at: dict[int, str]) -> dict[str, Any]:
         arm = run.arm
         delinks = arm.delink_steps(self.steps)
-        blocks = "null" if arm.blocks is None else str(arm.blocks)
         args = [*self.base_args, f"--seed_everything={run.seed}", f"--data.seed={run.seed}",
-                f"--model.optimizer.lr={run.lr}", f"--model.config.num_unique_blocks={blocks}",
-                f"--model.config.sharing={arm.sharing}", f"--model.config.residual_init={arm.residual_init}"]
+                f"--model.optimizer.lr={run.lr}", *arm.cli_args()]
         trunk = None if arm.trunk is None else Run(self.arms[arm.trunk], run.lr, run.seed)
+        # The moment check compares layers that shared a block; a grown or upcycled model has no such pairing.
+        moment_check = bool(delinks) and arm.pseudo_depth == "shared" and arm.unique_experts is None
         return {"name": run.name, "args": args, "threads": 1, "arm": asdict(arm), "schedule": delinks,
-                "save_at": save_at, "moment_check": bool(delinks),
+                "save_at": save_at, "moment_check": moment_check,
                 "resume": str(self._paths(trunk)[1]) if trunk else None, "result": str(self._paths(run)[0])}
 
     def result(self, run: Run) -> dict[str, Any]:
@@ -331,8 +333,8 @@ def sizes(config: Any) -> dict[str, int]:
     return out
 
 
-def timing_specs(arms: dict[str, Arm], base_args: list[str], folder: Path, phase_steps: int, budget: int,
-                 threads: int) -> list[dict[str, Any]]:
+def timing_specs(arms: dict[str, Arm], timed: Sequence[str], base_args: list[str], folder: Path, phase_steps: int,
+                 budget: int, threads: int) -> list[dict[str, Any]]:
     """One timing run per (memory setting, arm): each stage of the arm gets ``phase_steps`` steps."""
     specs = []
     for setting in SETTINGS:
@@ -341,13 +343,12 @@ def timing_specs(arms: dict[str, Arm], base_args: list[str], folder: Path, phase
                            "--trainer.strategy.sharding=zero3"],
                  "offload": ["--trainer.strategy=lightning_p2r.P2RStrategy",
                              f"--trainer.strategy.device_memory_budget={budget}"]}[setting]
-        for name in TIMED_ARMS:
+        for name in timed:
             arm = arms[name]
             stages = len(arm.schedule) + 1
             schedule = {phase_steps * (i + 1): blocks for i, (_, blocks) in enumerate(arm.schedule)}
-            blocks = "null" if arm.blocks is None else str(arm.blocks)
             args = [*base_args, f"--trainer.max_steps={phase_steps * stages}", "--trainer.limit_val_batches=0",
-                    f"--model.config.num_unique_blocks={blocks}", f"--model.config.sharing={arm.sharing}", *extra]
+                    *arm.cli_args(), *extra]
             if setting == "zero3":
                 args.append(f"--data.batch_size={_batch_size(base_args) // 2}")  # same tokens per optimizer step
             specs.append({"name": f"timing_{setting}_{name}", "setting": setting, "arm": asdict(arm),
@@ -393,10 +394,9 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
         sweep_rows += [{"arm": name, "lr": lr, "seed": 0, "final_val_loss": finals[lr][0], "best": lr == best[name]}
                        for lr in lrs]
     results = {name: {s: runner.result(Run(arms[name], best[name], s)) for s in range(seeds)} for name in main}
-    p2r_lr = best["p2r"]
-    for name in ablations:
-        results[name] = {s: runner.result(Run(arms[name], p2r_lr, s)) for s in range(seeds)}
-        best[name] = p2r_lr
+    for name in ablations:  # variants: at their parent's best LR
+        best[name] = best[_parent(arms[name])]
+        results[name] = {s: runner.result(Run(arms[name], best[name], s)) for s in range(seeds)}
     finals = {name: {s: final_loss(r) for s, r in per_seed.items()} for name, per_seed in results.items()}
     scratch = finals["scratch"]
     summary, ablation_rows, time_rows = [], [], []
@@ -415,15 +415,25 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
                "steps_to_scratch_final": step_ratio, "tau": tau,
                "moment_ratio": _mean_or_nan([r.get("moment_ratio") for r in results[name].values()])}
         if name in ablations:
-            vs = paired_difference(finals[name], finals["p2r"])
-            ablation_rows.append(row | {"note": arm.note, "diff_vs_p2r": vs.mean, "diff_vs_p2r_se": vs.se})
-            continue
-        summary.append(row)
+            vs = paired_difference(finals[name], finals[_parent(arm)])
+            ablation_rows.append(row | {"note": arm.note, "parent": _parent(arm), "diff_vs_parent": vs.mean,
+                                        "diff_vs_parent_se": vs.se})
+        else:
+            summary.append(row)
         for setting, measured in timing.items():
-            if name in measured:
+            if _priced_as(arm) in measured:
                 time_rows.append(_time_row(row, arm, measured, setting, reached, len(crossings), step_ratio, steps))
     return {"best": best, "results": results, "sweep": sweep_rows, "summary": summary, "ablations": ablation_rows,
             "time": time_rows}
+
+
+def _parent(arm: Arm) -> str:
+    return arm.parent or "p2r"
+
+
+def _priced_as(arm: Arm) -> str:
+    """The arm whose measured stage times price this one (a variant's stages have its parent's shapes)."""
+    return arm.parent or arm.name
 
 
 def clock(arm: Arm, steps: int, times: dict[str, Any]) -> Callable[[float], float]:
@@ -436,8 +446,8 @@ def clock(arm: Arm, steps: int, times: dict[str, Any]) -> Callable[[float], floa
 def _time_row(row: dict[str, Any], arm: Arm, measured: dict[str, Any], setting: str, reached: list[float],
               seeds: int, step_ratio: float, steps: int) -> dict[str, Any]:
     """Seconds to scratch's final loss under one memory setting, from the measured seconds per step of each stage."""
-    phases, delink_s = measured[arm.name]["phases"], measured[arm.name]["delink_s"]
-    seconds_at = clock(arm, steps, measured[arm.name])
+    phases, delink_s = measured[_priced_as(arm)]["phases"], measured[_priced_as(arm)]["delink_s"]
+    seconds_at = clock(arm, steps, measured[_priced_as(arm)])
     real_s = measured["scratch"]["phases"][0] if "scratch" in measured else phases[-1]
     scratch_time = steps * real_s
     all_reached = len(reached) == seeds
@@ -460,8 +470,8 @@ def curve_rows(analysis: dict[str, Any], timing: dict[str, dict[str, Any]], arms
                steps: int) -> list[dict[str, Any]]:
     rows = []
     for name, per_seed in analysis["results"].items():
-        clocks = {setting: clock(arms[name], steps, measured[name])
-                  for setting, measured in timing.items() if name in measured}
+        clocks = {setting: clock(arms[name], steps, measured[_priced_as(arms[name])])
+                  for setting, measured in timing.items() if _priced_as(arms[name]) in measured}
         for seed, result in per_seed.items():
             for step, loss in result["points"]:
                 row = {"arm": name, "lr": analysis["best"][name], "seed": seed, "step": step, "val_loss": loss}
@@ -503,7 +513,7 @@ SUMMARY_COLUMNS = ["arm", "lr", "seeds", "final_mean", "final_sd", "diff_vs_scra
                    "steps_to_scratch_final", "tau", "moment_ratio"]
 TIME_COLUMNS = ["arm", "setting", "s_per_step_first_stage", "s_per_step_real", "delink_s", "r", "tau", "delta",
                 "criterion_wins", "time_to_scratch_final_s", "scratch_time_s", "time_ratio"]
-ABLATION_COLUMNS = ["arm", "lr", "seeds", "final_mean", "final_sd", "diff_vs_p2r", "diff_vs_p2r_se",
+ABLATION_COLUMNS = ["arm", "parent", "lr", "seeds", "final_mean", "final_sd", "diff_vs_parent", "diff_vs_parent_se",
                     "diff_vs_scratch", "diff_se", "steps_to_scratch_final", "moment_ratio", "note"]
 TIMING_COLUMNS = ["setting", "arm", "stage", "blocks", "s_per_step", "delink_s", "offloaded_blocks_at_end"]
 
@@ -512,7 +522,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--config", type=Path, default=RECIPE, help="recipe YAML (default: pseudo_to_real.yaml)")
-    parser.add_argument("--steps", type=int, help="optimizer steps of every run (default 400, 40 with --quick)")
+    parser.add_argument("--protocol", choices=("sharing", "growth"), default="sharing",
+                        help="sharing: issue 14's arms and ablations; growth: issue 30's shallow stage grown by "
+                             "stacking and experts upcycled (default %(default)s)")
+    parser.add_argument("--steps", type=int, help="optimizer steps of every run (default 400, or 800 for the growth "
+                                                  "protocol; 40 and 80 with --quick)")
     parser.add_argument("--seeds", type=int, help="seeds per arm at its best LR (default 3, 2 with --quick)")
     parser.add_argument("--lrs", type=float, nargs="+", help="the LR sweep (default 0.002 0.004 0.008)")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at a time, 1 thread each (default 2)")
@@ -527,7 +541,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _worker(json.loads(args.worker))
         return {}
     quick = args.quick
-    steps = args.steps or (40 if quick else 400)
+    growth = args.protocol == "growth"
+    steps = args.steps or (40 if quick else 400) * (2 if growth else 1)
     seeds = args.seeds or (2 if quick else 3)
     lrs = args.lrs or ([0.002, 0.008] if quick else [0.002, 0.004, 0.008])
     val_every = args.val_every or (10 if quick else 25)
@@ -558,15 +573,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batches = len(probe.datamodule.train_dataloader())
         if steps > batches:
             parser.error(f"--steps={steps} is more than one epoch ({batches} batches): the protocol never repeats data")
-        arms = {arm.name: arm for arm in main_arms(config.num_layers)}
+        if growth:
+            every = growth_arms(config.num_layers)
+            arms = {arm.name: arm for arm in every if arm.parent is None}
+            ablations = [] if args.no_ablations else [arm for arm in every if arm.parent is not None]
+        else:
+            arms = {arm.name: arm for arm in main_arms(config.num_layers)}
+            ablations = [] if args.no_ablations else ablation_arms(arms["p2r"], rewarm_steps=max(2, steps // 20),
+                                                                      noise=0.02)
         main_names = list(arms)
         warmup = probe.model.optimizer_config.warmup_steps
-        if warmup >= min(arms["p2r"].delink_steps(steps)):
-            parser.error(f"warmup ({warmup} steps) must end before the first delinking")
-        ablations = [] if args.no_ablations else ablation_arms(arms["p2r"], rewarm_steps=max(2, steps // 20),
-                                                                  noise=0.02)
+        first = "stack" if growth else "p2r"
+        if warmup >= min(arms[first].delink_steps(steps)):
+            parser.error(f"warmup ({warmup} steps) must end before {first}'s first delinking "
+                         f"(step {min(arms[first].delink_steps(steps))}): run more --steps")
         arms.update({arm.name: arm for arm in ablations})
-        runner = Runner(out / "p2r_runs", train_args, steps, args.jobs, arms, args.timeout)
+        runner = Runner(out / ("growth_runs" if growth else "p2r_runs"), train_args, steps, args.jobs, arms,
+                        args.timeout)
         print(f"{steps} steps per run (one epoch is {batches}), {config.num_layers} layers, dim {config.dim}; "
               f"runs kept in {runner.folder} (key {runner.key})")
 
@@ -578,8 +601,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"\n== seeds 1..{seeds - 1} at each arm's best LR ==", flush=True)
         runner.run_all([Run(arms[name], best[name], s) for name in main_names for s in range(1, seeds)])
         if ablations:
-            print(f"\n== ablations at p2r's best LR {best['p2r']:g}, {seeds} seeds ==", flush=True)
-            runner.run_all([Run(arm, best["p2r"], s) for arm in ablations for s in range(seeds)])
+            print(f"\n== variants at their parent arm's best LR, {seeds} seeds ==", flush=True)
+            runner.run_all([Run(arm, best[arm.parent or "p2r"], s) for arm in ablations for s in range(seeds)])
 
         timing: dict[str, dict[str, Any]] = {}
         timing_rows = []
@@ -589,7 +612,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             threads = os.cpu_count() or 1
             print(f"\n== timing: {phase_steps} steps per stage, offload budget {budget / 2**20:.2f} MiB (pseudo "
                   f"{size['pseudo_total'] / 2**20:.2f} MiB, real {size['real_total'] / 2**20:.2f} MiB) ==", flush=True)
-            for spec in timing_specs(arms, common, runner.folder, phase_steps, budget, threads):
+            timed = GROWTH_TIMED_ARMS if growth else TIMED_ARMS
+            for spec in timing_specs(arms, timed, common, runner.folder, phase_steps, budget, threads):
                 data = _launch(spec, args.timeout)
                 phases, delink_s = phase_times(data["step_clock"], sorted(int(s) for s in spec["schedule"]))
                 timing.setdefault(spec["setting"], {})[spec["arm"]["name"]] = {"phases": phases, "delink_s": delink_s}
@@ -621,26 +645,28 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "criterion: delta < tau (1 - r)\n")
         print_table(analysis["time"], TIME_COLUMNS)
     if analysis["ablations"]:
-        print(f"\nablations at lr {best['p2r']:g}: one lever each on top of p2r\n")
+        print("\nvariants, each at its parent arm's best LR: one lever each on top of the parent\n")
         print_table(analysis["ablations"], ABLATION_COLUMNS)
     if timing_rows:
         print("\nseconds per step by stage (measured alone; step 0-1 of each stage left out); the analysis prices "
               "every arm's real stage at scratch's figure of the same setting\n")
         print_table(timing_rows, TIMING_COLUMNS)
+    stem = "pseudo_to_real_growth" if growth else "pseudo_to_real"
     written = [
-        write_csv(with_environment(curve_rows(analysis, timing, arms, steps), env), out / "pseudo_to_real.csv"),
-        write_csv(with_environment(analysis["summary"], env), out / "pseudo_to_real_summary.csv"),
-        write_csv(with_environment(analysis["sweep"], env), out / "pseudo_to_real_sweep.csv"),
+        write_csv(with_environment(curve_rows(analysis, timing, arms, steps), env), out / f"{stem}.csv"),
+        write_csv(with_environment(analysis["summary"], env), out / f"{stem}_summary.csv"),
+        write_csv(with_environment(analysis["sweep"], env), out / f"{stem}_sweep.csv"),
     ]
     if analysis["ablations"]:
-        written.append(write_csv(with_environment(analysis["ablations"], env), out / "pseudo_to_real_ablations.csv"))
+        written.append(write_csv(with_environment(analysis["ablations"], env), out / f"{stem}_ablations.csv"))
     if timing_rows:
-        written.append(write_csv(with_environment(timing_rows, env), out / "pseudo_to_real_timing.csv"))
-        written.append(write_csv(with_environment(analysis["time"], env), out / "pseudo_to_real_time.csv"))
+        written.append(write_csv(with_environment(timing_rows, env), out / f"{stem}_timing.csv"))
+        written.append(write_csv(with_environment(analysis["time"], env), out / f"{stem}_time.csv"))
     written.append(save_plot(
-        out / "pseudo_to_real.png", analysis, main_names, timing, arms, steps,
-        title=(f"Pseudo-to-Real vs scratch: {config.num_layers} layers, dim {config.dim}, {steps} steps (WSD), "
-               f"each arm at its best LR, {seeds} seeds\n{env['device_name']}, torch {env['torch']}"
+        out / f"{stem}.png", analysis, main_names, timing, arms, steps,
+        title=(f"{'Growth' if growth else 'Pseudo-to-Real'} vs scratch: {config.num_layers} layers, dim {config.dim}, "
+               f"{steps} steps (WSD), each arm at its best LR, {seeds} seeds\n"
+               f"{env['device_name']}, torch {env['torch']}"
                + (" -- QUICK: numbers mean nothing" if quick else ""))))
     print("\nwrote " + ", ".join(str(p) for p in written))
     return analysis | {"timing": timing, "env": env}

@@ -107,7 +107,7 @@ class PseudoToReal(L.Callback):
     A shallow pseudo model (``M6Config.pseudo_depth="shallow"``) is grown instead, which changes its function unless
     ``M6Config.growth_init="zero_outputs"``: the language-model loss on the same batch before and after is logged as
     ``p2r/loss_before_growth`` and ``p2r/loss_after_growth``. Experts sharing one FFN (``M6Config.num_unique_experts``)
-    are upcycled at the first delinking. Both are refused under P2RStrategy, with ``auto`` and with "per_layer".
+    are upcycled at the first delinking. Both are refused with pipeline parallelism, ``auto`` and "per_layer".
 
     Args:
         delink_at_step: optimizer step at which the model becomes real (each layer its own block).
@@ -252,9 +252,11 @@ class PseudoToReal(L.Callback):
 
     def _check_growth(self, trainer: L.Trainer) -> None:
         """A shallow pseudo model or shared experts: refuse what growth and upcycling do not support yet."""
-        if isinstance(trainer.strategy, DelinksInPlace):
-            raise ValueError("PseudoToReal: growing a shallow model or upcycling shared experts is not supported under "
-                             "P2RStrategy yet; train the pseudo stage on a single device or DDP")
+        layout = getattr(trainer.strategy, "layout", None)
+        if isinstance(trainer.strategy, DelinksInPlace) and getattr(layout, "pipeline_parallel", 1) > 1:
+            # The stages are cut by layers, and growth adds layers: every stage would have to be cut again.
+            raise ValueError("PseudoToReal: growing a shallow model or upcycling shared experts is not supported with "
+                             "pipeline_parallel > 1; train the pseudo stage without pipelining")
         if self.auto:
             raise ValueError("PseudoToReal(auto=True) measures layers that share a block; a shallow model or shared "
                              "experts has none: give delink_at_step, delink_at_fraction or schedule")

@@ -133,6 +133,24 @@ def test_pseudo_to_real_benchmark_runs_the_protocol_end_to_end(tmp_path: Path,
     assert "final val loss" not in capsys.readouterr().out
 
 
+def test_growth_protocol_runs_its_arms_end_to_end(tmp_path: Path) -> None:
+    """Issue 30's arms (one LR, one seed, 40 steps, no warmup so that G_stack's point, step 1, comes after it): the
+    grown and upcycled runs train through their delinking and land in the summary beside scratch."""
+    import math
+
+    from lightning_p2r.benchmarks import pseudo_to_real
+
+    out = tmp_path / "out"
+    pseudo_to_real.main(["--quick", "--protocol", "growth", "--steps", "40", "--out", str(out), "--lrs", "0.008",
+                         "--seeds", "1", "--no-ablations", "--no-timing", "--model.optimizer.warmup_steps=0"])
+    summary = {row["arm"]: row for row in _read_csv(out / "pseudo_to_real_growth_summary.csv")}
+    assert set(summary) == {"scratch", "cycled", "stack", "upcycle", "stack_upcycle"}
+    assert all(math.isfinite(float(row["final_mean"])) for row in summary.values())
+    assert summary["stack"]["tau"] == "0.025" and summary["upcycle"]["tau"] == "0.1"
+    assert len({row["final_mean"] for row in summary.values()}) == 5  # five different trainings
+    _assert_png(out / "pseudo_to_real_growth.png")
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_accumulation_sync_benchmark_writes_its_outputs(tmp_path) -> None:

@@ -276,13 +276,50 @@ def test_the_callback_upcycles_a_model_whose_blocks_are_real(tmp_path: Path) -> 
     assert not module.transformer.blocks[0].ffn.experts.is_shared
 
 
-def test_growth_under_p2r_strategy_is_refused_before_the_first_step(tmp_path: Path) -> None:
+def _grown_weights(tmp_path: Path, strategy=None) -> tuple[dict[str, torch.Tensor], PseudoToReal, object]:
+    """A shallow model with shared experts, grown and upcycled in two stages over 6 steps, with gradient clipping;
+    the weights it ends with (whole, on the host)."""
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    L.seed_everything(5)
+    module, callback = _module(num_unique_experts=1, upcycle_noise=0.01), PseudoToReal(schedule={2: 2, 4: 4})
+    options = {} if strategy is None else {"strategy": strategy}
+    trainer = tiny_trainer(tmp_path, max_steps=6, val_check_interval=100, gradient_clip_val=0.5,
+                           callbacks=[callback], **options)
+    trainer.fit(module, datamodule=tiny_data(tmp_path))
+    weights = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+               for k, v in module.state_dict().items()}
+    return weights, callback, trainer
+
+
+@pytest.mark.parametrize("options", [{"offload_fraction": 0.5}, {"sharding": "zero3", "offload_fraction": 0.5},
+                                     {"sharding": "zero2"}])
+def test_growth_under_p2r_strategy_matches_plain_training(tmp_path: Path, options: dict) -> None:
+    """The strategy grows and upcycles the model where it lives (offloaded blocks on the host, FSDP2 shards) and
+    re-places the new layers by its plan; on one process the run is bit for bit a plain one."""
+    from equivalence import assert_bit_identical
+
     from lightning_p2r import P2RStrategy
 
-    trainer = tiny_trainer(tmp_path, max_steps=4, strategy=P2RStrategy(), callbacks=[PseudoToReal(delink_at_step=2)])
-    with pytest.raises(ValueError, match="not supported under P2RStrategy yet") as error:
-        trainer.fit(_module(), datamodule=tiny_data(tmp_path))
+    reference, _, _ = _grown_weights(tmp_path / "plain")
+    weights, callback, trainer = _grown_weights(tmp_path / "strategy", P2RStrategy(**options))
+    assert [(e.layers_before, e.layers_after) for e in callback.events] == [(1, 2), (2, 4)]
+    assert_bit_identical(weights, reference)
+    if "offload_fraction" in options:
+        assert len(trainer.strategy.plan.offloaded) == 2  # re-planned over the 4 grown blocks
+
+
+def test_growth_under_pipeline_parallelism_is_refused_in_one_line() -> None:
+    from types import SimpleNamespace
+
+    from lightning_p2r import P2RStrategy
+
+    strategy = P2RStrategy(pipeline_parallel=2, micro_batches=2)
+    with pytest.raises(ValueError, match="pipeline_parallel > 1") as error:
+        PseudoToReal(delink_at_step=2)._check_growth(SimpleNamespace(strategy=strategy))
     assert "\n" not in str(error.value)
+    PseudoToReal(delink_at_step=2)._check_growth(SimpleNamespace(strategy=P2RStrategy(offload_fraction=0.5)))
 
 
 def test_a_run_resumed_between_growth_stages_reaches_the_same_weights(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ from lightning_p2r.benchmarks.p2r_protocol import (
     ablation_arms,
     best_lr,
     first_crossing,
+    growth_arms,
     main_arms,
     paired_difference,
     seconds_to,
@@ -29,6 +30,33 @@ def test_main_arms_and_their_delink_steps() -> None:
     assert arms["scratch"].delink_steps(400) == {} and arms["pseudo_only"].blocks == 1
     with pytest.raises(ValueError, match="divisible by 4"):
         main_arms(6)
+
+
+def test_growth_arms_their_points_and_their_model_options() -> None:
+    arms = {arm.name: arm for arm in growth_arms(16)}
+    assert [name for name, arm in arms.items() if arm.parent is None] == [
+        "scratch", "cycled", "stack", "upcycle", "stack_upcycle"]
+    # G_stack's point is 1/30 of the budget: step 27 of 800, after a 20-step warmup; the variants 3x either side.
+    assert arms["stack"].delink_steps(800) == {27: None} == arms["stack_upcycle"].delink_steps(800)
+    assert arms["stack_early"].delink_steps(800) == {9: None} and arms["stack_late"].delink_steps(800) == {80: None}
+    assert arms["upcycle"].delink_steps(800) == {80: None}
+    assert {arms[n].parent for n in ("stack_early", "stack_late", "stack_zero_outputs")} == {"stack"}
+    assert arms["upcycle_reinit"].parent == "upcycle" and arms["upcycle_reinit"].upcycle_router == "reinit"
+    stack = arms["stack_upcycle"].cli_args()
+    assert {"--model.config.num_unique_blocks=4", "--model.config.sharing=cycle",
+            "--model.config.pseudo_depth=shallow", "--model.config.num_unique_experts=1"} <= set(stack)
+    assert "--model.config.num_unique_experts=null" in arms["scratch"].cli_args()
+    assert "--model.config.growth_init=zero_outputs" in arms["stack_zero_outputs"].cli_args()
+    with pytest.raises(ValueError, match="divisible by 4"):
+        growth_arms(6)
+
+
+def test_growth_arms_build_valid_models() -> None:
+    """Every arm's options make a config the model accepts (a typo would only show hours into the benchmark)."""
+    from lightning_p2r import M6Config
+
+    for arm in growth_arms(8):
+        M6Config(num_layers=8, num_experts=4, **arm.model_options())
 
 
 def test_branches_wait_for_their_trunk() -> None:
@@ -84,7 +112,8 @@ def test_phase_times_leave_out_warmup_steps_and_price_the_delink() -> None:
 
 def test_timing_specs_keep_the_tokens_per_step_and_the_budget(tmp_path) -> None:
     arms = {arm.name: arm for arm in main_arms(8)}
-    specs = timing_specs(arms, ["--data.batch_size=16"], tmp_path, phase_steps=5, budget=1234, threads=2)
+    specs = timing_specs(arms, ("scratch", "p2r", "cycled"), ["--data.batch_size=16"], tmp_path, phase_steps=5,
+                         budget=1234, threads=2)
     by_name = {spec["name"]: spec for spec in specs}
     settings, arm_names = ("single", "zero3", "offload"), ("scratch", "p2r", "cycled")
     assert set(by_name) == {f"timing_{s}_{a}" for s in settings for a in arm_names}
@@ -92,3 +121,6 @@ def test_timing_specs_keep_the_tokens_per_step_and_the_budget(tmp_path) -> None:
     assert "--trainer.devices=2" in zero3["args"] and "--data.batch_size=8" in zero3["args"]
     assert zero3["schedule"] == {5: 4, 10: None} and "--trainer.max_steps=15" in zero3["args"]
     assert "--trainer.strategy.device_memory_budget=1234" in by_name["timing_offload_p2r"]["args"]
+    grown = timing_specs({arm.name: arm for arm in growth_arms(8)}, ("stack_upcycle",), [], tmp_path, phase_steps=5,
+                         budget=1, threads=2)
+    assert "--model.config.pseudo_depth=shallow" in grown[0]["args"] and grown[0]["schedule"] == {5: None}
