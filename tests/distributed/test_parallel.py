@@ -88,7 +88,7 @@ def test_zero1_under_expert_parallelism_partitions_dense_weights_and_experts_apa
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 def test_delinking_under_tensor_parallel_re_splits_the_real_blocks(runs: Path) -> None:
-    for name in ("tp2_delink", "tp2_ep2_delink_offload"):
+    for name in ("tp2_delink", "tp2_ep2_delink_offload", "tp2_grown"):
         report = _report(runs, name)
         assert report["blocks"] == 4
         for rank in report["held"]:

@@ -26,6 +26,10 @@ from worker_launch import launch_configs  # noqa: E402
 
 WORKER = Path(__file__).with_name("sharding_worker.py")
 PSEUDO = {"num_unique_blocks": 1}
+# Issue 30: one block run as one layer, its experts sharing one FFN; grown to 2 then 4 layers (upcycled at the first).
+# Dropless and without the balance loss, which depend on each rank's own tokens: 2 ranks then equal one process.
+GROWN = {"num_unique_blocks": 1, "sharing": "cycle", "pseudo_depth": "shallow", "moe_layers": [0, 1, 2, 3],
+         "num_unique_experts": 1, "upcycle_noise": 0.01, "capacity_factor": None, "router_aux_loss_coef": 0.0}
 
 ONE_PROCESS = [
     {"name": "reference", "save_initial": True},
@@ -37,6 +41,7 @@ ONE_PROCESS = [
     {"name": "reference_reset_state", "corrupt": {"kind": "reset_state", "step": 2, "block": 2}},
     {"name": "reference_delink_5_steps", "model": PSEUDO, "delink_at": 2, "steps": 5},
     {"name": "reference_staged", "model": PSEUDO, "delink_schedule": {1: 2, 3: 4}, "steps": 4},
+    {"name": "reference_grown", "model": GROWN, "delink_schedule": {1: 2, 3: 4}, "steps": 4, "save_initial": True},
     {"name": "reference_delink_at_1", "model": PSEUDO, "delink_at": 1, "steps": 4},
     {"name": "local_layered", "strategy": {"accumulation": "layered", "micro_batches": 2}},
     {"name": "local_layered_offload", "save_initial": True,
@@ -84,6 +89,10 @@ TWO_PROCESSES = [
                   "recompute": True}},
     {"name": "zero3_offload_staged", "model": PSEUDO, "delink_schedule": {1: 2, 3: 4}, "steps": 4,
      "strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
+    {"name": "zero3_offload_grown", "model": GROWN, "delink_schedule": {1: 2, 3: 4}, "steps": 4,
+     "strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
+    {"name": "zero1_grown", "model": GROWN, "delink_schedule": {1: 2, 3: 4}, "steps": 4,
+     "strategy": {"sharding": "zero1"}},
     # Automatic delinking (threshold 1.0: the first measurement, at step 0, triggers it at step 1).
     {"name": "zero3_auto_delink", "model": PSEUDO, "steps": 4, "strategy": {"sharding": "zero3"},
      "delink_auto": {"auto_threshold": 1.0, "auto_check_every": 1, "auto_drop_from_peak": None}},
@@ -128,7 +137,8 @@ def _report(runs: Path, name: str, rank: int = 0) -> dict:
 
 def _initial(runs: Path, reference: str) -> dict[str, torch.Tensor]:
     """Where the reference started: every reference of a pseudo model starts from the same pseudo weights."""
-    start = "reference_delink" if reference.startswith(("reference_delink", "reference_staged")) else "reference"
+    start = "reference_delink" if reference.startswith(("reference_delink", "reference_staged")) else reference
+    start = start if start in ("reference_delink", "reference_grown") else "reference"
     return torch.load(runs / f"{start}.initial.pt", weights_only=True)
 
 
@@ -198,6 +208,19 @@ def test_sharded_model_delinks_mid_training_like_one_process(runs: Path, name: s
 def test_sharded_model_delinks_in_stages_like_one_process(runs: Path) -> None:
     assert _report(runs, "zero3_offload_staged")["delinks"] == [2, 4]
     _assert_same_weights(runs, "zero3_offload_staged", "reference_staged")
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["zero3_offload_grown", "zero1_grown"])
+def test_sharded_model_grows_and_upcycles_like_one_process(runs: Path, name: str) -> None:
+    """A shallow model whose experts share one FFN, grown 1 -> 2 -> 4 layers and upcycled at the first growth on 2
+    ranks (ZeRO-3 shards with half the blocks offloaded, or ZeRO-1), trains as one process does."""
+    for rank in (0, 1):
+        assert _report(runs, name, rank)["delinks"] == [2, 4] and _report(runs, name, rank)["blocks"] == 4
+    if "offload" in name:
+        assert _report(runs, name)["offloaded"] == [1, 3]  # the plan re-made over the 4 grown blocks
+    _assert_same_weights(runs, name, "reference_grown")
 
 
 @pytest.mark.distributed
