@@ -11,6 +11,8 @@ What it measures, each as the median of several timed repetitions after a warm-u
   counts for them;
 - ``operator_overhead``: the fixed cost of one operator in a chain of tiny ones, forward and backward (the
   dispatcher and autograd on CPU, the launch on CUDA);
+- ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the
+  intercept beyond the launches and weight traffic the cost model prices, per matmul call (efficiency by shape);
 - ``host_device_bandwidth`` / ``host_device_latency``: pinned host-to-device copies on CUDA; on a CPU-only machine
   the memory copy the offload engine does instead;
 - ``optimizer_seconds_per_param`` / ``host_optimizer_seconds_per_param``: fused ``torch.optim.AdamW`` steps on
@@ -102,6 +104,37 @@ def operator_overhead(device: torch.device, chain: int, repeats: int) -> float:
     return median_seconds(step, iters=repeats, device=device) / (3 * chain)
 
 
+def matmul_call_overhead(rows: list[int], seconds: list[float], fixed_model_seconds: float) -> float:
+    """Seconds per matmul call that a linear layer's forward and backward (three matmuls) pay beyond what the cost
+    model already prices at any row count (``fixed_model_seconds``: its operators' launches and its weight's
+    traffic): the intercept of a least-squares line through (rows, seconds), less that, over three; never below 0."""
+    if len(rows) != len(seconds) or len(rows) < 2:
+        raise ValueError("the fit needs at least two (rows, seconds) points")
+    mean_rows, mean_seconds = sum(rows) / len(rows), sum(seconds) / len(seconds)
+    slope = (sum((r - mean_rows) * (s - mean_seconds) for r, s in zip(rows, seconds))
+             / sum((r - mean_rows) ** 2 for r in rows))
+    intercept = mean_seconds - slope * mean_rows
+    return max(intercept - fixed_model_seconds, 0.0) / 3
+
+
+def matmul_overhead(device: torch.device, repeats: int, operator_seconds: float, bandwidth: float) -> float:
+    """:func:`matmul_call_overhead` of a (dim, 4 dim) linear layer, forward and backward, at few rows (16 to 128):
+    where its cost stops scaling with the rows (the cost model's ``matmul_overhead``)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dim = 1024 if device.type == "cuda" else 128
+    weight = torch.randn(4 * dim, dim, device=device, dtype=dtype, requires_grad=True)
+    rows = [16, 32, 64, 128]
+    seconds = []
+    for count in rows:
+        x = torch.randn(count, dim, device=device, dtype=dtype, requires_grad=True)
+        seconds.append(median_seconds(lambda x=x: torch.nn.functional.linear(x, weight).sum().backward(),
+                                      iters=repeats, device=device))
+    # What the cost model already charges one linear layer at any rows: three launches (forward, two gradients)
+    # and five passes over the weight (read twice, the gradient written, read and written), as step_time counts.
+    weight_bytes = weight.numel() * weight.element_size()
+    return matmul_call_overhead(rows, seconds, 3 * operator_seconds + 5 * weight_bytes / bandwidth)
+
+
 def host_device_copy(device: torch.device, elements: int, repeats: int) -> tuple[float, float]:
     """(bytes/s, seconds of a tiny copy): pinned host -> device on CUDA, a host memory copy on CPU."""
     pin = device.type == "cuda"
@@ -126,11 +159,14 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
     repeats = 3 if quick else 20
     size = (1024 if device.type == "cuda" else 128) if quick else (4096 if device.type == "cuda" else 256)
     copy_bandwidth, copy_latency = host_device_copy(device, 2**20 if quick else 2**23, repeats)
+    operator_seconds = operator_overhead(device, 50 if quick else 200, repeats)
+    bandwidth = memory_bandwidth(device, 2**20 if quick else 2**24, repeats)
     return {"device_flops": matmul_flops(device, size, repeats),
             "attention_flops": attention_flops(device, 128 if quick or device.type != "cuda" else 2048, repeats),
-            "memory_bandwidth": memory_bandwidth(device, 2**20 if quick else 2**24, repeats),
+            "memory_bandwidth": bandwidth,
             "elementwise_bandwidth": elementwise_bandwidth(device, 2**10 if quick else 2**13, repeats),
-            "operator_overhead": operator_overhead(device, 50 if quick else 200, repeats),
+            "operator_overhead": operator_seconds,
+            "matmul_overhead": matmul_overhead(device, repeats, operator_seconds, bandwidth),
             "host_device_bandwidth": copy_bandwidth, "host_device_latency": copy_latency,
             "optimizer_seconds_per_param": adam_seconds_per_param(device, 2**18 if quick else 2**22, repeats),
             "host_optimizer_seconds_per_param": adam_seconds_per_param(torch.device("cpu"), 2**18 if quick

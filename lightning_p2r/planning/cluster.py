@@ -73,6 +73,10 @@ class Cluster:
     """Bytes/s the elementwise operators (norms, GELU, residual adds) achieve, in the bytes the cost model counts."""
     operator_overhead: float = 5e-6
     """Seconds of fixed cost per operator launch (kernel launch, or the host dispatcher on a CPU-only run)."""
+    matmul_overhead: float = 0.0
+    """Seconds of fixed cost per matmul call beyond ``operator_overhead`` and the weight's memory traffic: on a CPU
+    the BLAS call's setup, which a matmul of few rows cannot amortize (matmul efficiency by shape). Measured by
+    ``lightning-p2r calibrate``; 0 in a file written before it was."""
     step_overhead: float = 0.0
     """Seconds of fixed cost per optimizer step outside the model (the Trainer's hooks and logging, the strategy's
     cross-rank checks)."""

@@ -175,6 +175,15 @@ def layer_operator_launches(config: M6Config, layer: int, local_experts: int | N
     return launches
 
 
+def layer_matmuls(config: M6Config, layer: int, local_experts: int | None = None) -> int:
+    """Matmul calls of one layer's forward (backward runs two per forward matmul: the input's and the weight's
+    gradient): attention's qkv and output projections, then a dense FFN's two, or the router's one and two per
+    expert the rank computes (``local_experts`` on an expert-parallel rank)."""
+    if config.is_moe_layer(layer):
+        return 2 + 1 + 2 * (config.num_experts if local_experts is None else local_experts)
+    return 4
+
+
 def pseudo_of(config: M6Config, depth: str | None = None) -> M6Config:
     """The pseudo model of ``config`` (M6-10T): the fewest shared blocks it allows. One block, unless MoE and dense
     layers alternate, which then share one block of each kind in a cycle. ``depth`` (default: the config's

@@ -2,7 +2,9 @@
 
 - **compute**: the rank's matmul FLOPs (forward, backward at twice the forward, and one more forward of the blocks
   with recompute) at ``device_flops``; its elementwise traffic (about three times one forward's: forward, and
-  backward's read and write) at ``elementwise_bandwidth``; and its operator launches at ``operator_overhead`` each.
+  backward's read and write) at ``elementwise_bandwidth``; its operator launches at ``operator_overhead`` each;
+  and its matmul calls (forward, the two gradients, recompute's forward) at ``matmul_overhead`` each on top: the
+  fixed cost that makes a matmul of few rows reach less of ``device_flops`` (matmul efficiency by shape).
   Tensor parallelism divides the matmuls of attention, dense FFNs, experts and head; expert parallelism changes
   which rows a rank computes but not how many (balanced routing assumed).
 - **bubble**: a pipeline idles ``(p - 1) / (v m + p - 1)`` of the step (every schedule offered here), so the
@@ -41,6 +43,7 @@ from .model import (
     layer_attention_flops,
     layer_elementwise_elements,
     layer_forward_flops,
+    layer_matmuls,
     layer_operator_launches,
 )
 from .network import Link, collective_seconds, group_link
@@ -89,6 +92,8 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     local_experts = config.num_experts // layout.expert_parallel
     launches = sum(layer_operator_launches(config, layer, local_experts) for layer in share.layers) + 10
     launch_seconds = passes * layout.micro_batches * launches * cluster.operator_overhead
+    matmuls = sum(layer_matmuls(config, layer, local_experts) for layer in share.layers) + int(share.last_stage)
+    matmul_seconds = passes * layout.micro_batches * matmuls * cluster.matmul_overhead
     local_params = sum(unsharded_elements(config, layout, share, block) for block in (*share.blocks, None))
     # Per micro-batch every local weight is read by its forward and its input-gradient matmul (once more under
     # recompute), and its gradient written and added to the running sum (read and write): the matmuls' weight
@@ -97,7 +102,7 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     accumulation_seconds = (layout.micro_batches * weight_passes * local_params * workload.param_bytes /
                             cluster.memory_bandwidth)
     return (flops / cluster.device_flops + attention_flops / cluster.attention_flops + elementwise_seconds +
-            launch_seconds + accumulation_seconds)
+            launch_seconds + matmul_seconds + accumulation_seconds)
 
 
 def transfer_seconds(transfer: Transfer, cluster: Cluster) -> float:

@@ -298,6 +298,33 @@ def test_tensor_parallelism_splits_the_compute() -> None:
     assert split.compute < one.compute and split.tensor_parallel > 0
 
 
+def test_each_matmul_call_pays_the_matmul_overhead_per_micro_batch_and_pass() -> None:
+    """Dense: 4 layers of 4 matmuls and the head; MoE: layers 1 and 3 add the router and two per expert. Forward and
+    the two gradients, per micro-batch, and one more forward of the blocks' under recompute (the head's too: the
+    count is per layer of the rank, the head on the last stage, as the launches are)."""
+    from lightning_p2r.planning.model import layer_matmuls
+
+    assert [layer_matmuls(MOE, layer) for layer in range(4)] == [4, 11, 4, 11]
+    assert layer_matmuls(MOE, 1, local_experts=2) == 7
+    base = cluster(1, matmul_overhead=0.0)
+    for config, matmuls in ((DENSE, 4 * 4 + 1), (MOE, 4 + 11 + 4 + 11 + 1)):
+        for layout, passes in ((Layout(micro_batches=2), 3 * 2), (Layout(micro_batches=2, recompute=True), 4 * 2)):
+            without = estimate_step(config, layout, base, WORK)
+            with_cost = estimate_step(config, layout, cluster(1, matmul_overhead=1e-3), WORK)
+            assert with_cost.compute - without.compute == pytest.approx(passes * matmuls * 1e-3)
+
+
+def test_the_matmul_overhead_is_the_intercept_beyond_what_the_model_prices() -> None:
+    from lightning_p2r.measure.calibrate import matmul_call_overhead
+
+    rows = [16, 32, 64, 128]
+    # 90 us fixed, 4 us per row; the model already prices 30 us of the fixed part: 20 us per matmul call.
+    assert matmul_call_overhead(rows, [(90 + 4 * r) * 1e-6 for r in rows], 30e-6) == pytest.approx(20e-6)
+    assert matmul_call_overhead(rows, [(20 + 4 * r) * 1e-6 for r in rows], 30e-6) == 0.0  # never negative
+    with pytest.raises(ValueError, match="at least two"):
+        matmul_call_overhead([16], [1.0], 0.0)
+
+
 # ------------------------------------------------------------------------------------------------------ search
 def test_the_search_ranks_fitting_layouts_fastest_first() -> None:
     plans, priced = search(MOE, cluster(4), WORK, SearchSpace(offload_fractions=(0.0, 0.5)))
