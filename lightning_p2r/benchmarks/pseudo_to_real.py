@@ -1,7 +1,16 @@
 """Does Pseudo-to-Real pay off? Seeded arms at their best learning rate, paired against the real model from scratch.
 
     python -m lightning_p2r.benchmarks.pseudo_to_real [--quick] [--out DIR | --update-docs] [--jobs N]
-        [--steps N] [--seeds N] [--lrs LR ...] [--no-ablations] [--no-timing] [--config YAML]
+        [--protocol sharing|growth] [--steps N] [--seeds N] [--lrs LR ...] [--no-ablations] [--no-timing]
+        [--config YAML]
+
+``--protocol growth`` (issue 30) runs the same protocol over other arms, for twice the steps (800), into
+``pseudo_to_real_growth*`` files and ``<out>/growth_runs``: ``scratch``; ``cycled`` (the sharing protocol's best);
+``stack`` (a shallow model of L/4 blocks run as L/4 layers, grown to L by the cycle map at G_stack's point, 1/30 of
+the run, ``p2r_protocol.GSTACK_GROWTH_FRACTION``); ``upcycle`` (the real depth, each MoE layer's experts sharing
+one FFN until they are upcycled at 10%); ``stack_upcycle`` (both at G_stack's point). Their variants train at the
+parent arm's best LR, 3 seeds, and are priced with its stage times: the growth point 3x earlier and 3x later,
+identity-preserving growth (``growth_init: zero_outputs``), and the router re-initialized at upcycling.
 
 The protocol (``p2r_protocol.py`` holds its pure parts):
 
@@ -406,6 +415,10 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
         crossings = {s: first_crossing([p[0] for p in r["points"]], [p[1] for p in r["points"]], scratch[s])
                      for s, r in results[name].items()}
         reached = [c for c in crossings.values() if c is not None]
+        # The other way round: where scratch's curve (same seed) reaches this arm's final loss.
+        scratch_reaches = [first_crossing([p[0] for p in results["scratch"][s]["points"]],
+                                          [p[1] for p in results["scratch"][s]["points"]], finals[name][s])
+                           for s in results[name] if s in results["scratch"]]
         step_ratio = statistics.fmean(c / steps for c in reached) if len(reached) == len(crossings) else math.nan
         tau = min(arm.delink_steps(steps)) / steps if arm.schedule else (1.0 if arm.blocks is not None else 0.0)
         row = {"arm": name, "lr": best[name], "seeds": len(finals[name]),
@@ -422,7 +435,9 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
             summary.append(row)
         for setting, measured in timing.items():
             if _priced_as(arm) in measured:
-                time_rows.append(_time_row(row, arm, measured, setting, reached, len(crossings), step_ratio, steps))
+                time_rows.append(_time_row(row, arm, measured, setting, reached, len(crossings), step_ratio, steps)
+                                 | {"time_ratio_at_own_final": _own_final_ratio(arm, measured, scratch_reaches,
+                                                                                steps)})
     return {"best": best, "results": results, "sweep": sweep_rows, "summary": summary, "ablations": ablation_rows,
             "time": time_rows}
 
@@ -459,6 +474,16 @@ def _time_row(row: dict[str, Any], arm: Arm, measured: dict[str, Any], setting: 
             "criterion_wins": wins_on_time(delta, row["tau"], r) if arm.schedule else "-",
             "time_to_scratch_final_s": seconds, "scratch_time_s": scratch_time,
             "time_ratio": seconds / scratch_time if scratch_time else math.nan}
+
+
+def _own_final_ratio(arm: Arm, measured: dict[str, Any], scratch_reaches: list[float | None], steps: int) -> float:
+    """The arm's seconds for its whole run over the seconds scratch takes to reach the arm's final loss (mean over
+    seeds; below 1: the arm gets to its own final loss sooner than scratch gets there). NaN if scratch never does."""
+    if "scratch" not in measured or not scratch_reaches or any(c is None for c in scratch_reaches):
+        return math.nan
+    own_seconds = clock(arm, steps, measured[_priced_as(arm)])(steps)
+    real_s = measured["scratch"]["phases"][0]
+    return statistics.fmean(own_seconds / (c * real_s) if c else math.inf for c in scratch_reaches)
 
 
 def _mean_or_nan(values: Sequence[float | None]) -> float:
@@ -512,7 +537,7 @@ def save_plot(path: Path, analysis: dict[str, Any], names: Sequence[str], timing
 SUMMARY_COLUMNS = ["arm", "lr", "seeds", "final_mean", "final_sd", "diff_vs_scratch", "diff_se", "lower_by_2se",
                    "steps_to_scratch_final", "tau", "moment_ratio"]
 TIME_COLUMNS = ["arm", "setting", "s_per_step_first_stage", "s_per_step_real", "delink_s", "r", "tau", "delta",
-                "criterion_wins", "time_to_scratch_final_s", "scratch_time_s", "time_ratio"]
+                "criterion_wins", "time_to_scratch_final_s", "scratch_time_s", "time_ratio", "time_ratio_at_own_final"]
 ABLATION_COLUMNS = ["arm", "parent", "lr", "seeds", "final_mean", "final_sd", "diff_vs_parent", "diff_vs_parent_se",
                     "diff_vs_scratch", "diff_se", "steps_to_scratch_final", "moment_ratio", "note"]
 TIMING_COLUMNS = ["setting", "arm", "stage", "blocks", "s_per_step", "delink_s", "offloaded_blocks_at_end"]
@@ -533,8 +558,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--val-every", type=int, help="steps between validations (default 25, 10 with --quick)")
     parser.add_argument("--val-batches", type=int, help="validation batches (default 12, 2 with --quick)")
     parser.add_argument("--timing-steps", type=int, help="steps per stage in the timing runs (default 40)")
+    parser.add_argument("--arms", nargs="+", help="only these main arms (scratch always), e.g. a compute-matched "
+                                                  "scratch baseline: --arms scratch --steps N")
     parser.add_argument("--no-ablations", action="store_true", help="skip the one-lever-at-a-time runs")
     parser.add_argument("--no-timing", action="store_true", help="skip the per-setting step timings")
+    parser.add_argument("--reuse-timing", action="store_true",
+                        help="read the step timings kept by an earlier run of the same settings")
     parser.add_argument("--timeout", type=int, default=7200, help="seconds one run may take (default %(default)s)")
     args, cli_overrides = parser.parse_known_args(argv)
     if args.worker:
@@ -581,10 +610,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             arms = {arm.name: arm for arm in main_arms(config.num_layers)}
             ablations = [] if args.no_ablations else ablation_arms(arms["p2r"], rewarm_steps=max(2, steps // 20),
                                                                       noise=0.02)
+        if args.arms:
+            unknown = sorted(set(args.arms) - set(arms))
+            if unknown:
+                parser.error(f"--arms: unknown {unknown}; the main arms are {sorted(arms)}")
+            arms = {name: arm for name, arm in arms.items() if name == "scratch" or name in args.arms}
+            ablations = [arm for arm in ablations if arm.parent in arms]
         main_names = list(arms)
         warmup = probe.model.optimizer_config.warmup_steps
         first = "stack" if growth else "p2r"
-        if warmup >= min(arms[first].delink_steps(steps)):
+        if first in arms and warmup >= min(arms[first].delink_steps(steps)):
             parser.error(f"warmup ({warmup} steps) must end before {first}'s first delinking "
                          f"(step {min(arms[first].delink_steps(steps))}): run more --steps")
         arms.update({arm.name: arm for arm in ablations})
@@ -612,9 +647,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             threads = os.cpu_count() or 1
             print(f"\n== timing: {phase_steps} steps per stage, offload budget {budget / 2**20:.2f} MiB (pseudo "
                   f"{size['pseudo_total'] / 2**20:.2f} MiB, real {size['real_total'] / 2**20:.2f} MiB) ==", flush=True)
-            timed = GROWTH_TIMED_ARMS if growth else TIMED_ARMS
-            for spec in timing_specs(arms, timed, common, runner.folder, phase_steps, budget, threads):
-                data = _launch(spec, args.timeout)
+            timed = [name for name in (GROWTH_TIMED_ARMS if growth else TIMED_ARMS) if name in arms]
+            # Kept beside the runs, under the runs' settings key: --reuse-timing reads them instead of measuring.
+            timing_folder = runner.folder / f"timing_{runner.key}"
+            timing_folder.mkdir(exist_ok=True)
+            for spec in timing_specs(arms, timed, common, timing_folder, phase_steps, budget, threads):
+                reused = args.reuse_timing and Path(spec["result"]).exists()
+                data = json.loads(Path(spec["result"]).read_text(encoding="utf-8")) if reused else _launch(
+                    spec, args.timeout)
                 phases, delink_s = phase_times(data["step_clock"], sorted(int(s) for s in spec["schedule"]))
                 timing.setdefault(spec["setting"], {})[spec["arm"]["name"]] = {"phases": phases, "delink_s": delink_s}
                 blocks = [spec["arm"]["blocks"] or config.num_layers,
@@ -642,7 +682,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"/ mean squared gradient over the next {MOMENT_CHECK_STEPS} steps, geometric mean over layers")
     if analysis["time"]:
         print("\ntime to scratch's final loss per memory setting, from each stage's measured seconds per step; "
-              "criterion: delta < tau (1 - r)\n")
+              "criterion: delta < tau (1 - r); time_ratio_at_own_final: the arm's whole run over the time scratch "
+              "takes to reach the arm's final loss (below 1: the arm is faster to its own loss)\n")
         print_table(analysis["time"], TIME_COLUMNS)
     if analysis["ablations"]:
         print("\nvariants, each at its parent arm's best LR: one lever each on top of the parent\n")

@@ -124,3 +124,15 @@ def test_timing_specs_keep_the_tokens_per_step_and_the_budget(tmp_path) -> None:
     grown = timing_specs({arm.name: arm for arm in growth_arms(8)}, ("stack_upcycle",), [], tmp_path, phase_steps=5,
                          budget=1, threads=2)
     assert "--model.config.pseudo_depth=shallow" in grown[0]["args"] and grown[0]["schedule"] == {5: None}
+
+
+def test_the_time_ratio_at_an_arms_own_final_loss() -> None:
+    """A stack arm (first stage at a quarter of the real step) whose final loss scratch reaches at 90% of its steps:
+    the arm's whole run over scratch's time to that loss."""
+    from lightning_p2r.benchmarks.pseudo_to_real import _own_final_ratio
+
+    stack = {arm.name: arm for arm in growth_arms(16)}["stack_late"]  # grown at step 80 of 800
+    measured = {"scratch": {"phases": [0.2], "delink_s": 0.0}, "stack": {"phases": [0.05, 0.2], "delink_s": 1.0}}
+    own = 80 * 0.05 + 720 * 0.2 + 1.0
+    assert _own_final_ratio(stack, measured, [720.0, 720.0], 800) == pytest.approx(own / (720 * 0.2))
+    assert math.isnan(_own_final_ratio(stack, measured, [720.0, None], 800))  # a seed scratch never gets to
