@@ -518,14 +518,15 @@ def save_plot(path: Path, analysis: dict[str, Any], names: Sequence[str], timing
             if any([p[0] for p in c] != xs for c in curves):
                 continue
             if panel != "steps":
-                if name not in timing[panel]:
+                if _priced_as(arms[name]) not in timing[panel]:
                     continue
-                seconds_at = clock(arms[name], steps, timing[panel][name])
+                seconds_at = clock(arms[name], steps, timing[panel][_priced_as(arms[name])])
                 xs = [seconds_at(x) for x in xs]
             losses = list(zip(*[[p[1] for p in c] for c in curves]))
             mean = [statistics.fmean(v) for v in losses]
-            ax.plot(xs, mean, color=f"C{i}", label=f"{name} (lr {analysis['best'][name]:g}, {len(curves)} seeds)")
-            ax.fill_between(xs, [min(v) for v in losses], [max(v) for v in losses], color=f"C{i}", alpha=0.2)
+            ax.plot(xs, mean, color=f"C{i % 10}", linestyle="-" if i < 10 else "--",
+                    label=f"{name} (lr {analysis['best'][name]:g}, {len(curves)} seeds)")
+            ax.fill_between(xs, [min(v) for v in losses], [max(v) for v in losses], color=f"C{i % 10}", alpha=0.2)
         ax.set_xlabel("optimizer step" if panel == "steps" else f"seconds ({panel}, from measured step times)")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("validation loss (mean; band: min-max over seeds)")
@@ -704,7 +705,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         written.append(write_csv(with_environment(timing_rows, env), out / f"{stem}_timing.csv"))
         written.append(write_csv(with_environment(analysis["time"], env), out / f"{stem}_time.csv"))
     written.append(save_plot(
-        out / f"{stem}.png", analysis, main_names, timing, arms, steps,
+        # The growth variants are points along one axis (when to grow, how): drawn with the main arms.
+        out / f"{stem}.png", analysis, [*main_names, *(a.name for a in ablations)] if growth else main_names, timing,
+        arms, steps,
         title=(f"{'Growth' if growth else 'Pseudo-to-Real'} vs scratch: {config.num_layers} layers, dim {config.dim}, "
                f"{steps} steps (WSD), each arm at its best LR, {seeds} seeds\n"
                f"{env['device_name']}, torch {env['torch']}"
