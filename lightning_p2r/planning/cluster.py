@@ -91,6 +91,9 @@ class Cluster:
     dtensor_overhead: float = 0.0
     """Seconds per operator pass under tensor parallelism (DTensor dispatch, on top of ``operator_overhead``);
     fitted."""
+    blocking_collective_overhead: float = 0.0
+    """Seconds per collective call on the critical path (tensor / expert parallel, balance loss, pipeline sends) beyond
+    the microbenchmark's latency: each waits for the slowest rank of its group; fitted."""
     host_device_bandwidth: float = 25e9
     """Bytes/s between a device and host memory, per direction (pinned memory)."""
     host_device_latency: float = 10e-6

@@ -1,5 +1,6 @@
 """Framework time the operator count misses: Python that runs per Lightning batch, per hooked module, per pipeline
-stage action and per tensor-parallel operator, on top of the operators ``operator_overhead`` prices.
+stage action and per tensor-parallel operator, and the wait of every blocking collective for the slowest rank, on
+top of the operators ``operator_overhead`` prices.
 
 Each term is a count (a pure function of the model, the layout and the rank's share) times one constant of the
 cluster file. The constants are not measured by ``lightning-p2r calibrate`` one by one: they are fitted to measured
@@ -13,6 +14,9 @@ and judged on the other half (docs/planning.md). Each term's assumption, in one 
   executor or the offload engine drives runs Python hooks in forward and backward, once per micro-batch.
 - ``stage_overhead``: a pipeline schedule runs each stage's forward and backward per micro-batch as a separate
   action, with its Python bookkeeping and its send and receive calls.
+- ``blocking_collective_overhead``: every collective the step waits for on its critical path (tensor- and
+  expert-parallel, the balance loss's reductions, pipeline sends) also waits for the slowest rank of its group to
+  arrive: ranks drift apart within a step, which a microbenchmark's latency (ranks in lockstep) does not see.
 - ``dtensor_overhead``: under tensor parallelism the layers' operators dispatch through DTensor (sharding
   propagation in Python), each forward and backward pass of each micro-batch: a cost per operator on top of
   ``operator_overhead``, counted with the same operator count.
@@ -26,7 +30,8 @@ from .layout import Layout, Workload
 from .model import layer_operator_launches
 from .share import RankShare, rank_share
 
-FITTED = ("batch_overhead", "module_hook_overhead", "stage_overhead", "dtensor_overhead")
+FITTED = ("batch_overhead", "module_hook_overhead", "stage_overhead", "dtensor_overhead",
+          "blocking_collective_overhead")
 """The cluster fields fitted to measured steps rather than measured one by one."""
 
 
@@ -61,6 +66,16 @@ def tensor_parallel_operator_passes(config: M6Config, layout: Layout, share: Ran
     return 3 * layout.micro_batches * launches
 
 
+def blocking_collective_calls(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+                              share: RankShare) -> int:
+    """Collective calls the rank's step waits for on its critical path (tensor- and expert-parallel, balance loss,
+    pipeline sends, clipping): each also waits for the slowest rank of its group to arrive."""
+    from .transfers import step_transfers
+
+    return sum(t.calls for t in step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
+               if not t.overlaps_compute and t.kind not in ("h2d", "d2h"))
+
+
 def fitted_counts(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
                   share: RankShare | None = None) -> dict[str, float]:
     """Each ``FITTED`` constant's count for one step of the rank (pipeline rank 0 when ``share`` is not given)."""
@@ -68,7 +83,8 @@ def fitted_counts(config: M6Config, layout: Layout, cluster: Cluster, workload: 
     return {"batch_overhead": extra_lightning_batches(layout),
             "module_hook_overhead": hooked_module_passes(layout, share, cluster.devices),
             "stage_overhead": pipeline_stage_actions(layout),
-            "dtensor_overhead": tensor_parallel_operator_passes(config, layout, share)}
+            "dtensor_overhead": tensor_parallel_operator_passes(config, layout, share),
+            "blocking_collective_overhead": blocking_collective_calls(config, layout, cluster, workload, share)}
 
 
 def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,

@@ -58,7 +58,8 @@ def test_framework_seconds_are_counts_times_the_clusters_constants_and_join_the_
     plain = Cluster(devices=2, devices_per_node=2)
     fitted = Cluster(devices=2, devices_per_node=2, batch_overhead=0.01, module_hook_overhead=0.001)
     counts = fitted_counts(CONFIG, layout, fitted, WORKLOAD)
-    assert counts == {"batch_overhead": 1, "module_hook_overhead": 10, "stage_overhead": 0, "dtensor_overhead": 0}
+    assert counts == {"batch_overhead": 1, "module_hook_overhead": 10, "stage_overhead": 0, "dtensor_overhead": 0,
+                      "blocking_collective_overhead": 0}
     assert framework_seconds(CONFIG, layout, plain, WORKLOAD) == 0
     assert framework_seconds(CONFIG, layout, fitted, WORKLOAD) == pytest.approx(0.02)
     difference = estimate_step(CONFIG, layout, fitted, WORKLOAD).total - estimate_step(CONFIG, layout, plain,
@@ -98,7 +99,8 @@ def test_cross_validation_scores_only_the_held_out_half() -> None:
         rows.append({"model": "dense" if i % 2 else "moe", "processes": 1, "half": "AB"[i % 2],
                      "measured_s": measured, "base_s": measured - 0.05 * (i % 3),
                      "feature_batch_overhead": i % 3, "feature_module_hook_overhead": 0,
-                     "feature_stage_overhead": 0, "feature_dtensor_overhead": 0})
+                     "feature_stage_overhead": 0, "feature_dtensor_overhead": 0,
+                     "feature_blocking_collective_overhead": 0})
     result = planner_cv.cross_validate(rows)
     assert result["no fitted terms, half A"]["max_abs_error_pct"] > 10  # the base model misses the batch term
     for direction in ("fit A, test B", "fit B, test A"):

@@ -384,3 +384,17 @@ def test_every_cluster_field_is_documented() -> None:
     text = (Path(__file__).resolve().parents[2] / "docs" / "planning.md").read_text()
     missing = [f.name for f in dataclasses.fields(Cluster) if f"`{f.name}`" not in text]
     assert missing == []
+
+
+def test_blocking_collectives_are_counted_on_the_critical_path_only() -> None:
+    """Expert parallel 2 on 2 ranks, 2 micro-batches, MoE layers 1 and 3: 6 all-to-alls per MoE layer and
+    micro-batch (counts, dispatch, combine; two more in backward; recompute none) and 4 balance-loss reductions
+    over the 2 data ranks. ZeRO-3's gathers overlap compute and are not counted; one process has none."""
+    from lightning_p2r.planning.framework import blocking_collective_calls, fitted_counts
+
+    layout = Layout(expert_parallel=2, micro_batches=2)
+    share = rank_share(MOE, layout, cluster(2), WORK)
+    assert blocking_collective_calls(MOE, layout, cluster(2), WORK, share) == 2 * 2 * 6 + 2 * 2 * 4
+    zero3 = Layout(sharding="zero3")
+    assert blocking_collective_calls(DENSE, zero3, cluster(2), WORK, rank_share(DENSE, zero3, cluster(2), WORK)) == 0
+    assert fitted_counts(DENSE, Layout(), cluster(1), WORK)["blocking_collective_overhead"] == 0
