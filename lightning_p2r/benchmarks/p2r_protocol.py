@@ -110,10 +110,10 @@ def ablation_arms(p2r: Arm, rewarm_steps: int, noise: float) -> list[Arm]:
 
 
 GSTACK_GROWTH_FRACTION = 10e9 / 300e9
-"""Where G_stack grows (Du et al. 2024), as a fraction of the token budget: 10B tokens into their 7B model's 300B.
-Their fitted rule for the growth point, log10(d) = 0.88 log10(N) + 163.27 / log10(C) - 5.74, extrapolates to
-about 10^12 tokens for a model of a few million parameters trained on a million tokens (more than the whole run),
-so the ratio of their flagship run is kept instead."""
+"""Where G_stack grows (Du et al. 2024, as we read it), as a fraction of the token budget: 10B tokens into their 7B
+model's 300B. Their fitted rule for the growth point (a function of model size and compute) was fitted on models of
+hundreds of millions to billions of parameters; it is not extrapolated to a model of a few million, and the ratio
+of their flagship run is kept instead."""
 
 
 def growth_arms(num_layers: int, growth_factor: int = 4, upcycle_fraction: float = 0.1,
