@@ -151,6 +151,8 @@ class ModelShape:
     max_seq_len: int | None = None
     rotary_positions: bool | None = None
     """Whether positions enter per head (rotary), which sequence parallelism needs."""
+    shared_experts: bool = False
+    """Whether MoE layers' experts still share FFNs (``M6Config.num_unique_experts``, before upcycling)."""
 
     @classmethod
     def of(cls, config: Any) -> ModelShape:
@@ -159,7 +161,8 @@ class ModelShape:
                    num_heads=config.num_heads, vocab_size=config.vocab_size, hidden_dim=config.hidden_dim,
                    num_experts=config.num_experts, moe=config.moe_layers is None or bool(config.moe_layers),
                    max_seq_len=config.max_seq_len,
-                   rotary_positions=config.position_embedding == "rotary")
+                   rotary_positions=config.position_embedding == "rotary",
+                   shared_experts=getattr(config, "unique_experts", config.num_experts) < config.num_experts)
 
 
 def check_parallel_options(layout: Layout) -> None:
@@ -287,6 +290,10 @@ def check_model(layout: Layout, model: ModelShape, devices: int | None = None) -
         raise ValueError(f"P2RStrategy(expert_parallel={ep}) gives each expert-parallel rank num_experts / "
                          f"expert_parallel experts: M6Config.num_experts={model.num_experts} must be divisible by it "
                          f"(use expert_parallel in {divisors(model.num_experts)})")
+    if tp > 1 and model.moe and model.shared_experts:
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) cannot split experts that share one FFN "
+                         "(M6Config.num_unique_experts): upcycle them first (PseudoToReal or delink); expert "
+                         "parallelism keeps a shared FFN whole on every rank until then")
     if layout.sequence_parallel and model.rotary_positions is False:
         raise ValueError("P2RStrategy(sequence_parallel=True) needs M6Config.position_embedding='rotary': learned "
                          "positions are added to the whole sequence, which no rank holds")

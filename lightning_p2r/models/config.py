@@ -77,7 +77,8 @@ class M6Config:
     """Distinct expert FFNs per MoE layer. None (or num_experts) gives each expert its own; 1 makes all experts of
     a layer run one shared FFN (the memory and optimizer state of one expert), and delinking upcycles them into
     num_experts copies (Komatsuzaki et al. 2022, sparse upcycling); expert e runs FFN e mod num_unique_experts.
-    Must divide num_experts. Tensor / expert parallelism cannot split shared experts: upcycle first."""
+    Must divide num_experts. Expert parallelism keeps a shared FFN whole on every rank until upcycling splits the
+    copies; tensor parallelism over shared experts is refused: upcycle first."""
 
     upcycle_router: UpcycleRouter = "keep"
     """At upcycling, keep the router as trained ("keep": with upcycle_noise=0 every expert is the same FFN, so the

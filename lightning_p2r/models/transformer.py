@@ -244,12 +244,13 @@ class M6Transformer(nn.Module):
                                            "ffn_norm": "sequence"}
         dense: dict[str, SplitKind] = {"ffn.fc_in": "column", "ffn.fc_out": "row"}
         config = self.config
-        if config.unique_experts < config.num_experts and any(map(config.is_moe_layer, range(config.num_layers))):
-            raise ValueError("tensor / expert parallelism cannot split experts that share one FFN "
-                             "(M6Config.num_unique_experts): upcycle them first (delink) or set "
-                             "num_unique_experts=None")
+        # Experts that share one FFN (before upcycling) are not split: each rank runs the whole shared FFN on its
+        # own tokens, and its gradient is reduced with the dense weights'. (The rulebook refuses tensor parallelism
+        # over them, whose sequence-split activations would need a reduction of their own.)
+        split_experts = config.unique_experts == config.num_experts
         # From the config, not the modules: a pipeline rank holds stand-ins for the blocks of other stages.
-        blocks = tuple(attention | ({"ffn": "expert"} if config.is_moe_layer(config.layers_of_block(b)[0]) else dense)
+        blocks = tuple(attention | (({"ffn": "expert"} if split_experts else {})
+                                    if config.is_moe_layer(config.layers_of_block(b)[0]) else dense)
                        for b in range(len(self.blocks)))
         return ParallelPlan(blocks, {"tok_embeddings": "vocabulary", "lm_head": "output", "norm": "sequence"})
 

@@ -3,6 +3,10 @@ test_pipeline.py), run by one set of launches (see conftest.py): starting the pr
 
 PSEUDO = {"num_layers": 4, "num_unique_blocks": 1, "moe_layers": [0, 1, 2, 3]}
 SHALLOW = PSEUDO | {"sharing": "cycle", "pseudo_depth": "shallow"}  # one layer, grown to 4 (issue 30)
+# ... with experts sharing one FFN until the growth upcycles them; dropless and without the balance loss, which a
+# shared FFN (not split, so not yet balanced over the data ranks) computes from each rank's own tokens.
+SHALLOW_SHARED = SHALLOW | {"num_unique_experts": 1, "upcycle_noise": 0.01, "capacity_factor": None,
+                            "router_aux_loss_coef": 0.0}
 
 ONE_PROCESS = [
     {"name": "reference", "save": "one_process.ckpt", "validate": True},
@@ -11,6 +15,7 @@ ONE_PROCESS = [
     {"name": "reference_layered_m2", "strategy": {"accumulation": "layered", "micro_batches": 2}},
     {"name": "reference_delink_5_steps", "model": PSEUDO, "delink_at": 2, "steps": 5},
     {"name": "reference_grown", "model": SHALLOW, "delink_at": 2, "steps": 4},
+    {"name": "reference_grown_upcycled", "model": SHALLOW_SHARED, "delink_at": 2, "steps": 4},
 ]
 TWO_PROCESSES = [
     {"name": "tp2", "strategy": {"tensor_parallel": 2}, "validate": True},
@@ -22,6 +27,8 @@ TWO_PROCESSES = [
     {"name": "ep2_zero3_offload", "strategy": {"expert_parallel": 2, "sharding": "zero3", "offload_fraction": 0.5}},
     {"name": "tp2_delink", "model": PSEUDO, "delink_at": 2, "steps": 4, "strategy": {"tensor_parallel": 2}},
     {"name": "tp2_grown", "model": SHALLOW, "delink_at": 2, "steps": 4, "strategy": {"tensor_parallel": 2}},
+    {"name": "ep2_grown_upcycled", "model": SHALLOW_SHARED, "delink_at": 2, "steps": 4,
+     "strategy": {"expert_parallel": 2}},
     {"name": "ep2_zero2_layered_m2", "strategy": {"expert_parallel": 2, "sharding": "zero2",
                                                   "accumulation": "layered", "micro_batches": 2}},
     {"name": "ep2_forgets_gradient_scale", "strategy": {"expert_parallel": 2}, "forget_expert_gradient_scale": True},
@@ -48,7 +55,8 @@ RESUME = [{"name": "one_process_resumes_tp2_ep2", "steps": 4, "resume": "tp2_ep2
           {"name": "one_process_resumes_ep2_zero1", "model": PSEUDO, "delink_at": 2, "steps": 5,
            "resume": "ep2_zero1.ckpt"}]
 
-REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_grown": "reference_grown", "tp2_zero1_on_4": "reference_delink",
+REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_grown": "reference_grown",
+                "ep2_grown_upcycled": "reference_grown_upcycled", "tp2_zero1_on_4": "reference_delink",
                 "ep2_zero1_on_4": "reference_delink",
                 "tp2_ep2_delink_offload": "reference_delink",
                 "ep2_zero2_layered_m2": "reference_layered_m2", "tp2_layered_m2": "reference_layered_m2",

@@ -87,6 +87,18 @@ def test_zero1_under_expert_parallelism_partitions_dense_weights_and_experts_apa
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
+def test_experts_sharing_one_ffn_are_split_once_upcycled(runs: Path) -> None:
+    """ep2: the shallow model's experts share one FFN, kept whole on both ranks; growth upcycles them into 4 experts,
+    re-placed 2 per rank (the run matches one process: the layout test above)."""
+    report = _report(runs, "ep2_grown_upcycled")
+    assert report["blocks"] == 4
+    for rank in report["held"]:
+        local, whole = rank["transformer.blocks.3.ffn.experts.w_in"]
+        assert local * 2 == whole
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 def test_delinking_under_tensor_parallel_re_splits_the_real_blocks(runs: Path) -> None:
     for name in ("tp2_delink", "tp2_ep2_delink_offload", "tp2_grown"):
         report = _report(runs, name)

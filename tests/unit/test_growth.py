@@ -241,12 +241,21 @@ def test_growth_refuses_what_it_cannot_carry_before_the_first_step(tmp_path: Pat
     assert "\n" not in str(error.value)
 
 
-def test_parallelism_refuses_shared_experts() -> None:
+def test_shared_experts_stay_whole_under_expert_parallelism_and_tensor_parallelism_is_refused() -> None:
+    """A shared FFN is not split (each expert-parallel rank runs it whole on its own tokens) until upcycling; the
+    rulebook refuses tensor parallelism over it, in one line, before anything is placed."""
+    from lightning_p2r.layout.rules import Layout, ModelShape, check_model
+
     model = _model(num_unique_experts=1)
-    with pytest.raises(ValueError, match="upcycle them first"):
-        model.parallel_plan()
+    assert all("ffn" not in block for block in model.parallel_plan().blocks)
+    shape = ModelShape.of(model.config)
+    check_model(Layout(expert_parallel=2), shape)
+    with pytest.raises(ValueError, match="upcycle them first") as error:
+        check_model(Layout(tensor_parallel=2), shape)
+    assert "\n" not in str(error.value)
     delink(model)
-    model.parallel_plan()  # upcycled: splits as usual
+    assert all(block.get("ffn") == "expert" for block in model.parallel_plan().blocks)  # upcycled: split as usual
+    check_model(Layout(tensor_parallel=2), ModelShape.of(model.config))
 
 
 @pytest.mark.parametrize("changes", [{}, {"num_unique_blocks": None, "pseudo_depth": "shared"}])
