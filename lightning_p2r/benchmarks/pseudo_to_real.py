@@ -9,7 +9,7 @@
 ``stack`` (a shallow model of L/4 blocks run as L/4 layers, grown to L by the cycle map at G_stack's point, 1/30 of
 the run, ``p2r_protocol.GSTACK_GROWTH_FRACTION``); ``upcycle`` (the real depth, each MoE layer's experts sharing
 one FFN until they are upcycled at 10%); ``stack_upcycle`` (both at G_stack's point). Their variants train at the
-parent arm's best LR, 3 seeds, and are priced with its stage times: the growth point 3x earlier and 3x later,
+parent arm's best LR, 3 seeds, and are priced with its stage times: the growth point 3x earlier, 3x and 9x later,
 identity-preserving growth (``growth_init: zero_outputs``), and the router re-initialized at upcycling.
 
 The protocol (``p2r_protocol.py`` holds its pure parts):
@@ -404,7 +404,7 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
                        for lr in lrs]
     results = {name: {s: runner.result(Run(arms[name], best[name], s)) for s in range(seeds)} for name in main}
     for name in ablations:  # variants: at their parent's best LR
-        best[name] = best[_parent(arms[name])]
+        best[name] = best[arms[name].parent]
         results[name] = {s: runner.result(Run(arms[name], best[name], s)) for s in range(seeds)}
     finals = {name: {s: final_loss(r) for s, r in per_seed.items()} for name, per_seed in results.items()}
     scratch = finals["scratch"]
@@ -428,8 +428,8 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
                "steps_to_scratch_final": step_ratio, "tau": tau,
                "moment_ratio": _mean_or_nan([r.get("moment_ratio") for r in results[name].values()])}
         if name in ablations:
-            vs = paired_difference(finals[name], finals[_parent(arm)])
-            ablation_rows.append(row | {"note": arm.note, "parent": _parent(arm), "diff_vs_parent": vs.mean,
+            vs = paired_difference(finals[name], finals[arm.parent])
+            ablation_rows.append(row | {"note": arm.note, "parent": arm.parent, "diff_vs_parent": vs.mean,
                                         "diff_vs_parent_se": vs.se})
         else:
             summary.append(row)
@@ -440,10 +440,6 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
                                                                                 steps)})
     return {"best": best, "results": results, "sweep": sweep_rows, "summary": summary, "ablations": ablation_rows,
             "time": time_rows}
-
-
-def _parent(arm: Arm) -> str:
-    return arm.parent or "p2r"
 
 
 def _priced_as(arm: Arm) -> str:
@@ -461,8 +457,9 @@ def clock(arm: Arm, steps: int, times: dict[str, Any]) -> Callable[[float], floa
 def _time_row(row: dict[str, Any], arm: Arm, measured: dict[str, Any], setting: str, reached: list[float],
               seeds: int, step_ratio: float, steps: int) -> dict[str, Any]:
     """Seconds to scratch's final loss under one memory setting, from the measured seconds per step of each stage."""
-    phases, delink_s = measured[_priced_as(arm)]["phases"], measured[_priced_as(arm)]["delink_s"]
-    seconds_at = clock(arm, steps, measured[_priced_as(arm)])
+    times = measured[_priced_as(arm)]
+    phases, delink_s = times["phases"], times["delink_s"]
+    seconds_at = clock(arm, steps, times)
     real_s = measured["scratch"]["phases"][0] if "scratch" in measured else phases[-1]
     scratch_time = steps * real_s
     all_reached = len(reached) == seeds
@@ -638,7 +635,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         runner.run_all([Run(arms[name], best[name], s) for name in main_names for s in range(1, seeds)])
         if ablations:
             print(f"\n== variants at their parent arm's best LR, {seeds} seeds ==", flush=True)
-            runner.run_all([Run(arm, best[arm.parent or "p2r"], s) for arm in ablations for s in range(seeds)])
+            runner.run_all([Run(arm, best[arm.parent], s) for arm in ablations for s in range(seeds)])
 
         timing: dict[str, dict[str, Any]] = {}
         timing_rows = []

@@ -24,11 +24,14 @@ and judged on the other half (docs/planning.md). Each term's assumption, in one 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
 from .model import layer_operator_launches
 from .share import RankShare, rank_share
+from .transfers import Transfer, step_transfers
 
 FITTED = ("batch_overhead", "module_hook_overhead", "stage_overhead", "dtensor_overhead",
           "blocking_collective_overhead")
@@ -66,29 +69,28 @@ def tensor_parallel_operator_passes(config: M6Config, layout: Layout, share: Ran
     return 3 * layout.micro_batches * launches
 
 
-def blocking_collective_calls(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
-                              share: RankShare) -> int:
-    """Collective calls the rank's step waits for on its critical path (tensor- and expert-parallel, balance loss,
-    pipeline sends, clipping): each also waits for the slowest rank of its group to arrive."""
-    from .transfers import step_transfers
-
-    return sum(t.calls for t in step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
-               if not t.overlaps_compute and t.kind not in ("h2d", "d2h"))
+def blocking_collective_calls(transfers: Sequence[Transfer]) -> int:
+    """Collective calls among the rank's step ``transfers`` that it waits for on its critical path (tensor- and
+    expert-parallel, balance loss, pipeline sends, clipping): each also waits for the slowest rank of its group."""
+    return sum(t.calls for t in transfers if not t.overlaps_compute and t.kind not in ("h2d", "d2h"))
 
 
 def fitted_counts(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
-                  share: RankShare | None = None) -> dict[str, float]:
-    """Each ``FITTED`` constant's count for one step of the rank (pipeline rank 0 when ``share`` is not given)."""
+                  share: RankShare | None = None, transfers: Sequence[Transfer] | None = None) -> dict[str, float]:
+    """Each ``FITTED`` constant's count for one step of the rank (pipeline rank 0 when ``share`` is not given);
+    ``transfers``: the rank's step transfers when the caller has them (``estimate_step`` prices them anyway)."""
     share = share or rank_share(config, layout, cluster, workload)
+    if transfers is None:
+        transfers = step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
     return {"batch_overhead": extra_lightning_batches(layout),
             "module_hook_overhead": hooked_module_passes(layout, share, cluster.devices),
             "stage_overhead": pipeline_stage_actions(layout),
             "dtensor_overhead": tensor_parallel_operator_passes(config, layout, share),
-            "blocking_collective_overhead": blocking_collective_calls(config, layout, cluster, workload, share)}
+            "blocking_collective_overhead": blocking_collective_calls(transfers)}
 
 
 def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
-                      share: RankShare | None = None) -> float:
+                      share: RankShare | None = None, transfers: Sequence[Transfer] | None = None) -> float:
     """Seconds of framework time per step: each count times its cluster constant (zero in a file that has none)."""
-    counts = fitted_counts(config, layout, cluster, workload, share)
+    counts = fitted_counts(config, layout, cluster, workload, share, transfers)
     return sum(count * getattr(cluster, name) for name, count in counts.items())

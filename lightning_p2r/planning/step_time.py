@@ -137,8 +137,9 @@ def estimate_step(config: M6Config, layout: Layout, cluster: Cluster, workload: 
     bubble = compute * idle / (1 - idle)  # the step's compute is the busy (1 - idle) share of the pipeline's time
     parts = {"tensor parallel": 0.0, "expert parallel": 0.0, "pipeline": 0.0, "data": 0.0, "copies": 0.0}
     last_unit = {"data": 0.0, "copies": 0.0}
-    for transfer in step_transfers(config, layout, cluster, workload, clip_gradients=clip_gradients,
-                                   pipeline_rank=pipeline_rank):
+    transfers = step_transfers(config, layout, cluster, workload, clip_gradients=clip_gradients,
+                               pipeline_rank=pipeline_rank)
+    for transfer in transfers:
         seconds = transfer_seconds(transfer, cluster)
         if transfer.label in ("expert parallel", "balance loss"):
             parts["expert parallel"] += seconds
@@ -162,7 +163,7 @@ def estimate_step(config: M6Config, layout: Layout, cluster: Cluster, workload: 
                         data_parallel=data, offload_copies=copies,
                         optimizer=_optimizer_seconds(config, layout, cluster, workload, share),
                         overhead=cluster.step_overhead,
-                        framework=framework_seconds(config, layout, cluster, workload, share))
+                        framework=framework_seconds(config, layout, cluster, workload, share, transfers))
 
 
 def _optimizer_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,

@@ -392,9 +392,7 @@ def test_blocking_collectives_are_counted_on_the_critical_path_only() -> None:
     over the 2 data ranks. ZeRO-3's gathers overlap compute and are not counted; one process has none."""
     from lightning_p2r.planning.framework import blocking_collective_calls, fitted_counts
 
-    layout = Layout(expert_parallel=2, micro_batches=2)
-    share = rank_share(MOE, layout, cluster(2), WORK)
-    assert blocking_collective_calls(MOE, layout, cluster(2), WORK, share) == 2 * 2 * 6 + 2 * 2 * 4
-    zero3 = Layout(sharding="zero3")
-    assert blocking_collective_calls(DENSE, zero3, cluster(2), WORK, rank_share(DENSE, zero3, cluster(2), WORK)) == 0
+    ep2 = step_transfers(MOE, Layout(expert_parallel=2, micro_batches=2), cluster(2), WORK)
+    assert blocking_collective_calls(ep2) == 2 * 2 * 6 + 2 * 2 * 4
+    assert blocking_collective_calls(step_transfers(DENSE, Layout(sharding="zero3"), cluster(2), WORK)) == 0
     assert fitted_counts(DENSE, Layout(), cluster(1), WORK)["blocking_collective_overhead"] == 0
