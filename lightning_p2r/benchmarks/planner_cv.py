@@ -8,8 +8,9 @@ The protocol:
 1. **Sample.** A seeded random draw of layouts from the planner's own search space (``candidate_layouts``: ZeRO
    stage, tensor / expert / pipeline degrees, schedules, stages per rank, sequence parallelism, micro-batches,
    standard or layered accumulation) over 1, 2 and 4 processes and three model shapes: a dense model, an MoE model,
-   and a deeper, narrower dense one. The draw alternates between half A and half B, stratum (model, processes) by
-   stratum.
+   and a deeper, narrower dense one, stratified by model and process count and, within those, by parallelism kind
+   (data, tp, ep, pp and their combinations). The halves A and B alternate within each kind, so every kind drawn
+   twice is fitted on one half and scored on the other.
 2. **Calibrate.** ``lightning-p2r calibrate --processes n`` for n = 1, 2, 4 (or the files of ``--clusters DIR``). On
    this 2-core machine 4 processes are oversubscribed: that is what the calibration sees, and what the runs see.
 3. **Measure.** Each layout trains for a few steps (random tokens, one thread per process) in a worker; the
@@ -44,8 +45,8 @@ from typing import Any
 STEPS = 8
 GLOBAL_BATCH = 8
 PROCESSES = (1, 2, 4)
-SAMPLES = {1: 6, 2: 9, 4: 9}
-"""Layouts drawn per process count, spread evenly over the models (24 in all, 12 per half)."""
+SAMPLES = {1: 6, 2: 15, 4: 15}
+"""Layouts drawn per process count, spread evenly over the models (36 in all, 18 per half)."""
 _COMMON = {"vocab_size": 256, "max_seq_len": 128, "capacity_factor": None, "init_seed": 0}
 MODELS: dict[str, dict[str, Any]] = {
     "dense": _COMMON | {"dim": 128, "num_layers": 4, "num_heads": 4, "moe_layers": []},
@@ -68,20 +69,46 @@ def layout_pool(model: str, processes: int) -> list[Any]:
     return sorted(candidate_layouts(config, cluster, workload), key=lambda layout: layout.describe())
 
 
+def parallel_kind(layout: Any) -> str:
+    """The model-parallel dimensions a layout uses ("tp+pp", "ep", ...), or "data" for data parallelism alone: the
+    strata of the draw, so that every kind the fit prices is seen by both halves."""
+    kinds = [name for name, degree in (("tp", layout.tensor_parallel), ("ep", layout.expert_parallel),
+                                       ("pp", layout.pipeline_parallel)) if degree > 1]
+    return "+".join(kinds) or "data"
+
+
 def sample_layouts(seed: int, samples: dict[int, int] = SAMPLES) -> list[dict[str, Any]]:
-    """The seeded draw: per process count, ``samples[n]`` layouts spread over the models (without repeats), each
-    draw alternating between halves "A" and "B"."""
+    """The seeded draw: per process count, ``samples[n]`` layouts spread over the models (without repeats) and, within
+    a model, over the parallelism kinds its pool has (:func:`parallel_kind`, visited in a random order, a random
+    layout of each). The halves alternate along the draw grouped by the dimensions it uses, so the layouts using
+    each model-parallel dimension (and each kind drawn twice) are split between both halves, and the halves differ in
+    size by at most one."""
     rng = random.Random(seed)
     drawn: list[dict[str, Any]] = []
-    first = rng.randrange(2)
     for processes, count in samples.items():
         for model_index, model in enumerate(MODELS):
             share = count // len(MODELS) + (model_index < count % len(MODELS))
-            pool = layout_pool(model, processes)
-            chosen = rng.sample(pool, min(share, len(pool)))
-            for layout in chosen:  # alternating over the whole draw: strata of odd size do not all favour one half
-                drawn.append({"model": model, "processes": processes, "layout": layout,
-                              "half": "AB"[(first + len(drawn)) % 2]})
+            by_kind: dict[str, list[Any]] = {}
+            for layout in layout_pool(model, processes):
+                by_kind.setdefault(parallel_kind(layout), []).append(layout)
+            kinds = sorted(by_kind)
+            rng.shuffle(kinds)
+            while share > 0 and any(by_kind.values()):
+                for kind in kinds:
+                    if share > 0 and by_kind[kind]:
+                        layout = by_kind[kind].pop(rng.randrange(len(by_kind[kind])))
+                        drawn.append({"model": model, "processes": processes, "layout": layout})
+                        share -= 1
+    # Alternate the halves along the draw sorted by the dimensions used, expert parallelism first (its terms are the
+    # rarest in the pools), so that every layout using one dimension is next to the others using it; the sort is
+    # stable, each kind's rows stay in draw order.
+    def dimensions(entry: dict[str, Any]) -> tuple[bool, ...]:
+        kind = parallel_kind(entry["layout"])
+        return tuple(name not in kind for name in ("ep", "tp", "pp")) + (kind,)
+
+    first = rng.randrange(2)
+    for position, entry in enumerate(sorted(drawn, key=dimensions)):
+        entry["half"] = "AB"[(first + position) % 2]
     return drawn
 
 
@@ -180,7 +207,7 @@ def predictions(rows: list[dict[str, Any]], clusters: dict[int, Any]) -> None:
     term's count (``feature_<name>``): the prediction is ``base_s + sum(coefficient * feature)``."""
     from lightning_p2r import M6Config
     from lightning_p2r.planning import Workload, estimate_step
-    from lightning_p2r.planning.framework import FITTED, fitted_counts
+    from lightning_p2r.planning.framework import FITTED, framework_counts
 
     for row in rows:
         config = M6Config(**MODELS[row["model"]])
@@ -189,8 +216,9 @@ def predictions(rows: list[dict[str, Any]], clusters: dict[int, Any]) -> None:
         cluster = dataclasses.replace(cluster, **dict.fromkeys(FITTED, 0.0))
         workload = Workload(global_batch=GLOBAL_BATCH, seq_len=config.max_seq_len)
         row["base_s"] = estimate_step(config, layout, cluster, workload).total
-        for name, count in fitted_counts(config, layout, cluster, workload).items():
-            row[f"feature_{name}"] = count
+        for name, count in framework_counts(config, layout, cluster, workload).items():
+            if name in FITTED:
+                row[f"feature_{name}"] = count
 
 
 def cross_validate(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -231,7 +259,12 @@ def scores(rows: list[dict[str, Any]]) -> dict[str, Any]:
     regret = {m: 100 * (min(rs, key=lambda r: r["predicted_s"])["measured_s"] /
                         min(r["measured_s"] for r in rs) - 1) for m, rs in by_model.items()}
     valid = [v for v in per_model.values() if not math.isnan(v)]
+    by_processes: dict[str, list[float]] = {}
+    for r in rows:
+        by_processes.setdefault(str(r["processes"]), []).append(abs(r["error_pct"]))
     return {"layouts": len(rows), "median_abs_error_pct": statistics.median(errors),
+            "abs_error_pct_by_processes": {n: {"median": statistics.median(e), "max": max(e), "layouts": len(e)}
+                                           for n, e in sorted(by_processes.items())},
             "max_abs_error_pct": max(errors),
             "spearman_pooled": spearman([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows]),
             "spearman_per_model": per_model, "spearman_model_mean": statistics.fmean(valid) if valid else math.nan,
@@ -295,10 +328,13 @@ def print_scores(result: dict[str, Any]) -> None:
         coefficients = ", ".join(f"{k}={v:.3g}" for k, v in s["coefficients"].items()) or "none"
         per_model = ", ".join(f"{m} {v:+.2f}" for m, v in s["spearman_per_model"].items())
         regret = ", ".join(f"{m} {v:.1f}%" for m, v in s["best_regret_pct"].items())
+        processes = ", ".join(f"{n}: {e['median']:.0f}% / {e['max']:.0f}%"
+                              for n, e in s["abs_error_pct_by_processes"].items())
         print(f"{direction}: fitted {coefficients}\n  held-out {s['layouts']} layouts: median |error| "
               f"{s['median_abs_error_pct']:.1f}%, largest {s['max_abs_error_pct']:.1f}%, Spearman pooled "
               f"{s['spearman_pooled']:.2f} (per model {per_model}; mean {s['spearman_model_mean']:.2f}), "
-              f"predicted-best slower than measured-best by: {regret}")
+              f"predicted-best slower than measured-best by: {regret}\n  median / largest |error| by processes: "
+              f"{processes}")
 
 
 def run(args: Any, cluster_for: Any) -> dict[str, Any]:

@@ -19,6 +19,9 @@ What it measures, each as the median of several timed repetitions after a warm-u
   device and on host tensors;
 - ``step_overhead``: the step of a ``Trainer`` with ``P2RStrategy`` on the same processes over a model too small
   to matter (the framework's fixed cost per step);
+- ``batch_overhead``: the same ``Trainer`` accumulating 4 batches of the same size per step: the added step time,
+  less the model work the cost model prices for the 3 added batches, per added batch (Lightning's batch loop);
+- ``cpu_oversubscription`` (CPU only): training threads (processes x ``--threads``) per usable core, when above 1;
 - ``intra_node_bandwidth`` / ``intra_node_latency``: all-reduces of a large and a tiny tensor among ``--processes``
   local processes (gloo on CPU, NCCL when as many GPUs exist), solved from the ring formula. One node is all this
   command sees: the inter-node constants are copied from the intra-node ones, and the file says so.
@@ -31,6 +34,7 @@ per process); collectives and copies then share the cores with compute, so the f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import time
 from typing import Any
@@ -250,10 +254,15 @@ STEP_OVERHEAD_MODEL = {"vocab_size": 64, "max_seq_len": 8, "num_layers": 1, "dim
                        "moe_layers": [], "init_seed": 0}
 
 
-def step_overhead(processes: int, threads: int, quick: bool) -> float:
+ACCUMULATED_BATCHES = 4
+"""Lightning batches per step of the run that measures ``batch_overhead``."""
+
+
+def step_overhead(processes: int, threads: int, quick: bool, accumulate: int = 1) -> float:
     """Seconds a training step costs beyond its model's work: a ``Trainer`` with ``P2RStrategy`` on ``processes``
     ranks stepping a model too small to matter (hooks, logging, the loss's cross-rank check, the launcher's
-    processes sharing the machine), the median optimizer-step interval after warm-up."""
+    processes sharing the machine), the median optimizer-step interval after warm-up. ``accumulate``: Lightning
+    batches per step (``accumulate_grad_batches``), each of the same size as the single batch's."""
     import json
     import subprocess
     import sys
@@ -262,7 +271,7 @@ def step_overhead(processes: int, threads: int, quick: bool) -> float:
     steps = 8 if quick else 30
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "overhead.json")
-        spec = {"processes": processes, "threads": threads, "steps": steps, "out": out}
+        spec = {"processes": processes, "threads": threads, "steps": steps, "out": out, "accumulate": accumulate}
         result = subprocess.run([sys.executable, "-m", "lightning_p2r.measure.calibrate", "--overhead-worker",
                                  json.dumps(spec)], capture_output=True, text=True, env=worker_env(threads),
                                 timeout=600)
@@ -279,12 +288,56 @@ def _overhead_worker(spec: dict[str, Any]) -> None:
     from .run import fit_on_random_tokens
 
     torch.set_num_threads(spec["threads"])
+    accumulate = spec.get("accumulate", 1)
     run = {"model": STEP_OVERHEAD_MODEL, "devices": spec["processes"], "steps": spec["steps"],
-           "global_batch": 2 * spec["processes"], "accelerator": "auto"}
+           "global_batch": 2 * spec["processes"] * accumulate, "accumulate_grad_batches": accumulate,
+           "accelerator": "auto"}
     trainer, _, step_s = fit_on_random_tokens(run, P2RStrategy(), warmup=min(5, spec["steps"] // 2))
     if trainer.global_rank == 0:
         with open(spec["out"], "w", encoding="utf-8") as file:
             json.dump({"step_s": step_s}, file)
+
+
+def batch_call_overhead(one_batch_s: float, accumulated_s: float, batches: int, modelled_extra_s: float) -> float:
+    """Seconds per Lightning batch beyond the first: the step of ``batches`` accumulated batches (``accumulated_s``)
+    less the step of one (``one_batch_s``) and the model work the cost model prices for the added batches
+    (``modelled_extra_s``), over the added batches; never below 0 (timing noise)."""
+    if batches < 2:
+        raise ValueError(f"the added batches' cost needs at least 2 batches per step, got {batches}")
+    return max(accumulated_s - one_batch_s - modelled_extra_s, 0.0) / (batches - 1)
+
+
+def modelled_added_batches(cluster: Cluster, batches: int) -> float:
+    """Seconds the cost model prices for the step-overhead model's ``batches - 1`` added batches (with the
+    framework terms at their values in ``cluster``, 0 in a fresh calibration)."""
+    from ..models.config import M6Config
+    from ..planning import Workload, estimate_step
+    from ..planning.layout import Layout
+
+    config = M6Config(**STEP_OVERHEAD_MODEL)
+    seq_len = config.max_seq_len
+
+    def step(micro_batches: int) -> float:
+        workload = Workload(global_batch=2 * cluster.devices * micro_batches, seq_len=seq_len)
+        return estimate_step(config, Layout(micro_batches=micro_batches), cluster, workload).total
+
+    return step(batches) - step(1)
+
+
+def cpu_oversubscription(processes: int, threads: int, cores: int) -> float:
+    """Training threads per core when they outnumber the cores (1 otherwise): each process's share of a core is one
+    over it."""
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    return max(1.0, processes * threads / cores)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def host_memory_bytes() -> float:
@@ -315,11 +368,16 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
         # Nothing to communicate with: the collective constants are unused on one device.
         measured |= {"intra_node_bandwidth": measured["memory_bandwidth"], "intra_node_latency": 0.0}
     measured["step_overhead"] = step_overhead(processes, threads, quick)
+    accumulated = step_overhead(processes, threads, quick, accumulate=ACCUMULATED_BATCHES)
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else host_memory_bytes() / processes
-    return Cluster(name=name, devices=processes, devices_per_node=processes, device_memory=float(memory),
-                   host_memory_per_node=host_memory_bytes(), inter_node_bandwidth=measured["intra_node_bandwidth"],
-                   inter_node_latency=measured["intra_node_latency"], overlap_collectives=cuda, overlap_copies=cuda,
-                   **measured)
+    cluster = Cluster(name=name, devices=processes, devices_per_node=processes, device_memory=float(memory),
+                      host_memory_per_node=host_memory_bytes(), inter_node_bandwidth=measured["intra_node_bandwidth"],
+                      inter_node_latency=measured["intra_node_latency"], overlap_collectives=cuda,
+                      overlap_copies=cuda, cpu_oversubscription=1.0 if cuda else cpu_oversubscription(
+                          processes, threads, usable_cores()), **measured)
+    extra = modelled_added_batches(cluster, ACCUMULATED_BATCHES)
+    return dataclasses.replace(cluster, batch_overhead=batch_call_overhead(
+        measured["step_overhead"], accumulated, ACCUMULATED_BATCHES, extra))
 
 
 def main(argv: list[str]) -> None:

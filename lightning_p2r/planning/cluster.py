@@ -82,7 +82,7 @@ class Cluster:
     cross-rank checks)."""
     batch_overhead: float = 0.0
     """Seconds per Lightning batch beyond the first of a step (standard accumulation repeats Lightning's batch loop);
-    fitted, not measured (``lightning_p2r.planning.framework``)."""
+    measured by ``lightning-p2r calibrate`` (0 in a file written before it was)."""
     module_hook_overhead: float = 0.0
     """Seconds per hooked module (FSDP2 unit, a block the layered executor or offload engine drives) per
     micro-batch; fitted."""
@@ -92,8 +92,15 @@ class Cluster:
     """Seconds per operator pass under tensor parallelism (DTensor dispatch, on top of ``operator_overhead``);
     fitted."""
     blocking_collective_overhead: float = 0.0
-    """Seconds per collective call on the critical path (tensor / expert parallel, balance loss, pipeline sends) beyond
-    the microbenchmark's latency: each waits for the slowest rank of its group; fitted."""
+    """Seconds per collective call on the critical path (tensor parallel, balance loss, pipeline sends, clipping)
+    beyond the microbenchmark's latency: each waits for the slowest rank of its group; fitted."""
+    expert_wait_overhead: float = 0.0
+    """Seconds per expert-parallel all-to-all beyond the microbenchmark's latency: each waits for the rank whose
+    experts received the most tokens (dropless routing leaves the ranks' expert work unequal); fitted."""
+    cpu_oversubscription: float = 1.0
+    """Training threads per core of a node when above 1 (a CPU-only run with more processes x threads than cores;
+    written by ``lightning-p2r calibrate``): each process gets 1 / this of a core, which stretches the fitted
+    framework terms' Python time (``lightning_p2r.planning.framework``). 1 on GPUs."""
     host_device_bandwidth: float = 25e9
     """Bytes/s between a device and host memory, per direction (pinned memory)."""
     host_device_latency: float = 10e-6
@@ -143,6 +150,9 @@ class Cluster:
             elif value < 0 or (value == 0 and not field.name.endswith(("latency", "overhead", "per_param"))):
                 raise ValueError(f"Cluster.{field.name} must be {'>= 0' if 'latency' in field.name else '> 0'}, "
                                  f"got {value!r}")
+        if self.cpu_oversubscription < 1:
+            raise ValueError(f"Cluster.cpu_oversubscription must be >= 1 (training threads per core, 1 when each has "
+                             f"a core), got {self.cpu_oversubscription!r}")
         if self.devices % self.devices_per_node and self.devices > self.devices_per_node:
             raise ValueError(f"Cluster.devices ({self.devices}) must be a multiple of devices_per_node "
                              f"({self.devices_per_node}): nodes are whole")
@@ -159,8 +169,8 @@ class Cluster:
 
 
 _TIMES = {"operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
-          "dtensor_overhead", "host_device_latency", "intra_node_latency", "inter_node_latency",
-          "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}
+          "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead", "host_device_latency",
+          "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}
 
 
 def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cluster:

@@ -3,23 +3,32 @@ stage action and per tensor-parallel operator, and the wait of every blocking co
 top of the operators ``operator_overhead`` prices.
 
 Each term is a count (a pure function of the model, the layout and the rank's share) times one constant of the
-cluster file. The constants are not measured by ``lightning-p2r calibrate`` one by one: they are fitted to measured
-steps by ``python -m lightning_p2r.benchmarks.planner --cross-validate``, on one half of a random sample of layouts,
-and judged on the other half (docs/planning.md). Each term's assumption, in one line:
+cluster file. ``batch_overhead`` is measured by ``lightning-p2r calibrate`` (a ``Trainer`` stepping a tiny model
+with and without accumulation). The others (``FITTED``) cannot be isolated by a microbenchmark: they are fitted to
+measured steps by ``python -m lightning_p2r.benchmarks.planner --cross-validate``, on one half of a random sample
+of layouts, and judged on the other half (docs/planning.md). Each term's assumption, in one line:
 
-- ``batch_overhead``: standard accumulation without a pipeline is Lightning's: every micro-batch beyond the first
-  repeats Lightning's per-batch loop (fetch, hooks, logging, the loss's cross-rank finiteness check, the backward
-  closure), which ``step_overhead`` prices once per step.
-- ``module_hook_overhead``: every FSDP2 unit (the rank's blocks and the part's root) and every block the layered
-  executor or the offload engine drives runs Python hooks in forward and backward, once per micro-batch.
+- ``batch_overhead`` (measured): standard accumulation without a pipeline is Lightning's: every micro-batch beyond
+  the first repeats Lightning's per-batch loop (fetch, hooks, logging, the loss's cross-rank finiteness check, the
+  backward closure), which ``step_overhead`` prices once per step.
+- ``module_hook_overhead``: every FSDP2 unit (the rank's blocks and the part's root) and every block the offload
+  engine drives runs Python hooks in forward and backward, once per micro-batch (the layered executor on one
+  process without offload is a plain loop over the blocks: none).
 - ``stage_overhead``: a pipeline schedule runs each stage's forward and backward per micro-batch as a separate
   action, with its Python bookkeeping and its send and receive calls.
-- ``blocking_collective_overhead``: every collective the step waits for on its critical path (tensor- and
-  expert-parallel, the balance loss's reductions, pipeline sends) also waits for the slowest rank of its group to
-  arrive: ranks drift apart within a step, which a microbenchmark's latency (ranks in lockstep) does not see.
+- ``blocking_collective_overhead``: every other collective the step waits for on its critical path (tensor
+  parallel, the balance loss's reductions, pipeline sends, clipping, and the data-parallel ones on a cluster that
+  does not overlap them with compute) also waits for the slowest rank of its group to arrive: ranks drift apart
+  within a step, which a microbenchmark's latency (ranks in lockstep) does not see.
+- ``expert_wait_overhead``: every expert-parallel all-to-all waits for the rank whose experts received the most
+  tokens: dropless routing gives the ranks unequal expert work, which equal microbenchmark payloads do not see.
 - ``dtensor_overhead``: under tensor parallelism the layers' operators dispatch through DTensor (sharding
   propagation in Python), each forward and backward pass of each micro-batch: a cost per operator on top of
   ``operator_overhead``, counted with the same operator count.
+
+On a CPU-only machine running more training threads than cores the fitted counts stretch by
+``Cluster.cpu_oversubscription`` (measured by ``calibrate``): each count is Python work of one process, which then
+gets only that share of a core.
 """
 
 from __future__ import annotations
@@ -31,11 +40,13 @@ from .cluster import Cluster
 from .layout import Layout, Workload
 from .model import layer_operator_launches
 from .share import RankShare, rank_share
-from .transfers import Transfer, step_transfers
+from .transfers import EXPERT_DISPATCH, Transfer, step_transfers
 
-FITTED = ("batch_overhead", "module_hook_overhead", "stage_overhead", "dtensor_overhead",
-          "blocking_collective_overhead")
+FITTED = ("module_hook_overhead", "stage_overhead", "dtensor_overhead", "blocking_collective_overhead",
+          "expert_wait_overhead")
 """The cluster fields fitted to measured steps rather than measured one by one."""
+TERMS = ("batch_overhead", *FITTED)
+"""Every framework term: the measured one and the fitted ones."""
 
 
 def extra_lightning_batches(layout: Layout) -> int:
@@ -44,10 +55,11 @@ def extra_lightning_batches(layout: Layout) -> int:
 
 
 def hooked_module_passes(layout: Layout, share: RankShare, devices: int) -> int:
-    """Hooked modules times micro-batches: the rank's blocks and one root, on every path that drives blocks one by
-    one (FSDP2, the layered executor, the offload engine); none under plain DDP or a plain single process."""
+    """Hooked modules times micro-batches: the rank's blocks and one root, on every path that runs them under hooks
+    (FSDP2's units, on one process too with ZeRO-2/3; the offload engine's fetches and gradient copies); none under
+    DDP, nor on one process without offload, where the layered executor is a plain loop over the blocks."""
     path = layout.path(devices)
-    if path == "ddp" or (path == "local" and layout.accumulation == "standard" and not layout.offloading):
+    if path == "ddp" or (path == "local" and not layout.offloading):
         return 0
     return layout.micro_batches * (len(share.blocks) + 1)
 
@@ -69,28 +81,45 @@ def tensor_parallel_operator_passes(config: M6Config, layout: Layout, share: Ran
     return 3 * layout.micro_batches * launches
 
 
-def blocking_collective_calls(transfers: Sequence[Transfer]) -> int:
-    """Collective calls among the rank's step ``transfers`` that it waits for on its critical path (tensor- and
-    expert-parallel, balance loss, pipeline sends, clipping): each also waits for the slowest rank of its group."""
-    return sum(t.calls for t in transfers if not t.overlaps_compute and t.kind not in ("h2d", "d2h"))
+def _blocking(transfer: Transfer, overlap_collectives: bool) -> bool:
+    return transfer.kind not in ("h2d", "d2h") and not (transfer.overlaps_compute and overlap_collectives)
 
 
-def fitted_counts(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
-                  share: RankShare | None = None, transfers: Sequence[Transfer] | None = None) -> dict[str, float]:
-    """Each ``FITTED`` constant's count for one step of the rank (pipeline rank 0 when ``share`` is not given);
-    ``transfers``: the rank's step transfers when the caller has them (``estimate_step`` prices them anyway)."""
+def blocking_collective_calls(transfers: Sequence[Transfer], overlap_collectives: bool = True) -> int:
+    """Collective calls among the rank's step ``transfers`` that it waits for on its critical path, other than the
+    expert-parallel all-to-alls (tensor parallel, balance loss, pipeline sends, clipping, and the data-parallel ones
+    on a cluster that does not ``overlap_collectives``): each also waits for the slowest rank of its group."""
+    return sum(t.calls for t in transfers if _blocking(t, overlap_collectives) and t.label != EXPERT_DISPATCH)
+
+
+def expert_dispatch_calls(transfers: Sequence[Transfer]) -> int:
+    """The expert-parallel all-to-all calls among the rank's step ``transfers``: each waits for the rank with the
+    most routed tokens."""
+    return sum(t.calls for t in transfers if _blocking(t, True) and t.label == EXPERT_DISPATCH)
+
+
+def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+                     share: RankShare | None = None, transfers: Sequence[Transfer] | None = None) -> dict[str, float]:
+    """Each ``TERMS`` constant's count for one step of the rank (pipeline rank 0 when ``share`` is not given);
+    ``transfers``: the rank's step transfers when the caller has them (``estimate_step`` prices them anyway).
+
+    The fitted terms are Python time of one process at a core of its own: on a machine running more training
+    threads than it has cores (``Cluster.cpu_oversubscription``), each process gets that share of a core, and their
+    counts stretch by it. ``batch_overhead`` is measured on the same processes, so it already includes it."""
     share = share or rank_share(config, layout, cluster, workload)
     if transfers is None:
         transfers = step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
-    return {"batch_overhead": extra_lightning_batches(layout),
-            "module_hook_overhead": hooked_module_passes(layout, share, cluster.devices),
-            "stage_overhead": pipeline_stage_actions(layout),
-            "dtensor_overhead": tensor_parallel_operator_passes(config, layout, share),
-            "blocking_collective_overhead": blocking_collective_calls(transfers)}
+    fitted = {"module_hook_overhead": hooked_module_passes(layout, share, cluster.devices),
+              "stage_overhead": pipeline_stage_actions(layout),
+              "dtensor_overhead": tensor_parallel_operator_passes(config, layout, share),
+              "blocking_collective_overhead": blocking_collective_calls(transfers, cluster.overlap_collectives),
+              "expert_wait_overhead": expert_dispatch_calls(transfers)}
+    stretch = cluster.cpu_oversubscription
+    return {"batch_overhead": extra_lightning_batches(layout)} | {k: v * stretch for k, v in fitted.items()}
 
 
 def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
                       share: RankShare | None = None, transfers: Sequence[Transfer] | None = None) -> float:
     """Seconds of framework time per step: each count times its cluster constant (zero in a file that has none)."""
-    counts = fitted_counts(config, layout, cluster, workload, share, transfers)
+    counts = framework_counts(config, layout, cluster, workload, share, transfers)
     return sum(count * getattr(cluster, name) for name, count in counts.items())

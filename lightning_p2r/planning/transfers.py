@@ -37,6 +37,9 @@ from .share import (
 )
 from .traffic import StepShape, balance_loss_bytes, expert_parallel_bytes, tensor_parallel_bytes
 
+EXPERT_DISPATCH = "expert parallel"
+"""The label of the expert-parallel all-to-alls (their wait is priced apart: ``planning.framework``)."""
+
 
 @dataclass(frozen=True)
 class Transfer:
@@ -97,7 +100,7 @@ def _model_parallel(config: M6Config, layout: Layout, workload: Workload, share:
                                                first_stage=share.first_stage, last_stage=share.last_stage).items():
         transfers.append(Transfer("tensor parallel", kind, payload, tp, 1, m * (4 * layers + 3), False))
     for kind, payload in expert_parallel_bytes(shape, ep, m).items():
-        transfers.append(Transfer("expert parallel", kind, payload, ep, tp, m * moe_layers * 6, False))
+        transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * 6, False))
     data = share.data_parallel
     for kind, payload in balance_loss_bytes(shape, data).items():
         transfers.append(Transfer("balance loss", kind, m * payload, data, tp, m * moe_layers * 4, False))

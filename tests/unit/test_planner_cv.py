@@ -10,7 +10,7 @@ from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning import Cluster, Workload, estimate_step
 from lightning_p2r.planning.framework import (
     extra_lightning_batches,
-    fitted_counts,
+    framework_counts,
     framework_seconds,
     hooked_module_passes,
     pipeline_stage_actions,
@@ -33,13 +33,17 @@ def test_extra_lightning_batches_count_only_the_trainers_accumulation() -> None:
     assert extra_lightning_batches(Layout(micro_batches=4, pipeline_parallel=2)) == 0
 
 
-def test_hooked_modules_are_the_blocks_and_a_root_per_micro_batch_where_blocks_are_driven_one_by_one() -> None:
+def test_hooked_modules_are_the_blocks_and_a_root_per_micro_batch_where_blocks_run_under_hooks() -> None:
     assert hooked_module_passes(Layout(), _share(Layout(), 1), 1) == 0  # plain single process
     assert hooked_module_passes(Layout(), _share(Layout(), 2), 2) == 0  # DDP
     zero3 = Layout(sharding="zero3", micro_batches=2)
     assert hooked_module_passes(zero3, _share(zero3, 2), 2) == 2 * (4 + 1)
+    assert hooked_module_passes(zero3, _share(zero3, 1), 1) == 2 * (4 + 1)  # FSDP2 on one process too
     layered = Layout(accumulation="layered", micro_batches=4)
-    assert hooked_module_passes(layered, _share(layered, 1), 1) == 4 * 5
+    assert hooked_module_passes(layered, _share(layered, 1), 1) == 0  # the layered executor's plain loop
+    assert hooked_module_passes(layered, _share(layered, 2), 2) == 4 * 5  # layered across ranks runs on FSDP2
+    offloaded = Layout(accumulation="layered", micro_batches=4, offload_fraction=0.5)
+    assert hooked_module_passes(offloaded, _share(offloaded, 1), 1) == 4 * 5
     pipeline = Layout(pipeline_parallel=2, micro_batches=2)
     assert hooked_module_passes(pipeline, _share(pipeline, 2), 2) == 2 * (2 + 1)  # the rank's 2 blocks
 
@@ -53,13 +57,34 @@ def test_pipeline_actions_and_tensor_parallel_operators() -> None:
     assert tensor_parallel_operator_passes(CONFIG, Layout(), _share(Layout(), 2)) == 0
 
 
+def test_the_fitted_counts_stretch_with_cpu_oversubscription_and_cpu_collectives_wait() -> None:
+    import dataclasses
+
+    from lightning_p2r.measure.calibrate import cpu_oversubscription
+
+    assert cpu_oversubscription(4, 1, 2) == 2.0
+    assert cpu_oversubscription(1, 1, 2) == cpu_oversubscription(2, 1, 2) == 1.0
+    with pytest.raises(ValueError, match="cores"):
+        cpu_oversubscription(2, 1, 0)
+    with pytest.raises(ValueError, match="cpu_oversubscription"):
+        Cluster(cpu_oversubscription=0.5)
+    layout = Layout(sharding="zero3", micro_batches=4)
+    gpu = Cluster(devices=4, devices_per_node=4)
+    cpu = dataclasses.replace(gpu, overlap_collectives=False)
+    shared = dataclasses.replace(cpu, cpu_oversubscription=2.0)
+    on_gpu, on_cpu, oversubscribed = (framework_counts(CONFIG, layout, c, WORKLOAD) for c in (gpu, cpu, shared))
+    # ZeRO-3's gathers and reductions overlap compute on GPUs; on a CPU they are waited for like the others.
+    assert on_gpu["blocking_collective_overhead"] == 0 < on_cpu["blocking_collective_overhead"]
+    assert oversubscribed == on_cpu | {k: 2 * v for k, v in on_cpu.items() if k != "batch_overhead"}
+
+
 def test_framework_seconds_are_counts_times_the_clusters_constants_and_join_the_step() -> None:
     layout = Layout(sharding="zero3", micro_batches=2)
     plain = Cluster(devices=2, devices_per_node=2)
     fitted = Cluster(devices=2, devices_per_node=2, batch_overhead=0.01, module_hook_overhead=0.001)
-    counts = fitted_counts(CONFIG, layout, fitted, WORKLOAD)
+    counts = framework_counts(CONFIG, layout, fitted, WORKLOAD)
     assert counts == {"batch_overhead": 1, "module_hook_overhead": 10, "stage_overhead": 0, "dtensor_overhead": 0,
-                      "blocking_collective_overhead": 0}
+                      "blocking_collective_overhead": 0, "expert_wait_overhead": 0}
     assert framework_seconds(CONFIG, layout, plain, WORKLOAD) == 0
     assert framework_seconds(CONFIG, layout, fitted, WORKLOAD) == pytest.approx(0.02)
     difference = estimate_step(CONFIG, layout, fitted, WORKLOAD).total - estimate_step(CONFIG, layout, plain,
@@ -90,6 +115,18 @@ def test_the_draw_is_seeded_split_in_halves_and_from_the_planners_space() -> Non
     for d in first:
         assert d["layout"] in planner_cv.layout_pool(d["model"], d["processes"])
         assert planner_cv.layout_of(planner_cv.layout_options(d["layout"])) == d["layout"]
+    for seed in range(4):  # every model-parallel dimension drawn twice or more is in both halves
+        draw = planner_cv.sample_layouts(seed)
+        for dimension in ("tp", "ep", "pp"):
+            halves = [d["half"] for d in draw if dimension in planner_cv.parallel_kind(d["layout"])]
+            if len(halves) >= 2:
+                assert set(halves) == {"A", "B"}, (seed, dimension, halves)
+
+
+def test_the_parallel_kind_names_the_model_parallel_dimensions() -> None:
+    assert planner_cv.parallel_kind(Layout(sharding="zero3", micro_batches=4)) == "data"
+    assert planner_cv.parallel_kind(Layout(tensor_parallel=2, pipeline_parallel=2)) == "tp+pp"
+    assert planner_cv.parallel_kind(Layout(expert_parallel=2)) == "ep"
 
 
 def test_cross_validation_scores_only_the_held_out_half() -> None:
@@ -98,14 +135,14 @@ def test_cross_validation_scores_only_the_held_out_half() -> None:
         measured = 0.1 * (i + 1)
         rows.append({"model": "dense" if i % 2 else "moe", "processes": 1, "half": "AB"[i % 2],
                      "measured_s": measured, "base_s": measured - 0.05 * (i % 3),
-                     "feature_batch_overhead": i % 3, "feature_module_hook_overhead": 0,
-                     "feature_stage_overhead": 0, "feature_dtensor_overhead": 0,
-                     "feature_blocking_collective_overhead": 0})
+                     "feature_module_hook_overhead": i % 3, "feature_stage_overhead": 0,
+                     "feature_dtensor_overhead": 0, "feature_blocking_collective_overhead": 0,
+                     "feature_expert_wait_overhead": 0})
     result = planner_cv.cross_validate(rows)
-    assert result["no fitted terms, half A"]["max_abs_error_pct"] > 10  # the base model misses the batch term
+    assert result["no fitted terms, half A"]["max_abs_error_pct"] > 10  # the base model misses the hook term
     for direction in ("fit A, test B", "fit B, test A"):
         scores = result[direction]
-        assert scores["coefficients"]["batch_overhead"] == pytest.approx(0.05)
+        assert scores["coefficients"]["module_hook_overhead"] == pytest.approx(0.05)
         assert scores["max_abs_error_pct"] == pytest.approx(0, abs=1e-6)
         assert scores["worst_best_regret_pct"] == pytest.approx(0)
     assert {r["fitted_on"] for r in rows if r["half"] == "A"} == {"B"}

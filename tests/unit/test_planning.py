@@ -2,6 +2,7 @@
 inventory against the real model, and the refusals of impossible inputs. Its byte counts are checked against the
 package's own counters in tests/distributed (test_planner_counts.py, test_sharding.py)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -325,6 +326,24 @@ def test_the_matmul_overhead_is_the_intercept_beyond_what_the_model_prices() -> 
         matmul_call_overhead([16], [1.0], 0.0)
 
 
+def test_the_batch_overhead_is_the_added_batches_time_beyond_their_modelled_work() -> None:
+    from lightning_p2r.measure.calibrate import STEP_OVERHEAD_MODEL, batch_call_overhead, modelled_added_batches
+
+    # 10 ms for one batch, 31 ms for four, of which the model prices 6 ms of work: 5 ms per added batch.
+    assert batch_call_overhead(0.010, 0.031, 4, 0.006) == pytest.approx(0.005)
+    assert batch_call_overhead(0.010, 0.012, 4, 0.006) == 0.0  # noise never makes it negative
+    with pytest.raises(ValueError, match="at least 2 batches"):
+        batch_call_overhead(0.01, 0.01, 1, 0.0)
+    # The model's work for the added batches: three more forward and backward passes of the tiny model, and no
+    # framework term that a fresh calibration has not yet measured.
+    plain = cluster(2)
+    added = modelled_added_batches(plain, 4)
+    one = estimate_step(M6Config(**STEP_OVERHEAD_MODEL), Layout(), plain,
+                        Workload(global_batch=4, seq_len=STEP_OVERHEAD_MODEL["max_seq_len"])).compute
+    assert added == pytest.approx(3 * one, rel=0.2)
+    assert modelled_added_batches(dataclasses.replace(plain, batch_overhead=0.1), 4) == pytest.approx(added + 0.3)
+
+
 # ------------------------------------------------------------------------------------------------------ search
 def test_the_search_ranks_fitting_layouts_fastest_first() -> None:
     plans, priced = search(MOE, cluster(4), WORK, SearchSpace(offload_fractions=(0.0, 0.5)))
@@ -388,11 +407,17 @@ def test_every_cluster_field_is_documented() -> None:
 
 def test_blocking_collectives_are_counted_on_the_critical_path_only() -> None:
     """Expert parallel 2 on 2 ranks, 2 micro-batches, MoE layers 1 and 3: 6 all-to-alls per MoE layer and
-    micro-batch (counts, dispatch, combine; two more in backward; recompute none) and 4 balance-loss reductions
-    over the 2 data ranks. ZeRO-3's gathers overlap compute and are not counted; one process has none."""
-    from lightning_p2r.planning.framework import blocking_collective_calls, fitted_counts
+    micro-batch (counts, dispatch, combine; two more in backward; recompute none), priced apart as expert waits, and
+    4 balance-loss reductions over the 2 data ranks. ZeRO-3's gathers overlap compute and are not counted; one
+    process has none."""
+    from lightning_p2r.planning.framework import blocking_collective_calls, expert_dispatch_calls, framework_counts
 
     ep2 = step_transfers(MOE, Layout(expert_parallel=2, micro_batches=2), cluster(2), WORK)
-    assert blocking_collective_calls(ep2) == 2 * 2 * 6 + 2 * 2 * 4
+    assert expert_dispatch_calls(ep2) == 2 * 2 * 6
+    assert blocking_collective_calls(ep2) == 2 * 2 * 4
+    counts = framework_counts(MOE, Layout(expert_parallel=2, micro_batches=2), cluster(2), WORK)
+    assert (counts["expert_wait_overhead"], counts["blocking_collective_overhead"]) == (24, 16)
+    tp2 = step_transfers(DENSE, Layout(tensor_parallel=2), cluster(2), WORK)
+    assert blocking_collective_calls(tp2) > 0 and expert_dispatch_calls(tp2) == 0
     assert blocking_collective_calls(step_transfers(DENSE, Layout(sharding="zero3"), cluster(2), WORK)) == 0
-    assert fitted_counts(DENSE, Layout(), cluster(1), WORK)["blocking_collective_overhead"] == 0
+    assert framework_counts(DENSE, Layout(), cluster(1), WORK)["blocking_collective_overhead"] == 0
