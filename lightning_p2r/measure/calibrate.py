@@ -22,8 +22,11 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``batch_overhead``: the same ``Trainer`` accumulating 4 batches of the same size per step: the added step time,
   less the model work the cost model prices for the 3 added batches, per added batch (Lightning's batch loop);
 - ``cpu_oversubscription`` (CPU only): training threads (processes x ``--threads``) per usable core, when above 1;
-- ``intra_node_bandwidth`` / ``intra_node_latency``: all-reduces of a large and a tiny tensor among ``--processes``
-  local processes (gloo on CPU, NCCL when as many GPUs exist), solved from the ring formula. One node is all this
+- ``intra_node_bandwidth`` / ``intra_node_latency``, ``collective_factors`` / ``collective_latency_factors``: each
+  collective kind (all-reduce, all-gather, reduce-scatter, all-to-all, broadcast) timed at three message sizes
+  among ``--processes`` local processes (gloo on CPU, NCCL when as many GPUs exist); a line through its times gives
+  its latency per ring step (the intercept) and bus bandwidth (the slope), by the ring formula; all-reduce's are
+  the link's, the other kinds' relative to them. One node is all this
   command sees: the inter-node constants are copied from the intra-node ones, and the file says so.
 
 With ``--processes`` above one, every measurement runs in all the processes at once, as training would load the
@@ -177,32 +180,60 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
                                                                        else 2**22, repeats)}
 
 
+RING = {"all_reduce": lambda g: (2 * (g - 1) / g, 2 * (g - 1)),
+        "all_gather": lambda g: ((g - 1) / g, g - 1), "reduce_scatter": lambda g: ((g - 1) / g, g - 1),
+        "all_to_all": lambda g: ((g - 1) / g, g - 1), "broadcast": lambda g: (1.0, g - 1)}
+"""Per collective kind and group size: (the share of the payload a ring moves per rank, its latency steps), as
+:func:`lightning_p2r.planning.network.collective_seconds` prices them."""
+
+
+def collective_fit(kind: str, ranks: int, payloads: list[float], seconds: list[float]) -> tuple[float, float]:
+    """(bus bandwidth in bytes/s, latency per ring step in s) of one collective kind among ``ranks`` ranks, from its
+    times at several payloads: a least-squares line through (payload, seconds), whose slope is the ring's share of
+    the payload over the bandwidth and whose intercept is its latency steps times the latency. Noise never makes
+    the latency negative; times that do not grow with the payload give the fastest time as latency and the largest
+    payload's time as its bandwidth's bound."""
+    if len(payloads) != len(seconds) or len(set(payloads)) < 2:
+        raise ValueError("the fit needs times at two or more different payloads")
+    share, steps = RING[kind](ranks)
+    mean_p, mean_s = sum(payloads) / len(payloads), sum(seconds) / len(seconds)
+    slope = (sum((p - mean_p) * (t - mean_s) for p, t in zip(payloads, seconds))
+             / sum((p - mean_p) ** 2 for p in payloads))
+    intercept = max(mean_s - slope * mean_p, 0.0)
+    if slope <= 0:  # times that do not grow with the payload: latency-bound, bandwidth no better than the largest's
+        largest = max(range(len(payloads)), key=payloads.__getitem__)
+        intercept, slope = min(seconds), seconds[largest] / payloads[largest]
+    return share / slope, intercept / steps
+
+
 def measure_processes(processes: int, threads: int, quick: bool) -> dict[str, float]:
     """:func:`device_constants` measured in ``processes`` local processes at once (on a CPU-only machine they share
-    memory bandwidth and caches, as training processes do), averaged, plus the all-reduce bus bandwidth and latency
-    among them, solved from the ring formula."""
+    memory bandwidth and caches, as training processes do), averaged, plus each collective kind's bus bandwidth and
+    latency among them (:func:`collective_fit` over several message sizes), as all-reduce's bandwidth and latency
+    and every other kind's relative to them."""
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
     mp.spawn(_worker, args=(processes, _free_port(), threads, quick, queue), nprocs=processes, join=True)
     measured = queue.get()
-    g, elements = processes, _collective_elements(quick)
-    latency = measured.pop("tiny_all_reduce") / (2 * (g - 1))
-    payload = elements * 4
-
-    def bus(kind: str, factor: float) -> float:  # the ring formula solved for the bandwidth
-        steps = 2 * (g - 1) if kind == "all_reduce" else (g - 1)
-        return factor * payload / max(measured.pop(kind) - steps * latency, 1e-12)
-
-    all_reduce = bus("all_reduce", 2 * (g - 1) / g)
-    factors = {kind: bus(kind, (g - 1) / g) / all_reduce for kind in ("all_gather", "reduce_scatter", "all_to_all")}
-    factors["broadcast"] = bus("broadcast", 1.0) / all_reduce
-    return measured | {"intra_node_bandwidth": all_reduce, "intra_node_latency": latency,
-                       "collective_factors": {k: round(v, 3) for k, v in factors.items()}}
+    payloads = [4.0 * elements for elements in collective_sizes(quick, processes)]
+    fits = {}
+    for kind in RING:
+        times = [measured.pop(f"{kind}@{index}") for index in range(len(payloads))]
+        fits[kind] = collective_fit(kind, processes, payloads, times)
+    bandwidth, latency = fits.pop("all_reduce")
+    return measured | {
+        "intra_node_bandwidth": bandwidth, "intra_node_latency": latency,
+        "collective_factors": {kind: round(fit[0] / bandwidth, 3) for kind, fit in fits.items()},
+        "collective_latency_factors": {kind: round(max(fit[1], 1e-9) / max(latency, 1e-9), 3)
+                                       for kind, fit in fits.items()}}
 
 
-def _collective_elements(quick: bool) -> int:
-    return 2**18 if quick else 2**22
+def collective_sizes(quick: bool, processes: int) -> list[int]:
+    """Elements per collective: a tiny message (latency), a medium one and a large one (bandwidth), each a multiple
+    of ``processes`` so that every rank's part of a gather or reduce-scatter is whole."""
+    large = 2**18 if quick else 2**22
+    return [-(-elements // processes) * processes for elements in (1, large // 64, large)]
 
 
 def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, queue: Any) -> None:
@@ -219,20 +250,10 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
         dist.barrier()
         constants = device_constants(device, quick)
         repeats = 3 if quick else 20
-        elements = _collective_elements(quick)
-        large, tiny = torch.ones(elements, device=device), torch.ones(1, device=device)
-        part, gathered = torch.ones(elements // processes, device=device), torch.empty(elements, device=device)
-        # The names torch 2.13 prefers, where it has them (the older ones warn).
-        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        for kind, run in (("all_reduce", lambda: dist.all_reduce(large)),
-                          ("all_gather", lambda: gather(gathered, part)),
-                          ("reduce_scatter", lambda: scatter(part, large)),
-                          ("all_to_all", lambda: dist.all_to_all_single(gathered, large)),
-                          ("broadcast", lambda: dist.broadcast(large, 0))):
-            constants[kind] = median_seconds(run, iters=repeats, device=device)
-        constants["tiny_all_reduce"] = median_seconds(lambda: dist.all_reduce(tiny), iters=5 * repeats,
-                                                      device=device)
+        for index, elements in enumerate(collective_sizes(quick, processes)):
+            # Tiny messages are noisier: more repetitions where they cost little.
+            times = _time_collectives(elements, processes, device, repeats * (5 if index == 0 else 1))
+            constants |= {f"{kind}@{index}": seconds for kind, seconds in times.items()}
         names = sorted(constants)
         values = torch.tensor([constants[name] for name in names], dtype=torch.float64, device=device)
         dist.all_reduce(values)
@@ -240,6 +261,26 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
             queue.put({name: float(value) / processes for name, value in zip(names, values.tolist())})
     finally:
         dist.destroy_process_group()
+
+
+def _time_collectives(elements: int, processes: int, device: torch.device, repeats: int) -> dict[str, float]:
+    """The median seconds of each collective kind over a message of ``elements`` fp32 values."""
+    import torch.distributed as dist
+
+    # The names torch 2.13 prefers, where it has them (the older ones warn).
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+    whole = torch.ones(elements, device=device)
+    part, gathered = torch.ones(elements // processes, device=device), torch.empty(elements, device=device)
+    times = {}
+    for kind, run in (("all_reduce", lambda: dist.all_reduce(whole)),
+                      ("all_gather", lambda: gather(gathered, part)),
+                      ("reduce_scatter", lambda: scatter(part, whole)),
+                      ("all_to_all", lambda: dist.all_to_all_single(gathered, whole)),
+                      ("broadcast", lambda: dist.broadcast(whole, 0))):
+        dist.barrier()
+        times[kind] = median_seconds(run, iters=repeats, device=device)
+    return times
 
 
 def _free_port() -> int:
