@@ -22,11 +22,11 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``batch_overhead``: the same ``Trainer`` accumulating 4 batches of the same size per step: the added step time,
   less the model work the cost model prices for the 3 added batches, per added batch (Lightning's batch loop);
 - ``cpu_oversubscription`` (CPU only): training threads (processes x ``--threads``) per usable core, when above 1;
-- ``intra_node_bandwidth`` / ``intra_node_latency``, ``collective_factors`` / ``collective_latency_factors``: each
-  collective kind (all-reduce, all-gather, reduce-scatter, all-to-all, broadcast) timed at three message sizes
-  among ``--processes`` local processes (gloo on CPU, NCCL when as many GPUs exist); a line through its times gives
-  its latency per ring step (the intercept) and bus bandwidth (the slope), by the ring formula; all-reduce's are
-  the link's, the other kinds' relative to them. One node is all this
+- ``intra_node_bandwidth`` / ``intra_node_latency``, ``collective_factors``: each collective kind (all-reduce,
+  all-gather, reduce-scatter, all-to-all, broadcast) timed at three message sizes among ``--processes`` local
+  processes (gloo on CPU, NCCL when as many GPUs exist); a line through its times gives its latency per ring step
+  (the intercept) and bus bandwidth (the slope), by the ring formula; all-reduce's are the link's, the other
+  kinds' bandwidths relative to it. One node is all this
   command sees: the inter-node constants are copied from the intra-node ones, and the file says so.
 
 With ``--processes`` above one, every measurement runs in all the processes at once, as training would load the
@@ -209,8 +209,10 @@ def collective_fit(kind: str, ranks: int, payloads: list[float], seconds: list[f
 def measure_processes(processes: int, threads: int, quick: bool) -> dict[str, float]:
     """:func:`device_constants` measured in ``processes`` local processes at once (on a CPU-only machine they share
     memory bandwidth and caches, as training processes do), averaged, plus each collective kind's bus bandwidth and
-    latency among them (:func:`collective_fit` over several message sizes), as all-reduce's bandwidth and latency
-    and every other kind's relative to them."""
+    latency among them (:func:`collective_fit` over several message sizes): all-reduce's bandwidth and latency are
+    the link's, the other kinds' bandwidths are kept relative to it (``collective_factors``). Their latencies are
+    not kept: pricing each kind at its own measured latency made the cross-validation's held-out errors larger
+    (docs/planning.md), so every kind is priced at all-reduce's."""
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
@@ -224,9 +226,7 @@ def measure_processes(processes: int, threads: int, quick: bool) -> dict[str, fl
     bandwidth, latency = fits.pop("all_reduce")
     return measured | {
         "intra_node_bandwidth": bandwidth, "intra_node_latency": latency,
-        "collective_factors": {kind: round(fit[0] / bandwidth, 3) for kind, fit in fits.items()},
-        "collective_latency_factors": {kind: round(max(fit[1], 1e-9) / max(latency, 1e-9), 3)
-                                       for kind, fit in fits.items()}}
+        "collective_factors": {kind: round(fit[0] / bandwidth, 3) for kind, fit in fits.items()}}
 
 
 def collective_sizes(quick: bool, processes: int) -> list[int]:

@@ -120,9 +120,6 @@ class Cluster:
     collective_factors: dict[str, float] = dataclasses.field(default_factory=dict)
     """Bus bandwidth of a collective kind relative to all-reduce's ("all_gather", "reduce_scatter", "all_to_all",
     "broadcast", "send"; 1 when absent): NCCL runs them alike, gloo's gathers and reduce-scatters are slower."""
-    collective_latency_factors: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Latency per ring step of a collective kind relative to all-reduce's (the same kinds; 1 when absent): each
-    kind's fixed cost, measured by ``calibrate`` as the intercept of its time over several message sizes."""
     overlap_collectives: bool = True
     """Data-parallel collectives (FSDP2 prefetch, DDP buckets) run while the device computes. False where they
     compete for the same cores (gloo on a CPU-only machine)."""
@@ -133,7 +130,7 @@ class Cluster:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            if field.name in ("collective_factors", "collective_latency_factors"):
+            if field.name == "collective_factors":
                 kinds = ("all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
                 if not isinstance(value, dict) or any(k not in kinds or isinstance(v, bool) or not isinstance(
                         v, (int, float)) or v <= 0 for k, v in value.items()):
@@ -186,7 +183,7 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
         raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
     parsed: dict[str, Any] = {}
     for key, value in values.items():
-        if key in ("name", "collective_factors", "collective_latency_factors") or isinstance(known[key].default, bool):
+        if key in ("name", "collective_factors") or isinstance(known[key].default, bool):
             parsed[key] = value
         elif key in ("devices", "devices_per_node"):
             parsed[key] = value

@@ -111,8 +111,7 @@ def transfer_seconds(transfer: Transfer, cluster: Cluster) -> float:
     if transfer.kind in ("h2d", "d2h"):
         return transfer.payload / cluster.host_device_bandwidth + transfer.calls * cluster.host_device_latency
     link = group_link(cluster, transfer.size, transfer.stride)
-    link = Link(link.bandwidth * cluster.collective_factors.get(transfer.kind, 1.0),
-                link.latency * cluster.collective_latency_factors.get(transfer.kind, 1.0))
+    link = Link(link.bandwidth * cluster.collective_factors.get(transfer.kind, 1.0), link.latency)
     seconds = collective_seconds(transfer.kind, transfer.payload, transfer.size, link, transfer.calls)
     if transfer.label.startswith("data parallel") and transfer.kind in ("all_gather", "reduce_scatter"):
         seconds += 2 * transfer.payload / cluster.memory_bandwidth

@@ -166,9 +166,22 @@ def test_projection_bands_come_from_the_held_out_errors(tmp_path) -> None:
                                 "fit B, test A": {"median_abs_error_pct": 15, "max_abs_error_pct": 25}}))
     bands = cross_validated_bands(path)
     assert bands == {"typical": 15, "worst": 30}
+    other = tmp_path / "planner_cv_seed0" / "scores.json"
+    other.parent.mkdir()
+    other.write_text(json.dumps({"fit A, test B": {"median_abs_error_pct": 11, "max_abs_error_pct": 45}}))
+    assert cross_validated_bands([path, other, tmp_path / "absent.json"]) == {"typical": 15, "worst": 45}
     rows = [{"step_s": 10.0}, {"layout": "none fits"}]
     with_bands(rows, bands)
     assert rows[0]["step_s_worst_band"] == "7.69-14.3" and "step_s_typical_band" not in rows[1]
+
+
+def test_the_projections_read_every_stored_cross_validation(tmp_path) -> None:
+    from lightning_p2r.benchmarks.projections import stored_cross_validations
+
+    (tmp_path / "planner_cv_seed0_24").mkdir()
+    (tmp_path / "planner_cv_seed0_24" / "planner_cv_scores.json").write_text("{}")
+    assert stored_cross_validations(tmp_path) == [tmp_path / "planner_cv_scores.json",
+                                                  tmp_path / "planner_cv_seed0_24" / "planner_cv_scores.json"]
 
 
 def test_repeatability_compares_the_same_layouts_of_two_runs() -> None:
