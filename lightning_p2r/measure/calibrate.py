@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from ..planning.cluster import Cluster, write_cluster
+from ..planning.network import ring_terms
 from .run import median_seconds, worker_env
 
 
@@ -180,11 +181,8 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
                                                                        else 2**22, repeats)}
 
 
-RING = {"all_reduce": lambda g: (2 * (g - 1) / g, 2 * (g - 1)),
-        "all_gather": lambda g: ((g - 1) / g, g - 1), "reduce_scatter": lambda g: ((g - 1) / g, g - 1),
-        "all_to_all": lambda g: ((g - 1) / g, g - 1), "broadcast": lambda g: (1.0, g - 1)}
-"""Per collective kind and group size: (the share of the payload a ring moves per rank, its latency steps), as
-:func:`lightning_p2r.planning.network.collective_seconds` prices them."""
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast")
+"""The collective kinds ``calibrate`` times (``send`` is priced at all-reduce's bandwidth)."""
 
 
 def collective_fit(kind: str, ranks: int, payloads: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -195,7 +193,7 @@ def collective_fit(kind: str, ranks: int, payloads: list[float], seconds: list[f
     payload's time as its bandwidth's bound."""
     if len(payloads) != len(seconds) or len(set(payloads)) < 2:
         raise ValueError("the fit needs times at two or more different payloads")
-    share, steps = RING[kind](ranks)
+    share, steps = ring_terms(kind, ranks)
     mean_p, mean_s = sum(payloads) / len(payloads), sum(seconds) / len(seconds)
     slope = (sum((p - mean_p) * (t - mean_s) for p, t in zip(payloads, seconds))
              / sum((p - mean_p) ** 2 for p in payloads))
@@ -220,7 +218,7 @@ def measure_processes(processes: int, threads: int, quick: bool) -> dict[str, fl
     measured = queue.get()
     payloads = [4.0 * elements for elements in collective_sizes(quick, processes)]
     fits = {}
-    for kind in RING:
+    for kind in COLLECTIVES:
         times = [measured.pop(f"{kind}@{index}") for index in range(len(payloads))]
         fits[kind] = collective_fit(kind, processes, payloads, times)
     bandwidth, latency = fits.pop("all_reduce")

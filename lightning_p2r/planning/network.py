@@ -36,19 +36,26 @@ def group_link(cluster: Cluster, size: int, stride: int) -> Link:
     return Link(cluster.inter_node_bandwidth, cluster.inter_node_latency)
 
 
+def ring_terms(kind: str, size: int) -> tuple[float, int]:
+    """(the share of the payload each rank moves over the link, the latency steps) of one collective of ``kind``
+    among ``size`` ranks, by the formulas above."""
+    g = size
+    if kind == "all_reduce":
+        return 2 * (g - 1) / g, 2 * (g - 1)
+    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
+        return (g - 1) / g, g - 1
+    if kind == "broadcast":
+        return 1.0, g - 1
+    if kind == "send":
+        return 1.0, 1
+    raise ValueError(f"unknown collective kind {kind!r}")
+
+
 def collective_seconds(kind: str, payload: float, size: int, link: Link, calls: int = 1) -> float:
     """Seconds of ``calls`` collectives of ``kind`` moving ``payload`` bytes in all, over ``size`` ranks."""
     if payload < 0 or size < 1 or calls < 0:
         raise ValueError(f"collective_seconds: payload {payload}, size {size}, calls {calls} must be >= 0 / >= 1")
+    share, steps = ring_terms(kind, size)
     if size == 1 or payload == 0:
         return 0.0
-    g, b, a = size, link.bandwidth, link.latency
-    if kind == "all_reduce":
-        return 2 * (g - 1) / g * payload / b + calls * 2 * (g - 1) * a
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return (g - 1) / g * payload / b + calls * (g - 1) * a
-    if kind == "broadcast":
-        return payload / b + calls * (g - 1) * a
-    if kind == "send":
-        return payload / b + calls * a
-    raise ValueError(f"unknown collective kind {kind!r}")
+    return share * payload / link.bandwidth + calls * steps * link.latency
