@@ -48,7 +48,7 @@ from .model import (
 )
 from .network import Link, collective_seconds, group_link
 from .share import RankShare, distinct_pipeline_ranks, rank_share
-from .transfers import Transfer, step_transfers
+from .transfers import EXPERT_DISPATCH, Transfer, step_transfers
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ def estimate_step(config: M6Config, layout: Layout, cluster: Cluster, workload: 
                                pipeline_rank=pipeline_rank)
     for transfer in transfers:
         seconds = transfer_seconds(transfer, cluster)
-        if transfer.label in ("expert parallel", "balance loss"):
+        if transfer.label in (EXPERT_DISPATCH, "balance loss"):
             parts["expert parallel"] += seconds
         elif transfer.label == "pipeline":
             parts["pipeline"] += seconds
