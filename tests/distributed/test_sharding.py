@@ -384,6 +384,26 @@ def test_the_planner_predicts_the_counted_collective_bytes(runs: Path, name: str
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [c["name"] for c in COUNTED])
+def test_the_planner_predicts_the_counted_collective_calls(runs: Path, name: str) -> None:
+    """The calls per kind, which price the latency: FSDP2's one per unit, DDP's one per gradient bucket. ZeRO-1's
+    broadcasts are left out: ``ZeroRedundancyOptimizer`` issues one per parameter, all at once and waited together,
+    which the planner prices as one per unit."""
+    from lightning_p2r.planning import step_transfers
+    from lightning_p2r.planning.transfers import COLLECTIVES
+
+    config = next(c for c in COUNTED if c["name"] == name)
+    predicted: dict[str, int] = {}
+    for transfer in step_transfers(*_planned(config, 2)):
+        if transfer.kind in COLLECTIVES and transfer.kind != "broadcast":
+            predicted[transfer.kind] = predicted.get(transfer.kind, 0) + transfer.calls
+    for rank in (0, 1):
+        counted = {k: v for k, v in _report(runs, name, rank)["collectives"][-1]["calls"].items() if k != "broadcast"}
+        assert counted == predicted, (name, rank, counted, predicted)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["zero1", "zero2", "zero3", "none_layered_m2"])
 def test_the_planner_predicts_each_ranks_model_state_bytes(runs: Path, name: str) -> None:
     from lightning_p2r.planning import estimate_memory
