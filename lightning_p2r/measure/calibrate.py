@@ -22,12 +22,17 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``batch_overhead``: the same ``Trainer`` accumulating 4 batches of the same size per step: the added step time,
   less the model work the cost model prices for the 3 added batches, per added batch (Lightning's batch loop);
 - ``cpu_oversubscription`` (CPU only): training threads (processes x ``--threads``) per usable core, when above 1;
-- ``intra_node_bandwidth`` / ``intra_node_latency``, ``collective_factors``: each collective kind (all-reduce,
-  all-gather, reduce-scatter, all-to-all, broadcast) timed at three message sizes among ``--processes`` local
-  processes (gloo on CPU, NCCL when as many GPUs exist); a line through its times gives its latency per ring step
-  (the intercept) and bus bandwidth (the slope), by the ring formula; all-reduce's are the link's, the other
-  kinds' bandwidths relative to it. One node is all this
-  command sees: the inter-node constants are copied from the intra-node ones, and the file says so.
+- ``intra_node_bandwidth``, ``collective_factors``: each collective kind (all-reduce, all-gather, reduce-scatter,
+  all-to-all, broadcast) timed at three message sizes among ``--processes`` local processes (gloo on CPU, NCCL
+  when as many GPUs exist); a line through its times gives its bus bandwidth (the slope), by the ring formula;
+  all-reduce's is the link's, the other kinds' are kept relative to it;
+- ``intra_node_latency``: the **mean** time of small all-reduces (1 and 16 KB) over rounds of back-to-back calls
+  (the median round), per ring step (:func:`latency_per_step`). A step pays the sum of its calls, so the mean,
+  tail included, is what it pays; a single call's median and a line's intercept through larger sizes miss the
+  calls that wait for a descheduled rank, which dominate on a CPU running more processes than cores.
+
+One node is all this command sees: the inter-node constants are copied from the intra-node ones, and the file says
+so.
 
 With ``--processes`` above one, every measurement runs in all the processes at once, as training would load the
 machine. On CPU every "device" is one training process with ``--threads`` threads (the benchmarks run one thread
@@ -39,6 +44,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import statistics
 import time
 from typing import Any
 
@@ -206,11 +212,11 @@ def collective_fit(kind: str, ranks: int, payloads: list[float], seconds: list[f
 
 def measure_processes(processes: int, threads: int, quick: bool) -> dict[str, float]:
     """:func:`device_constants` measured in ``processes`` local processes at once (on a CPU-only machine they share
-    memory bandwidth and caches, as training processes do), averaged, plus each collective kind's bus bandwidth and
-    latency among them (:func:`collective_fit` over several message sizes): all-reduce's bandwidth and latency are
-    the link's, the other kinds' bandwidths are kept relative to it (``collective_factors``). Their latencies are
-    not kept: pricing each kind at its own measured latency made the cross-validation's held-out errors larger
-    (docs/planning.md), so every kind is priced at all-reduce's."""
+    memory bandwidth and caches, as training processes do), averaged, plus each collective kind's bus bandwidth
+    among them (:func:`collective_fit` over several message sizes; all-reduce's is the link's, the other kinds' are
+    kept relative to it in ``collective_factors``) and the link's latency per ring step, from the mean of tiny
+    all-reduces (:func:`latency_per_step`). Every kind is priced at that latency: pricing each at its own fitted
+    latency made the cross-validation's held-out errors larger (docs/planning.md)."""
     import torch.multiprocessing as mp
 
     queue = mp.get_context("spawn").SimpleQueue()
@@ -221,7 +227,8 @@ def measure_processes(processes: int, threads: int, quick: bool) -> dict[str, fl
     for kind in COLLECTIVES:
         times = [measured.pop(f"{kind}@{index}") for index in range(len(payloads))]
         fits[kind] = collective_fit(kind, processes, payloads, times)
-    bandwidth, latency = fits.pop("all_reduce")
+    bandwidth, _ = fits.pop("all_reduce")
+    latency = latency_per_step(measured.pop("small_all_reduce_mean"), "all_reduce", processes)
     return measured | {
         "intra_node_bandwidth": bandwidth, "intra_node_latency": latency,
         "collective_factors": {kind: round(fit[0] / bandwidth, 3) for kind, fit in fits.items()}}
@@ -252,6 +259,11 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
             # Tiny messages are noisier: more repetitions where they cost little.
             times = _time_collectives(elements, processes, device, repeats * (5 if index == 0 else 1))
             constants |= {f"{kind}@{index}": seconds for kind, seconds in times.items()}
+        rounds = LATENCY_ROUNDS_QUICK if quick else LATENCY_ROUNDS
+        constants["small_all_reduce_mean"] = sum(
+            statistics.median(mean_call_seconds(_all_reduce_of(elements, device), calls=LATENCY_CALLS, device=device)
+                              for _ in range(rounds))
+            for elements in LATENCY_ELEMENTS) / len(LATENCY_ELEMENTS)
         names = sorted(constants)
         values = torch.tensor([constants[name] for name in names], dtype=torch.float64, device=device)
         dist.all_reduce(values)
@@ -259,6 +271,47 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
             queue.put({name: float(value) / processes for name, value in zip(names, values.tolist())})
     finally:
         dist.destroy_process_group()
+
+
+LATENCY_ELEMENTS = (256, 4096)
+"""fp32 elements of the all-reduces timed for the latency: small enough that bandwidth adds little (16 KB at most),
+not so small that gloo takes its path for a few elements, which is faster than what training's messages see."""
+LATENCY_CALLS = 50
+"""Back-to-back calls per timed round of the latency: about what a training step issues."""
+LATENCY_ROUNDS = 7
+"""Rounds per size; their median counts, as the benchmarks' median step does (``--quick``: 3)."""
+LATENCY_ROUNDS_QUICK = 3
+
+
+def latency_per_step(mean_call_seconds: float, kind: str, ranks: int) -> float:
+    """The latency per ring step of a collective whose tiny calls take ``mean_call_seconds`` on average among
+    ``ranks`` ranks: the mean over its latency steps (:func:`~lightning_p2r.planning.network.ring_terms`)."""
+    if mean_call_seconds < 0:
+        raise ValueError(f"mean_call_seconds must be >= 0, got {mean_call_seconds}")
+    return mean_call_seconds / max(1, ring_terms(kind, ranks)[1])
+
+
+def mean_call_seconds(fn: Any, *, calls: int, device: torch.device, warmup: int = 10) -> float:
+    """The mean wall time of ``calls`` back-to-back calls of ``fn`` (after ``warmup``): every call counts, the
+    slow ones too."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / calls
+
+
+def _all_reduce_of(elements: int, device: torch.device) -> Any:
+    import torch.distributed as dist
+
+    tensor = torch.ones(elements, device=device)
+    return lambda: dist.all_reduce(tensor)
 
 
 def _time_collectives(elements: int, processes: int, device: torch.device, repeats: int) -> dict[str, float]:

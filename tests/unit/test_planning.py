@@ -220,6 +220,36 @@ def test_each_collective_kind_gets_its_latency_and_bandwidth_from_several_sizes(
     assert all(size % 3 == 0 for size in collective_sizes(False, 3)) and collective_sizes(True, 2)[0] == 2
 
 
+def test_the_latency_is_the_mean_small_call_over_its_ring_steps() -> None:
+    from lightning_p2r.measure.calibrate import latency_per_step
+
+    # A 4-rank all-reduce has 2 (4 - 1) = 6 latency steps, a 2-rank one 2; a broadcast over 4 has 3.
+    assert latency_per_step(6e-3, "all_reduce", 4) == pytest.approx(1e-3)
+    assert latency_per_step(1e-3, "all_reduce", 2) == pytest.approx(5e-4)
+    assert latency_per_step(3e-3, "broadcast", 4) == pytest.approx(1e-3)
+    assert latency_per_step(1e-3, "all_reduce", 1) == 1e-3  # no steps: the call itself
+    with pytest.raises(ValueError, match="mean_call_seconds"):
+        latency_per_step(-1.0, "all_reduce", 2)
+
+
+def test_ddp_all_reduces_its_gradients_in_buckets() -> None:
+    from lightning_p2r.planning.transfers import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_calls
+
+    assert ddp_bucket_calls(0) == 0 and ddp_bucket_calls(1) == 1 and ddp_bucket_calls(DDP_FIRST_BUCKET_BYTES) == 1
+    assert ddp_bucket_calls(DDP_FIRST_BUCKET_BYTES + 1) == 2
+    assert ddp_bucket_calls(DDP_FIRST_BUCKET_BYTES + DDP_BUCKET_BYTES + 1) == 3
+
+    def reduces(layout: Layout) -> tuple[int, float]:
+        found = [t for t in step_transfers(DENSE, layout, cluster(2), WORK) if t.kind == "all_reduce"]
+        return sum(t.calls for t in found), sum(t.payload for t in found)
+
+    # DDP (standard accumulation, sharding "none"): the same bytes as FSDP2's replicate layout (layered
+    # accumulation), one call per bucket instead of one per unit (4 blocks and the root).
+    ddp, replicate = reduces(Layout()), reduces(Layout(accumulation="layered", micro_batches=2))
+    assert ddp[1] == replicate[1] and replicate[0] == 4 + 1
+    assert ddp[0] == ddp_bucket_calls(ddp[1]) < replicate[0]
+
+
 def test_a_group_crosses_the_network_when_its_span_exceeds_a_node() -> None:
     many = Cluster(devices=16, devices_per_node=8, intra_node_bandwidth=100.0, inter_node_bandwidth=10.0)
     assert group_link(many, 8, 1).bandwidth == 100.0  # tensor parallel inside a node
