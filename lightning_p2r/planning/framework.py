@@ -19,7 +19,10 @@ of layouts, and judged on the other half (docs/planning.md). Each term's assumpt
 - ``blocking_collective_overhead``: every other collective the step waits for on its critical path (tensor
   parallel, the balance loss's reductions, pipeline sends, clipping, and the data-parallel ones on a cluster that
   does not overlap them with compute) also waits for the slowest rank of its group to arrive: ranks drift apart
-  within a step, which a microbenchmark's latency (ranks in lockstep) does not see.
+  over the compute between two collectives, which a microbenchmark's latency (ranks in lockstep) does not see.
+  Under sequence parallelism a tensor-parallel sync point is a reduce-scatter and, after only a norm and a residual
+  add on the rank's share of the sequence, an all-gather: the ranks reach the second in step, so the pair waits
+  once.
 - ``expert_wait_overhead``: every expert-parallel all-to-all waits for the rank whose experts received the most
   tokens: dropless routing gives the ranks unequal expert work, which equal microbenchmark payloads do not see.
 - ``dtensor_overhead``: under tensor parallelism the layers' operators dispatch through DTensor (sharding
@@ -40,7 +43,7 @@ from .cluster import Cluster
 from .layout import Layout, Workload
 from .model import layer_operator_launches
 from .share import RankShare, rank_share
-from .transfers import EXPERT_DISPATCH, Transfer, step_transfers
+from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, Transfer, step_transfers
 
 FITTED = ("module_hook_overhead", "stage_overhead", "dtensor_overhead", "blocking_collective_overhead",
           "expert_wait_overhead")
@@ -86,10 +89,14 @@ def _blocking(transfer: Transfer, overlap_collectives: bool) -> bool:
 
 
 def blocking_collective_calls(transfers: Sequence[Transfer], overlap_collectives: bool = True) -> int:
-    """Collective calls among the rank's step ``transfers`` that it waits for on its critical path, other than the
-    expert-parallel all-to-alls (tensor parallel, balance loss, pipeline sends, clipping, and the data-parallel ones
-    on a cluster that does not ``overlap_collectives``): each also waits for the slowest rank of its group."""
-    return sum(t.calls for t in transfers if _blocking(t, overlap_collectives) and t.label != EXPERT_DISPATCH)
+    """Waits for the slowest rank among the rank's step ``transfers``: every collective call it waits for on its
+    critical path, other than the expert-parallel all-to-alls (tensor parallel, balance loss, pipeline sends,
+    clipping, and the data-parallel ones on a cluster that does not ``overlap_collectives``), except that the
+    tensor-parallel collectives wait once per sync point (``TENSOR_PARALLEL``'s calls of one kind; sequence
+    parallelism's reduce-scatter and all-gather of one point wait once, see the module docstring)."""
+    blocking = [t for t in transfers if _blocking(t, overlap_collectives) and t.label != EXPERT_DISPATCH]
+    sync_points = max((t.calls for t in blocking if t.label == TENSOR_PARALLEL), default=0)
+    return sync_points + sum(t.calls for t in blocking if t.label != TENSOR_PARALLEL)
 
 
 def expert_dispatch_calls(transfers: Sequence[Transfer]) -> int:

@@ -42,6 +42,8 @@ from .traffic import StepShape, balance_loss_bytes, expert_parallel_bytes, tenso
 
 EXPERT_DISPATCH = "expert parallel"
 """The label of the expert-parallel all-to-alls (their wait is priced apart: ``planning.framework``)."""
+TENSOR_PARALLEL = "tensor parallel"
+"""The label of the tensor-parallel collectives of the layers (one per kind, each with the sync points' calls)."""
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ def _model_parallel(config: M6Config, layout: Layout, workload: Workload, share:
     transfers = []
     for kind, payload in tensor_parallel_bytes(shape, tp, sequence_parallel=layout.sequence_parallel,
                                                first_stage=share.first_stage, last_stage=share.last_stage).items():
-        transfers.append(Transfer("tensor parallel", kind, payload, tp, 1, m * (4 * layers + 3), False))
+        transfers.append(Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, m * (4 * layers + 3), False))
     for kind, payload in expert_parallel_bytes(shape, ep, m).items():
         transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * 6, False))
     data = share.data_parallel

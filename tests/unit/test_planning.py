@@ -465,5 +465,11 @@ def test_blocking_collectives_are_counted_on_the_critical_path_only() -> None:
     assert (counts["expert_wait_overhead"], counts["blocking_collective_overhead"]) == (24, 16)
     tp2 = step_transfers(DENSE, Layout(tensor_parallel=2), cluster(2), WORK)
     assert blocking_collective_calls(tp2) > 0 and expert_dispatch_calls(tp2) == 0
+    # Sequence parallelism splits each sync point's all-reduce into a reduce-scatter and an all-gather (and keeps
+    # all-reduces for the norms' gradients): more calls, priced by their latency, but the same waits.
+    sp2 = step_transfers(DENSE, Layout(tensor_parallel=2, sequence_parallel=True), cluster(2), WORK)
+    tp_calls = {t.kind: t.calls for t in sp2 if t.label == "tensor parallel"}
+    assert {"all_gather", "reduce_scatter"} <= set(tp_calls) and sum(tp_calls.values()) > max(tp_calls.values())
+    assert blocking_collective_calls(sp2) == blocking_collective_calls(tp2) == max(tp_calls.values())
     assert blocking_collective_calls(step_transfers(DENSE, Layout(sharding="zero3"), cluster(2), WORK)) == 0
     assert framework_counts(DENSE, Layout(), cluster(1), WORK)["blocking_collective_overhead"] == 0
