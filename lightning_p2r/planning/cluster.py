@@ -93,7 +93,8 @@ class Cluster:
     fitted."""
     blocking_collective_overhead: float = 0.0
     """Seconds per collective call on the critical path (tensor parallel, balance loss, pipeline sends, clipping)
-    beyond the microbenchmark's latency: each waits for the slowest rank of its group; fitted."""
+    beyond the microbenchmark's latency: each waits for the slowest rank of its group (tensor parallelism once per
+    sync point); fitted."""
     expert_wait_overhead: float = 0.0
     """Seconds per expert-parallel all-to-all beyond the microbenchmark's latency: each waits for the rank whose
     experts received the most tokens (dropless routing leaves the ranks' expert work unequal); fitted."""
