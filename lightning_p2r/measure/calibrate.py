@@ -21,6 +21,8 @@ What it measures, each as the median of several timed repetitions after a warm-u
   to matter (the framework's fixed cost per step);
 - ``batch_overhead``: the same ``Trainer`` accumulating 4 batches of the same size per step: the added step time,
   less the model work the cost model prices for the 3 added batches, per added batch (Lightning's batch loop);
+- ``module_hook_overhead``: a stack of tiny blocks trained with and without FSDP2 over a mesh of each rank alone,
+  per hooked module and micro-batch (:mod:`.module_hooks`);
 - ``cpu_oversubscription`` (CPU only): training threads (processes x ``--threads``) per usable core, when above 1;
 - ``intra_node_bandwidth``, ``collective_factors``: each collective kind (all-reduce, all-gather, reduce-scatter,
   all-to-all, broadcast) timed at three message sizes among ``--processes`` local processes (gloo on CPU, NCCL
@@ -52,6 +54,7 @@ import torch
 
 from ..planning.cluster import Cluster, write_cluster
 from ..planning.network import ring_terms
+from .module_hooks import module_hook_seconds, own_rank_mesh
 from .run import median_seconds, worker_env
 
 
@@ -254,6 +257,7 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
     try:
         dist.barrier()
         constants = device_constants(device, quick)
+        constants["module_hook_overhead"] = module_hook_seconds(device, own_rank_mesh(device), 5 if quick else 15)
         repeats = 3 if quick else 20
         for index, elements in enumerate(collective_sizes(quick, processes)):
             # Tiny messages are noisier: more repetitions where they cost little.
@@ -332,6 +336,23 @@ def _time_collectives(elements: int, processes: int, device: torch.device, repea
         dist.barrier()
         times[kind] = median_seconds(run, iters=repeats, device=device)
     return times
+
+
+def _one_process_hooks(device: torch.device, quick: bool) -> float:
+    """:func:`module_hook_seconds` in this process, inside a process group of its own for the while (FSDP2 needs
+    one), or the one it already runs in."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    repeats = 5 if quick else 15
+    if dist.is_initialized():
+        return module_hook_seconds(device, own_rank_mesh(device), repeats)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}",
+                            rank=0, world_size=1)
+    try:
+        return module_hook_seconds(device, init_device_mesh(device.type, (1,)), repeats)
+    finally:
+        dist.destroy_process_group()
 
 
 def _free_port() -> int:
@@ -453,8 +474,10 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
     else:
         previous = torch.get_num_threads()
         torch.set_num_threads(threads)
+        device = torch.device("cuda") if cuda else torch.device("cpu")
         try:
-            measured = device_constants(torch.device("cuda") if cuda else torch.device("cpu"), quick)
+            measured = device_constants(device, quick)
+            measured["module_hook_overhead"] = _one_process_hooks(device, quick)
         finally:
             torch.set_num_threads(previous)
         # Nothing to communicate with: the collective constants are unused on one device.

@@ -3,17 +3,19 @@ stage action and per tensor-parallel operator, and the wait of every blocking co
 top of the operators ``operator_overhead`` prices.
 
 Each term is a count (a pure function of the model, the layout and the rank's share) times one constant of the
-cluster file. ``batch_overhead`` is measured by ``lightning-p2r calibrate`` (a ``Trainer`` stepping a tiny model
-with and without accumulation). The others (``FITTED``) cannot be isolated by a microbenchmark: they are fitted to
-measured steps by ``python -m lightning_p2r.benchmarks.planner --cross-validate``, on one half of a random sample
-of layouts, and judged on the other half (docs/planning.md). Each term's assumption, in one line:
+cluster file. ``batch_overhead`` and ``module_hook_overhead`` (``MEASURED``) are measured by ``lightning-p2r
+calibrate`` (a ``Trainer`` stepping a tiny model with and without accumulation; a stack of tiny blocks with and
+without FSDP2). The others (``FITTED``) cannot be isolated by a microbenchmark: they are fitted to measured steps
+by ``python -m lightning_p2r.benchmarks.planner --cross-validate``, on one half of a random sample of layouts, and
+judged on the other half (docs/planning.md). Each term's assumption, in one line:
 
 - ``batch_overhead`` (measured): standard accumulation without a pipeline is Lightning's: every micro-batch beyond
   the first repeats Lightning's per-batch loop (fetch, hooks, logging, the loss's cross-rank finiteness check, the
   backward closure), which ``step_overhead`` prices once per step.
-- ``module_hook_overhead``: every FSDP2 unit (the rank's blocks and the part's root) and every block the offload
-  engine drives runs Python hooks in forward and backward, once per micro-batch (the layered executor on one
-  process without offload is a plain loop over the blocks: none).
+- ``module_hook_overhead`` (measured): every FSDP2 unit (the rank's blocks and the part's root) and every block the
+  offload engine drives runs Python hooks in forward and backward, once per micro-batch (the layered executor on
+  one process without offload is a plain loop over the blocks: none), at the cost FSDP2's hooks have on a stack of
+  tiny blocks.
 - ``stage_overhead``: a pipeline schedule runs each stage's forward and backward per micro-batch as a separate
   action, with its Python bookkeeping and its send and receive calls.
 - ``blocking_collective_overhead``: every other collective the step waits for on its critical path (tensor
@@ -31,7 +33,8 @@ of layouts, and judged on the other half (docs/planning.md). Each term's assumpt
 
 On a CPU-only machine running more training threads than cores the fitted counts stretch by
 ``Cluster.cpu_oversubscription`` (measured by ``calibrate``): each count is Python work of one process, which then
-gets only that share of a core.
+gets only that share of a core. The measured terms were measured in every process at once, so their constants
+already include it.
 """
 
 from __future__ import annotations
@@ -45,11 +48,12 @@ from .model import layer_operator_launches
 from .share import RankShare, rank_share
 from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, Transfer, step_transfers
 
-FITTED = ("module_hook_overhead", "stage_overhead", "dtensor_overhead", "blocking_collective_overhead",
-          "expert_wait_overhead")
+MEASURED = ("batch_overhead", "module_hook_overhead")
+"""The framework terms ``calibrate`` measures."""
+FITTED = ("stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead")
 """The cluster fields fitted to measured steps rather than measured one by one."""
-TERMS = ("batch_overhead", *FITTED)
-"""Every framework term: the measured one and the fitted ones."""
+TERMS = (*MEASURED, *FITTED)
+"""Every framework term: the measured ones and the fitted ones."""
 
 
 def extra_lightning_batches(layout: Layout) -> int:
@@ -112,17 +116,18 @@ def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workloa
 
     The fitted terms are Python time of one process at a core of its own: on a machine running more training
     threads than it has cores (``Cluster.cpu_oversubscription``), each process gets that share of a core, and their
-    counts stretch by it. ``batch_overhead`` is measured on the same processes, so it already includes it."""
+    counts stretch by it. The ``MEASURED`` terms are measured on the same processes, so they already include it."""
     share = share or rank_share(config, layout, cluster, workload)
     if transfers is None:
         transfers = step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
-    fitted = {"module_hook_overhead": hooked_module_passes(layout, share, cluster.devices),
-              "stage_overhead": pipeline_stage_actions(layout),
+    fitted = {"stage_overhead": pipeline_stage_actions(layout),
               "dtensor_overhead": tensor_parallel_operator_passes(config, layout, share),
               "blocking_collective_overhead": blocking_collective_calls(transfers, cluster.overlap_collectives),
               "expert_wait_overhead": expert_dispatch_calls(transfers)}
     stretch = cluster.cpu_oversubscription
-    return {"batch_overhead": extra_lightning_batches(layout)} | {k: v * stretch for k, v in fitted.items()}
+    measured = {"batch_overhead": extra_lightning_batches(layout),
+                "module_hook_overhead": hooked_module_passes(layout, share, cluster.devices)}
+    return measured | {k: v * stretch for k, v in fitted.items()}
 
 
 def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,

@@ -9,6 +9,8 @@ from lightning_p2r.benchmarks import planner_cv
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning import Cluster, Workload, estimate_step
 from lightning_p2r.planning.framework import (
+    FITTED,
+    MEASURED,
     extra_lightning_batches,
     framework_counts,
     framework_seconds,
@@ -75,7 +77,9 @@ def test_the_fitted_counts_stretch_with_cpu_oversubscription_and_cpu_collectives
     on_gpu, on_cpu, oversubscribed = (framework_counts(CONFIG, layout, c, WORKLOAD) for c in (gpu, cpu, shared))
     # ZeRO-3's gathers and reductions overlap compute on GPUs; on a CPU they are waited for like the others.
     assert on_gpu["blocking_collective_overhead"] == 0 < on_cpu["blocking_collective_overhead"]
-    assert oversubscribed == on_cpu | {k: 2 * v for k, v in on_cpu.items() if k != "batch_overhead"}
+    # The measured terms were measured on the oversubscribed processes: only the fitted counts stretch.
+    assert on_cpu["module_hook_overhead"] > 0
+    assert oversubscribed == on_cpu | {k: 2 * v for k, v in on_cpu.items() if k in FITTED}
 
 
 def test_framework_seconds_are_counts_times_the_clusters_constants_and_join_the_step() -> None:
@@ -90,6 +94,24 @@ def test_framework_seconds_are_counts_times_the_clusters_constants_and_join_the_
     difference = estimate_step(CONFIG, layout, fitted, WORKLOAD).total - estimate_step(CONFIG, layout, plain,
                                                                                         WORKLOAD).total
     assert difference == pytest.approx(0.02)
+
+
+def test_fsdp2_hooks_are_measured_per_hooked_module_and_micro_batch() -> None:
+    import torch
+
+    from lightning_p2r.measure.calibrate import _one_process_hooks
+    from lightning_p2r.measure.module_hooks import hook_call_overhead
+
+    assert "module_hook_overhead" in MEASURED and "module_hook_overhead" not in FITTED
+    # 13 hooked modules x 4 micro-batches took 52 ms more than the plain stack: 1 ms each.
+    assert hook_call_overhead(0.010, 0.062, 13, 4) == pytest.approx(1e-3)
+    assert hook_call_overhead(0.010, 0.009, 13, 4) == 0.0  # noise never makes it negative
+    with pytest.raises(ValueError, match="hooked_modules"):
+        hook_call_overhead(0.01, 0.02, 0, 4)
+    # The microbenchmark itself, on one process (a process group of its own for the while): FSDP2's hooks cost
+    # something, and far less than a second per module.
+    seconds = _one_process_hooks(torch.device("cpu"), quick=True)
+    assert 0 < seconds < 0.05
 
 
 def test_spearman_and_the_nonnegative_fit() -> None:
@@ -135,14 +157,13 @@ def test_cross_validation_scores_only_the_held_out_half() -> None:
         measured = 0.1 * (i + 1)
         rows.append({"model": "dense" if i % 2 else "moe", "processes": 1, "half": "AB"[i % 2],
                      "measured_s": measured, "base_s": measured - 0.05 * (i % 3),
-                     "feature_module_hook_overhead": i % 3, "feature_stage_overhead": 0,
-                     "feature_dtensor_overhead": 0, "feature_blocking_collective_overhead": 0,
-                     "feature_expert_wait_overhead": 0})
+                     "feature_stage_overhead": 0, "feature_dtensor_overhead": i % 3,
+                     "feature_blocking_collective_overhead": 0, "feature_expert_wait_overhead": 0})
     result = planner_cv.cross_validate(rows)
-    assert result["no fitted terms, half A"]["max_abs_error_pct"] > 10  # the base model misses the hook term
+    assert result["no fitted terms, half A"]["max_abs_error_pct"] > 10  # the base model misses the DTensor term
     for direction in ("fit A, test B", "fit B, test A"):
         scores = result[direction]
-        assert scores["coefficients"]["module_hook_overhead"] == pytest.approx(0.05)
+        assert scores["coefficients"]["dtensor_overhead"] == pytest.approx(0.05)
         assert scores["max_abs_error_pct"] == pytest.approx(0, abs=1e-6)
         assert scores["worst_best_regret_pct"] == pytest.approx(0)
     assert {r["fitted_on"] for r in rows if r["half"] == "A"} == {"B"}
