@@ -12,12 +12,12 @@ oversubscribed CPU's share of a core is already in it.
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any
 
 import torch
 from torch import nn
+
+from .run import median_seconds
 
 HOOK_UNITS = 12
 """Blocks in the measured stack (each one FSDP2 unit; the root is one more)."""
@@ -49,17 +49,8 @@ def _step_seconds(model: nn.Module, batch: torch.Tensor, repeats: int) -> float:
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(index == HOOK_MICRO_BATCHES - 1)
             model(batch).sum().backward()
-        if batch.device.type == "cuda":
-            torch.cuda.synchronize(batch.device)
 
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(step, warmup=3, iters=repeats, device=batch.device)
 
 
 def module_hook_seconds(device: torch.device, mesh: Any, repeats: int) -> float:
