@@ -217,7 +217,7 @@ def measure_processes(processes: int, threads: int, quick: bool) -> dict[str, fl
     """:func:`device_constants` measured in ``processes`` local processes at once (on a CPU-only machine they share
     memory bandwidth and caches, as training processes do), averaged, plus each collective kind's bus bandwidth
     among them (:func:`collective_fit` over several message sizes; all-reduce's is the link's, the other kinds' are
-    kept relative to it in ``collective_factors``) and the link's latency per ring step, from the mean of tiny
+    kept relative to it in ``collective_factors``) and the link's latency per ring step, from the mean of small
     all-reduces (:func:`latency_per_step`). Every kind is priced at that latency: pricing each at its own fitted
     latency made the cross-validation's held-out errors larger (docs/planning.md)."""
     import torch.multiprocessing as mp
@@ -287,12 +287,12 @@ LATENCY_ROUNDS = 7
 LATENCY_ROUNDS_QUICK = 3
 
 
-def latency_per_step(mean_call_seconds: float, kind: str, ranks: int) -> float:
-    """The latency per ring step of a collective whose tiny calls take ``mean_call_seconds`` on average among
-    ``ranks`` ranks: the mean over its latency steps (:func:`~lightning_p2r.planning.network.ring_terms`)."""
-    if mean_call_seconds < 0:
-        raise ValueError(f"mean_call_seconds must be >= 0, got {mean_call_seconds}")
-    return mean_call_seconds / max(1, ring_terms(kind, ranks)[1])
+def latency_per_step(seconds_per_call: float, kind: str, ranks: int) -> float:
+    """The latency per ring step of a collective whose small calls take ``seconds_per_call`` on average among
+    ``ranks`` ranks: that time over its latency steps (:func:`~lightning_p2r.planning.network.ring_terms`)."""
+    if seconds_per_call < 0:
+        raise ValueError(f"seconds_per_call must be >= 0, got {seconds_per_call}")
+    return seconds_per_call / max(1, ring_terms(kind, ranks)[1])
 
 
 def mean_call_seconds(fn: Any, *, calls: int, device: torch.device, warmup: int = 10) -> float:

@@ -228,7 +228,7 @@ def test_the_latency_is_the_mean_small_call_over_its_ring_steps() -> None:
     assert latency_per_step(1e-3, "all_reduce", 2) == pytest.approx(5e-4)
     assert latency_per_step(3e-3, "broadcast", 4) == pytest.approx(1e-3)
     assert latency_per_step(1e-3, "all_reduce", 1) == 1e-3  # no steps: the call itself
-    with pytest.raises(ValueError, match="mean_call_seconds"):
+    with pytest.raises(ValueError, match="seconds_per_call"):
         latency_per_step(-1.0, "all_reduce", 2)
 
 
