@@ -5,6 +5,7 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.strategies import StrategyRegistry
 
 from .callbacks import PseudoToReal
+from .causal_lm import CausalLMModule
 from .data import TextDataModule
 from .known_warnings import silence_known_noise
 from .models import M6Config, M6Output, M6Transformer
@@ -43,6 +44,7 @@ silence_known_noise()
 __version__ = "0.1.0"
 
 __all__ = [
+    "CausalLMModule",
     "M6Config",
     "M6LanguageModel",
     "M6Output",

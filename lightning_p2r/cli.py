@@ -33,7 +33,7 @@ from .known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
 from .language_eval import language_table
 from .module import M6LanguageModel
 from .options_diff import describe_differences, differing_options
-from .recipe_files import check_recipe_files, keys_named_in, locate_key, recipe_paths
+from .recipe_files import check_recipe_files, keys_named_in, locate_key, names_model_class, recipe_paths
 from .strategy.checkpoint import META_FILE, check_checkpoint_path, to_single_file
 from .strategy.launch import RankFailed
 
@@ -198,6 +198,9 @@ class P2RCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The embedding must cover every id the tokenizer emits; linking removes the chance to set them apart.
+        if self.subclass_mode_model:  # a model class the recipe picks (CausalLMModule takes vocab_size)
+            parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")
+            return
         parser.link_arguments("data.vocab_size", "model.config.vocab_size", apply_on="instantiate")
         parser.link_arguments("data.seq_len", "model.config.max_seq_len", apply_on="parse")
 
@@ -454,7 +457,10 @@ def main(args: list[str] | None = None) -> None:
         sys.stderr.write(f"usage: lightning-p2r {command} [--config RECIPE] [--section.option VALUE ...]\n"
                          f"error: {recipe_error}\n")
         raise SystemExit(2)
-    P2RCLI(M6LanguageModel, TextDataModule, args=args)
+    if names_model_class(argv):  # a recipe for another LightningModule (CausalLMModule: docs/your_model.md)
+        P2RCLI(LightningModule, TextDataModule, subclass_mode_model=True, args=args)
+    else:
+        P2RCLI(M6LanguageModel, TextDataModule, args=args)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .callbacks import PseudoToReal
+from .causal_lm import CausalLMModule
 from .data import TextDataModule
 from .models import M6Config
 from .module import OptimizerConfig
@@ -103,6 +104,8 @@ def render() -> str:
         *_section("`model.config`: `lightning_p2r.M6Config`", M6Config, _dataclass_table(M6Config)),
         *_section("`model.optimizer`: `lightning_p2r.OptimizerConfig`", OptimizerConfig,
                   _dataclass_table(OptimizerConfig)),
+        *_section("`model` with `class_path: lightning_p2r.CausalLMModule` (a Hugging Face model)", CausalLMModule,
+                  _init_table(CausalLMModule), "Options under `model.init_args`; docs/your_model.md."),
         *_section("`data`: `lightning_p2r.TextDataModule`", TextDataModule, _init_table(TextDataModule)),
         *_section("`trainer.callbacks`: `lightning_p2r.PseudoToReal`", PseudoToReal, _init_table(PseudoToReal)),
         *_section("`trainer.strategy`: `lightning_p2r.P2RStrategy`", P2RStrategy,

@@ -536,28 +536,34 @@ class M6LanguageModel(L.LightningModule):
         return self(inputs).logits.argmax(dim=-1)
 
     # ------------------------------------------------------------------------------------------------ optim
-    def total_optimizer_steps(self) -> int:
-        """Steps the cosine spans: Lightning's estimate, which honours max_steps, max_epochs and batch limits."""
-        total = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total):
-            raise ValueError("the warmup-cosine schedule needs a finite run: set Trainer max_steps or max_epochs")
-        return int(total)
-
     def configure_optimizers(self) -> dict[str, Any]:
-        config = self.optimizer_config
-        if config.fused is None and self.trainer.gradient_clip_val and isinstance(
-                self.trainer.precision_plugin, MixedPrecision):
-            # Lightning refuses to clip gradients of a fused optimizer under mixed precision (its kernel would
-            # unscale inside step, after clipping): use the foreach kernel then.
-            config = dataclasses.replace(config, fused=False)
-        optimizer = build_adamw(parameter_groups(self, config.weight_decay), config)
-        total_steps = self.total_optimizer_steps()
-        if config.warmup_steps >= total_steps:
-            rank_zero_warn(f"OptimizerConfig.warmup_steps={config.warmup_steps} is not shorter than the run "
-                           f"({total_steps} optimizer steps): the learning rate never reaches its peak lr="
-                           f"{config.lr} or decays. Lower model.optimizer.warmup_steps (a few % of the run is usual).")
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config, total_steps))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return adamw_with_schedule(self, self.optimizer_config)
+
+
+def total_optimizer_steps(trainer: L.Trainer) -> int:
+    """Steps the schedule spans: Lightning's estimate, which honours max_steps, max_epochs and batch limits."""
+    total = trainer.estimated_stepping_batches
+    if not math.isfinite(total):
+        raise ValueError("the warmup-cosine schedule needs a finite run: set Trainer max_steps or max_epochs")
+    return int(total)
+
+
+def adamw_with_schedule(module: L.LightningModule, config: OptimizerConfig) -> dict[str, Any]:
+    """``configure_optimizers``'s answer for ``config``: AdamW over ``module``'s parameter groups (no decay on norms
+    and biases) and its warmup schedule, stepped every optimizer step."""
+    if config.fused is None and module.trainer.gradient_clip_val and isinstance(
+            module.trainer.precision_plugin, MixedPrecision):
+        # Lightning refuses to clip gradients of a fused optimizer under mixed precision (its kernel would
+        # unscale inside step, after clipping): use the foreach kernel then.
+        config = dataclasses.replace(config, fused=False)
+    optimizer = build_adamw(parameter_groups(module, config.weight_decay), config)
+    total_steps = total_optimizer_steps(module.trainer)
+    if config.warmup_steps >= total_steps:
+        rank_zero_warn(f"OptimizerConfig.warmup_steps={config.warmup_steps} is not shorter than the run "
+                       f"({total_steps} optimizer steps): the learning rate never reaches its peak lr="
+                       f"{config.lr} or decays. Lower model.optimizer.warmup_steps (a few % of the run is usual).")
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(config, total_steps))
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def _as_dataclass(cls: type, value: Any) -> Any:

@@ -34,6 +34,29 @@ class InitializesByName(Protocol):
         ...
 
 
+@runtime_checkable
+class NamesBlockList(Protocol):
+    """A LightningModule that says where its model's block list is, for a model whose blocks are not called
+    ``blocks`` (``CausalLMModule`` reads its model's declaration): dotted paths from the module."""
+
+    def block_list(self) -> str:
+        """The ``nn.ModuleList`` of blocks."""
+        ...
+
+    def block_holder(self) -> str:
+        """The module whose forward runs the blocks and returns what the LightningModule reads (the logits)."""
+        ...
+
+
+@runtime_checkable
+class InitializesModules(Protocol):
+    """A LightningModule that initializes its model's modules itself (a user's rule for a model built on the meta
+    device): ``init_module(module)`` fills one module's own parameters and buffers, in place, from the global random
+    stream (the strategy seeds it per module, so the values do not depend on the layout)."""
+
+    def init_module(self, module: nn.Module) -> None: ...
+
+
 @dataclass
 class LayeredStages:
     """What the executor needs from a model beyond its block sequence.

@@ -105,3 +105,20 @@ def keys_named_in(message: str) -> list[str]:
     keys += re.findall(r"option '([\w.]+)'", message)
     keys += re.findall(r'Parser key "([\w.]+)"', message)
     return list(dict.fromkeys(keys))
+
+
+def names_model_class(argv: Sequence[str]) -> bool:
+    """Whether the command line or a recipe picks the model's class (``model: class_path: ...``, as a recipe for
+    ``CausalLMModule`` does), rather than configuring the default ``M6LanguageModel``."""
+    if any(word.startswith(("--model.class_path", "--model=")) or word == "--model" for word in argv):
+        return True
+    for path in recipe_paths(argv):
+        if not os.path.isfile(path):
+            continue
+        with open(path, encoding="utf-8") as file:
+            recipe = yaml.safe_load(file)
+        for section in (recipe or {}, *(v for v in (recipe or {}).values() if isinstance(v, dict))):
+            model = section.get("model") if isinstance(section, dict) else None
+            if isinstance(model, dict) and "class_path" in model:
+                return True
+    return False

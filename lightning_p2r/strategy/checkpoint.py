@@ -26,6 +26,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from .ties import find_ties
+
 META_FILE = "meta.pt"
 SHARDED_KEY = "lightning_p2r_sharded"
 
@@ -75,13 +77,15 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
             if stale.is_dir() and (current is None or stale.resolve() != current):
                 shutil.rmtree(stale, ignore_errors=True)
     _barrier()
-    state: dict[str, Any] = {"model": get_model_state_dict(module)}
+    ties = every_ranks_ties(module)
+    state: dict[str, Any] = {"model": without_aliases(get_model_state_dict(module), module)}
     for index, optimizer in enumerate(optimizers):
         state[f"optimizer{index}"] = every_ranks_group_names(get_optimizer_state_dict(module, optimizer))
     dcp.save(state, checkpoint_id=str(target))
     if _is_rank_zero():
         meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        meta[SHARDED_KEY] = {"optimizers": len(optimizers)}
+        # Tied names stored once: read_model_state and to_single_file give the other names back from this list.
+        meta[SHARDED_KEY] = {"optimizers": len(optimizers), "ties": ties}
         torch.save(meta, target / META_FILE)
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path)  # a checkpoint directory of an earlier version of this function: replaced
@@ -119,8 +123,43 @@ def load_meta(path: str | Path) -> dict[str, Any]:
 def load_model_into(module: nn.Module, path: str | Path) -> None:
     """Load the model state of a sharded checkpoint into ``module``, sharded or not (DCP reshards)."""
     state = get_model_state_dict(module)
-    dcp.load({"model": state}, checkpoint_id=str(path))
-    set_model_state_dict(module, state)
+    stored = without_aliases(state, module)
+    dcp.load({"model": stored}, checkpoint_id=str(path))
+    for first, *aliases in find_ties(module):  # a tied parameter is read once, under its first name
+        stored.update((alias, stored[first]) for alias in aliases if first in stored)
+    set_model_state_dict(module, stored)
+
+
+def every_ranks_ties(module: nn.Module) -> list[list[str]]:
+    """The ties of every rank's part of ``module`` (collective): a pipeline's last rank holds a tied head and its
+    embedding, the first rank the embedding only, and rank 0 writes the list."""
+    ties = [list(tie) for tie in find_ties(module)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, ties)
+        ties = sorted({tuple(tie) for rank_ties in gathered for tie in rank_ties})
+        ties = [list(tie) for tie in ties]
+    return ties
+
+
+def stored_ties(path: str | Path) -> list[list[str]]:
+    """The tied names a sharded checkpoint stores once (none in checkpoints written before ties were recorded)."""
+    meta = torch.load(Path(path) / META_FILE, map_location="cpu", weights_only=True)
+    return meta[SHARDED_KEY].get("ties", [])
+
+
+def with_aliases(state: dict[str, Any], ties: list[list[str]]) -> dict[str, Any]:
+    """``state`` with every name of a tie holding its first name's tensor (one tensor: torch.save stores it once)."""
+    for first, *aliases in ties:
+        if first in state:
+            state.update((alias, state[first]) for alias in aliases)
+    return state
+
+
+def without_aliases(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+    """``state`` with a tied parameter under its first name only (``ties.find_ties``): stored once, loaded tied."""
+    aliases = {alias for _, *others in find_ties(module) for alias in others}
+    return {key: value for key, value in state.items() if key not in aliases}
 
 
 def load_full_model_state(module: nn.Module, state: dict[str, Any], strict: bool) -> None:
@@ -199,7 +238,7 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
         # DCP warns on every load without a process group that it assumes one process: what is asked for here.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         dcp.load({"model": state}, storage_reader=reader, no_dist=True)
-    return state
+    return with_aliases(state, stored_ties(path))
 
 
 def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any]:
@@ -215,7 +254,7 @@ def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any
     partial = destination.with_name(destination.name + ".partial")
     dcp_to_torch_save(source, partial)
     states = torch.load(partial, map_location="cpu", weights_only=True)
-    checkpoint["state_dict"] = states["model"]
+    checkpoint["state_dict"] = with_aliases(states["model"], stored_ties(source))
     optimizers = sorted((k for k in states if k.startswith("optimizer")), key=lambda k: int(k[len("optimizer"):]))
     checkpoint["optimizer_states"] = [optimizer_state_by_number(states[k]) for k in optimizers]
     torch.save(checkpoint, partial)

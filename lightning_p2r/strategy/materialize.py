@@ -11,7 +11,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..protocols import InitializesByName
+from ..models.module_init import init_rule, initialize_module, recomputes_buffers
+from ..protocols import InitializesByName, InitializesModules
+from .regather import meta_template
+from .ties import smallest_parameter_root
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -19,10 +22,14 @@ def has_meta_tensors(module: nn.Module) -> bool:
 
 
 def check_no_meta_buffers(module: nn.Module) -> None:
-    """Refuse buffers built on the meta device: their values (a mask, a position table) were computed when the
-    module was built, and allocating them later gives uninitialized memory, silently. Parameters are fine: their
-    initial values come from the model or from ``reset_parameters()``."""
-    names = [name for name, buffer in module.named_buffers() if buffer.device.type == "meta"]
+    """Refuse buffers built on the meta device that nothing recomputes: their values (a mask, a position table) were
+    computed when the module was built, and allocating them later gives uninitialized memory, silently. Buffers the
+    model's own rule recomputes (Hugging Face's rotary tables, a ``reset_parameters()`` that owns buffers, the
+    LightningModule's ``init_module``) are fine, and so are parameters."""
+    hook = module.init_module if isinstance(module, InitializesModules) else None
+    names = [f"{owner}.{name}" if owner else name for owner, sub in module.named_modules()
+             for name, buffer in sub.named_buffers(recurse=False)
+             if buffer.device.type == "meta" and not recomputes_buffers(module, owner, hook)]
     if names:
         raise ValueError(
             f"P2RStrategy builds the model on the meta device (no memory) and places each tensor afterwards, but "
@@ -83,17 +90,46 @@ def write(param: DTensor, full: torch.Tensor) -> None:
 
 
 class Initializer:
-    """Writes the initial values of ``root``'s parameters once they have storage: from ``values_from``'s
-    ``initial_value(name)`` (an M6 model's block-sequence holder), else by their modules' ``reset_parameters()``."""
+    """Writes the initial values of a model's parameters (and computed buffers) once they have storage: from
+    ``values_from``'s ``initial_value(name)`` (an M6 model's block-sequence holder), else by the model's own rule for
+    each module (``models.module_init``: the LightningModule's ``init_module``, Hugging Face's ``_init_weights``,
+    ``reset_parameters()``), seeded by ``seed`` and the module's name, so every layout and every replica gets the
+    values an eager build initialized by ``initialize_by_module`` has.
 
-    def __init__(self, root: nn.Module, values_from: nn.Module | None) -> None:
-        self.root = root
+    The rule runs on a *twin* of each module: the module as it was on the meta device (``template``: a copy of the
+    root taken before placement; made here where the parameters are still whole), given host storage for its own
+    tensors only; each rank then copies its part of every whole value. The peak is one module's whole tensors. A
+    tied parameter takes the values its first name's module gives it, whichever module is materialized first.
+    Seeds follow module names from ``module`` (the LightningModule): an eager build is initialized by
+    ``initialize_by_module(module, seed)`` on the same root.
+    """
+
+    def __init__(self, module: nn.Module, values_from: nn.Module | None, *, seed: int = 0,
+                 template: nn.Module | None = None) -> None:
+        self.root = smallest_parameter_root(module)
+        # Seeds follow names from the LightningModule, which do not change with what a rank holds (a pipeline rank
+        # without the head has a deeper root).
+        prefix = next(name for name, m in module.named_modules() if m is self.root)
+        self._prefix = prefix + "." if prefix else ""
         self.values_from = values_from if isinstance(values_from, InitializesByName) else None
         self._names = ({id(p): n for n, p in self.values_from.named_parameters()}
                        if self.values_from is not None else {})
+        self.seed = seed
+        self.hook = module.init_module if isinstance(module, InitializesModules) else None
+        self._template = template
+        self._owner = {id(p): name.rpartition(".")[0] for name, p in self.root.named_parameters()}
+        # Buffers still on the meta device (a rotary table computed at construction): recomputed by ``finish``, also
+        # when a checkpoint gives the parameters (computed buffers are not persistent).
+        self._computed = [name for name, m in self.root.named_modules()
+                          if any(b.device.type == "meta" for b in m.buffers(recurse=False))]
+
+    def template(self) -> nn.Module:
+        if self._template is None:
+            self._template = meta_template(self.root)
+        return self._template
 
     def fill(self, params: Iterable[nn.Parameter]) -> None:
-        pending = set()  # ids of the parameters left to their modules' reset_parameters()
+        pending = set()  # ids of the parameters left to their modules' own rule
         for param in params:
             name = self._names.get(id(param))
             if name is None:
@@ -103,15 +139,38 @@ class Initializer:
             else:
                 with torch.no_grad():
                     self.values_from.initial_value(name, out=param)  # in place: no temporary copy
-        if not pending:
-            return
-        for module in self.root.modules():
-            if any(id(p) in pending for p in module.parameters(recurse=False)):
-                reset = getattr(module, "reset_parameters", None)
-                if not callable(reset):
-                    names = [n for n, p in module.named_parameters(recurse=False) if id(p) in pending]
-                    raise ValueError(
-                        f"{type(module).__name__} was built on the meta device, but neither the model "
-                        f"(initial_value(name)) nor the module (reset_parameters()) can initialize {names}")
-                with torch.no_grad():
-                    reset()
+        modules = {self._owner[i] for i in pending if i in self._owner}
+        for name in sorted(modules):
+            module = self.root.get_submodule(name)
+            own = [(n, p) for n, p in module.named_parameters(recurse=False) if id(p) in pending
+                   and self._owner[id(p)] == name]
+            self._from_twin(name, own, [])
+
+    def finish(self) -> None:
+        """Recompute the buffers that were on the meta device, by the model's rule, once they have storage."""
+        for name in self._computed:
+            module = self.root.get_submodule(name)
+            self._from_twin(name, [], list(module.named_buffers(recurse=False)))
+
+    def _from_twin(self, name: str, params: list[tuple[str, torch.Tensor]],
+                   buffers: list[tuple[str, torch.Tensor]]) -> None:
+        rule = init_rule(self.root, name, self.hook)
+        if rule is None:
+            module = self.root.get_submodule(name)
+            raise ValueError(
+                f"{type(module).__name__} ({name or 'the model'}) was built on the meta device, but neither the "
+                f"model (initial_value(name), _init_weights) nor the module (reset_parameters()) can initialize "
+                f"{[n for n, _ in params]}: give the LightningModule an init_module(module) method")
+        twin = self.template().get_submodule(name)
+        twin.to_empty(device="cpu", recurse=False)
+        try:
+            initialize_module(rule, twin, self.seed, self._prefix + name)
+            with torch.no_grad():
+                for key, tensor in params + buffers:
+                    value = getattr(twin, key)
+                    if isinstance(tensor, DTensor):
+                        write(tensor, value)
+                    else:
+                        tensor.copy_(value.to(tensor.dtype))
+        finally:
+            twin.to_empty(device="meta", recurse=False)  # the template stays free (delinking copies it)

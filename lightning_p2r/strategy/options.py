@@ -152,6 +152,23 @@ class OffloadConfig:
         check_bool("log_telemetry", self.log_telemetry)
 
 
+@dataclass(frozen=True)
+class ModelConfig:
+    """What the strategy is told about the model, where it cannot tell by itself (docs/your_model.md)."""
+
+    blocks: str | None = None
+    """Dotted path from the LightningModule to the model's block list (an ``nn.ModuleList``), e.g.
+    "model.model.layers" for a Hugging Face causal LM held as ``self.model``. None: a model that declares ``blocks``
+    and ``layer_to_block`` itself (M6), else the longest list of modules of one class, logged at setup."""
+
+    def __post_init__(self) -> None:
+        if self.blocks is not None and (not isinstance(self.blocks, str)
+                                        or not all(part.isidentifier() or part.isdigit()
+                                                   for part in self.blocks.split("."))):
+            raise ValueError(f"P2RStrategy.blocks must be a dotted module path such as 'model.model.layers', "
+                             f"got {self.blocks!r}")
+
+
 def layout_of(sharding: ShardingConfig, parallel: ParallelConfig, accumulation: AccumulationConfig,
                offload: OffloadConfig) -> Layout:
     """The rulebook's :class:`~lightning_p2r.layout.Layout` of these sections."""
@@ -164,7 +181,8 @@ def layout_of(sharding: ShardingConfig, parallel: ParallelConfig, accumulation: 
 
 
 SECTIONS: dict[str, type] = {"sharding_config": ShardingConfig, "parallel_config": ParallelConfig,
-                             "accumulation_config": AccumulationConfig, "offload_config": OffloadConfig}
+                             "accumulation_config": AccumulationConfig, "offload_config": OffloadConfig,
+                             "model_config": ModelConfig}
 """The strategy's attribute holding each section."""
 
 

@@ -29,7 +29,14 @@ from .parallel.parallelize import model_plan
 from .pipeline.placement import StagePlacement
 from .plan import OffloadPlan, plan_for_model
 from .regather import meta_template
-from .sharding import StageRunner, fsdp_modules, modules_outside_blocks, smallest_parameter_root
+from .sharding import StageRunner, fsdp_modules, modules_outside_blocks
+from .ties import (
+    check_tensor_parallel_ties,
+    check_ties_kept,
+    check_ties_within_units,
+    find_ties,
+    smallest_parameter_root,
+)
 
 
 @dataclass
@@ -79,10 +86,15 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     own = sorted(mine) if mine is not None else range(len(holder.blocks))
     # 2. offload plan
     plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload, mine)
-    root = smallest_parameter_root(module)
+    root = smallest_parameter_root(module)  # holds every name of a tied parameter (ties.py)
     placement = Placement(plan, root, meta_template(root))
+    ties = find_ties(root)
     # 3. the model's tensor / expert plan
-    split = apply_model_plan(module, holder, meshes, ctx) if meshes.dims.model_parallel else None
+    split = None
+    if meshes.dims.model_parallel:
+        if meshes.dims.tensor_parallel > 1:
+            check_tensor_parallel_ties(root, planned_modules(root, holder))
+        split = apply_model_plan(module, holder, meshes, ctx)
     lazy = has_meta_tensors(module)
     if move_module and not lazy:
         module.to(ctx.device)
@@ -92,6 +104,10 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     apply_compile(ctx.accumulation.compile, holder.blocks, own)
     # 6. FSDP2: units, then roots
     reshard = ctx.layout.resharding
+    units = [holder.blocks[i] for i in own]
+    if split is not None:
+        units += [layer.experts for layer in split.expert_layers(holder, list(own))]
+    check_ties_within_units(root, units, f"sharding={ctx.sharding.sharding!r}")
     for index in own:
         offloaded = index in plan.offloaded
         if split is not None:  # the expert weights first: their own unit, over the ranks holding them
@@ -115,19 +131,34 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
             stage_module.after_last_forward = _reshard_blocks
     # 7. materialize
     if lazy:
-        _materialize_shards(module, holder, plan, ctx)  # the engine then writes ctx.weights, if any
+        _materialize_shards(module, holder, plan, ctx, placement.template)  # the engine writes ctx.weights, if any
     if placement.runner is not None:
         # The model's own forward (evaluation, a callback measuring a loss) reads the embedding and head outside
         # the runner: gather them first. Training calls the stages through the runner instead.
         runner = placement.runner
         root.register_forward_pre_hook(lambda *_: runner.unshard())
+    check_ties_kept(root, ties)
     return placement
 
 
-def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan, ctx: EngineContext) -> None:
+def planned_modules(root: nn.Module, holder: nn.Module) -> dict[str, str]:
+    """The holder's declared plan by module names relative to ``root`` (what the tie check reads)."""
+    plan = model_plan(holder)
+    prefix = next(name for name, m in root.named_modules() if m is holder)
+    prefix = prefix + "." if prefix else ""
+    named = {prefix + name: kind for name, kind in plan.outside.items()}
+    blocks = next(name for name, m in holder.named_modules() if m is holder.blocks)
+    for index, entries in enumerate(plan.blocks):
+        named |= {f"{prefix}{blocks}.{index}.{name}": kind for name, kind in entries.items()}
+    return named
+
+
+def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan, ctx: EngineContext,
+                        template: nn.Module) -> None:
     """Each unit in turn gets storage for this rank's shards only (an offloaded block's in host memory) and its
-    values: the peak is the shards plus one whole tensor being cut."""
-    initializer = Initializer(module, holder)  # after fully_shard: the parameters are DTensors now
+    values: the peak is the shards plus one whole tensor (or one module's, initialized by the model's own rule) being
+    cut. ``template``: the root as it was before placement, on the meta device (whole shapes)."""
+    initializer = Initializer(module, holder, seed=ctx.init_seed, template=template)
     fill = ctx.weights is None
     for index, block in enumerate(holder.blocks):
         params = allocate(block, "cpu" if index in plan.offloaded else ctx.device)
@@ -136,6 +167,7 @@ def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan,
     params = allocate(module, ctx.device, skip=[holder.blocks])
     if fill:
         initializer.fill(params)
+    initializer.finish()
 
 
 def _reshard_blocks(stage_module: nn.Module) -> None:

@@ -89,20 +89,6 @@ def modules_outside_blocks(root: nn.Module, blocks: nn.ModuleList) -> list[nn.Mo
         next(m.parameters(recurse=False), None) is not None or next(m.buffers(recurse=False), None) is not None)]
 
 
-def smallest_parameter_root(module: nn.Module) -> nn.Module:
-    """The deepest submodule that still contains every parameter of ``module`` (the FSDP2 root in standard mode):
-    sharding the LightningModule itself would change its class, which Lightning's hook checks look at."""
-    total = {id(p) for p in module.parameters()}
-    current = module
-    while True:
-        for child in current.children():
-            if {id(p) for p in child.parameters()} == total:
-                current = child
-                break
-        else:
-            return current
-
-
 class FSDPEvents(BlockEvents):
     """Layered accumulation on FSDP2: each block is gathered once for the forward of all micro-batches (zero3
     reshards it right after), once for their backward, and its gradient is reduce-scattered once, after the last

@@ -35,10 +35,11 @@ from ..layout import (
     pin_memory_for,
     plan_summary,
 )
-from ..protocols import InitializesByName, ModelSizes, StatesSizes
+from ..protocols import InitializesByName, ModelSizes, NamesBlockList, StatesSizes
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
 from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
+from .blocks import BlockCallCheck, DeclaredBlocks, declare_blocks
 from .engines import Engine, EngineContext, Placed, engine_for
 from .engines.base import Weights, holder_of
 from .launch import CheckingLauncher
@@ -48,6 +49,7 @@ from .optimizers import unwrapped
 from .options import (
     SECTIONS,
     AccumulationConfig,
+    ModelConfig,
     OffloadConfig,
     OffloadState,
     ParallelConfig,
@@ -98,6 +100,7 @@ class P2RStrategy(DDPStrategy):
         pin_memory: bool | Literal["auto"] = "auto",
         overlap_host_step: bool | Literal["auto"] = "auto",
         log_telemetry: bool = True,
+        blocks: str | None = None,
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -119,6 +122,7 @@ class P2RStrategy(DDPStrategy):
             device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
             offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
             overlap_host_step=overlap_host_step, log_telemetry=log_telemetry)
+        self.model_config = ModelConfig(blocks=blocks)
         if pipeline_parallel > 1:  # the one option rule across sections (each section checked itself)
             check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
@@ -138,6 +142,12 @@ class P2RStrategy(DDPStrategy):
         """How each training batch's forward and backward run (chosen in ``setup``)."""
         self.telemetry: OffloadStats | None = None
         self.telemetry_history: list[OffloadStats] = []
+        self._block_check: BlockCallCheck | None = None
+        self.block_declaration: DeclaredBlocks | None = None
+        """Where the strategy found the model's block list, when it declared it (None: the model declares its own)."""
+        self._init_seed = 0
+        """The seed of initial values the model does not name itself (rank 0's; set in ``setup``)."""
+        """Checks, in the first training step, that the model runs the block list the strategy declared."""
 
     @property
     def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
@@ -173,7 +183,8 @@ class P2RStrategy(DDPStrategy):
             sharding=self.sharding_config, parallel=self.parallel_config, accumulation=self.accumulation_config,
             offload=self.offload_config, device=device, world_size=self.world_size,
             global_rank=self.global_rank, pin_memory=pin_memory_for(self.pin_memory, device.type),
-            weights=weights, gradient_scaler=isinstance(self.precision_plugin, MixedPrecision)
+            weights=weights, init_seed=self._init_seed,
+            gradient_scaler=isinstance(self.precision_plugin, MixedPrecision)
             and self.precision_plugin.scaler is not None,
             host_step_allowed=self._host_step_allowed, uncounted=self.uncounted)
 
@@ -239,6 +250,13 @@ class P2RStrategy(DDPStrategy):
         # A data module that declares its batch size is checked now, before any work; other data at its first batch.
         check_trainer(self.layout, trainer.accumulate_grad_batches, getattr(trainer.datamodule, "batch_size", None))
         module = self.lightning_module
+        path, holder_path = self.model_config.blocks, None
+        if path is None and isinstance(module, NamesBlockList):
+            path, holder_path = module.block_list(), module.block_holder()
+        declared = declare_blocks(module, path, holder_path)  # a model's own block list, by its own name
+        self.block_declaration = declared
+        if declared is not None:
+            rank_zero_info(declared.describe())
         try:
             holder = find_block_sequence(module)
         except ValueError:  # refused, by name, when the engine places the model
@@ -260,6 +278,9 @@ class P2RStrategy(DDPStrategy):
         self.plan = placed.plan
         self._use_layout_clipping()
         self.steps = self.engine.step_runner(module, self.precision_plugin, self._counter)
+        # Only where the model's own forward runs the blocks (layered accumulation and pipelines call them directly).
+        own_forward = self.accumulation == "standard" and self.pipeline_parallel == 1
+        self._block_check = BlockCallCheck(holder_of(module)) if declared is not None and own_forward else None
         self._log_setup(placed)
 
     def check_model_sizes(self, holder: nn.Module | None) -> None:
@@ -301,9 +322,15 @@ class P2RStrategy(DDPStrategy):
                                     prefetch=self.prefetch, budget=budget))
 
     def _share_init_seed(self) -> None:
-        """Hand rank 0's init seed (maybe unseeded) to the others: every rank materializes its part of one model."""
-        if self.world_size > 1 and has_meta_tensors(self.lightning_module):
-            holder = holder_of(self.lightning_module)
+        """Hand rank 0's init seeds (maybe unseeded) to the others: every rank materializes its part of one model.
+        The model's own (an M6 holder's ``init_seed``), and the run's for the modules it does not name (the
+        LightningModule's ``init_seed`` if it has one, else the global seed Lightning's ``seed_everything`` set)."""
+        module = self.lightning_module
+        seed = getattr(module, "init_seed", None)
+        self._init_seed = int(seed) if isinstance(seed, int) else torch.initial_seed()
+        if self.world_size > 1 and has_meta_tensors(module):
+            self._init_seed = self.broadcast(self._init_seed, src=0)
+            holder = holder_of(module)
             if isinstance(holder, InitializesByName):
                 holder.init_seed = self.broadcast(holder.init_seed, src=0)
 
@@ -330,7 +357,12 @@ class P2RStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         # A forward outside training (a callback's loss) may have left units gathered.
         self.engine.reshard(self.lightning_module)
-        return self.steps.training_step(args[0], lambda: super(P2RStrategy, self).training_step(*args, **kwargs))
+        check, self._block_check = self._block_check, None
+        with check.recording() if check is not None else contextlib.nullcontext():
+            result = self.steps.training_step(args[0], lambda: super(P2RStrategy, self).training_step(*args, **kwargs))
+        if check is not None:  # a declared block list the model's forward does not run in order: refused now
+            check.check()
+        return result
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:

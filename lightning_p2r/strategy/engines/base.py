@@ -47,6 +47,8 @@ class EngineContext:
     global_rank: int = 0
     pin_memory: bool = False
     """``offload.pin_memory`` resolved for this device."""
+    init_seed: int = 0
+    """The run's seed for initial values the model does not name itself (``models.module_init``; rank 0's)."""
     weights: Weights | None = None
     """A checkpoint restored before setup, to write into the placed tensors instead of initial values."""
     gradient_scaler: bool = False

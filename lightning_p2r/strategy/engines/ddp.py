@@ -20,9 +20,11 @@ class DDPEngine(Engine):
         self.ctx = ctx.without_weights()
         holder = holder_of(module)
         if has_meta_tensors(module):  # every rank holds the whole model
+            initializer = Initializer(module, holder, seed=ctx.init_seed)
             params = allocate(module, ctx.device)
             if ctx.weights is None:
-                Initializer(module, holder).fill(params)
+                initializer.fill(params)
+            initializer.finish()
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         apply_compile(ctx.accumulation.compile, holder.blocks)

@@ -42,19 +42,21 @@ class LocalEngine(Engine):
         holder = holder_of(module)
         plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload)
         lazy = has_meta_tensors(module)
-        initializer = Initializer(module, holder) if lazy and ctx.weights is None else None  # else: loaded
+        initializer = Initializer(module, holder, seed=ctx.init_seed) if lazy else None
+        fill = ctx.weights is None  # else: loaded
         if lazy:
             for index in plan.offloaded:
                 params = allocate(holder.blocks[index], "cpu")
-                if initializer is not None:
+                if fill:
                     initializer.fill(params)
         self.streaming = OffloadEngine(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
                                        pin_memory=ctx.pin_memory, param_prefix=_blocks_prefix(module, holder),
                                        offload_params="params" in ctx.offload.offload_states)
         if lazy:
             params = allocate(module, ctx.device)
-            if initializer is not None:
+            if fill:
                 initializer.fill(params)
+            initializer.finish()
         module.to(ctx.device)  # the offloaded blocks' parameters are empty device placeholders
         apply_compile(ctx.accumulation.compile, holder.blocks)  # the streaming hooks stay outside (compile.py)
         if ctx.weights is not None:

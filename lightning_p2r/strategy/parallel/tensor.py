@@ -20,7 +20,8 @@ from torch.distributed.tensor.parallel import (
 )
 
 from ...models.moe import MoEOutput
-from ...protocols import HoldsWeight, ParallelPlan, SplitKind
+from ...protocols import ParallelPlan, SplitKind
+from ..ties import find_ties, retie
 from .experts import owned
 
 
@@ -79,6 +80,10 @@ def _holds_parameters(module: nn.Module | None) -> bool:
 def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *, loss_parallel: bool,
                           sequence_parallel: bool = False) -> None:
     """Split ``holder``'s blocks and other modules over ``tp_mesh`` as ``plan`` declares (in place, also on meta)."""
+    # Weights the model ties (the embedding and the output layer): each style wraps its own Parameter, tied again
+    # after, so every name updates one tensor as on one process (``ties.check_tensor_parallel_ties`` has refused
+    # a tie split one way under one name and another way, or not at all, under another).
+    ties = find_ties(holder)
     for block, entries in zip(holder.blocks, plan.blocks):
         # A pipeline stage holds some blocks: the others are parameterless stand-ins, with nothing to split.
         if not _holds_parameters(block):
@@ -89,17 +94,13 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
                 if kind == "expert":
                     block.get_submodule(name).register_forward_hook(_keep_own_positions(tp_mesh))
     present = {name: kind for name, kind in plan.outside.items() if _holds_parameters(_find(holder, name))}
-    # Weights the model ties (the embedding and the output layer): each style wraps its own Parameter, tied again
-    # after, so both update one tensor as on one process.
-    tied = _tied_weights(holder, present)
     made = styles(present, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     if made:
         parallelize_module(holder, tp_mesh, made)
     for name, kind in present.items():
         if kind == "output":
             holder.get_submodule(name).register_forward_hook(_logits_hook(tp_mesh, loss_parallel=loss_parallel))
-    for first, other in tied:
-        holder.get_submodule(other).weight = holder.get_submodule(first).weight
+    retie(holder, ties)
 
 
 def _find(holder: nn.Module, name: str) -> nn.Module:
@@ -108,13 +109,3 @@ def _find(holder: nn.Module, name: str) -> nn.Module:
     except AttributeError:
         raise ValueError(f"the parallel plan of {type(holder).__name__} names {name!r}, which it does not have") \
             from None
-
-
-def _tied_weights(holder: nn.Module, names: dict[str, SplitKind]) -> list[tuple[str, str]]:
-    """Pairs of planned modules sharing one ``weight`` (first name, the other)."""
-    sharing: dict[int, list[str]] = {}
-    for name in names:
-        module = holder.get_submodule(name)
-        if isinstance(module, HoldsWeight):
-            sharing.setdefault(id(module.weight), []).append(name)
-    return [(first, other) for first, *others in sharing.values() for other in others]

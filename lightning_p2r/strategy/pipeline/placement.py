@@ -125,9 +125,10 @@ class StagePlacement:
                 if cut.column(self.global_rank) == column:
                     self._groups[ranks] = group
         ranks_of = dict(self._outside_ranks)
+        blocks = next(name for name, m in holder.named_modules() if m is holder.blocks)  # the model's own name
         for block, ranks in holders.items():
             for name, _ in holder.blocks[block].named_parameters():
-                ranks_of[f"blocks.{block}.{name}"] = ranks
+                ranks_of[f"{blocks}.{block}.{name}"] = ranks
         return ranks_of
 
     def copies(self, whole: torch.Tensor) -> int:
@@ -161,9 +162,13 @@ class StagePlacement:
         """A skipped step (non-finite loss): forget the held gradients."""
         self._stashed = []
 
-    def forward(self, inputs: torch.Tensor) -> Any:
+    def forward(self, inputs: torch.Tensor | None = None, **kwargs: Any) -> Any:
         """The model's forward on a pipelined rank (evaluation, a callback's loss), without gradient: the output built
-        from the last stage's logits reaches every rank of the pipeline (collective; all read the same batch)."""
+        from the last stage's logits reaches every rank of the pipeline (collective; all read the same batch). The
+        token ids come positionally or as ``input_ids`` (a Hugging Face model's call; its other keywords, such as
+        ``use_cache``, do not apply to a pipelined evaluation)."""
+        if inputs is None:
+            inputs = kwargs["input_ids"]
         cut = self.cut
         logits = self.runner.evaluate(self.parts.window(inputs))
         source = cut.global_ranks([cut.owner(cut.num_stages - 1)], cut.column(self.global_rank))[0]
@@ -183,8 +188,9 @@ class StagePlacement:
 def _with_tied(holder: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
     """``modules`` and any other module outside the blocks sharing a parameter with them (a tied embedding)."""
     shared = {id(p) for m in modules for p in m.parameters()}
-    extra = [child for child in holder.children() if child is not holder.blocks and not any(
-        child is m for m in modules) and any(id(p) in shared for p in child.parameters())]
+    inside = {id(m) for m in holder.blocks.modules()} | {id(m) for module in modules for m in module.modules()}
+    extra = [m for m in holder.modules() if m is not holder and id(m) not in inside
+             and any(id(p) in shared for p in m.parameters(recurse=False))]
     return modules + extra
 
 

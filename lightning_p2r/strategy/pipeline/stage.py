@@ -25,14 +25,21 @@ class AbsentModule(nn.Module):
 
 
 def keep_only(holder: nn.Module, blocks: set[int], modules: list[nn.Module]) -> None:
-    """Replace each block not in ``blocks``, and each other child with parameters not in ``modules``, by a stand-in."""
+    """Replace each block not in ``blocks``, and each other module owning parameters outside ``modules`` (at any
+    depth: a Hugging Face head sits beside the module holding the embedding), by a stand-in."""
     for index in range(len(holder.blocks)):
         if index not in blocks:
             holder.blocks[index] = AbsentModule()
-    kept = {id(m) for m in modules}
-    for name, child in list(holder.named_children()):
-        if child is not holder.blocks and id(child) not in kept and next(child.parameters(), None) is not None:
-            setattr(holder, name, AbsentModule())
+    kept = {id(m) for module in modules for m in module.modules()}
+    inside = {id(m) for m in holder.blocks.modules()}
+    replaced: list[str] = []
+    for name, child in list(holder.named_modules()):
+        if not name or id(child) in inside or id(child) in kept or any(name.startswith(r + ".") for r in replaced):
+            continue
+        if next(child.parameters(recurse=False), None) is not None:
+            owner, _, attribute = name.rpartition(".")
+            setattr(holder.get_submodule(owner), attribute, AbsentModule())
+            replaced.append(name)
 
 
 class _AttachLoss(torch.autograd.Function):

@@ -1,0 +1,135 @@
+"""``CausalLMModule``: the LightningModule that trains a decoder-only language model the package did not write (a
+Hugging Face ``transformers`` model from its config, a litgpt ``GPT``, any model given whole) under every layout
+``P2RStrategy`` offers, on the same token windows as M6 (``TextDataModule``). docs/your_model.md.
+
+The model is built in ``configure_model``: under ``P2RStrategy`` on the meta device, then each tensor materialized
+once where it lives with the model's own initialization (``models.module_init``); under any other strategy eagerly,
+initialized by the same rule and seed, so both builds hold the same values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+
+from .models.decoders import (
+    DecoderParts,
+    decoder_parts,
+    decoder_pipeline_parts,
+    decoder_stages,
+    family_of,
+    next_token_loss,
+)
+from .models.module_init import initialize_by_module
+from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, next_token_batch
+from .protocols import LayeredStages, PipelineParts
+from .sharing import find_block_sequence
+
+
+def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:
+    """A Hugging Face causal LM from a config dict (``model_type`` plus the family's fields), randomly initialized,
+    nothing downloaded. ``transformers`` is the ``[hf]`` extra."""
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as error:
+        raise ImportError("CausalLMModule(hf_config=...) builds Hugging Face models: pip install "
+                          "'lightning-p2r[hf]' (transformers)") from error
+    fields = dict(hf_config)
+    model_type = fields.pop("model_type", None)
+    if not isinstance(model_type, str):
+        raise ValueError(f"CausalLMModule.hf_config needs a 'model_type' (such as 'qwen3_moe'), got {hf_config!r}")
+    try:
+        config = AutoConfig.for_model(model_type, **fields)
+    except ValueError as error:
+        raise ValueError(f"CausalLMModule.hf_config: {error}") from None
+    return AutoModelForCausalLM.from_config(config)
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(p.device.type == "meta" for p in model.parameters())
+
+
+class CausalLMModule(L.LightningModule):
+    """Trains a decoder-only causal LM on (batch, seq + 1) token windows with the next-token cross-entropy.
+
+    Args:
+        hf_config: A Hugging Face config as a dict: ``model_type`` ("llama", "qwen3_moe", ...) and its fields; the
+            model is built from it in ``configure_model`` (in place under ``P2RStrategy``).
+        model: A model given whole instead (built by the caller; its weights are kept as they are).
+        optimizer: AdamW and its schedule (``OptimizerConfig``).
+        init_seed: Seed of the initial values when built from ``hf_config`` (the same in every layout).
+        parts: Where the model keeps its parts, for layered accumulation; None uses the family's ready declaration
+            (``models.decoders.KNOWN_DECODERS``).
+        vocab_size: Overrides ``hf_config``'s ``vocab_size`` (``lightning-p2r fit`` links the data's here).
+    """
+
+    def __init__(self, hf_config: dict[str, Any] | None = None, model: nn.Module | None = None,
+                 optimizer: OptimizerConfig | dict[str, Any] | None = None, init_seed: int = 0,
+                 parts: DecoderParts | None = None, vocab_size: int | None = None) -> None:
+        super().__init__()
+        if (hf_config is None) == (model is None):
+            raise ValueError("CausalLMModule needs exactly one of hf_config (a Hugging Face config dict) and model")
+        self.save_hyperparameters(ignore=["model"])
+        self.hf_config = dict(hf_config) if hf_config is not None else None
+        if vocab_size is not None and self.hf_config is not None:
+            self.hf_config["vocab_size"] = int(vocab_size)
+        self.optimizer_config = _as_dataclass(OptimizerConfig, optimizer)
+        self.init_seed = int(init_seed)
+        self.parts = parts
+        self.model = model
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        self.model = build_hf_model(self.hf_config)
+        if not _is_meta(self.model):  # built eagerly: the values a build in place gets (module_init.py)
+            initialize_by_module(self, self.init_seed)
+
+    def block_list(self) -> str:
+        """Where the block list is, from this module (``protocols.NamesBlockList``)."""
+        return f"model.{self._declared().blocks}"
+
+    def block_holder(self) -> str:
+        """The causal LM itself holds the block contract: its forward returns the logits (a pipeline replaces it)."""
+        return "model"
+
+    def _declared(self) -> DecoderParts:
+        return decoder_parts(self.model, self.parts)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of ``input_ids`` (batch, seq)."""
+        positional = (self.parts.call if self.parts is not None else "keywords" if family_of(self.model) != "litgpt"
+                      else "positional") == "positional"
+        output = self.model(input_ids) if positional else self.model(input_ids=input_ids, use_cache=False)
+        return output if isinstance(output, torch.Tensor) else output.logits
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        inputs, targets = next_token_batch(batch)
+        loss = next_token_loss(self(inputs), targets)
+        self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=False)
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        inputs, targets = next_token_batch(batch)
+        loss = next_token_loss(self(inputs), targets)
+        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        return loss
+
+    def layered_stages(self) -> LayeredStages:
+        """The model in stages for layered accumulation, from its declaration (``models.decoders``)."""
+        holder = find_block_sequence(self)  # the strategy declared the block list (strategy/blocks.py)
+        return decoder_stages(self.model, self._declared(), list(holder.layer_to_block), next_token_batch,
+                              log_metrics=self._log_stage_metrics)
+
+    def pipeline_parts(self) -> PipelineParts:
+        """The model as pipeline parallelism cuts it, from its declaration (``models.decoders``)."""
+        return decoder_pipeline_parts(self.model, self._declared(), self.layered_stages(), next_token_batch)
+
+    def _log_stage_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
+        self.log("train/loss", metrics["loss"], prog_bar=True, sync_dist=False)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        return adamw_with_schedule(self, self.optimizer_config)

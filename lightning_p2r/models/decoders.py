@@ -1,0 +1,241 @@
+"""Decoder-only language models the package did not write (Hugging Face ``transformers``, litgpt), cut into the
+stages layered gradient accumulation runs, from a small declaration of where their parts are (issue 38, item 4).
+
+A declaration names the block list, the modules the embedding stage reads, the final norm and the head, and the
+module whose ``forward`` embeds the tokens and runs the blocks. How a block is *called* (rotary tables, masks,
+position ids, each family's keyword names) is not declared: the embedding stage runs that module's own forward up
+to the first block and records the arguments the model passes it, then every layer is called with the same
+arguments. So a family's masking or positions rule is the model's own code, never a copy of it.
+
+Ready declarations cover Hugging Face's Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE and GPT-2
+(by ``config.model_type``) and litgpt's ``GPT``; any other decoder passes its own :class:`DecoderParts`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..protocols import LayeredStages, PipelineParts
+
+
+@dataclass(frozen=True)
+class DecoderParts:
+    """Where a decoder-only causal LM keeps its parts, by dotted names from the model (the causal LM itself)."""
+
+    blocks: str
+    """The block list (an ``nn.ModuleList``), run in order once each."""
+    embed: tuple[str, ...]
+    """The modules the embedding stage reads (token and learned position embeddings): the first pipeline stage's."""
+    norm: str
+    """The final norm, applied to the last block's output."""
+    head: str
+    """The output layer (logits)."""
+    base: str = ""
+    """The module whose forward embeds the tokens and runs the blocks ("" for the model itself)."""
+    call: str = "keywords"
+    """How ``base`` is called on token ids: "keywords" (Hugging Face: ``input_ids=..., use_cache=False``) or
+    "positional" (litgpt: ``base(ids)``)."""
+
+
+_LLAMA_LIKE = DecoderParts(blocks="model.layers", embed=("model.embed_tokens",), norm="model.norm", head="lm_head",
+                           base="model")
+KNOWN_DECODERS: dict[str, DecoderParts] = {
+    **{family: _LLAMA_LIKE for family in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")},
+    "gpt2": DecoderParts(blocks="transformer.h", embed=("transformer.wte", "transformer.wpe"),
+                         norm="transformer.ln_f", head="lm_head", base="transformer"),
+    # litgpt's GPT: GPT.forward embeds (transformer.wte) and runs transformer.h, a ModuleDict's list.
+    "litgpt": DecoderParts(blocks="transformer.h", embed=("transformer.wte",), norm="transformer.ln_f",
+                           head="lm_head", base="", call="positional"),
+}
+"""Ready declarations: Hugging Face ``config.model_type`` -> parts; "litgpt" for litgpt's ``GPT``."""
+
+
+def family_of(model: nn.Module) -> str | None:
+    """The key of ``model``'s ready declaration in :data:`KNOWN_DECODERS`, or None."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if isinstance(model_type, str) and model_type in KNOWN_DECODERS:
+        return model_type
+    if type(model).__name__ == "GPT" and type(model).__module__.startswith("litgpt"):
+        return "litgpt"
+    return None
+
+
+def decoder_parts(model: nn.Module, parts: DecoderParts | None = None) -> DecoderParts:
+    """``parts`` if given, else the ready declaration of ``model``'s family; checked against the model by name."""
+    if parts is None:
+        family = family_of(model)
+        if family is None:
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            raise ValueError(
+                f"no ready declaration for {type(model).__name__} (model_type {model_type!r}); known: "
+                f"{sorted(KNOWN_DECODERS)}. Pass lightning_p2r.models.DecoderParts(blocks=..., embed=..., norm=..., "
+                "head=..., base=...) naming its parts")
+        parts = KNOWN_DECODERS[family]
+    for name in (parts.blocks, *parts.embed, parts.norm, parts.head, parts.base):
+        try:
+            model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"the decoder declaration names {name!r}, which {type(model).__name__} does not have"
+                             ) from None
+    if not isinstance(model.get_submodule(parts.blocks), nn.ModuleList):
+        raise ValueError(f"the decoder declaration's blocks {parts.blocks!r} is not an nn.ModuleList")
+    return parts
+
+
+class _FirstBlockReached(Exception):
+    """Raised by the recording hook: the base forward stops right before the first block runs."""
+
+
+@dataclass
+class BlockCall:
+    """The arguments the model's forward passes each block besides the hidden states, and the micro-batch's targets.
+    Holds no tensor that requires grad (masks, rotary tables and positions are computed from the tokens alone)."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    targets: torch.Tensor
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def block_output(output: Any) -> torch.Tensor:
+    """A block's hidden states, whether it returns them or a tuple starting with them (older transformers)."""
+    return output[0] if isinstance(output, tuple) else output
+
+
+def embed_and_block_call(model: nn.Module, parts: DecoderParts, tokens: torch.Tensor,
+                         first_block: nn.Module) -> tuple[torch.Tensor, BlockCall]:
+    """Run the base forward on ``tokens`` until ``first_block`` would run: its input hidden states (with their
+    graph to the embedding) and the other arguments it would get. The hook runs before any other on the block (an
+    FSDP2 gather, an offload fetch), so the block itself is not touched."""
+    recorded: dict[str, Any] = {}
+
+    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        recorded["args"], recorded["kwargs"] = args, kwargs
+        raise _FirstBlockReached
+
+    base = model.get_submodule(parts.base)
+    handle = first_block.register_forward_pre_hook(record, prepend=True, with_kwargs=True)
+    try:
+        if parts.call == "positional":
+            base(tokens)
+        else:
+            base(input_ids=tokens, use_cache=False)
+    except _FirstBlockReached:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in recorded:
+        raise RuntimeError(f"{type(base).__name__}.forward never called its first block")
+    args, kwargs = recorded["args"], dict(recorded["kwargs"])
+    hidden = args[0] if args else kwargs.pop("hidden_states")
+    return hidden, BlockCall(tuple(args[1:]), kwargs, targets=torch.empty(0))
+
+
+def check_stages_supported(model: nn.Module) -> None:
+    """Refuse what the stages cannot reproduce: a Hugging Face MoE whose router loss is added across all layers at
+    once (``output_router_logits``; its balance term is not a sum over layers)."""
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(f"{type(model).__name__} adds its routers' auxiliary loss over all layers at once "
+                         "(config.output_router_logits=True), which layer-by-layer stages cannot reproduce: set "
+                         "output_router_logits=False for layered accumulation or pipelines")
+
+
+def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (batch, seq, vocab) against targets (batch, seq), in fp32."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[int],
+                   split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+                   log_metrics: Callable[[dict[str, torch.Tensor]], None] | None = None) -> LayeredStages:
+    """Layered accumulation's stages of a decoder ``model`` declared by ``parts``: ``split`` turns a micro-batch into
+    (input ids, target ids); the head's loss is the next-token cross-entropy, as the model's training step computes
+    it. The stages read the blocks at call time (placement may wrap them)."""
+    check_stages_supported(model)
+    blocks = model.get_submodule(parts.blocks)
+    norm, head = model.get_submodule(parts.norm), model.get_submodule(parts.head)
+
+    def embed(micro_batch: torch.Tensor) -> tuple[torch.Tensor, BlockCall]:
+        inputs, targets = split(micro_batch)
+        hidden, call = embed_and_block_call(model, parts, inputs, blocks[layer_to_block[0]])
+        call.targets = targets
+        return hidden, call
+
+    def layer(index: int, hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, None]:
+        return block_output(blocks[layer_to_block[index]](hidden, *call.args, **call.kwargs)), None
+
+    def head_stage(hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss = next_token_loss(head(norm(hidden)), call.targets)
+        return loss, {"loss": loss.detach()}
+
+    return LayeredStages(embed=embed, layer=layer, head=head_stage, layer_to_block=list(layer_to_block),
+                         log_metrics=log_metrics)
+
+
+class _ZeroEmbedding(nn.Module):
+    """Stands in for an embedding on a pipeline stage that does not hold it, while the stage records how the model
+    calls its blocks: the arguments depend on the token positions only, never on the embedded values."""
+
+    def __init__(self, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dim, self.dtype = dim, dtype
+
+    def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
+
+
+def hidden_size(model: nn.Module) -> int:
+    """The width of the hidden states (Hugging Face's ``hidden_size``, litgpt's ``n_embd``)."""
+    config = getattr(model, "config", None)
+    size = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
+    if not isinstance(size, int):
+        raise ValueError(f"cannot tell the hidden size of {type(model).__name__} (no config.hidden_size or n_embd)")
+    return size
+
+
+@contextmanager
+def _embeddings_standing_in(model: nn.Module, names: tuple[str, ...], dim: int) -> Iterator[None]:
+    originals = [(name, model.get_submodule(name)) for name in names]
+    try:
+        for name, _ in originals:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, _ZeroEmbedding(dim, torch.get_default_dtype()))
+        yield
+    finally:
+        for name, module in originals:
+            owner, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(owner), attribute, module)
+
+
+def decoder_pipeline_parts(model: nn.Module, parts: DecoderParts, stages: LayeredStages,
+                           split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> PipelineParts:
+    """Pipeline parallelism's parts of a decoder ``model`` declared by ``parts`` (``stages``: its layered stages). A
+    stage after the first records the block arguments with the embeddings standing in as zeros; evaluation's output
+    carries the logits as ``.logits``, as a Hugging Face model's does."""
+    blocks = model.get_submodule(parts.blocks)
+    norm, head = model.get_submodule(parts.norm), model.get_submodule(parts.head)
+    dim = hidden_size(model)
+
+    def context(micro_batch: torch.Tensor) -> BlockCall:
+        inputs, targets = split(micro_batch)
+        with _embeddings_standing_in(model, parts.embed, dim):
+            _, call = embed_and_block_call(model, parts, inputs, blocks[stages.layer_to_block[0]])
+        call.targets = targets
+        return call
+
+    def metrics(loss: torch.Tensor, call: BlockCall) -> dict[str, torch.Tensor]:
+        return {"loss": loss.detach()}
+
+    return PipelineParts(
+        stages=stages, context=context, embed_modules=[model.get_submodule(n) for n in parts.embed],
+        head_modules=[norm, head], logits=lambda hidden: head(norm(hidden)),
+        window=lambda inputs: F.pad(inputs, (0, 1)), output=lambda logits: SimpleNamespace(logits=logits),
+        records=lambda call: {}, absorb=lambda call, other: None, metrics=metrics)

@@ -1,0 +1,95 @@
+"""Initial values for a model that does not name them itself (a Hugging Face or litgpt model, a user's own), the same
+whatever the layout: each module is initialized by the model's own rule, from a random stream seeded by the run's
+seed and the module's name (issue 38, item 3).
+
+The model's own rule is, in order: a LightningModule's ``init_module(module)`` (the user's hook), Hugging Face's
+``_init_weights(module)`` of the nearest ``PreTrainedModel`` above it (which also recomputes rotary tables), or the
+module's ``reset_parameters()``. Seeding per module makes a module's values independent of where the others live
+and of the order they are materialized in: an eager build initialized by :func:`initialize_by_module` and a build in
+place (on the meta device, each tensor materialized on its own rank, ``strategy/materialize.py``) hold the same
+values, bit for bit, and so do replicas on different ranks.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+ModuleInit = Callable[[nn.Module], None]
+
+
+def module_seed(seed: int, name: str) -> int:
+    """A stable 63-bit seed for the module called ``name`` (crc32 is the same in every process, unlike ``hash``)."""
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def _owns_state(module: nn.Module) -> bool:
+    return next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False),
+                                                                            None) is not None
+
+
+def init_rule(root: nn.Module, name: str, hook: ModuleInit | None = None) -> ModuleInit | None:
+    """How the module ``name`` of ``root`` is initialized (see the module docstring), or None when nothing knows."""
+    if hook is not None:
+        return hook
+    parts = name.split(".") if name else []
+    # The nearest Hugging Face PreTrainedModel at or above the module (it knows its own submodules' init).
+    for depth in range(len(parts), -1, -1):
+        owner = root.get_submodule(".".join(parts[:depth]))
+        init_weights = getattr(owner, "_init_weights", None)
+        if callable(init_weights) and hasattr(owner, "config"):
+            return init_weights
+    module = root.get_submodule(name)
+    reset = getattr(module, "reset_parameters", None)
+    return (lambda _: reset()) if callable(reset) else None
+
+
+@torch.no_grad()
+def initialize_module(rule: ModuleInit, module: nn.Module, seed: int, name: str) -> None:
+    """Run ``rule`` on ``module`` from the stream seeded by (``seed``, ``name``); the global stream is left as it
+    was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(module_seed(seed, name))
+        rule(module)
+
+
+def initialize_by_module(root: nn.Module, seed: int, hook: ModuleInit | None = None) -> None:
+    """Initialize every module of ``root`` owning parameters or buffers, in place (an eager build): the values a build
+    in place gives for the same ``seed``. A module nothing can initialize is refused by name."""
+    for name, module in root.named_modules():
+        if not _owns_state(module):
+            continue
+        rule = init_rule(root, name, hook)
+        if rule is None:
+            if next(module.parameters(recurse=False), None) is None:
+                continue  # buffers only, none of them computed by an init rule: kept as built
+            raise ValueError(f"{type(module).__name__} ({name or 'the model'}) has parameters that nothing can "
+                             "initialize: give the LightningModule an init_module(module) method, or the module a "
+                             "reset_parameters()")
+        initialize_module(rule, module, seed, name)
+    # A tied parameter keeps the values of its first name's module (what a build in place gives it, whichever module
+    # it materializes first): that module runs again, from the same stream, so its other values do not change.
+    first_names: dict[int, str] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        first_names.setdefault(id(param), name)
+    tied = {first_names[id(p)] for n, p in root.named_parameters(remove_duplicate=False) if first_names[id(p)] != n}
+    for owner in sorted({name.rpartition(".")[0] for name in tied}):
+        initialize_module(init_rule(root, owner, hook), root.get_submodule(owner), seed, owner)
+
+
+def recomputes_buffers(root: nn.Module, name: str, hook: ModuleInit | None = None) -> bool:
+    """Whether the model's own rule rewrites the buffers of module ``name`` (a rotary table built at construction):
+    Hugging Face's rotary embeddings (``original_inv_freq``), any module's ``reset_parameters()`` that owns buffers
+    (litgpt's ``GPT`` recomputes its ``cos``/``sin`` there), or the user's hook."""
+    module = root.get_submodule(name)
+    if hook is not None:
+        return True
+    rule = init_rule(root, name)
+    if rule is None:
+        return False
+    if getattr(rule, "__self__", None) is not None and hasattr(rule.__self__, "config"):  # Hugging Face
+        return hasattr(module, "original_inv_freq")
+    return callable(getattr(module, "reset_parameters", None))

@@ -1,0 +1,161 @@
+"""Which of a model's modules are its blocks, for a model that does not call them ``blocks`` (issue 38, item 2).
+
+Offload, sharding, layered accumulation and pipelines work per block, on the *block sequence* contract
+(``protocols.BlockSequence``: a holder with ``blocks`` and ``layer_to_block``). M6 declares it itself. A Hugging
+Face or litgpt model keeps its own names (``model.layers``, ``transformer.h``): the strategy is told the block list
+by a dotted path (``P2RStrategy(blocks="model.model.layers")``) or finds it, as FSDP's transformer auto-wrap policy
+finds its layer class, and declares the contract on the module whose ``forward`` runs the blocks. The declaration is
+an unregistered alias (``vars(holder)["blocks"]``): the list stays registered once, under the model's own name, so
+state dicts and checkpoints keep exactly the model's parameter names.
+
+A wrong choice would be silent for some layouts, so the first training forward records which blocks ran, in which
+order, and refuses a holder whose forward never ran or blocks called out of order (``BlockCallCheck``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from torch import nn
+
+_CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+
+
+@dataclass(frozen=True)
+class DeclaredBlocks:
+    """Where a model's block list is and who runs it."""
+
+    path: str
+    """Dotted name of the block list, from the LightningModule."""
+    holder_path: str
+    """Dotted name of the module whose ``forward`` runs the blocks ("" for the LightningModule itself)."""
+    detected: bool
+    """True when the strategy chose the list (no ``blocks=`` given)."""
+    size: int
+    kind: str
+    """The blocks' class name."""
+
+    def describe(self) -> str:
+        how = "detected (pass blocks='...' to choose another)" if self.detected else "as given"
+        return f"P2RStrategy blocks: {self.path} ({self.size} x {self.kind}), {how}"
+
+
+def block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Every ``nn.ModuleList`` of at least two modules of one class (each once, under its first name): the candidates
+    for a model's block list."""
+    seen: set[int] = set()
+    found = []
+    for name, child in module.named_modules():
+        if isinstance(child, nn.ModuleList) and len(child) > 1 and id(child) not in seen:
+            seen.add(id(child))
+            if len({type(block) for block in child}) == 1:
+                found.append((name, child))
+    return found
+
+
+def detect_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The longest candidate list (a transformer's layers outnumber any other list of equal modules, such as experts),
+    the outermost on a tie of length; None when the model has no candidate. Two outermost lists of the longest length
+    (an encoder and a decoder) are ambiguous: refused, naming them."""
+    candidates = block_lists(module)
+    if not candidates:
+        return None
+    longest = max(len(blocks) for _, blocks in candidates)
+    best = [(name, blocks) for name, blocks in candidates if len(blocks) == longest]
+    outer = [(name, blocks) for name, blocks in best if not any(name.startswith(other + ".") for other, _ in best)]
+    if len(outer) > 1:
+        raise ValueError(f"P2RStrategy cannot tell which list holds {type(module).__name__}'s blocks: "
+                         f"{[name for name, _ in outer]} are equally long; pass blocks='<dotted path>'")
+    return outer[0]
+
+
+def _holder_path(path: str, module: nn.Module) -> str:
+    """The nearest ancestor of the list at ``path`` that is not a container (whose ``forward`` runs the blocks)."""
+    parts = path.split(".")[:-1]
+    while parts and isinstance(module.get_submodule(".".join(parts)), _CONTAINERS):
+        parts.pop()
+    return ".".join(parts)
+
+
+def declares_own_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` has a registered submodule ``blocks`` (a list) and ``layer_to_block``: the model's own
+    block-sequence contract (M6's), as opposed to one this module declared (an unregistered alias)."""
+    blocks = getattr(module, "blocks", None)
+    return isinstance(blocks, nn.ModuleList) and "blocks" not in vars(module) and hasattr(module, "layer_to_block")
+
+
+def declare_blocks(module: nn.Module, path: str | None, holder_path: str | None = None) -> DeclaredBlocks | None:
+    """Declare the block-sequence contract on ``module`` (a LightningModule) for the list at ``path``, or the one
+    detected; None when the model declares it itself (and no ``path`` is given) or has no candidate list (the
+    engines then refuse it by name). ``holder_path``: the module to declare it on (an ancestor of the list whose
+    forward runs the blocks); by default the nearest one that is not a container. Idempotent: a second call (after a
+    resume, another fit) changes nothing."""
+    detected = path is None
+    if path is None:
+        if any(declares_own_blocks(m) for m in module.modules()):
+            return None  # the model's own contract (M6)
+        found = detect_block_list(module)
+        if found is None:
+            return None
+        path, blocks = found
+    else:
+        try:
+            blocks = module.get_submodule(path)
+        except AttributeError:
+            names = [name for name, _ in block_lists(module)]
+            raise ValueError(f"P2RStrategy(blocks={path!r}): {type(module).__name__} has no submodule {path!r}; "
+                             f"its lists of equal modules are {names}") from None
+        if not isinstance(blocks, nn.ModuleList):
+            raise ValueError(f"P2RStrategy(blocks={path!r}) names a {type(blocks).__name__}; it must name the "
+                             "nn.ModuleList holding the blocks")
+    if holder_path is None:
+        holder_path = _holder_path(path, module)
+    elif not (holder_path == "" or path.startswith(holder_path + ".")):
+        raise ValueError(f"the block holder {holder_path!r} does not contain the block list {path!r}")
+    holder = module.get_submodule(holder_path)
+    current = getattr(holder, "blocks", None)
+    if current is not None and current is not blocks and "blocks" not in vars(holder):
+        raise ValueError(f"P2RStrategy(blocks={path!r}): {type(holder).__name__} already has an attribute 'blocks' "
+                         "that is not this list")
+    if current is not blocks:
+        vars(holder)["blocks"] = blocks  # an alias only: the list stays registered once, under its own name
+    if not isinstance(getattr(holder, "layer_to_block", None), list):
+        vars(holder)["layer_to_block"] = list(range(len(blocks)))
+    return DeclaredBlocks(path, holder_path, detected=detected, size=len(blocks),
+                          kind=type(blocks[0]).__name__ if len(blocks) else "")
+
+
+class BlockCallCheck:
+    """Records, during one forward, whether the holder's ``forward`` ran and which blocks ran in which order, and
+    refuses a declaration the model's forward does not follow (before the optimizer's first step)."""
+
+    def __init__(self, holder: nn.Module) -> None:
+        self.holder = holder
+        self.holder_ran = False
+        self.calls: list[int] = []
+
+    @contextmanager
+    def recording(self) -> Iterator[None]:
+        handles = [self.holder.register_forward_pre_hook(lambda *_: setattr(self, "holder_ran", True))]
+        for index, block in enumerate(self.holder.blocks):
+            handles.append(block.register_forward_pre_hook(lambda *_, i=index: self.calls.append(i)))
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def check(self) -> None:
+        name = type(self.holder).__name__
+        if not self.calls:
+            return  # this step ran no block through the model's forward (a step runner calls them itself)
+        if not self.holder_ran:
+            raise ValueError(f"P2RStrategy: the blocks are declared on {name}, whose forward never ran in the first "
+                             "training step; declare them on the module whose forward calls them (blocks=...)")
+        expected = list(self.holder.layer_to_block)
+        if self.calls != expected:
+            raise ValueError(f"P2RStrategy: {name}'s forward called its blocks in the order {self.calls}, not "
+                             f"{expected} (layer_to_block): the strategy streams and shards blocks in that order; "
+                             "pass blocks='<dotted path>' naming the list the model runs, once each, in order")

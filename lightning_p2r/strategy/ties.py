@@ -1,0 +1,112 @@
+"""Shared parameters (a tied embedding and LM head, any tie a user makes) kept as one parameter in every layout.
+
+A tie is one ``nn.Parameter`` registered under several names. Each layout step that swaps parameters (FSDP2's
+``fully_shard``, tensor parallelism's styles) swaps the registrations it can see; a registration it cannot see keeps
+the old tensor and trains on its own, silently (issue 38: GPT-2's head under ``sharding="zero3"``). So placement
+chooses its FSDP2 roots to hold every registration, refuses what no layout step can keep tied, and checks after
+placing that every tie still holds. Ties are keyed by parameter name (never by attributes on parameters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from torch import nn
+
+Tie = tuple[str, ...]
+"""The names under which one parameter is registered (relative to the module they were read from), in
+``named_parameters`` order: the first is the parameter's own name in checkpoints."""
+
+
+def find_ties(module: nn.Module) -> list[Tie]:
+    """Every parameter of ``module`` registered under more than one name."""
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [tuple(group) for group in names.values() if len(group) > 1]
+
+
+def registrations(module: nn.Module) -> int:
+    """How many (module, name) registrations of parameters ``module``'s subtree has (a tie counts each one)."""
+    return sum(1 for _ in module.named_parameters(remove_duplicate=False))
+
+
+def smallest_parameter_root(module: nn.Module) -> nn.Module:
+    """The deepest submodule holding every *registration* of every parameter of ``module`` (the FSDP2 root in
+    standard mode). A tied head outside the submodule that holds the embedding (Hugging Face's ``lm_head`` beside
+    ``model``) pulls the root up to their common parent, so ``fully_shard`` swaps both names. Sharding the
+    LightningModule itself would change its class, which Lightning's hook checks look at: the root stays below it
+    whenever a child holds everything."""
+    total = registrations(module)
+    current = module
+    while True:
+        for child in current.children():
+            if registrations(child) == total:
+                current = child
+                break
+        else:
+            return current
+
+
+def _owner(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _innermost(name: str, units: Mapping[str, str]) -> str | None:
+    """The label of the deepest unit (by its name prefix) that contains parameter ``name``, or None (the root)."""
+    best: tuple[int, str] | None = None
+    for prefix, label in units.items():
+        if name.startswith(prefix + ".") and (best is None or len(prefix) > best[0]):
+            best = (len(prefix), label)
+    return best[1] if best is not None else None
+
+
+def check_ties_within_units(root: nn.Module, units: Iterable[nn.Module], what: str) -> None:
+    """Refuse a tie whose registrations lie in different FSDP2 units (or some in a unit, some in the root): each unit
+    shards only its own registrations, so the others would keep a separate, unsynchronized copy. ``units``: the
+    modules ``fully_shard`` will wrap, all inside ``root``; ``what``: the option that asked for them."""
+    wanted = {id(unit) for unit in units}
+    label: dict[int, str] = {}  # a unit registered under two names (``model.blocks = model.layers``) is one unit
+    prefixes = {name: label.setdefault(id(m), name)
+                for name, m in root.named_modules(remove_duplicate=False) if id(m) in wanted and name}
+    for tie in find_ties(root):
+        homes = {name: _innermost(name, prefixes) for name in tie}
+        if len(set(homes.values())) > 1:
+            where = ", ".join(f"{name} (in {home or 'the root'})" for name, home in homes.items())
+            raise ValueError(
+                f"P2RStrategy({what}) cannot keep a tie across FSDP2 units: one parameter is registered as {where}; "
+                "each unit shards its own registrations and the others would train apart. Keep tied modules inside "
+                "one block, or outside every block (the embedding and head are), or use sharding='none'/'zero1'")
+
+
+def check_tensor_parallel_ties(root: nn.Module, planned: Mapping[str, str]) -> None:
+    """Refuse a tie that tensor parallelism would cut apart. ``planned``: module name (relative to ``root``) -> split
+    kind. A tied weight is split as one tensor only when every module holding it splits it the same way along the
+    vocabulary (an embedding by "vocabulary" rows and a head by "output" columns both cut dim 0)."""
+    for tie in find_ties(root):
+        kinds = {name: planned.get(_owner(name)) for name in tie}
+        split = {name: kind for name, kind in kinds.items() if kind is not None}
+        if not split:
+            continue
+        if len(split) < len(tie) or not set(split.values()) <= {"vocabulary", "output"}:
+            where = ", ".join(f"{name} ({kind or 'not split'})" for name, kind in kinds.items())
+            raise ValueError(
+                f"P2RStrategy(tensor_parallel > 1) would untie a shared parameter: it is registered as {where}. "
+                "Split every module holding it by the vocabulary (the embedding 'vocabulary', the head 'output'), "
+                "or none of them")
+
+
+def retie(root: nn.Module, ties: Iterable[Tie]) -> None:
+    """Point every name of each tie at the parameter its first name holds now (after a step that swapped it)."""
+    for first, *others in ties:
+        param = root.get_parameter(first)
+        for name in others:
+            owner, _, attribute = name.rpartition(".")
+            setattr(root.get_submodule(owner), attribute, param)
+
+
+def check_ties_kept(root: nn.Module, ties: Iterable[Tie]) -> None:
+    """After placement: every tie recorded before it still names one parameter (a guard: a break is a bug here)."""
+    for tie in ties:
+        if len({id(root.get_parameter(name)) for name in tie}) > 1:
+            raise RuntimeError(f"P2RStrategy untied {', '.join(tie)} while placing the model: please report this")

@@ -1,0 +1,67 @@
+"""Hugging Face models in the multi-process layouts (issue 38): a tiny Qwen3-MoE and a Llama with a tied head,
+built in place by ``CausalLMModule`` (meta device, each rank materializing its share with the model's own
+initialization), trained on 2 processes like the eager build on one: DDP, ZeRO-3 with offload, layered accumulation,
+and a 2-stage pipeline derived from the model's declaration; every tensor two ranks hold is equal on both."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from worker_launch import launch_configs
+
+pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+
+WORKER = Path(__file__).with_name("hf_worker.py")
+
+ONE_PROCESS = [{"name": "reference_qwen3_moe", "family": "qwen3_moe", "strategy": None},
+               {"name": "reference_llama_tied", "family": "llama_tied", "strategy": None}]
+TWO_PROCESSES = [
+    {"name": "ddp_qwen3_moe", "family": "qwen3_moe", "strategy": {}},
+    {"name": "zero3_offload_qwen3_moe", "family": "qwen3_moe",
+     "strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
+    {"name": "zero3_offload_layered_llama_tied", "family": "llama_tied",
+     "strategy": {"sharding": "zero3", "offload_fraction": 0.5, "accumulation": "layered", "micro_batches": 2}},
+    {"name": "pp2_qwen3_moe", "family": "qwen3_moe", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
+    {"name": "pp2_llama_tied", "family": "llama_tied",
+     "strategy": {"pipeline_parallel": 2, "micro_batches": 2, "pipeline_schedule": "gpipe"}},
+]
+
+
+@pytest.fixture(scope="module")
+def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hf_layouts")
+    launch_configs(WORKER, out, 1, ONE_PROCESS)
+    launch_configs(WORKER, out, 2, TWO_PROCESSES)
+    return out
+
+
+def _read(out: Path, name: str) -> dict:
+    return json.loads((out / f"{name}.json").read_text())
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("config", TWO_PROCESSES, ids=lambda c: c["name"])
+def test_an_hf_model_built_in_place_trains_on_two_processes_like_the_eager_build_on_one(hf_runs: Path,
+                                                                                         config: dict) -> None:
+    reference = _read(hf_runs, f"reference_{config['family']}")
+    run = _read(hf_runs, config["name"])
+    assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    assert reference["losses"][-1] < reference["losses"][0]
+    expected = reference["ranks"][0]["weights"]
+    merged: dict[str, list[float]] = {}
+    for rank in run["ranks"]:
+        if rank["tied"] is not None:
+            assert rank["tied"], "the head and the embedding are no longer one parameter"
+        for name, values in rank["weights"].items():
+            if name in merged:  # held by both ranks (a replica, a tied embedding on both pipeline ends): equal
+                assert merged[name] == values, f"{name} differs between the ranks holding it"
+            merged[name] = values
+    assert set(merged) == set(expected)
+    for name, values in expected.items():
+        torch.testing.assert_close(torch.tensor(merged[name]), torch.tensor(values), rtol=1e-3, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    if config["strategy"].get("sharding") == "zero3" or "pipeline_parallel" in config["strategy"]:
+        for rank in run["ranks"]:  # built in place: no rank holds the whole model
+            assert rank["held"] < 0.75 * reference["ranks"][0]["held"]

@@ -1,0 +1,131 @@
+"""Declaring a model's blocks without renaming them (issue 38, item 2): a dotted path or detection, the model's own
+parameter names kept, and a declaration the model's forward does not follow refused in the first step."""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_p2r import P2RStrategy
+from lightning_p2r.sharing import find_block_sequence
+from lightning_p2r.strategy.blocks import declare_blocks, detect_block_list
+
+V, D = 16, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class LitStyle(nn.Module):
+    """litgpt's shape: the blocks in ``transformer.h``, a ``ModuleDict`` whose own forward never runs; the model's
+    forward runs them. Four routed experts per block in a shorter list (not the blocks)."""
+
+    def __init__(self, layers: int = 3, reverse: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(V, D), "h": nn.ModuleList(Block() for _ in range(layers)),
+                                          "ln_f": nn.LayerNorm(D)})
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.reverse = reverse
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(ids)
+        for block in (reversed(self.transformer.h) if self.reverse else self.transformer.h):
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+class Wrapper(L.LightningModule):
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.net(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, V), batch[:, 1:].reshape(-1))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def test_the_longest_list_of_one_class_is_detected_and_declared_on_the_module_that_runs_it() -> None:
+    module = Wrapper(LitStyle())
+    names = list(module.state_dict())
+    assert detect_block_list(module)[0] == "net.transformer.h"
+    declared = declare_blocks(module, None)
+    assert declared.path == "net.transformer.h" and declared.detected
+    assert declared.holder_path == "net"  # the ModuleDict's forward never runs: its parent holds the contract
+    holder = find_block_sequence(module)
+    assert holder is module.net and holder.blocks is module.net.transformer.h and holder.layer_to_block == [0, 1, 2]
+    assert list(module.state_dict()) == names  # registered once, under the model's own names
+    assert declare_blocks(module, None) == declared  # idempotent
+
+
+def test_a_dotted_path_chooses_the_list_and_bad_paths_are_refused_by_name() -> None:
+    module = Wrapper(LitStyle())
+    declared = declare_blocks(module, "net.experts")
+    assert declared.path == "net.experts" and not declared.detected and declared.size == 2
+    with pytest.raises(ValueError, match=r"has no submodule 'net\.layers'.*'net\.transformer\.h'"):
+        declare_blocks(Wrapper(LitStyle()), "net.layers")
+    with pytest.raises(ValueError, match="names a Linear"):
+        declare_blocks(Wrapper(LitStyle()), "net.lm_head")
+    with pytest.raises(ValueError, match="dotted module path"):
+        P2RStrategy(blocks="net/layers")
+
+
+def test_two_equally_long_lists_are_ambiguous() -> None:
+    twins = nn.Module()
+    twins.encoder = nn.ModuleList(Block() for _ in range(2))
+    twins.decoder = nn.ModuleList(Block() for _ in range(2))
+    with pytest.raises(ValueError, match=r"\['encoder', 'decoder'\] are equally long; pass blocks="):
+        detect_block_list(twins)
+
+
+def test_a_model_that_declares_its_own_blocks_is_left_alone() -> None:
+    from lightning_p2r import M6Config
+    from lightning_p2r.models import M6Transformer
+
+    model = M6Transformer(M6Config(vocab_size=32, max_seq_len=8, num_layers=2, dim=16, num_heads=2))
+    assert declare_blocks(model, None) is None
+
+
+def _data() -> torch.utils.data.DataLoader:
+    data = (torch.randint(0, V, (8, 1), generator=torch.Generator().manual_seed(1)) + torch.arange(9)) % V
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _fit(tmp_path: Path, module: Wrapper, strategy: object) -> Wrapper:
+    L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False, use_distributed_sampler=False,
+              default_root_dir=tmp_path).fit(module, _data())
+    return module
+
+
+@pytest.mark.parametrize("options", [{"sharding": "zero3"}, {"offload_fraction": 0.5}], ids=["zero3", "offload"])
+def test_a_detected_block_list_trains_like_a_plain_trainer(tmp_path: Path, options: dict) -> None:
+    expected = _fit(tmp_path, Wrapper(LitStyle()), "auto").losses
+    module = _fit(tmp_path, Wrapper(LitStyle()), P2RStrategy(**options))
+    assert module.losses == pytest.approx(expected, rel=1e-6)
+    assert "net.transformer.h.0.fc.weight" in module.state_dict()
+
+
+def test_blocks_run_out_of_order_are_refused_before_the_first_optimizer_step(tmp_path: Path) -> None:
+    module = Wrapper(LitStyle(reverse=True))
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(ValueError, match=r"called its blocks in the order \[2, 1, 0\], not \[0, 1, 2\]"):
+        _fit(tmp_path, module, P2RStrategy(sharding="zero2"))
+    after = module.state_dict()
+    assert all(torch.equal(before[k], after[k].full_tensor() if hasattr(after[k], "full_tensor") else after[k])
+               for k in before)

@@ -1,0 +1,166 @@
+"""The tie rules (``strategy/ties.py``): which names share a parameter, which FSDP2 root holds them all, what is
+refused before the first step, and a tied model checkpointed and resumed under zero3 with its tie intact."""
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from lightning_p2r import P2RStrategy
+from lightning_p2r.strategy.checkpoint import read_model_state, to_single_file
+from lightning_p2r.strategy.ties import (
+    check_tensor_parallel_ties,
+    check_ties_kept,
+    check_ties_within_units,
+    find_ties,
+    retie,
+    smallest_parameter_root,
+)
+
+V, D = 16, 8
+
+
+class Decoder(nn.Module):
+    def __init__(self, layers: int = 2) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(layers))
+        self.layer_to_block = list(range(layers))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layer_to_block:
+            x = x + self.blocks[layer](x)
+        return x
+
+
+class HeadBeside(nn.Module):
+    """Hugging Face's shape: the head beside the decoder, tied to its embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = Decoder()
+        self.lm_head = nn.Linear(D, V, bias=False)
+        self.lm_head.weight = self.model.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model(ids))
+
+
+def test_ties_are_found_by_name_and_the_root_holds_every_name() -> None:
+    net = HeadBeside()
+    assert find_ties(net) == [("model.embed.weight", "lm_head.weight")]
+    wrapper = nn.Module()
+    wrapper.net = net
+    # The decoder holds every *parameter* (the tied one through its embedding) but not the head's name: the root is
+    # their parent, so fully_shard swaps both names.
+    assert smallest_parameter_root(wrapper) is net
+    untied = HeadBeside()
+    untied.lm_head.weight = nn.Parameter(untied.lm_head.weight.detach().clone())
+    holder = nn.Module()
+    holder.net = untied
+    assert find_ties(untied) == []
+    assert smallest_parameter_root(holder) is untied
+
+
+def test_a_module_registered_twice_is_one_unit_and_not_a_cross_unit_tie() -> None:
+    net = HeadBeside()
+    net.model.layers = net.model.blocks  # the docs' old advice: the list under two names
+    check_ties_within_units(net, list(net.model.blocks), "sharding='zero3'")
+
+
+def test_a_tie_across_a_block_and_the_root_is_refused_naming_both_names() -> None:
+    net = HeadBeside()
+    net.model.blocks[1].weight = net.model.blocks[0].weight  # a user's tie between two blocks
+    with pytest.raises(ValueError, match=r"model\.blocks\.0\.weight \(in model\.blocks\.0\).*model\.blocks\.1\.weight"):
+        check_ties_within_units(net, list(net.model.blocks), "sharding='zero3'")
+    check_ties_within_units(net, [], "sharding='zero3'")  # no units: the root holds both, fine
+
+
+def test_tensor_parallel_refuses_a_tie_split_under_one_name_only() -> None:
+    net = HeadBeside()
+    with pytest.raises(ValueError, match=r"lm_head\.weight \(not split\)"):
+        check_tensor_parallel_ties(net, {"model.embed": "vocabulary"})
+    with pytest.raises(ValueError, match="registered as"):
+        check_tensor_parallel_ties(net, {"model.embed": "vocabulary", "lm_head": "column"})
+    check_tensor_parallel_ties(net, {"model.embed": "vocabulary", "lm_head": "output"})
+    check_tensor_parallel_ties(net, {"model.blocks.0": "column"})  # the tie untouched
+
+
+def test_retie_points_every_name_at_the_first_and_a_broken_tie_is_caught() -> None:
+    net = HeadBeside()
+    ties = find_ties(net)
+    net.model.embed.weight = nn.Parameter(torch.zeros(V, D))  # what a layout step that swaps one name does
+    with pytest.raises(RuntimeError, match="untied model.embed.weight, lm_head.weight"):
+        check_ties_kept(net, ties)
+    retie(net, ties)
+    assert net.lm_head.weight is net.model.embed.weight
+    check_ties_kept(net, ties)
+
+
+class TiedModule(L.LightningModule):
+    def __init__(self, cross_block_tie: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = HeadBeside()
+        if cross_block_tie:
+            self.net.model.blocks[1].weight = self.net.model.blocks[0].weight
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.net(batch[:, :-1])
+        loss = nn.functional.cross_entropy(logits.reshape(-1, V), batch[:, 1:].reshape(-1))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def _data() -> torch.utils.data.DataLoader:
+    # Two batches an epoch: a run stopped after 2 steps ends an epoch, so its resumption reads what the whole run does.
+    data = (torch.randint(0, V, (8, 1), generator=torch.Generator().manual_seed(1)) + torch.arange(9)) % V
+    return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+def _trainer(tmp_path: Path, strategy: object, steps: int) -> L.Trainer:
+    return L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                     use_distributed_sampler=False, enable_checkpointing=False)
+
+
+def test_fsdp2_refuses_a_tie_across_blocks_before_the_first_step(tmp_path: Path) -> None:
+    module = TiedModule(cross_block_tie=True)
+    with pytest.raises(ValueError, match="cannot keep a tie across FSDP2 units"):
+        _trainer(tmp_path, P2RStrategy(sharding="zero3"), 2).fit(module, _data())
+    assert module.losses == []
+
+
+def _save_and_resume(tmp_path: Path, strategy: object) -> tuple[list[float], TiedModule]:
+    first = TiedModule()
+    trainer = _trainer(tmp_path / "first", strategy(), 2)
+    trainer.fit(first, _data())
+    trainer.save_checkpoint(tmp_path / "tied.ckpt")
+    resumed = TiedModule()
+    _trainer(tmp_path / "resumed", strategy(), 4).fit(resumed, _data(), ckpt_path=tmp_path / "tied.ckpt")
+    return first.losses + resumed.losses, resumed
+
+
+def test_a_tied_model_saved_sharded_resumes_tied_like_a_plain_trainer(tmp_path: Path) -> None:
+    expected, _ = _save_and_resume(tmp_path / "plain", lambda: "auto")
+    losses, resumed = _save_and_resume(tmp_path / "zero3", lambda: P2RStrategy(sharding="zero3"))
+    assert (tmp_path / "zero3" / "tied.ckpt").is_dir()  # a sharded (DCP) checkpoint
+    assert resumed.net.lm_head.weight is resumed.net.model.embed.weight
+    assert losses == pytest.approx(expected, rel=1e-6)
+    # Stored once (under its first name), read back under both names, as one tensor in a single-file conversion.
+    stored = dcp.FileSystemReader(str(tmp_path / "zero3" / "tied.ckpt")).read_metadata().state_dict_metadata
+    assert "model.net.model.embed.weight" in stored and "model.net.lm_head.weight" not in stored
+    whole = read_model_state(tmp_path / "zero3" / "tied.ckpt")
+    assert whole["net.lm_head.weight"] is whole["net.model.embed.weight"]
+    single = to_single_file(tmp_path / "zero3" / "tied.ckpt", tmp_path / "single.ckpt")["state_dict"]
+    plain = TiedModule()
+    plain.load_state_dict(single)  # strict: every name present
+    assert torch.equal(plain.net.lm_head.weight, whole["net.model.embed.weight"])
