@@ -9,6 +9,7 @@ initialized by the same rule and seed, so both builds hold the same values.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import lightning as L
@@ -68,17 +69,22 @@ class CausalLMModule(L.LightningModule):
 
     def __init__(self, hf_config: dict[str, Any] | None = None, model: nn.Module | None = None,
                  optimizer: OptimizerConfig | dict[str, Any] | None = None, init_seed: int = 0,
-                 parts: DecoderParts | None = None, vocab_size: int | None = None) -> None:
+                 parts: DecoderParts | dict[str, Any] | None = None, vocab_size: int | None = None) -> None:
         super().__init__()
         if (hf_config is None) == (model is None):
             raise ValueError("CausalLMModule needs exactly one of hf_config (a Hugging Face config dict) and model")
-        self.save_hyperparameters(ignore=["model"])
         self.hf_config = dict(hf_config) if hf_config is not None else None
         if vocab_size is not None and self.hf_config is not None:
             self.hf_config["vocab_size"] = int(vocab_size)
         self.optimizer_config = _as_dataclass(OptimizerConfig, optimizer)
         self.init_seed = int(init_seed)
-        self.parts = parts
+        self.parts = DecoderParts(**{k: tuple(v) if k == "embed" else v for k, v in parts.items()}) \
+            if isinstance(parts, dict) else parts
+        # Checkpoints are loaded with weights_only=True: hyperparameters are plain values (the model given whole is
+        # not one; a checkpoint of it records none, and `convert --to hf` then needs its config).
+        self.save_hyperparameters({"hf_config": self.hf_config, "optimizer": dataclasses.asdict(self.optimizer_config),
+                                   "init_seed": self.init_seed,
+                                   "parts": dataclasses.asdict(self.parts) if self.parts is not None else None})
         self.model = model
 
     def configure_model(self) -> None:

@@ -399,6 +399,7 @@ COMMANDS: dict[str, str] = {
     "plan": "price parallel layouts of a recipe's model on a cluster and rank them",
     "calibrate": "measure this machine's compute, memory and collective speeds for the planner",
     "convert-checkpoint": "write a sharded checkpoint as one file any strategy loads",
+    "convert": "write a checkpoint as a Hugging Face directory (--to hf) or safetensors (--to safetensors)",
 }
 _LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
@@ -426,6 +427,10 @@ def _run_side_command(name: str, argv: list[str]) -> None:
         from .generate_cli import main as generate
 
         generate(argv)
+    elif name == "convert":
+        from .export import main as convert
+
+        convert(argv)
     elif name == "prepare-data":
         from .prepare_cli import main as prepare
 

@@ -65,7 +65,7 @@ def shard_root(root: nn.Module, mesh: object) -> None:
 
 def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshes, ctx: EngineContext) -> ParallelPlan:
     """Split the model as it declares; a ``token_loss`` module gets the vocabulary-parallel loss (logits stay split)."""
-    plan = model_plan(holder)
+    plan = model_plan(holder, meshes.dims.tensor_parallel)
     output = [holder.get_submodule(name) for name, kind in plan.outside.items() if kind == "output"]
     # A pipeline rank without the output layer (a stand-in) never computes the loss.
     vocab = output[0].weight.shape[0] if output and isinstance(output[0], HoldsWeight) else None
@@ -93,7 +93,7 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     split = None
     if meshes.dims.model_parallel:
         if meshes.dims.tensor_parallel > 1:
-            check_tensor_parallel_ties(root, planned_modules(root, holder))
+            check_tensor_parallel_ties(root, planned_modules(root, holder, meshes.dims.tensor_parallel))
         split = apply_model_plan(module, holder, meshes, ctx)
     lazy = has_meta_tensors(module)
     if move_module and not lazy:
@@ -141,9 +141,9 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     return placement
 
 
-def planned_modules(root: nn.Module, holder: nn.Module) -> dict[str, str]:
+def planned_modules(root: nn.Module, holder: nn.Module, tensor_parallel: int) -> dict[str, str]:
     """The holder's declared plan by module names relative to ``root`` (what the tie check reads)."""
-    plan = model_plan(holder)
+    plan = model_plan(holder, tensor_parallel)
     prefix = next(name for name, m in root.named_modules() if m is holder)
     prefix = prefix + "." if prefix else ""
     named = {prefix + name: kind for name, kind in plan.outside.items()}

@@ -14,8 +14,8 @@ pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not
 
 WORKER = Path(__file__).with_name("hf_worker.py")
 
-ONE_PROCESS = [{"name": "reference_qwen3_moe", "family": "qwen3_moe", "strategy": None},
-               {"name": "reference_llama_tied", "family": "llama_tied", "strategy": None}]
+ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
+               for family in ("qwen3_moe", "llama_tied", "llama")]
 TWO_PROCESSES = [
     {"name": "ddp_qwen3_moe", "family": "qwen3_moe", "strategy": {}},
     {"name": "zero3_offload_qwen3_moe", "family": "qwen3_moe",
@@ -25,6 +25,10 @@ TWO_PROCESSES = [
     {"name": "pp2_qwen3_moe", "family": "qwen3_moe", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "pp2_llama_tied", "family": "llama_tied",
      "strategy": {"pipeline_parallel": 2, "micro_batches": 2, "pipeline_schedule": "gpipe"}},
+    # The model's own Hugging Face plan (base_model_tp_plan and the head's _tp_plan); a tied head splits its
+    # embedding by vocabulary with it.
+    {"name": "tp2_llama", "family": "llama", "strategy": {"tensor_parallel": 2}},
+    {"name": "tp2_zero3_llama_tied", "family": "llama_tied", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
 ]
 
 
@@ -62,6 +66,6 @@ def test_an_hf_model_built_in_place_trains_on_two_processes_like_the_eager_build
     for name, values in expected.items():
         torch.testing.assert_close(torch.tensor(merged[name]), torch.tensor(values), rtol=1e-3, atol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
-    if config["strategy"].get("sharding") == "zero3" or "pipeline_parallel" in config["strategy"]:
+    if {"sharding", "pipeline_parallel", "tensor_parallel"} & set(config["strategy"]):
         for rank in run["ranks"]:  # built in place: no rank holds the whole model
             assert rank["held"] < 0.75 * reference["ranks"][0]["held"]

@@ -121,3 +121,92 @@ def test_hf_config_needs_a_model_type() -> None:
         CausalLMModule(hf_config={"vocab_size": VOCAB}).configure_model()
     with pytest.raises(ValueError, match="exactly one of hf_config"):
         CausalLMModule()
+
+
+def _declared(family: str, **overrides) -> nn.Module:
+    from lightning_p2r.strategy.blocks import declare_blocks
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**(CONFIGS[family] | overrides)))
+    declare_blocks(model, decoder_parts(model).blocks, "")
+    return model
+
+
+def test_the_hf_tensor_parallel_plan_is_read_and_a_tied_head_splits_its_embedding_too() -> None:
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    plan = model_plan(_declared("llama_tied"), tensor_parallel=2)
+    assert plan.blocks[0] == {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
+                              "self_attn.o_proj": "row", "mlp.gate_proj": "column", "mlp.up_proj": "column",
+                              "mlp.down_proj": "row"}
+    assert plan.outside == {"lm_head": "output", "model.embed_tokens": "vocabulary"}
+    assert model_plan(_declared("llama"), tensor_parallel=2).outside == {"lm_head": "output"}
+
+
+@pytest.mark.parametrize(("family", "overrides", "message"), [
+    ("qwen3_moe", {}, r"self_attn\.q_norm \(Qwen3MoeRMSNorm, Hugging Face style 'replicated_with_grad_allreduce'\)"),
+    ("mixtral", {}, r"mlp\.experts \(MixtralExperts, Hugging Face style 'moe_tp_experts'\)"),
+    ("llama", {"num_key_value_heads": 1}, r"must divide LlamaForCausalLM's num_key_value_heads=1"),
+    ("gpt2", {}, r"nor a Hugging Face base_model_tp_plan \(GPT-2 has none: its Conv1D"),
+])
+def test_what_tensor_parallelism_cannot_split_is_refused_in_one_line(family: str, overrides: dict,
+                                                                      message: str) -> None:
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    with pytest.raises(ValueError, match=message):
+        model_plan(_declared(family, **overrides), tensor_parallel=2)
+
+
+def test_a_hand_written_plan_naming_a_conv1d_is_refused_by_name() -> None:
+    from lightning_p2r.protocols import ParallelPlan
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    model = _declared("gpt2")
+    model.parallel_plan = lambda: ParallelPlan(tuple({"attn.c_attn": "column"} for _ in model.transformer.h), {})
+    with pytest.raises(ValueError, match=r"block 0's attn\.c_attn as 'column': it is a Conv1D, not an nn\.Linear"):
+        model_plan(model, tensor_parallel=2)
+
+
+@pytest.mark.parametrize(("family", "strategy"), [("llama_tied", "zero3"), ("qwen3_moe", "single_file")])
+def test_convert_to_hf_round_trips_to_identical_logits(tmp_path: Path, family: str, strategy: str) -> None:
+    from lightning_p2r.export import main as convert
+
+    module = CausalLMModule(hf_config=CONFIGS[family], optimizer={"lr": 1e-2, "warmup_steps": 0})
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        strategy=P2RStrategy(sharding="zero3") if strategy == "zero3" else "auto")
+    trainer.fit(module, torch.utils.data.DataLoader(windows(), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "trained.ckpt")
+    ids = windows(rows=2)[:, :-1]
+    with torch.no_grad():
+        expected = module(ids)
+    convert(["--to", "hf", str(tmp_path / "trained.ckpt"), str(tmp_path / "hf")])
+    assert sorted(p.name for p in (tmp_path / "hf").iterdir()) == ["config.json", "generation_config.json",
+                                                                   "model.safetensors"]
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, expected)
+    with pytest.raises(SystemExit):  # an existing destination is kept unless --overwrite
+        convert(["--to", "hf", str(tmp_path / "trained.ckpt"), str(tmp_path / "hf")])
+
+
+def test_convert_to_safetensors_writes_an_m6_checkpoint_once_per_tensor(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from lightning_p2r import M6Config, M6LanguageModel
+    from lightning_p2r.export import main as convert
+
+    module = M6LanguageModel(M6Config(vocab_size=VOCAB, max_seq_len=16, num_layers=2, dim=16, num_heads=2,
+                                      num_experts=2))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
+                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path)
+    trainer.fit(module, torch.utils.data.DataLoader(windows(), batch_size=4))
+    trainer.save_checkpoint(tmp_path / "m6.ckpt")
+    convert(["--to", "safetensors", str(tmp_path / "m6.ckpt"), str(tmp_path / "out")])
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    state = module.state_dict()
+    config = __import__("json").loads((tmp_path / "out" / "config.json").read_text())
+    assert config["tied"] == {"transformer.lm_head.weight": "transformer.tok_embeddings.weight"}
+    assert set(tensors) | set(config["tied"]) == set(state)
+    for name, tensor in tensors.items():
+        assert torch.equal(tensor, state[name])
+    assert config["hyper_parameters"]["config"]["num_layers"] == 2

@@ -1,0 +1,146 @@
+"""``lightning-p2r convert``: results in the formats users load elsewhere (issue 38, item 8).
+
+- ``--to hf``: a ``CausalLMModule`` checkpoint (a single file, or a sharded directory of any layout) as a Hugging
+  Face directory (``config.json`` + ``model.safetensors``) that ``AutoModelForCausalLM.from_pretrained`` loads with
+  the same logits. The model is rebuilt from the config the checkpoint records, on the meta device, and given the
+  checkpoint's tensors; Hugging Face's own ``save_pretrained`` writes it (a tied head stored once).
+- ``--to safetensors``: any checkpoint of this package (M6 included) as ``model.safetensors`` (each tensor once, the
+  model's own names) and ``config.json`` (its saved hyperparameters).
+- ``--to checkpoint``: a sharded checkpoint as one Lightning file (as ``convert-checkpoint``).
+
+Every output is written to a hidden sibling and renamed into place: an interrupted conversion leaves no half file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .strategy.checkpoint import check_checkpoint_path, is_sharded_checkpoint, load_meta, read_model_state
+
+PREFIX = "model."
+"""Where ``CausalLMModule`` keeps the model: its state-dict keys start with this."""
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(model state dict, hyperparameters)`` of a single-file or sharded checkpoint, on the CPU, loaded safely."""
+    check_checkpoint_path(path, loads_sharded=True)
+    if is_sharded_checkpoint(path):
+        return read_model_state(path), load_meta(path).get("hyper_parameters") or {}
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    return checkpoint["state_dict"], checkpoint.get("hyper_parameters") or {}
+
+
+def hf_model_of(state: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> torch.nn.Module:
+    """The Hugging Face model of ``hf_config`` holding ``state`` (the ``CausalLMModule`` keys), built on the meta
+    device and given the tensors as they are (each allocated once); refuses a missing or unexpected tensor."""
+    from .causal_lm import build_hf_model
+
+    with torch.device("meta"):
+        model = build_hf_model(hf_config)
+    own = {key[len(PREFIX):]: value for key, value in state.items() if key.startswith(PREFIX)}
+    result = model.load_state_dict(own, strict=False, assign=True)
+    tied = {name for names in _tied_names(model) for name in names[1:]}
+    missing = [name for name in result.missing_keys if name not in tied]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"the checkpoint does not hold this model: missing {missing[:5]}, unexpected "
+                         f"{result.unexpected_keys[:5]}")
+    model.tie_weights()
+    # Computed buffers (rotary tables) stay on the meta device: they are not persistent, so not written.
+    return model.eval()
+
+
+def _tied_names(model: torch.nn.Module) -> list[tuple[str, ...]]:
+    from .strategy.ties import find_ties
+
+    return find_ties(model)
+
+
+def to_hf(source: str | Path, destination: str | Path) -> Path:
+    """Write ``source`` (a ``CausalLMModule`` checkpoint) as a Hugging Face directory at ``destination``."""
+    state, hyper = read_checkpoint(source)
+    hf_config = hyper.get("hf_config")
+    if not isinstance(hf_config, dict):
+        raise ValueError(f"{source} was not written by CausalLMModule(hf_config=...): it records no Hugging Face "
+                         "config (use --to safetensors for other models)")
+    model = hf_model_of(state, hf_config)
+    return _write_dir(destination, lambda tmp: model.save_pretrained(tmp, safe_serialization=True))
+
+
+def to_safetensors(source: str | Path, destination: str | Path) -> Path:
+    """Write ``source`` (any checkpoint of this package) as ``model.safetensors`` + ``config.json``."""
+    from safetensors.torch import save_file
+
+    state, hyper = read_checkpoint(source)
+    unique: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    aliases: dict[str, str] = {}
+    for key, tensor in state.items():
+        # A tied tensor (one storage under two names, however it was loaded): stored once, its other name recorded.
+        where = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                 tuple(tensor.stride()))
+        if where in seen:
+            aliases[key] = seen[where]
+            continue
+        seen[where] = key
+        unique[key] = tensor.contiguous()
+
+    def write(tmp: Path) -> None:
+        save_file(unique, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps({"hyper_parameters": _plain(hyper), "tied": aliases},
+                                                    indent=2, sort_keys=True))
+
+    return _write_dir(destination, write)
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if isinstance(value, (str, int, float, bool)) or value is None else repr(value)
+
+
+def _write_dir(destination: str | Path, write: Any) -> Path:
+    destination = Path(destination)
+    partial = destination.with_name(f".{destination.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    write(partial)
+    if destination.exists():
+        shutil.rmtree(destination)
+    os.replace(partial, destination)
+    return destination
+
+
+def main(argv: list[str]) -> None:
+    """``lightning-p2r convert --to {hf,safetensors,checkpoint} SOURCE DESTINATION``."""
+    parser = argparse.ArgumentParser(prog="lightning-p2r convert", description=__doc__.splitlines()[0])
+    parser.add_argument("--to", choices=("hf", "safetensors", "checkpoint"), required=True,
+                        help="hf: a Hugging Face directory (CausalLMModule checkpoints); safetensors: weights + "
+                             "config.json; checkpoint: one Lightning file from a sharded directory")
+    parser.add_argument("source", help="a checkpoint file or sharded checkpoint directory")
+    parser.add_argument("destination", help="the directory (hf, safetensors) or file (checkpoint) to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    args = parser.parse_args(argv)
+    if os.path.exists(args.destination) and not args.overwrite:
+        parser.error(f"{args.destination} exists: pass --overwrite to replace it, or choose another name")
+    try:
+        if args.to == "hf":
+            written = to_hf(args.source, args.destination)
+        elif args.to == "safetensors":
+            written = to_safetensors(args.source, args.destination)
+        else:
+            from .strategy.checkpoint import to_single_file
+
+            to_single_file(args.source, args.destination)
+            written = Path(args.destination)
+    except (ValueError, ImportError) as error:
+        parser.error(str(error))
+    print(f"wrote {written}")

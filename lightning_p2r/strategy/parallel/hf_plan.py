@@ -1,0 +1,124 @@
+"""A Hugging Face model's own tensor-parallel plan as a :class:`~lightning_p2r.protocols.ParallelPlan` (issue 38,
+item 5). HF configs carry ``base_model_tp_plan`` (patterns such as ``"layers.*.self_attn.q_proj": "colwise"``,
+relative to the base model) and the causal-LM classes a ``_tp_plan`` for the head (``"lm_head":
+"colwise_gather_output"``). The strategy reads them rather than asking the user for a plan.
+
+HF's attention reshapes its projections with ``view(..., -1, head_dim)``, so a rank's share of the q/k/v columns is
+read as its share of the heads: the head counts follow the split. What the package cannot split yet (stacked expert
+weights, "packed_colwise"; per-head norms whose gradient HF all-reduces, "replicated_with_grad_allreduce"; any
+other style) is refused in one line naming the module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ...protocols import ParallelPlan, SplitKind
+
+HF_STYLES: dict[str, SplitKind] = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "output",
+                                   "colwise_rep": "column", "rowwise_rep": "row"}
+"""HF's style names -> the package's split kinds (the "_rep" variants differ only in output layouts HF's own
+tensor parallel needs, which the package's styles already give)."""
+
+
+def hf_tp_plan(holder: nn.Module) -> dict[str, str] | None:
+    """``holder``'s Hugging Face plan by module name relative to ``holder`` (the base model's patterns prefixed by its
+    name, the class's head entries), or None when it declares none."""
+    patterns: dict[str, str] = {}
+    for name, module in holder.named_modules():
+        config = getattr(module, "config", None)
+        base = getattr(config, "base_model_tp_plan", None) if config is not None else None
+        own = getattr(type(module), "_tp_plan", None)
+        prefix = f"{name}." if name else ""
+        if isinstance(base, dict) and base and getattr(module, "base_model_prefix", None) is not None:
+            # A PreTrainedModel: its base model's patterns are relative to the base model (itself, or the child
+            # called ``base_model_prefix``).
+            base_name = module.base_model_prefix
+            inner = prefix + (f"{base_name}." if hasattr(module, base_name) and getattr(module, base_name)
+                              is not module else "")
+            patterns.update({inner + pattern: style for pattern, style in base.items()
+                             if inner + pattern not in patterns})
+        if isinstance(own, dict):
+            patterns.update({prefix + pattern: style for pattern, style in own.items()})
+        if patterns:
+            break  # the outermost PreTrainedModel's plan covers its submodels
+    return patterns or None
+
+
+def plan_from_hf(holder: nn.Module, tensor_parallel: int) -> ParallelPlan:
+    """The :class:`ParallelPlan` of ``holder``'s HF plan; refuses styles, modules and sizes it cannot split."""
+    patterns = hf_tp_plan(holder)
+    if patterns is None:
+        raise ValueError(f"P2RStrategy(tensor_parallel={tensor_parallel}) splits a model by its plan: "
+                         f"{type(holder).__name__} has neither parallel_plan() nor a Hugging Face base_model_tp_plan "
+                         "(GPT-2 has none: its Conv1D layers are stored transposed); declare a "
+                         "lightning_p2r.protocols.ParallelPlan, or use sharding/offload/pipeline_parallel instead")
+    blocks_name = next(name for name, m in holder.named_modules() if m is holder.blocks)
+    per_block: list[dict[str, SplitKind]] = [{} for _ in holder.blocks]
+    outside: dict[str, SplitKind] = {}
+    for pattern, style in patterns.items():
+        parts = pattern.split(".")
+        if blocks_name and pattern.startswith(blocks_name + ".*."):
+            inner = pattern[len(blocks_name) + 3:]
+            targets = [(index, f"{blocks_name}.{index}.{inner}") for index in range(len(holder.blocks))]
+        elif "*" in parts:
+            raise ValueError(f"the Hugging Face plan of {type(holder).__name__} names {pattern!r} outside its "
+                             f"block list {blocks_name!r}; tensor parallelism cannot place it")
+        else:
+            targets = [(None, pattern)]
+        for index, name in targets:
+            try:
+                module = holder.get_submodule(name)
+            except AttributeError:
+                continue  # a pattern for a variant this model does not have (a dense FFN in an all-MoE model)
+            if next(module.parameters(), None) is None:
+                continue  # a pipeline stage's stand-in for another rank's block
+            kind = _kind(name, style, module, holder)
+            if index is None:
+                outside[name] = kind
+            else:
+                per_block[index][name[len(f"{blocks_name}.{index}."):]] = kind
+    # A head tied to the input embedding (GPT-2, Llama 3.2, ...) splits it too, by vocabulary: one sharded weight.
+    for name in [name for name, kind in outside.items() if kind == "output"]:
+        weight = getattr(holder.get_submodule(name), "weight", None)
+        for other, module in holder.named_modules():
+            if isinstance(module, nn.Embedding) and module.weight is weight and other not in outside:
+                outside[other] = "vocabulary"
+    _check_sizes(holder, tensor_parallel)
+    return ParallelPlan(tuple(per_block), outside)
+
+
+def _kind(name: str, style: str, module: nn.Module, holder: nn.Module) -> SplitKind:
+    kind = HF_STYLES.get(style)
+    if kind is None:
+        raise ValueError(f"tensor parallelism cannot split {type(holder).__name__}'s {name} ({type(module).__name__},"
+                         f" Hugging Face style {style!r}): the package splits 'colwise', 'rowwise' and "
+                         "'colwise_gather_output' layers; use expert_parallel=1 and tensor_parallel=1 for this model "
+                         "(sharding, offload, layered accumulation and pipelines work), or declare a ParallelPlan")
+    check_splittable(f"{type(holder).__name__}'s {name}", module, kind)
+    return kind
+
+
+def check_splittable(what: str, module: nn.Module, kind: SplitKind) -> None:
+    """Refuse, in one line, a plan entry torch's styles cannot split: a linear kind on a module that is not an
+    ``nn.Linear`` (GPT-2's ``Conv1D`` stores its weight transposed), a vocabulary kind on one that is not an
+    ``nn.Embedding``."""
+    if kind in ("column", "row", "output") and not isinstance(module, nn.Linear):
+        raise ValueError(f"tensor parallelism cannot split {what} as {kind!r}: it is a {type(module).__name__}, not "
+                         "an nn.Linear (a Conv1D stores its weight as in x out); leave it out of the plan")
+    if kind == "vocabulary" and not isinstance(module, nn.Embedding):
+        raise ValueError(f"tensor parallelism cannot split {what} by vocabulary: it is a {type(module).__name__}, "
+                         "not an nn.Embedding")
+
+
+def _check_sizes(holder: nn.Module, tensor_parallel: int) -> None:
+    """Heads (query and key/value) and hidden widths must divide by the degree, so each rank holds whole heads."""
+    config: Any = getattr(holder, "config", None)
+    sizes = {name: getattr(config, name, None) for name in ("num_attention_heads", "num_key_value_heads",
+                                                            "intermediate_size", "vocab_size")}
+    bad = {name: value for name, value in sizes.items() if isinstance(value, int) and value % tensor_parallel}
+    if bad:
+        raise ValueError(f"tensor_parallel={tensor_parallel} must divide {type(holder).__name__}'s "
+                         + ", ".join(f"{name}={value}" for name, value in bad.items()))
