@@ -49,6 +49,16 @@ def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:
     return AutoModelForCausalLM.from_config(config)
 
 
+def build_litgpt_model(litgpt_config: dict[str, Any]) -> nn.Module:
+    """A litgpt ``GPT`` from its ``Config`` fields, randomly initialized."""
+    try:
+        from litgpt import GPT, Config
+    except ImportError as error:
+        raise ImportError("CausalLMModule(litgpt_config=...) builds litgpt models: pip install --no-deps litgpt "
+                          "(docs/your_model.md)") from error
+    return GPT(Config(**litgpt_config))
+
+
 def _is_meta(model: nn.Module) -> bool:
     return any(p.device.type == "meta" for p in model.parameters())
 
@@ -59,30 +69,39 @@ class CausalLMModule(L.LightningModule):
     Args:
         hf_config: A Hugging Face config as a dict: ``model_type`` ("llama", "qwen3_moe", ...) and its fields; the
             model is built from it in ``configure_model`` (in place under ``P2RStrategy``).
+        litgpt_config: A litgpt ``Config`` as a dict (``n_layer``, ``n_embd``, ...): a litgpt ``GPT`` built like
+            ``hf_config``'s model (litgpt installs apart: ``pip install --no-deps litgpt``, docs/your_model.md).
         model: A model given whole instead (built by the caller; its weights are kept as they are).
         optimizer: AdamW and its schedule (``OptimizerConfig``).
-        init_seed: Seed of the initial values when built from ``hf_config`` (the same in every layout).
+        init_seed: Seed of the initial values when built from a config (the same in every layout).
         parts: Where the model keeps its parts, for layered accumulation; None uses the family's ready declaration
             (``models.decoders.KNOWN_DECODERS``).
-        vocab_size: Overrides ``hf_config``'s ``vocab_size`` (``lightning-p2r fit`` links the data's here).
+        vocab_size: Overrides the config's vocabulary size (``lightning-p2r fit`` links the data's here).
     """
 
-    def __init__(self, hf_config: dict[str, Any] | None = None, model: nn.Module | None = None,
-                 optimizer: OptimizerConfig | dict[str, Any] | None = None, init_seed: int = 0,
-                 parts: DecoderParts | dict[str, Any] | None = None, vocab_size: int | None = None) -> None:
+    def __init__(self, hf_config: dict[str, Any] | None = None, litgpt_config: dict[str, Any] | None = None,
+                 model: nn.Module | None = None, optimizer: OptimizerConfig | dict[str, Any] | None = None,
+                 init_seed: int = 0, parts: DecoderParts | dict[str, Any] | None = None,
+                 vocab_size: int | None = None) -> None:
         super().__init__()
-        if (hf_config is None) == (model is None):
-            raise ValueError("CausalLMModule needs exactly one of hf_config (a Hugging Face config dict) and model")
+        if sum(x is not None for x in (hf_config, litgpt_config, model)) != 1:
+            raise ValueError("CausalLMModule needs exactly one of hf_config (a Hugging Face config dict), "
+                             "litgpt_config and model")
         self.hf_config = dict(hf_config) if hf_config is not None else None
-        if vocab_size is not None and self.hf_config is not None:
-            self.hf_config["vocab_size"] = int(vocab_size)
+        self.litgpt_config = dict(litgpt_config) if litgpt_config is not None else None
+        if vocab_size is not None:
+            if self.hf_config is not None:
+                self.hf_config["vocab_size"] = int(vocab_size)
+            if self.litgpt_config is not None:
+                self.litgpt_config["vocab_size"] = self.litgpt_config["padded_vocab_size"] = int(vocab_size)
         self.optimizer_config = _as_dataclass(OptimizerConfig, optimizer)
         self.init_seed = int(init_seed)
         self.parts = DecoderParts(**{k: tuple(v) if k == "embed" else v for k, v in parts.items()}) \
             if isinstance(parts, dict) else parts
         # Checkpoints are loaded with weights_only=True: hyperparameters are plain values (the model given whole is
         # not one; a checkpoint of it records none, and `convert --to hf` then needs its config).
-        self.save_hyperparameters({"hf_config": self.hf_config, "optimizer": dataclasses.asdict(self.optimizer_config),
+        self.save_hyperparameters({"hf_config": self.hf_config, "litgpt_config": self.litgpt_config,
+                                   "optimizer": dataclasses.asdict(self.optimizer_config),
                                    "init_seed": self.init_seed,
                                    "parts": dataclasses.asdict(self.parts) if self.parts is not None else None})
         self.model = model
@@ -90,7 +109,8 @@ class CausalLMModule(L.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        self.model = build_hf_model(self.hf_config)
+        self.model = build_hf_model(self.hf_config) if self.hf_config is not None else build_litgpt_model(
+            self.litgpt_config)
         if not _is_meta(self.model):  # built eagerly: the values a build in place gets (module_init.py)
             initialize_by_module(self, self.init_seed)
 

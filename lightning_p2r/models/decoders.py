@@ -63,7 +63,8 @@ def family_of(model: nn.Module) -> str | None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if isinstance(model_type, str) and model_type in KNOWN_DECODERS:
         return model_type
-    if type(model).__name__ == "GPT" and type(model).__module__.startswith("litgpt"):
+    # The MRO, not the class: FSDP2 swaps a sharded module's class for a subclass (FSDPGPT).
+    if any(cls.__name__ == "GPT" and cls.__module__.startswith("litgpt") for cls in type(model).__mro__):
         return "litgpt"
     return None
 

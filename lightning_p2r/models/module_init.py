@@ -36,15 +36,25 @@ def init_rule(root: nn.Module, name: str, hook: ModuleInit | None = None) -> Mod
     if hook is not None:
         return hook
     parts = name.split(".") if name else []
-    # The nearest Hugging Face PreTrainedModel at or above the module (it knows its own submodules' init).
+    # The nearest Hugging Face PreTrainedModel at or above the module (it knows its own submodules' init). Only
+    # transformers' own: another library's ``_init_weights`` (litgpt's) may cover some module kinds only.
     for depth in range(len(parts), -1, -1):
         owner = root.get_submodule(".".join(parts[:depth]))
-        init_weights = getattr(owner, "_init_weights", None)
-        if callable(init_weights) and hasattr(owner, "config"):
-            return init_weights
+        if is_hf_pretrained(owner):
+            return owner._init_weights
     module = root.get_submodule(name)
-    reset = getattr(module, "reset_parameters", None)
-    return (lambda _: reset()) if callable(reset) else None
+    # Called on the module it is given (a host twin of this one, when built in place), not bound to this one.
+    return _reset_parameters if callable(getattr(module, "reset_parameters", None)) else None
+
+
+def _reset_parameters(module: nn.Module) -> None:
+    module.reset_parameters()
+
+
+def is_hf_pretrained(module: nn.Module) -> bool:
+    """Whether ``module`` is a Hugging Face ``transformers.PreTrainedModel`` (checked without importing it)."""
+    return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
+               for cls in type(module).__mro__)
 
 
 @torch.no_grad()
@@ -90,6 +100,6 @@ def recomputes_buffers(root: nn.Module, name: str, hook: ModuleInit | None = Non
     rule = init_rule(root, name)
     if rule is None:
         return False
-    if getattr(rule, "__self__", None) is not None and hasattr(rule.__self__, "config"):  # Hugging Face
+    if is_hf_pretrained(getattr(rule, "__self__", None) or module):  # Hugging Face: its rotary tables
         return hasattr(module, "original_inv_freq")
     return callable(getattr(module, "reset_parameters", None))

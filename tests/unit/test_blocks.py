@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from lightning_p2r import P2RStrategy
+from lightning_p2r.models.module_init import initialize_by_module
 from lightning_p2r.sharing import find_block_sequence
 from lightning_p2r.strategy.blocks import declare_blocks, detect_block_list
 
@@ -129,3 +130,51 @@ def test_blocks_run_out_of_order_are_refused_before_the_first_optimizer_step(tmp
     after = module.state_dict()
     assert all(torch.equal(before[k], after[k].full_tensor() if hasattr(after[k], "full_tensor") else after[k])
                for k in before)
+
+
+class WithTable(nn.Module):
+    """A model whose buffer is computed at construction and again by its ``reset_parameters`` (litgpt's rotary
+    cache works this way): built on the meta device, the buffer is recomputed, not left as uninitialized memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.head = nn.Linear(D, V)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, D), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.scale = torch.linspace(0.5, 1.5, D, device=self.scale.device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) * self.scale
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class BuiltInPlace(Wrapper):
+    """``configure_model`` builds the model (on the meta device under P2RStrategy); an eager build is initialized by
+    the same per-module rule, so both start equal."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self.net = WithTable()
+            if not any(p.is_meta for p in self.net.parameters()):
+                initialize_by_module(self, seed=11)
+
+    @property
+    def init_seed(self) -> int:
+        return 11
+
+
+@pytest.mark.parametrize("options", [{"sharding": "zero3"}, {"offload_fraction": 0.5}], ids=["zero3", "offload"])
+def test_a_model_built_in_place_gets_its_own_reset_parameters_values_and_its_buffers_recomputed(
+        tmp_path: Path, options: dict) -> None:
+    eager = _fit(tmp_path, BuiltInPlace(), "auto")
+    placed = _fit(tmp_path, BuiltInPlace(), P2RStrategy(**options))
+    assert placed.losses == pytest.approx(eager.losses, rel=1e-6)
+    torch.testing.assert_close(placed.net.scale, torch.linspace(0.5, 1.5, D))

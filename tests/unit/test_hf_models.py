@@ -210,3 +210,29 @@ def test_convert_to_safetensors_writes_an_m6_checkpoint_once_per_tensor(tmp_path
     for name, tensor in tensors.items():
         assert torch.equal(tensor, state[name])
     assert config["hyper_parameters"]["config"]["num_layers"] == 2
+
+
+LITGPT = {"n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 64, "vocab_size": VOCAB, "padded_vocab_size": VOCAB,
+          "bias": False}
+
+
+@pytest.mark.parametrize("layout", ["zero3_offload_layered", "offload_layered"])
+def test_a_litgpt_gpt_built_in_place_trains_like_the_eager_build(tmp_path: Path, layout: str) -> None:
+    pytest.importorskip("litgpt", reason="litgpt is not installed (pip install --no-deps litgpt)")
+
+    def fit(strategy: object) -> tuple[list[float], CausalLMModule]:
+        module = CausalLMModule(litgpt_config=LITGPT, optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3)
+        losses = Losses()
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                  enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+                  use_distributed_sampler=False, default_root_dir=tmp_path, callbacks=[losses],
+                  ).fit(module, torch.utils.data.DataLoader(windows(), batch_size=4))
+        return losses.losses, module
+
+    expected, eager = fit("auto")
+    losses, module = fit(P2RStrategy(**LAYOUTS[layout]))
+    assert losses == pytest.approx(expected, rel=1e-5)
+    assert expected[-1] < expected[0]
+    # litgpt's rotary tables (cos, sin buffers), computed at construction, recomputed by GPT.reset_parameters
+    torch.testing.assert_close(module.model.cos, eager.model.cos)
+    assert list(module.state_dict()) == list(eager.state_dict())
