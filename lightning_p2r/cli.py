@@ -400,6 +400,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "measure this machine's compute, memory and collective speeds for the planner",
     "convert-checkpoint": "write a sharded checkpoint as one file any strategy loads",
     "convert": "write a checkpoint as a Hugging Face directory (--to hf) or safetensors (--to safetensors)",
+    "lm-eval": "score a checkpoint with lm-evaluation-harness on per-language verse continuations (offline)",
 }
 _LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
@@ -427,6 +428,10 @@ def _run_side_command(name: str, argv: list[str]) -> None:
         from .generate_cli import main as generate
 
         generate(argv)
+    elif name == "lm-eval":
+        from .lm_eval_cli import main as lm_eval
+
+        lm_eval(argv)
     elif name == "convert":
         from .export import main as convert
 

@@ -19,10 +19,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
-from hf_models import CONFIGS, Losses, windows  # noqa: E402
+from hf_models import Losses, causal_lm, windows  # noqa: E402
 
 from lightning_p2r import P2RStrategy  # noqa: E402
-from lightning_p2r.causal_lm import CausalLMModule  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 4, 4
 
@@ -42,7 +41,7 @@ class RankSlices(L.LightningDataModule):
 def run(config: dict, out: Path, devices: int) -> None:
     L.seed_everything(0)
     family = config["family"]
-    module = CausalLMModule(hf_config=CONFIGS[family], optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3)
+    module = causal_lm(family, optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3)
     options = config.get("strategy")
     strategy = P2RStrategy(**options) if options is not None else "auto"
     losses = Losses()
@@ -60,7 +59,8 @@ def run(config: dict, out: Path, devices: int) -> None:
     weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
     model = module.model
     tied = None
-    head, embedding = model.lm_head, model.get_input_embeddings()
+    head = model.lm_head
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.transformer.wte
     if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "weight") and hasattr(embedding,
                                                                                                    "weight"):
         tied = head.weight is embedding.weight  # (a pipeline rank holds one end only: its replica is checked)

@@ -23,6 +23,20 @@ CONFIGS = {
 }
 
 
+LITGPT = {"n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 64, "vocab_size": VOCAB, "padded_vocab_size": VOCAB,
+          "bias": False}
+"""A tiny litgpt ``GPT`` (``CausalLMModule(litgpt_config=LITGPT)``)."""
+
+
+def causal_lm(family: str, **kwargs):
+    """``CausalLMModule`` of a family of :data:`CONFIGS`, or litgpt's GPT for "litgpt"."""
+    from lightning_p2r.causal_lm import CausalLMModule
+
+    if family == "litgpt":
+        return CausalLMModule(litgpt_config=LITGPT, **kwargs)
+    return CausalLMModule(hf_config=CONFIGS[family], **kwargs)
+
+
 class Losses(L.Callback):
     """The training loss of every step (each rank's own)."""
 

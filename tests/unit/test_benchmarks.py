@@ -319,3 +319,16 @@ def test_multilingual_benchmark_writes_csv_and_png(tmp_path: Path, capsys: pytes
     assert rows[-1]["tokens"] == str(int(rows[0]["tokens"]) + int(rows[1]["tokens"]))
     _assert_png(tmp_path / "multilingual.png")
     assert "bits/byte" in capsys.readouterr().out
+
+
+def test_hf_layouts_benchmark_compares_p2r_with_lightnings_strategy(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+    from lightning_p2r.benchmarks import hf_layouts
+
+    result = hf_layouts.main(["--quick", "--arms", "lightning model_parallel fsdp2,p2r zero3", "--out", str(tmp_path)])
+    rows = {row["arm"]: row for row in result["rows"]}
+    assert rows["p2r zero3"]["vs_lightning"] == pytest.approx(
+        rows["p2r zero3"]["step_s"] / rows["lightning model_parallel fsdp2"]["step_s"], rel=1e-2)
+    assert (tmp_path / "hf_layouts.csv").exists() and (tmp_path / "hf_layouts.png").exists()
+    assert "vs_lightning" in capsys.readouterr().out

@@ -8,7 +8,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from hf_models import CONFIGS, VOCAB, Losses, windows
+from hf_models import CONFIGS, LITGPT, VOCAB, Losses, windows
 from torch import nn
 
 pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
@@ -212,10 +212,6 @@ def test_convert_to_safetensors_writes_an_m6_checkpoint_once_per_tensor(tmp_path
     assert config["hyper_parameters"]["config"]["num_layers"] == 2
 
 
-LITGPT = {"n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 64, "vocab_size": VOCAB, "padded_vocab_size": VOCAB,
-          "bias": False}
-
-
 @pytest.mark.parametrize("layout", ["zero3_offload_layered", "offload_layered"])
 def test_a_litgpt_gpt_built_in_place_trains_like_the_eager_build(tmp_path: Path, layout: str) -> None:
     pytest.importorskip("litgpt", reason="litgpt is not installed (pip install --no-deps litgpt)")
@@ -236,3 +232,10 @@ def test_a_litgpt_gpt_built_in_place_trains_like_the_eager_build(tmp_path: Path,
     # litgpt's rotary tables (cos, sin buffers), computed at construction, recomputed by GPT.reset_parameters
     torch.testing.assert_close(module.model.cos, eager.model.cos)
     assert list(module.state_dict()) == list(eager.state_dict())
+
+
+def test_expert_parallelism_of_an_hf_moe_is_refused_in_one_line() -> None:
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    with pytest.raises(ValueError, match="expert parallelism splits lightning_p2r MoE layers only"):
+        model_plan(_declared("qwen3_moe"), tensor_parallel=1)

@@ -1,0 +1,83 @@
+"""``lightning-p2r lm-eval``: score a checkpoint with lm-evaluation-harness on the per-language verse-continuation
+tasks (``lm_eval_adapter.bible_choice_tasks``), offline, and print one table (docs/your_model.md)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from .bible_multi import TRANSLATIONS
+from .data import TextDataModule
+from .generate_cli import GenerateError, load_model, read_checkpoint, read_recipe, recipe_tokenizer, resolve_checkpoint
+from .text_table import format_table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lightning-p2r lm-eval", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="the recipe the checkpoint was trained with (its tokenizer)")
+    parser.add_argument("--ckpt_path", required=True, help="a checkpoint file, a sharded checkpoint directory, or "
+                                                           "'last'")
+    parser.add_argument("--languages", default="en,fr,de,ru,zh", help="comma-separated bible-multi codes")
+    parser.add_argument("--per-language", type=int, default=50, help="documents per language")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser
+
+
+def _module_and_tokenizer(config: str, ckpt_path: str) -> tuple[Any, Any, int]:
+    """The trained model (logits of token ids), its tokenizer and context length, from an M6 recipe or one whose model
+    is a ``CausalLMModule`` (``class_path``)."""
+    recipe = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
+    model_section = recipe.get("model") or {}
+    if isinstance(model_section, dict) and "class_path" in model_section:
+        from .export import hf_model_of
+
+        data = TextDataModule(**(recipe.get("data") or {}))
+        state, saved = read_checkpoint(ckpt_path)
+        hf_config = (saved.get("hyper_parameters") or {}).get("hf_config")
+        if not isinstance(hf_config, dict):
+            raise GenerateError(f"--ckpt_path: {ckpt_path} records no Hugging Face config")
+        model = hf_model_of(state, hf_config | {"vocab_size": data.vocab_size})
+
+        def logits(ids: torch.Tensor) -> torch.Tensor:
+            return model(input_ids=ids, use_cache=False).logits
+
+        module: Any = _Callable(logits, model)
+        return module, recipe_tokenizer(data), data.seq_len
+    parsed = read_recipe(config)
+    path = resolve_checkpoint(ckpt_path, parsed)
+    state, saved = read_checkpoint(path)
+    return load_model(parsed, state, saved, path), recipe_tokenizer(parsed.data), parsed.config.max_seq_len
+
+
+class _Callable(torch.nn.Module):
+    def __init__(self, fn: Any, owner: torch.nn.Module) -> None:
+        super().__init__()
+        self.fn, self.owner = fn, owner
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.fn(ids)
+
+
+def main(argv: list[str]) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    languages = [code.strip() for code in args.languages.split(",") if code.strip()]
+    unknown = [code for code in languages if code not in TRANSLATIONS]
+    if unknown:
+        parser.error(f"--languages: unknown {unknown}; bible-multi has {sorted(TRANSLATIONS)}")
+    try:
+        from .lm_eval_adapter import P2RLM, evaluate_languages
+
+        module, tokenizer, max_length = _module_and_tokenizer(args.config, args.ckpt_path)
+        lm = P2RLM(module, tokenizer.encode, tokenizer.decode, max_length=max_length)
+    except (GenerateError, ImportError, ValueError) as error:
+        parser.error(str(error))
+    with tempfile.TemporaryDirectory(prefix="p2r-lm-eval-") as folder:
+        rows = evaluate_languages(lm, languages, folder, per_language=args.per_language, seed=args.seed)
+    print("four-way verse continuation (held-out books), accuracy per language:")
+    print(format_table(rows, ["language", "accuracy", "stderr", "documents", "chance"]))
