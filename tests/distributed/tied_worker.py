@@ -8,15 +8,12 @@ blocks (``head_outside``), or inside it (M6's shape). Each rank reads its own sl
 weights of every rank (so the test checks that replicas agree).
 """
 
-import argparse
-import json
 from pathlib import Path
 
 import lightning as L
 import torch
-import torch.distributed as dist
+from rank_slices import RankSlices, report, run_configs
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from lightning_p2r import P2RStrategy
 from lightning_p2r.protocols import ParallelPlan
@@ -101,20 +98,6 @@ class TiedModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-class RankSlices(L.LightningDataModule):
-    """The same global batches on any number of data ranks: rank r of n reads rows [r * B/n, (r + 1) * B/n) of each
-    global batch of B rows."""
-
-    def train_dataloader(self) -> torch.utils.data.DataLoader:
-        starts = torch.randint(0, VOCAB, (STEPS * GLOBAL_BATCH, 1), generator=torch.Generator().manual_seed(1))
-        data = (starts + torch.arange(SEQ + 1)) % VOCAB
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) or {"num_replicas": 1, "rank": 0}
-        ranks, rank = kwargs["num_replicas"], kwargs["rank"]
-        per_rank = GLOBAL_BATCH // ranks
-        rows = [b * GLOBAL_BATCH + rank * per_rank + i for b in range(STEPS) for i in range(per_rank)]
-        return torch.utils.data.DataLoader(data[rows], batch_size=per_rank)
-
-
 def run(config: dict, out: Path, devices: int) -> None:
     L.seed_everything(0)
     module = TiedModule(config.get("head_outside", True), config.get("plan_outside", {}))
@@ -122,35 +105,10 @@ def run(config: dict, out: Path, devices: int) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0)
-    trainer.fit(module, datamodule=RankSlices())
-    losses = torch.tensor(module.losses)
-    if dist.is_initialized():  # each data rank's loss is its own rows'; tensor-parallel ranks repeat theirs
-        dist.all_reduce(losses)
-        losses /= dist.get_world_size()
-    # Every rank's whole weights: a replica that trained apart (a head FSDP2 never reduced) differs between ranks.
-    weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    local = {"tied": [module.tied_at_start, module.tie_holds()],
-             "weights": {k: v.detach().float().flatten().tolist() for k, v in weights.items()}}
-    everyone = [None] * devices
-    if dist.is_initialized():
-        dist.all_gather_object(everyone, local)
-    else:
-        everyone = [local]
-    if trainer.global_rank == 0:
-        (out / f"{config['name']}.json").write_text(json.dumps({"losses": losses.tolist(), "ranks": everyone}))
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--devices", type=int, required=True)
-    parser.add_argument("--configs", type=str, required=True, help="JSON list of configurations")
-    args = parser.parse_args()
-    for config in json.loads(args.configs):
-        run(config, args.out, args.devices)
+    starts = torch.randint(0, VOCAB, (STEPS * GLOBAL_BATCH, 1), generator=torch.Generator().manual_seed(1))
+    trainer.fit(module, datamodule=RankSlices((starts + torch.arange(SEQ + 1)) % VOCAB, GLOBAL_BATCH))
+    report(out, config["name"], trainer, module, module.losses, {"tied": [module.tied_at_start, module.tie_holds()]})
 
 
 if __name__ == "__main__":
-    main()
+    run_configs(run)
