@@ -15,6 +15,9 @@ from lightning_p2r.cli import P2RCLI
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+# Recipes for another LightningModule (a `model.class_path`): the CLI runs them in subclass mode.
+OTHER_MODEL_RECIPES = [p for p in RECIPES if "class_path" in (yaml.safe_load(p.read_text()).get("model") or {})]
+M6_RECIPES = [p for p in RECIPES if p not in OTHER_MODEL_RECIPES]
 
 
 def _cli(args: list[str]) -> P2RCLI:
@@ -25,7 +28,7 @@ def test_there_are_recipes() -> None:
     assert {p.name for p in RECIPES} >= {"quickstart.yaml", "m6_moe_small.yaml", "dense_baseline.yaml"}
 
 
-@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+@pytest.mark.parametrize("recipe", M6_RECIPES, ids=lambda p: p.name)
 def test_recipe_instantiates_through_lightning_cli(recipe: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # recipes write under runs/; keep that inside the test's folder
     cli = _cli(["--config", str(recipe)])
@@ -36,6 +39,24 @@ def test_recipe_instantiates_through_lightning_cli(recipe: Path, tmp_path: Path,
     spelled = yaml.safe_load(recipe.read_text())["model"]["config"]
     for key, value in spelled.items():
         assert getattr(cli.model.config, key) == value, key
+
+
+@pytest.mark.parametrize("recipe", OTHER_MODEL_RECIPES, ids=lambda p: p.name)
+def test_a_recipe_naming_its_model_class_instantiates_it_with_the_datas_vocabulary(recipe: Path, tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    from lightning.pytorch import LightningModule
+
+    from lightning_p2r import CausalLMModule
+    from lightning_p2r.recipe_files import names_model_class
+
+    monkeypatch.chdir(tmp_path)
+    assert names_model_class(["fit", "--config", str(recipe)])
+    cli = P2RCLI(LightningModule, TextDataModule, subclass_mode_model=True, args=["--config", str(recipe)], run=False,
+                 save_config_callback=None)
+    assert isinstance(cli.model, CausalLMModule)
+    assert cli.model.hf_config["vocab_size"] == cli.datamodule.vocab_size  # linked from the data
+    spelled = yaml.safe_load(recipe.read_text())["model"]["init_args"]["hf_config"]
+    assert {k: cli.model.hf_config[k] for k in spelled} == spelled
 
 
 def test_dense_baseline_has_no_moe_layer(tmp_path: Path, monkeypatch) -> None:
