@@ -15,6 +15,10 @@ from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrateg
 from lightning_p2r.measure.memory import SetupMemoryProbe
 
 MODEL = {"vocab_size": 256, "max_seq_len": 16, "num_layers": 12, "dim": 1024, "num_heads": 16, "moe_layers": []}
+# The same size as a Hugging Face Llama built by CausalLMModule in configure_model (its own initialization).
+HF_MODEL = {"model_type": "llama", "vocab_size": 256, "hidden_size": 1024, "intermediate_size": 2816,
+            "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "max_position_embeddings": 64, "tie_word_embeddings": True}
 
 
 def main() -> None:
@@ -22,9 +26,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, required=True)
     parser.add_argument("--strategy", type=str, required=True, help="JSON keyword arguments of P2RStrategy")
+    parser.add_argument("--model", choices=("m6", "hf"), default="m6")
     args = parser.parse_args()
     L.seed_everything(0)
-    module = M6LanguageModel(M6Config(**MODEL), OptimizerConfig(warmup_steps=1))
+    if args.model == "hf":
+        from lightning_p2r import CausalLMModule
+
+        module = CausalLMModule(hf_config=HF_MODEL, optimizer={"warmup_steps": 1})
+    else:
+        module = M6LanguageModel(M6Config(**MODEL), OptimizerConfig(warmup_steps=1))
     probe = SetupMemoryProbe()
     trainer = L.Trainer(accelerator="cpu", devices=args.devices, strategy=P2RStrategy(**json.loads(args.strategy)),
                         max_steps=1, logger=False, enable_progress_bar=False, enable_checkpointing=False,
