@@ -19,6 +19,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from ..layout import (
@@ -146,6 +147,7 @@ class P2RStrategy(DDPStrategy):
         self.block_declaration: DeclaredBlocks | None = None
         """Where the strategy found the model's block list, when it declared it (None: the model declares its own)."""
         self._init_seed = 0
+        self._warned_sampler = False
         """The seed of initial values the model does not name itself (rank 0's; set in ``setup``)."""
         """Checks, in the first training step, that the model runs the block list the strategy declared."""
 
@@ -307,6 +309,21 @@ class P2RStrategy(DDPStrategy):
         if ranks is None:
             return super().distributed_sampler_kwargs
         return {"num_replicas": ranks[0], "rank": ranks[1]}
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """On one process, say when Lightning has replaced a loader's sampler with a shuffled ``DistributedSampler``
+        (it does so for any ``DDPStrategy``, which this strategy still is; issue 38 item 7): the batches then come in
+        another order than under a plain Trainer. ``Trainer(use_distributed_sampler=False)`` keeps the loader's own."""
+        sampler = getattr(dataloader, "sampler", None)
+        injected = type(sampler) is DistributedSampler or type(sampler).__name__ == "DistributedSamplerWrapper"
+        if self.world_size == 1 and injected and getattr(sampler, "shuffle", False) and not self._warned_sampler:
+            self._warned_sampler = True
+            rank_zero_warn("P2RStrategy on one process: Lightning replaced the training loader's sampler with a "
+                           "shuffled DistributedSampler (as for any DDP strategy), so batches come in another order "
+                           "than under a plain Trainer; pass Trainer(use_distributed_sampler=False) to keep the "
+                           "loader's own order (docs/your_model.md)")
+        return dataloader
 
     def _log_setup(self, placed: Placed) -> None:
         for line in placed.log:

@@ -178,3 +178,15 @@ def test_a_model_built_in_place_gets_its_own_reset_parameters_values_and_its_buf
     placed = _fit(tmp_path, BuiltInPlace(), P2RStrategy(**options))
     assert placed.losses == pytest.approx(eager.losses, rel=1e-6)
     torch.testing.assert_close(placed.net.scale, torch.linspace(0.5, 1.5, D))
+
+
+def test_one_process_says_when_lightning_reorders_the_loader_and_not_when_asked_not_to(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match="replaced the training loader's sampler with a shuffled DistributedSampler"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=P2RStrategy(), max_steps=1, logger=False,
+                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                  default_root_dir=tmp_path).fit(Wrapper(LitStyle()), _data())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*replaced the training loader's sampler.*")
+        _fit(tmp_path, Wrapper(LitStyle()), P2RStrategy())  # use_distributed_sampler=False
