@@ -22,8 +22,8 @@ def _growth(tmp_path: Path, devices: int, strategy: dict, model: str = "m6") -> 
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
         env.pop(key, None)
     result = subprocess.run([sys.executable, str(WORKER), "--out", str(tmp_path), "--devices", str(devices),
-                             "--strategy", json.dumps(strategy), "--model", model], capture_output=True, text=True, timeout=400,
-                            env=env)
+                             "--strategy", json.dumps(strategy), "--model", model], capture_output=True, text=True,
+                            timeout=400, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
     reports = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(devices)]
     assert all(r["steps"] == 1 for r in reports)
