@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .models.decoders import (
+    KNOWN_DECODERS,
     DecoderParts,
     decoder_parts,
     decoder_pipeline_parts,
@@ -105,6 +106,7 @@ class CausalLMModule(L.LightningModule):
                                    "init_seed": self.init_seed,
                                    "parts": dataclasses.asdict(self.parts) if self.parts is not None else None})
         self.model = model
+        self._positional: bool | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -127,9 +129,10 @@ class CausalLMModule(L.LightningModule):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of ``input_ids`` (batch, seq)."""
-        positional = (self.parts.call if self.parts is not None else "keywords" if family_of(self.model) != "litgpt"
-                      else "positional") == "positional"
-        output = self.model(input_ids) if positional else self.model(input_ids=input_ids, use_cache=False)
+        if self._positional is None:  # the model's call style, from its declaration (read once: not per step)
+            parts = self.parts or KNOWN_DECODERS.get(family_of(self.model) or "")
+            self._positional = parts is not None and parts.call == "positional"
+        output = self.model(input_ids) if self._positional else self.model(input_ids=input_ids, use_cache=False)
         return output if isinstance(output, torch.Tensor) else output.logits
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:

@@ -8,7 +8,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from .bible_multi import TRANSLATIONS
@@ -42,25 +41,12 @@ def _module_and_tokenizer(config: str, ckpt_path: str) -> tuple[Any, Any, int]:
         if not isinstance(hf_config, dict):
             raise GenerateError(f"--ckpt_path: {ckpt_path} records no Hugging Face config")
         model = hf_model_of(state, hf_config | {"vocab_size": data.vocab_size})
-
-        def logits(ids: torch.Tensor) -> torch.Tensor:
-            return model(input_ids=ids, use_cache=False).logits
-
-        module: Any = _Callable(logits, model)
-        return module, recipe_tokenizer(data), data.seq_len
+        model.config.use_cache = False  # scoring one window at a time: no key/value cache to keep
+        return model, recipe_tokenizer(data), data.seq_len
     parsed = read_recipe(config)
     path = resolve_checkpoint(ckpt_path, parsed)
     state, saved = read_checkpoint(path)
     return load_model(parsed, state, saved, path), recipe_tokenizer(parsed.data), parsed.config.max_seq_len
-
-
-class _Callable(torch.nn.Module):
-    def __init__(self, fn: Any, owner: torch.nn.Module) -> None:
-        super().__init__()
-        self.fn, self.owner = fn, owner
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.fn(ids)
 
 
 def main(argv: list[str]) -> None:

@@ -23,6 +23,15 @@ from torch import nn
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
+def module_name(root: nn.Module, target: nn.Module) -> str:
+    """``target``'s registered name under ``root`` ("" for ``root`` itself): a declared block list is found under the
+    model's own name (``model.layers``), never under the ``blocks`` alias, which is not registered."""
+    for name, module in root.named_modules():
+        if module is target:
+            return name
+    raise ValueError(f"{type(target).__name__} is not part of {type(root).__name__}")
+
+
 @dataclass(frozen=True)
 class DeclaredBlocks:
     """Where a model's block list is and who runs it."""

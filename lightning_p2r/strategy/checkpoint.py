@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,7 @@ def save_sharded(checkpoint: dict[str, Any], path: str | Path, module: nn.Module
                 shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     ties = every_ranks_ties(module)
-    state: dict[str, Any] = {"model": without_aliases(get_model_state_dict(module), module)}
+    state: dict[str, Any] = {"model": without_aliases(get_model_state_dict(module), ties)}
     for index, optimizer in enumerate(optimizers):
         state[f"optimizer{index}"] = every_ranks_group_names(get_optimizer_state_dict(module, optimizer))
     dcp.save(state, checkpoint_id=str(target))
@@ -123,11 +124,10 @@ def load_meta(path: str | Path) -> dict[str, Any]:
 def load_model_into(module: nn.Module, path: str | Path) -> None:
     """Load the model state of a sharded checkpoint into ``module``, sharded or not (DCP reshards)."""
     state = get_model_state_dict(module)
-    stored = without_aliases(state, module)
+    ties = find_ties(module)
+    stored = without_aliases(state, ties)  # a tied parameter is read once, under its first name
     dcp.load({"model": stored}, checkpoint_id=str(path))
-    for first, *aliases in find_ties(module):  # a tied parameter is read once, under its first name
-        stored.update((alias, stored[first]) for alias in aliases if first in stored)
-    set_model_state_dict(module, stored)
+    set_model_state_dict(module, with_aliases(stored, ties))
 
 
 def every_ranks_ties(module: nn.Module) -> list[list[str]]:
@@ -148,7 +148,7 @@ def stored_ties(path: str | Path) -> list[list[str]]:
     return meta[SHARDED_KEY].get("ties", [])
 
 
-def with_aliases(state: dict[str, Any], ties: list[list[str]]) -> dict[str, Any]:
+def with_aliases(state: dict[str, Any], ties: Sequence[Sequence[str]]) -> dict[str, Any]:
     """``state`` with every name of a tie holding its first name's tensor (one tensor: torch.save stores it once)."""
     for first, *aliases in ties:
         if first in state:
@@ -156,9 +156,9 @@ def with_aliases(state: dict[str, Any], ties: list[list[str]]) -> dict[str, Any]
     return state
 
 
-def without_aliases(state: dict[str, Any], module: nn.Module) -> dict[str, Any]:
+def without_aliases(state: dict[str, Any], ties: Sequence[Sequence[str]]) -> dict[str, Any]:
     """``state`` with a tied parameter under its first name only (``ties.find_ties``): stored once, loaded tied."""
-    aliases = {alias for _, *others in find_ties(module) for alias in others}
+    aliases = {alias for _, *others in ties for alias in others}
     return {key: value for key, value in state.items() if key not in aliases}
 
 

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from ..models.module_init import init_rule, initialize_module, recomputes_buffers
 from ..protocols import InitializesByName, InitializesModules
+from .blocks import module_name
 from .regather import meta_template
 from .ties import smallest_parameter_root
 
@@ -109,7 +110,7 @@ class Initializer:
         self.root = smallest_parameter_root(module)
         # Seeds follow names from the LightningModule, which do not change with what a rank holds (a pipeline rank
         # without the head has a deeper root).
-        prefix = next(name for name, m in module.named_modules() if m is self.root)
+        prefix = module_name(module, self.root)
         self._prefix = prefix + "." if prefix else ""
         self.values_from = values_from if isinstance(values_from, InitializesByName) else None
         self._names = ({id(p): n for n, p in self.values_from.named_parameters()}

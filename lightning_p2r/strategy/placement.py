@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
+from .blocks import module_name
 from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
 from .materialize import Initializer, allocate, has_meta_tensors
@@ -63,9 +64,10 @@ def shard_root(root: nn.Module, mesh: object) -> None:
     fully_shard(root, mesh=mesh, reshard_after_forward=False)
 
 
-def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshes, ctx: EngineContext) -> ParallelPlan:
-    """Split the model as it declares; a ``token_loss`` module gets the vocabulary-parallel loss (logits stay split)."""
-    plan = model_plan(holder, meshes.dims.tensor_parallel)
+def apply_model_plan(module: nn.Module, holder: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes,
+                     ctx: EngineContext) -> None:
+    """Split the model as ``plan`` says; a ``token_loss`` module gets the vocabulary-parallel loss (logits stay
+    split)."""
     output = [holder.get_submodule(name) for name, kind in plan.outside.items() if kind == "output"]
     # A pipeline rank without the output layer (a stand-in) never computes the loss.
     vocab = output[0].weight.shape[0] if output and isinstance(output[0], HoldsWeight) else None
@@ -74,7 +76,6 @@ def apply_model_plan(module: nn.Module, holder: nn.Module, meshes: ParallelMeshe
                       sequence_parallel=ctx.parallel.sequence_parallel)
     if loss_parallel:
         module.token_loss = VocabParallelCrossEntropy(meshes.tensor, vocab)
-    return plan
 
 
 def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages: StagePlacement | None, *,
@@ -90,11 +91,11 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     placement = Placement(plan, root, meta_template(root))
     ties = find_ties(root)
     # 3. the model's tensor / expert plan
-    split = None
-    if meshes.dims.model_parallel:
+    split = model_plan(holder, meshes.dims.tensor_parallel) if meshes.dims.model_parallel else None
+    if split is not None:
         if meshes.dims.tensor_parallel > 1:
-            check_tensor_parallel_ties(root, planned_modules(root, holder, meshes.dims.tensor_parallel))
-        split = apply_model_plan(module, holder, meshes, ctx)
+            check_tensor_parallel_ties(root, planned_modules(root, holder, split))
+        apply_model_plan(module, holder, split, meshes, ctx)
     lazy = has_meta_tensors(module)
     if move_module and not lazy:
         module.to(ctx.device)
@@ -141,13 +142,12 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     return placement
 
 
-def planned_modules(root: nn.Module, holder: nn.Module, tensor_parallel: int) -> dict[str, str]:
-    """The holder's declared plan by module names relative to ``root`` (what the tie check reads)."""
-    plan = model_plan(holder, tensor_parallel)
-    prefix = next(name for name, m in root.named_modules() if m is holder)
+def planned_modules(root: nn.Module, holder: nn.Module, plan: ParallelPlan) -> dict[str, str]:
+    """``plan`` (the holder's) by module names relative to ``root`` (what the tie check reads)."""
+    prefix = module_name(root, holder)
     prefix = prefix + "." if prefix else ""
     named = {prefix + name: kind for name, kind in plan.outside.items()}
-    blocks = next(name for name, m in holder.named_modules() if m is holder.blocks)
+    blocks = module_name(holder, holder.blocks)
     for index, entries in enumerate(plan.blocks):
         named |= {f"{prefix}{blocks}.{index}.{name}": kind for name, kind in entries.items()}
     return named

@@ -144,12 +144,12 @@ class P2RStrategy(DDPStrategy):
         self.telemetry: OffloadStats | None = None
         self.telemetry_history: list[OffloadStats] = []
         self._block_check: BlockCallCheck | None = None
+        """Checks, in the first training step, that the model runs the block list the strategy declared."""
         self.block_declaration: DeclaredBlocks | None = None
         """Where the strategy found the model's block list, when it declared it (None: the model declares its own)."""
         self._init_seed = 0
-        self._warned_sampler = False
         """The seed of initial values the model does not name itself (rank 0's; set in ``setup``)."""
-        """Checks, in the first training step, that the model runs the block list the strategy declared."""
+        self._warned_sampler = False
 
     @property
     def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:

@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from ...protocols import ParallelPlan, SplitKind
+from ..blocks import module_name
 
 HF_STYLES: dict[str, SplitKind] = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "output",
                                    "colwise_rep": "column", "rowwise_rep": "row"}
@@ -55,7 +56,7 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int) -> ParallelPlan:
                          f"{type(holder).__name__} has neither parallel_plan() nor a Hugging Face base_model_tp_plan "
                          "(GPT-2 has none: its Conv1D layers are stored transposed); declare a "
                          "lightning_p2r.protocols.ParallelPlan, or use sharding/offload/pipeline_parallel instead")
-    blocks_name = next(name for name, m in holder.named_modules() if m is holder.blocks)
+    blocks_name = module_name(holder, holder.blocks)
     per_block: list[dict[str, SplitKind]] = [{} for _ in holder.blocks]
     outside: dict[str, SplitKind] = {}
     for pattern, style in patterns.items():

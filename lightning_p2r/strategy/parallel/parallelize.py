@@ -42,8 +42,11 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1) -> ParallelPlan:
                                  "parallelism splits lightning_p2r.models.MoEFeedForward layers")
             check_splittable(f"block {index}'s {name}", block.get_submodule(name), kind)
     for name, kind in plan.outside.items():
-        module = holder.get_submodule(name) if _has(holder, name) else None
-        if module is not None and next(module.parameters(), None) is not None:
+        try:
+            module = holder.get_submodule(name)
+        except AttributeError:
+            continue  # refused by name when the plan is applied (tensor.py)
+        if next(module.parameters(), None) is not None:
             check_splittable(f"{type(holder).__name__}'s {name}", module, kind)
     return plan
 
@@ -65,10 +68,3 @@ def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMes
             expert_group=meshes.experts["ep"].get_group() if dims.expert_parallel > 1 else None,
             tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None, data_group=data_group)
 
-
-def _has(holder: nn.Module, name: str) -> bool:
-    try:
-        holder.get_submodule(name)
-    except AttributeError:
-        return False
-    return True

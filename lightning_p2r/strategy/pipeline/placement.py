@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from ...layout import StageCut, block_holders, check_local_sharing
 from ...protocols import DefinesPipelineStages, PipelineParts
 from ..accounting import local_tensor
+from ..blocks import module_name
 from ..parallel.clipping import ranks_holding
 from .runner import PipelineRunner, PipelineStepResult
 from .stage import PipelineStageModule, keep_only
@@ -125,7 +126,7 @@ class StagePlacement:
                 if cut.column(self.global_rank) == column:
                     self._groups[ranks] = group
         ranks_of = dict(self._outside_ranks)
-        blocks = next(name for name, m in holder.named_modules() if m is holder.blocks)  # the model's own name
+        blocks = module_name(holder, holder.blocks)  # the model's own name
         for block, ranks in holders.items():
             for name, _ in holder.blocks[block].named_parameters():
                 ranks_of[f"{blocks}.{block}.{name}"] = ranks
