@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
+from .models.module_init import init_rule
 from .strategy.checkpoint import check_checkpoint_path, is_sharded_checkpoint, load_meta, read_model_state
+from .strategy.ties import find_ties
 
 PREFIX = "model."
 """Where ``CausalLMModule`` keeps the model: its state-dict keys start with this."""
@@ -46,20 +48,17 @@ def hf_model_of(state: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> to
         model = build_hf_model(hf_config)
     own = {key[len(PREFIX):]: value for key, value in state.items() if key.startswith(PREFIX)}
     result = model.load_state_dict(own, strict=False, assign=True)
-    tied = {name for names in _tied_names(model) for name in names[1:]}
+    tied = {name for names in find_ties(model) for name in names[1:]}
     missing = [name for name in result.missing_keys if name not in tied]
     if missing or result.unexpected_keys:
         raise ValueError(f"the checkpoint does not hold this model: missing {missing[:5]}, unexpected "
                          f"{result.unexpected_keys[:5]}")
     model.tie_weights()
-    # Computed buffers (rotary tables) stay on the meta device: they are not persistent, so not written.
+    for name, module in model.named_modules():  # computed buffers (rotary tables): the model's own rule, on the host
+        if any(buffer.device.type == "meta" for buffer in module.buffers(recurse=False)):
+            module.to_empty(device="cpu", recurse=False)
+            init_rule(model, name)(module)
     return model.eval()
-
-
-def _tied_names(model: torch.nn.Module) -> list[tuple[str, ...]]:
-    from .strategy.ties import find_ties
-
-    return find_ties(model)
 
 
 def to_hf(source: str | Path, destination: str | Path) -> Path:

@@ -239,3 +239,19 @@ def test_expert_parallelism_of_an_hf_moe_is_refused_in_one_line() -> None:
 
     with pytest.raises(ValueError, match="expert parallelism splits lightning_p2r MoE layers only"):
         model_plan(_declared("qwen3_moe"), tensor_parallel=1)
+
+
+def test_the_streaming_engine_names_an_hf_models_host_masters_by_the_models_own_names(tmp_path: Path) -> None:
+    class Masters(L.Callback):
+        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+            self.names = set(trainer.strategy.streamer.host_tensors())
+            self.state = set(pl_module.state_dict())
+
+    masters = Masters()
+    module = CausalLMModule(hf_config=CONFIGS["llama"], optimizer={"warmup_steps": 0})
+    L.Trainer(accelerator="cpu", devices=1, strategy=P2RStrategy(offload_fraction=0.5), max_steps=1, logger=False,
+              enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False,
+              use_distributed_sampler=False, default_root_dir=tmp_path, callbacks=[masters],
+              ).fit(module, torch.utils.data.DataLoader(windows(), batch_size=4))
+    assert masters.names and masters.names <= masters.state
+    assert all(name.startswith("model.model.layers.") for name in masters.names)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
+from ..blocks import module_name
 from ..compile import apply_compile
 from ..layered import BlockEvents
 from ..materialize import Initializer, allocate, has_meta_tensors
@@ -134,11 +135,12 @@ class LocalEngine(Engine):
 
 def _blocks_prefix(module: nn.Module, holder: nn.Module) -> str:
     """The state-dict prefix of ``holder``'s blocks inside ``module``: the streaming engine names its host masters
-    with it, so the module's own ``state_dict`` reads them under their usual names."""
-    for name, candidate in module.named_modules():
-        if candidate is holder:
-            return f"{name}.blocks." if name else "blocks."
-    raise ValueError("the block sequence is not part of the LightningModule")
+    with it, so the module's own ``state_dict`` reads them under their usual names (a declared block list's own name,
+    ``model.model.layers.``, not its ``blocks`` alias)."""
+    try:
+        return module_name(module, holder.blocks) + "."
+    except ValueError:
+        raise ValueError("the block sequence is not part of the LightningModule") from None
 
 
 def _resident_bytes(module: nn.Module, blocks: nn.ModuleList, offloaded: Any) -> int:
