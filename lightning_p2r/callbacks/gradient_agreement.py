@@ -84,12 +84,14 @@ class GradientAgreementProbe:
         return record
 
     def _experts_hook(self, name: str):
-        def record(module: Experts, inputs: tuple[torch.Tensor, list[int]], output: torch.Tensor) -> None:
+        def record(module: Experts, inputs: tuple[torch.Tensor, torch.Tensor], output: torch.Tensor) -> None:
             if not output.requires_grad:
                 return
             x, counts = inputs
+            counts = counts.tolist() if isinstance(counts, torch.Tensor) else list(counts)
+            total = sum(counts)  # rows past the kept ones are dropped assignments: no gradient
             with torch.no_grad():
-                x = x.detach().float()
+                x = x[:total].detach().float()
                 w_in = module.w_in.detach().float()
                 hidden = torch.cat([segment @ w_in[e] for e, segment in enumerate(x.split(counts))])
                 if module not in self._expert_out_weights:
@@ -98,7 +100,7 @@ class GradientAgreementProbe:
             layer = self._current_layer
 
             def on_grad(grad: torch.Tensor) -> None:
-                grad_in, grad_out = expert_weight_gradients(x, hidden, grad.float(), w_out, counts)
+                grad_in, grad_out = expert_weight_gradients(x, hidden, grad[:total].float(), w_out, counts)
                 self.contributions[f"{name}.w_in"].append(grad_in)
                 self.contributions[f"{name}.w_out"].append(grad_out)
                 self._tag(f"{name}.w_in", layer)

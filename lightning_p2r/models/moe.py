@@ -4,12 +4,16 @@ The routing mechanics are module-level pure functions (``route_tokens``, ``exper
 ``expert_capacity``) so tests can check each invariant on its own; ``MoEFeedForward`` strings them together.
 
 Dispatch is vectorized: assignments are ranked inside their expert by a stable sort (the rank decides who is
-dropped at capacity), the kept ones are gathered in expert order, each expert runs two matmuls over its own
-contiguous segment (a loop over experts, never over tokens), and the outputs are added back with their gates.
-Segments carry no padding: a padded (experts, capacity, dim) buffer with batched matmuls measured 25-35% slower
-on CPU (zero-filling, the extra index copies and the padded rows). Every expert's weights take part in the graph,
-even with an empty segment, so an expert that received no token still gets a (zero) gradient and DDP / FSDP never
-see an unused parameter. The segment sizes are read on the host once per layer (one device sync).
+dropped at capacity) and gathered in expert order, dropped ones last; the experts run over their contiguous segments
+(:func:`expert_mlps`) and the outputs are added back with their gates (a dropped assignment's gate is zero and its
+row's output is zero). Segments carry no padding: a padded (experts, capacity, dim) buffer with batched matmuls
+measured 25-35% slower on CPU (zero-filling, the extra index copies and the padded rows). Every expert's weights take
+part in the graph, even with an empty segment, so an expert that received no token still gets a (zero) gradient and
+DDP / FSDP never see an unused parameter.
+
+Routing and dispatch read nothing on the host: no boolean-mask indexing, ``.item()`` or ``.tolist()``, so the
+"grouped" kernel (segment offsets on the device) runs a whole MoE layer without a device synchronization. The "loop"
+kernel reads the segment sizes on the host once per layer; expert parallelism needs them for the all-to-all's splits.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import M6Config
+from .config import ExpertKernel, M6Config
 
 
 @dataclass(frozen=True)
@@ -72,13 +76,20 @@ def route_tokens(logits: torch.Tensor, num_prototypes: int, top_k: int, normaliz
     return gates, local + offsets, probs
 
 
+def count_per_expert(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """(num_experts,) int64 counts of the ids in ``experts`` (all in [0, num_experts)). ``torch.bincount`` would give
+    the same, but on CUDA it reads the largest id on the host to size its output: a device synchronization."""
+    return torch.zeros(num_experts, dtype=torch.long, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts, dtype=torch.long))
+
+
 def expert_positions(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank of each assignment inside its expert, in the order given (earlier assignments win capacity).
 
     ``experts`` is a flat (assignments,) tensor of expert ids. Returns ``(positions, counts)``: positions
     (assignments,) from 0 up, and counts (experts,) of assignments per expert.
     """
-    counts = torch.bincount(experts, minlength=num_experts)
+    counts = count_per_expert(experts, num_experts)
     sorted_experts, order = torch.sort(experts, stable=True)
     starts = counts.cumsum(0) - counts
     ranks_sorted = torch.arange(experts.numel(), device=experts.device) - starts[sorted_experts]
@@ -154,11 +165,13 @@ class Experts(nn.Module):
     until ``sharing.upcycle_experts`` gives every expert its own copy.
     """
 
-    def __init__(self, num_experts: int, dim: int, hidden_dim: int, num_unique: int | None = None) -> None:
+    def __init__(self, num_experts: int, dim: int, hidden_dim: int, num_unique: int | None = None,
+                 kernel: ExpertKernel = "auto") -> None:
         super().__init__()
         self.num_experts = num_experts
         # Recorded, not read from the weights' shape: a placed weight (sharded, expert-parallel) may be a local part.
         self.num_unique = num_experts if num_unique is None else num_unique
+        self.kernel = kernel
         self.w_in = nn.Parameter(torch.empty(self.num_unique, dim, hidden_dim))
         self.w_out = nn.Parameter(torch.empty(self.num_unique, hidden_dim, dim))
         self.reset_parameters()
@@ -173,21 +186,69 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
         nn.init.normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: (rows, dim) sorted by expert, ``counts[e]`` rows for expert e -> (rows, dim)."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (rows, dim) sorted by expert, ``counts[e]`` rows for expert e ((experts,) integers on x's device); rows
+        past ``counts.sum()`` (dropped assignments) give zeros -> (rows, dim)."""
+        w_in, w_out = self.w_in, self.w_out
         if self.is_shared:  # expert e runs FFN e mod unique; repeat's backward sums the experts' gradients
             copies = self.num_experts // self.num_unique
-            return expert_mlps(x, counts, self.w_in.repeat(copies, 1, 1), self.w_out.repeat(copies, 1, 1))
-        return expert_mlps(x, counts, self.w_in, self.w_out)
+            w_in, w_out = w_in.repeat(copies, 1, 1), w_out.repeat(copies, 1, 1)
+        return expert_mlps(x, counts, w_in, w_out, kernel=self.kernel)
 
 
-def expert_mlps(x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
-    """Each expert's GELU MLP on its segment: x (rows, dim) sorted by expert, ``counts[e]`` rows for expert e,
-    weights (experts, dim, hidden) and (experts, hidden, dim) -> (rows, dim)."""
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on ``x`` computes in: autocast's when it is on for x's device, else x's own."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def resolve_expert_kernel(kernel: ExpertKernel, x: torch.Tensor) -> str:
+    """"auto" -> "grouped" on a CUDA device computing in bf16 (the only dtype CUDA's grouped GEMM takes), else
+    "loop" (on CPU the loop measured faster, docs/performance.md). An explicit choice is returned as given."""
+    if kernel != "auto":
+        return kernel
+    return "grouped" if x.device.type == "cuda" and compute_dtype(x) == torch.bfloat16 else "loop"
+
+
+def expert_mlps(x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
+                kernel: ExpertKernel = "auto") -> torch.Tensor:
+    """Each expert's GELU MLP on its segment: x (rows, dim) sorted by expert, ``counts`` (experts,) rows per expert
+    (a tensor on x's device, or a list), weights (experts, dim, hidden) and (experts, hidden, dim) -> (rows, dim).
+    Rows past the counts' sum get zeros and no gradient."""
+    if isinstance(counts, list):
+        counts = torch.tensor(counts, dtype=torch.long, device=x.device)
+    if resolve_expert_kernel(kernel, x) == "grouped":
+        return grouped_expert_mlps(x, counts, w_in, w_out)
+    return looped_expert_mlps(x, counts.tolist(), w_in, w_out)
+
+
+def looped_expert_mlps(x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    """:func:`expert_mlps` with two matmuls per expert over its segment (host-side sizes)."""
+    total = sum(counts)
     # unbind, not w_in[e]: each indexing's backward would allocate and fill a zero tensor of the whole stacked weight
     # and add it up, once per expert (measured: a fifth of a CPU step); unbind's backward stacks the parts once.
-    segments, ins, outs = x.split(counts), w_in.unbind(0), w_out.unbind(0)
-    return torch.cat([F.gelu(segment @ ins[e]) @ outs[e] for e, segment in enumerate(segments)])
+    segments, ins, outs = x[:total].split(counts), w_in.unbind(0), w_out.unbind(0)
+    out = torch.cat([F.gelu(segment @ ins[e]) @ outs[e] for e, segment in enumerate(segments)])
+    if total < x.shape[0]:
+        out = torch.cat([out, out.new_zeros(x.shape[0] - total, out.shape[1])])
+    return out
+
+
+def grouped_expert_mlps(x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
+                        ) -> torch.Tensor:
+    """:func:`expert_mlps` as two grouped GEMMs with the segment offsets on the device: no host synchronization."""
+    rows = x.shape[0]
+    ends = counts.cumsum(0)
+    # The last segment is stretched to the end so that every output row is computed (the kernel leaves rows past the
+    # last offset unset on CUDA); the dropped rows it picks up are zeroed below, which also stops their gradient.
+    offsets = torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
+    dtype = compute_dtype(x)
+    with torch.autocast(device_type=x.device.type, enabled=False):  # cast here: autocast has no rule for it
+        hidden = F.gelu(torch._grouped_mm(x.to(dtype), w_in.to(dtype), offs=offsets))
+        out = torch._grouped_mm(hidden, w_out.to(dtype), offs=offsets)
+    kept = torch.arange(rows, device=x.device) < ends[-1]
+    return torch.where(kept.unsqueeze(-1), out, out.new_zeros(()))
 
 
 class MoEFeedForward(nn.Module):
@@ -208,7 +269,8 @@ class MoEFeedForward(nn.Module):
         self.capacity_factor = config.capacity_factor
         self.jitter = config.router_jitter
         self.router = Router(config.dim, config.num_experts)
-        self.experts = Experts(config.num_experts, config.dim, config.hidden_dim, config.num_unique_experts)
+        self.experts = Experts(config.num_experts, config.dim, config.hidden_dim, config.num_unique_experts,
+                               kernel=config.expert_kernel)
 
     def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss of this call's tokens (:func:`load_balancing_loss`). A strategy that splits the
@@ -238,8 +300,8 @@ class MoEFeedForward(nn.Module):
         tokens_flat = token_ids.expand(num_tokens, self.num_prototypes, self.top_k).reshape(-1)
 
         if capacity_factor is None:  # dropless: every assignment is kept, no ranking needed
-            counts = torch.bincount(experts_flat, minlength=self.num_experts)
-            kept = torch.ones_like(experts_flat, dtype=torch.bool)
+            counts = count_per_expert(experts_flat, self.num_experts)
+            kept, segment_key, segment_sizes = None, experts_flat, counts
         else:
             priority = position_major_assignments(shape, self.num_prototypes * self.top_k, x.device)
             ranked, counts = expert_positions(experts_flat[priority], self.num_experts)
@@ -247,24 +309,30 @@ class MoEFeedForward(nn.Module):
             positions[priority] = ranked
             capacity = expert_capacity(experts_flat.numel(), self.num_experts, capacity_factor, counts, num_tokens)
             kept = positions < capacity
-        kept_experts = experts_flat[kept]
-        order = torch.argsort(kept_experts, stable=True)  # kept assignments grouped by expert
-        kept_tokens = tokens_flat[kept][order]
-        kept_gates = gates_flat[kept][order]
-        segment_sizes = torch.bincount(kept_experts, minlength=self.num_experts).tolist()
+            # Dropped assignments sort after every expert's segment (key num_experts) with a zero gate: shapes stay
+            # static and nothing is read on the host (a boolean-mask gather would sync to learn its length).
+            segment_key = torch.where(kept, experts_flat, self.num_experts)
+            segment_sizes = count_per_expert(segment_key, self.num_experts + 1)[:self.num_experts]
+            gates_flat = gates_flat * kept
+        order = torch.argsort(segment_key, stable=True)  # grouped by expert, dropped last
+        if kept is not None:  # at most capacity rows per expert are kept: the rest need no gather
+            order = order[:min(order.numel(), capacity * self.num_experts)]
+        sorted_tokens = tokens_flat[order]
+        sorted_gates = gates_flat[order]
 
-        expert_out = self.experts(x[kept_tokens], segment_sizes)
+        expert_out = self.experts(x[sorted_tokens], segment_sizes)
         # Under autocast the experts compute in bf16/fp16: the gates (fp32 router probabilities) weigh their outputs
         # in fp32, and the sum goes back in x's dtype (a bf16 gate would round each token's mix to 3 digits).
-        weighted = (expert_out.float() * kept_gates.unsqueeze(-1).float()).to(x.dtype)
+        weighted = (expert_out.float() * sorted_gates.unsqueeze(-1).float()).to(x.dtype)
         # Allocated in the input's shape and filled through a flat view, so the returned tensor is not a view: FSDP2
         # warns on (and an in-place op by a caller would break) a view returned from a wrapped block.
         output = x.new_zeros(shape)
-        output.view(num_tokens, shape[-1]).index_add_(0, kept_tokens, weighted)
+        output.view(num_tokens, shape[-1]).index_add_(0, sorted_tokens, weighted)
 
         stats = RoutingStats(
             tokens_per_expert=counts.detach(),
-            dropped_fraction=(1.0 - kept.float().mean()).detach(),
+            dropped_fraction=(x.new_zeros((), dtype=torch.float32) if kept is None
+                              else 1.0 - kept.float().mean()).detach(),
         )
         return MoEOutput(
             output=output,

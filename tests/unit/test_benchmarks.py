@@ -332,3 +332,20 @@ def test_hf_layouts_benchmark_compares_p2r_with_lightnings_strategy(tmp_path: Pa
     assert row["step_s"] > 0 and row["model_mb"] > 0 and row["vs_lightning"] is None
     assert (tmp_path / "hf_layouts.csv").exists() and (tmp_path / "hf_layouts.png").exists()
     assert "vs_lightning" in capsys.readouterr().out
+
+
+def test_gpu_script_smoke_runs_every_arm_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``benchmarks.gpu --smoke``: every arm's code path (P2R and the FSDP2 peer, each kernel, compile, offload) on
+    tiny models; the grouped MoE layer makes no host synchronization and matches the loop; compiled arms break no
+    graph."""
+    from lightning_p2r.benchmarks import gpu
+
+    rows = gpu.main(["--smoke", "--device", "cpu", "--out", str(tmp_path)])
+    assert [row["arm"] for row in rows] == [arm.name for arm in gpu._arms()]
+    assert all(row["status"] == "ok" for row in rows[1:]), [row["status"] for row in rows]
+    assert rows[0]["status"].startswith("no host sync; grouped vs loop max |diff| 0 ")
+    assert all(row["graph_breaks"] == 0 for row in rows if row["compile"])
+    assert all(row["tokens_per_s"] > 0 and math.isnan(row["mfu"]) for row in rows[1:])  # no table peak for a CPU
+    assert {row["arm"] for row in _read_csv(tmp_path / "gpu.csv")} == {row["arm"] for row in rows}
+    _assert_png(tmp_path / "gpu.png")
+    assert "moe-grouped-compile" in capsys.readouterr().out

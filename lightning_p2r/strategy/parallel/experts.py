@@ -73,8 +73,9 @@ class ParallelExperts(Experts):
     averages it only over the ranks holding the same expert. (FSDP2's ``set_gradient_divide_factor`` would do it in
     the reduction, but needs a reduce op gloo lacks.)"""
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x: (rows, dim) sorted by global expert, ``counts[e]`` rows for expert e -> (rows, dim) in the same order."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: (rows, dim) sorted by global expert, ``counts[e]`` rows for expert e, rows past their sum dropped ->
+        (rows, dim) in the same order, dropped rows zero."""
         w_in, w_out = local_tensor(self.w_in), local_tensor(self.w_out)
         if self.gradient_scale != 1.0:
             w_in, w_out = (_ScaleGradient.apply(w, self.gradient_scale) for w in (w_in, w_out))
@@ -84,22 +85,30 @@ class ParallelExperts(Experts):
         local_experts = w_in.shape[0]
         device = x.device
         # The counts first (each rank learns how many rows it receives for each of its experts from each source).
-        send = torch.tensor(counts, dtype=torch.long, device=device)
+        # The all-to-all takes its splits as host integers: the one place an expert-parallel layer syncs.
+        send = counts.to(dtype=torch.long)
         received = torch.empty(ranks * local_experts, dtype=torch.long, device=device)
         dist.all_to_all_single(received, send, group=self.expert_group)
+        counts_list = send.tolist()
         received = received.cpu().view(ranks, local_experts)  # (source rank, local expert)
-        send_splits = rank_splits(counts, ranks)
+        send_splits = rank_splits(counts_list, ranks)
         recv_splits = received.sum(dim=1).tolist()
-        rows = all_to_all(x, recv_splits, send_splits, self.expert_group)
+        total = sum(counts_list)
+        rows = all_to_all(x[:total], recv_splits, send_splits, self.expert_group)
         order = expert_major_order(received).to(device)
-        out = self._compute(rows.index_select(0, order), received.sum(dim=0).tolist(), w_in, w_out)
+        # The received counts feed the expert kernel as they are (grouped GEMM offsets, or the loop's segments).
+        out = self._compute(rows.index_select(0, order), received.sum(dim=0).to(device), w_in, w_out)
         out = out.index_select(0, torch.argsort(order))  # source-major again, as the rows arrived
-        return all_to_all(out, send_splits, recv_splits, self.expert_group)
+        out = all_to_all(out, send_splits, recv_splits, self.expert_group)
+        if total < x.shape[0]:  # the dropped rows past the kept ones: zero, as the experts give them
+            out = torch.cat([out, out.new_zeros(x.shape[0] - total, out.shape[1])])
+        return out
 
-    def _compute(self, x: torch.Tensor, counts: list[int], w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    def _compute(self, x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
+                 ) -> torch.Tensor:
         if self.tp_mesh is not None:
             x = copy_to_tensor_parallel(x, self.tp_mesh)
-        out = expert_mlps(x, counts, w_in, w_out)
+        out = expert_mlps(x, counts, w_in, w_out, kernel=self.kernel)
         if self.tp_mesh is not None:
             out = reduce_from_tensor_parallel(out, self.tp_mesh)
         return out
