@@ -4,7 +4,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .callbacks import PseudoToReal
+from .callbacks import PseudoToReal, Throughput
 from .causal_lm import CausalLMModule
 from .data import TextDataModule
 from .known_warnings import silence_known_noise
@@ -52,6 +52,7 @@ __all__ = [
     "OptimizerConfig",
     "P2RStrategy",
     "PseudoToReal",
+    "Throughput",
     "TextDataModule",
     "__version__",
     "delink",

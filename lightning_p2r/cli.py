@@ -28,6 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import Strategy
 
+from .callbacks.throughput import Throughput
 from .data import TextDataModule
 from .known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
 from .language_eval import language_table
@@ -197,6 +198,8 @@ class P2RCLI(LightningCLI):
         return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # Every run logs its tokens/s, TFLOP/s per device and MFU (--throughput.window, --throughput.peak_tflops).
+        parser.add_lightning_class_args(Throughput, "throughput")
         # The embedding must cover every id the tokenizer emits; linking removes the chance to set them apart.
         if self.subclass_mode_model:  # a model class the recipe picks (CausalLMModule takes vocab_size)
             parser.link_arguments("data.vocab_size", "model.init_args.vocab_size", apply_on="instantiate")

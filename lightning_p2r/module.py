@@ -22,6 +22,7 @@ from .language_eval import LanguageLosses
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.transformer import LayerContext
 from .options_diff import describe_differences, differing_options
+from .planning.model import model_forward_flops
 from .protocols import LayeredStages, PipelineParts
 from .sharing import delink, shared_experts
 
@@ -418,6 +419,11 @@ class M6LanguageModel(L.LightningModule):
                              head_modules=[transformer.norm, transformer.lm_head], logits=transformer.head,
                              window=lambda inputs: F.pad(inputs, (0, 1)), output=output, records=records,
                              absorb=absorb, metrics=self.micro_batch_metrics)
+
+    def forward_flops_per_token(self, seq_len: int) -> float:
+        """Model FLOPs of one token's forward at ``seq_len`` (active experts and attention counted): what
+        :class:`~lightning_p2r.callbacks.Throughput` turns into TFLOP/s and MFU."""
+        return model_forward_flops(self.config, seq_len)
 
     # ------------------------------------------------------------------------------------------------ steps
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:

@@ -244,6 +244,10 @@ def grouped_expert_mlps(x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tenso
     # last offset unset on CUDA); the dropped rows it picks up are zeroed below, which also stops their gradient.
     offsets = torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
     dtype = compute_dtype(x)
+    if dtype != torch.bfloat16 and x.device.type == "cuda":
+        raise ValueError(f"M6Config.expert_kernel='grouped' computes in bf16 on CUDA, and this layer computes in "
+                         f"{dtype}: train with precision='bf16-mixed', or use expert_kernel='auto' (the loop where "
+                         "grouped cannot run)")
     with torch.autocast(device_type=x.device.type, enabled=False):  # cast here: autocast has no rule for it
         hidden = F.gelu(torch._grouped_mm(x.to(dtype), w_in.to(dtype), offs=offsets))
         out = torch._grouped_mm(hidden, w_out.to(dtype), offs=offsets)

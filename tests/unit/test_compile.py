@@ -36,22 +36,22 @@ class Losses(L.Callback):
 
 
 def _fit(tmp_path, strategy: dict, model: dict | None = None, steps: int = 3,
-         callbacks: tuple = ()) -> tuple[list[float], M6LanguageModel]:
+         callbacks: tuple = (), precision: str = "32-true") -> tuple[list[float], M6LanguageModel]:
     L.seed_everything(0)
     module = M6LanguageModel(M6Config(**(model or MODEL), init_seed=7), OptimizerConfig(lr=1e-2, warmup_steps=1))
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=P2RStrategy(**strategy), max_steps=steps,
                         logger=False, enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=False, limit_val_batches=0, callbacks=[losses, *callbacks],
-                        default_root_dir=tmp_path)
+                        default_root_dir=tmp_path, precision=precision)
     trainer.fit(module, datamodule=tiny_data(tmp_path))
     return losses.values, module
 
 
-def _assert_close(losses: list[float], reference: list[float]) -> None:
+def _assert_close(losses: list[float], reference: list[float], tolerance: float = TOLERANCE) -> None:
     assert len(losses) == len(reference)
     worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-    assert worst < TOLERANCE, (losses, reference)
+    assert worst < tolerance, (losses, reference)
 
 
 @pytest.mark.parametrize(("strategy", "model"), [
@@ -128,3 +128,28 @@ def test_the_collective_counter_keeps_torch_compile_from_compiling() -> None:
     assert runs["compiled"] == 0
     assert torch.equal(torch.compile(lambda x: x * 2, backend=COUNTED)(torch.ones(2)), torch.full((2,), 2.0))
     assert runs["compiled"] == 1  # the control: without the counter, the same backend compiles and runs
+
+
+GROUPED = MODEL | {"expert_kernel": "grouped"}
+
+
+@pytest.mark.parametrize("strategy", [{}, {"offload_fraction": 0.5}, {"sharding": "zero3", "offload_fraction": 0.5}],
+                         ids=["resident", "offload", "zero3_offload"])
+def test_blocks_on_the_grouped_kernel_compile_whole(tmp_path, one_intraop_thread, strategy: dict) -> None:
+    """Issue 40 item 3: a dense and an MoE block (banded attention, router, grouped experts) compile with no graph
+    break, inside FSDP2 and offload too, and a 5-step run compiles each block's code a bounded number of times (a
+    recompile per step would show as a growing count)."""
+    from torch._dynamo.utils import counters
+
+    fresh()
+    counters.clear()
+    compiled, _ = _fit(tmp_path, strategy | {"compile": COUNTED}, GROUPED, steps=5, precision="bf16-mixed")
+    assert runs["compiled"] > 0, "no compiled code ran"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    # One graph per block kind (dense, MoE) and pass; a second only where dynamo marks a size dynamic after the
+    # first call. Either way it stops growing with the steps.
+    assert counters["stats"]["unique_graphs"] <= 4, dict(counters["stats"])
+    fresh()
+    eager, _ = _fit(tmp_path, strategy, GROUPED, steps=5, precision="bf16-mixed")
+    _assert_close(compiled, eager, tolerance=1e-3)  # bf16: the traced graph's decompositions round differently
+
