@@ -28,7 +28,10 @@ from .models.decoders import (
 from .models.module_init import initialize_by_module
 from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, next_token_batch
 from .protocols import LayeredStages, PipelineParts
-from .sharing import find_block_sequence
+from .sharing import delink, find_block_sequence, share_layers
+
+STRUCTURE_KEY = "causal_lm_structure"
+"""Checkpoint key recording how many distinct blocks the decoder's layers run (Pseudo-to-Real)."""
 
 
 def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:
@@ -78,12 +81,17 @@ class CausalLMModule(L.LightningModule):
         parts: Where the model keeps its parts, for layered accumulation; None uses the family's ready declaration
             (``models.decoders.KNOWN_DECODERS``).
         vocab_size: Overrides the config's vocabulary size (``lightning-p2r fit`` links the data's here).
+        num_unique_blocks: Train a Pseudo-to-Real "pseudo" model (M6-10T): the decoder's layers share this many
+            blocks (``sharing.share_layers``), and ``PseudoToReal`` delinks them into the real model mid-run. None:
+            every layer its own block.
+        sharing: Which layers share a block: "sequence" (consecutive runs) or "cycle" (``M6Config.sharing``).
     """
 
     def __init__(self, hf_config: dict[str, Any] | None = None, litgpt_config: dict[str, Any] | None = None,
                  model: nn.Module | None = None, optimizer: OptimizerConfig | dict[str, Any] | None = None,
                  init_seed: int = 0, parts: DecoderParts | dict[str, Any] | None = None,
-                 vocab_size: int | None = None) -> None:
+                 vocab_size: int | None = None, num_unique_blocks: int | None = None,
+                 sharing: str = "sequence") -> None:
         super().__init__()
         if sum(x is not None for x in (hf_config, litgpt_config, model)) != 1:
             raise ValueError("CausalLMModule needs exactly one of hf_config (a Hugging Face config dict), "
@@ -99,12 +107,19 @@ class CausalLMModule(L.LightningModule):
         self.init_seed = int(init_seed)
         self.parts = DecoderParts(**{k: tuple(v) if k == "embed" else v for k, v in parts.items()}) \
             if isinstance(parts, dict) else parts
+        if num_unique_blocks is not None and (isinstance(num_unique_blocks, bool) or num_unique_blocks < 1):
+            raise ValueError(f"CausalLMModule.num_unique_blocks must be a positive integer or None, got "
+                             f"{num_unique_blocks!r}")
+        if sharing not in ("sequence", "cycle"):
+            raise ValueError(f"CausalLMModule.sharing must be 'sequence' or 'cycle', got {sharing!r}")
+        self.num_unique_blocks, self.sharing = num_unique_blocks, sharing
         # Checkpoints are loaded with weights_only=True: hyperparameters are plain values (the model given whole is
         # not one; a checkpoint of it records none, and `convert --to hf` then needs its config).
         self.save_hyperparameters({"hf_config": self.hf_config, "litgpt_config": self.litgpt_config,
                                    "optimizer": dataclasses.asdict(self.optimizer_config),
                                    "init_seed": self.init_seed,
-                                   "parts": dataclasses.asdict(self.parts) if self.parts is not None else None})
+                                   "parts": dataclasses.asdict(self.parts) if self.parts is not None else None,
+                                   "num_unique_blocks": num_unique_blocks, "sharing": sharing})
         self.model = model
         self._positional: bool | None = None
 
@@ -115,6 +130,33 @@ class CausalLMModule(L.LightningModule):
             self.litgpt_config)
         if not _is_meta(self.model):  # built eagerly: the values a build in place gets (module_init.py)
             initialize_by_module(self, self.init_seed)
+        layers = self._layers()
+        if self.num_unique_blocks is not None and self.num_unique_blocks < len(layers):
+            share_layers(self.model, layers, self.num_unique_blocks, self.sharing)
+
+    def _layers(self) -> nn.ModuleList:
+        """The decoder's own list of layers (``model.layers``, ``transformer.h``)."""
+        return self.model.get_submodule(self._declared().blocks)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # The hyperparameters describe the model as created (maybe pseudo); loading rebuilds the structure it has now.
+        if self.model is not None:
+            checkpoint[STRUCTURE_KEY] = {"num_unique_blocks": len({id(layer) for layer in self._layers()})}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning calls this before load_state_dict: a checkpoint taken after delinking needs the real model (a
+        # real checkpoint loaded into shared layers would write every layer's weights into one block).
+        saved = checkpoint.get(STRUCTURE_KEY, {}).get("num_unique_blocks")
+        if saved is None:
+            return
+        self.configure_model()
+        current = len({id(layer) for layer in self._layers()})
+        if saved == current:
+            return
+        if saved < current or saved % current:
+            raise ValueError(f"the checkpoint holds a decoder with {saved} unique blocks, which cannot be built from "
+                             f"this module's {current} by delinking; create it with num_unique_blocks={saved}")
+        delink(self.model, num_unique_blocks=saved)
 
     def block_list(self) -> str:
         """Where the block list is, from this module (``protocols.NamesBlockList``)."""

@@ -6,7 +6,10 @@ Pure PyTorch, no Lightning. Works for any ``nn.Module`` that contains a *block s
 - ``layer_to_block``: a settable ``list[int]``; layer ``l`` runs ``blocks[layer_to_block[l]]``, and layers that
   share a block are consecutive (groups of ``num_layers // len(blocks)``).
 
-``M6Transformer`` declares both; so can a user's own model. Optionally it declares ``full_depth`` (an int larger
+``M6Transformer`` declares both; so can a user's own model. A model that runs its own list of layers (a Hugging Face
+or litgpt decoder) is made a pseudo model by :func:`share_layers`: its list keeps one entry per layer, the entries
+of layers that share a block being the same module, and delinking puts each layer's copy back in that list.
+Optionally the holder declares ``full_depth`` (an int larger
 than ``len(layer_to_block)``: a *shallow* pseudo model, which runs only its ``len(blocks)`` blocks, block i at layer
 i, and which delinking grows towards ``full_depth`` layers, layer i running a copy of block i mod U) and
 ``growth_init`` ("copy", or "zero_outputs": the output projections of the layers gained are zeroed so the function
@@ -73,6 +76,63 @@ class Perturbation:
 SUPPORTED_OPTIMIZERS = (torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD)
 _LINEAR_STATE = ("exp_avg", "momentum_buffer")
 _QUADRATIC_STATE = ("exp_avg_sq", "max_exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class LayerSharing:
+    """How a foreign decoder's own layer list runs shared blocks (set by :func:`share_layers`, kept unregistered on
+    the holder as ``layer_sharing``): entry l of the list at ``path`` (below the holder) is block
+    ``layer_to_block[l]``. The list stays registered under the model's own name, so parameter names are the model's;
+    a shared block is registered once per layer, like a tied weight. A path, not the list: a copy of the holder (the
+    gather an FSDP2 delinking makes) finds its own list."""
+
+    path: str
+
+    def relink(self, holder: nn.Module, blocks: list[nn.Module], layer_to_block: list[int]) -> None:
+        """Make layer l run ``blocks[layer_to_block[l]]``; once every layer has its own block, the holder's
+        ``blocks`` is the model's list itself again (a real model, declared like any foreign one)."""
+        layers = holder.get_submodule(self.path)
+        for layer, block in enumerate(layer_to_block):
+            if layer < len(layers):
+                layers[layer] = blocks[block]
+            else:  # a shallow model grows
+                layers.append(blocks[block])
+        real = list(layer_to_block) == list(range(len(layers)))
+        vars(holder)["blocks"] = layers if real else nn.ModuleList(blocks)  # an alias, never registered
+        vars(holder)["layer_to_block"] = list(layer_to_block)
+        if real:
+            vars(holder).pop("layer_sharing", None)
+            for layer, block in enumerate(layers):  # each layer its own index again (KV caches read it)
+                for module in block.modules():
+                    if isinstance(getattr(module, "layer_idx", None), int):
+                        module.layer_idx = layer
+
+
+def share_layers(holder: nn.Module, layers: nn.ModuleList, num_unique_blocks: int, sharing: str = "sequence"
+                 ) -> None:
+    """Turn a decoder whose ``holder`` runs the list ``layers`` into a pseudo model of ``num_unique_blocks`` blocks,
+    in place: the layers that share block b (``sharing``: "sequence" or "cycle", as ``M6Config.sharing``) all run the
+    module of the first of them, whose weights they keep. ``delink`` (and ``PseudoToReal``) later gives each layer its
+    own copy again, keeping the function."""
+    num_layers = len(layers)
+    if not isinstance(layers, nn.ModuleList) or num_layers < 2:
+        raise ValueError("share_layers needs the nn.ModuleList of the decoder's layers (at least two)")
+    if num_unique_blocks < 1 or num_layers % num_unique_blocks:
+        raise ValueError(f"num_unique_blocks={num_unique_blocks} must divide the decoder's {num_layers} layers")
+    if sharing not in ("sequence", "cycle"):
+        raise ValueError(f"sharing must be 'sequence' or 'cycle', got {sharing!r}")
+    if "layer_sharing" in vars(holder) or len({id(layer) for layer in layers}) < num_layers:
+        raise ValueError(f"{type(holder).__name__}'s layers already share blocks")
+    layer_to_block = sharing_map(num_layers, num_unique_blocks, sharing)
+    first_layer = {block: layer_to_block.index(block) for block in range(num_unique_blocks)}
+    blocks = [layers[first_layer[block]] for block in range(num_unique_blocks)]
+    path = next((name for name, module in holder.named_modules() if module is layers), None)
+    if not path:
+        raise ValueError(f"share_layers: the layer list is not a submodule of {type(holder).__name__}")
+    sharing_record = LayerSharing(path)
+    vars(holder)["sharing"] = sharing
+    vars(holder)["layer_sharing"] = sharing_record
+    sharing_record.relink(holder, blocks, layer_to_block)
 
 
 def find_block_sequence(model: nn.Module) -> nn.Module:
@@ -218,8 +278,12 @@ def delink(
                 if name.endswith(_RESIDUAL_OUTPUTS):
                     param.zero_()
                     fresh.add(id(param))
-    holder.blocks = nn.ModuleList(new_blocks)
-    holder.layer_to_block = new_map
+    layer_sharing = vars(holder).get("layer_sharing")
+    if layer_sharing is not None:  # a foreign decoder: its own layer list takes the copies, names unchanged
+        layer_sharing.relink(holder, new_blocks, new_map)
+    else:
+        holder.blocks = nn.ModuleList(new_blocks)
+        holder.layer_to_block = new_map
     upcycled = _upcycle(holder, perturb, fresh) if upcycle else {}
     if perturb is not None and perturb.relative_scale > 0:
         # Seeded by the name inside the block sequence, which is the same in every layout (a sharded model is

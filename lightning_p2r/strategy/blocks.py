@@ -124,6 +124,12 @@ def declare_blocks(module: nn.Module, path: str | None, holder_path: str | None 
     elif not (holder_path == "" or path.startswith(holder_path + ".")):
         raise ValueError(f"the block holder {holder_path!r} does not contain the block list {path!r}")
     holder = module.get_submodule(holder_path)
+    sharing = vars(holder).get("layer_sharing")
+    if sharing is not None and holder.get_submodule(sharing.path) is blocks:
+        # A pseudo decoder (sharing.share_layers): its contract names the unique blocks, already declared.
+        unique = holder.blocks
+        return DeclaredBlocks(path, holder_path, detected=detected, size=len(unique),
+                              kind=type(unique[0]).__name__ if len(unique) else "")
     current = getattr(holder, "blocks", None)
     if current is not None and current is not blocks and "blocks" not in vars(holder):
         raise ValueError(f"P2RStrategy(blocks={path!r}): {type(holder).__name__} already has an attribute 'blocks' "

@@ -75,7 +75,8 @@ class OffloadEngine:
     """Streams the offloaded blocks of a block sequence (see the module docstring)."""
 
     def __init__(self, holder: nn.Module, offloaded: tuple[int, ...], device: torch.device, *, prefetch: int = 1,
-                 pin_memory: bool = False, param_prefix: str = "", offload_params: bool = True) -> None:
+                 pin_memory: bool = False, param_prefix: str = "", block_prefixes: dict[int, str] | None = None,
+                 offload_params: bool = True) -> None:
         self.holder = holder
         self.offload_params = offload_params
         self.device = device
@@ -96,7 +97,11 @@ class OffloadEngine:
         # Release events of streamed blocks: the host waits on old ones before allocating more (see fetch).
         self._releases: deque = deque()
         self._check_no_tied_parameters(offloaded)
-        self.blocks = {index: self._offload(index, param_prefix) for index in offloaded}
+        # Host masters are named as the module's state dict names them: ``block_prefixes`` (each block's own name),
+        # else the list's ``param_prefix`` and the block's index.
+        prefixes = block_prefixes or {}
+        self.blocks = {index: self._offload(index, prefixes.get(index, f"{param_prefix}{index}."))
+                       for index in offloaded}
         # Running totals for the telemetry, kept by fetch and release (the peak is checked on every hook).
         self._streamed_blocks = 0
         self._resident_param_bytes = 0 if offload_params else sum(b.param_bytes for b in self.blocks.values())
@@ -121,7 +126,7 @@ class OffloadEngine:
                 raise ValueError(f"module {name!r} shares a parameter with an offloaded block; P2RStrategy cannot "
                                  "offload a block whose parameters are tied to a module outside the blocks")
 
-    def _offload(self, index: int, param_prefix: str) -> _OffloadedBlock:
+    def _offload(self, index: int, block_prefix: str) -> _OffloadedBlock:
         block = self.holder.blocks[index]
         names, params, host = [], [], []
         for name, param in block.named_parameters():
@@ -138,7 +143,7 @@ class OffloadEngine:
                 param.data = placeholder
             else:  # ZeRO-Offload style: parameters stay on the device, gradients and optimizer go to the host
                 param.data = param.data.to(self.device)
-            names.append(f"{param_prefix}{index}.{name}")
+            names.append(f"{block_prefix}{name}")
             params.append(param)
             host.append(master)
         param_bytes = sum(h.numel() * h.element_size() for h in host)

@@ -51,7 +51,8 @@ class LocalEngine(Engine):
                 if fill:
                     initializer.fill(params)
         self.streaming = OffloadEngine(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
-                                       pin_memory=ctx.pin_memory, param_prefix=_blocks_prefix(module, holder),
+                                       pin_memory=ctx.pin_memory,
+                                       block_prefixes=_block_prefixes(module, holder, plan.offloaded),
                                        offload_params="params" in ctx.offload.offload_states)
         if lazy:
             params = allocate(module, ctx.device)
@@ -133,12 +134,12 @@ class LocalEngine(Engine):
         self.update_static_bytes()
 
 
-def _blocks_prefix(module: nn.Module, holder: nn.Module) -> str:
-    """The state-dict prefix of ``holder``'s blocks inside ``module``: the streaming engine names its host masters
-    with it, so the module's own ``state_dict`` reads them under their usual names (a declared block list's own name,
-    ``model.model.layers.``, not its ``blocks`` alias)."""
+def _block_prefixes(module: nn.Module, holder: nn.Module, indices: Any) -> dict[int, str]:
+    """Each block's state-dict prefix inside ``module``: the streaming engine names its host masters with them, so
+    the module's own ``state_dict`` reads them under their usual names (a declared block list's own name,
+    ``model.model.layers.3.``, not its ``blocks`` alias; a block that several layers share, under the first)."""
     try:
-        return module_name(module, holder.blocks) + "."
+        return {index: module_name(module, holder.blocks[index]) + "." for index in indices}
     except ValueError:
         raise ValueError("the block sequence is not part of the LightningModule") from None
 
