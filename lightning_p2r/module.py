@@ -20,6 +20,7 @@ from .generation import generate_tokens
 from .known_warnings import silence_known_noise
 from .language_eval import LanguageLosses
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
+from .models.moe import update_routing_biases
 from .models.transformer import LayerContext
 from .options_diff import describe_differences, differing_options
 from .planning.model import model_forward_flops
@@ -419,6 +420,14 @@ class M6LanguageModel(L.LightningModule):
                              head_modules=[transformer.norm, transformer.lm_head], logits=transformer.head,
                              window=lambda inputs: F.pad(inputs, (0, 1)), output=output, records=records,
                              absorb=absorb, metrics=self.micro_batch_metrics)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Loss-free balancing (M6Config.router_balance="bias"): the routing biases move once per optimizer step, by
+        # the whole step's load (every micro-batch, every process: the same update on every rank).
+        if self.transformer is not None and self.config.router_balance == "bias":
+            world = self.trainer.world_size if self._trainer is not None else 1
+            reduce = (lambda load: self.trainer.strategy.reduce(load, reduce_op="sum")) if world > 1 else None
+            update_routing_biases(self.transformer, reduce)
 
     def forward_flops_per_token(self, seq_len: int) -> float:
         """Model FLOPs of one token's forward at ``seq_len`` (active experts and attention counted): what

@@ -91,7 +91,7 @@ def parameter_counts(config: M6Config) -> tuple[float, float]:
     with torch.device("meta"):
         model = M6Transformer(config)
     total = sum(p.numel() for p in model.parameters())
-    per_expert = 2 * config.dim * config.hidden_dim
+    per_expert = 2 * config.dim * config.routed_hidden_dim
     unused = config.num_experts - config.num_prototypes * config.moe_top_k
     moe_blocks = {model.layer_to_block[layer] for layer in range(config.num_layers) if config.is_moe_layer(layer)}
     return total, total - len(moe_blocks) * unused * per_expert

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,16 +154,24 @@ class ModelShape:
     """Whether positions enter per head (rotary), which sequence parallelism needs."""
     shared_experts: bool = False
     """Whether MoE layers' experts still share FFNs (``M6Config.num_unique_experts``, before upcycling)."""
+    always_on_experts: int = 0
+    """Experts every token runs beside the routed ones (``M6Config.always_on_experts``)."""
+    loss_free_balancing: bool = False
+    """Whether routing biases move with the observed load (``M6Config.router_balance="bias"``)."""
 
     @classmethod
     def of(cls, config: Any) -> ModelShape:
         """From an ``M6Config`` (or anything with its fields)."""
         return cls(num_layers=config.num_layers, layer_to_block=tuple(config.layer_to_block),
-                   num_heads=config.num_heads, vocab_size=config.vocab_size, hidden_dim=config.hidden_dim,
+                   num_heads=config.num_heads, vocab_size=config.vocab_size,
+                   # Both the FFN's and a routed expert's hidden units are split: divisibility must hold for each.
+                   hidden_dim=math.gcd(config.hidden_dim, getattr(config, "routed_hidden_dim", config.hidden_dim)),
                    num_experts=config.num_experts, moe=config.moe_layers is None or bool(config.moe_layers),
                    max_seq_len=config.max_seq_len,
                    rotary_positions=config.position_embedding == "rotary",
-                   shared_experts=getattr(config, "unique_experts", config.num_experts) < config.num_experts)
+                   shared_experts=getattr(config, "unique_experts", config.num_experts) < config.num_experts,
+                   always_on_experts=getattr(config, "always_on_experts", 0),
+                   loss_free_balancing=getattr(config, "router_balance", "aux_loss") == "bias")
 
 
 def check_parallel_options(layout: Layout) -> None:
@@ -290,6 +299,14 @@ def check_model(layout: Layout, model: ModelShape, devices: int | None = None) -
         raise ValueError(f"P2RStrategy(expert_parallel={ep}) gives each expert-parallel rank num_experts / "
                          f"expert_parallel experts: M6Config.num_experts={model.num_experts} must be divisible by it "
                          f"(use expert_parallel in {divisors(model.num_experts)})")
+    if layout.pipeline_parallel > 1 and model.moe and model.loss_free_balancing:
+        raise ValueError(f"P2RStrategy(pipeline_parallel={layout.pipeline_parallel}) with M6Config.router_balance="
+                         "'bias': the biases' per-step load sum runs over every rank's MoE layers, which differ "
+                         "between stages; use router_balance='aux_loss' with pipelines")
+    if (tp > 1 or ep > 1) and model.moe and model.always_on_experts:
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}, expert_parallel={ep}) does not split MoE layers with "
+                         "always-on experts yet (M6Config.always_on_experts): train them with data parallelism, "
+                         "sharding and offload, or set always_on_experts=0")
     if tp > 1 and model.moe and model.shared_experts:
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}) cannot split experts that share one FFN "
                          "(M6Config.num_unique_experts): upcycle them first (PseudoToReal or delink); expert "

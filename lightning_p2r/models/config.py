@@ -17,6 +17,7 @@ PseudoDepth = Literal["shared", "shallow"]
 GrowthInit = Literal["copy", "zero_outputs"]
 UpcycleRouter = Literal["keep", "reinit"]
 ExpertKernel = Literal["auto", "grouped", "loop"]
+RouterBalance = Literal["aux_loss", "bias"]
 
 
 def _choice(name: str, value: object, allowed: tuple[object, ...]) -> None:
@@ -176,6 +177,28 @@ class M6Config:
     router_jitter: float = 0.0
     """Multiplicative uniform noise on the router input during training (Switch); 0 turns it off."""
 
+    expert_hidden_dim: int | None = None
+    """Hidden size of each routed expert; None uses the FFN's (``ffn_hidden_dim``). Fine-grained experts
+    (DeepSeek-MoE) split each expert m ways: ``expert_hidden_dim = hidden / m``, ``num_experts`` and ``moe_top_k``
+    times m, the same active compute spread over more, smaller experts."""
+
+    always_on_experts: int = 0
+    """Experts every token runs beside its routed ones: DeepSeek-MoE's "shared experts" (named apart here from
+    ``num_unique_experts``' experts that share one FFN). Every token runs one dense GELU MLP of hidden
+    ``always_on_experts * expert hidden`` whose output is added to the routed experts' with weight 1. 0: none.
+    Tensor and expert parallelism refuse it for now."""
+
+    router_balance: RouterBalance = "aux_loss"
+    """How routing is balanced. "aux_loss": the Switch load-balancing loss (``router_aux_loss_coef``). "bias":
+    auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias, added to the router's probabilities for choosing
+    the top-k only (the gates stay the probabilities), moves by ``router_bias_rate`` after every optimizer step,
+    up for the experts loaded below the mean, down for those above, from the load of the whole step (every
+    micro-batch and every process). The bias is a buffer: checkpoints carry it. The aux loss is still computed and
+    logged; set ``router_aux_loss_coef=0`` to train without it, as DeepSeek-V3 nearly does."""
+
+    router_bias_rate: float = 0.001
+    """"bias" balancing: how far each expert's bias moves per optimizer step (DeepSeek-V3's gamma, 0.001)."""
+
     expert_kernel: ExpertKernel = "auto"
     """How the experts' matmuls run. "grouped": one ``torch._grouped_mm`` per projection over the rows sorted by
     expert, with the segment offsets on the device (no host synchronization; bf16 on CUDA). "loop": two matmuls per
@@ -211,6 +234,14 @@ class M6Config:
         _choice("growth_init", self.growth_init, ("copy", "zero_outputs"))
         _choice("upcycle_router", self.upcycle_router, ("keep", "reinit"))
         _choice("expert_kernel", self.expert_kernel, ("auto", "grouped", "loop"))
+        _choice("router_balance", self.router_balance, ("aux_loss", "bias"))
+        if self.expert_hidden_dim is not None:
+            _at_least("expert_hidden_dim", self.expert_hidden_dim, 1)
+        if not isinstance(self.always_on_experts, int) or isinstance(self.always_on_experts, bool):
+            raise ValueError(f"M6Config.always_on_experts must be an integer, got {self.always_on_experts!r}")
+        _at_least("always_on_experts", self.always_on_experts, 0)
+        if self.router_bias_rate < 0:
+            raise ValueError(f"M6Config.router_bias_rate must be >= 0, got {self.router_bias_rate!r}")
         if self.pseudo_depth == "shallow" and self.sharing != "cycle":
             raise ValueError("M6Config.pseudo_depth='shallow' grows layer i from block i mod num_unique_blocks: "
                              "set sharing='cycle'")
@@ -285,6 +316,11 @@ class M6Config:
     @property
     def hidden_dim(self) -> int:
         return self.ffn_hidden_dim or 4 * self.dim
+
+    @property
+    def routed_hidden_dim(self) -> int:
+        """Hidden size of one routed expert (``expert_hidden_dim``, else the FFN's)."""
+        return self.expert_hidden_dim or self.hidden_dim
 
     @property
     def experts_per_prototype(self) -> int:

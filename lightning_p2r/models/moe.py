@@ -19,6 +19,7 @@ kernel reads the segment sizes on the host once per layer; expert parallelism ne
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,8 +56,8 @@ class MoEOutput:
     stats: RoutingStats
 
 
-def route_tokens(logits: torch.Tensor, num_prototypes: int, top_k: int, normalize: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_tokens(logits: torch.Tensor, num_prototypes: int, top_k: int, normalize: bool = False,
+                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pick experts for each token.
 
     ``logits`` (tokens, experts) are split into ``num_prototypes`` equal groups of consecutive experts (M6-T);
@@ -65,11 +66,18 @@ def route_tokens(logits: torch.Tensor, num_prototypes: int, top_k: int, normaliz
 
     Returns ``(gates, experts, probs)``: gates and global expert ids of shape (tokens, prototypes, top_k), and the
     per-group probabilities (tokens, prototypes, experts_per_prototype) in fp32.
+
+    ``bias`` (experts,), auxiliary-loss-free balancing (DeepSeek-V3), is added to the probabilities for *choosing*
+    the top-k only; the gates stay the probabilities themselves, so the bias steers load, not the mix.
     """
     tokens, num_experts = logits.shape
     per_group = num_experts // num_prototypes
     probs = logits.float().view(tokens, num_prototypes, per_group).softmax(dim=-1)
-    gates, local = probs.topk(top_k, dim=-1)  # (tokens, prototypes, top_k)
+    if bias is None:
+        gates, local = probs.topk(top_k, dim=-1)  # (tokens, prototypes, top_k)
+    else:
+        _, local = (probs + bias.float().view(1, num_prototypes, per_group)).topk(top_k, dim=-1)
+        gates = probs.gather(-1, local)
     if normalize:  # GShard / Mixtral: the k picks' gates sum to 1 within each prototype
         gates = gates / gates.sum(dim=-1, keepdim=True)
     offsets = torch.arange(num_prototypes, device=logits.device).view(1, num_prototypes, 1) * per_group
@@ -255,6 +263,43 @@ def grouped_expert_mlps(x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tenso
     return torch.where(kept.unsqueeze(-1), out, out.new_zeros(()))
 
 
+class AlwaysOnExperts(nn.Module):
+    """The experts every token runs beside its routed ones (DeepSeek-MoE's shared experts), fused into one GELU MLP
+    of their summed hidden size: the same function as several MLPs whose outputs are added."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(dim, hidden_dim, bias=False)
+        self.fc_out = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(F.gelu(self.fc_in(x)))
+
+
+def update_routing_bias(bias: torch.Tensor, load: torch.Tensor, rate: float, groups: int = 1) -> None:
+    """DeepSeek-V3's rule, in place: each expert's bias moves by ``rate`` towards balance, up when its ``load`` (the
+    step's assignments, at any common scale) is below the mean of its routing group (prototype), down when above,
+    not at all when equal."""
+    grouped = load.float().view(groups, -1)
+    step = torch.sign(grouped.mean(dim=-1, keepdim=True) - grouped)
+    bias.add_((rate * step).view_as(bias).to(bias.dtype))
+
+
+def update_routing_biases(model: nn.Module, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    """After an optimizer step: move every loss-free-balanced MoE layer's bias by the load its routing saw since the
+    last step (every micro-batch), summed over processes by ``reduce`` (one collective for all layers, so every
+    rank applies the same update), and start the next step's count."""
+    layers = [m for m in model.modules() if isinstance(m, MoEFeedForward) and m.bias_rate is not None]
+    if not layers:
+        return
+    loads = torch.cat([layer.step_load for layer in layers])
+    if reduce is not None:
+        loads = reduce(loads)
+    for layer, load in zip(layers, loads.split([layer.step_load.numel() for layer in layers])):
+        update_routing_bias(layer.routing_bias, load, layer.bias_rate, layer.num_prototypes)
+        layer.step_load.zero_()
+
+
 class MoEFeedForward(nn.Module):
     """Router + experts. Input (batch, seq, dim) or (tokens, dim); returns an :class:`MoEOutput`.
 
@@ -273,8 +318,16 @@ class MoEFeedForward(nn.Module):
         self.capacity_factor = config.capacity_factor
         self.jitter = config.router_jitter
         self.router = Router(config.dim, config.num_experts)
-        self.experts = Experts(config.num_experts, config.dim, config.hidden_dim, config.num_unique_experts,
+        self.experts = Experts(config.num_experts, config.dim, config.routed_hidden_dim, config.num_unique_experts,
                                kernel=config.expert_kernel)
+        self.always_on = (AlwaysOnExperts(config.dim, config.always_on_experts * config.routed_hidden_dim)
+                          if config.always_on_experts else None)
+        self.bias_rate = config.router_bias_rate if config.router_balance == "bias" else None
+        if self.bias_rate is not None:
+            # Loss-free balancing: the routing bias (kept in checkpoints) and the load of the current optimizer
+            # step, summed over its micro-batches and forwards (not kept: a step never spans a checkpoint).
+            self.register_buffer("routing_bias", torch.zeros(config.num_experts))
+            self.register_buffer("step_load", torch.zeros(config.num_experts), persistent=False)
 
     def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss of this call's tokens (:func:`load_balancing_loss`). A strategy that splits the
@@ -290,7 +343,8 @@ class MoEFeedForward(nn.Module):
         if self.training and self.jitter > 0:
             router_input = x * torch.empty_like(x).uniform_(1.0 - self.jitter, 1.0 + self.jitter)
         logits = self.router(router_input)  # (tokens, experts), fp32
-        gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k, self.normalize_gates)
+        bias = self.routing_bias if self.bias_rate is not None else None
+        gates, experts, probs = route_tokens(logits, self.num_prototypes, self.top_k, self.normalize_gates, bias)
 
         # Assignments are flattened token-major (a token's picks together). Capacity goes by priority, position-major
         # over the batch: every sequence's position 0, then every sequence's position 1, ... A token then competes
@@ -332,6 +386,11 @@ class MoEFeedForward(nn.Module):
         # warns on (and an in-place op by a caller would break) a view returned from a wrapped block.
         output = x.new_zeros(shape)
         output.view(num_tokens, shape[-1]).index_add_(0, sorted_tokens, weighted)
+        if self.always_on is not None:
+            output = output + self.always_on(x).view(shape)
+        if self.bias_rate is not None and self.training:
+            with torch.no_grad():
+                self.step_load.add_(counts.to(self.step_load.dtype))
 
         stats = RoutingStats(
             tokens_per_expert=counts.detach(),

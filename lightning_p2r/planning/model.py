@@ -45,6 +45,7 @@ class ParamSpec:
 def block_params(config: M6Config, block: int) -> list[ParamSpec]:
     """The parameters of one unique block (the split dimensions follow ``M6Transformer.parallel_plan``)."""
     d, h, e = config.dim, config.hidden_dim, config.num_experts
+    he = config.routed_hidden_dim
     prefix = f"blocks.{block}."
     specs = [ParamSpec(prefix + "attn_norm.weight", (d,), "block", block),
              ParamSpec(prefix + "attn_norm.bias", (d,), "block", block),
@@ -54,8 +55,12 @@ def block_params(config: M6Config, block: int) -> list[ParamSpec]:
              ParamSpec(prefix + "ffn_norm.bias", (d,), "block", block)]
     if is_moe_block(config, block):
         specs += [ParamSpec(prefix + "ffn.router.weight", (e, d), "block", block),
-                  ParamSpec(prefix + "ffn.experts.w_in", (e, d, h), "expert", block, tensor_dim=2),
-                  ParamSpec(prefix + "ffn.experts.w_out", (e, h, d), "expert", block, tensor_dim=1)]
+                  ParamSpec(prefix + "ffn.experts.w_in", (e, d, he), "expert", block, tensor_dim=2),
+                  ParamSpec(prefix + "ffn.experts.w_out", (e, he, d), "expert", block, tensor_dim=1)]
+        if config.always_on_experts:
+            always = config.always_on_experts * he
+            specs += [ParamSpec(prefix + "ffn.always_on.fc_in.weight", (always, d), "block", block),
+                      ParamSpec(prefix + "ffn.always_on.fc_out.weight", (d, always), "block", block)]
     else:
         specs += [ParamSpec(prefix + "ffn.fc_in.weight", (h, d), "block", block, tensor_dim=0),
                   ParamSpec(prefix + "ffn.fc_out.weight", (d, h), "block", block, tensor_dim=1)]
@@ -115,8 +120,8 @@ def layer_forward_flops(config: M6Config, layer: int, seq_len: int) -> float:
     d, h = config.dim, config.hidden_dim
     attention = 2 * 4 * d * d + layer_attention_flops(config, layer, seq_len)
     if config.is_moe_layer(layer):
-        assignments = config.num_prototypes * config.moe_top_k
-        ffn = 2 * d * config.num_experts + assignments * 2 * 2 * d * h
+        assignments = config.num_prototypes * config.moe_top_k + config.always_on_experts
+        ffn = 2 * d * config.num_experts + assignments * 2 * 2 * d * config.routed_hidden_dim
     else:
         ffn = 2 * 2 * d * h
     return attention + ffn
@@ -145,7 +150,7 @@ def layer_activation_elements(config: M6Config, layer: int, *, tensor_parallel: 
     if config.is_moe_layer(layer):
         assignments = config.num_prototypes * config.moe_top_k
         replicated += config.num_experts + assignments * 2 * d
-        split += assignments * 2 * h
+        split += (assignments + config.always_on_experts) * 2 * config.routed_hidden_dim
     else:
         split += 2 * h
     return (replicated / (t if sequence_parallel else 1)) + split / t
@@ -159,7 +164,9 @@ def layer_elementwise_elements(config: M6Config, layer: int) -> float:
     elements = 2 * 3 * d + 2 * 3 * d + 4 * d + 4 * d  # two norms, two residual adds, rotary on q and k, attention io
     if config.is_moe_layer(layer):
         assignments = config.num_prototypes * config.moe_top_k
-        elements += 4 * config.num_experts + assignments * (4 * d + 2 * h + 3 * d)  # router, gather, GELU, combine
+        routed_hidden = config.routed_hidden_dim
+        elements += 4 * config.num_experts + assignments * (4 * d + 2 * routed_hidden + 3 * d)  # router, gather, GELU
+        elements += config.always_on_experts * 2 * routed_hidden
     else:
         elements += 2 * h
     return elements
