@@ -349,3 +349,14 @@ def test_gpu_script_smoke_runs_every_arm_on_cpu(tmp_path: Path, capsys: pytest.C
     assert {row["arm"] for row in _read_csv(tmp_path / "gpu.csv")} == {row["arm"] for row in rows}
     _assert_png(tmp_path / "gpu.png")
     assert "moe-grouped-compile" in capsys.readouterr().out
+
+
+def test_balance_benchmark_compares_both_rules(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_p2r.benchmarks import balance
+
+    rows = balance.main(["--quick", "--out", str(tmp_path)])
+    assert [row["rule"] for row in rows] == ["aux_loss", "bias"]
+    assert all(math.isfinite(row["val_loss"]) and row["load_max_over_mean_last10"] >= 1.0 for row in rows)
+    assert len(_read_csv(tmp_path / "balance.csv")) == 2
+    _assert_png(tmp_path / "balance.png")
+    assert "bias (mean ± sd)" in capsys.readouterr().out
