@@ -28,6 +28,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import Strategy
 
+from . import register_strategies
 from .callbacks.throughput import Throughput
 from .data import TextDataModule
 from .known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
@@ -44,6 +45,8 @@ set_parsing_settings(docstring_parse_attribute_docstrings=True)
 # Loggers whose output folder is their ``save_dir`` init argument: None or "." (W&B's default; CSVLogger requires
 # a value, so recipes write ".") means the root dir.
 _LOGGERS_WITH_SAVE_DIR = ("WandbLogger", "CSVLogger", "TensorBoardLogger")
+
+register_strategies()  # `strategy: p2r` in a recipe resolves through Lightning's registry
 
 
 class P2RArgumentParser(LightningArgumentParser):
