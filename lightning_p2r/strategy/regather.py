@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..sharing import OptimizerStatePolicy, Perturbation, delink, optimizer_constructor_kwargs
 from .optimizers import unwrapped
+from .ties import find_ties, retie
 
 
 def meta_template(module: nn.Module) -> nn.Module:
@@ -42,8 +43,9 @@ def full_tensor_on_host(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def gather_plain_module(sharded: nn.Module, template: nn.Module) -> nn.Module:
-    """A plain host copy of ``sharded`` (built from ``template``, its meta copy taken before sharding)."""
-    live_params = dict(sharded.named_parameters())
+    """A plain host copy of ``sharded`` (built from ``template``, its meta copy taken before sharding), with the live
+    module's ties: a template that lost one (a tie the model re-made after the template was taken) is re-tied."""
+    live_params = dict(sharded.named_parameters(remove_duplicate=False))
     live_buffers = dict(sharded.named_buffers())
     memo: dict[int, object] = {}
     for name, meta in template.named_parameters():
@@ -54,6 +56,7 @@ def gather_plain_module(sharded: nn.Module, template: nn.Module) -> nn.Module:
     for name, meta in template.named_buffers():
         memo[id(meta)] = full_tensor_on_host(live_buffers[name])
     plain = copy.deepcopy(template, memo)
+    retie(plain, find_ties(sharded))
     _share_plain_attributes(sharded, plain)
     return plain
 
