@@ -16,6 +16,7 @@ import lightning as L
 import torch
 from torch import nn
 
+from . import register_strategies
 from .models.decoders import (
     KNOWN_DECODERS,
     DecoderParts,
@@ -32,6 +33,8 @@ from .sharing import delink, find_block_sequence, share_layers
 
 STRUCTURE_KEY = "causal_lm_structure"
 """Checkpoint key recording how many distinct blocks the decoder's layers run (Pseudo-to-Real)."""
+
+register_strategies()  # Trainer(strategy="p2r") resolves once the model code is loaded
 
 
 def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:

@@ -16,6 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.text import Perplexity
 
+from . import register_strategies
 from .generation import generate_tokens
 from .known_warnings import silence_known_noise
 from .language_eval import LanguageLosses
@@ -28,6 +29,8 @@ from .protocols import LayeredStages, PipelineParts
 from .sharing import delink, shared_experts
 
 STRUCTURE_KEY = "lightning_p2r_structure"
+
+register_strategies()  # Trainer(strategy="p2r") resolves once the model code is loaded
 
 
 @dataclass(kw_only=True)

@@ -216,7 +216,9 @@ def resolve_expert_kernel(kernel: ExpertKernel, x: torch.Tensor) -> str:
     "loop" (on CPU the loop measured faster, docs/performance.md). An explicit choice is returned as given."""
     if kernel != "auto":
         return kernel
-    return "grouped" if x.device.type == "cuda" and compute_dtype(x) == torch.bfloat16 else "loop"
+    usable = (x.device.type == "cuda" and compute_dtype(x) == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+              and torch.cuda.get_device_capability(x.device) >= (9, 0) and x.shape[-1] % 8 == 0)
+    return "grouped" if usable else "loop"
 
 
 def expert_mlps(x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
@@ -328,6 +330,13 @@ class MoEFeedForward(nn.Module):
             # step, summed over its micro-batches and forwards (not kept: a step never spans a checkpoint).
             self.register_buffer("routing_bias", torch.zeros(config.num_experts))
             self.register_buffer("step_load", torch.zeros(config.num_experts), persistent=False)
+
+    def reset_parameters(self) -> None:
+        """The routing buffers' initial values (a model built on the meta device gets them here; the weights have
+        their own rules): no bias, no load counted."""
+        if self.bias_rate is not None:
+            self.routing_bias.zero_()
+            self.step_load.zero_()
 
     def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The load-balancing loss of this call's tokens (:func:`load_balancing_loss`). A strategy that splits the

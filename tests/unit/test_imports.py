@@ -25,3 +25,11 @@ def test_the_strategy_names_resolve_after_importing_the_package_either_way() -> 
                       "logger=False).strategy).__name__)")
         assert result.returncode == 0, result.stderr
         assert result.stdout.strip().splitlines()[-1] == "P2RStrategy"
+
+
+def test_importing_the_model_code_registers_the_strategy_names() -> None:
+    result = _run("import lightning_p2r\nfrom lightning_p2r.module import M6LanguageModel\nimport lightning as L\n"
+                  "trainer = L.Trainer(strategy='p2r', accelerator='cpu', devices=1, logger=False)\n"
+                  "print(type(trainer.strategy).__name__)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "P2RStrategy"

@@ -129,3 +129,18 @@ def test_under_gradient_accumulation_the_bias_moves_once_per_optimizer_step(tmp_
     assert torch.equal(first, torch.zeros(4))  # the first micro-batch: no optimizer step yet
     assert second.abs().max() == 0.25 and torch.equal(third, second)  # one move per optimizer step
     assert ((fourth - second).abs() <= 0.25).all() and not torch.equal(fourth, second)
+
+
+def test_loss_free_balancing_trains_under_the_strategy_built_in_place(tmp_path) -> None:
+    """The routing buffers are initialized where the model is materialized (a meta build refused them once)."""
+    import lightning as L
+    from helpers import TINY, tiny_data
+
+    from lightning_p2r import M6LanguageModel, OptimizerConfig, P2RStrategy
+
+    module = M6LanguageModel(M6Config(**(TINY | {"router_balance": "bias"})), OptimizerConfig(warmup_steps=1))
+    L.Trainer(accelerator="cpu", devices=1, strategy=P2RStrategy(sharding="zero3"), max_steps=2, logger=False,
+              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+              limit_val_batches=0, default_root_dir=tmp_path).fit(module, tiny_data(tmp_path))
+    bias = module.transformer.blocks[0].ffn.routing_bias
+    assert torch.isfinite(bias).all() and bias.abs().max() > 0
