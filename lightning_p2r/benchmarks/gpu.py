@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, Throughput
+from lightning_p2r.benchmarks.offload import StepTimer, matmul_peak_tflops
 from lightning_p2r.benchmarks.report import (
     base_parser,
     environment_info,
@@ -95,18 +96,6 @@ def parameter_counts(config: M6Config) -> tuple[float, float]:
     unused = config.num_experts - config.num_prototypes * config.moe_top_k
     moe_blocks = {model.layer_to_block[layer] for layer in range(config.num_layers) if config.is_moe_layer(layer)}
     return total, total - len(moe_blocks) * unused * per_expert
-
-
-class StepTimer(L.Callback):
-    """Wall-clock at the end of each training batch, the device drained first."""
-
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.strategy.root_device.type == "cuda":
-            torch.cuda.synchronize()
-        self.ends.append(time.perf_counter())
 
 
 def random_windows(config: M6Config, sizes: Sizes, count: int) -> torch.utils.data.DataLoader:
@@ -253,21 +242,6 @@ def _arms() -> list[Arm]:
     ]
 
 
-def matmul_tflops(device: torch.device, size: int = 8192, repeats: int = 10) -> float | None:
-    """A large bf16 matmul's TFLOP/s on a CUDA device (None elsewhere): the practical ceiling."""
-    if device.type != "cuda":
-        return None
-    a, b = (torch.randn(size, size, device=device, dtype=torch.bfloat16) for _ in range(2))
-    for _ in range(3):
-        a @ b
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    torch.cuda.synchronize(device)
-    return 2 * size**3 * repeats / (time.perf_counter() - start) / 1e12
-
-
 def measure_arm(arm: Arm, sizes: Sizes, device: torch.device, backend: Any, peaks: tuple[Any, Any]
                 ) -> dict[str, Any]:
     config = getattr(sizes, arm.model)
@@ -327,7 +301,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     backend: Any = True if device.type == "cuda" else "aot_eager"
     env = environment_info(device)
     print_environment(env)
-    matmul_peak = matmul_tflops(device)
+    matmul_peak = matmul_peak_tflops(device) if device.type == "cuda" else None
     table_peak = peak_tflops(env["device_name"], torch.bfloat16) if device.type == "cuda" else None
     print(f"peaks: table {table_peak} TFLOP/s, measured bf16 matmul {matmul_peak and round(matmul_peak)} TFLOP/s")
     out = Path(args.out)

@@ -224,10 +224,8 @@ def resolve_expert_kernel(kernel: ExpertKernel, x: torch.Tensor) -> str:
 def expert_mlps(x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor,
                 kernel: ExpertKernel = "auto") -> torch.Tensor:
     """Each expert's GELU MLP on its segment: x (rows, dim) sorted by expert, ``counts`` (experts,) rows per expert
-    (a tensor on x's device, or a list), weights (experts, dim, hidden) and (experts, hidden, dim) -> (rows, dim).
+    (a tensor on x's device), weights (experts, dim, hidden) and (experts, hidden, dim) -> (rows, dim).
     Rows past the counts' sum get zeros and no gradient."""
-    if isinstance(counts, list):
-        counts = torch.tensor(counts, dtype=torch.long, device=x.device)
     if resolve_expert_kernel(kernel, x) == "grouped":
         return grouped_expert_mlps(x, counts, w_in, w_out)
     return looped_expert_mlps(x, counts.tolist(), w_in, w_out)
