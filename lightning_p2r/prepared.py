@@ -49,6 +49,31 @@ def require_litdata() -> Any:
     return litdata
 
 
+def optimize_tokens(fn: Any, inputs: list[Any], output_dir: str, num_workers: int, **options: Any) -> None:
+    """``litdata.optimize`` into a token-chunk directory, its workers forked only where forking is safe.
+
+    ``fork`` starts workers in milliseconds but deadlocks when the parent already runs other threads (a logger's
+    event loop, tqdm's monitor, a training run's data threads): a child inherits a lock another thread held, and the
+    parent waits on its queue forever (seen once in the test suite). So a process with one thread (the
+    ``prepare-data`` command) forks, and any other starts its workers from a ``forkserver``: a fresh one-thread
+    process that imports this module once (litdata's ordered mode then costs a few seconds per call, measured, where
+    ``spawn`` costs 8 s). litdata sets the start method for the whole process (``force=True``): the caller's is put
+    back afterwards.
+    """
+    import multiprocessing
+    import threading
+
+    litdata = require_litdata()
+    method = "fork" if threading.active_count() == 1 else "forkserver"
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_forkserver_preload([__name__, "litdata"])  # read only when the server first starts
+    try:
+        litdata.optimize(fn=fn, inputs=inputs, output_dir=output_dir, num_workers=num_workers, chunk_bytes="64MB",
+                         item_loader=litdata.TokensLoader(), verbose=False, start_method=method, **options)
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+
+
 # ---------------------------------------------------------------------------------------------- the corpus stream
 
 
@@ -435,7 +460,7 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
     tokenizer = tokenizer or "bpe"
     vocab_size = vocab_size if vocab_size is not None else (4096 if tokenizer == "bpe" else 256)
     _check_options(tokenizer, vocab_size, val_fraction, num_workers, piece_bytes)
-    litdata = require_litdata()
+    require_litdata()  # refused before any work when missing
     out = Path(out).expanduser()
     _recover(out)
     if source == "bible-multi":
@@ -494,9 +519,7 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
             workers = min(num_workers, len(jobs))
             log(f"{language + '/' if language else ''}{split}: encoding {len(jobs)} pieces of {corpus.name} with "
                 f"{workers} worker(s)")
-            litdata.optimize(fn=encode_piece, inputs=jobs, output_dir=str(target), num_workers=workers,
-                             chunk_bytes="64MB", item_loader=litdata.TokensLoader(), reorder_files=False,
-                             keep_data_ordered=True, verbose=False, start_method="fork")
+            optimize_tokens(encode_piece, jobs, str(target), workers, reorder_files=False, keep_data_ordered=True)
             counts[language][split] = {"tokens": _split_tokens(target),
                                        "bytes": sum(p.end - p.start for p in split_pieces)}
     totals = {split: {key: sum(c[split][key] for c in counts.values()) for key in ("tokens", "bytes")}

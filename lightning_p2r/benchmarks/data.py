@@ -43,7 +43,7 @@ from lightning_p2r.benchmarks.report import (
     write_csv,
 )
 from lightning_p2r.data import load_corpus
-from lightning_p2r.prepared import prepare_data, require_litdata
+from lightning_p2r.prepared import optimize_tokens, prepare_data
 from lightning_p2r.streaming import streaming_loader
 
 PREPARE_COLUMNS = ["tokenizer", "workers", "text_mb", "tokens", "seconds", "mb_per_s"]
@@ -142,11 +142,9 @@ def _random_tokens(seed: int) -> Any:
 
 def _token_directory(root: Path, megabytes: int) -> Path:
     """A prepared-like split of random tokens, ``megabytes`` MB of int16 ids, written with litdata directly."""
-    litdata = require_litdata()
     out = root / f"tokens-{megabytes}mb" / "train"
     inputs = list(range(max(1, round(megabytes / 8.388608))))
-    litdata.optimize(fn=_random_tokens, inputs=inputs, output_dir=str(out), chunk_bytes="64MB", num_workers=1,
-                     item_loader=litdata.TokensLoader(), verbose=False, start_method="fork")
+    optimize_tokens(_random_tokens, inputs, str(out), 1)
     return out.parent
 
 

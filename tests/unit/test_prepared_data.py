@@ -342,3 +342,35 @@ def test_a_shuffled_batch_draws_from_the_whole_split(tmp_path: Path) -> None:
         indexes = [position[tuple(row.tolist())] for row in batch]
         spreads.append(max(indexes) - min(indexes))
     assert min(spreads) > 256, spreads
+
+
+def test_a_process_running_other_threads_prepares_the_same_chunks_without_forking_from_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process with live threads must not fork its workers (a child can inherit a held lock and hang): the
+    workers start from a fork server, the chunks are byte-identical, and the caller's start method survives."""
+    import multiprocessing
+    import threading
+
+    import litdata
+
+    source = _corpus(tmp_path / "src")
+    methods: list[str] = []
+    real = litdata.optimize
+    monkeypatch.setattr(litdata, "optimize", lambda **kw: (methods.append(kw["start_method"]), real(**kw))[1])
+    before = multiprocessing.get_start_method(allow_none=True)
+    prepare_data(str(source), tmp_path / "alone", tokenizer="bytes", piece_bytes=4096, num_workers=2, **QUIET)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        prepare_data(str(source), tmp_path / "threaded", tokenizer="bytes", piece_bytes=4096, num_workers=2, **QUIET)
+    finally:
+        stop.set()
+        other.join()
+    alone_method = "fork" if threading.active_count() == 1 else "forkserver"  # pytest plugins may run threads too
+    assert methods[0] == alone_method and set(methods[len(methods) // 2:]) == {"forkserver"}
+    assert multiprocessing.get_start_method(allow_none=True) == before
+    for split in ("train", "val"):
+        alone = sorted((tmp_path / "alone" / split).glob("chunk-*.bin"))
+        threaded = sorted((tmp_path / "threaded" / split).glob("chunk-*.bin"))
+        assert alone and [p.read_bytes() for p in alone] == [p.read_bytes() for p in threaded]
