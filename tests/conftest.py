@@ -1,10 +1,16 @@
 import os
+from pathlib import Path
 
 import pytest
 import torch
+import tqdm
 
 # Two cores: keep torch from oversubscribing them when pytest runs several things.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# No tqdm monitor thread (it only retunes slow bars): a process with a second thread prepares data through a fork
+# server, a few seconds per litdata call, where one thread forks in milliseconds (lightning_p2r.prepared). The fork
+# server path has its own test (test_prepared_data).
+tqdm.tqdm.monitor_interval = 0
 
 
 @pytest.fixture(autouse=True)
@@ -46,3 +52,12 @@ def _no_process_group_left_behind():
     if os.environ != environment:
         os.environ.clear()
         os.environ.update(environment)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Everything under tests/distributed launches several processes: marked so, for the README's tier
+    (``-m "not slow and not distributed"``) to leave it to CI's second command."""
+    here = Path(__file__).parent / "distributed"
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.distributed)

@@ -154,6 +154,7 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("extra", "message"), [case[1:] for case in CLI_CASES], ids=[case[0] for case in CLI_CASES])
 def test_the_cli_refuses_in_one_message_and_leaves_the_earlier_run_alone(
         extra: list[str], message: str, earlier_run: Path, monkeypatch: pytest.MonkeyPatch,

@@ -15,6 +15,8 @@ from lightning_p2r.benchmarks import attention, moe, quickstart
 from lightning_p2r.benchmarks.report import format_table, write_csv
 from lightning_p2r.measure.run import median_seconds
 
+pytestmark = pytest.mark.slow  # each runs a benchmark's smoke mode end to end (the README tier skips it)
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 

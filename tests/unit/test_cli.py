@@ -28,6 +28,7 @@ def test_there_are_recipes() -> None:
     assert {p.name for p in RECIPES} >= {"quickstart.yaml", "m6_moe_small.yaml", "dense_baseline.yaml"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", M6_RECIPES, ids=lambda p: p.name)
 def test_recipe_instantiates_through_lightning_cli(recipe: Path, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)  # recipes write under runs/; keep that inside the test's folder
@@ -77,6 +78,7 @@ def test_dense_baseline_has_no_moe_layer(tmp_path: Path, monkeypatch) -> None:
         ("--data.corpus=/nonexistent/corpus.txt", "/nonexistent/corpus.txt"),
     ],
 )
+@pytest.mark.slow
 def test_bad_values_fail_at_parse_time(override: str, message: str, tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -125,6 +127,7 @@ def test_quickstart_fit_writes_checkpoint_and_offline_wandb_run(tmp_path: Path) 
     assert "val/loss" in metrics and "train/loss" in metrics
 
 
+@pytest.mark.slow
 def test_pseudo_to_real_recipe_delinks_during_a_short_fit(tmp_path: Path, monkeypatch) -> None:
     from lightning_p2r import PseudoToReal
 
@@ -153,6 +156,7 @@ def _fit_args(tmp_path: Path, *extra: str) -> list[str]:
             "--data.vocab_size=256", f"--data.corpus={_small_corpus(tmp_path)}", *extra]
 
 
+@pytest.mark.slow
 def test_outputs_follow_the_root_dir_and_a_failing_call_leaves_the_run_alone(tmp_path: Path, monkeypatch,
                                                                              capsys) -> None:
     from lightning_p2r.cli import main
@@ -181,6 +185,7 @@ def test_outputs_follow_the_root_dir_and_a_failing_call_leaves_the_run_alone(tmp
     assert after == before
 
 
+@pytest.mark.slow
 def test_ckpt_path_last_resumes_the_newest_run_and_overrides_are_refused(tmp_path: Path, monkeypatch,
                                                                          capsys) -> None:
     import torch
@@ -210,6 +215,7 @@ def test_ckpt_path_last_resumes_the_newest_run_and_overrides_are_refused(tmp_pat
     assert "drop these options" in err
 
 
+@pytest.mark.slow
 def test_resuming_with_other_options_through_the_python_api_is_refused(tmp_path: Path, monkeypatch) -> None:
     from lightning_p2r.cli import main
 

@@ -26,6 +26,7 @@ def test_the_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[st
     assert set(COMMANDS) <= {line.split()[0] for line in text.splitlines() if line.startswith("  ")}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_each_command_has_its_own_help(command: str, capsys: pytest.CaptureFixture[str]) -> None:
     code, text = _exit_and_output(capsys, [command, "--help"])
@@ -64,6 +65,7 @@ def test_an_unknown_key_in_a_recipe_names_the_file_and_line(tmp_path: Path,
     assert "model.config.num_layerz" in text and f"(in {recipe}, line 5)" in text
 
 
+@pytest.mark.slow
 def test_a_bad_strategy_value_in_a_recipe_names_the_line_but_not_when_the_command_line_gave_it(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     recipe = tmp_path / "strategy.yaml"

@@ -60,6 +60,7 @@ def _assert_close(losses: list[float], reference: list[float], tolerance: float 
     ({"offload_fraction": 0.5}, DENSE),
     ({"sharding": "zero3", "offload_fraction": 0.5}, DENSE),
 ], ids=["standard_moe", "layered_recompute", "offload", "zero3_offload"])
+@pytest.mark.slow
 def test_compiled_blocks_give_the_eager_losses(tmp_path, one_intraop_thread, strategy: dict, model: dict) -> None:
     eager, _ = _fit(tmp_path, strategy, model)
     fresh()
@@ -135,6 +136,7 @@ GROUPED = MODEL | {"expert_kernel": "grouped"}
 
 @pytest.mark.parametrize("strategy", [{}, {"offload_fraction": 0.5}, {"sharding": "zero3", "offload_fraction": 0.5}],
                          ids=["resident", "offload", "zero3_offload"])
+@pytest.mark.slow
 def test_blocks_on_the_grouped_kernel_compile_whole(tmp_path, one_intraop_thread, strategy: dict) -> None:
     """Issue 40 item 3: a dense and an MoE block (banded attention, router, grouped experts) compile with no graph
     break, inside FSDP2 and offload too, and a 5-step run compiles each block's code a bounded number of times (a

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # each kills and relaunches a training process (the README tier skips it)
+
 WORKER = Path(__file__).with_name("crash_worker.py")
 STEPS = 5
 

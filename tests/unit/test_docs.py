@@ -24,6 +24,13 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert _readme_commands()[1] in ROOT.joinpath(".ci/run").read_text()
 
 
+def test_the_readme_tier_and_cis_other_tier_together_select_every_test() -> None:
+    """The README's command is the quick tier; CI's second command must be its exact complement, so no test is
+    left to neither (by De Morgan, "slow or distributed" is "not (not slow and not distributed)")."""
+    assert _readme_commands()[1].endswith('python -m pytest -q -m "not slow and not distributed"')
+    assert 'python -m pytest -q -m "slow or distributed"' in ROOT.joinpath(".ci/run").read_text()
+
+
 def test_configuration_reference_is_up_to_date() -> None:
     assert docs_gen.main(["--check"]) == 0, "run: python -m lightning_p2r.docs_gen"
 

@@ -189,6 +189,7 @@ def _generate(root: Path, capsys: pytest.CaptureFixture[str], *options: str, ckp
     return captured.out, captured.err
 
 
+@pytest.mark.slow
 def test_greedy_generation_recites_the_memorized_sentence(memorized: Path, capsys: pytest.CaptureFixture[str]
                                                           ) -> None:
     prompt = SENTENCE[:12]

@@ -4,6 +4,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -18,6 +20,7 @@ def test_the_layout_rulebook_and_the_planner_import_without_torch_or_lightning()
     assert result.stdout.strip() == "[]"
 
 
+@pytest.mark.slow
 def test_the_strategy_names_resolve_after_importing_the_package_either_way() -> None:
     for code in ("import lightning_p2r, lightning as L\nfrom lightning_p2r import M6Config\n",
                  "import lightning as L, lightning_p2r\n"):

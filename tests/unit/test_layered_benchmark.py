@@ -6,6 +6,8 @@ import pytest
 from lightning_p2r.benchmarks import layered
 from lightning_p2r.benchmarks.layered import COLUMNS
 
+pytestmark = pytest.mark.slow  # runs the benchmark end to end (the README tier skips it)
+
 
 @pytest.mark.distributed
 @pytest.mark.timeout(300)

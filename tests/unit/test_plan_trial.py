@@ -26,6 +26,7 @@ def _inputs(tmp_path, devices: int = 1):
     return ["plan", "--cluster", str(cluster), "--config", str(recipe)]
 
 
+@pytest.mark.slow
 def test_trial_runs_the_best_layouts_and_recommends_the_measured_best(capsys, tmp_path) -> None:
     main(_inputs(tmp_path) + ["--trial", "2", "--trial-steps", "3", "--sharding", "none", "--micro-batches", "1,2",
                               "--offload-fractions", "0"])

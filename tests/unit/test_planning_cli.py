@@ -69,6 +69,7 @@ def test_plan_says_when_nothing_fits(capsys, tmp_path) -> None:
         main(["plan", "--cluster", str(tiny), "--config", str(RECIPES / "quickstart.yaml")])
 
 
+@pytest.mark.slow
 def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path) -> None:
     out = tmp_path / "here.yaml"
     main(["calibrate", "--processes", "1", "--quick", "--out", str(out)])

@@ -15,6 +15,8 @@ import lightning_p2r
 from lightning_p2r import TextDataModule
 from lightning_p2r.prepared import PreparedDataError, prepare_data, read_manifest
 
+pytestmark = pytest.mark.slow  # kills and reruns a prepare-data process (the README tier skips it)
+
 pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
 
 QUIET = {"log": lambda line: None}

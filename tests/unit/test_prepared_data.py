@@ -344,6 +344,7 @@ def test_a_shuffled_batch_draws_from_the_whole_split(tmp_path: Path) -> None:
     assert min(spreads) > 256, spreads
 
 
+@pytest.mark.slow
 def test_a_process_running_other_threads_prepares_the_same_chunks_without_forking_from_itself(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A process with live threads must not fork its workers (a child can inherit a held lock and hang): the

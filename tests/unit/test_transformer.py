@@ -73,6 +73,7 @@ def test_too_long_input_is_rejected() -> None:
 @pytest.mark.parametrize("changes", [{}, {"num_prototypes": 2}, {"moe_top_k": 2, "capacity_factor": None},
                                      {"num_unique_blocks": 1, "attention": "alternating", "sparse_window": 4},
                                      {"position_embedding": "learned", "moe_layers": [1, 3]}])
+@pytest.mark.slow
 def test_tiny_model_overfits_one_batch(changes: dict) -> None:
     torch.manual_seed(0)
     model = M6Transformer(_config(**changes))
