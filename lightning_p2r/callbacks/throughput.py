@@ -45,18 +45,34 @@ def _sequence_length(batch: Any) -> int:
 
 def forward_flops_per_token(module: L.LightningModule, seq_len: int) -> float:
     """The module's own count when it has one (``forward_flops_per_token(seq_len)``), else 2 FLOPs per weight of
-    every matrix outside the embedding tables (attention scores not counted: a floor)."""
+    every matrix a token passes through (attention scores not counted: a floor). A matrix counts once per place it
+    is registered, so a block shared by several layers counts once per layer and a head tied to the embedding
+    counts as the head (a lookup costs nothing); stacked expert weights (3-D, or under an ``experts`` module) count
+    the routed fraction ``num_experts_per_tok / num_local_experts`` the model's ``config`` names (Hugging Face)."""
     own = getattr(module, "forward_flops_per_token", None)
     if callable(own):
         return float(own(seq_len))
-    embeddings = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Embedding)}
-    seen: set[int] = set()
-    total = 0
-    for parameter in module.parameters():
-        if parameter.dim() >= 2 and id(parameter) not in embeddings and id(parameter) not in seen:
-            seen.add(id(parameter))
-            total += parameter.numel()
+    routed = _routed_fraction(module)
+    total = 0.0
+    for name, child in module.named_modules(remove_duplicate=False):
+        if isinstance(child, torch.nn.Embedding):
+            continue
+        expert = "experts" in name.split(".")
+        for parameter in child.parameters(recurse=False):
+            if parameter.dim() >= 2:
+                total += parameter.numel() * (routed if expert or parameter.dim() == 3 else 1.0)
     return 2.0 * total
+
+
+def _routed_fraction(module: torch.nn.Module) -> float:
+    """top-k over the experts, from the first Hugging Face style ``config`` found (1 when there is none)."""
+    for child in module.modules():
+        config = getattr(child, "config", None)
+        top_k = getattr(config, "num_experts_per_tok", None)
+        experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+        if isinstance(top_k, int) and isinstance(experts, int) and experts > 0:
+            return min(1.0, top_k / experts)
+    return 1.0
 
 
 def _compute_dtype(trainer: L.Trainer) -> torch.dtype:
@@ -87,6 +103,7 @@ class Throughput(L.Callback):
         self.tokens_fn = tokens_fn or tokens_in
         self.prog_bar = prog_bar
         self._start: float | None = None
+        self._elapsed = 0.0
         self._tokens = 0
         self._flops = 0.0
         self._batches = 0
@@ -100,7 +117,8 @@ class Throughput(L.Callback):
         self._reset()
 
     def _reset(self) -> None:
-        self._start, self._tokens, self._flops, self._batches = None, 0, 0.0, 0
+        self._start, self._elapsed, self._tokens, self._flops, self._batches = None, 0.0, 0, 0.0, 0
+        self._flops_per_token.clear()  # counted again each window: delinking or growth changes the model
 
     def _drain(self, trainer: L.Trainer) -> None:
         if trainer.strategy.root_device.type == "cuda":
@@ -108,9 +126,16 @@ class Throughput(L.Callback):
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if self._start is None:  # a window opens: what ran before (setup, validation) is left out
+        if self._start is None:  # a window opens or resumes: what ran before (setup, validation) is left out
             self._drain(trainer)
             self._start = time.perf_counter()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A validation run inside a window pauses its clock (its batches are not training tokens)."""
+        if self._start is not None:  # only a training window sets it
+            self._drain(trainer)
+            self._elapsed += time.perf_counter() - self._start
+            self._start = None
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -124,7 +149,7 @@ class Throughput(L.Callback):
         if self._batches < self.window:
             return
         self._drain(trainer)
-        seconds = time.perf_counter() - self._start
+        seconds = self._elapsed + time.perf_counter() - self._start
         data_parallel, devices = _data_parallel_size(trainer), trainer.world_size
         # This rank's tokens stand for its data-parallel group's; every device shares the global work evenly.
         global_tokens_per_s = self._tokens * data_parallel / seconds

@@ -133,8 +133,9 @@ def head_forward_flops(config: M6Config) -> float:
 
 
 def model_forward_flops(config: M6Config, seq_len: int) -> float:
-    """FLOPs of one token's forward pass through the whole model."""
-    return sum(layer_forward_flops(config, layer, seq_len) for layer in range(config.num_layers)) + \
+    """FLOPs of one token's forward pass through the whole model: the layers a forward runs (``run_depth``: a shallow
+    pseudo model runs one layer per block until it grows) and the head."""
+    return sum(layer_forward_flops(config, layer, seq_len) for layer in range(config.run_depth)) + \
         head_forward_flops(config)
 
 

@@ -81,3 +81,61 @@ def test_a_run_logs_throughput_figures_that_agree_with_each_other(tmp_path: Path
 def test_a_window_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="window"):
         Throughput(window=0)
+
+
+def test_a_validation_run_inside_a_window_is_left_out_of_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer, module, logged = _stub(1, P2RStrategy())
+    callback = Throughput(window=2, prog_bar=False)
+    clock = iter([0.0, 1.0, 9.0, 10.0])  # batch 0 from 0 to 1 s, validation 1 to 9 s, batch 1 from 9 to 10 s
+    monkeypatch.setattr("lightning_p2r.callbacks.throughput.time.perf_counter", lambda: next(clock))
+    batch = torch.zeros(2, 9, dtype=torch.long)
+    callback.on_train_batch_start(trainer, module, batch, 0)
+    callback.on_train_batch_end(trainer, module, None, batch, 0)
+    callback.on_validation_start(trainer, module)
+    callback.on_train_batch_start(trainer, module, batch, 1)
+    callback.on_train_batch_end(trainer, module, None, batch, 1)
+    assert logged["perf/tokens_per_s"] == pytest.approx(2 * 16 / 2.0)
+
+
+def test_the_flops_are_counted_again_each_window_so_a_delinked_or_grown_model_is_priced_as_it_is_now(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer, module, logged = _stub(1, P2RStrategy())
+    flops = iter([1e9, 4e9])
+    module.forward_flops_per_token = lambda seq_len: next(flops)
+    callback = Throughput(window=1, prog_bar=False)
+    clock = iter([0.0, 1.0, 1.0, 2.0])
+    monkeypatch.setattr("lightning_p2r.callbacks.throughput.time.perf_counter", lambda: next(clock))
+    batch = torch.zeros(1, 2, dtype=torch.long)
+    seen = []
+    for index in range(2):
+        callback.on_train_batch_start(trainer, module, batch, index)
+        callback.on_train_batch_end(trainer, module, None, batch, index)
+        seen.append(logged["perf/tflops_per_device"])
+    assert seen[1] == pytest.approx(4 * seen[0])
+
+
+def test_a_shallow_pseudo_model_is_priced_at_the_depth_it_runs() -> None:
+    deep = M6Config(**(TINY | {"num_layers": 4}))
+    shallow = M6Config(**(TINY | {"num_layers": 4, "num_unique_blocks": 2, "sharing": "cycle",
+                                  "pseudo_depth": "shallow"}))
+    assert shallow.run_depth == 2
+    assert model_forward_flops(shallow, 16) == model_forward_flops(M6Config(**(TINY | {"num_layers": 2})), 16)
+    assert model_forward_flops(shallow, 16) < model_forward_flops(deep, 16)
+
+
+def test_the_generic_count_follows_shared_layers_a_tied_head_and_routed_experts() -> None:
+    class Decoder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace(num_experts_per_tok=2, num_local_experts=8)
+            self.embed = torch.nn.Embedding(10, 4)
+            block = torch.nn.Linear(4, 4, bias=False)
+            self.layers = torch.nn.ModuleList([block, block, block])  # one block run by three layers
+            self.experts = torch.nn.Module()
+            self.experts.gate_up = torch.nn.Parameter(torch.zeros(8, 4, 6))  # stacked: 8 experts of 4 x 6
+            self.router = torch.nn.Linear(4, 8, bias=False)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.embed.weight  # tied: the lookup is free, the head's matmul is not
+
+    expected = 3 * 16 + 8 * 24 * (2 / 8) + 32 + 40
+    assert forward_flops_per_token(Decoder(), 8) == 2 * expected
