@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,6 +107,143 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.to(x.dtype)
 
 
+BAND_KERNELS = ("masked", "chunked", "flex")
+"""How a banded layer attends: "masked" (the fused kernel with a dense (T, T) band mask), "chunked"
+(:func:`banded_attention`, cost T x window) or "flex" (``flex_attention`` with a block mask: tiles outside the band
+are skipped; compiled on an accelerator; forward only on CPU, where torch has no flex backward)."""
+
+
+@dataclass(frozen=True)
+class Band:
+    """The kernel one banded layer runs in this forward call, chosen outside the (possibly compiled) block, with
+    the flex block mask when the kernel is "flex" (built once per length and window, never inside a traced block)."""
+
+    kernel: str
+    block_mask: Any = None
+
+
+def band_kernel_by_rule(seq_len: int, window: int) -> str:
+    """The CPU rule: chunked when the band touches fewer keys than causal attention's seq_len / 2 per query, else
+    the masked fused kernel (measured on 2 CPU cores with ``python -m lightning_p2r.benchmarks.attention``)."""
+    return "chunked" if band_chunk_size(window) + window < seq_len // 2 else "masked"
+
+
+def flex_available() -> bool:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=32)
+def band_block_mask(seq_len: int, window: int, device: str) -> Any:
+    """flex_attention's block mask of the band ``0 <= q - k < window`` for one length (cached: built once)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def in_band(batch: Any, head: Any, query: Any, key: Any) -> Any:
+        return (query >= key) & (query - key < window)
+
+    return create_block_mask(in_band, None, None, seq_len, seq_len, device=device)
+
+
+@functools.cache
+def _compiled_flex() -> Callable[..., torch.Tensor]:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)  # flex's fused kernels exist only compiled; eager flex is a reference
+
+
+def flex_band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
+    """Banded attention through ``flex_attention`` (compiled off CPU; on CPU the eager reference, forward only)."""
+    if q.device.type == "cpu":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        with warnings.catch_warnings():  # eager on purpose: compiling per length costs more than CPU inference
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            return flex_attention(q, k, v, block_mask=block_mask)
+    if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph like any other op
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=block_mask)
+    return _compiled_flex()(q, k, v, block_mask=block_mask)
+
+
+def attend_band(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, band: Band,
+                dropout_p: float = 0.0) -> torch.Tensor:
+    """Run one banded layer's attention core with ``band``'s kernel."""
+    if band.kernel == "flex":
+        return flex_band_attention(q, k, v, band.block_mask)
+    if band.kernel == "chunked":
+        return banded_attention(q, k, v, window, dropout_p=dropout_p)
+    mask = local_causal_mask(q.shape[-2], window, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+_TIMED: dict[tuple, str] = {}
+
+
+def timed_band_kernel(shape: tuple[int, int, int, int], window: int, dtype: torch.dtype, device: torch.device,
+                      candidates: tuple[str, ...], repeats: int = 3) -> str:
+    """The fastest of ``candidates`` for q, k, v of ``shape`` (batch, heads, seq, head_dim), forward + backward,
+    timed once per shape, window, dtype and device in this process (a first call warms each kernel up, flex's
+    compile included) and remembered."""
+    key = (shape, window, dtype, str(device), candidates)
+    if key not in _TIMED:
+        seq_len = shape[2]
+        generator = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(shape, device=device, dtype=dtype, generator=generator).requires_grad_()
+                   for _ in range(3))
+        seconds = {}
+        for kernel in candidates:
+            band = Band(kernel, band_block_mask(seq_len, window, str(device)) if kernel == "flex" else None)
+            times = []
+            for _ in range(repeats + 1):
+                _synchronize(device)
+                start = time.perf_counter()
+                attend_band(q, k, v, window, band).sum().backward()
+                _synchronize(device)
+                times.append(time.perf_counter() - start)
+            seconds[kernel] = sorted(times[1:])[len(times[1:]) // 2]
+        _TIMED[key] = min(seconds, key=seconds.__getitem__)
+    return _TIMED[key]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def choose_bands(kernel: str, windows: set[int], shape: tuple[int, int, int, int], dtype: torch.dtype,
+                 device: torch.device, *, training: bool, dropout: float) -> dict[int, Band]:
+    """The kernel of each banded window narrower than the sequence for one forward call (``M6Config.
+    attention_kernel``): a named kernel as is; "auto" by the CPU rule on CPU (deterministic, measured there), and
+    elsewhere by timing the candidates once per shape (flex among them where it can run: not while training with
+    attention dropout, which flex lacks)."""
+    seq_len = shape[2]
+    bands = {}
+    for window in sorted(w for w in windows if w < seq_len):
+        chosen = kernel
+        if kernel == "auto":
+            if device.type == "cpu":
+                chosen = band_kernel_by_rule(seq_len, window)
+            else:
+                candidates = ("masked", "chunked") + (("flex",) if flex_available() and not (
+                    training and dropout > 0) else ())
+                chosen = timed_band_kernel(shape, window, dtype, device, candidates)
+        elif kernel == "flex":
+            if not flex_available():
+                raise ValueError("M6Config.attention_kernel='flex' needs torch.nn.attention.flex_attention")
+            if training and device.type == "cpu":
+                raise ValueError("M6Config.attention_kernel='flex' cannot train on CPU (torch has no flex_attention "
+                                 "backward there): use 'auto', 'chunked' or 'masked'")
+            if training and dropout > 0:
+                raise ValueError("M6Config.attention_kernel='flex' has no attention dropout: set dropout=0 or use "
+                                 "'auto'")
+        bands[window] = Band(chosen, band_block_mask(seq_len, window, str(device)) if chosen == "flex" else None)
+    return bands
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention through ``F.scaled_dot_product_attention``.
 
@@ -118,7 +262,7 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(config.dim, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
-                window: int | None = None, cache: LayerKV | None = None) -> torch.Tensor:
+                window: int | None = None, cache: LayerKV | None = None, band: Band | None = None) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # Head-major projection rows (head 0's q, k, v, then head 1's, ...), as Megatron-LM lays them out: a
         # column-parallel split of qkv then hands each tensor-parallel rank whole heads, and the head count here is
@@ -137,10 +281,6 @@ class CausalSelfAttention(nn.Module):
                 return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))
         if window is None or window >= seq_len:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
-        elif band_chunk_size(window) + window < seq_len // 2:
-            # The band touches fewer keys than causal attention's seq_len / 2 per query: chunk it.
-            y = banded_attention(q, k, v, window, dropout_p=dropout)
-        else:
-            mask = local_causal_mask(seq_len, window, device=x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        else:  # the kernel the model chose for this call (choose_bands), or the CPU rule when called alone
+            y = attend_band(q, k, v, window, band or Band(band_kernel_by_rule(seq_len, window)), dropout_p=dropout)
         return self.out(y.transpose(1, 2).reshape(batch, seq_len, -1))

@@ -17,6 +17,7 @@ PseudoDepth = Literal["shared", "shallow"]
 GrowthInit = Literal["copy", "zero_outputs"]
 UpcycleRouter = Literal["keep", "reinit"]
 ExpertKernel = Literal["auto", "grouped", "loop"]
+AttentionKernel = Literal["auto", "masked", "chunked", "flex"]
 RouterBalance = Literal["aux_loss", "bias"]
 
 
@@ -114,6 +115,12 @@ class M6Config:
 
     sparse_window: int = 64
     """Band width of the locally banded attention: a query attends to itself and the window - 1 tokens before it."""
+
+    attention_kernel: AttentionKernel = "auto"
+    """How banded layers attend (dense layers always use the fused causal kernel): "masked" (fused kernel, dense
+    band mask), "chunked" (cost seq_len x window), "flex" (``flex_attention`` with a block mask, compiled; no
+    backward on CPU, no attention dropout), or "auto": on CPU the rule measured there (chunked once the band is
+    under half the causal keys), on an accelerator the fastest of the three timed once per shape in the process."""
 
     tie_embeddings: bool = True
     """Share the token embedding matrix with the LM head."""
@@ -234,6 +241,7 @@ class M6Config:
         _choice("growth_init", self.growth_init, ("copy", "zero_outputs"))
         _choice("upcycle_router", self.upcycle_router, ("keep", "reinit"))
         _choice("expert_kernel", self.expert_kernel, ("auto", "grouped", "loop"))
+        _choice("attention_kernel", self.attention_kernel, ("auto", "masked", "chunked", "flex"))
         _choice("router_balance", self.router_balance, ("aux_loss", "bias"))
         if self.expert_hidden_dim is not None:
             _at_least("expert_hidden_dim", self.expert_hidden_dim, 1)

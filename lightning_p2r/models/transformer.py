@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..protocols import ParallelPlan, SplitKind
-from .attention import CausalSelfAttention, rotary_tables
+from .attention import Band, CausalSelfAttention, choose_bands, rotary_tables
 from .cache import KVCache, LayerKV
 from .config import M6Config
 from .init import InitRule, draw_seed, fill_parameters
@@ -62,10 +62,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
                 window: int | None = None, cache: LayerKV | None = None,
-                dropless: bool = False) -> tuple[torch.Tensor, MoEOutput | None]:
+                dropless: bool = False, band: Band | None = None) -> tuple[torch.Tensor, MoEOutput | None]:
         """``cache`` (incremental decoding) and ``dropless`` (an MoE FFN drops no token) are the inference path's;
-        training calls neither."""
-        h = x + self.dropout(self.attn(self.attn_norm(x), rotary=rotary, window=window, cache=cache))
+        training calls neither. ``band``: the attention kernel of a banded window (:class:`LayerContext`)."""
+        h = x + self.dropout(self.attn(self.attn_norm(x), rotary=rotary, window=window, cache=cache, band=band))
         ffn_in = self.ffn_norm(h)
         ffn_out = self.ffn(ffn_in, dropless=True) if dropless and self.is_moe else self.ffn(ffn_in)
         if isinstance(ffn_out, MoEOutput):
@@ -99,6 +99,16 @@ class LayerContext:
     """Inference only: the keys and values of the positions before this call's (see :class:`KVCache`)."""
     dropless: bool = False
     """Inference only: MoE layers keep every token whatever their capacity factor."""
+    bands: dict[int, Band] = field(default_factory=dict)
+    """The attention kernel of each banded window this call (``M6Config.attention_kernel``), chosen here, outside
+    any compiled block, with flex's block mask built once per length."""
+
+
+def _compute_dtype(parameter_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype attention will run in: autocast's where it is on, else the parameters'."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return parameter_dtype
 
 
 def init_rule(config: M6Config, seed: int) -> InitRule:
@@ -276,16 +286,23 @@ class M6Transformer(nn.Module):
         if self.config.position_embedding != "learned":  # read from the config: a stage may lack the tables' owner
             rotary = rotary_tables(seq_len, self.config.head_dim, self.config.rope_theta, device=input_ids.device,
                                    start=start)
-        return LayerContext(rotary=rotary, seq_len=seq_len)
+        windows = {self.config.attention_window(layer) for layer in range(self.config.run_depth)} - {None}
+        bands = choose_bands(self.config.attention_kernel, windows,
+                             (input_ids.shape[0], self.config.num_heads, seq_len, self.config.head_dim),
+                             _compute_dtype(self.tok_embeddings.weight.dtype, input_ids.device), input_ids.device,
+                             training=self.training and torch.is_grad_enabled(),
+                             dropout=self.config.dropout) if windows else {}
+        return LayerContext(rotary=rotary, seq_len=seq_len, bands=bands)
 
     def run_layer(self, layer: int, x: torch.Tensor, context: LayerContext) -> tuple[torch.Tensor, MoEOutput | None]:
         """Run layer ``layer`` (its block under the sharing map, with its own attention window) on x."""
         block = self.blocks[self.layer_to_block[layer]]
         window = self.config.attention_window(layer)
+        band = context.bands.get(window) if window is not None else None
         if context.cache is None and not context.dropless:
-            return block(x, rotary=context.rotary, window=window)  # training and evaluation: the call as it always was
+            return block(x, rotary=context.rotary, window=window, band=band)  # training and evaluation
         cache = context.cache.layer(layer) if context.cache is not None else None
-        return block(x, rotary=context.rotary, window=window, cache=cache, dropless=context.dropless)
+        return block(x, rotary=context.rotary, window=window, cache=cache, dropless=context.dropless, band=band)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states (batch, seq, dim) -> logits (batch, seq, vocab_size)."""

@@ -14,6 +14,7 @@ import pytest
 from lightning_p2r.benchmarks import attention, moe, quickstart
 from lightning_p2r.benchmarks.report import format_table, write_csv
 from lightning_p2r.measure.run import median_seconds
+from lightning_p2r.models.attention import band_kernel_by_rule
 
 pytestmark = pytest.mark.slow  # each runs a benchmark's smoke mode end to end (the README tier skips it)
 
@@ -173,6 +174,8 @@ def test_attention_benchmark_writes_csv_and_png(tmp_path: Path, capsys: pytest.C
     for row in rows:
         assert float(row["max_abs_diff"]) < 1e-4  # the chunked kernel computes the masked band
         assert float(row["chunked_ratio"]) > 0
+        assert row["auto_picks"] == band_kernel_by_rule(int(row["seq_len"]), int(row["window"]))
+        assert row["flex_band_s"] == ""  # no flex backward on CPU: left empty, not made up
     _assert_png(tmp_path / "attention.png")
     assert "chunked_ratio" in capsys.readouterr().out
 
