@@ -31,8 +31,8 @@ from lightning.pytorch.strategies import Strategy
 from . import register_strategies
 from .callbacks.throughput import Throughput
 from .data import TextDataModule
+from .data.language_eval import language_table
 from .known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
-from .language_eval import language_table
 from .module import M6LanguageModel
 from .options_diff import describe_differences, differing_options
 from .recipe_files import check_recipe_files, keys_named_in, locate_key, names_model_class, recipe_paths

@@ -10,8 +10,8 @@ from typing import Any
 
 import yaml
 
-from .bible_multi import TRANSLATIONS
 from .data import TextDataModule
+from .data.bible_multi import TRANSLATIONS
 from .generate_cli import GenerateError, load_model, read_checkpoint, read_recipe, recipe_tokenizer, resolve_checkpoint
 from .text_table import format_table
 

@@ -17,9 +17,9 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.text import Perplexity
 
 from . import register_strategies
+from .data.language_eval import LanguageLosses
 from .generation import generate_tokens
 from .known_warnings import silence_known_noise
-from .language_eval import LanguageLosses
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.moe import update_routing_biases
 from .models.transformer import LayerContext

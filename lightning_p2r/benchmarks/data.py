@@ -43,8 +43,8 @@ from lightning_p2r.benchmarks.report import (
     write_csv,
 )
 from lightning_p2r.data import load_corpus
-from lightning_p2r.prepared import optimize_tokens, prepare_data
-from lightning_p2r.streaming import streaming_loader
+from lightning_p2r.data.prepared import optimize_tokens, prepare_data
+from lightning_p2r.data.streaming import streaming_loader
 
 PREPARE_COLUMNS = ["tokenizer", "workers", "text_mb", "tokens", "seconds", "mb_per_s"]
 LOADER_COLUMNS = ["recipe", "step_device", "batch_size", "seq_len", "loader_tokens_per_s", "step_tokens_per_s",
@@ -92,7 +92,7 @@ def _multilingual_loader(root: Path, data: Any, quick: bool) -> Any:
     prepared with raw bytes: the same windows and mixture machinery as the recipe's BPE directory, prepared in
     seconds rather than minutes (the step's cost does not depend on which ids a window holds)."""
     from lightning_p2r import TextDataModule
-    from lightning_p2r.bible_multi import TRANSLATIONS
+    from lightning_p2r.data.bible_multi import TRANSLATIONS
 
     languages = list(TRANSLATIONS)[:2] if quick else list(TRANSLATIONS)
     prepare_data("bible-multi", root / "multi", tokenizer="bytes", languages=languages, num_workers=2,

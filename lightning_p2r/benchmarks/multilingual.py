@@ -25,7 +25,7 @@ from lightning_p2r.benchmarks.report import (
     with_environment,
     write_csv,
 )
-from lightning_p2r.language_eval import language_rows, language_table
+from lightning_p2r.data.language_eval import language_rows, language_table
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "multilingual.yaml"
 

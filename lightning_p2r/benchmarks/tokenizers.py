@@ -25,8 +25,8 @@ from lightning_p2r.benchmarks.report import (
     with_environment,
     write_csv,
 )
-from lightning_p2r.bible_multi import SCRIPTS, TRANSLATIONS, read_texts
 from lightning_p2r.data import BPETokenizer, ByteTokenizer, TextTokenizer
+from lightning_p2r.data.bible_multi import SCRIPTS, TRANSLATIONS, read_texts
 
 
 def balanced_sample(train_texts: dict[str, str], per_language: int) -> str:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from worker_launch import launch_configs
 
-from lightning_p2r.prepared import prepare_data
+from lightning_p2r.data.prepared import prepare_data
 
 pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from lightning_p2r import M6Config, M6LanguageModel, TextDataModule
-from lightning_p2r.bible_multi import TEST_BOOKS, TRANSLATIONS, VAL_BOOKS, check_languages, read_texts
+from lightning_p2r.data.bible_multi import TEST_BOOKS, TRANSLATIONS, VAL_BOOKS, check_languages, read_texts
+from lightning_p2r.data.prepared import PreparedDataError, prepare_data, read_manifest
+from lightning_p2r.data.streaming import mixture_weights
 from lightning_p2r.module import next_token_loss
-from lightning_p2r.prepared import PreparedDataError, prepare_data, read_manifest
-from lightning_p2r.streaming import mixture_weights
 
 pytestmark = pytest.mark.slow  # prepares a 3-language corpus with litdata workers (the README tier skips it)
 

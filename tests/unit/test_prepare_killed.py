@@ -13,7 +13,7 @@ import pytest
 
 import lightning_p2r
 from lightning_p2r import TextDataModule
-from lightning_p2r.prepared import PreparedDataError, prepare_data, read_manifest
+from lightning_p2r.data.prepared import PreparedDataError, prepare_data, read_manifest
 
 pytestmark = pytest.mark.slow  # kills and reruns a prepare-data process (the README tier skips it)
 

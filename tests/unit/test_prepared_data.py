@@ -15,8 +15,8 @@ from helpers import RecordBatches
 from lightning_p2r import M6Config, M6LanguageModel, TextDataModule
 from lightning_p2r.cli import main as cli_main
 from lightning_p2r.data import BPETokenizer, ByteTokenizer
-from lightning_p2r.prepared import PreparedDataError, cut_pieces, open_corpus, prepare_data, read_manifest
-from lightning_p2r.streaming import streaming_loader
+from lightning_p2r.data.prepared import PreparedDataError, cut_pieces, open_corpus, prepare_data, read_manifest
+from lightning_p2r.data.streaming import streaming_loader
 
 pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
 

