@@ -17,13 +17,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torchmetrics.text import Perplexity
 
 from . import register_strategies
+from .cli.options_diff import describe_differences, differing_options
 from .data.language_eval import LanguageLosses
 from .generation import generate_tokens
 from .known_warnings import silence_known_noise
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.moe import update_routing_biases
 from .models.transformer import LayerContext
-from .options_diff import describe_differences, differing_options
 from .planning.model import model_forward_flops
 from .protocols import LayeredStages, PipelineParts
 from .sharing import delink, shared_experts

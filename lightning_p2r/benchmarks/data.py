@@ -78,7 +78,7 @@ def measure_prepare(folder: Path, corpus: Path, tokenizer: str, workers: int, vo
 
 def _recipe_model(name: str) -> tuple[Any, Any]:
     """A recipe's model (built) and its data options, as ``lightning-p2r fit`` links them."""
-    from lightning_p2r.generate_cli import read_recipe
+    from lightning_p2r.cli.generate import read_recipe
     from lightning_p2r.module import M6LanguageModel
 
     recipe = read_recipe(Path(__file__).resolve().parents[2] / "recipes" / name)

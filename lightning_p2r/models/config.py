@@ -1,7 +1,7 @@
 """The one typed configuration of the M6 transformer.
 
 Every field has a docstring right under it: jsonargparse (LightningCLI) turns them into ``--help`` text and YAML
-comments, and ``docs/configuration.md`` is generated from them (``python -m lightning_p2r.docs_gen``).
+comments, and ``docs/configuration.md`` is generated from them (``python -m lightning_p2r.cli.docs``).
 """
 
 from __future__ import annotations

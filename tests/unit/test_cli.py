@@ -48,7 +48,7 @@ def test_a_recipe_naming_its_model_class_instantiates_it_with_the_datas_vocabula
     from lightning.pytorch import LightningModule
 
     from lightning_p2r import CausalLMModule
-    from lightning_p2r.recipe_files import names_model_class
+    from lightning_p2r.cli.recipe_files import names_model_class
 
     monkeypatch.chdir(tmp_path)
     assert names_model_class(["fit", "--config", str(recipe)])

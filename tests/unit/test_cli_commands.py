@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from lightning_p2r.cli import COMMANDS, main
-from lightning_p2r.recipe_files import check_recipe_files, keys_named_in, locate_key, recipe_paths
+from lightning_p2r.cli.recipe_files import check_recipe_files, keys_named_in, locate_key, recipe_paths
 
 ROOT = Path(__file__).resolve().parents[2]
 

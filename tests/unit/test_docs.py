@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from lightning_p2r import docs_gen
+from lightning_p2r.cli import docs as docs_gen
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,7 +32,7 @@ def test_the_readme_tier_and_cis_other_tier_together_select_every_test() -> None
 
 
 def test_configuration_reference_is_up_to_date() -> None:
-    assert docs_gen.main(["--check"]) == 0, "run: python -m lightning_p2r.docs_gen"
+    assert docs_gen.main(["--check"]) == 0, "run: python -m lightning_p2r.cli.docs"
 
 
 def test_every_config_field_is_documented() -> None:

@@ -16,7 +16,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal, TextDataModule
 from lightning_p2r.cli import main as cli_main
-from lightning_p2r.generate_cli import main
+from lightning_p2r.cli.generate import main
 from lightning_p2r.generation import check_request, sample_next
 from lightning_p2r.models import M6Transformer, MoEFeedForward, MoEOutput
 from lightning_p2r.strategy.checkpoint import is_sharded_checkpoint, read_model_state, to_single_file

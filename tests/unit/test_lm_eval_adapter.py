@@ -79,7 +79,7 @@ def test_the_command_scores_a_sharded_checkpoint_and_prints_one_row_per_language
     import yaml
 
     from lightning_p2r import OptimizerConfig, P2RStrategy, TextDataModule
-    from lightning_p2r.lm_eval_cli import main
+    from lightning_p2r.cli.lm_eval import main
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     corpus = tmp_path / "corpus.txt"
@@ -108,7 +108,7 @@ def test_the_command_scores_a_hugging_face_checkpoint_from_a_recipe_naming_its_m
     import yaml
 
     from lightning_p2r import CausalLMModule, TextDataModule
-    from lightning_p2r.lm_eval_cli import main
+    from lightning_p2r.cli.lm_eval import main
 
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     corpus = tmp_path / "corpus.txt"

@@ -43,7 +43,7 @@ def test_each_bad_option_is_named(kwargs: dict, message: str) -> None:
 def test_the_docstring_documents_every_keyword_from_the_sections() -> None:
     import inspect
 
-    from lightning_p2r.docs_gen import init_arg_docstrings
+    from lightning_p2r.cli.docs import init_arg_docstrings
 
     documented = init_arg_docstrings(P2RStrategy)
     for cls in (ShardingConfig, AccumulationConfig, OffloadConfig):

@@ -28,16 +28,16 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import Strategy
 
-from . import register_strategies
-from .callbacks.throughput import Throughput
-from .data import TextDataModule
-from .data.language_eval import language_table
-from .known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
-from .module import M6LanguageModel
+from .. import register_strategies
+from ..callbacks.throughput import Throughput
+from ..data import TextDataModule
+from ..data.language_eval import language_table
+from ..known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
+from ..module import M6LanguageModel
+from ..strategy.checkpoint import META_FILE, check_checkpoint_path, to_single_file
+from ..strategy.launch import RankFailed
 from .options_diff import describe_differences, differing_options
 from .recipe_files import check_recipe_files, keys_named_in, locate_key, names_model_class, recipe_paths
-from .strategy.checkpoint import META_FILE, check_checkpoint_path, to_single_file
-from .strategy.launch import RankFailed
 
 # The dataclass fields' docstrings become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -151,7 +151,7 @@ def _strategy_option_hint(message: str) -> str:
     match = re.search(r"strategy\.Option '([^']+)' is not accepted", message)
     if match is None:
         return ""
-    from .strategy import P2RStrategy
+    from ..strategy import P2RStrategy
 
     known = [name for name in inspect.signature(P2RStrategy.__init__).parameters if name != "self"]
     close = difflib.get_close_matches(match.group(1), known, n=1, cutoff=0.6)
@@ -393,80 +393,9 @@ def convert_checkpoint(argv: list[str]) -> None:
           f"{len(checkpoint['optimizer_states'])} optimizer state(s), step {checkpoint.get('global_step')}")
 
 
-# Every command, with its one line in ``lightning-p2r --help``. The first four are LightningCLI's (a recipe and its
-# overrides); the others have their own argparse parsers, loaded only when called.
-COMMANDS: dict[str, str] = {
-    "fit": "train a model from a recipe (lightning-p2r fit --config recipes/quickstart.yaml)",
-    "validate": "one pass over the validation data with a recipe and --ckpt_path",
-    "test": "one pass over the test data with a recipe and --ckpt_path",
-    "predict": "next-token predictions over the predict data with a recipe and --ckpt_path",
-    "generate": "sample text from a checkpoint (single-file or sharded) with a recipe's tokenizer",
-    "prepare-data": "tokenize a corpus once into streamed chunks a recipe trains from (data.prepared)",
-    "plan": "price parallel layouts of a recipe's model on a cluster and rank them",
-    "calibrate": "measure this machine's compute, memory and collective speeds for the planner",
-    "convert-checkpoint": "write a sharded checkpoint as one file any strategy loads",
-    "convert": "write a checkpoint as a Hugging Face directory (--to hf) or safetensors (--to safetensors)",
-    "lm-eval": "score a checkpoint with lm-evaluation-harness on per-language verse continuations (offline)",
-}
-_LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
-
-
-def top_level_help() -> str:
-    width = max(map(len, COMMANDS)) + 2
-    lines = [f"  {name:<{width}}{text}" for name, text in COMMANDS.items()]
-    return ("usage: lightning-p2r COMMAND [options]\n\nTrain, evaluate and sample M6 mixture-of-experts language "
-            "models with P2RStrategy.\n\ncommands:\n" + "\n".join(lines)
-            + "\n\n`lightning-p2r COMMAND --help` lists a command's options. Docs: docs/recipes.md.\n")
-
-
-def _run_side_command(name: str, argv: list[str]) -> None:
-    if name == "convert-checkpoint":
-        convert_checkpoint(argv)
-    elif name == "plan":
-        from .planning.cli import main as plan
-
-        plan(argv)
-    elif name == "calibrate":
-        from .measure.calibrate import main as calibrate
-
-        calibrate(argv)
-    elif name == "generate":
-        from .generate_cli import main as generate
-
-        generate(argv)
-    elif name == "lm-eval":
-        from .lm_eval_cli import main as lm_eval
-
-        lm_eval(argv)
-    elif name == "convert":
-        from .export import main as convert
-
-        convert(argv)
-    elif name == "prepare-data":
-        from .prepare_cli import main as prepare
-
-        prepare(argv)
-
-
-def main(args: list[str] | None = None) -> None:
-    """Entry point of ``lightning-p2r COMMAND`` (see ``COMMANDS``). Returns nothing: the console script passes the
-    return value to ``sys.exit``, which would turn an object into exit status 1."""
-    argv = sys.argv[1:] if args is None else list(args)
-    if not argv or argv[0] in ("-h", "--help"):
-        (sys.stdout if argv else sys.stderr).write(top_level_help())
-        if not argv:
-            raise SystemExit(2)
-        return
+def run_lightning_command(argv: list[str], args: list[str] | None) -> None:
+    """``fit``, ``validate``, ``test`` or ``predict``: a recipe and its overrides through :class:`P2RCLI`."""
     command = argv[0]
-    if not command.startswith("-") and command not in COMMANDS:
-        close = difflib.get_close_matches(command, list(COMMANDS), n=1, cutoff=0.6)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        sys.stderr.write(f"usage: lightning-p2r COMMAND [options]\nerror: unknown command {command!r}{hint}; the "
-                         f"commands are {', '.join(COMMANDS)} (lightning-p2r --help)\n")
-        raise SystemExit(2)
-    if command in COMMANDS and command not in _LIGHTNING_COMMANDS:
-        _run_side_command(command, argv[1:])
-        return
     silence_cli_notices()
     recipe_error = check_recipe_files(recipe_paths(argv))
     if recipe_error:
@@ -477,7 +406,3 @@ def main(args: list[str] | None = None) -> None:
         P2RCLI(LightningModule, TextDataModule, subclass_mode_model=True, args=args)
     else:
         P2RCLI(M6LanguageModel, TextDataModule, args=args)
-
-
-if __name__ == "__main__":
-    main()

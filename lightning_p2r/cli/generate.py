@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from .data import TextDataModule, TextTokenizer
-from .generation import check_request, largest_new_tokens, prompt_too_long
-from .models import M6Config
-from .module import M6LanguageModel
+from ..data import TextDataModule, TextTokenizer
+from ..generation import check_request, largest_new_tokens, prompt_too_long
+from ..models import M6Config
+from ..module import M6LanguageModel
+from ..strategy.checkpoint import check_checkpoint_path, is_sharded_checkpoint, load_meta, read_model_state
 from .options_diff import describe_differences, differing_options
 from .recipe_files import check_recipe_files, locate_key
-from .strategy.checkpoint import check_checkpoint_path, is_sharded_checkpoint, load_meta, read_model_state
 
 # M6Config fields that do not change what a trained model computes at inference (training-only settings, the
 # init), or that the weights' shapes and the saved structure already check: a recipe may differ from the

@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from .data.prepared import PreparedDataError, prepare_data
+from ..data.prepared import PreparedDataError, prepare_data
 
 
 def build_parser() -> argparse.ArgumentParser:
