@@ -21,7 +21,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,29 +51,58 @@ def require_litdata() -> Any:
     return litdata
 
 
-def optimize_tokens(fn: Any, inputs: list[Any], output_dir: str, num_workers: int, **options: Any) -> None:
-    """``litdata.optimize`` into a token-chunk directory, its workers forked only where forking is safe.
+def _optimize_forked(fn: Any, inputs: list[Any], output_dir: str, num_workers: int, **options: Any) -> None:
+    """``litdata.optimize`` into a token-chunk directory with forked workers (call it from a one-thread process).
+    litdata sets the start method for the whole process (``force=True``): the caller's is put back afterwards."""
+    import multiprocessing
 
-    ``fork`` starts workers in milliseconds but deadlocks when the parent already runs other threads (a logger's
-    event loop, tqdm's monitor, a training run's data threads): a child inherits a lock another thread held, and the
-    parent waits on its queue forever (seen once in the test suite). So a process with one thread (the
-    ``prepare-data`` command) forks, and any other starts its workers from a ``forkserver``: a fresh one-thread
-    process that imports this module once (litdata's ordered mode then costs a few seconds per call, measured, where
-    ``spawn`` costs 8 s). litdata sets the start method for the whole process (``force=True``): the caller's is put
-    back afterwards.
+    litdata = require_litdata()
+    before = multiprocessing.get_start_method(allow_none=True)
+    try:
+        litdata.optimize(fn=fn, inputs=inputs, output_dir=output_dir, num_workers=num_workers, chunk_bytes="64MB",
+                         item_loader=litdata.TokensLoader(), verbose=False, start_method="fork", **options)
+    finally:
+        multiprocessing.set_start_method(before, force=True)
+
+
+@contextmanager
+def token_writer() -> Iterator[Callable[..., None]]:
+    """A function running ``litdata.optimize`` calls (arguments as :func:`_optimize_forked`), its workers forked
+    only from a process with one thread.
+
+    Forking starts workers in milliseconds but deadlocks when the parent runs other threads (a logger's event loop,
+    tqdm's monitor, a training run's data threads): a child inherits a lock another thread held, and the parent
+    waits on its queue forever (seen once in the test suite). So a one-thread process (the ``prepare-data``
+    command) forks its workers itself; any other hands the calls to one helper started with ``spawn`` (a fresh
+    interpreter, one thread: a few seconds once), which forks them. litdata's workers started by ``spawn`` or
+    ``forkserver`` directly cost 2 to 8 s per call and leave semaphores the resource tracker reports at exit.
     """
     import multiprocessing
     import threading
+    from concurrent.futures import ProcessPoolExecutor
 
-    litdata = require_litdata()
-    method = "fork" if threading.active_count() == 1 else "forkserver"
-    before = multiprocessing.get_start_method(allow_none=True)
-    multiprocessing.set_forkserver_preload([__name__, "litdata"])  # read only when the server first starts
+    helper: ProcessPoolExecutor | None = None
+
+    def write(fn: Any, inputs: list[Any], output_dir: str, num_workers: int, **options: Any) -> None:
+        nonlocal helper
+        if helper is None and threading.active_count() == 1:
+            _optimize_forked(fn, inputs, output_dir, num_workers, **options)
+            return
+        if helper is None:
+            helper = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        helper.submit(_optimize_forked, fn, inputs, output_dir, num_workers, **options).result()
+
     try:
-        litdata.optimize(fn=fn, inputs=inputs, output_dir=output_dir, num_workers=num_workers, chunk_bytes="64MB",
-                         item_loader=litdata.TokensLoader(), verbose=False, start_method=method, **options)
+        yield write
     finally:
-        multiprocessing.set_start_method(before, force=True)
+        if helper is not None:
+            helper.shutdown()
+
+
+def optimize_tokens(fn: Any, inputs: list[Any], output_dir: str, num_workers: int, **options: Any) -> None:
+    """One ``litdata.optimize`` call through :func:`token_writer`."""
+    with token_writer() as write:
+        write(fn, inputs, output_dir, num_workers, **options)
 
 
 # ---------------------------------------------------------------------------------------------- the corpus stream
@@ -510,19 +540,20 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
         tokenizer_path = str(partial / "tokenizer.json")
         tok.save(tokenizer_path)
     counts: dict[str, dict[str, dict[str, int]]] = {}
-    for language, pieces in streams.items():
-        counts[language] = {}
-        for split, split_pieces in pieces.items():
-            target = partial / language / split
-            jobs = [_EncodeJob(p.part.path, p.start, p.end, None if p.part.path else corpus.read(p.part, p.start,
-                                                                                                     p.end),
-                               tokenizer_path, vocab_size) for p in split_pieces]
-            workers = min(num_workers, len(jobs))
-            log(f"{language + '/' if language else ''}{split}: encoding {len(jobs)} pieces of {corpus.name} with "
-                f"{workers} worker(s)")
-            optimize_tokens(encode_piece, jobs, str(target), workers, reorder_files=False, keep_data_ordered=True)
-            counts[language][split] = {"tokens": _split_tokens(target),
-                                       "bytes": sum(p.end - p.start for p in split_pieces)}
+    with token_writer() as write:  # one helper process for every split, where one is needed
+        for language, pieces in streams.items():
+            counts[language] = {}
+            for split, split_pieces in pieces.items():
+                target = partial / language / split
+                jobs = [_EncodeJob(p.part.path, p.start, p.end,
+                                   None if p.part.path else corpus.read(p.part, p.start, p.end), tokenizer_path,
+                                   vocab_size) for p in split_pieces]
+                workers = min(num_workers, len(jobs))
+                log(f"{language + '/' if language else ''}{split}: encoding {len(jobs)} pieces of {corpus.name} "
+                    f"with {workers} worker(s)")
+                write(encode_piece, jobs, str(target), workers, reorder_files=False, keep_data_ordered=True)
+                counts[language][split] = {"tokens": _split_tokens(target),
+                                           "bytes": sum(p.end - p.start for p in split_pieces)}
     totals = {split: {key: sum(c[split][key] for c in counts.values()) for key in ("tokens", "bytes")}
               for split in next(iter(counts.values()))}
     manifest = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, totals,

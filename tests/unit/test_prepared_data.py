@@ -4,6 +4,8 @@ import json
 import os
 import random
 import string
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -345,32 +347,45 @@ def test_a_shuffled_batch_draws_from_the_whole_split(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_process_running_other_threads_prepares_the_same_chunks_without_forking_from_itself(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A process with live threads must not fork its workers (a child can inherit a held lock and hang): the
-    workers start from a fork server, the chunks are byte-identical, and the caller's start method survives."""
-    import multiprocessing
-    import threading
-
-    import litdata
-
+def test_a_process_running_other_threads_prepares_the_same_chunks_through_a_clean_helper(tmp_path: Path) -> None:
+    """A process with live threads must not fork litdata's workers itself (a child can inherit a held lock and
+    hang): it hands the work to one spawned helper, which forks them. Run in a fresh process so that the exit is
+    seen too: the chunks are byte-identical to a one-thread run's, and nothing is reported at shutdown (workers
+    started by spawn or forkserver directly left semaphores the resource tracker warned about)."""
     source = _corpus(tmp_path / "src")
-    methods: list[str] = []
-    real = litdata.optimize
-    monkeypatch.setattr(litdata, "optimize", lambda **kw: (methods.append(kw["start_method"]), real(**kw))[1])
-    before = multiprocessing.get_start_method(allow_none=True)
-    prepare_data(str(source), tmp_path / "alone", tokenizer="bytes", piece_bytes=4096, num_workers=2, **QUIET)
+    script = tmp_path / "run.py"  # a file: the spawned helper imports it again, under its main guard
+    script.write_text(f"""
+import multiprocessing, os, threading
+from lightning_p2r.data import prepared
+
+real = prepared._optimize_forked
+
+
+def spy(*args, **kwargs):  # module level: the helper finds it by name
+    print("optimize in", os.getpid(), flush=True)
+    return real(*args, **kwargs)
+
+
+if __name__ == "__main__":
+    prepared._optimize_forked = spy
+    quiet = dict(tokenizer="bytes", piece_bytes=4096, num_workers=2, log=lambda line: None)
+    print("main", os.getpid(), flush=True)
+    prepared.prepare_data({str(source)!r}, {str(tmp_path / "alone")!r}, **quiet)
     stop = threading.Event()
-    other = threading.Thread(target=stop.wait, daemon=True)
-    other.start()
-    try:
-        prepare_data(str(source), tmp_path / "threaded", tokenizer="bytes", piece_bytes=4096, num_workers=2, **QUIET)
-    finally:
-        stop.set()
-        other.join()
-    alone_method = "fork" if threading.active_count() == 1 else "forkserver"  # pytest plugins may run threads too
-    assert methods[0] == alone_method and set(methods[len(methods) // 2:]) == {"forkserver"}
-    assert multiprocessing.get_start_method(allow_none=True) == before
+    threading.Thread(target=stop.wait, daemon=True).start()
+    print("threaded", flush=True)
+    prepared.prepare_data({str(source)!r}, {str(tmp_path / "threaded")!r}, **quiet)
+    stop.set()
+    assert multiprocessing.get_start_method() == multiprocessing.get_all_start_methods()[0]  # the default still
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    before, after = result.stdout.split("threaded\n")
+    main_pid = before.split()[1]
+    assert {line.split()[-1] for line in before.splitlines()[1:]} == {main_pid}  # one thread: forked here
+    helpers = {line.split()[-1] for line in after.splitlines()}
+    assert len(helpers) == 1 and main_pid not in helpers  # threads: every call in one helper process
+    assert "resource_tracker" not in result.stderr and "leaked" not in result.stderr, result.stderr[-2000:]
     for split in ("train", "val"):
         alone = sorted((tmp_path / "alone" / split).glob("chunk-*.bin"))
         threaded = sorted((tmp_path / "threaded" / split).glob("chunk-*.bin"))
