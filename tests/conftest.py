@@ -7,9 +7,9 @@ import tqdm
 
 # Two cores: keep torch from oversubscribing them when pytest runs several things.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-# No tqdm monitor thread (it only retunes slow bars): a process with a second thread prepares data through a fork
-# server, a few seconds per litdata call, where one thread forks in milliseconds (lightning_p2r.data.prepared). The fork
-# server path has its own test (test_prepared_data).
+# No tqdm monitor thread (it only retunes slow bars): a process with a second thread prepares data through a spawned
+# helper, seconds per prepare_data call, where one thread forks litdata's workers in milliseconds
+# (lightning_p2r.data.prepared.token_writer; the helper path has its own test in test_prepared_data).
 tqdm.tqdm.monitor_interval = 0
 
 
