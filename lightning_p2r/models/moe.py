@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -328,6 +329,17 @@ class MoEFeedForward(nn.Module):
             # step, summed over its micro-batches and forwards (not kept: a step never spans a checkpoint).
             self.register_buffer("routing_bias", torch.zeros(config.num_experts))
             self.register_buffer("step_load", torch.zeros(config.num_experts), persistent=False)
+
+    def _apply(self, fn: Callable[..., Any], recurse: bool = True) -> MoEFeedForward:
+        """Moves and casts as any module, but the routing buffers stay float32 under a bf16/fp16 model
+        (``precision="bf16-true"``): in bf16 a bias near 1 cannot take a 0.001 step, and a step's load above 256
+        assignments would be rounded before the comparison that moves the bias."""
+        super()._apply(fn, recurse)
+        for name in ("routing_bias", "step_load"):
+            buffer = self._buffers.get(name)
+            if buffer is not None and buffer.is_floating_point() and buffer.dtype != torch.float32:
+                self._buffers[name] = buffer.float()
+        return self
 
     def reset_parameters(self) -> None:
         """The routing buffers' initial values (a model built on the meta device gets them here; the weights have

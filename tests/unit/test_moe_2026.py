@@ -144,3 +144,17 @@ def test_loss_free_balancing_trains_under_the_strategy_built_in_place(tmp_path) 
               limit_val_batches=0, default_root_dir=tmp_path).fit(module, tiny_data(tmp_path))
     bias = module.transformer.blocks[0].ffn.routing_bias
     assert torch.isfinite(bias).all() and bias.abs().max() > 0
+
+
+def test_the_routing_buffers_stay_float32_in_a_bf16_model_so_small_bias_steps_are_kept() -> None:
+    config = M6Config(dim=16, ffn_hidden_dim=32, num_experts=8, router_balance="bias", router_bias_rate=0.001)
+    moe = MoEFeedForward(config).to(torch.bfloat16)
+    assert moe.router.weight.dtype == torch.bfloat16  # the weights follow the model
+    assert moe.routing_bias.dtype == moe.step_load.dtype == torch.float32
+    moe.routing_bias.fill_(1.0)
+    load = torch.zeros_like(moe.step_load)
+    load[0] = 1000.0  # expert 0 over-used: its bias moves down, the others' up
+    update_routing_bias(moe.routing_bias, load, 0.001)
+    assert moe.routing_bias[0].item() == pytest.approx(0.999) and moe.routing_bias[1].item() == pytest.approx(1.001)
+    moe.step_load.add_(257.0)
+    assert moe.step_load[0].item() == 257.0  # bf16 would hold 256
