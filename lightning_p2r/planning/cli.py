@@ -203,7 +203,8 @@ def main(argv: list[str]) -> None:
     print(f"cluster {cluster.name}: {cluster.devices} devices ({cluster.devices_per_node} per node), "
           f"{cluster.device_memory / GB:.1f} GB each; model: {_describe_model(config)}; "
           f"global batch {workload.global_batch} x {workload.seq_len} tokens, {workload.precision}")
-    print(f"{priced} valid layouts priced, {len(plans)} fit")
+    print(f"{priced} valid layouts priced, {len(plans)} fit (ZeRO stages listed once where one data-parallel rank "
+          "leaves them nothing to shard)")
     if not plans:
         raise SystemExit("no layout fits: add devices, memory, offload fractions up to 1, or lower the batch")
     pseudo = pseudo_of(config) if config.num_blocks == config.num_layers else None

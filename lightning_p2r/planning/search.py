@@ -148,8 +148,9 @@ def _valid(layout: Layout, config: M6Config, cluster: Cluster, workload: Workloa
 
 def search(config: M6Config, cluster: Cluster, workload: Workload, space: SearchSpace = SearchSpace(), *,
            memory_headroom: float = 0.9) -> tuple[list[Plan], int]:
-    """The layouts that fit, fastest first, and how many valid layouts were priced. A layout that does not fit is
-    priced again with recompute and offload (``memory_savers``); the fastest variant that fits is kept."""
+    """The layouts that fit, fastest first, equivalent ones merged (:func:`merge_equivalent`), and how many valid
+    layouts were priced. A layout that does not fit is priced again with recompute and offload (``memory_savers``);
+    the fastest variant that fits is kept."""
     fitting, priced = [], 0
     for layout in candidate_layouts(config, cluster, workload, space):
         plan = evaluate(config, layout, cluster, workload, memory_headroom=memory_headroom)
@@ -168,4 +169,26 @@ def search(config: M6Config, cluster: Cluster, workload: Workload, space: Search
         if plan.fits:
             fitting.append(plan)
     fitting.sort(key=lambda p: (p.step.total, p.memory.device_total))
-    return fitting, priced
+    return merge_equivalent(fitting, cluster.devices), priced
+
+
+def equivalence_key(layout: Layout, devices: int) -> Layout:
+    """What tells layouts apart on ``devices``: with one data-parallel rank (one device, or every device in one
+    tensor-parallel group or pipeline) there is nothing for ZeRO to shard, so every ZeRO stage is the layout with
+    ``sharding="none"``."""
+    if layout.data_parallel(devices) == 1:
+        return dataclasses.replace(layout, sharding="none")
+    return layout
+
+
+def merge_equivalent(plans: list[Plan], devices: int) -> list[Plan]:
+    """``plans`` (fastest first) with each group of equivalent layouts (:func:`equivalence_key`) as one row: the
+    fastest of the group, the others dropped (a list of ZeRO stages on one device tells a user nothing)."""
+    seen: set[Layout] = set()
+    merged = []
+    for plan in plans:
+        key = equivalence_key(plan.layout, devices)
+        if key not in seen:
+            seen.add(key)
+            merged.append(plan)
+    return merged

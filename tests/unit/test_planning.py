@@ -473,3 +473,19 @@ def test_blocking_collectives_are_counted_on_the_critical_path_only() -> None:
     assert blocking_collective_calls(sp2) == blocking_collective_calls(tp2) == max(tp_calls.values())
     assert blocking_collective_calls(step_transfers(DENSE, Layout(sharding="zero3"), cluster(2), WORK)) == 0
     assert framework_counts(DENSE, Layout(), cluster(1), WORK)["blocking_collective_overhead"] == 0
+
+
+def test_with_one_data_parallel_rank_the_zero_stages_are_one_row() -> None:
+    """One device (or all devices in one tensor-parallel group) leaves ZeRO nothing to shard: the plan lists that
+    layout once, at its fastest stage, while with two data-parallel ranks the stages stay apart."""
+    from lightning_p2r.planning.search import equivalence_key
+
+    one, _ = search(DENSE, cluster(1), WORK, SearchSpace(offload_fractions=(0.0,)))
+    keys = [equivalence_key(p.layout, 1) for p in one]
+    assert one and len(keys) == len(set(keys))
+    assert {p.layout.micro_batches for p in one} == {k.micro_batches for k in keys}
+    two, _ = search(DENSE, cluster(2), WORK, SearchSpace(offload_fractions=(0.0,)))
+    data_parallel = [p.layout for p in two if p.layout.data_parallel(2) == 2]
+    assert len({layout.sharding for layout in data_parallel}) > 1
+    assert equivalence_key(Layout(sharding="zero3", tensor_parallel=2), 2) == Layout(tensor_parallel=2)
+    assert equivalence_key(Layout(sharding="zero3"), 2) == Layout(sharding="zero3")
