@@ -4,7 +4,7 @@ import sys
 from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
-from .known_warnings import silence_known_noise
+from .console.known_warnings import silence_known_noise
 
 if TYPE_CHECKING:
     from .callbacks import PseudoToReal, Throughput

@@ -18,9 +18,9 @@ from torchmetrics.text import Perplexity
 
 from . import register_strategies
 from .cli.options_diff import describe_differences, differing_options
+from .console.known_warnings import silence_known_noise
 from .data.language_eval import LanguageLosses
 from .generation import generate_tokens
-from .known_warnings import silence_known_noise
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.moe import update_routing_biases
 from .models.transformer import LayerContext

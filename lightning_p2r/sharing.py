@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .known_warnings import silence_rebound_scheduler_notice
+from .console.known_warnings import silence_rebound_scheduler_notice
 from .models.config import sharing_map
 from .models.init import parameter_seed
 

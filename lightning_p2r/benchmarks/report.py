@@ -1,5 +1,5 @@
 """Helpers shared by the benchmarks: CLI flags, environment, timing, CSV, plain-text tables and plots (the tables
-themselves are :mod:`lightning_p2r.text_table`'s, which the CLI prints too)."""
+themselves are :mod:`lightning_p2r.console.text_table`'s, which the CLI prints too)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from lightning_p2r.text_table import format_cell, format_table
+from lightning_p2r.console.text_table import format_cell, format_table
 
 DEFAULT_OUT = Path("runs/benchmarks")
 DOCS_OUT = Path("docs/benchmarks")

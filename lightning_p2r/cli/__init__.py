@@ -2,7 +2,7 @@
 
 - ``fit`` (also ``validate``, ``test``, ``predict``): :mod:`.fit`, a LightningCLI over a recipe;
 - ``prepare-data``: :mod:`.prepare`; ``generate``: :mod:`.generate`; ``lm-eval``: :mod:`.lm_eval`;
-- ``convert-checkpoint``: :mod:`.fit` (sharded to one file); ``convert``: :mod:`lightning_p2r.export`;
+- ``convert-checkpoint``: :mod:`.fit` (sharded to one file); ``convert``: :mod:`lightning_p2r.cli.convert`;
 - ``plan`` and ``calibrate``: the planner's own (:mod:`lightning_p2r.planning.cli`, :mod:`lightning_p2r.measure.
   calibrate`), kept beside what they drive;
 - ``python -m lightning_p2r.cli.docs``: regenerates docs/configuration.md.
@@ -42,7 +42,7 @@ _RUNNERS = {
     "calibrate": "lightning_p2r.measure.calibrate:main",
     "generate": "lightning_p2r.cli.generate:main",
     "lm-eval": "lightning_p2r.cli.lm_eval:main",
-    "convert": "lightning_p2r.export:main",
+    "convert": "lightning_p2r.cli.convert:main",
     "prepare-data": "lightning_p2r.cli.prepare:main",
 }
 

@@ -30,9 +30,9 @@ from lightning.pytorch.strategies import Strategy
 
 from .. import register_strategies
 from ..callbacks.throughput import Throughput
+from ..console.known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
 from ..data import TextDataModule
 from ..data.language_eval import language_table
-from ..known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
 from ..module import M6LanguageModel
 from ..strategy.checkpoint import META_FILE, check_checkpoint_path, to_single_file
 from ..strategy.launch import RankFailed

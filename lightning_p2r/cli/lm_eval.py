@@ -10,9 +10,9 @@ from typing import Any
 
 import yaml
 
+from ..console.text_table import format_table
 from ..data import TextDataModule
 from ..data.bible_multi import TRANSLATIONS
-from ..text_table import format_table
 from .generate import GenerateError, load_model, read_checkpoint, read_recipe, recipe_tokenizer, resolve_checkpoint
 
 
@@ -33,7 +33,7 @@ def _module_and_tokenizer(config: str, ckpt_path: str) -> tuple[Any, Any, int]:
     recipe = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
     model_section = recipe.get("model") or {}
     if isinstance(model_section, dict) and "class_path" in model_section:
-        from ..export import hf_model_of
+        from .convert import hf_model_of
 
         data = TextDataModule(**(recipe.get("data") or {}))
         state, saved = read_checkpoint(ckpt_path)
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> None:
     if unknown:
         parser.error(f"--languages: unknown {unknown}; bible-multi has {sorted(TRANSLATIONS)}")
     try:
-        from ..lm_eval_adapter import P2RLM, evaluate_languages
+        from .lm_eval_adapter import P2RLM, evaluate_languages
 
         module, tokenizer, max_length = _module_and_tokenizer(args.config, args.ckpt_path)
         lm = P2RLM(module, tokenizer.encode, tokenizer.decode, max_length=max_length)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..text_table import format_table
+from ..console.text_table import format_table
 
 COLUMNS = {"language": "language", "script": "script", "tokens": "tokens", "loss": "loss", "ppl": "perplexity",
            "bpb": "bits/byte"}

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lightning_p2r.known_warnings import ALLOWED_IN_RECIPE_RUNS
+from lightning_p2r.console.known_warnings import ALLOWED_IN_RECIPE_RUNS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,5 +1,5 @@
 """Every recipe, run for a few steps on the processes it asks for through the console script, prints no warning
-outside the documented allow-list (lightning_p2r.known_warnings.ALLOWED_IN_RECIPE_RUNS). The ZeRO-3 recipe is
+outside the documented allow-list (lightning_p2r.console.known_warnings.ALLOWED_IN_RECIPE_RUNS). The ZeRO-3 recipe is
 checked by test_recipe_zero3.py, which runs it anyway. The multilingual recipe needs the [multilingual] extra."""
 
 from pathlib import Path

@@ -168,7 +168,7 @@ def test_a_hand_written_plan_naming_a_conv1d_is_refused_by_name() -> None:
 
 @pytest.mark.parametrize(("family", "strategy"), [("llama_tied", "zero3"), ("qwen3_moe", "single_file")])
 def test_convert_to_hf_round_trips_to_identical_logits(tmp_path: Path, family: str, strategy: str) -> None:
-    from lightning_p2r.export import main as convert
+    from lightning_p2r.cli.convert import main as convert
 
     module = CausalLMModule(hf_config=CONFIGS[family], optimizer={"lr": 1e-2, "warmup_steps": 0})
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_progress_bar=False,
@@ -193,7 +193,7 @@ def test_convert_to_safetensors_writes_an_m6_checkpoint_once_per_tensor(tmp_path
     from safetensors.torch import load_file
 
     from lightning_p2r import M6Config, M6LanguageModel
-    from lightning_p2r.export import main as convert
+    from lightning_p2r.cli.convert import main as convert
 
     module = M6LanguageModel(M6Config(vocab_size=VOCAB, max_seq_len=16, num_layers=2, dim=16, num_heads=2,
                                       num_experts=2))

@@ -126,3 +126,13 @@ def test_no_new_import_circle_between_the_packages_files() -> None:
 def test_the_cycle_finder_finds_a_circle_through_a_function_level_import() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_at_most_six_modules_lie_loose_at_the_top_level() -> None:
+    """Each part of the package is a folder (data/, cli/, console/, models/, strategy/, ...): only the package's
+    __init__ and the model-side modules a user imports by name stay at the top."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "lightning_p2r"
+    loose = sorted(path.name for path in root.glob("*.py"))
+    assert len(loose) <= 6, loose

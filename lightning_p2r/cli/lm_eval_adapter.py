@@ -107,7 +107,7 @@ def bible_choice_tasks(folder: str | Path, languages: Sequence[str], *, per_lang
     the held-out test books (``bible_multi.TEST_BOOKS``); returns the task names (``p2r_bible_choice_<code>``).
     A verse is cut at the space nearest its middle (between characters for scripts written without spaces); the
     distractors are second halves of other verses of the same language; the right answer's position is drawn."""
-    from .data.bible_multi import read_texts
+    from ..data.bible_multi import read_texts
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
