@@ -108,6 +108,30 @@ class LayerSharing:
                         module.layer_idx = layer
 
 
+# Attributes that number a layer rather than configure it (a shared block answers to its first layer's).
+_POSITION_ATTRIBUTES = frozenset({"training", "layer_idx", "layer_id", "layer_index", "layer_number", "block_idx"})
+
+
+def layer_difference(first: nn.Module, other: nn.Module) -> str | None:
+    """What makes two decoder layers not interchangeable, or None: a parameter of another shape, or a plain setting
+    (int, float, str, bool, None) of some submodule that differs, such as Qwen3's ``layer_type`` "sliding_attention"
+    against "full_attention", or a sliding window on one layer only."""
+    shapes = [(name, tuple(p.shape)) for name, p in first.named_parameters()]
+    other_shapes = [(name, tuple(p.shape)) for name, p in other.named_parameters()]
+    if shapes != other_shapes:
+        return "their parameters have other names or shapes"
+    for (name, a), (_, b) in zip(first.named_modules(), other.named_modules()):
+        for key, value in vars(a).items():
+            if key.startswith("_") or key in _POSITION_ATTRIBUTES or not isinstance(value, (int, float, str, bool,
+                                                                                              type(None))):
+                continue
+            theirs = vars(b).get(key, value)
+            if theirs != value:
+                where = f"{name}.{key}" if name else key
+                return f"{where} is {value!r} on one and {theirs!r} on the other"
+    return None
+
+
 def share_layers(holder: nn.Module, layers: nn.ModuleList, num_unique_blocks: int, sharing: str = "sequence"
                  ) -> None:
     """Turn a decoder whose ``holder`` runs the list ``layers`` into a pseudo model of ``num_unique_blocks`` blocks,
@@ -125,6 +149,13 @@ def share_layers(holder: nn.Module, layers: nn.ModuleList, num_unique_blocks: in
         raise ValueError(f"{type(holder).__name__}'s layers already share blocks")
     layer_to_block = sharing_map(num_layers, num_unique_blocks, sharing)
     first_layer = {block: layer_to_block.index(block) for block in range(num_unique_blocks)}
+    for layer, block in enumerate(layer_to_block):
+        difference = layer_difference(layers[first_layer[block]], layers[layer])
+        if difference:
+            raise ValueError(f"share_layers: layer {layer} would run layer {first_layer[block]}'s block "
+                             f"(sharing={sharing!r}) but the two differ: {difference}. Sharing would change the "
+                             "model's function; choose num_unique_blocks or sharing so that only alike layers share "
+                             "(e.g. 'sequence' for a model whose first and second halves differ)")
     blocks = [layers[first_layer[block]] for block in range(num_unique_blocks)]
     path = next((name for name, module in holder.named_modules() if module is layers), None)
     if not path:

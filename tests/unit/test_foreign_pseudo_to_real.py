@@ -99,3 +99,26 @@ def test_a_pseudo_decoder_trains_like_the_real_model_with_its_layers_tied(tmp_pa
     real.load_state_dict(pseudo.state_dict())  # every layer's names load block 0's tensors
     tokens = windows(4, 16)[:, :-1]
     torch.testing.assert_close(real(tokens), pseudo(tokens))
+
+
+def test_layers_that_are_not_alike_are_not_shared() -> None:
+    """Qwen3 with two full-attention layers then two sliding-window ones: the first half and the second half may
+    each share a block ("sequence"), but a full layer running a sliding layer's block ("cycle") would change the
+    function, and is refused by name before any training."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from lightning_p2r.sharing import share_layers
+
+    def model() -> Qwen3ForCausalLM:
+        return Qwen3ForCausalLM(Qwen3Config(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, use_sliding_window=True, sliding_window=8, max_window_layers=2))
+
+    halves = model()
+    share_layers(halves, halves.model.layers, 2, "sequence")
+    assert halves.model.layers[1] is halves.model.layers[0] and halves.model.layers[3] is halves.model.layers[2]
+    alternating = model()
+    with pytest.raises(ValueError, match=r"layer 2 would run layer 0's block .* self_attn\.layer_type is "
+                                         r"'full_attention' on one and 'sliding_attention' on the other"):
+        share_layers(alternating, alternating.model.layers, 2, "cycle")
+    assert len({id(layer) for layer in alternating.model.layers}) == 4  # refused before anything changed
