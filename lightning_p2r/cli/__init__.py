@@ -37,7 +37,7 @@ _LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 
 # Where each other command's ``main(argv)`` lives.
 _RUNNERS = {
-    "convert-checkpoint": "lightning_p2r.cli.fit:convert_checkpoint",
+    "convert-checkpoint": "lightning_p2r.cli.convert:convert_checkpoint",
     "plan": "lightning_p2r.planning.cli:main",
     "calibrate": "lightning_p2r.measure.calibrate:main",
     "generate": "lightning_p2r.cli.generate:main",

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from ..models.module_init import init_rule
-from ..strategy.checkpoint import check_checkpoint_path, is_sharded_checkpoint, load_meta, read_model_state
+from ..strategy.checkpoint import (
+    check_checkpoint_path,
+    is_sharded_checkpoint,
+    load_meta,
+    read_model_state,
+    to_single_file,
+)
 from ..strategy.ties import find_ties
 
 PREFIX = "model."
@@ -124,22 +130,43 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--to", choices=("hf", "safetensors", "checkpoint"), required=True,
                         help="hf: a Hugging Face directory (CausalLMModule checkpoints); safetensors: weights + "
                              "config.json; checkpoint: one Lightning file from a sharded directory")
-    parser.add_argument("source", help="a checkpoint file or sharded checkpoint directory")
-    parser.add_argument("destination", help="the directory (hf, safetensors) or file (checkpoint) to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
-    args = parser.parse_args(argv)
-    if os.path.exists(args.destination) and not args.overwrite:
-        parser.error(f"{args.destination} exists: pass --overwrite to replace it, or choose another name")
+    args = _parse_source_and_destination(parser, argv, "a checkpoint file or sharded checkpoint directory",
+                                         "the directory (hf, safetensors) or file (checkpoint) to write")
     try:
         if args.to == "hf":
             written = to_hf(args.source, args.destination)
         elif args.to == "safetensors":
             written = to_safetensors(args.source, args.destination)
         else:
-            from ..strategy.checkpoint import to_single_file
-
             to_single_file(args.source, args.destination)
             written = Path(args.destination)
     except (ValueError, ImportError) as error:
         parser.error(str(error))
     print(f"wrote {written}")
+
+
+def convert_checkpoint(argv: list[str]) -> None:
+    """``lightning-p2r convert-checkpoint SHARDED_DIR OUT.ckpt``: a sharded checkpoint as one file any strategy
+    loads (plain Lightning, DDP, one device)."""
+    parser = argparse.ArgumentParser(prog="lightning-p2r convert-checkpoint", description=convert_checkpoint.__doc__)
+    args = _parse_source_and_destination(parser, argv, "a sharded checkpoint directory written by P2RStrategy",
+                                         "the single checkpoint file to write")
+    try:
+        checkpoint = to_single_file(args.source, args.destination)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"wrote {args.destination}: {len(checkpoint['state_dict'])} tensors, "
+          f"{len(checkpoint['optimizer_states'])} optimizer state(s), step {checkpoint.get('global_step')}")
+
+
+def _parse_source_and_destination(parser: argparse.ArgumentParser, argv: list[str], source: str,
+                                  destination: str) -> argparse.Namespace:
+    """Both conversions' positional SOURCE and DESTINATION and ``--overwrite``, parsed; an existing destination
+    is refused unless ``--overwrite`` (nothing earlier is lost by a typo)."""
+    parser.add_argument("source", help=source)
+    parser.add_argument("destination", help=destination)
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
+    args = parser.parse_args(argv)
+    if os.path.exists(args.destination) and not args.overwrite:
+        parser.error(f"{args.destination} exists: pass --overwrite to replace it, or choose another name")
+    return args

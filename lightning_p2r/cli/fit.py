@@ -34,7 +34,7 @@ from ..console.known_warnings import drop_unset_wandb_anonymous, silence_cli_not
 from ..data import TextDataModule
 from ..data.language_eval import language_table
 from ..module import M6LanguageModel
-from ..strategy.checkpoint import META_FILE, check_checkpoint_path, to_single_file
+from ..strategy.checkpoint import META_FILE, check_checkpoint_path
 from ..strategy.launch import RankFailed
 from .options_diff import describe_differences, differing_options
 from .recipe_files import check_recipe_files, keys_named_in, locate_key, names_model_class, recipe_paths
@@ -371,26 +371,6 @@ def newest_last_hyperparameters(trainer: Namespace) -> dict[str, Any] | None:
 def _is_class(entry: Any, names: tuple[str, ...]) -> bool:
     return (isinstance(entry, Namespace) and isinstance(entry.get("class_path"), str)
             and entry.class_path.rsplit(".", 1)[-1] in names and entry.get("init_args") is not None)
-
-
-def convert_checkpoint(argv: list[str]) -> None:
-    """``lightning-p2r convert-checkpoint SHARDED_DIR OUT.ckpt``: a sharded checkpoint as one file any strategy
-    loads (plain Lightning, DDP, one device)."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="lightning-p2r convert-checkpoint", description=convert_checkpoint.__doc__)
-    parser.add_argument("source", help="a sharded checkpoint directory written by P2RStrategy")
-    parser.add_argument("destination", help="the single checkpoint file to write")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing destination")
-    args = parser.parse_args(argv)
-    if os.path.exists(args.destination) and not args.overwrite:
-        parser.error(f"{args.destination} exists: pass --overwrite to replace it, or choose another name")
-    try:
-        checkpoint = to_single_file(args.source, args.destination)
-    except ValueError as error:
-        parser.error(str(error))
-    print(f"wrote {args.destination}: {len(checkpoint['state_dict'])} tensors, "
-          f"{len(checkpoint['optimizer_states'])} optimizer state(s), step {checkpoint.get('global_step')}")
 
 
 def run_lightning_command(argv: list[str], args: list[str] | None) -> None:

@@ -30,11 +30,8 @@ __all__ = [
     "split_train_val",
 ]
 
-# Where each name lives; names not listed are looked up in these modules in order (what ``lightning_p2r.data``
-# held when it was one file).
-_HOME = {"TextDataModule": "datamodule", "load_corpus": "corpus", "pack_sequences": "windows",
-         "split_train_val": "windows", "BPETokenizer": "tokenizer", "ByteTokenizer": "tokenizer",
-         "TextTokenizer": "tokenizer", "TokenizerKind": "tokenizer", "build_tokenizer": "tokenizer"}
+# Names are looked up in these modules in order (what ``lightning_p2r.data`` held when it was one file); none
+# imports one after it, so reading a name loads no more than its own module needs.
 _SEARCHED = ("corpus", "tokenizer", "windows", "datamodule")
 _SUBMODULES = {"corpus", "tokenizer", "windows", "prepared", "streaming", "mixture", "mixture_loader", "bible_multi",
                "language_eval", "datamodule"}
@@ -45,8 +42,7 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(name)
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
-    homes = (_HOME[name],) if name in _HOME else _SEARCHED
-    for home in homes:
+    for home in _SEARCHED:
         module = importlib.import_module(f"{__name__}.{home}")
         if hasattr(module, name):
             value = getattr(module, name)

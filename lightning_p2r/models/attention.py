@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 import warnings
 from collections.abc import Callable
@@ -107,12 +108,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return rotated.to(x.dtype)
 
 
-BAND_KERNELS = ("masked", "chunked", "flex")
-"""How a banded layer attends: "masked" (the fused kernel with a dense (T, T) band mask), "chunked"
-(:func:`banded_attention`, cost T x window) or "flex" (``flex_attention`` with a block mask: tiles outside the band
-are skipped; compiled on an accelerator; forward only on CPU, where torch has no flex backward)."""
-
-
 @dataclass(frozen=True)
 class Band:
     """The kernel one banded layer runs in this forward call, chosen outside the (possibly compiled) block, with
@@ -156,15 +151,13 @@ def _compiled_flex() -> Callable[..., torch.Tensor]:
 
 def flex_band_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask: Any) -> torch.Tensor:
     """Banded attention through ``flex_attention`` (compiled off CPU; on CPU the eager reference, forward only)."""
-    if q.device.type == "cpu":
-        from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
+    if q.device.type == "cpu":
         with warnings.catch_warnings():  # eager on purpose: compiling per length costs more than CPU inference
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
             return flex_attention(q, k, v, block_mask=block_mask)
     if torch.compiler.is_compiling():  # inside a compiled block: traced into its graph like any other op
-        from torch.nn.attention.flex_attention import flex_attention
-
         return flex_attention(q, k, v, block_mask=block_mask)
     return _compiled_flex()(q, k, v, block_mask=block_mask)
 
@@ -198,18 +191,19 @@ def timed_band_kernel(shape: tuple[int, int, int, int], window: int, dtype: torc
         for kernel in candidates:
             band = Band(kernel, band_block_mask(seq_len, window, str(device)) if kernel == "flex" else None)
             times = []
-            for _ in range(repeats + 1):
+            for _ in range(repeats + 1):  # the first call warms up (and compiles flex): left out of the median
                 _synchronize(device)
                 start = time.perf_counter()
                 attend_band(q, k, v, window, band).sum().backward()
                 _synchronize(device)
                 times.append(time.perf_counter() - start)
-            seconds[kernel] = sorted(times[1:])[len(times[1:]) // 2]
+            seconds[kernel] = statistics.median(times[1:])
         _TIMED[key] = min(seconds, key=seconds.__getitem__)
     return _TIMED[key]
 
 
 def _synchronize(device: torch.device) -> None:
+    # measure.run.synchronize does this too, but measure sits above the models (it imports the LightningModule).
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
