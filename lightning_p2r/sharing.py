@@ -47,6 +47,20 @@ OptimizerStatePolicy = Literal["copy", "scale", "reset", "per_layer"]
 POLICIES = ("copy", "scale", "reset", "per_layer")
 
 
+class IdentitySet:
+    """A set of tensors by identity (tensors compare by value, so a plain set cannot hold them) that keeps them alive:
+    a set of ``id()`` s would match a new tensor that reuses a freed one's id."""
+
+    def __init__(self) -> None:
+        self._held: dict[int, torch.Tensor] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self._held[id(tensor)] = tensor
+
+    def __contains__(self, tensor: object) -> bool:
+        return self._held.get(id(tensor)) is tensor
+
+
 @dataclass(frozen=True)
 class MeasuredSecondMoments:
     """The "per_layer" policy with its measurement: for each copy's tensor (named inside the block sequence, e.g.
@@ -302,13 +316,15 @@ def delink(
         # The first copy keeps the original module; the others are exact deep copies.
         new_blocks.append(block if source not in used else copy.deepcopy(block))
         used.add(source)
-    fresh: set[int] = set()  # tensors whose optimizer state starts afresh (zeroed outputs, a re-drawn router)
+    # Tensors whose optimizer state starts afresh (zeroed outputs, a re-drawn router), by identity. The set holds the
+    # tensors, not their ids: upcycling frees replaced tensors, and a freed tensor's id is reused by the next one made.
+    fresh = IdentitySet()
     if shallow and target > current and getattr(holder, "growth_init", "copy") == "zero_outputs":
         for block in new_blocks[current:]:
             for name, param in block.named_parameters():
                 if name.endswith(_RESIDUAL_OUTPUTS):
                     param.zero_()
-                    fresh.add(id(param))
+                    fresh.add(param)
     layer_sharing = vars(holder).get("layer_sharing")
     if layer_sharing is not None:  # a foreign decoder: its own layer list takes the copies, names unchanged
         layer_sharing.relink(holder, new_blocks, new_map)
@@ -338,7 +354,7 @@ def delink(
                               upcycled, fresh)
 
 
-def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: set[int]) -> dict[int, int]:
+def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: IdentitySet) -> dict[int, int]:
     """Give every expert of each shared expert module its own copy of the FFN it ran (sparse upcycling). Returns,
     per new expert tensor's id, how many experts shared each FFN before (its gradient was their sum)."""
     config = getattr(holder, "config", None)
@@ -355,8 +371,8 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: set[int]) -
                 grown = nn.Parameter(shared.detach().repeat(copies, 1, 1))
                 setattr(module, name, grown)
                 copies_of[id(grown)] = copies
-                if id(shared) in fresh:  # a zeroed output projection stays fresh after upcycling
-                    fresh.add(id(grown))
+                if shared in fresh:  # a zeroed output projection stays fresh after upcycling
+                    fresh.add(grown)
                 if noise > 0:
                     seed = perturb.seed if perturb is not None else 0
                     _add_relative_noise(grown, Perturbation(noise, seed), f"blocks.{index}.{module_name}.{name}")
@@ -369,7 +385,7 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: set[int]) -
                                router.weight)
                 else:
                     nn.init.normal_(router.weight, std=0.02)
-                fresh.add(id(router.weight))
+                fresh.add(router.weight)
     if config is not None and hasattr(config, "num_unique_experts"):
         config.num_unique_experts = None  # keep the config truthful: every expert has its own FFN now
     return copies_of
@@ -411,7 +427,7 @@ def _rebuild_optimizer(
     policy: OptimizerStatePolicy | MeasuredSecondMoments,
     ratios: dict[nn.Parameter, torch.Tensor],
     upcycled: dict[int, int] | None = None,
-    fresh: set[int] | None = None,
+    fresh: IdentitySet | None = None,
 ) -> torch.optim.Optimizer:
     group_of = {id(p): index for index, group in enumerate(optimizer.param_groups) for p in group["params"]}
     new_groups = [{key: value for key, value in group.items() if key != "params"} | {"params": []}
@@ -433,7 +449,7 @@ def _rebuild_optimizer(
         for param in group["params"]:
             source = origin.get(param, param)
             state = optimizer.state.get(source)
-            if not state or id(param) in (fresh or ()):
+            if not state or (fresh is not None and param in fresh):
                 continue
             expert_copies = (upcycled or {}).get(id(param), 1)
             is_split = id(param) in split_ids or expert_copies > 1

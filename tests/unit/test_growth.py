@@ -155,6 +155,19 @@ def test_optimizer_state_is_carried_into_grown_layers_and_upcycled_experts(polic
         torch.testing.assert_close(w_in["exp_avg_sq"][e], shared_in["exp_avg_sq"][0] / n**2)
 
 
+@pytest.mark.parametrize("policy", ["scale", "copy"])
+def test_identity_preserving_growth_starts_only_the_zeroed_outputs_afresh(policy: str) -> None:
+    """Growth 1 -> 4 with zeroed outputs and upcycling: every other tensor carries its state. (The tensors to start
+    afresh were once kept by id; the ids of the replaced expert weights were reused by the next blocks' upcycled w_in,
+    whose state was then dropped, differently on each rank of a DDP run.)"""
+    model = _model(num_unique_experts=1, growth_init="zero_outputs")
+    new_optimizer = delink(model, _trained(model), optimizer_state=policy)
+    zeroed = ("attn.out.weight", "attn.out.bias", "experts.w_out", "fc_out.weight", "fc_out.bias")
+    for name, param in model.named_parameters():
+        afresh = name.endswith(zeroed) and not name.startswith("blocks.0.")
+        assert bool(new_optimizer.state.get(param)) != afresh, name
+
+
 class Recorder(Logger):
     """Keeps every logged metric."""
 
