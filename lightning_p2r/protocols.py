@@ -6,7 +6,7 @@ nothing here imports the strategy, so model and module code can depend on it fre
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
@@ -158,11 +158,38 @@ SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output
 - "column": a linear layer whose output features are split (the first matmul of a pair);
 - "row": a linear layer whose input features are split, the partial outputs summed (the second of the pair);
 - "sequence": a module run on this rank's sequence positions under sequence parallelism (a norm), whole otherwise;
-- "expert": an MoE layer (``lightning_p2r.models.MoEFeedForward``): its experts split over the expert-parallel
-  ranks, each expert's hidden units over the tensor-parallel ranks;
+- "expert": an MoE layer (the module that routes): whole on every tensor-parallel rank (under sequence parallelism
+  it sees the whole sequence); the stacked expert weights inside it are declared in ``ParallelPlan.experts``;
 - "vocabulary": an embedding split by vocabulary rows (the partial lookups summed);
 - "output": the output layer split by vocabulary columns (each rank its shard of the logits).
 """
+
+
+ExpertCall = Literal["sorted", "top_k"]
+"""How an expert module is called, which says how expert parallelism sends it rows:
+
+- "sorted": ``forward(rows, counts)``: rows sorted by expert, ``counts[e]`` rows for expert e (a tensor), rows past
+  their sum dropped (zeros out) -> one output row per input row (``lightning_p2r.models.moe.Experts``);
+- "top_k": ``forward(hidden, top_k_index, top_k_weights)``: every token with its k experts and gate weights ->
+  the gate-weighted sum over its experts (Hugging Face's ``MixtralExperts``, ``Qwen3MoeExperts``).
+"""
+
+
+@dataclass(frozen=True)
+class StackedExperts:
+    """A module holding an MoE layer's experts as stacked weights, one slice per expert along dimension 0 (what
+    Hugging Face's ``base_model_ep_plan`` calls "grouped_gemm" weights). Expert parallelism gives each rank a
+    contiguous share of the experts and runs the module's own ``forward`` on them; tensor parallelism, where a weight
+    names its hidden-unit dimension, splits each expert's hidden units too."""
+
+    weights: dict[str, int | None]
+    """Stacked parameter name (in the module) -> its dimension of hidden units, split by tensor parallelism (the
+    output dimension of the first matmul, the input of the second); None where the weight cannot split that way
+    (gate and up projections packed in one tensor)."""
+    call: ExpertCall
+    """How the module's ``forward`` is called (:data:`ExpertCall`)."""
+    counts: tuple[str, ...] = ("num_experts",)
+    """Attributes of the module holding its number of experts: set to this rank's number once it is split."""
 
 
 @dataclass(frozen=True)
@@ -174,12 +201,35 @@ class ParallelPlan:
     """Per block (``blocks[i]``): names inside the block."""
     outside: dict[str, SplitKind]
     """Names inside the model (the block-sequence holder), outside its blocks."""
+    experts: dict[str, StackedExperts] = field(default_factory=dict)
+    """Expert modules by name inside a block (the same in every block that has one): what expert parallelism
+    splits."""
 
     def expert_layers(self, holder: nn.Module, indices: Sequence[int] | None = None) -> list[nn.Module]:
         """The "expert" submodules of the blocks (all, or those at ``indices``)."""
         chosen = range(len(self.blocks)) if indices is None else indices
         return [holder.blocks[i].get_submodule(name) for i in chosen
                 for name, kind in self.blocks[i].items() if kind == "expert"]
+
+    def stacked_experts(self, holder: nn.Module, indices: Sequence[int] | None = None
+                        ) -> list[tuple[nn.Module, StackedExperts]]:
+        """The declared expert modules of the blocks (all, or those at ``indices``) that have them, with their
+        declarations."""
+        chosen = range(len(self.blocks)) if indices is None else indices
+        found = []
+        for index in chosen:
+            names = {name for name, _ in holder.blocks[index].named_modules()}
+            found += [(holder.blocks[index].get_submodule(name), declared) for name, declared in self.experts.items()
+                      if name in names]
+        return found
+
+
+@runtime_checkable
+class BalancesOverRanks(Protocol):
+    """An MoE layer whose load-balancing loss can count the tokens of every process that sees a different batch, as
+    one process given the whole batch would; the strategy hands it that process group when it splits the model."""
+
+    def balance_over(self, group: Any) -> None: ...
 
 
 @runtime_checkable

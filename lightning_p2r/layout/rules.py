@@ -282,41 +282,41 @@ def check_model(layout: Layout, model: ModelShape, devices: int | None = None) -
     """Refuse a model these degrees cannot split, naming the numbers."""
     tp, ep = layout.tensor_parallel, layout.expert_parallel
     if model.num_heads is not None and model.num_heads % tp:
-        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: M6Config.num_heads="
-                         f"{model.num_heads} must be divisible by it (use tensor_parallel in "
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: the model's "
+                         f"num_heads={model.num_heads} must be divisible by it (use tensor_parallel in "
                          f"{divisors(model.num_heads)})")
     if model.vocab_size is not None and model.vocab_size % tp:
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the embedding and output by vocabulary: "
-                         f"M6Config.vocab_size={model.vocab_size} must be divisible by it")
+                         f"the model's vocab_size={model.vocab_size} must be divisible by it")
     if model.hidden_dim is not None and model.hidden_dim % tp:
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the feed-forward layers and experts by hidden "
-                         f"units: M6Config.hidden_dim={model.hidden_dim} must be divisible by it (use "
+                         f"units: the model's hidden_dim={model.hidden_dim} must be divisible by it (use "
                          f"tensor_parallel in {divisors(model.hidden_dim)})")
     if ep > 1 and not model.moe:
         raise ValueError(f"P2RStrategy(expert_parallel={ep}) needs MoE layers, and the model has none "
-                         "(M6Config.moe_layers is empty)")
+                         "(its moe_layers are empty)")
     if ep > 1 and model.num_experts % ep:
         raise ValueError(f"P2RStrategy(expert_parallel={ep}) gives each expert-parallel rank num_experts / "
-                         f"expert_parallel experts: M6Config.num_experts={model.num_experts} must be divisible by it "
-                         f"(use expert_parallel in {divisors(model.num_experts)})")
+                         f"expert_parallel experts: the model's num_experts={model.num_experts} must be divisible "
+                         f"by it (use expert_parallel in {divisors(model.num_experts)})")
     if layout.pipeline_parallel > 1 and model.moe and model.loss_free_balancing:
-        raise ValueError(f"P2RStrategy(pipeline_parallel={layout.pipeline_parallel}) with M6Config.router_balance="
-                         "'bias': the biases' per-step load sum runs over every rank's MoE layers, which differ "
-                         "between stages; use router_balance='aux_loss' with pipelines")
+        raise ValueError(f"P2RStrategy(pipeline_parallel={layout.pipeline_parallel}) with the model's "
+                         "router_balance='bias': the biases' per-step load sum runs over every rank's MoE layers, "
+                         "which differ between stages; use router_balance='aux_loss' with pipelines")
     if (tp > 1 or ep > 1) and model.moe and model.always_on_experts:
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}, expert_parallel={ep}) does not split MoE layers with "
-                         "always-on experts yet (M6Config.always_on_experts): train them with data parallelism, "
+                         "always-on experts yet (the model's always_on_experts): train them with data parallelism, "
                          "sharding and offload, or set always_on_experts=0")
     if tp > 1 and model.moe and model.shared_experts:
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}) cannot split experts that share one FFN "
-                         "(M6Config.num_unique_experts): upcycle them first (PseudoToReal or delink); expert "
+                         "(the model's num_unique_experts): upcycle them first (PseudoToReal or delink); expert "
                          "parallelism keeps a shared FFN whole on every rank until then")
     if layout.sequence_parallel and model.rotary_positions is False:
-        raise ValueError("P2RStrategy(sequence_parallel=True) needs M6Config.position_embedding='rotary': learned "
+        raise ValueError("P2RStrategy(sequence_parallel=True) needs the model's position_embedding='rotary': learned "
                          "positions are added to the whole sequence, which no rank holds")
     if layout.sequence_parallel and model.max_seq_len is not None and model.max_seq_len % tp:
         raise ValueError(f"P2RStrategy(sequence_parallel=True) splits sequences over tensor_parallel={tp} ranks: "
-                         f"M6Config.max_seq_len={model.max_seq_len} must be divisible by it (and so must every "
+                         f"the model's max_seq_len={model.max_seq_len} must be divisible by it (and so must every "
                          "batch's sequence length)")
     if layout.pipelined:
         cut = StageCut(devices or layout.pipeline_parallel, layout.pipeline_parallel, layout.stages_per_rank,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..protocols import ParallelPlan, SplitKind
+from ..protocols import ParallelPlan, SplitKind, StackedExperts
 from .attention import Band, CausalSelfAttention, choose_bands, rotary_tables
 from .cache import KVCache, LayerKV
 from .config import M6Config
@@ -262,7 +262,11 @@ class M6Transformer(nn.Module):
         blocks = tuple(attention | (({"ffn": "expert"} if split_experts else {})
                                     if config.is_moe_layer(config.layers_of_block(b)[0]) else dense)
                        for b in range(len(self.blocks)))
-        return ParallelPlan(blocks, {"tok_embeddings": "vocabulary", "lm_head": "output", "norm": "sequence"})
+        # The experts' weights are stacked (experts x dim x hidden, experts x hidden x dim); the module is called with
+        # rows sorted by expert and their counts, and records its number of experts twice (the unique FFNs too).
+        experts = StackedExperts({"w_in": 2, "w_out": 1}, call="sorted", counts=("num_experts", "num_unique"))
+        return ParallelPlan(blocks, {"tok_embeddings": "vocabulary", "lm_head": "output", "norm": "sequence"},
+                            experts={"ffn.experts": experts} if split_experts else {})
 
     def embed(self, input_ids: torch.Tensor, start: int = 0) -> tuple[torch.Tensor, LayerContext]:
         """input_ids: LongTensor (batch, seq) at positions ``[start, start + seq)`` (``start`` > 0 after cached

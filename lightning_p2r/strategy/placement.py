@@ -91,7 +91,8 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     placement = Placement(plan, root, meta_template(root))
     ties = find_ties(root)
     # 3. the model's tensor / expert plan
-    split = model_plan(holder, meshes.dims.tensor_parallel) if meshes.dims.model_parallel else None
+    split = (model_plan(holder, meshes.dims.tensor_parallel, meshes.dims.expert_parallel)
+             if meshes.dims.model_parallel else None)
     if split is not None:
         if meshes.dims.tensor_parallel > 1:
             check_tensor_parallel_ties(root, planned_modules(root, holder, split))
@@ -107,13 +108,13 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     reshard = ctx.layout.resharding
     units = [holder.blocks[i] for i in own]
     if split is not None:
-        units += [layer.experts for layer in split.expert_layers(holder, list(own))]
+        units += [experts for experts, _ in split.stacked_experts(holder, list(own))]
     check_ties_within_units(root, units, f"sharding={ctx.sharding.sharding!r}")
     for index in own:
         offloaded = index in plan.offloaded
         if split is not None:  # the expert weights first: their own unit, over the ranks holding them
-            for layer in split.expert_layers(holder, [index]):
-                shard_unit(layer.experts, meshes.experts[meshes.expert_data_dims], reshard=reshard.after_each_forward,
+            for experts, _ in split.stacked_experts(holder, [index]):
+                shard_unit(experts, meshes.experts[meshes.expert_data_dims], reshard=reshard.after_each_forward,
                            offloaded=offloaded, pin_memory=ctx.pin_memory)
         shard_unit(holder.blocks[index], meshes.data, reshard=reshard.after_each_forward, offloaded=offloaded,
                    pin_memory=ctx.pin_memory)

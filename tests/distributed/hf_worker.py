@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from hf_models import Losses, causal_lm, windows  # noqa: E402
 
 from lightning_p2r import P2RStrategy  # noqa: E402
+from lightning_p2r.strategy.parallel.experts import expert_dispatch  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 4, 4
 
@@ -42,7 +43,11 @@ def run(config: dict, out: Path, devices: int) -> None:
                                                                                                    "weight"):
         tied = head.weight is embedding.weight  # (a pipeline rank holds one end only: its replica is checked)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
-    report(out, config["name"], trainer, module, losses.losses, {"tied": tied, "held": held})
+    # The experts each rank runs, per MoE layer (fewer than the layer has where expert parallelism split it).
+    experts_held = [expert_dispatch(m).local_experts if expert_dispatch(m) else m.num_experts
+                    for name, m in model.named_modules() if name.endswith("mlp.experts")]
+    report(out, config["name"], trainer, module, losses.losses, {"tied": tied, "held": held,
+                                                                  "experts_held": experts_held})
 
 
 if __name__ == "__main__":

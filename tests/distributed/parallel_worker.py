@@ -27,7 +27,7 @@ from helpers import TINY, tiny_data  # noqa: E402
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
 from lightning_p2r.measure.collectives import data_parallel_parts  # noqa: E402
 from lightning_p2r.strategy.parallel.clipping import total_grad_norm  # noqa: E402
-from lightning_p2r.strategy.parallel.experts import ParallelExperts  # noqa: E402
+from lightning_p2r.strategy.parallel.experts import expert_dispatch  # noqa: E402
 
 # Rotary positions, dense and banded (window 4) attention alternating, every layer MoE with M6-T prototyping
 # (2 prototypes of top-1), dropless (so routing does not depend on how the batch is split), 4 experts, a large
@@ -65,8 +65,8 @@ class ForgetExpertGradientScale(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for module in pl_module.modules():
-            if isinstance(module, ParallelExperts):
-                module.gradient_scale = 1.0
+            if expert_dispatch(module) is not None:
+                expert_dispatch(module).gradient_scale = 1.0
 
 
 class ForgetReplicaSum(L.Callback):

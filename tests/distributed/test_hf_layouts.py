@@ -35,6 +35,10 @@ TWO_PROCESSES = [
     {"name": "zero2_layered_mixtral", "family": "mixtral",
      "strategy": {"sharding": "zero2", "accumulation": "layered", "micro_batches": 2}},
     {"name": "pp2_mixtral", "family": "mixtral", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
+    # The experts split by the model's own expert-parallel plan (base_model_ep_plan: stacked gate_up_proj/down_proj).
+    {"name": "ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"expert_parallel": 2}},
+    {"name": "ep2_zero3_offload_mixtral", "family": "mixtral",
+     "strategy": {"expert_parallel": 2, "sharding": "zero3", "offload_fraction": 0.5}},
     {"name": "zero3_offload_layered_litgpt", "family": "litgpt",
      "strategy": {"sharding": "zero3", "offload_fraction": 0.5, "accumulation": "layered", "micro_batches": 2}},
 ]
@@ -74,6 +78,9 @@ def test_an_hf_model_built_in_place_trains_on_two_processes_like_the_eager_build
     for name, values in expected.items():
         torch.testing.assert_close(torch.tensor(merged[name]), torch.tensor(values), rtol=1e-3, atol=1e-4,
                                    msg=lambda m, name=name: f"{name}: {m}")
+    if config["strategy"].get("expert_parallel", 1) > 1:  # each rank runs half of every layer's experts
+        assert all(rank["experts_held"] == [n // 2 for n in reference["ranks"][0]["experts_held"]]
+                   for rank in run["ranks"])
     if {"pipeline_parallel", "tensor_parallel"} & set(config["strategy"]) or config["strategy"].get("sharding") in (
             "zero2", "zero3"):
         for rank in run["ranks"]:  # built in place: no rank holds the whole model

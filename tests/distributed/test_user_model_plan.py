@@ -12,14 +12,17 @@ import pytest
 WORKER = Path(__file__).with_name("user_model_worker.py")
 
 
-def _run(out: Path, tensor_parallel: int) -> list[dict]:
+def _run(out: Path, tensor_parallel: int, expert_parallel: int = 1, *extra: str) -> list[dict]:
     env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     for key in ("LOCAL_RANK", "WORLD_SIZE", "GLOBAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)
     result = subprocess.run([sys.executable, str(WORKER), "--out", str(out), "--tensor-parallel",
-                             str(tensor_parallel)], capture_output=True, text=True, timeout=240, env=env)
+                             str(tensor_parallel), "--expert-parallel", str(expert_parallel), *extra],
+                            capture_output=True, text=True, timeout=240, env=env)
     assert result.returncode == 0, result.stderr[-4000:]
-    return [json.loads((out / f"tp{tensor_parallel}.rank{r}.json").read_text()) for r in range(tensor_parallel)]
+    ranks = tensor_parallel * expert_parallel
+    return [json.loads((out / f"tp{tensor_parallel}.ep{expert_parallel}.rank{r}.json").read_text())
+            for r in range(ranks)]
 
 
 @pytest.mark.distributed
@@ -32,3 +35,18 @@ def test_a_user_model_with_its_own_plan_trains_tensor_parallel_like_one_process(
         assert rank["split_parameters"] >= 2 + 3 * 3
         assert rank["losses"] == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
     assert reference["losses"][-1] < reference["losses"][0]  # it trains: the comparison means something
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_a_users_own_moe_with_a_declared_expert_plan_trains_expert_parallel_like_one_process(tmp_path: Path) -> None:
+    """Issue 39 item 2: the strategy splits whatever expert module the plan declares (not only M6's)."""
+    (reference,) = _run(tmp_path, 1, 1, "--experts")
+    ranks = _run(tmp_path, 1, 2, "--experts")
+    assert reference["experts_held"] == [4, 4, 4]
+    for rank in ranks:
+        assert rank["experts_held"] == [2, 2, 2]  # each rank holds and runs half of every layer's experts
+    # Each data rank's losses are its half of the batch: their mean is the one-process loss of the whole batch.
+    mean = [sum(values) / 2 for values in zip(*(rank["losses"] for rank in ranks))]
+    assert mean == pytest.approx(reference["losses"], rel=1e-5, abs=1e-6)
+    assert reference["losses"][-1] < reference["losses"][0]

@@ -234,11 +234,57 @@ def test_a_litgpt_gpt_built_in_place_trains_like_the_eager_build(tmp_path: Path,
     assert list(module.state_dict()) == list(eager.state_dict())
 
 
-def test_expert_parallelism_of_an_hf_moe_is_refused_in_one_line() -> None:
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_the_hf_expert_plan_is_read_and_splits_the_experts_alone(family: str) -> None:
+    from lightning_p2r.protocols import StackedExperts
     from lightning_p2r.strategy.parallel.parallelize import model_plan
 
-    with pytest.raises(ValueError, match="expert parallelism splits lightning_p2r MoE layers only"):
-        model_plan(_declared("qwen3_moe"), tensor_parallel=1)
+    model = _declared(family)
+    plan = model_plan(model, tensor_parallel=1, expert_parallel=2)
+    # gate and up packed in one tensor: no hidden-unit split; down_proj (experts x dim x hidden) by its inputs.
+    assert plan.experts == {"mlp.experts": StackedExperts({"gate_up_proj": None, "down_proj": 2}, call="top_k")}
+    assert all(entries == {} for entries in plan.blocks) and plan.outside == {}
+    assert [module for module, _ in plan.stacked_experts(model)] == [layer.mlp.experts for layer in model.model.layers]
+
+
+class _UserExperts(nn.Module):
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w1, self.w2 = nn.Parameter(torch.randn(experts, 8, 4)), nn.Parameter(torch.randn(experts, 4, 8))
+
+
+def _user_moe(experts, count: int = 4) -> nn.Module:
+    """A user's own block stack whose MoE layer declares its stacked experts (``ParallelPlan.experts``)."""
+    from lightning_p2r.protocols import ParallelPlan
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([nn.ModuleDict({"moe": _UserExperts(count)})])
+            self.layer_to_block = [0]
+
+        def parallel_plan(self) -> ParallelPlan:
+            return ParallelPlan(({},), {}, experts={"moe": experts})
+
+    return Model()
+
+
+@pytest.mark.parametrize(("declared", "count", "degrees", "message"), [
+    ({"w1": 1, "w3": 2}, 4, (1, 2), r"names .*_UserExperts\.w3, which is not a stacked weight"),
+    ({"w1": 1, "w2": 2}, 6, (1, 4), r"expert_parallel=4\) gives each rank an equal share of .*6 experts: use "
+                                     r"expert_parallel in \[1, 2, 3, 6\]"),
+    ({"w1": None, "w2": 2}, 4, (2, 2), r"tensor_parallel=2 cannot split .*_UserExperts\.w1 by hidden unit"),
+    ({"w1": 1, "w2": 1}, 4, (3, 1), r"tensor_parallel=3 must divide the hidden units of .*_UserExperts\.w1 \(8\)"),
+])
+def test_a_declared_expert_plan_the_layout_cannot_split_is_refused_by_name(declared: dict, count: int,
+                                                                            degrees: tuple, message: str) -> None:
+    from lightning_p2r.protocols import StackedExperts
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    with pytest.raises(ValueError, match=message):
+        model_plan(_user_moe(StackedExperts(declared, call="top_k"), count), *degrees)
+    assert model_plan(_user_moe(StackedExperts({"w1": 1, "w2": 2}, call="top_k")), 2, 2).experts
 
 
 def test_the_streaming_engine_names_an_hf_models_host_masters_by_the_models_own_names(tmp_path: Path) -> None:

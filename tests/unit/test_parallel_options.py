@@ -123,7 +123,7 @@ def test_sequence_parallel_needs_tensor_parallel_rotary_positions_and_divisible_
         fine = M6Transformer(M6Config(**small, max_seq_len=16))
     # The strategy refuses the model at setup, before any parameter is placed.
     sequence = _with_world_size(P2RStrategy(tensor_parallel=2, sequence_parallel=True), 2)
-    with pytest.raises(ValueError, match="needs M6Config.position_embedding='rotary'"):
+    with pytest.raises(ValueError, match="needs the model's position_embedding='rotary'"):
         sequence.check_model_sizes(learned)
     with pytest.raises(ValueError, match="max_seq_len=15 must be divisible"):
         sequence.check_model_sizes(odd)

@@ -146,9 +146,9 @@ def test_a_shallow_pseudo_stage_is_priced_at_the_layers_it_runs() -> None:
 
 # ------------------------------------------------------------------------------------------------------ layout
 @pytest.mark.parametrize(("layout", "devices", "message"), [
-    (Layout(tensor_parallel=3), 6, "tensor_parallel=3) splits attention by heads: M6Config.num_heads=4"),
+    (Layout(tensor_parallel=3), 6, "tensor_parallel=3) splits attention by heads: the model's num_heads=4"),
     (Layout(tensor_parallel=4), 2, "tensor_parallel=4) must divide the number of processes (2)"),
-    (Layout(expert_parallel=3), 3, "M6Config.num_experts=4 must be divisible"),
+    (Layout(expert_parallel=3), 3, "the model's num_experts=4 must be divisible"),
     (Layout(expert_parallel=4), 2, "so it must divide processes / tensor_parallel = 2 / 1 = 2"),
     (Layout(pipeline_parallel=2, stages_per_rank=3, pipeline_schedule="looped_bfs", micro_batches=2), 2,
      "4 layers cannot be cut into pipeline_parallel * stages_per_rank = 2 * 3 = 6 stages"),

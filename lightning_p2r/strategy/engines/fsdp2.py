@@ -18,7 +18,7 @@ from ..layered import BlockEvents
 from ..optimizers import unwrapped as unwrapped_optimizer
 from ..parallel import ParallelMeshes, build_meshes
 from ..parallel.clipping import ranks_holding
-from ..parallel.experts import ParallelExperts
+from ..parallel.experts import expert_dispatch
 from ..pipeline.placement import StagePlacement
 from ..placement import Placement, place
 from ..regather import delinked_plain_copy, optimizer_subset, release_model_state, replace_submodule, shard_optimizer
@@ -98,7 +98,7 @@ class FSDP2Engine(Engine):
                          module: nn.Module) -> list[torch.optim.Optimizer]:
         if self.ctx.sharding.sharding == "zero1":
             # Given an expert group (expert parallelism), the experts are a second partition, over that group.
-            layers = [m for m in holder_of(module).modules() if isinstance(m, ParallelExperts)]
+            layers = [m for m in holder_of(module).modules() if expert_dispatch(m) is not None]
             optimizers = [partition_optimizer_states(optimizers, self.zero_group, expert_group=self.expert_zero_group,
                                                      experts={id(p) for m in layers for p in m.parameters()})]
         self._whole_of = {}

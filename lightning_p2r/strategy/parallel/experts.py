@@ -1,10 +1,13 @@
-"""Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied to an M6 MoE layer from outside
-(docs/parallelism.md). The layer routes its own tokens (routing and drops are one process's); :class:`ParallelExperts`
-sends each row to its expert's rank and back, and :class:`ParallelMoE` balances over every data rank's tokens.
+"""Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied from outside to whatever expert
+modules a model declares (``protocols.StackedExperts``: M6's and Hugging Face's alike; docs/parallelism.md). The MoE
+layer routes its own tokens (routing and drops are one process's); :class:`ExpertDispatch` becomes the expert
+module's ``forward``: it sends each assignment to the rank holding its expert, runs the module's own ``forward`` on
+this rank's experts there, and sends the outputs back.
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -12,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ...models.moe import Experts, MoEFeedForward, balance_loss_from_means, expert_mlps
+from ...models.collectives import all_to_all
+from ...protocols import StackedExperts
 from ..accounting import local_tensor
-from .differentiable import all_reduce_sum, all_to_all
 
 
 def owned(tensor: torch.Tensor) -> torch.Tensor:
@@ -61,88 +64,127 @@ class _ScaleGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-class ParallelExperts(Experts):
-    """:class:`Experts` split over expert-parallel ranks (by expert) and tensor-parallel ranks (by hidden unit)."""
+class ExpertDispatch:
+    """The ``forward`` of an expert module split over expert-parallel ranks (by expert) and tensor-parallel ranks (by
+    hidden unit). It runs the module's own ``forward`` on a stand-in that holds this rank's experts as plain tensors
+    (``DTensor`` indexing would gather them), so any module declared as :class:`StackedExperts` can be split."""
 
-    expert_group: Any
-    """The all-to-all's process group (None without expert parallelism)."""
-    tp_mesh: Any
-    """The tensor-parallel mesh (None without tensor parallelism)."""
-    gradient_scale: float
-    """1 / expert_parallel: through the all-to-all an expert's gradient sums its expert group's tokens, while FSDP2
-    averages it only over the ranks holding the same expert. (FSDP2's ``set_gradient_divide_factor`` would do it in
-    the reduction, but needs a reduce op gloo lacks.)"""
+    def __init__(self, module: nn.Module, declared: StackedExperts, expert_group: Any, tp_mesh: Any,
+                 local_experts: int) -> None:
+        self.declared, self.expert_group, self.tp_mesh = declared, expert_group, tp_mesh
+        self.gradient_scale = 1.0 / dist.get_world_size(expert_group) if expert_group is not None else 1.0
+        """1 / expert_parallel: through the all-to-all an expert's gradient sums its expert group's tokens, while
+        FSDP2 averages it only over the ranks holding the same expert. (FSDP2's ``set_gradient_divide_factor``
+        would do it in the reduction, but needs a reduce op gloo lacks.)"""
+        self.module = module
+        self.local_experts = local_experts
+        """How many of the module's experts this rank holds and runs."""
+        # The stand-in: the module's attributes, its own parameter table (filled with local tensors at each call),
+        # and this rank's number of experts.
+        self._stand_in = copy.copy(module)
+        self._stand_in._parameters = dict(module._parameters)
+        for name in declared.counts:
+            setattr(self._stand_in, name, local_experts)
+        self._forward = type(module).forward
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.declared.call == "sorted":
+            return self._sorted(*args, **kwargs)
+        return self._top_k(*args, **kwargs)
+
+    # -------------------------------------------------------------------------------------------- the two calls
+    def _sorted(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (rows, dim) sorted by global expert, ``counts[e]`` rows for expert e, rows past their sum dropped ->
         (rows, dim) in the same order, dropped rows zero."""
-        w_in, w_out = local_tensor(self.w_in), local_tensor(self.w_out)
-        if self.gradient_scale != 1.0:
-            w_in, w_out = (_ScaleGradient.apply(w, self.gradient_scale) for w in (w_in, w_out))
         if self.expert_group is None:
-            return owned(self._compute(x, counts, w_in, w_out))
-        ranks = dist.get_world_size(self.expert_group)
-        local_experts = w_in.shape[0]
-        device = x.device
-        # The counts first (each rank learns how many rows it receives for each of its experts from each source).
-        # The all-to-all takes its splits as host integers: the one place an expert-parallel layer syncs.
-        send = counts.to(dtype=torch.long)
-        received = torch.empty(ranks * local_experts, dtype=torch.long, device=device)
-        dist.all_to_all_single(received, send, group=self.expert_group)
-        counts_list = send.tolist()
-        received = received.cpu().view(ranks, local_experts)  # (source rank, local expert)
-        send_splits = rank_splits(counts_list, ranks)
-        recv_splits = received.sum(dim=1).tolist()
-        total = sum(counts_list)
-        rows = all_to_all(x[:total], recv_splits, send_splits, self.expert_group)
-        order = expert_major_order(received).to(device)
-        # The received counts feed the expert kernel as they are (grouped GEMM offsets, or the loop's segments).
-        out = self._compute(rows.index_select(0, order), received.sum(dim=0).to(device), w_in, w_out)
-        out = out.index_select(0, torch.argsort(order))  # source-major again, as the rows arrived
-        out = all_to_all(out, send_splits, recv_splits, self.expert_group)
+            return owned(self._local(x, counts, None))
+        total = int(counts.sum())
+        out = self._exchange(x[:total], counts, None)
         if total < x.shape[0]:  # the dropped rows past the kept ones: zero, as the experts give them
             out = torch.cat([out, out.new_zeros(x.shape[0] - total, out.shape[1])])
         return out
 
-    def _compute(self, x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
-                 ) -> torch.Tensor:
+    def _top_k(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden (tokens, dim), each token's experts and gate weights (tokens, k) -> (tokens, dim): the gate-weighted
+        sum of its experts' outputs."""
+        if self.expert_group is None:
+            return owned(self._local(hidden, top_k_index, top_k_weights))
+        experts = top_k_index.reshape(-1)
+        order = torch.argsort(experts, stable=True)  # assignments sorted by expert
+        token_of = order // top_k_index.shape[1]
+        counts = torch.bincount(experts, minlength=self._global_experts())
+        out = self._exchange(hidden.index_select(0, token_of), counts, top_k_weights.reshape(-1)[order])
+        return torch.zeros_like(hidden).index_add(0, token_of, out.to(hidden.dtype))
+
+    # ------------------------------------------------------------------------------------------------ the parts
+    def _global_experts(self) -> int:
+        return dist.get_world_size(self.expert_group) * self.local_experts
+
+    def _exchange(self, rows: torch.Tensor, counts: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
+        """Rows sorted by global expert (``counts`` per expert; ``gates``: each row's gate weight, "top_k") to their
+        experts' ranks, through the local experts, and back -> one output row per input row, in the same order."""
+        group = self.expert_group
+        ranks = dist.get_world_size(group)
+        local_experts = counts.numel() // ranks
+        device = rows.device
+        # The counts first (each rank learns how many rows it receives for each of its experts from each source).
+        # The all-to-all takes its splits as host integers: the one place an expert-parallel layer syncs.
+        send = counts.to(dtype=torch.long)
+        received = torch.empty(ranks * local_experts, dtype=torch.long, device=device)
+        dist.all_to_all_single(received, send, group=group)
+        received = received.cpu().view(ranks, local_experts)  # (source rank, local expert)
+        send_splits = rank_splits(send.tolist(), ranks)
+        recv_splits = received.sum(dim=1).tolist()
+        payload = rows if gates is None else torch.cat([rows, gates.to(rows.dtype).unsqueeze(-1)], dim=-1)
+        moved = all_to_all(payload, recv_splits, send_splits, group)
+        order = expert_major_order(received).to(device)
+        moved = moved.index_select(0, order)
+        local_counts = received.sum(dim=0).to(device)
+        if gates is None:
+            out = self._local(moved, local_counts, None)
+        else:  # each received row is one assignment: its local expert, and its gate weight as a (rows, 1) top-1
+            index = torch.repeat_interleave(torch.arange(local_experts, device=device), local_counts).unsqueeze(-1)
+            out = self._local(moved[:, :-1], index, moved[:, -1:])
+        out = out.index_select(0, torch.argsort(order))  # source-major again, as the rows arrived
+        return all_to_all(out, send_splits, recv_splits, group)
+
+    def _local(self, x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
+        """The module's own forward over this rank's experts (inputs whole on every tensor-parallel rank; the
+        partial outputs of a hidden-unit split summed)."""
+        for name in self.declared.weights:
+            weight = local_tensor(getattr(self.module, name))
+            if self.gradient_scale != 1.0:
+                weight = _ScaleGradient.apply(weight, self.gradient_scale)
+            self._stand_in._parameters[name] = weight
         if self.tp_mesh is not None:
             x = copy_to_tensor_parallel(x, self.tp_mesh)
-        out = expert_mlps(x, counts, w_in, w_out, kernel=self.kernel)
+            gates = copy_to_tensor_parallel(gates, self.tp_mesh) if gates is not None else None
+        try:
+            out = self._forward(self._stand_in, x, index) if gates is None else self._forward(self._stand_in, x,
+                                                                                              index, gates)
+        finally:  # the stand-in keeps no activation-bearing tensors between calls
+            self._stand_in._parameters = dict(self.module._parameters)
         if self.tp_mesh is not None:
             out = reduce_from_tensor_parallel(out, self.tp_mesh)
         return out
 
 
-class ParallelMoE(MoEFeedForward):
-    """:class:`MoEFeedForward` whose load-balancing loss counts every data-parallel rank's tokens."""
-
-    data_group: Any
-    """The process group of the ranks that see different batches (None: this process's tokens only)."""
-
-    def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if self.data_group is None:
-            return super().balance_loss(probs, counts)
-        counts = counts.clone()
-        dist.all_reduce(counts, group=self.data_group)  # not differentiable: the fractions are counts
-        tokens = torch.tensor([float(probs.shape[0])], device=probs.device)
-        dist.all_reduce(tokens, group=self.data_group)
-        # Summed with a differentiable all-reduce: its backward sums every rank's gradient for this rank's
-        # probabilities, which the data-parallel gradient average then divides back to one process's gradient.
-        prob_sum = all_reduce_sum(probs.sum(dim=0), self.data_group)
-        return balance_loss_from_means(prob_sum / tokens, counts)
+def expert_dispatch(module: nn.Module) -> ExpertDispatch | None:
+    """The :class:`ExpertDispatch` a split expert module runs, or None."""
+    found = vars(module).get("forward")
+    return found if isinstance(found, ExpertDispatch) else None
 
 
-def parallelize_experts(moe: MoEFeedForward, *, expert_tensor_mesh: Any, expert_group: Any, tp_mesh: Any,
-                        data_group: Any) -> None:
-    """Switch one MoE layer to :class:`ParallelMoE`, its experts to :class:`ParallelExperts` (groups None: off)."""
-    experts = moe.experts
-    for name, hidden_dim in (("w_in", 2), ("w_out", 1)):
-        param = getattr(experts, name)
-        placed = distribute_tensor(param.data, expert_tensor_mesh, [Shard(0), Shard(hidden_dim)], src_data_rank=None)
-        setattr(experts, name, nn.Parameter(placed, requires_grad=param.requires_grad))
-    experts.__class__ = ParallelExperts
-    experts.expert_group, experts.tp_mesh = expert_group, tp_mesh
-    experts.gradient_scale = 1.0 / dist.get_world_size(expert_group) if expert_group is not None else 1.0
-    moe.__class__ = ParallelMoE
-    moe.data_group = data_group
+def parallelize_experts(module: nn.Module, declared: StackedExperts, *, expert_tensor_mesh: Any, expert_group: Any,
+                        tp_mesh: Any) -> None:
+    """Split one declared expert module (groups None: off): its stacked weights become DTensors on the ("ep", "tp")
+    mesh, by expert and by hidden unit, and its ``forward`` an :class:`ExpertDispatch`."""
+    ranks = dist.get_world_size(expert_group) if expert_group is not None else 1
+    first = getattr(module, next(iter(declared.weights)))
+    for name, hidden_dim in declared.weights.items():
+        param = getattr(module, name)
+        placements = [Shard(0), Shard(hidden_dim) if hidden_dim is not None else Replicate()]
+        placed = distribute_tensor(param.data, expert_tensor_mesh, placements, src_data_rank=None)
+        setattr(module, name, nn.Parameter(placed, requires_grad=param.requires_grad))
+    dispatch = ExpertDispatch(module, declared, expert_group, tp_mesh, first.shape[0] // ranks)
+    vars(module)["forward"] = dispatch  # an instance attribute: nn.Module.__call__ runs it, hooks included

@@ -1,12 +1,14 @@
-"""A Hugging Face model's own tensor-parallel plan as a :class:`~lightning_p2r.protocols.ParallelPlan` (issue 38,
-item 5). HF configs carry ``base_model_tp_plan`` (patterns such as ``"layers.*.self_attn.q_proj": "colwise"``,
-relative to the base model) and the causal-LM classes a ``_tp_plan`` for the head (``"lm_head":
-"colwise_gather_output"``). The strategy reads them rather than asking the user for a plan.
+"""A Hugging Face model's own tensor- and expert-parallel plans as a :class:`~lightning_p2r.protocols.ParallelPlan`
+(issue 38, item 5). HF configs carry ``base_model_tp_plan`` (patterns such as ``"layers.*.self_attn.q_proj":
+"colwise"``, relative to the base model), the causal-LM classes a ``_tp_plan`` for the head (``"lm_head":
+"colwise_gather_output"``), and MoE configs a ``base_model_ep_plan`` (the expert module, "ep_dispatch_experts", and
+its stacked weights, "grouped_gemm"). The strategy reads them rather than asking the user for a plan.
 
 HF's attention reshapes its projections with ``view(..., -1, head_dim)``, so a rank's share of the q/k/v columns is
-read as its share of the heads: the head counts follow the split. What the package cannot split yet (stacked expert
-weights, "packed_colwise"; per-head norms whose gradient HF all-reduces, "replicated_with_grad_allreduce"; any
-other style) is refused in one line naming the module.
+read as its share of the heads: the head counts follow the split. What tensor parallelism cannot split yet (stacked
+expert weights with gate and up packed, "packed_colwise", which expert parallelism splits by expert instead; per-head
+norms whose gradient HF all-reduces, "replicated_with_grad_allreduce"; any other style) is refused in one line naming
+the module.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from ...protocols import ParallelPlan, SplitKind
+from ...protocols import ParallelPlan, SplitKind, StackedExperts
 from ..blocks import module_name
 
 HF_STYLES: dict[str, SplitKind] = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "output",
@@ -27,11 +29,21 @@ tensor parallel needs, which the package's styles already give)."""
 def hf_tp_plan(holder: nn.Module) -> dict[str, str] | None:
     """``holder``'s Hugging Face plan by module name relative to ``holder`` (the base model's patterns prefixed by its
     name, the class's head entries), or None when it declares none."""
+    return _hf_patterns(holder, "base_model_tp_plan", "_tp_plan")
+
+
+def hf_ep_plan(holder: nn.Module) -> dict[str, str] | None:
+    """``holder``'s Hugging Face expert-parallel plan (``base_model_ep_plan``: the expert modules,
+    "ep_dispatch_experts", and their stacked weights, "grouped_gemm") by name relative to ``holder``, or None."""
+    return _hf_patterns(holder, "base_model_ep_plan", None)
+
+
+def _hf_patterns(holder: nn.Module, base_attribute: str, class_attribute: str | None) -> dict[str, str] | None:
     patterns: dict[str, str] = {}
     for name, module in holder.named_modules():
         config = getattr(module, "config", None)
-        base = getattr(config, "base_model_tp_plan", None) if config is not None else None
-        own = getattr(type(module), "_tp_plan", None)
+        base = getattr(config, base_attribute, None) if config is not None else None
+        own = getattr(type(module), class_attribute, None) if class_attribute else None
         prefix = f"{name}." if name else ""
         if isinstance(base, dict) and base and getattr(module, "base_model_prefix", None) is not None:
             # A PreTrainedModel: its base model's patterns are relative to the base model (itself, or the child
@@ -48,8 +60,11 @@ def hf_tp_plan(holder: nn.Module) -> dict[str, str] | None:
     return patterns or None
 
 
-def plan_from_hf(holder: nn.Module, tensor_parallel: int) -> ParallelPlan:
-    """The :class:`ParallelPlan` of ``holder``'s HF plan; refuses styles, modules and sizes it cannot split."""
+def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int = 1) -> ParallelPlan:
+    """The :class:`ParallelPlan` of ``holder``'s HF plans; refuses styles, modules and sizes it cannot split."""
+    experts = _experts_from_hf(holder) if expert_parallel > 1 else {}
+    if tensor_parallel == 1:  # expert parallelism alone: the experts, nothing else split
+        return ParallelPlan(tuple({} for _ in holder.blocks), {}, experts=experts)
     patterns = hf_tp_plan(holder)
     if patterns is None:
         raise ValueError(f"P2RStrategy(tensor_parallel={tensor_parallel}) splits a model by its plan: "
@@ -88,7 +103,40 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int) -> ParallelPlan:
             if isinstance(module, nn.Embedding) and module.weight is weight and other not in outside:
                 outside[other] = "vocabulary"
     _check_sizes(holder, tensor_parallel)
-    return ParallelPlan(tuple(per_block), outside)
+    return ParallelPlan(tuple(per_block), outside, experts=experts)
+
+
+HIDDEN_DIM_OF_STYLE = {"colwise": 1, "rowwise": 2}
+"""Where an HF stacked expert weight (experts x out x in, applied as ``F.linear``) keeps its hidden units, by its
+tensor-parallel style: the output rows of the first matmul ("colwise"), the input columns of the second
+("rowwise"). Gate and up packed in one tensor ("packed_colwise") cannot be split contiguously: None."""
+
+
+def _experts_from_hf(holder: nn.Module) -> dict[str, StackedExperts]:
+    """The expert modules of ``holder``'s HF expert-parallel plan, by name inside a block; refused in one line when
+    the model has none or names them outside its blocks."""
+    patterns = hf_ep_plan(holder)
+    if patterns is None:
+        raise ValueError(f"expert parallelism splits declared expert modules: {type(holder).__name__} has neither "
+                         "parallel_plan() nor a Hugging Face base_model_ep_plan; declare a lightning_p2r.protocols."
+                         "ParallelPlan with StackedExperts, or use expert_parallel=1")
+    blocks_name = module_name(holder, holder.blocks)
+    block_prefix = f"{blocks_name}.*." if blocks_name else "*."
+    tp_styles = hf_tp_plan(holder) or {}
+    found: dict[str, StackedExperts] = {}
+    for pattern, style in patterns.items():
+        if style != "ep_dispatch_experts":
+            continue
+        if not pattern.startswith(block_prefix):
+            raise ValueError(f"the Hugging Face expert plan of {type(holder).__name__} names {pattern!r} outside its "
+                             f"block list {blocks_name!r}; expert parallelism cannot place it")
+        weights = {key[len(pattern) + 1:]: HIDDEN_DIM_OF_STYLE.get(tp_styles.get(key, ""))
+                   for key, kind in patterns.items() if kind == "grouped_gemm" and key.startswith(pattern + ".")}
+        found[pattern[len(block_prefix):]] = StackedExperts(weights, call="top_k")
+    if not found:
+        raise ValueError(f"the Hugging Face expert plan of {type(holder).__name__} names no expert module "
+                         "('ep_dispatch_experts'); use expert_parallel=1")
+    return found
 
 
 def _kind(name: str, style: str, module: nn.Module, holder: nn.Module) -> SplitKind:

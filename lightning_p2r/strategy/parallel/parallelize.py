@@ -4,27 +4,30 @@ from __future__ import annotations
 
 from torch import nn
 
-from ...models.moe import MoEFeedForward
-from ...protocols import DeclaresParallelPlan, ParallelPlan
+from ...protocols import BalancesOverRanks, DeclaresParallelPlan, ParallelPlan, StackedExperts
 from .experts import parallelize_experts
-from .hf_plan import check_splittable, hf_tp_plan, plan_from_hf
+from .hf_plan import check_splittable, hf_ep_plan, hf_tp_plan, plan_from_hf
 from .mesh import ParallelMeshes
 from .tensor import apply_tensor_parallel
 
 
-def model_plan(holder: nn.Module, tensor_parallel: int = 1) -> ParallelPlan:
-    """The plan ``holder`` declares (``parallel_plan()``), else its Hugging Face plan (``hf_plan.py``), checked
+def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int = 1) -> ParallelPlan:
+    """The plan ``holder`` declares (``parallel_plan()``), else its Hugging Face plans (``hf_plan.py``), checked
     against its blocks (a name it lacks, a module torch cannot split, are refused by name)."""
     if isinstance(holder, DeclaresParallelPlan):
         plan = holder.parallel_plan()
-    elif tensor_parallel > 1 and (hf_tp_plan(holder) is not None
-                                  or hasattr(getattr(holder, "config", None), "base_model_tp_plan")):
-        return plan_from_hf(holder, tensor_parallel)  # a Hugging Face model: its own plan, or why it has none
+    elif (tensor_parallel > 1 and (hf_tp_plan(holder) is not None
+                                   or hasattr(getattr(holder, "config", None), "base_model_tp_plan"))) or (
+            expert_parallel > 1 and hf_ep_plan(holder) is not None):
+        plan = plan_from_hf(holder, tensor_parallel, expert_parallel)  # a Hugging Face model: its own plans
+        check_experts(holder, plan, tensor_parallel, expert_parallel)
+        return plan
     else:
-        raise ValueError(f"P2RStrategy(tensor_parallel / expert_parallel > 1) splits a model by the plan it declares: "
-                         f"{type(holder).__name__} has no parallel_plan() (lightning_p2r.protocols."
-                         "DeclaresParallelPlan; M6Transformer.parallel_plan is an example) and no Hugging Face "
-                         "tensor-parallel plan; expert parallelism splits lightning_p2r MoE layers only")
+        raise ValueError(f"P2RStrategy(tensor_parallel={tensor_parallel}, expert_parallel={expert_parallel}) splits a "
+                         f"model by the plan it declares: {type(holder).__name__} has no parallel_plan() "
+                         "(lightning_p2r.protocols.DeclaresParallelPlan; M6Transformer.parallel_plan is an example) "
+                         "and no Hugging Face tensor-parallel (base_model_tp_plan) or expert-parallel "
+                         "(base_model_ep_plan) plan")
     if len(plan.blocks) != len(holder.blocks):
         raise ValueError(f"the parallel plan of {type(holder).__name__} has {len(plan.blocks)} block entries for "
                          f"{len(holder.blocks)} blocks")
@@ -37,9 +40,10 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1) -> ParallelPlan:
             raise ValueError(f"the parallel plan of {type(holder).__name__} names {missing} in block {index}, which "
                              "has no such submodules")
         for name, kind in entries.items():
-            if kind == "expert" and not isinstance(block.get_submodule(name), MoEFeedForward):
-                raise ValueError(f"the parallel plan marks block {index}'s {name!r} as an expert layer; expert "
-                                 "parallelism splits lightning_p2r.models.MoEFeedForward layers")
+            if kind == "expert" and not any(inner == name or inner.startswith(name + ".") for inner in plan.experts):
+                raise ValueError(f"the parallel plan marks block {index}'s {name!r} as an expert layer but declares "
+                                 f"no expert weights inside it: name its expert module in ParallelPlan.experts "
+                                 "(lightning_p2r.protocols.StackedExperts)")
             check_splittable(f"block {index}'s {name}", block.get_submodule(name), kind)
     for name, kind in plan.outside.items():
         try:
@@ -48,7 +52,48 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1) -> ParallelPlan:
             continue  # refused by name when the plan is applied (tensor.py)
         if next(module.parameters(), None) is not None:
             check_splittable(f"{type(holder).__name__}'s {name}", module, kind)
+    check_experts(holder, plan, tensor_parallel, expert_parallel)
     return plan
+
+
+def check_experts(holder: nn.Module, plan: ParallelPlan, tensor_parallel: int, expert_parallel: int) -> None:
+    """Refuse, in one line naming the module, a declared expert module that the layout cannot split: weights that
+    are missing or not stacked alike, experts that do not divide by ``expert_parallel``, a hidden-unit dimension
+    tensor parallelism needs but the declaration lacks (or that does not divide). (A plan without expert modules
+    leaves the MoE layers whole: M6's experts that still share FFNs.)"""
+    found = plan.stacked_experts(holder, [i for i, block in enumerate(holder.blocks)
+                                          if next(block.parameters(), None) is not None])
+    for module, declared in found:
+        _check_stacked(type(holder).__name__, module, declared, tensor_parallel, expert_parallel)
+
+
+def _check_stacked(owner: str, module: nn.Module, declared: StackedExperts, tensor_parallel: int,
+                   expert_parallel: int) -> None:
+    what = f"{owner}'s {type(module).__name__}"
+    experts = set()
+    for name, hidden_dim in declared.weights.items():
+        weight = getattr(module, name, None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() < 2:
+            raise ValueError(f"the expert plan names {what}.{name}, which is not a stacked weight "
+                             "(experts x ...) parameter")
+        experts.add(weight.shape[0])
+        if tensor_parallel > 1 and hidden_dim is None:
+            raise ValueError(f"tensor_parallel={tensor_parallel} cannot split {what}.{name} by hidden unit (its gate "
+                             "and up projections are packed in one tensor); use tensor_parallel=1 with "
+                             "expert_parallel for this model")
+        if tensor_parallel > 1 and weight.shape[hidden_dim] % tensor_parallel:
+            raise ValueError(f"tensor_parallel={tensor_parallel} must divide the hidden units of {what}.{name} "
+                             f"({weight.shape[hidden_dim]})")
+    missing = [name for name in declared.counts if not hasattr(module, name)]
+    if missing:
+        raise ValueError(f"the expert plan says {what} records its number of experts in {missing}, which it lacks")
+    if len(experts) != 1:
+        raise ValueError(f"the stacked weights of {what} disagree on the number of experts: {sorted(experts)}")
+    count = experts.pop()
+    if count % expert_parallel:
+        divisors = [d for d in range(1, count + 1) if count % d == 0]
+        raise ValueError(f"P2RStrategy(expert_parallel={expert_parallel}) gives each rank an equal share of "
+                         f"{what}'s {count} experts: use expert_parallel in {divisors}")
 
 
 def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, *, loss_parallel: bool = False,
@@ -62,9 +107,12 @@ def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMes
                               sequence_parallel=sequence_parallel)
     data_group = meshes.data_group() if dims.data_parallel > 1 else None
     present = [i for i, block in enumerate(holder.blocks) if next(block.parameters(), None) is not None]
-    for layer in plan.expert_layers(holder, present):
+    for module, declared in plan.stacked_experts(holder, present):
         parallelize_experts(
-            layer, expert_tensor_mesh=meshes.experts["ep", "tp"],
+            module, declared, expert_tensor_mesh=meshes.experts["ep", "tp"],
             expert_group=meshes.experts["ep"].get_group() if dims.expert_parallel > 1 else None,
-            tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None, data_group=data_group)
+            tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None)
+    for layer in plan.expert_layers(holder, present):
+        if isinstance(layer, BalancesOverRanks):  # its balance loss counts every data rank's tokens
+            layer.balance_over(data_group)
 

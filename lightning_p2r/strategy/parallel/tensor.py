@@ -19,7 +19,6 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from ...models.moe import MoEOutput
 from ...protocols import ParallelPlan, SplitKind
 from ..ties import find_ties, retie
 from .experts import owned
@@ -66,9 +65,15 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
 def _keep_own_positions(tp_mesh: Any) -> Any:
     """A forward hook cutting an MoE layer's output (the whole sequence's) back to this rank's positions."""
 
-    def hook(module: nn.Module, args: Any, output: MoEOutput) -> MoEOutput:
-        whole = DTensor.from_local(output.output, tp_mesh, [Replicate()], run_check=False)
-        return dataclasses.replace(output, output=whole.redistribute(tp_mesh, [Shard(1)]).to_local())
+    def own_positions(whole: torch.Tensor) -> torch.Tensor:
+        return DTensor.from_local(whole, tp_mesh, [Replicate()], run_check=False).redistribute(
+            tp_mesh, [Shard(1)]).to_local()
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        # A tensor, or a dataclass carrying it as ``output`` beside statistics (M6's MoEOutput).
+        if isinstance(output, torch.Tensor):
+            return own_positions(output)
+        return dataclasses.replace(output, output=own_positions(output.output))
 
     return hook
 
