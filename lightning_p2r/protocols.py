@@ -227,9 +227,10 @@ class ParallelPlan:
 @runtime_checkable
 class BalancesOverRanks(Protocol):
     """An MoE layer whose load-balancing loss can count the tokens of every process that sees a different batch, as
-    one process given the whole batch would; the strategy hands it that process group when it splits the model."""
+    one process given the whole batch would; when the strategy splits the model it hands the layer a differentiable
+    sum over those processes (None where there is one), so the model imports no torch.distributed."""
 
-    def balance_over(self, group: Any) -> None: ...
+    def balance_over(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None) -> None: ...
 
 
 @runtime_checkable

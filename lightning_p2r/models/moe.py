@@ -24,11 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .collectives import all_reduce_sum
 from .config import ExpertKernel, M6Config
 
 
@@ -350,28 +348,27 @@ class MoEFeedForward(nn.Module):
             self.routing_bias.zero_()
             self.step_load.zero_()
 
-    balance_group: Any = None
-    """The process group whose tokens the load-balancing loss counts (None: this call's tokens only); a strategy
-    that splits the model sets it (:meth:`balance_over`)."""
+    sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
+    """A differentiable sum over the processes that see different batches, which the load-balancing loss then
+    counts as one process given all their tokens would (None: this call's tokens only); a strategy that splits the
+    model hands it over (:meth:`balance_over`). The layer itself knows no process group."""
 
-    def balance_over(self, group: Any) -> None:
-        """Count every rank of ``group`` (the ranks that see different batches) in the load-balancing loss
-        (``protocols.BalancesOverRanks``)."""
-        self.balance_group = group
+    def balance_over(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None) -> None:
+        """Count every data rank's tokens in the load-balancing loss (``protocols.BalancesOverRanks``)."""
+        self.sum_over_ranks = sum_over_ranks
 
     def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """The load-balancing loss of this call's tokens (:func:`load_balancing_loss`), or of every token of the
-        ranks in :attr:`balance_group`, as one process given their batches would compute it."""
-        if self.balance_group is None:
+        """The load-balancing loss of this call's tokens (:func:`load_balancing_loss`), or of every data rank's
+        tokens when :attr:`sum_over_ranks` is set, as one process given their batches would compute it."""
+        total = self.sum_over_ranks
+        if total is None:
             return load_balancing_loss(probs, counts)
-        counts = counts.clone()
-        dist.all_reduce(counts, group=self.balance_group)  # not differentiable: the fractions are counts
-        tokens = torch.tensor([float(probs.shape[0])], device=probs.device)
-        dist.all_reduce(tokens, group=self.balance_group)
-        # Summed with a differentiable all-reduce: its backward sums every rank's gradient for this rank's
-        # probabilities, which the data-parallel gradient average then divides back to one process's gradient.
-        prob_sum = all_reduce_sum(probs.sum(dim=0), self.balance_group)
-        return balance_loss_from_means(prob_sum / tokens, counts)
+        with torch.no_grad():  # the fractions are counts: no gradient through them
+            counts = total(counts.clone())
+            tokens = total(torch.tensor([float(probs.shape[0])], device=probs.device))
+        # The differentiable sum's backward sums every rank's gradient for this rank's probabilities, which the
+        # data-parallel gradient average then divides back to one process's gradient.
+        return balance_loss_from_means(total(probs.sum(dim=0)) / tokens, counts)
 
     def forward(self, x: torch.Tensor, dropless: bool = False) -> MoEOutput:
         shape = x.shape

@@ -136,3 +136,15 @@ def test_at_most_six_modules_lie_loose_at_the_top_level() -> None:
     root = Path(__file__).resolve().parents[2] / "lightning_p2r"
     loose = sorted(path.name for path in root.glob("*.py"))
     assert len(loose) <= 6, loose
+
+
+MODEL_NEUTRAL = {"lightning_p2r.models.module_init"}
+"""What the strategy may import from ``models/``: the generic initialization rules, no model class."""
+
+
+def test_the_strategy_imports_no_model_of_the_package() -> None:
+    """Issue 39 item 2: models declare their plans; nothing under strategy/ imports M6 (or any model) to place it."""
+    graph = _import_graph()
+    reached = {(name, target) for name, targets in graph.items() if name.startswith("lightning_p2r.strategy")
+               for target in targets if target.startswith("lightning_p2r.models")}
+    assert {target for _, target in reached} <= MODEL_NEUTRAL, sorted(reached)

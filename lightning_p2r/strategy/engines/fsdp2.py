@@ -220,7 +220,7 @@ class FSDP2Engine(Engine):
             raise ValueError(
                 "resuming a pipeline-parallel run from a single-file checkpoint, whose optimizer state is numbered "
                 "over the whole model: resume from a sharded checkpoint directory (any zero2/zero3 or pipeline run "
-                "saves one); a single file's weights alone load with M6LanguageModel.load_from_checkpoint")
+                "saves one); a single file's weights alone load with your LightningModule's load_from_checkpoint")
         target = self.module_optimizer(optimizer)
         if sharded_path is not None:
             sharded_checkpoint.load_optimizer_into(module, target, index, sharded_path)

@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-from ...models.collectives import all_to_all
 from ...protocols import StackedExperts
 from ..accounting import local_tensor
+from .differentiable import all_to_all
 
 
 def owned(tensor: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from ...protocols import BalancesOverRanks, DeclaresParallelPlan, ParallelPlan, StackedExperts
+from .differentiable import all_reduce_sum
 from .experts import parallelize_experts
 from .hf_plan import check_splittable, hf_ep_plan, hf_tp_plan, plan_from_hf
 from .mesh import ParallelMeshes
@@ -25,7 +28,7 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
     else:
         raise ValueError(f"P2RStrategy(tensor_parallel={tensor_parallel}, expert_parallel={expert_parallel}) splits a "
                          f"model by the plan it declares: {type(holder).__name__} has no parallel_plan() "
-                         "(lightning_p2r.protocols.DeclaresParallelPlan; M6Transformer.parallel_plan is an example) "
+                         "(lightning_p2r.protocols.DeclaresParallelPlan; docs/your_model.md shows one) "
                          "and no Hugging Face tensor-parallel (base_model_tp_plan) or expert-parallel "
                          "(base_model_ep_plan) plan")
     if len(plan.blocks) != len(holder.blocks):
@@ -112,7 +115,8 @@ def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMes
             module, declared, expert_tensor_mesh=meshes.experts["ep", "tp"],
             expert_group=meshes.experts["ep"].get_group() if dims.expert_parallel > 1 else None,
             tp_mesh=meshes.tensor if dims.tensor_parallel > 1 else None)
+    total = functools.partial(all_reduce_sum, group=data_group) if data_group is not None else None
     for layer in plan.expert_layers(holder, present):
         if isinstance(layer, BalancesOverRanks):  # its balance loss counts every data rank's tokens
-            layer.balance_over(data_group)
+            layer.balance_over(total)
 
