@@ -79,10 +79,10 @@ class ExpertDispatch:
         self.module = module
         self.local_experts = local_experts
         """How many of the module's experts this rank holds and runs."""
-        # The stand-in: the module's attributes, its own parameter table (filled with local tensors at each call),
-        # and this rank's number of experts.
+        # The stand-in: the module's attributes, its own parameter table (filled at each call, the declared weights
+        # as local tensors), and this rank's number of experts.
         self._stand_in = copy.copy(module)
-        self._stand_in._parameters = dict(module._parameters)
+        self._stand_in._parameters = {}
         for name in declared.counts:
             setattr(self._stand_in, name, local_experts)
         self._forward = type(module).forward
@@ -151,11 +151,12 @@ class ExpertDispatch:
     def _local(self, x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """The module's own forward over this rank's experts (inputs whole on every tensor-parallel rank; the
         partial outputs of a hidden-unit split summed)."""
+        # The module's parameters as they are now (FSDP2 swaps them around each call), the declared ones local.
+        table = dict(self.module._parameters)
         for name in self.declared.weights:
-            weight = local_tensor(getattr(self.module, name))
-            if self.gradient_scale != 1.0:
-                weight = _ScaleGradient.apply(weight, self.gradient_scale)
-            self._stand_in._parameters[name] = weight
+            weight = local_tensor(table[name])
+            table[name] = _ScaleGradient.apply(weight, self.gradient_scale) if self.gradient_scale != 1.0 else weight
+        self._stand_in._parameters = table
         if self.tp_mesh is not None:
             x = copy_to_tensor_parallel(x, self.tp_mesh)
             gates = copy_to_tensor_parallel(gates, self.tp_mesh) if gates is not None else None
@@ -163,7 +164,7 @@ class ExpertDispatch:
             out = self._forward(self._stand_in, x, index) if gates is None else self._forward(self._stand_in, x,
                                                                                               index, gates)
         finally:  # the stand-in keeps no activation-bearing tensors between calls
-            self._stand_in._parameters = dict(self.module._parameters)
+            self._stand_in._parameters = {}
         if self.tp_mesh is not None:
             out = reduce_from_tensor_parallel(out, self.tp_mesh)
         return out
