@@ -39,6 +39,9 @@ TWO_PROCESSES = [
     {"name": "ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"expert_parallel": 2}},
     {"name": "ep2_zero3_offload_mixtral", "family": "mixtral",
      "strategy": {"expert_parallel": 2, "sharding": "zero3", "offload_fraction": 0.5}},
+    {"name": "ep2_zero1_mixtral", "family": "mixtral", "strategy": {"expert_parallel": 2, "sharding": "zero1"}},
+    {"name": "ep2_zero2_layered_qwen3_moe", "family": "qwen3_moe",
+     "strategy": {"expert_parallel": 2, "sharding": "zero2", "accumulation": "layered", "micro_batches": 2}},
     {"name": "zero3_offload_layered_litgpt", "family": "litgpt",
      "strategy": {"sharding": "zero3", "offload_fraction": 0.5, "accumulation": "layered", "micro_batches": 2}},
 ]
