@@ -29,7 +29,7 @@ from .models.decoders import (
 from .models.module_init import initialize_by_module
 from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, next_token_batch
 from .protocols import LayeredStages, PipelineParts
-from .sharing import delink, find_block_sequence, share_layers
+from .sharing import delink, find_block_sequence, shallow_layers, share_layers
 
 STRUCTURE_KEY = "causal_lm_structure"
 """Checkpoint key recording how many distinct blocks the decoder's layers run (Pseudo-to-Real)."""
@@ -88,13 +88,19 @@ class CausalLMModule(L.LightningModule):
             blocks (``sharing.share_layers``), and ``PseudoToReal`` delinks them into the real model mid-run. None:
             every layer its own block.
         sharing: Which layers share a block: "sequence" (consecutive runs) or "cycle" (``M6Config.sharing``).
+        pseudo_depth: "shared" (the pseudo model runs every layer, ``num_unique_blocks`` blocks shared among them)
+            or "shallow" (it keeps and runs only its first ``num_unique_blocks`` layers; ``PseudoToReal`` grows it
+            to the full depth by stacking, new layer i a copy of layer i mod ``num_unique_blocks``:
+            ``sharing.shallow_layers``).
+        growth_init: How layers gained by a shallow model start: "copy", or "zero_outputs" (their residual
+            branches' output projections zeroed, ``DecoderParts.residual_outputs``, so growth keeps the function).
     """
 
     def __init__(self, hf_config: dict[str, Any] | None = None, litgpt_config: dict[str, Any] | None = None,
                  model: nn.Module | None = None, optimizer: OptimizerConfig | dict[str, Any] | None = None,
                  init_seed: int = 0, parts: DecoderParts | dict[str, Any] | None = None,
                  vocab_size: int | None = None, num_unique_blocks: int | None = None,
-                 sharing: str = "sequence") -> None:
+                 sharing: str = "sequence", pseudo_depth: str = "shared", growth_init: str = "copy") -> None:
         super().__init__()
         if sum(x is not None for x in (hf_config, litgpt_config, model)) != 1:
             raise ValueError("CausalLMModule needs exactly one of hf_config (a Hugging Face config dict), "
@@ -115,14 +121,23 @@ class CausalLMModule(L.LightningModule):
                              f"{num_unique_blocks!r}")
         if sharing not in ("sequence", "cycle"):
             raise ValueError(f"CausalLMModule.sharing must be 'sequence' or 'cycle', got {sharing!r}")
+        if pseudo_depth not in ("shared", "shallow"):
+            raise ValueError(f"CausalLMModule.pseudo_depth must be 'shared' or 'shallow', got {pseudo_depth!r}")
+        if growth_init not in ("copy", "zero_outputs"):
+            raise ValueError(f"CausalLMModule.growth_init must be 'copy' or 'zero_outputs', got {growth_init!r}")
+        if (pseudo_depth == "shallow" or growth_init != "copy") and num_unique_blocks is None:
+            raise ValueError("CausalLMModule(pseudo_depth='shallow' or growth_init) grows a shallow pseudo model: "
+                             "set num_unique_blocks to the layers it starts with")
         self.num_unique_blocks, self.sharing = num_unique_blocks, sharing
+        self.pseudo_depth, self.growth_init = pseudo_depth, growth_init
         # Checkpoints are loaded with weights_only=True: hyperparameters are plain values (the model given whole is
         # not one; a checkpoint of it records none, and `convert --to hf` then needs its config).
         self.save_hyperparameters({"hf_config": self.hf_config, "litgpt_config": self.litgpt_config,
                                    "optimizer": dataclasses.asdict(self.optimizer_config),
                                    "init_seed": self.init_seed,
                                    "parts": dataclasses.asdict(self.parts) if self.parts is not None else None,
-                                   "num_unique_blocks": num_unique_blocks, "sharing": sharing})
+                                   "num_unique_blocks": num_unique_blocks, "sharing": sharing,
+                                   "pseudo_depth": pseudo_depth, "growth_init": growth_init})
         self.model = model
         self._positional: bool | None = None
 
@@ -135,7 +150,11 @@ class CausalLMModule(L.LightningModule):
             initialize_by_module(self, self.init_seed)
         layers = self._layers()
         if self.num_unique_blocks is not None and self.num_unique_blocks < len(layers):
-            share_layers(self.model, layers, self.num_unique_blocks, self.sharing)
+            if self.pseudo_depth == "shallow":
+                shallow_layers(self.model, layers, self.num_unique_blocks, self.growth_init,
+                               self._declared().residual_outputs)
+            else:
+                share_layers(self.model, layers, self.num_unique_blocks, self.sharing)
 
     def _layers(self) -> nn.ModuleList:
         """The decoder's own list of layers (``model.layers``, ``transformer.h``)."""

@@ -111,7 +111,8 @@ class LayerSharing:
                 layers[layer] = blocks[block]
             else:  # a shallow model grows
                 layers.append(blocks[block])
-        real = list(layer_to_block) == list(range(len(layers)))
+        # Real: every layer its own block, at the full depth (a shallow pseudo model's layers are its own too).
+        real = list(layer_to_block) == list(range(len(layers))) and len(layers) >= vars(holder).get("full_depth", 0)
         vars(holder)["blocks"] = layers if real else nn.ModuleList(blocks)  # an alias, never registered
         vars(holder)["layer_to_block"] = list(layer_to_block)
         if real:
@@ -178,6 +179,42 @@ def share_layers(holder: nn.Module, layers: nn.ModuleList, num_unique_blocks: in
     vars(holder)["sharing"] = sharing
     vars(holder)["layer_sharing"] = sharing_record
     sharing_record.relink(holder, blocks, layer_to_block)
+
+
+def shallow_layers(holder: nn.Module, layers: nn.ModuleList, num_layers: int, growth_init: str = "copy",
+                   residual_outputs: tuple[str, ...] = ()) -> None:
+    """Turn a decoder whose ``holder`` runs the list ``layers`` into a *shallow* pseudo model, in place: it keeps
+    its first ``num_layers`` layers (their weights and names) and runs only those; ``delink`` (and ``PseudoToReal``)
+    later grows it to the full depth by the cycle map (new layer i a copy of layer i mod ``num_layers``, G_stack's
+    stacking), appending to the model's own list. ``growth_init="zero_outputs"`` zeroes the parameters of the
+    gained layers whose names end with ``residual_outputs`` (the residual branches' last projections), so growth
+    keeps the function."""
+    depth = len(layers)
+    if not isinstance(layers, nn.ModuleList) or depth < 2:
+        raise ValueError("shallow_layers needs the nn.ModuleList of the decoder's layers (at least two)")
+    if not 1 <= num_layers < depth or depth % num_layers:
+        raise ValueError(f"a shallow pseudo model of {num_layers} layers must divide the decoder's {depth} "
+                         "layers (and be fewer)")
+    if growth_init not in ("copy", "zero_outputs"):
+        raise ValueError(f"growth_init must be 'copy' or 'zero_outputs', got {growth_init!r}")
+    if growth_init == "zero_outputs" and not residual_outputs:
+        raise ValueError("growth_init='zero_outputs' needs the names of the residual branches' output projections "
+                         "(DecoderParts.residual_outputs)")
+    if "layer_sharing" in vars(holder) or len({id(layer) for layer in layers}) < depth:
+        raise ValueError(f"{type(holder).__name__}'s layers already share blocks")
+    for layer in range(num_layers, depth):  # the layers gained later copy these: they must be alike
+        difference = layer_difference(layers[layer % num_layers], layers[layer])
+        if difference:
+            raise ValueError(f"shallow_layers: layer {layer} would be grown from layer {layer % num_layers} but the "
+                             f"two differ: {difference}; choose a number of layers whose cycle maps alike layers")
+    path = next((name for name, module in holder.named_modules() if module is layers), None)
+    if not path:
+        raise ValueError(f"shallow_layers: the layer list is not a submodule of {type(holder).__name__}")
+    del layers[num_layers:]
+    record = vars(holder)
+    record.update(full_depth=depth, sharing="cycle", growth_init=growth_init,
+                  residual_outputs=tuple(residual_outputs), layer_sharing=LayerSharing(path))
+    record["layer_sharing"].relink(holder, list(layers), list(range(num_layers)))
 
 
 def find_block_sequence(model: nn.Module) -> nn.Module:
@@ -307,6 +344,7 @@ def delink(
         new_map, sources = list(range(target)), [block % current for block in range(target)]
     else:
         new_map, sources = new_layout(layer_to_block, target, getattr(holder, "sharing", "sequence"))
+    foreign = vars(holder).get("layer_sharing") is not None
     prefix = _prefix_of(model, holder)
     old_params = dict(model.named_parameters(remove_duplicate=False))
     new_blocks: list[nn.Module] = []
@@ -320,9 +358,10 @@ def delink(
     # tensors, not their ids: upcycling frees replaced tensors, and a freed tensor's id is reused by the next one made.
     fresh = IdentitySet()
     if shallow and target > current and getattr(holder, "growth_init", "copy") == "zero_outputs":
+        outputs = tuple(getattr(holder, "residual_outputs", None) or _RESIDUAL_OUTPUTS)  # a foreign decoder's own
         for block in new_blocks[current:]:
             for name, param in block.named_parameters():
-                if name.endswith(_RESIDUAL_OUTPUTS):
+                if name.endswith(outputs):
                     param.zero_()
                     fresh.add(param)
     layer_sharing = vars(holder).get("layer_sharing")
@@ -342,7 +381,10 @@ def delink(
         return None
     origin = {}
     for name, param in model.named_parameters():
-        origin[param] = old_params[_source_name(name, prefix, sources)]
+        # A foreign decoder names its blocks by layer: a layer that existed ran its block under its own name (the
+        # duplicates of a shared block included); a layer a shallow model gained copies layer i mod current.
+        known = old_params.get(name) if foreign else None
+        origin[param] = known if known is not None else old_params[_source_name(name, prefix, sources)]
     ratios = {}
     if isinstance(optimizer_state, MeasuredSecondMoments):
         # Named inside the block sequence, like the noise: the same names in every layout and placement.
@@ -399,9 +441,12 @@ def _add_relative_noise(param: torch.Tensor, perturb: Perturbation, name: str) -
 
 
 def _prefix_of(model: nn.Module, holder: nn.Module) -> str:
+    """Where the blocks' parameter names start: the holder's ``blocks``, or a foreign decoder's own layer list."""
+    layer_sharing = vars(holder).get("layer_sharing")
+    inner = layer_sharing.path if layer_sharing is not None else "blocks"
     for name, module in model.named_modules():
         if module is holder:
-            return f"{name}.blocks." if name else "blocks."
+            return f"{name}.{inner}." if name else f"{inner}."
     raise AssertionError("the block sequence is a submodule of the model")
 
 

@@ -43,17 +43,24 @@ class DecoderParts:
     call: str = "keywords"
     """How ``base`` is called on token ids: "keywords" (Hugging Face: ``input_ids=..., use_cache=False``) or
     "positional" (litgpt: ``base(ids)``)."""
+    residual_outputs: tuple[str, ...] = ()
+    """Endings of a block's parameter names that are the last projections of its residual branches (attention
+    output, FFN or expert down projection): zeroed on the layers a shallow pseudo model gains with
+    ``growth_init="zero_outputs"``, so each adds nothing to the residual stream at first."""
 
 
 _LLAMA_LIKE = DecoderParts(blocks="model.layers", embed=("model.embed_tokens",), norm="model.norm", head="lm_head",
-                           base="model")
+                           base="model", residual_outputs=("o_proj.weight", "o_proj.bias", "down_proj.weight",
+                                                           "down_proj.bias", "experts.down_proj"))
 KNOWN_DECODERS: dict[str, DecoderParts] = {
     **{family: _LLAMA_LIKE for family in ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")},
     "gpt2": DecoderParts(blocks="transformer.h", embed=("transformer.wte", "transformer.wpe"),
-                         norm="transformer.ln_f", head="lm_head", base="transformer"),
+                         norm="transformer.ln_f", head="lm_head", base="transformer",
+                         residual_outputs=("c_proj.weight", "c_proj.bias")),
     # litgpt's GPT: GPT.forward embeds (transformer.wte) and runs transformer.h, a ModuleDict's list.
     "litgpt": DecoderParts(blocks="transformer.h", embed=("transformer.wte",), norm="transformer.ln_f",
-                           head="lm_head", base="", call="positional"),
+                           head="lm_head", base="", call="positional",
+                           residual_outputs=("attn.proj.weight", "attn.proj.bias", "mlp.proj.weight", "mlp.proj.bias")),
 }
 """Ready declarations: Hugging Face ``config.model_type`` -> parts; "litgpt" for litgpt's ``GPT``."""
 

@@ -2,6 +2,7 @@
 blocks (``sharing.share_layers``), delinked mid-run by ``PseudoToReal`` under ``P2RStrategy``: the function kept
 exactly, the optimizer state carried ("scale"), the model's own parameter names, and a resume bit-identical."""
 
+import re
 from pathlib import Path
 
 import lightning as L
@@ -122,3 +123,70 @@ def test_layers_that_are_not_alike_are_not_shared() -> None:
                                          r"'full_attention' on one and 'sliding_attention' on the other"):
         share_layers(alternating, alternating.model.layers, 2, "cycle")
     assert len({id(layer) for layer in alternating.model.layers}) == 4  # refused before anything changed
+
+
+def _shallow(family: str = "llama_tied", growth_init: str = "zero_outputs") -> CausalLMModule:
+    return CausalLMModule(hf_config=CONFIGS[family], optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3,
+                          num_unique_blocks=1, pseudo_depth="shallow", growth_init=growth_init)
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "qwen3_moe", "gpt2"])
+def test_a_shallow_decoder_grows_to_the_real_one_keeping_its_function_names_and_state(family: str) -> None:
+    """Growth of a foreign decoder (G_stack's stacking): one layer run, grown to four by copying it; with the
+    residual branches' output projections zeroed the function is kept exactly, the grown model has the real model's
+    names, its layers are numbered again, and only the zeroed tensors start without optimizer state."""
+    module = _shallow(family)
+    module.configure_model()
+    layers = module._layers()
+    assert len(layers) == 1 and find_block_sequence(module).full_depth == 4
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    tokens = windows(4, 16)[:, :-1]
+    module(tokens).float().pow(2).mean().backward()
+    optimizer.step()
+    before = module(tokens)
+    new_optimizer = delink(module, optimizer)
+    torch.testing.assert_close(module(tokens), before, rtol=0, atol=0)
+    assert len(layers) == 4 and len({id(layer) for layer in layers}) == 4
+    reference = _module(family, None)
+    reference.configure_model()
+    assert list(module.state_dict()) == list(reference.state_dict())
+    if family != "gpt2":
+        assert [layer.self_attn.layer_idx for layer in layers] == [0, 1, 2, 3]
+    outputs = module._declared().residual_outputs
+    for name, param in module.named_parameters():
+        layer = re.search(r"\.(?:layers|h)\.(\d+)\.", name)
+        zeroed = layer is not None and int(layer.group(1)) > 0 and name.endswith(outputs)  # a gained layer's
+        assert bool(new_optimizer.state.get(param)) != zeroed, name
+        if zeroed:
+            assert not param.any(), name
+
+
+def test_plain_growth_changes_the_function_and_a_shallow_model_needs_its_output_names() -> None:
+    module = _shallow("llama", growth_init="copy")
+    module.configure_model()
+    tokens = windows(4, 16)[:, :-1]
+    before = module(tokens).detach()
+    delink(module)
+    assert not torch.allclose(module(tokens), before)
+    with pytest.raises(ValueError, match="set num_unique_blocks to the layers it starts with"):
+        CausalLMModule(hf_config=CONFIGS["llama"], pseudo_depth="shallow")
+    with pytest.raises(ValueError, match="pseudo_depth must be 'shared' or 'shallow'"):
+        CausalLMModule(hf_config=CONFIGS["llama"], num_unique_blocks=1, pseudo_depth="deep")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", [{}, {"offload_fraction": 0.5}, {"sharding": "zero3"}],
+                         ids=["none", "offload", "zero3"])
+def test_growth_under_the_strategy_trains_and_resumes_bit_identical(tmp_path: Path, strategy: dict) -> None:
+    straight = _fit(tmp_path / "straight", _shallow(), [PseudoToReal(delink_at_step=2)], steps=6, strategy=strategy)
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=4, save_top_k=-1,
+                                                save_on_train_epoch_end=False)
+    first = _fit(tmp_path / "first", _shallow(), [PseudoToReal(delink_at_step=2), saver], steps=6,
+                 strategy=strategy)
+    resumed = _shallow()  # built shallow: the checkpoint grows it before its weights load
+    rest = _fit(tmp_path / "second", resumed, [PseudoToReal(delink_at_step=2)], steps=6,
+                ckpt_path=next((tmp_path / "ckpt").glob("*step=4.ckpt")), strategy=strategy)
+    assert first == straight and rest == straight[4:]
+    assert len({id(layer) for layer in resumed.model.model.layers}) == 4
+    plain = _fit(tmp_path / "plain", _shallow(), [PseudoToReal(delink_at_step=2)], steps=6)
+    assert straight == pytest.approx(plain, rel=1e-5)  # the layout changes nothing
