@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from hf_models import Losses, causal_lm, windows  # noqa: E402
 
-from lightning_p2r import P2RStrategy  # noqa: E402
+from lightning_p2r import P2RStrategy, PseudoToReal  # noqa: E402
 from lightning_p2r.strategy.parallel.experts import expert_dispatch  # noqa: E402
 
 GLOBAL_BATCH, STEPS = 4, 4
@@ -26,14 +26,15 @@ GLOBAL_BATCH, STEPS = 4, 4
 def run(config: dict, out: Path, devices: int) -> None:
     L.seed_everything(0)
     family = config["family"]
-    module = causal_lm(family, optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3)
+    module = causal_lm(family, optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3, **config.get("module", {}))
     options = config.get("strategy")
     strategy = P2RStrategy(**options) if options is not None else "auto"
     losses = Losses()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
-                        callbacks=[losses])
+                        callbacks=[losses] + ([PseudoToReal(delink_at_step=config["delink_at"])]
+                                              if "delink_at" in config else []))
     trainer.fit(module, datamodule=RankSlices(windows(rows=GLOBAL_BATCH * STEPS), GLOBAL_BATCH))
     model = module.model
     head = model.lm_head
