@@ -402,6 +402,7 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: IdentitySet
     config = getattr(holder, "config", None)
     router_policy = getattr(config, "upcycle_router", "keep")
     noise = float(getattr(config, "upcycle_noise", 0.0))
+    drop = float(getattr(config, "upcycle_drop", 0.0))
     copies_of: dict[int, int] = {}
     for index, block in enumerate(holder.blocks):
         for module_name, module in block.named_modules():
@@ -418,6 +419,9 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: IdentitySet
                 if noise > 0:
                     seed = perturb.seed if perturb is not None else 0
                     _add_relative_noise(grown, Perturbation(noise, seed), f"blocks.{index}.{module_name}.{name}")
+            if drop > 0:
+                seed = perturb.seed if perturb is not None else 0
+                _drop_upcycle(module, drop, parameter_seed(seed, f"blocks.{index}.{module_name}@drop"))
             module.num_unique = module.num_experts
             router = getattr(getattr(block, "ffn", None), "router", None)
             if router_policy == "reinit" and router is not None:
@@ -431,6 +435,28 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: IdentitySet
     if config is not None and hasattr(config, "num_unique_experts"):
         config.num_unique_experts = None  # keep the config truthful: every expert has its own FFN now
     return copies_of
+
+
+def _drop_upcycle(experts: nn.Module, fraction: float, seed: int) -> None:
+    """Drop-Upcycling, in place on freshly upcycled (equal) expert copies: in each expert, a random ``fraction`` of
+    the hidden units (columns of ``w_in`` (experts, dim, hidden), rows of ``w_out`` (experts, hidden, dim)) re-drawn
+    from a normal distribution with the shared weights' mean and standard deviation. Seeded (the same draw in every
+    layout); each expert draws its own units."""
+    w_in, w_out = experts.w_in, experts.w_out
+    hidden = w_in.shape[2]
+    dropped = round(fraction * hidden)
+    if dropped == 0:
+        return
+    generator = torch.Generator().manual_seed(seed)
+    stats = [(float(w.detach()[0].float().mean()), float(w.detach()[0].float().std())) for w in (w_in, w_out)]
+    for expert in range(w_in.shape[0]):
+        units = torch.randperm(hidden, generator=generator)[:dropped]
+        (mean_in, std_in), (mean_out, std_out) = stats
+        fresh_in = torch.randn(w_in.shape[1], dropped, generator=generator) * std_in + mean_in
+        fresh_out = torch.randn(dropped, w_out.shape[2], generator=generator) * std_out + mean_out
+        on = units.to(w_in.device)
+        w_in.data[expert][:, on] = fresh_in.to(w_in.device, w_in.dtype)
+        w_out.data[expert][on, :] = fresh_out.to(w_out.device, w_out.dtype)
 
 
 def _add_relative_noise(param: torch.Tensor, perturb: Perturbation, name: str) -> None:

@@ -91,6 +91,12 @@ class M6Config:
     """At upcycling, Gaussian noise of this standard deviation relative to each expert tensor's RMS on every expert
     copy, to break their symmetry (0: exact copies)."""
 
+    upcycle_drop: float = 0.0
+    """Drop-Upcycling (Nakamura et al., ICLR 2025): at upcycling, re-draw this fraction of every expert copy's hidden
+    units (their input-projection columns and output-projection rows) from a normal distribution with the shared
+    FFN's mean and standard deviation, so the experts start diverse; the paper uses 0.5 (0: exact copies). The
+    re-drawn units keep the shared FFN's optimizer state, like the rest of the copy."""
+
     dim: int = 128
     """Hidden size of the residual stream."""
 
@@ -255,6 +261,8 @@ class M6Config:
                              "set sharing='cycle'")
         if not 0.0 <= self.upcycle_noise < 1.0:
             raise ValueError(f"M6Config.upcycle_noise must be in [0, 1), got {self.upcycle_noise!r}")
+        if not 0.0 <= self.upcycle_drop <= 1.0:
+            raise ValueError(f"M6Config.upcycle_drop must be in [0, 1], got {self.upcycle_drop!r}")
         _choice("residual_init", self.residual_init, ("depth", "applications", "blocks"))
         if self.rope_theta <= 0:
             raise ValueError(f"M6Config.rope_theta must be > 0, got {self.rope_theta!r}")

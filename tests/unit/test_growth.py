@@ -128,6 +128,32 @@ def test_upcycled_experts_equal_the_shared_ffn() -> None:
     assert not torch.equal(noisy.blocks[0].ffn.router.weight, router)  # drawn afresh
 
 
+def test_drop_upcycling_redraws_a_fraction_of_each_experts_hidden_units() -> None:
+    """Drop-Upcycling (issue 41 item 4): half of each expert's hidden units re-drawn (w_in's columns and w_out's rows
+    together), each expert its own units, the rest the shared FFN's; the same draw for the same seed."""
+    def upcycled() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        model = _model(num_unique_blocks=None, pseudo_depth="shared", num_unique_experts=1, upcycle_drop=0.5)
+        experts = model.blocks[0].ffn.experts
+        shared_in, shared_out = experts.w_in.detach().clone(), experts.w_out.detach().clone()
+        delink(model)
+        experts = model.blocks[0].ffn.experts
+        return experts.w_in.detach(), experts.w_out.detach(), shared_in, shared_out
+
+    w_in, w_out, shared_in, shared_out = upcycled()
+    hidden = w_in.shape[2]
+    kept = []
+    for e in range(TINY["num_experts"]):
+        same_in = (w_in[e] == shared_in[0]).all(dim=0)  # per hidden unit: its input column unchanged
+        same_out = (w_out[e] == shared_out[0]).all(dim=1)  # its output row unchanged
+        assert torch.equal(same_in, same_out) and int((~same_in).sum()) == hidden // 2
+        kept.append(same_in)
+    assert any(not torch.equal(kept[0], other) for other in kept[1:])  # each expert drew its own units
+    again = upcycled()
+    assert torch.equal(again[0], w_in) and torch.equal(again[1], w_out)
+    with pytest.raises(ValueError, match=r"upcycle_drop must be in \[0, 1\]"):
+        M6Config(**(SHALLOW | {"upcycle_drop": 1.5}))
+
+
 @pytest.mark.parametrize("policy", ["scale", "copy", "reset"])
 def test_optimizer_state_is_carried_into_grown_layers_and_upcycled_experts(policy: str) -> None:
     model = _model(num_unique_blocks=1, num_unique_experts=1)
