@@ -403,6 +403,7 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: IdentitySet
     router_policy = getattr(config, "upcycle_router", "keep")
     noise = float(getattr(config, "upcycle_noise", 0.0))
     drop = float(getattr(config, "upcycle_drop", 0.0))
+    seed = perturb.seed if perturb is not None else 0  # the noise's and the drop's draws
     copies_of: dict[int, int] = {}
     for index, block in enumerate(holder.blocks):
         for module_name, module in block.named_modules():
@@ -417,10 +418,8 @@ def _upcycle(holder: nn.Module, perturb: Perturbation | None, fresh: IdentitySet
                 if shared in fresh:  # a zeroed output projection stays fresh after upcycling
                     fresh.add(grown)
                 if noise > 0:
-                    seed = perturb.seed if perturb is not None else 0
                     _add_relative_noise(grown, Perturbation(noise, seed), f"blocks.{index}.{module_name}.{name}")
             if drop > 0:
-                seed = perturb.seed if perturb is not None else 0
                 _drop_upcycle(module, drop, parameter_seed(seed, f"blocks.{index}.{module_name}@drop"))
             module.num_unique = module.num_experts
             router = getattr(getattr(block, "ffn", None), "router", None)
@@ -448,10 +447,10 @@ def _drop_upcycle(experts: nn.Module, fraction: float, seed: int) -> None:
     if dropped == 0:
         return
     generator = torch.Generator().manual_seed(seed)
-    stats = [(float(w.detach()[0].float().mean()), float(w.detach()[0].float().std())) for w in (w_in, w_out)]
+    (mean_in, std_in), (mean_out, std_out) = [(float(w.detach()[0].float().mean()), float(w.detach()[0].float().std()))
+                                              for w in (w_in, w_out)]
     for expert in range(w_in.shape[0]):
         units = torch.randperm(hidden, generator=generator)[:dropped]
-        (mean_in, std_in), (mean_out, std_out) = stats
         fresh_in = torch.randn(w_in.shape[1], dropped, generator=generator) * std_in + mean_in
         fresh_out = torch.randn(dropped, w_out.shape[2], generator=generator) * std_out + mean_out
         on = units.to(w_in.device)

@@ -364,7 +364,7 @@ class MoEFeedForward(nn.Module):
         if total is None:
             return load_balancing_loss(probs, counts)
         with torch.no_grad():  # the fractions are counts: no gradient through them
-            counts = total(counts.clone())
+            counts = total(counts)
             tokens = total(torch.tensor([float(probs.shape[0])], device=probs.device))
         # The differentiable sum's backward sums every rank's gradient for this rank's probabilities, which the
         # data-parallel gradient average then divides back to one process's gradient.

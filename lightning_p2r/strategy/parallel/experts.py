@@ -112,20 +112,16 @@ class ExpertDispatch:
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # assignments sorted by expert
         token_of = order // top_k_index.shape[1]
-        counts = torch.bincount(experts, minlength=self._global_experts())
+        counts = torch.bincount(experts, minlength=dist.get_world_size(self.expert_group) * self.local_experts)
         out = self._exchange(hidden.index_select(0, token_of), counts, top_k_weights.reshape(-1)[order])
         return torch.zeros_like(hidden).index_add(0, token_of, out.to(hidden.dtype))
 
     # ------------------------------------------------------------------------------------------------ the parts
-    def _global_experts(self) -> int:
-        return dist.get_world_size(self.expert_group) * self.local_experts
-
     def _exchange(self, rows: torch.Tensor, counts: torch.Tensor, gates: torch.Tensor | None) -> torch.Tensor:
         """Rows sorted by global expert (``counts`` per expert; ``gates``: each row's gate weight, "top_k") to their
         experts' ranks, through the local experts, and back -> one output row per input row, in the same order."""
         group = self.expert_group
-        ranks = dist.get_world_size(group)
-        local_experts = counts.numel() // ranks
+        ranks, local_experts = dist.get_world_size(group), self.local_experts
         device = rows.device
         # The counts first (each rank learns how many rows it receives for each of its experts from each source).
         # The all-to-all takes its splits as host integers: the one place an expert-parallel layer syncs.

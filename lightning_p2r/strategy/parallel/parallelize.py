@@ -6,6 +6,7 @@ import functools
 
 from torch import nn
 
+from ...layout.names import divisors
 from ...protocols import BalancesOverRanks, DeclaresParallelPlan, ParallelPlan, StackedExperts
 from .differentiable import all_reduce_sum
 from .experts import parallelize_experts
@@ -94,9 +95,8 @@ def _check_stacked(owner: str, module: nn.Module, declared: StackedExperts, tens
         raise ValueError(f"the stacked weights of {what} disagree on the number of experts: {sorted(experts)}")
     count = experts.pop()
     if count % expert_parallel:
-        divisors = [d for d in range(1, count + 1) if count % d == 0]
         raise ValueError(f"P2RStrategy(expert_parallel={expert_parallel}) gives each rank an equal share of "
-                         f"{what}'s {count} experts: use expert_parallel in {divisors}")
+                         f"{what}'s {count} experts: use expert_parallel in {divisors(count)}")
 
 
 def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, *, loss_parallel: bool = False,
