@@ -12,22 +12,19 @@ def uses_fsdp(sharding: str) -> bool:
     return sharding in ("zero2", "zero3")
 
 
-def placement_path(sharding: str, world_size: int, *, offloading: bool, layered: bool, model_parallel: bool = False,
+def placement_path(sharding: str, world_size: int, *, model_parallel: bool = False,
                    pipelined: bool = False) -> PlacementPath:
-    """Which engine runs a job: "local" (one process, the streaming engine), "ddp" (DDP, + ZeroRedundancyOptimizer
-    for zero1), "fsdp" (FSDP2 per block), "model_parallel" (tensor / expert parallel on a device mesh, FSDP2 over its
-    data ranks) or "pipeline" (stages over pipeline ranks, FSDP2 over each stage's data ranks)."""
+    """Which engine runs a job: "local" (one process and nothing sharded: the streaming engine), "fsdp" (FSDP2 per
+    block: sharded, or replicated across processes for "none" and "zero1"), "model_parallel" (tensor / expert parallel
+    on a device mesh, FSDP2 over its data ranks) or "pipeline" (stages over pipeline ranks, FSDP2 over each stage's
+    data ranks)."""
     if pipelined:
         return "pipeline"
     if model_parallel:
         return "model_parallel"
-    if uses_fsdp(sharding):
+    if uses_fsdp(sharding) or world_size > 1:
         return "fsdp"
-    if world_size == 1:
-        return "local"
-    # DDP's reducer runs inside the model's forward, which the micro-batch executor bypasses, and cannot
-    # leave a block's gradient on the host: offload and layered accumulation across ranks run on FSDP2.
-    return "fsdp" if offloading or layered else "ddp"
+    return "local"
 
 
 def fsdp_mode_for(sharding: str) -> FSDPMode:

@@ -25,7 +25,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from .ties import find_ties
 
@@ -179,18 +178,6 @@ def load_optimizer_into(module: nn.Module, optimizer: torch.optim.Optimizer, ind
     else:
         state["param_groups"] = own_groups
     set_optimizer_state_dict(module, optimizer, state)
-
-
-def load_optimizer_into_replicated(module: nn.Module, optimizer: torch.optim.Optimizer, index: int,
-                                   path: str | Path) -> None:
-    """Load a sharded checkpoint's optimizer state where every rank holds the whole model (ZeRO-1 keeps its part)."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        load_optimizer_into(module, optimizer, index, path)
-        return
-    # The same groups (each carries its hyperparameters) over the same parameters, as one plain optimizer.
-    whole = type(optimizer.optim)([dict(group) for group in optimizer.param_groups])
-    load_optimizer_into(module, whole, index, path)
-    optimizer.load_state_dict(whole.state_dict())
 
 
 def load_full_optimizer_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

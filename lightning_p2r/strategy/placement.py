@@ -1,24 +1,38 @@
-"""The one placement path of every FSDP2 layout (ZeRO-2/3, the replicated layouts across processes, tensor / expert
-parallelism, pipeline stages), in torchtitan's order:
+"""The one placement path of every layout, in torchtitan's order: FSDP2's (ZeRO-2/3, the replicated layouts ``none``
+and ``zero1`` across processes, tensor / expert parallelism, pipeline stages), and one process with nothing sharded,
+which skips the steps that split the model (3, 6) and streams its offloaded blocks (8):
 
 1. **stage parts**: under pipeline parallelism, replace what other ranks hold by meta-device stand-ins;
 2. **offload plan** of this rank's blocks (which keep their FSDP2 shards in host memory);
 3. **the model's tensor / expert plan** (``parallel.parallelize_model`` reads the model's own declaration);
+   a model built eagerly and replicated takes the first rank's values, as DDP does when it wraps one;
 4. **recompute**: pipeline stage modules checkpoint each layer (layered accumulation recomputes in its executor);
 5. **compile** each block (``compile.py``), after the plan and recompute, before FSDP2 wraps it;
 6. **FSDP2**: ``fully_shard`` every unit (a block; its experts first), then the roots (``Layout.resharding``);
-7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them.
+   data-parallel replication is this step too (FSDP2's replicate layout: shards of one rank, gradients
+   all-reduced), and ZeRO-1 partitions the optimizer states afterwards (``replicated_zero.py``);
+7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them
+   (an offloaded block's in host memory);
+8. **streaming offload** (one process, nothing sharded: ``offload.py``): the planned blocks' host values become the
+   streaming engine's masters, and the rest of an eagerly built model moves to the device.
 
-The strategy's only ``fully_shard`` calls are here: one for units, one for roots.
+The strategy's only ``fully_shard`` calls are here: one for units, one for roots; its only compile and
+materialization calls too (weights are loaded by the engine right after, in one place: ``Engine.load_weights``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import chain
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+from ..layout import fsdp_mode_for
 from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
 from .blocks import module_name
 from .compile import apply_compile
@@ -47,8 +61,8 @@ class Placement:
     plan: OffloadPlan
     root: nn.Module
     """The deepest submodule holding every parameter (delinking rebuilds it)."""
-    template: nn.Module
-    """``root`` on the meta device, as it was before placement (delinking copies it)."""
+    template: nn.Module | None
+    """``root`` on the meta device, as it was before placement (delinking copies it); None on one process."""
     runner: nn.Module | None = None
     """Layered accumulation's FSDP2 root over the modules outside the blocks (see ``sharding.StageRunner``)."""
 
@@ -78,9 +92,11 @@ def apply_model_plan(module: nn.Module, holder: nn.Module, plan: ParallelPlan, m
         module.token_loss = VocabParallelCrossEntropy(meshes.tensor, vocab)
 
 
-def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages: StagePlacement | None, *,
-          move_module: bool = True) -> Placement:
-    """Place ``module`` (on the meta device, or eager after delinking) in the order of the module docstring."""
+def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, stages: StagePlacement | None, *,
+          move_module: bool = True, stream: Callable[[OffloadPlan], None] | None = None) -> Placement:
+    """Place ``module`` (on the meta device, or eager) in the order of the module docstring. ``meshes`` None: one
+    process with nothing sharded, no FSDP2; ``stream`` then keeps the offload plan's blocks in host memory (step 8).
+    ``move_module=False``: an eager model stays where it is until FSDP2 moves its shards (after delinking)."""
     holder = holder_of(module)
     # 1. stage parts
     mine = stages.keep_own(module, holder) if stages is not None else None
@@ -88,23 +104,29 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     # 2. offload plan
     plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload, mine)
     root = smallest_parameter_root(module)  # holds every name of a tied parameter (ties.py)
-    placement = Placement(plan, root, meta_template(root))
+    # FSDP2 changes the modules' tensors in place: a meta copy keeps the whole shapes (initialization, delinking).
+    placement = Placement(plan, root, meta_template(root) if meshes is not None else None)
     ties = find_ties(root)
     # 3. the model's tensor / expert plan
     split = (model_plan(holder, meshes.dims.tensor_parallel, meshes.dims.expert_parallel)
-             if meshes.dims.model_parallel else None)
+             if meshes is not None and meshes.dims.model_parallel else None)
     if split is not None:
         if meshes.dims.tensor_parallel > 1:
             check_tensor_parallel_ties(root, planned_modules(root, holder, split))
         apply_model_plan(module, holder, split, meshes, ctx)
     lazy = has_meta_tensors(module)
-    if move_module and not lazy:
+    if (not lazy and split is None and stages is None and ctx.world_size > 1
+            and fsdp_mode_for(ctx.sharding.sharding) == "replicate"):
+        copy_first_replica(module, meshes.data_group(), ctx.device)
+    if move_module and not lazy and meshes is not None:  # one process: after the streaming engine (8)
         module.to(ctx.device)
     # 4. recompute
     stage_modules = stages.build_stage_modules(holder) if stages is not None else []
     # 5. compile
     apply_compile(ctx.accumulation.compile, holder.blocks, own)
     # 6. FSDP2: units, then roots
+    if meshes is None:
+        return _place_on_one_process(module, holder, placement, ctx, lazy, ties, stream)
     reshard = ctx.layout.resharding
     units = [holder.blocks[i] for i in own]
     if split is not None:
@@ -143,6 +165,33 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes, stages:
     return placement
 
 
+def _place_on_one_process(module: nn.Module, holder: nn.Module, placement: Placement, ctx: EngineContext, lazy: bool,
+                          ties: Any, stream: Callable[[OffloadPlan], None] | None) -> Placement:
+    """Steps 7 and 8 of one process with nothing sharded (no FSDP2 units)."""
+    # 7. materialize
+    if lazy:
+        _materialize_shards(module, holder, placement.plan, ctx, placement.template)
+    # 8. streaming offload: the host values become the masters before anything else moves to the device
+    if stream is not None:
+        stream(placement.plan)
+    module.to(ctx.device)  # the streamed blocks' parameters are empty device placeholders by now
+    check_ties_kept(placement.root, ties)
+    return placement
+
+
+def copy_first_replica(module: nn.Module, group: Any, device: torch.device) -> None:
+    """Every parameter and buffer of an eagerly built ``module`` takes the value of the group's first rank: replicas
+    must start equal (a model built without a common seed differs per rank), which DDP guarantees when it wraps a
+    model and FSDP2 does not. Each tensor is staged on ``device`` for the collective (NCCL sends device memory)."""
+    source = dist.get_global_rank(group, 0)
+    for tensor in chain(module.parameters(), module.buffers()):
+        value = tensor.detach()
+        staged = value.to(device)
+        dist.broadcast(staged, src=source, group=group)
+        if staged is not value:
+            value.copy_(staged)
+
+
 def planned_modules(root: nn.Module, holder: nn.Module, plan: ParallelPlan) -> dict[str, str]:
     """``plan`` (the holder's) by module names relative to ``root`` (what the tie check reads)."""
     prefix = module_name(root, holder)
@@ -155,10 +204,10 @@ def planned_modules(root: nn.Module, holder: nn.Module, plan: ParallelPlan) -> d
 
 
 def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan, ctx: EngineContext,
-                        template: nn.Module) -> None:
+                        template: nn.Module | None) -> None:
     """Each unit in turn gets storage for this rank's shards only (an offloaded block's in host memory) and its
     values: the peak is the shards plus one whole tensor (or one module's, initialized by the model's own rule) being
-    cut. ``template``: the root as it was before placement, on the meta device (whole shapes)."""
+    cut. ``template``: the root as it was before placement, on the meta device (whole shapes; None: unsplit)."""
     initializer = Initializer(module, holder, seed=ctx.init_seed, template=template)
     fill = ctx.weights is None
     for index, block in enumerate(holder.blocks):

@@ -1,6 +1,7 @@
-"""ZeRO-1 where FSDP2 holds the model replicated: torch's ``ZeroRedundancyOptimizer``, which cannot broadcast
-DTensors, runs over *views*, plain parameters aliasing each DTensor's local storage, so stepping and broadcasting a
-partition updates the DTensors in place. Checkpoints and delinking convert from and to a plain optimizer over the
+"""The package's one ZeRO-1 (every ``sharding="zero1"`` layout across processes, where FSDP2 holds the model
+replicated): torch's ``ZeroRedundancyOptimizer``, which cannot broadcast DTensors, runs over *views*, plain
+parameters aliasing each DTensor's local storage, so stepping and broadcasting a partition updates the DTensors in
+place. Checkpoints and delinking convert from and to a plain optimizer over the
 module's parameters.
 """
 
@@ -18,7 +19,34 @@ from ..sharing import optimizer_constructor_kwargs
 from .accounting import local_tensor
 from .optimizers import regrouped
 from .regather import optimizer_subset, remap_optimizer
-from .sharding import consolidated_state_dict, zero_redundancy_optimizer
+
+
+def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
+                              cls: type[ZeroRedundancyOptimizer] = ZeroRedundancyOptimizer,
+                              process_group: Any = None) -> ZeroRedundancyOptimizer:
+    """The same optimizer class, groups and settings, with its states partitioned across the ranks of
+    ``process_group`` (all of them by default; ``cls``: a subclass of ``ZeroRedundancyOptimizer`` to build)."""
+    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
+    kwargs = optimizer_constructor_kwargs(optimizer)
+    # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
+    kwargs |= {k: v for k, v in groups[0].items() if k in kwargs}
+    zero = cls(groups[0]["params"], optimizer_class=type(optimizer), process_group=process_group, **kwargs)
+    for group in groups[1:]:
+        zero.add_param_group(group)
+    if optimizer.state:
+        zero.load_state_dict(optimizer.state_dict())
+    return zero
+
+
+def consolidated_state_dict(optimizer: ZeroRedundancyOptimizer, world_size: int, rank: int) -> dict[str, Any]:
+    """The whole state dict of a ``ZeroRedundancyOptimizer`` on this rank, in host memory. Collective: each call of
+    ``consolidate_state_dict`` hands the full state to one rank, so every rank calls it once per rank."""
+    full: dict[str, Any] = {}
+    for target in range(world_size):
+        optimizer.consolidate_state_dict(to=target)
+        if target == rank:
+            full = optimizer.state_dict()
+    return full
 
 
 class ZeroOneOptimizer:

@@ -1,6 +1,4 @@
-"""The data-parallel pieces the engines share (docs/sharding.md): ZeRO-1's ``ZeroRedundancyOptimizer`` on DDP, and
-around FSDP2's units, layered accumulation's stage runner and events, and resharding.
-"""
+"""Around FSDP2's units (docs/sharding.md): layered accumulation's stage runner and events, and resharding."""
 
 from __future__ import annotations
 
@@ -8,58 +6,12 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from ..sharing import optimizer_constructor_kwargs
 from .layered import BlockEvents, LayeredStages
 
 
-# ------------------------------------------------------------------------------------------ zero1 (DDP)
-def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
-                              cls: type[ZeroRedundancyOptimizer] = ZeroRedundancyOptimizer,
-                              process_group: Any = None) -> ZeroRedundancyOptimizer:
-    """The same optimizer class, groups and settings, with its states partitioned across the ranks of
-    ``process_group`` (all of them by default; ``cls``: a subclass of ``ZeroRedundancyOptimizer`` to build)."""
-    groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
-    kwargs = optimizer_constructor_kwargs(optimizer)
-    # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
-    kwargs |= {k: v for k, v in groups[0].items() if k in kwargs}
-    zero = cls(groups[0]["params"], optimizer_class=type(optimizer), process_group=process_group, **kwargs)
-    for group in groups[1:]:
-        zero.add_param_group(group)
-    if optimizer.state:
-        zero.load_state_dict(optimizer.state_dict())
-    return zero
-
-
-def consolidated_state_dict(optimizer: ZeroRedundancyOptimizer, world_size: int, rank: int) -> dict[str, Any]:
-    """The whole state dict of a ``ZeroRedundancyOptimizer`` on this rank, in host memory. Collective: each call of
-    ``consolidate_state_dict`` hands the full state to one rank, so every rank calls it once per rank."""
-    full: dict[str, Any] = {}
-    for target in range(world_size):
-        optimizer.consolidate_state_dict(to=target)
-        if target == rank:
-            full = optimizer.state_dict()
-    return full
-
-
-def consolidated_plain_optimizer(optimizer: torch.optim.Optimizer, world_size: int,
-                                 rank: int) -> torch.optim.Optimizer:
-    """A plain optimizer (the class a ``ZeroRedundancyOptimizer`` wraps) holding the whole state on this rank;
-    any other optimizer is returned as it is. Collective for a ``ZeroRedundancyOptimizer`` (every rank calls it)."""
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
-        return optimizer
-    full = consolidated_state_dict(optimizer, world_size, rank)
-    plain = type(optimizer.optim)([dict(g) for g in optimizer.param_groups],
-                                  **optimizer_constructor_kwargs(optimizer.optim))
-    plain.load_state_dict(full)
-    return plain
-
-
-# ------------------------------------------------------------------------------------------ zero2/zero3 (FSDP2)
 class StageRunner(nn.Module):
     """The modules owning parameters outside the blocks (embedding, final norm, head) as one FSDP2 root, which only
     references them. Layered accumulation calls the embedding and head stages directly, and FSDP2 gathers a unit's

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -16,15 +16,17 @@ from torch import nn
 
 from ..protocols import DefinesLayeredStages, ScreensLoss
 from .accounting import CollectiveCounter, counting
-from .engines.base import Engine
 from .layered import LayeredStep, layered_forward, split_micro_batches
 from .pipeline.placement import StagePlacement
 from .sharding import stages_through_runner
 
+if TYPE_CHECKING:
+    from .engines.base import Engine  # the engine gives the layered runner its events; it builds the runners
+
 
 class StepRunner:
     """One accumulation mode's forward and backward, by default Lightning's own. ``lightning_step`` /
-    ``lightning_backward``: Lightning's own (``DDPStrategy``'s) for this call, which a runner may use or replace; a
+    ``lightning_backward``: Lightning's own (``Strategy``'s) for this call, which a runner may use or replace; a
     runner that replaces the backward calls ``post_backward`` after it, as Lightning's does."""
 
     def __init__(self, module: nn.Module, precision: Precision, counter: CollectiveCounter | None) -> None:

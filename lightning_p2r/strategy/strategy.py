@@ -14,12 +14,12 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utilities_rank_zero_only
 from torch import nn
-from torch.utils.data import DistributedSampler
 from typing_extensions import override
 
 from ..layout import (
@@ -27,6 +27,7 @@ from ..layout import (
     Layout,
     ModelShape,
     PipelineSchedule,
+    PlacementPath,
     Sharding,
     check_layout,
     check_micro_batches,
@@ -38,9 +39,19 @@ from ..layout import (
 )
 from ..protocols import InitializesByName, ModelSizes, NamesBlockList, StatesSizes
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
-from . import checkpoint as sharded_checkpoint
 from .accounting import CollectiveCounter, CollectiveStats, counting
 from .blocks import BlockCallCheck, DeclaredBlocks, declare_blocks
+from .checkpoint import (
+    AtomicCheckpointIO,
+    check_checkpoint_location,
+    check_lightning_checkpoint,
+    is_sharded_checkpoint,
+    load_meta,
+    unloadable,
+)
+from .checkpoint import (
+    remove as remove_checkpoint_files,
+)
 from .engines import Engine, EngineContext, Placed, engine_for
 from .engines.base import Weights, holder_of
 from .launch import CheckingLauncher
@@ -60,19 +71,30 @@ from .options import (
 )
 from .parallel.clipping import clip_grad_norm_across_meshes
 from .plan import OffloadPlan, block_footprints, device_total_memory, outside_blocks_bytes, parse_bytes
+from .process_group import (
+    broadcast_object,
+    default_backend,
+    reduce_in_place,
+    start_process_group,
+    wait_for_every_rank,
+)
 from .split_optimizer import host_step_overlap_allowed, release_to_host
 from .steps import StepRunner
 
 
-class P2RStrategy(DDPStrategy):
+class P2RStrategy(ParallelStrategy):
     """Granular CPU offloading (M6-10T), ZeRO sharding and layered gradient accumulation (Lamy-Poirier 2021) for
     any LightningModule whose model declares a block sequence.
 
     The keywords are sorted into four typed, frozen sections (``strategy.sharding_config``, ``parallel_config``,
     ``accumulation_config``, ``offload_config``; see ``options.py``), validated when the strategy is built, and
-    readable back under their own names (``strategy.sharding``). Lightning's own DDP arguments (accelerator,
-    parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend, timeout) are
-    accepted too and set by the Trainer.
+    readable back under their own names (``strategy.sharding``). The arguments Lightning's parallel strategies take
+    (accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin, process_group_backend,
+    timeout) are accepted too and set by the Trainer.
+
+    A ``ParallelStrategy``, not a ``DDPStrategy``: data-parallel replication is a step of the one placement
+    (``placement.py``: FSDP2's replicate layout), so the model is never wrapped, and on one process Lightning leaves
+    the training loader's sampler as it is (it replaces it with a ``DistributedSampler`` only for a distributed job).
     """
 
     strategy_name = "p2r"
@@ -128,8 +150,10 @@ class P2RStrategy(DDPStrategy):
             check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, precision_plugin=precision_plugin,
-                         checkpoint_io=checkpoint_io or sharded_checkpoint.AtomicCheckpointIO(),
-                         process_group_backend=process_group_backend, timeout=timeout)
+                         checkpoint_io=checkpoint_io or AtomicCheckpointIO())
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
         self.collectives: CollectiveStats | None = None
         self.collectives_history: list[CollectiveStats] = []
         self._counter = CollectiveCounter() if count_collectives else None
@@ -149,12 +173,44 @@ class P2RStrategy(DDPStrategy):
         """Where the strategy found the model's block list, when it declared it (None: the model declares its own)."""
         self._init_seed = 0
         """The seed of initial values the model does not name itself (rank 0's; set in ``setup``)."""
-        self._warned_sampler = False
+
+    # ------------------------------------------------------------------------------ where this process is
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
 
     @property
-    def path(self) -> Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]:
-        """Which placement path runs this job: "local" (one process, the streaming engine), "ddp", or one of the FSDP2
-        engine's "fsdp", "model_parallel" (tensor / expert parallel first) and "pipeline" (stages first)."""
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:  # set by the Trainer (``num_nodes``)
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node (one per device)."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        """This process's rank and the job's size, from the node, the devices and the cluster environment."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        # Lightning's rank-zero utilities (and those of lightning_utilities, which Lightning's loggers use) read it.
+        rank_zero_only.rank = utilities_rank_zero_only.rank = self.global_rank
+
+    @property
+    def path(self) -> PlacementPath:
+        """Which placement path runs this job: "local" (one process and nothing sharded: the streaming engine), or one
+        of the FSDP2 engine's "fsdp" (every rank holds a shard or a replica of every block), "model_parallel" (tensor
+        / expert parallel first) and "pipeline" (stages first)."""
         return self.layout.path(self.world_size)
 
     @property
@@ -173,8 +229,8 @@ class P2RStrategy(DDPStrategy):
         return fsdp_mode_for(self.sharding)
 
     @property
-    @override
     def is_distributed(self) -> bool:
+        """Lightning reads it to decide whether the loaders get a ``DistributedSampler``: only across processes."""
         return self.world_size > 1
 
     def context(self, weights: Weights | None = None) -> EngineContext:
@@ -218,11 +274,12 @@ class P2RStrategy(DDPStrategy):
     @override
     def setup_environment(self) -> None:
         self._check_path_options()  # before any process group exists; chooses the engine
+        super().setup_environment()  # the accelerator's device
+        self.set_world_ranks()
         if self.engine.needs_process_group:
-            super().setup_environment()
-        else:
-            self.accelerator.setup_device(self.root_device)
-            self.set_world_ranks()
+            backend = self._process_group_backend or default_backend(self.root_device)
+            self._process_group_backend = backend
+            start_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
         self.engine.setup_environment(self.context())
 
     def _check_path_options(self) -> None:
@@ -267,16 +324,12 @@ class P2RStrategy(DDPStrategy):
         check_no_meta_buffers(module)
         self._share_init_seed()
         weights, self._deferred_weights = self._deferred_weights, None
-        if self.engine.wraps_ddp:
-            placed = self.engine.place(module, self.context(weights))
-            super().setup(trainer)  # Lightning's DDP: to the device, wrapped, optimizers (see setup_optimizers)
-        else:
-            self.accelerator.setup(trainer)
-            self.model = self.precision_plugin.convert_module(self.model)
-            placed = self.engine.place(module, self.context(weights))
-            if trainer.state.fn == TrainerFn.FITTING:
-                self.setup_optimizers(trainer)
-            self.setup_precision_plugin()
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        placed = self.engine.place(module, self.context(weights))
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
         self.plan = placed.plan
         self._use_layout_clipping()
         self.steps = self.engine.step_runner(module, self.precision_plugin, self._counter)
@@ -304,26 +357,31 @@ class P2RStrategy(DDPStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Ranks of one tensor-parallel group or pipeline read the same batch (``Layout.sampler_ranks``)."""
+        """Each rank reads its own batches; ranks of one tensor-parallel group or pipeline read the same batch
+        (``Layout.sampler_ranks``)."""
         ranks = self.layout.sampler_ranks(self.world_size, self.global_rank)
         if ranks is None:
-            return super().distributed_sampler_kwargs
+            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
         return {"num_replicas": ranks[0], "rank": ranks[1]}
 
+    # ------------------------------------------------------------------------------ collectives Lightning asks for
     @override
-    def process_dataloader(self, dataloader: object) -> object:
-        """On one process, say when Lightning has replaced a loader's sampler with a shuffled ``DistributedSampler``
-        (it does so for any ``DDPStrategy``, which this strategy still is; issue 38 item 7): the batches then come in
-        another order than under a plain Trainer. ``Trainer(use_distributed_sampler=False)`` keeps the loader's own."""
-        sampler = getattr(dataloader, "sampler", None)
-        injected = type(sampler) is DistributedSampler or type(sampler).__name__ == "DistributedSamplerWrapper"
-        if self.world_size == 1 and injected and getattr(sampler, "shuffle", False) and not self._warned_sampler:
-            self._warned_sampler = True
-            rank_zero_warn("P2RStrategy on one process: Lightning replaced the training loader's sampler with a "
-                           "shuffled DistributedSampler (as for any DDP strategy), so batches come in another order "
-                           "than under a plain Trainer; pass Trainer(use_distributed_sampler=False) to keep the "
-                           "loader's own order (docs/your_model.md)")
-        return dataloader
+    def barrier(self, name: str | None = None) -> None:
+        wait_for_every_rank(self.root_device)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        return broadcast_object(obj, src)
+
+    @override
+    def reduce(self, tensor: Any, group: Any = None, reduce_op: Any = "mean") -> Any:
+        """A logged value reduced over the ranks (``self.log(..., sync_dist=True)``); not a tensor: as it is."""
+        return reduce_in_place(tensor, group, reduce_op) if isinstance(tensor, torch.Tensor) else tensor
+
+    @override
+    def model_to_device(self) -> None:
+        # The placement puts every tensor where it lives (setup); Lightning calls this only for a model it set up.
+        self.model.to(self.root_device)
 
     def _log_setup(self, placed: Placed) -> None:
         for line in placed.log:
@@ -367,7 +425,7 @@ class P2RStrategy(DDPStrategy):
     @override
     def block_backward_sync(self) -> Any:
         """Lightning enters this around the backward of every micro-batch but the last (standard accumulation)."""
-        with super().block_backward_sync() if self.engine.wraps_ddp else self.engine.no_sync(self.lightning_module):
+        with self.engine.no_sync(self.lightning_module):
             yield
 
     @override
@@ -449,20 +507,21 @@ class P2RStrategy(DDPStrategy):
         over the new parameters, to which the caller (``PseudoToReal``) rebinds the learning-rate schedulers."""
         new_optimizer, placed = self.engine.delink(pl_module, unwrapped(optimizer), self.context(), num_unique_blocks,
                                                    optimizer_state, perturb)
-        if self.engine.wraps_ddp:  # DDP's reducer would silently skip the new parameters
-            self.model = pl_module
-            self.configure_ddp()
         self.optimizers = [new_optimizer]
         self.plan = placed.plan
         return new_optimizer
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {} if self.engine.saves_sharded else super().lightning_module_state_dict()  # DCP writes the shards
+        if self.engine.saves_sharded:
+            return {}  # DCP writes the shards
+        return self.engine.whole_model_state(self.lightning_module)
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return {} if self.engine.saves_sharded else super().optimizer_state(optimizer)
+        if self.engine.saves_sharded:
+            return {}
+        return self.engine.whole_optimizer_state(unwrapped(optimizer), self.lightning_module)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -474,17 +533,17 @@ class P2RStrategy(DDPStrategy):
     @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
-            sharded_checkpoint.remove(filepath)
+            remove_checkpoint_files(filepath)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """A sharded (DCP) checkpoint resumes with any ``sharding`` and processes; a single file on FSDP2 too."""
         self._pending_sharded_checkpoint = None
         # Checked as it is read (one load): a missing, empty, corrupt or foreign file gets a clear error.
-        is_file = sharded_checkpoint.check_checkpoint_location(checkpoint_path, loads_sharded=True)
-        if sharded_checkpoint.is_sharded_checkpoint(checkpoint_path):
+        is_file = check_checkpoint_location(checkpoint_path, loads_sharded=True)
+        if is_sharded_checkpoint(checkpoint_path):
             self._pending_sharded_checkpoint = str(checkpoint_path)
-            return sharded_checkpoint.load_meta(checkpoint_path)
+            return load_meta(checkpoint_path)
         try:
             # weights_only unless the caller asked otherwise (Lightning's own default is a full unpickling).
             checkpoint = super().load_checkpoint(checkpoint_path,
@@ -492,8 +551,8 @@ class P2RStrategy(DDPStrategy):
         except Exception as error:  # noqa: BLE001 (every way a file fails to load gets the same clear message)
             if not is_file:
                 raise
-            raise sharded_checkpoint.unloadable(checkpoint_path, error) from error
-        sharded_checkpoint.check_lightning_checkpoint(checkpoint_path, checkpoint)
+            raise unloadable(checkpoint_path, error) from error
+        check_lightning_checkpoint(checkpoint_path, checkpoint)
         return checkpoint
 
     @override
@@ -525,7 +584,7 @@ class P2RStrategy(DDPStrategy):
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
             return
-        super().teardown()
+        super().teardown()  # the environment, then the model and optimizer states to the host
 
 
 def _read_option(section: str, name: str) -> property:

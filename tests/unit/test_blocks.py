@@ -180,13 +180,21 @@ def test_a_model_built_in_place_gets_its_own_reset_parameters_values_and_its_buf
     torch.testing.assert_close(placed.net.scale, torch.linspace(0.5, 1.5, D))
 
 
-def test_one_process_says_when_lightning_reorders_the_loader_and_not_when_asked_not_to(tmp_path: Path) -> None:
-    with pytest.warns(UserWarning, match="replaced the training loader's sampler with a shuffled DistributedSampler"):
-        L.Trainer(accelerator="cpu", devices=1, strategy=P2RStrategy(), max_steps=1, logger=False,
-                  enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-                  default_root_dir=tmp_path).fit(Wrapper(LitStyle()), _data())
-    import warnings
+@pytest.mark.parametrize("options", [{}, {"sharding": "zero3"}], ids=["none", "zero3"])
+def test_one_process_keeps_the_loaders_own_order(tmp_path: Path, options: dict) -> None:
+    """Issue 38 item 7: Lightning gives a distributed strategy's loaders a shuffled ``DistributedSampler``; P2RStrategy
+    on one process is not distributed, so a shuffled loader yields the batches a plain Trainer sees."""
 
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", message=".*replaced the training loader's sampler.*")
-        _fit(tmp_path, Wrapper(LitStyle()), P2RStrategy())  # use_distributed_sampler=False
+    def fit(strategy: object) -> list[float]:
+        data = (torch.randint(0, V, (8, 1), generator=torch.Generator().manual_seed(1)) + torch.arange(9)) % V
+        loader = torch.utils.data.DataLoader(data, batch_size=2, shuffle=True,
+                                             generator=torch.Generator().manual_seed(3))
+        module = Wrapper(LitStyle())
+        trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=4, logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                            default_root_dir=tmp_path)  # Lightning's default use_distributed_sampler=True
+        trainer.fit(module, loader)
+        assert not isinstance(trainer.train_dataloader.sampler, torch.utils.data.DistributedSampler)
+        return module.losses
+
+    assert fit(P2RStrategy(**options)) == pytest.approx(fit("auto"), rel=1e-6)

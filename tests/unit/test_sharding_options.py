@@ -39,9 +39,9 @@ def _with_world_size(strategy: P2RStrategy, world_size: int) -> P2RStrategy:
 
 @pytest.mark.parametrize(("kwargs", "world_size", "path", "mode"), [
     ({"sharding": "none"}, 1, "local", "replicate"), ({"sharding": "zero1"}, 1, "local", "replicate"),
-    ({"sharding": "none"}, 2, "ddp", "replicate"), ({"sharding": "zero1"}, 2, "ddp", "replicate"),
+    # Across processes every layout is FSDP2's: "none" and "zero1" its replicate layout (where DDP used to run).
+    ({"sharding": "none"}, 2, "fsdp", "replicate"), ({"sharding": "zero1"}, 2, "fsdp", "replicate"),
     ({"sharding": "zero2"}, 1, "fsdp", "zero2"), ({"sharding": "zero3"}, 2, "fsdp", "zero3"),
-    # Offload and layered accumulation across ranks run on FSDP2 (DDP's reducer cannot drive them).
     ({"sharding": "none", "offload_fraction": 0.5}, 1, "local", "replicate"),
     ({"sharding": "none", "offload_fraction": 0.5}, 2, "fsdp", "replicate"),
     ({"sharding": "zero1", "accumulation": "layered", "micro_batches": 2}, 2, "fsdp", "replicate"),

@@ -16,7 +16,7 @@ from torch import nn
 
 from ...layout import Layout
 from ...sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
-from .. import checkpoint as sharded_checkpoint
+from ..checkpoint import load_model_into, load_optimizer_into
 from ..compile import check_compile
 from ..layered import BlockEvents
 from ..optimizers import optimizer_state_to
@@ -89,8 +89,6 @@ class Engine:
 
     needs_process_group = True
     """Whether the strategy must start torch.distributed for this engine."""
-    wraps_ddp = False
-    """Whether the strategy wraps the placed model in DDP (Lightning's own DDP setup)."""
     saves_sharded = False
     """Whether checkpoints are torch distributed checkpoints written by every rank (else Lightning's single file)."""
 
@@ -170,10 +168,18 @@ class Engine:
         """Write a sharded checkpoint (engines with ``saves_sharded``)."""
         raise NotImplementedError
 
+    def whole_model_state(self, module: nn.Module) -> dict[str, Any]:
+        """The model's state dict for a single-file checkpoint (engines without ``saves_sharded``)."""
+        return module.state_dict()
+
+    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+        """An optimizer's state dict for a single-file checkpoint, numbered as torch numbers it (all ranks call it)."""
+        return optimizer.state_dict()
+
     def load_weights(self, module: nn.Module, source: dict[str, Any] | str, strict: bool) -> None:
         """Write a checkpoint's weights into the model, whole on every rank (offloaded blocks' hooks write masters)."""
         if isinstance(source, str):
-            sharded_checkpoint.load_model_into(module, source)
+            load_model_into(module, source)
         else:
             module.load_state_dict(source, strict=strict)
 
@@ -181,7 +187,7 @@ class Engine:
                              checkpoint: dict[str, Any], sharded_path: str | None, device: torch.device) -> None:
         """Restore optimizer ``index`` from a checkpoint (whole-model layouts, like ``load_weights``)."""
         if sharded_path is not None:
-            sharded_checkpoint.load_optimizer_into_replicated(module, optimizer, index, sharded_path)
+            load_optimizer_into(module, optimizer, index, sharded_path)
         else:
             optimizer.load_state_dict(checkpoint["optimizer_states"][index])
             optimizer_state_to(optimizer, device)

@@ -1,6 +1,8 @@
-"""Every FSDP2 layout in one engine: ZeRO-2/3, the replicated layouts across processes (HSDP with shards of one
-rank), tensor / expert parallelism and pipeline stages. They differ only in the steps of the one placement path they
-take (``placement.py``) and, for pipelines, in the step runner; checkpoints are torch distributed checkpoints."""
+"""Every layout across processes, and ZeRO-2/3 on one, in one engine: ZeRO-2/3, the replicated layouts (``none`` and
+``zero1``: FSDP2's HSDP with shards of one rank, where DDP used to run), tensor / expert parallelism and pipeline
+stages. They differ only in the steps of the one placement path they take (``placement.py``) and, for pipelines, in
+the step runner. Checkpoints are torch distributed checkpoints, except where every rank holds the whole model: one
+file, as DDP writes it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ from torch import nn
 
 from ...layout import check_fsdp_offload_states, fsdp_mode_for
 from ...sharing import OptimizerStatePolicy, Perturbation
-from .. import checkpoint as sharded_checkpoint
+from ..accounting import local_tensor
+from ..checkpoint import (
+    load_full_model_state,
+    load_full_optimizer_state,
+    load_model_into,
+    load_optimizer_into,
+    save_sharded,
+)
 from ..layered import BlockEvents
 from ..optimizers import unwrapped as unwrapped_optimizer
 from ..parallel import ParallelMeshes, build_meshes
@@ -36,8 +45,6 @@ if TYPE_CHECKING:
 class FSDP2Engine(Engine):
     """``path``: "fsdp" (FSDP2 on all ranks), "model_parallel" (the model's plan first) or "pipeline" (stages first)."""
 
-    saves_sharded = True
-
     def __init__(self, path: str = "fsdp") -> None:
         super().__init__()
         self.path = path
@@ -50,6 +57,13 @@ class FSDP2Engine(Engine):
         """Under expert parallelism, ZeRO-1's group for the experts (the ranks holding the same experts)."""
         self._whole_of: dict[int, torch.Tensor] = {}
         self._holder: nn.Module | None = None
+
+    @property
+    def saves_sharded(self) -> bool:  # type: ignore[override]
+        """Sharded (DCP) checkpoints, but one file where every rank holds the whole model (the replicated layouts
+        without a model split), as DDP writes it: ``load_from_checkpoint`` and any other tool read it."""
+        return not (self.path == "fsdp" and self.ctx is not None
+                    and fsdp_mode_for(self.ctx.sharding.sharding) == "replicate")
 
     def check_options(self, ctx: EngineContext) -> None:
         """FSDP2's own rule: its CPU offload moves a unit's parameters, gradients and optimizer states together."""
@@ -202,16 +216,29 @@ class FSDP2Engine(Engine):
     def save_sharded(self, checkpoint: dict[str, Any], filepath: Any, module: nn.Module, optimizers: list[Any]) -> None:
         whole = [self.module_optimizer(o) for o in optimizers]
         self.reshard(module)  # an evaluation forward (a callback's) may have left units gathered
-        sharded_checkpoint.save_sharded(checkpoint, filepath, module, whole)
+        save_sharded(checkpoint, filepath, module, whole)
+
+    def whole_model_state(self, module: nn.Module) -> dict[str, Any]:
+        """Every rank holds each parameter whole (a DTensor with shards of one rank): its local tensor is the value."""
+        self.reshard(module)
+        return {name: local_tensor(value) for name, value in module.state_dict().items()}
+
+    def whole_optimizer_state(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
+        """The whole state over the module's parameters (ZeRO-1's partitions gathered first: collective), numbered
+        as torch numbers a plain optimizer's, with plain tensors."""
+        state = self.module_optimizer(optimizer).state_dict()
+        state["state"] = {index: {key: local_tensor(value) if isinstance(value, torch.Tensor) else value
+                                  for key, value in entry.items()} for index, entry in state["state"].items()}
+        return state
 
     def load_weights(self, module: nn.Module, source: dict[str, Any] | str, strict: bool) -> None:
         if isinstance(source, str):
-            sharded_checkpoint.load_model_into(module, source)
+            load_model_into(module, source)
             return
         if self.stages is not None:  # a whole model's state dict: this rank's part of it
             own = set(module.state_dict())
             source = {key: value for key, value in source.items() if key in own}
-        sharded_checkpoint.load_full_model_state(module, source, strict)
+        load_full_model_state(module, source, strict)
 
     def load_optimizer_state(self, module: nn.Module, index: int, optimizer: torch.optim.Optimizer,
                              checkpoint: dict[str, Any], sharded_path: str | None, device: torch.device) -> None:
@@ -223,8 +250,8 @@ class FSDP2Engine(Engine):
                 "saves one); a single file's weights alone load with your LightningModule's load_from_checkpoint")
         target = self.module_optimizer(optimizer)
         if sharded_path is not None:
-            sharded_checkpoint.load_optimizer_into(module, target, index, sharded_path)
+            load_optimizer_into(module, target, index, sharded_path)
         else:
-            sharded_checkpoint.load_full_optimizer_state(module, target, checkpoint["optimizer_states"][index])
+            load_full_optimizer_state(module, target, checkpoint["optimizer_states"][index])
         if isinstance(optimizer, ZeroOneOptimizer):
             optimizer.load_whole_state(target)

@@ -1,5 +1,6 @@
-"""One process, nothing sharded: the streaming engine (``offload.py``) keeps the planned blocks in host memory and
-the split optimizer (``split_optimizer.py``) steps them there."""
+"""One process, nothing sharded: the one placement (``placement.py``) without FSDP2, the streaming engine
+(``offload.py``) keeping the planned blocks in host memory and the split optimizer (``split_optimizer.py``) stepping
+them there."""
 
 from __future__ import annotations
 
@@ -10,12 +11,11 @@ from torch import nn
 
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
 from ..blocks import module_name
-from ..compile import apply_compile
 from ..layered import BlockEvents
-from ..materialize import Initializer, allocate, has_meta_tensors
 from ..offload import EngineEvents, OffloadEngine
 from ..optimizers import optimizer_state_to
-from ..plan import plan_for_model
+from ..placement import place
+from ..plan import OffloadPlan
 from ..split_optimizer import SplitOptimizer, detach_to_host, device_optimizer_state_bytes, split_single_optimizer
 from .base import Engine, EngineContext, Placed, holder_of
 
@@ -37,30 +37,18 @@ class LocalEngine(Engine):
         self.optimizer = None
 
     def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
-        """Plan (from the shapes alone: the model may still be on the meta device), materialize offloaded blocks
-        straight into host memory, where the streaming engine keeps them as its masters, and the rest on the device."""
+        """The one placement (``placement.py``) without its FSDP2 steps: offloaded blocks materialize straight into
+        host memory, where the streaming engine keeps them as its masters, and the rest on the device."""
         self.ctx = ctx.without_weights()
         holder = holder_of(module)
-        plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload)
-        lazy = has_meta_tensors(module)
-        initializer = Initializer(module, holder, seed=ctx.init_seed) if lazy else None
-        fill = ctx.weights is None  # else: loaded
-        if lazy:
-            for index in plan.offloaded:
-                params = allocate(holder.blocks[index], "cpu")
-                if fill:
-                    initializer.fill(params)
-        self.streaming = OffloadEngine(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
-                                       pin_memory=ctx.pin_memory,
-                                       block_prefixes=_block_prefixes(module, holder, plan.offloaded),
-                                       offload_params="params" in ctx.offload.offload_states)
-        if lazy:
-            params = allocate(module, ctx.device)
-            if fill:
-                initializer.fill(params)
-            initializer.finish()
-        module.to(ctx.device)  # the offloaded blocks' parameters are empty device placeholders
-        apply_compile(ctx.accumulation.compile, holder.blocks)  # the streaming hooks stay outside (compile.py)
+
+        def stream(plan: OffloadPlan) -> None:
+            self.streaming = OffloadEngine(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
+                                           pin_memory=ctx.pin_memory,
+                                           block_prefixes=_block_prefixes(module, holder, plan.offloaded),
+                                           offload_params="params" in ctx.offload.offload_states)
+
+        plan = place(module, ctx, None, None, stream=stream).plan
         if ctx.weights is not None:
             self.load_weights(module, *ctx.weights)
         self.streaming.on_block_grads_ready = self._on_block_grads_ready
