@@ -40,8 +40,10 @@ from lightning_p2r.measure.run import run_rank_worker
 WARMUP = 3
 ARMS: dict[str, dict[str, Any]] = {
     "lightning ddp": {"peer": "ddp"},
-    "p2r none (ddp)": {"strategy": {}},
+    "p2r none": {"strategy": {}},
+    "p2r zero1": {"strategy": {"sharding": "zero1"}},
     "lightning model_parallel fsdp2": {"peer": "model_parallel"},
+    "p2r zero2": {"strategy": {"sharding": "zero2"}},
     "p2r zero3": {"strategy": {"sharding": "zero3"}},
     "p2r zero3 offload 0.5": {"strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
     "p2r zero3 layered m2": {"strategy": {"sharding": "zero3", "accumulation": "layered", "micro_batches": 2}},
@@ -51,7 +53,8 @@ BUILD_ARMS: dict[str, dict[str, Any]] = {
     "p2r zero3, built in place": {"strategy": {"sharding": "zero3"}},
     "p2r zero3 offload 0.5, built in place": {"strategy": {"sharding": "zero3", "offload_fraction": 0.5}},
 }
-PEER_OF = {"p2r none (ddp)": "lightning ddp", "p2r zero3": "lightning model_parallel fsdp2"}
+PEER_OF = {"p2r none": "lightning ddp", "p2r zero1": "lightning ddp", "p2r zero2": "lightning model_parallel fsdp2",
+           "p2r zero3": "lightning model_parallel fsdp2"}
 """Each P2R arm's Lightning counterpart for the ratio column (the same data-parallel layout)."""
 
 

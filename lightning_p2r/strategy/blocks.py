@@ -1,12 +1,12 @@
 """Which of a model's modules are its blocks, for a model that does not call them ``blocks`` (issue 38, item 2).
 
 Offload, sharding, layered accumulation and pipelines work per block, on the *block sequence* contract
-(``protocols.BlockSequence``: a holder with ``blocks`` and ``layer_to_block``). M6 declares it itself. A Hugging
-Face or litgpt model keeps its own names (``model.layers``, ``transformer.h``): the strategy is told the block list
-by a dotted path (``P2RStrategy(blocks="model.model.layers")``) or finds it, as FSDP's transformer auto-wrap policy
-finds its layer class, and declares the contract on the module whose ``forward`` runs the blocks. The declaration is
-an unregistered alias (``vars(holder)["blocks"]``): the list stays registered once, under the model's own name, so
-state dicts and checkpoints keep exactly the model's parameter names.
+(``protocols.BlockSequence``: a holder with ``blocks`` and ``layer_to_block``). The package's models declare it. A
+Hugging Face or litgpt model keeps its own names (``model.layers``, ``transformer.h``): the strategy is told the block
+list by a dotted path (``P2RStrategy(blocks="model.model.layers")``) or finds it, as FSDP's transformer auto-wrap policy
+finds its layer class, and declares the contract on the module whose ``forward`` runs the blocks. The declaration is an
+unregistered alias (``vars(holder)["blocks"]``): the list stays registered once, under the model's own name, so state
+dicts and checkpoints keep exactly the model's parameter names.
 
 A wrong choice would be silent for some layouts, so the first training forward records which blocks ran, in which
 order, and refuses a holder whose forward never ran or blocks called out of order (``BlockCallCheck``).
@@ -90,7 +90,8 @@ def _holder_path(path: str, module: nn.Module) -> str:
 
 def declares_own_blocks(module: nn.Module) -> bool:
     """Whether ``module`` has a registered submodule ``blocks`` (a list) and ``layer_to_block``: the model's own
-    block-sequence contract (M6's), as opposed to one this module declared (an unregistered alias)."""
+    block-sequence contract (``protocols.BlockSequence``), as opposed to one this module declared (an unregistered
+    alias)."""
     blocks = getattr(module, "blocks", None)
     return isinstance(blocks, nn.ModuleList) and "blocks" not in vars(module) and hasattr(module, "layer_to_block")
 
@@ -104,7 +105,7 @@ def declare_blocks(module: nn.Module, path: str | None, holder_path: str | None 
     detected = path is None
     if path is None:
         if any(declares_own_blocks(m) for m in module.modules()):
-            return None  # the model's own contract (M6)
+            return None  # the model's own contract
         found = detect_block_list(module)
         if found is None:
             return None

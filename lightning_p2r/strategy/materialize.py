@@ -35,8 +35,8 @@ def check_no_meta_buffers(module: nn.Module) -> None:
         raise ValueError(
             f"P2RStrategy builds the model on the meta device (no memory) and places each tensor afterwards, but "
             f"the buffers {names} were computed while it was built and cannot be recomputed there. Compute them "
-            "in forward (as M6's rotary tables are), or build the model in the LightningModule's __init__ instead of "
-            "configure_model (it is then built whole, eagerly)")
+            "in forward (as the package's own models compute their rotary tables), or build the model in the "
+            "LightningModule's __init__ instead of configure_model (it is then built whole, eagerly)")
 
 
 def allocate(module: nn.Module, device: torch.device | str, *, skip: Iterable[nn.Module] = ()) -> list[nn.Parameter]:
@@ -92,10 +92,10 @@ def write(param: DTensor, full: torch.Tensor) -> None:
 
 class Initializer:
     """Writes the initial values of a model's parameters (and computed buffers) once they have storage: from
-    ``values_from``'s ``initial_value(name)`` (an M6 model's block-sequence holder), else by the model's own rule for
-    each module (``models.module_init``: the LightningModule's ``init_module``, Hugging Face's ``_init_weights``,
-    ``reset_parameters()``), seeded by ``seed`` and the module's name, so every layout and every replica gets the
-    values an eager build initialized by ``initialize_by_module`` has.
+    ``values_from``'s ``initial_value(name)`` (a holder that names its own initial values: ``InitializesByName``), else
+    by the model's own rule for each module (``models.module_init``: the LightningModule's ``init_module``, Hugging
+    Face's ``_init_weights``, ``reset_parameters()``), seeded by ``seed`` and the module's name, so every layout and
+    every replica gets the values an eager build initialized by ``initialize_by_module`` has.
 
     The rule runs on a *twin* of each module: the module as it was on the meta device (``template``: a copy of the
     root taken before placement; made here where the parameters are still whole), given host storage for its own

@@ -255,7 +255,7 @@ class OffloadEngine:
                     f"tuple, list, dict or dataclass; got {type(output).__name__}")
             if hidden.requires_grad:
                 # The block comes back when backward reaches its output. Other outputs (router losses) may only
-                # depend on the block's parameters through paths that also feed the hidden state, as in M6.
+                # depend on the block's parameters through paths that also feed the hidden state (a router's losses do).
                 hidden.register_hook(partial(self._before_block_backward, layer))
         last = layer + 1 == len(self.holder.layer_to_block) or self.holder.layer_to_block[layer + 1] != index
         if last and index in self.blocks:  # the block's last layer in a row

@@ -31,8 +31,9 @@ class ShardingConfig:
     """How model states are split across the data-parallel ranks (ZeRO)."""
 
     sharding: Sharding = "none"
-    """"none" (replicated, DDP), "zero1" (optimizer states sharded), "zero2" (+ gradients) or "zero3" (+ parameters).
-    On one process "zero2"/"zero3" still run FSDP2 (a group of one), so checkpoints and layouts match a larger run."""
+    """"none" (replicated: every rank holds everything, gradients all-reduced, as DDP), "zero1" (optimizer states
+    sharded), "zero2" (+ gradients) or "zero3" (+ parameters), all on FSDP2 across processes. On one process
+    "zero2"/"zero3" still run FSDP2 (a group of one), so checkpoints and layouts match a larger run."""
 
     count_collectives: bool = False
     """Record each optimizer step's collectives (calls and bytes per kind) in ``strategy.collectives``, to measure."""
@@ -96,7 +97,7 @@ class AccumulationConfig:
 
     reduce_every_micro_batch: bool = False
     """Standard accumulation on FSDP2: reduce(-scatter) the gradients after every micro-batch (ZeRO-2's memory, more
-    reductions) rather than once after the last, as DDP's ``no_sync`` does (offloaded units always do)."""
+    reductions) rather than once after the last, as DDP's ``no_sync`` would (offloaded units always do)."""
 
     pipelined: InitVar[bool] = False
     """Whether pipeline_parallel > 1 (set by the strategy): micro_batches is then the pipeline's."""
@@ -159,7 +160,8 @@ class ModelConfig:
     blocks: str | None = None
     """Dotted path from the LightningModule to the model's block list (an ``nn.ModuleList``), e.g.
     "model.model.layers" for a Hugging Face causal LM held as ``self.model``. None: a model that declares ``blocks``
-    and ``layer_to_block`` itself (M6), else the longest list of modules of one class, logged at setup."""
+    and ``layer_to_block`` itself (``protocols.BlockSequence``), else the longest list of modules of one class,
+    logged at setup."""
 
     def __post_init__(self) -> None:
         if self.blocks is not None and (not isinstance(self.blocks, str)

@@ -17,7 +17,7 @@ which skips the steps that split the model (3, 6) and streams its offloaded bloc
    streaming engine's masters, and the rest of an eagerly built model moves to the device.
 
 The strategy's only ``fully_shard`` calls are here: one for units, one for roots; its only compile and
-materialization calls too (weights are loaded by the engine right after, in one place: ``Engine.load_weights``).
+materialization calls too (a checkpoint's weights are written right after, by the strategy: ``Engine.load_weights``).
 """
 
 from __future__ import annotations

@@ -327,6 +327,8 @@ class P2RStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         placed = self.engine.place(module, self.context(weights))
+        if weights is not None:  # the one place a checkpoint's weights are written into a placed model
+            self.engine.load_weights(module, *weights)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -339,7 +341,7 @@ class P2RStrategy(ParallelStrategy):
         self._log_setup(placed)
 
     def check_model_sizes(self, holder: nn.Module | None) -> None:
-        """The layout's rules against the sizes a model states (``StatesSizes``, an M6 model), before it is placed."""
+        """The layout's rules against the sizes a model states (``StatesSizes``), before it is placed."""
         if isinstance(holder, StatesSizes) and isinstance(holder.config, ModelSizes):
             check_layout(self.layout, self.world_size, ModelShape.of(holder.config),
                          accelerator=self.context().device.type != "cpu")
@@ -397,9 +399,10 @@ class P2RStrategy(ParallelStrategy):
                                     prefetch=self.prefetch, budget=budget))
 
     def _share_init_seed(self) -> None:
-        """Hand rank 0's init seeds (maybe unseeded) to the others: every rank materializes its part of one model.
-        The model's own (an M6 holder's ``init_seed``), and the run's for the modules it does not name (the
-        LightningModule's ``init_seed`` if it has one, else the global seed Lightning's ``seed_everything`` set)."""
+        """Hand rank 0's init seeds (maybe unseeded) to the others: every rank materializes its part of one model. The
+        model's own (an ``InitializesByName`` holder's ``init_seed``), and the run's for the modules it does not name
+        (the LightningModule's ``init_seed`` if it has one, else the global seed Lightning's ``seed_everything``
+        set)."""
         module = self.lightning_module
         seed = getattr(module, "init_seed", None)
         self._init_seed = int(seed) if isinstance(seed, int) else torch.initial_seed()

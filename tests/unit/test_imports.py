@@ -139,3 +139,15 @@ def test_the_strategy_imports_no_model_of_the_package() -> None:
     reached = {(name, target) for name, targets in graph.items() if name.startswith("lightning_p2r.strategy")
                for target in targets if target.startswith("lightning_p2r.models")}
     assert {target for _, target in reached} <= MODEL_NEUTRAL, sorted(reached)
+
+
+def test_no_name_of_the_packages_model_under_the_strategy() -> None:
+    """Issue 39: the strategy speaks of declared blocks, plans and experts, not of M6 (the paper, M6-10T, aside)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "lightning_p2r" / "strategy"
+    pattern = re.compile(r"\bM6(?!-10T)|M6Config|MoEFeedForward|M6Transformer")
+    found = [f"{path.relative_to(root)}:{number}" for path in sorted(root.rglob("*.py"))
+             for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if pattern.search(line)]
+    assert found == []

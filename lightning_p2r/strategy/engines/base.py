@@ -50,7 +50,8 @@ class EngineContext:
     init_seed: int = 0
     """The run's seed for initial values the model does not name itself (``models.module_init``; rank 0's)."""
     weights: Weights | None = None
-    """A checkpoint restored before setup, to write into the placed tensors instead of initial values."""
+    """A checkpoint restored before setup, written into the placed tensors instead of initial values (the placement
+    skips the initial values; the strategy loads these after placing)."""
     gradient_scaler: bool = False
     """The precision plugin scales the loss (fp16): some step runners cannot."""
     host_step_allowed: Callable[[], bool] = lambda: False
@@ -104,7 +105,8 @@ class Engine:
         """After the process group exists: build the device meshes and groups this engine needs."""
 
     def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
-        """Materialize ``module`` where the layout puts each tensor, with ``ctx.weights`` or initial values."""
+        """Materialize ``module`` where the layout puts each tensor, with initial values unless ``ctx.weights`` will be
+        loaded into it (the strategy then calls ``load_weights``, the one place a checkpoint's weights are written)."""
         raise NotImplementedError
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],

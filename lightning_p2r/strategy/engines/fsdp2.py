@@ -93,8 +93,6 @@ class FSDP2Engine(Engine):
         self.ctx = ctx.without_weights()
         self._holder = holder_of(module)
         self.placement = place(module, ctx, self.meshes, self.stages, move_module=move_module)
-        if ctx.weights is not None:
-            self.load_weights(module, *ctx.weights)
         if self.stages is not None:
             self.stages.finish(self._holder, ctx.device)
             # The whole model exists on no rank: its forward runs through the stages (an instance attribute, removed

@@ -49,8 +49,6 @@ class LocalEngine(Engine):
                                            offload_params="params" in ctx.offload.offload_states)
 
         plan = place(module, ctx, None, None, stream=stream).plan
-        if ctx.weights is not None:
-            self.load_weights(module, *ctx.weights)
         self.streaming.on_block_grads_ready = self._on_block_grads_ready
         self._resident_model_bytes = _resident_bytes(module, holder.blocks, self.streaming.blocks)
         return Placed(plan)

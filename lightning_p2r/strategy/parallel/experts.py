@@ -1,8 +1,8 @@
 """Expert parallelism (DeepSpeed-MoE, M6-10T) and tensor-parallel experts, applied from outside to whatever expert
-modules a model declares (``protocols.StackedExperts``: M6's and Hugging Face's alike; docs/parallelism.md). The MoE
-layer routes its own tokens (routing and drops are one process's); :class:`ExpertDispatch` becomes the expert
-module's ``forward``: it sends each assignment to the rank holding its expert, runs the module's own ``forward`` on
-this rank's experts there, and sends the outputs back.
+modules a model declares (``protocols.StackedExperts``: the package's own, a user's and Hugging Face's alike;
+docs/parallelism.md). The MoE layer routes its own tokens (routing and drops are one process's); :class:`ExpertDispatch`
+becomes the expert module's ``forward``: it sends each assignment to the rank holding its expert, runs the module's own
+``forward`` on this rank's experts there, and sends the outputs back.
 """
 
 from __future__ import annotations

@@ -64,7 +64,7 @@ def check_experts(holder: nn.Module, plan: ParallelPlan, tensor_parallel: int, e
     """Refuse, in one line naming the module, a declared expert module that the layout cannot split: weights that
     are missing or not stacked alike, experts that do not divide by ``expert_parallel``, a hidden-unit dimension
     tensor parallelism needs but the declaration lacks (or that does not divide). (A plan without expert modules
-    leaves the MoE layers whole: M6's experts that still share FFNs.)"""
+    leaves the MoE layers whole: experts that still share one FFN, say.)"""
     found = plan.stacked_experts(holder, [i for i, block in enumerate(holder.blocks)
                                           if next(block.parameters(), None) is not None])
     for module, declared in found:

@@ -70,7 +70,7 @@ def _keep_own_positions(tp_mesh: Any) -> Any:
             tp_mesh, [Shard(1)]).to_local()
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        # A tensor, or a dataclass carrying it as ``output`` beside statistics (M6's MoEOutput).
+        # A tensor, or a dataclass carrying it as ``output`` beside statistics (an MoE layer's routing statistics).
         if isinstance(output, torch.Tensor):
             return own_positions(output)
         return dataclasses.replace(output, output=own_positions(output.output))
