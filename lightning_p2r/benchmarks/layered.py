@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[dict[str, Any]]] | Non
         start = time.perf_counter()
         _launch(two, work, args.timeout)
         print(f"2-process runs: {time.perf_counter() - start:.1f} s")
-        # Its own worker too, with OMP_NUM_THREADS=1: in a process with 2 OpenMP threads the CPU offload engine's
+        # Its own worker too, with OMP_NUM_THREADS=1: in a process with 2 OpenMP threads the CPU block streamer's
         # copies and the compute stall each other on a 2-core machine (steps 10-50x slower and erratic).
         start = time.perf_counter()
         _launch(one, work, args.timeout)

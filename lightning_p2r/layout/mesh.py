@@ -14,7 +14,7 @@ def uses_fsdp(sharding: str) -> bool:
 
 def placement_path(sharding: str, world_size: int, *, model_parallel: bool = False,
                    pipelined: bool = False) -> PlacementPath:
-    """Which engine runs a job: "local" (one process and nothing sharded: the streaming engine), "fsdp" (FSDP2 per
+    """Which engine runs a job: "local" (one process and nothing sharded: the block streamer), "fsdp" (FSDP2 per
     block: sharded, or replicated across processes for "none" and "zero1"), "model_parallel" (tensor / expert parallel
     on a device mesh, FSDP2 over its data ranks) or "pipeline" (stages over pipeline ranks, FSDP2 over each stage's
     data ranks)."""

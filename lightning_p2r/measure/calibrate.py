@@ -14,7 +14,7 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the
   intercept beyond the launches and weight traffic the cost model prices, per matmul call (efficiency by shape);
 - ``host_device_bandwidth`` / ``host_device_latency``: pinned host-to-device copies on CUDA; on a CPU-only machine
-  the memory copy the offload engine does instead;
+  the memory copy the block streamer does instead;
 - ``optimizer_seconds_per_param`` / ``host_optimizer_seconds_per_param``: fused ``torch.optim.AdamW`` steps on
   device and on host tensors;
 - ``step_overhead``: the step of a ``Trainer`` with ``P2RStrategy`` on the same processes over a model too small

@@ -84,7 +84,7 @@ class Cluster:
     """Seconds per Lightning batch beyond the first of a step (standard accumulation repeats Lightning's batch loop);
     measured by ``lightning-p2r calibrate`` (0 in a file written before it was)."""
     module_hook_overhead: float = 0.0
-    """Seconds per hooked module (FSDP2 unit, a block the offload engine drives) per micro-batch; measured by
+    """Seconds per hooked module (FSDP2 unit, a block the block streamer drives) per micro-batch; measured by
     ``calibrate`` (tiny blocks with and without FSDP2)."""
     stage_overhead: float = 0.0
     """Seconds per pipeline stage action (one stage's forward or backward of one micro-batch); fitted."""

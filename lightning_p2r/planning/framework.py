@@ -13,7 +13,7 @@ judged on the other half (docs/planning.md). Each term's assumption, in one line
   the first repeats Lightning's per-batch loop (fetch, hooks, logging, the loss's cross-rank finiteness check, the
   backward closure), which ``step_overhead`` prices once per step.
 - ``module_hook_overhead`` (measured): every FSDP2 unit (the rank's blocks and the part's root) and every block the
-  offload engine drives runs Python hooks in forward and backward, once per micro-batch (the layered executor on
+  block streamer drives runs Python hooks in forward and backward, once per micro-batch (the layered executor on
   one process without offload is a plain loop over the blocks: none), at the cost FSDP2's hooks have on a stack of
   tiny blocks.
 - ``stage_overhead``: a pipeline schedule runs each stage's forward and backward per micro-batch as a separate
@@ -63,7 +63,7 @@ def extra_lightning_batches(layout: Layout) -> int:
 
 def hooked_module_passes(layout: Layout, share: RankShare, devices: int) -> int:
     """Hooked modules times micro-batches: the rank's blocks and one root, on every path that runs them under hooks
-    (FSDP2's units, across processes in every layout and on one process with ZeRO-2/3; the offload engine's fetches
+    (FSDP2's units, across processes in every layout and on one process with ZeRO-2/3; the block streamer's fetches
     and gradient copies); none on one process without offload, where the layered executor is a plain loop over the
     blocks."""
     if layout.path(devices) == "local" and not layout.offloading:

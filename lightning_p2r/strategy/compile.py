@@ -1,6 +1,6 @@
 """Per-block ``torch.compile`` (``P2RStrategy(compile=...)``), before FSDP2 wraps the block (``placement.py``).
 A block's class is switched to a subclass whose ``forward`` is compiled, not its ``__call__``: the layouts' hooks
-(FSDP2's gathers, the streaming engine's fetches) run eagerly around the compiled code instead of becoming guards,
+(FSDP2's gathers, the block streamer's fetches) run eagerly around the compiled code instead of becoming guards,
 a deep copy (delinking) stays compiled, and every block of a class shares one compiled function (docs/offload.md).
 """
 

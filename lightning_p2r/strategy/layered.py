@@ -24,7 +24,7 @@ __all__ = ["BlockEvents", "LayeredStages", "LayeredStep", "layered_forward", "sp
 class BlockEvents:
     """Callbacks a strategy overrides to move blocks (no-ops here). They fire per layer with its block's index, so a
     block several layers share sees one before/after pair per layer; the step enters the events as a context around
-    the forward and around the backward (a streaming engine opens and closes its copy streams there)."""
+    the forward and around the backward (a block streamer opens and closes its copy streams there)."""
 
     def __enter__(self) -> BlockEvents:
         return self

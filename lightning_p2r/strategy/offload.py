@@ -1,4 +1,4 @@
-"""The streaming engine of granular offloading (docs/offload.md): offloaded blocks live in host memory (a master
+"""The block streamer of granular offloading (docs/offload.md): offloaded blocks live in host memory (a master
 per parameter, and a gradient buffer) and visit the device while they run. Block hooks fetch a block (prefetching the
 next ones) and release it; a hook on its output brings it back in backward, and its accumulated gradients go to the
 host. Parameters are swapped by resizing their storage, as FSDP does: autograd's saved tensors share it and see the
@@ -71,7 +71,7 @@ def _hidden_state(output: object) -> torch.Tensor | None:
     return first if isinstance(first, torch.Tensor) else None
 
 
-class OffloadEngine:
+class BlockStreamer:
     """Streams the offloaded blocks of a block sequence (see the module docstring)."""
 
     def __init__(self, holder: nn.Module, offloaded: tuple[int, ...], device: torch.device, *, prefetch: int = 1,
@@ -88,7 +88,7 @@ class OffloadEngine:
         self._handles: list[RemovableHandle] = []
         self._layer = 0
         self._grad_bytes_on_device = 0
-        # Layered accumulation drives the blocks itself (EngineEvents): the per-call hooks stand aside and
+        # Layered accumulation drives the blocks itself (StreamerEvents): the per-call hooks stand aside and
         # gradients stay on the device until the executor flushes them, once per block per step.
         self.manual = False
         is_cuda = device.type == "cuda"
@@ -418,16 +418,16 @@ class OffloadEngine:
         return stats
 
 
-class EngineEvents(BlockEvents):
+class StreamerEvents(BlockEvents):
     """Layered accumulation on one process: an offloaded block is copied in once per direction for every micro-batch,
     and its gradient goes to the host once. A block several layers run (a pseudo model) stays on the device from its
     first layer to its last in each direction, and its gradient (a partial sum until then) leaves after the last."""
 
-    def __init__(self, engine: OffloadEngine) -> None:
+    def __init__(self, engine: BlockStreamer) -> None:
         self.engine = engine
         self._uses_left: dict[str, Counter] = {}
 
-    def __enter__(self) -> EngineEvents:
+    def __enter__(self) -> StreamerEvents:
         # Each block's layers left to run in each direction (the strategy enters once for the forward pass and
         # once for the backward pass of a step; either way the counts start full).
         self.engine.manual = True

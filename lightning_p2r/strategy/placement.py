@@ -14,7 +14,7 @@ which skips the steps that split the model (3, 6) and streams its offloaded bloc
 7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them
    (an offloaded block's in host memory);
 8. **streaming offload** (one process, nothing sharded: ``offload.py``): the planned blocks' host values become the
-   streaming engine's masters, and the rest of an eagerly built model moves to the device.
+   block streamer's masters, and the rest of an eagerly built model moves to the device.
 
 The strategy's only ``fully_shard`` calls are here: one for units, one for roots; its only compile and
 materialization calls too (a checkpoint's weights are written right after, by the strategy: ``Engine.load_weights``).
@@ -38,13 +38,13 @@ from .blocks import module_name
 from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
 from .materialize import Initializer, allocate, has_meta_tensors
+from .offload_plan import OffloadPlan, plan_for_model
 from .parallel import ParallelMeshes, parallelize_model
 from .parallel.loss import VocabParallelCrossEntropy
 from .parallel.parallelize import model_plan
-from .pipeline.placement import StagePlacement
-from .plan import OffloadPlan, plan_for_model
+from .pipeline.rank_stages import RankStages
 from .regather import meta_template
-from .sharding import StageRunner, fsdp_modules, modules_outside_blocks
+from .sharding import OutsideBlocksRoot, fsdp_modules, modules_outside_blocks
 from .ties import (
     check_tensor_parallel_ties,
     check_ties_kept,
@@ -63,8 +63,8 @@ class Placement:
     """The deepest submodule holding every parameter (delinking rebuilds it)."""
     template: nn.Module | None
     """``root`` on the meta device, as it was before placement (delinking copies it); None on one process."""
-    runner: nn.Module | None = None
-    """Layered accumulation's FSDP2 root over the modules outside the blocks (see ``sharding.StageRunner``)."""
+    outside_root: nn.Module | None = None
+    """Layered accumulation's FSDP2 root over the modules outside the blocks (see ``sharding.OutsideBlocksRoot``)."""
 
 
 def shard_unit(unit: nn.Module, mesh: object, *, reshard: bool, offloaded: bool, pin_memory: bool) -> None:
@@ -92,7 +92,7 @@ def apply_model_plan(module: nn.Module, holder: nn.Module, plan: ParallelPlan, m
         module.token_loss = VocabParallelCrossEntropy(meshes.tensor, vocab)
 
 
-def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, stages: StagePlacement | None, *,
+def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, stages: RankStages | None, *,
           move_module: bool = True, stream: Callable[[OffloadPlan], None] | None = None) -> Placement:
     """Place ``module`` (on the meta device, or eager) in the order of the module docstring. ``meshes`` None: one
     process with nothing sharded, no FSDP2; ``stream`` then keeps the offload plan's blocks in host memory (step 8).
@@ -118,7 +118,7 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
     if (not lazy and split is None and stages is None and ctx.world_size > 1
             and fsdp_mode_for(ctx.sharding.sharding) == "replicate"):
         copy_first_replica(module, meshes.data_group(), ctx.device)
-    if move_module and not lazy and meshes is not None:  # one process: after the streaming engine (8)
+    if move_module and not lazy and meshes is not None:  # one process: after the block streamer (8)
         module.to(ctx.device)
     # 4. recompute
     stage_modules = stages.build_stage_modules(holder) if stages is not None else []
@@ -144,8 +144,8 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
         roots: list[nn.Module] = list(stage_modules)
     elif ctx.accumulation.accumulation == "layered":
         owners = modules_outside_blocks(root, holder.blocks)
-        placement.runner = StageRunner(owners) if owners else None
-        roots = [placement.runner] if owners else []
+        placement.outside_root = OutsideBlocksRoot(owners) if owners else None
+        roots = [placement.outside_root] if owners else []
     else:
         roots = [root]
     for part_root in roots:
@@ -156,11 +156,11 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
     # 7. materialize
     if lazy:
         _materialize_shards(module, holder, plan, ctx, placement.template)  # the engine writes ctx.weights, if any
-    if placement.runner is not None:
+    if placement.outside_root is not None:
         # The model's own forward (evaluation, a callback measuring a loss) reads the embedding and head outside
-        # the runner: gather them first. Training calls the stages through the runner instead.
-        runner = placement.runner
-        root.register_forward_pre_hook(lambda *_: runner.unshard())
+        # the outside root: gather them first. Training calls the stages through that root instead.
+        outside = placement.outside_root
+        root.register_forward_pre_hook(lambda *_: outside.unshard())
     check_ties_kept(root, ties)
     return placement
 

@@ -1,4 +1,5 @@
-"""Around FSDP2's units (docs/sharding.md): layered accumulation's stage runner and events, and resharding."""
+"""Around FSDP2's units (docs/sharding.md): layered accumulation's root over the modules outside the blocks and its
+events, and resharding."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 from .layered import BlockEvents, LayeredStages
 
 
-class StageRunner(nn.Module):
+class OutsideBlocksRoot(nn.Module):
     """The modules owning parameters outside the blocks (embedding, final norm, head) as one FSDP2 root, which only
     references them. Layered accumulation calls the embedding and head stages directly, and FSDP2 gathers a unit's
     parameters in its forward hooks, so each stage call runs *through* this module's ``forward``."""
@@ -25,13 +26,13 @@ class StageRunner(nn.Module):
         return stage(*args)
 
 
-def stages_through_runner(stages: LayeredStages, runner: nn.Module | None) -> LayeredStages:
-    """``stages`` with the embedding and head called through ``runner`` (the FSDP2 root that holds their
-    parameters, see :class:`StageRunner`), so FSDP2 gathers those parameters first; unchanged without a runner."""
-    if runner is None:
+def stages_through_root(stages: LayeredStages, root: nn.Module | None) -> LayeredStages:
+    """``stages`` with the embedding and head called through ``root`` (the FSDP2 root that holds their parameters,
+    see :class:`OutsideBlocksRoot`), so FSDP2 gathers those parameters first; unchanged without one."""
+    if root is None:
         return stages
-    return dataclasses.replace(stages, embed=lambda mb: runner(stages.embed, mb),
-                               head=lambda hidden, context: runner(stages.head, hidden, context))
+    return dataclasses.replace(stages, embed=lambda mb: root(stages.embed, mb),
+                               head=lambda hidden, context: root(stages.head, hidden, context))
 
 
 def modules_outside_blocks(root: nn.Module, blocks: nn.ModuleList) -> list[nn.Module]:
@@ -44,11 +45,11 @@ def modules_outside_blocks(root: nn.Module, blocks: nn.ModuleList) -> list[nn.Mo
 class FSDPEvents(BlockEvents):
     """Layered accumulation on FSDP2: each block is gathered once for the forward of all micro-batches (zero3
     reshards it right after), once for their backward, and its gradient is reduce-scattered once, after the last
-    micro-batch. The same for the stage runner's parameters (embedding and head), whose backward opens and closes it."""
+    micro-batch. The same for the outside root's parameters (embedding and head), whose backward opens and closes it."""
 
-    def __init__(self, blocks: nn.ModuleList, runner: nn.Module | None, *, reshard_after_last: bool) -> None:
+    def __init__(self, blocks: nn.ModuleList, outside_root: nn.Module | None, *, reshard_after_last: bool) -> None:
         self.blocks = blocks
-        self.runner = runner
+        self.outside_root = outside_root
         self.reshard_after_last = reshard_after_last  # zero3 reshards each block after its last forward
 
     def after_forward(self, block: int) -> None:
@@ -62,24 +63,24 @@ class FSDPEvents(BlockEvents):
         module.set_reshard_after_backward(last, recurse=True)
 
     def before_head_backward(self) -> None:
-        if self.runner is not None:
-            self.runner.set_requires_gradient_sync(False, recurse=False)
-            self.runner.set_reshard_after_backward(False, recurse=False)
+        if self.outside_root is not None:
+            self.outside_root.set_requires_gradient_sync(False, recurse=False)
+            self.outside_root.set_reshard_after_backward(False, recurse=False)
 
     def before_embed_backward(self, micro_batch: int, last: bool) -> None:
-        if self.runner is not None and last:
-            self.runner.set_requires_gradient_sync(True, recurse=False)
-            self.runner.set_reshard_after_backward(True, recurse=False)
+        if self.outside_root is not None and last:
+            self.outside_root.set_requires_gradient_sync(True, recurse=False)
+            self.outside_root.set_reshard_after_backward(True, recurse=False)
 
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def reshard_all(module: nn.Module, runner: nn.Module | None) -> None:
-    """Every FSDP2 unit of ``module`` back to its shards, and the stage runner's (which is not inside it): an
+def reshard_all(module: nn.Module, outside_root: nn.Module | None) -> None:
+    """Every FSDP2 unit of ``module`` back to its shards, and the outside root's (which is not inside it): an
     evaluation forward leaves layered blocks gathered, since their own forward hooks never reshard them."""
     for unit in fsdp_modules(module):
         unit.reshard()
-    if runner is not None:
-        runner.reshard()
+    if outside_root is not None:
+        outside_root.reshard()

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..sharing import optimizer_constructor_kwargs
 from .accounting import local_bytes
-from .offload import OffloadEngine
+from .offload import BlockStreamer
 from .optimizers import optimizer_state_to, regrouped
 
 # Group keys that choose an implementation rather than a hyperparameter: never copied between sides.
@@ -57,7 +57,7 @@ def host_step_overlap_allowed(overlap_host_step: bool | str, device: torch.devic
 class SplitOptimizer(torch.optim.Optimizer):
     """The user's optimizer, split between the device and one host optimizer per offloaded block (module docs)."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, engine: OffloadEngine) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, engine: BlockStreamer) -> None:
         self.engine = engine
         self.optimizer_class = type(optimizer)
         offloaded_by_param = {id(p): (index, position) for index, block in engine.blocks.items()
@@ -229,7 +229,7 @@ class SplitOptimizer(torch.optim.Optimizer):
         return plain
 
 
-def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimizer,
+def detach_to_host(engine: BlockStreamer | None, optimizer: torch.optim.Optimizer,
                    module: nn.Module) -> torch.optim.Optimizer:
     """Put ``module`` and its optimizer wholly in host memory, detached from ``engine`` (not to be used afterwards);
     returns an ordinary optimizer over the module's own parameters, with the full state."""
@@ -244,7 +244,7 @@ def detach_to_host(engine: OffloadEngine | None, optimizer: torch.optim.Optimize
     return plain
 
 
-def split_single_optimizer(optimizers: list[torch.optim.Optimizer], engine: OffloadEngine,
+def split_single_optimizer(optimizers: list[torch.optim.Optimizer], engine: BlockStreamer,
                            carry_state_from: torch.optim.Optimizer | None = None) -> SplitOptimizer:
     """The one optimizer in ``optimizers`` split between the device and ``engine``'s offloaded blocks, with the
     state of ``carry_state_from`` (an optimizer over the same slots in canonical order, after delinking) if given."""
@@ -256,7 +256,7 @@ def split_single_optimizer(optimizers: list[torch.optim.Optimizer], engine: Offl
     return split
 
 
-def release_to_host(optimizers: list[Any], engine: OffloadEngine | None) -> None:
+def release_to_host(optimizers: list[Any], engine: BlockStreamer | None) -> None:
     """At teardown: stop the split optimizers' host-step threads and give every offloaded parameter its values back
     in host memory (all blocks may not fit on the device; Lightning's teardown moves the module to the CPU anyway).
     ``engine`` must not be used afterwards."""

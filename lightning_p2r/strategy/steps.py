@@ -17,8 +17,8 @@ from torch import nn
 from ..protocols import DefinesLayeredStages, ScreensLoss
 from .accounting import CollectiveCounter, counting
 from .layered import LayeredStep, layered_forward, split_micro_batches
-from .pipeline.placement import StagePlacement
-from .sharding import stages_through_runner
+from .pipeline.rank_stages import RankStages
+from .sharding import stages_through_root
 
 if TYPE_CHECKING:
     from .engines.base import Engine  # the engine gives the layered runner its events; it builds the runners
@@ -67,7 +67,7 @@ class LayeredSteps(StepRunner):
     def training_step(self, batch: Any, lightning_step: Callable[[], Any]) -> Any:
         micro = split_micro_batches(batch, self.micro_batches)
         with self.precision.train_step_context(), counting(self.counter):
-            stages = stages_through_runner(self.module.layered_stages(), self.engine.stage_runner())
+            stages = stages_through_root(self.module.layered_stages(), self.engine.outside_blocks_root())
             events = self.engine.block_events()
             with events or contextlib.nullcontext():
                 self._step = layered_forward(stages, micro, events, recompute=self.recompute)
@@ -96,7 +96,7 @@ class LayeredSteps(StepRunner):
 
 class PipelinedSteps(StepRunner):
     def __init__(self, module: nn.Module, precision: Precision, counter: CollectiveCounter | None,
-                 stages: StagePlacement, uncounted: Callable[[], Any]) -> None:
+                 stages: RankStages, uncounted: Callable[[], Any]) -> None:
         super().__init__(module, precision, counter)
         self.stages = stages
         self.uncounted = uncounted

@@ -56,7 +56,8 @@ from .engines import Engine, EngineContext, Placed, engine_for
 from .engines.base import Weights, holder_of
 from .launch import CheckingLauncher
 from .materialize import check_no_meta_buffers, has_meta_tensors
-from .offload import OffloadEngine, OffloadStats
+from .offload import BlockStreamer, OffloadStats
+from .offload_plan import OffloadPlan, block_footprints, device_total_memory, outside_blocks_bytes, parse_bytes
 from .optimizers import unwrapped
 from .options import (
     SECTIONS,
@@ -70,7 +71,6 @@ from .options import (
     layout_of,
 )
 from .parallel.clipping import clip_grad_norm_across_meshes
-from .plan import OffloadPlan, block_footprints, device_total_memory, outside_blocks_bytes, parse_bytes
 from .process_group import (
     broadcast_object,
     default_backend,
@@ -208,7 +208,7 @@ class P2RStrategy(ParallelStrategy):
 
     @property
     def path(self) -> PlacementPath:
-        """Which placement path runs this job: "local" (one process and nothing sharded: the streaming engine), or one
+        """Which placement path runs this job: "local" (one process and nothing sharded: the block streamer), or one
         of the FSDP2 engine's "fsdp" (every rank holds a shard or a replica of every block), "model_parallel" (tensor
         / expert parallel first) and "pipeline" (stages first)."""
         return self.layout.path(self.world_size)
@@ -219,8 +219,8 @@ class P2RStrategy(ParallelStrategy):
         return layout_of(self.sharding_config, self.parallel_config, self.accumulation_config, self.offload_config)
 
     @property
-    def streamer(self) -> OffloadEngine | None:
-        """The streaming offload engine of a one-process job (None elsewhere, and after teardown)."""
+    def streamer(self) -> BlockStreamer | None:
+        """The block streamer of a one-process job (None elsewhere, and after teardown)."""
         return self.engine.offload_streamer() if self.engine is not None else None
 
     @property

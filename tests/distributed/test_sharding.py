@@ -421,7 +421,7 @@ def test_the_planner_predicts_each_ranks_model_state_bytes(runs: Path, name: str
 @pytest.mark.timeout(900)
 def test_the_planner_predicts_the_offload_copies(runs: Path) -> None:
     """Host-to-device parameter bytes and device-to-host gradient bytes of one step, layered accumulation over 4
-    micro-batches with recompute and half the blocks offloaded (one process, the streaming engine)."""
+    micro-batches with recompute and half the blocks offloaded (one process, the block streamer)."""
     from lightning_p2r.planning import bytes_by_kind, step_transfers
 
     config = next(c for c in ONE_PROCESS if c["name"] == "local_layered_offload")

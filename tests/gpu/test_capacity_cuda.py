@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy  # noqa: E402
-from lightning_p2r.strategy.plan import block_footprints  # noqa: E402
+from lightning_p2r.strategy.offload_plan import block_footprints  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

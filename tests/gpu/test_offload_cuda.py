@@ -1,4 +1,4 @@
-"""CUDA checks of the offload engine: real host<->device copies on a side stream, pinned buffers, memory drop.
+"""CUDA checks of the block streamer: real host<->device copies on a side stream, pinned buffers, memory drop.
 
 Skipped without a GPU. Run them on a CUDA machine with ``python -m pytest tests/gpu -q``. Offloaded blocks step on
 the host (CPU AdamW), resident ones on the device (CUDA AdamW): different kernels, so the comparison with resident

@@ -112,7 +112,7 @@ def test_zero1_with_a_memory_budget_across_accelerator_processes_is_refused_befo
     with pytest.raises(ValueError, match="sharding='zero1'.* offloaded blocks across processes"):
         check_layout(budget, devices=2)
     check_layout(budget, devices=2, accelerator=False)  # gloo broadcasts host tensors
-    check_layout(budget, devices=1)  # one process: the streaming engine, no broadcast
+    check_layout(budget, devices=1)  # one process: the block streamer, no broadcast
     strategy = P2RStrategy(sharding="zero1", device_memory_budget="1GB")
     assert strategy.layout == budget
     environment = LightningEnvironment()

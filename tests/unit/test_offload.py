@@ -1,6 +1,6 @@
 """P2RStrategy's granular offload against plain single-process training on the same batches.
 
-Every comparison here is bit-exact: on one CPU process the streaming engine runs the same kernels in the same order
+Every comparison here is bit-exact: on one CPU process the block streamer runs the same kernels in the same order
 as plain training (the host optimizer step of an offloaded block is the same AdamW kernel on the same CPU), and a
 checkpoint resumed under another plan continues the same arithmetic. One exception, said where it is:
 ``test_clipping_never_counts_a_stale_host_gradient`` with accumulation, a few ulps apart (not yet explained).

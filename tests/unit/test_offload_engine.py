@@ -1,4 +1,4 @@
-"""The streaming offload engine and the split optimizer on their own, without the Trainer.
+"""The block streamer and the split optimizer on their own, without the Trainer.
 
 On a CPU-only machine the "device" is the CPU too; residency, byte counts and values are still what the engine
 promises, and every comparison with the same model without the engine is bit-exact (same kernels, same order).
@@ -12,7 +12,7 @@ from equivalence import assert_bit_identical
 from helpers import TINY
 
 from lightning_p2r.models import M6Config, M6Transformer
-from lightning_p2r.strategy.offload import EngineEvents, OffloadEngine
+from lightning_p2r.strategy.offload import BlockStreamer, StreamerEvents
 from lightning_p2r.strategy.split_optimizer import SplitOptimizer, detach_to_host, split_single_optimizer
 
 CPU = torch.device("cpu")
@@ -35,7 +35,7 @@ def _block_bytes(model: M6Transformer, index: int) -> int:
 def test_construction_moves_offloaded_blocks_to_host_masters() -> None:
     model = _model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    engine = OffloadEngine(model, (1, 3), CPU, param_prefix="blocks.")
+    engine = BlockStreamer(model, (1, 3), CPU, param_prefix="blocks.")
     for index in (1, 3):
         for param in model.blocks[index].parameters():
             assert param.untyped_storage().size() == 0  # an empty placeholder between uses
@@ -51,7 +51,7 @@ def test_construction_moves_offloaded_blocks_to_host_masters() -> None:
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_forward_backward_equals_plain_and_counts_bytes(prefetch: int) -> None:
     plain, model = _model(), _model()
-    engine = OffloadEngine(model, (1, 3), CPU, prefetch=prefetch, param_prefix="blocks.")
+    engine = BlockStreamer(model, (1, 3), CPU, prefetch=prefetch, param_prefix="blocks.")
     expected, loss = _loss(plain), _loss(model)
     assert torch.equal(expected, loss)
     expected.backward()
@@ -74,7 +74,7 @@ def test_forward_backward_equals_plain_and_counts_bytes(prefetch: int) -> None:
 
 def test_accumulation_adds_host_gradients_and_a_new_step_overwrites() -> None:
     plain, model = _model(), _model()
-    engine = OffloadEngine(model, (2,), CPU, param_prefix="blocks.")
+    engine = BlockStreamer(model, (2,), CPU, param_prefix="blocks.")
     for seed in (0, 1):
         _loss(plain, seed).backward()
         _loss(model, seed).backward()
@@ -93,7 +93,7 @@ def test_accumulation_adds_host_gradients_and_a_new_step_overwrites() -> None:
 
 def test_shared_block_collects_every_layer_before_offload() -> None:
     plain, model = _model(num_unique_blocks=2), _model(num_unique_blocks=2)
-    engine = OffloadEngine(model, (1,), CPU, param_prefix="blocks.")
+    engine = BlockStreamer(model, (1,), CPU, param_prefix="blocks.")
     _loss(plain).backward()
     _loss(model).backward()
     engine.finish_backward()
@@ -104,7 +104,7 @@ def test_shared_block_collects_every_layer_before_offload() -> None:
 
 def test_keeping_parameters_resident_still_offloads_gradients() -> None:
     plain, model = _model(), _model()
-    engine = OffloadEngine(model, (1,), CPU, param_prefix="blocks.", offload_params=False)
+    engine = BlockStreamer(model, (1,), CPU, param_prefix="blocks.", offload_params=False)
     assert all(p.untyped_storage().size() > 0 for p in model.blocks[1].parameters())
     _loss(plain).backward()
     _loss(model).backward()
@@ -118,7 +118,7 @@ def test_keeping_parameters_resident_still_offloads_gradients() -> None:
 def test_detach_gives_parameters_back_and_removes_hooks() -> None:
     model = _model()
     reference = copy.deepcopy(model)
-    engine = OffloadEngine(model, (0, 2), CPU, param_prefix="blocks.")
+    engine = BlockStreamer(model, (0, 2), CPU, param_prefix="blocks.")
     engine.detach(CPU)
     assert_bit_identical(model.state_dict(), reference.state_dict())
     _loss(model).backward()
@@ -127,7 +127,7 @@ def test_detach_gives_parameters_back_and_removes_hooks() -> None:
 
 def test_load_state_dict_writes_the_host_masters() -> None:
     model, other = _model(), _model(init_seed=9)
-    engine = OffloadEngine(model, (1,), CPU, param_prefix="blocks.")
+    engine = BlockStreamer(model, (1,), CPU, param_prefix="blocks.")
     model.load_state_dict(other.state_dict())
     assert_bit_identical(model.state_dict(), other.state_dict())
     assert torch.equal(engine.host_tensors()["blocks.1.attn.qkv.weight"], other.blocks[1].attn.qkv.weight)
@@ -136,8 +136,8 @@ def test_load_state_dict_writes_the_host_masters() -> None:
 
 def test_engine_events_fetch_once_per_direction() -> None:
     model = _model()
-    engine = OffloadEngine(model, (1,), CPU, param_prefix="blocks.")
-    with EngineEvents(engine) as events:
+    engine = BlockStreamer(model, (1,), CPU, param_prefix="blocks.")
+    with StreamerEvents(engine) as events:
         events.before_forward(1)
         assert engine.blocks[1].resident
         events.after_forward(1)
@@ -153,7 +153,7 @@ def _adamw(model: torch.nn.Module) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
 
 
-def _split_step(model: M6Transformer, engine: OffloadEngine, split: SplitOptimizer, seed: int) -> None:
+def _split_step(model: M6Transformer, engine: BlockStreamer, split: SplitOptimizer, seed: int) -> None:
     split.zero_grad()
     _loss(model, seed).backward()
     engine.finish_backward()
@@ -163,7 +163,7 @@ def _split_step(model: M6Transformer, engine: OffloadEngine, split: SplitOptimiz
 def test_split_optimizer_steps_like_plain_adamw_and_saves_canonically() -> None:
     plain, model = _model(), _model()
     plain_optimizer = _adamw(plain)
-    engine = OffloadEngine(model, (1, 3), CPU, param_prefix="blocks.")
+    engine = BlockStreamer(model, (1, 3), CPU, param_prefix="blocks.")
     split = split_single_optimizer([_adamw(model)], engine)
     for seed in range(3):
         plain_optimizer.zero_grad()
@@ -184,7 +184,7 @@ def test_split_optimizer_loads_a_plain_state_and_shares_hyperparameters() -> Non
     _loss(plain).backward()
     plain_optimizer.step()
     model.load_state_dict(plain.state_dict())
-    engine = OffloadEngine(model, (2,), CPU, param_prefix="blocks.")
+    engine = BlockStreamer(model, (2,), CPU, param_prefix="blocks.")
     split = split_single_optimizer([_adamw(model)], engine)
     # A copy, as from a checkpoint file: torch's load_state_dict keeps the given tensors (AdamW's step counters
     # would otherwise be shared with the live optimizer and counted twice).
@@ -200,8 +200,8 @@ def test_split_optimizer_loads_a_plain_state_and_shares_hyperparameters() -> Non
 
 def test_overlapped_host_step_equals_the_normal_step() -> None:
     a, b = _model(), _model()
-    engine_a = OffloadEngine(a, (1, 3), CPU, param_prefix="blocks.")
-    engine_b = OffloadEngine(b, (1, 3), CPU, param_prefix="blocks.")
+    engine_a = BlockStreamer(a, (1, 3), CPU, param_prefix="blocks.")
+    engine_b = BlockStreamer(b, (1, 3), CPU, param_prefix="blocks.")
     split_a, split_b = split_single_optimizer([_adamw(a)], engine_a), split_single_optimizer([_adamw(b)], engine_b)
     engine_b.on_block_grads_ready = split_b.submit_host_step  # step each block as soon as its gradients land
     for seed in range(2):
@@ -214,7 +214,7 @@ def test_overlapped_host_step_equals_the_normal_step() -> None:
 def test_detach_to_host_returns_a_plain_optimizer_with_the_whole_state() -> None:
     plain, model = _model(), _model()
     plain_optimizer = _adamw(plain)
-    engine = OffloadEngine(model, (0, 3), CPU, param_prefix="blocks.")
+    engine = BlockStreamer(model, (0, 3), CPU, param_prefix="blocks.")
     split = split_single_optimizer([_adamw(model)], engine)
     plain_optimizer.zero_grad()
     _loss(plain).backward()

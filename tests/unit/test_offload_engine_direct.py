@@ -1,4 +1,4 @@
-"""The streaming offload engine on its own (no Trainer): residency, gradients, byte counts, state-dict hooks.
+"""The block streamer on its own (no Trainer): residency, gradients, byte counts, state-dict hooks.
 
 On a CPU-only machine the engine's "device" is the CPU too: an offloaded parameter is still an empty placeholder
 between uses and its values still live in a separate host master, so every residency rule and byte count below is
@@ -16,7 +16,7 @@ from torch import nn
 
 from lightning_p2r import M6Config, M6Transformer
 from lightning_p2r.protocols import LayeredStages
-from lightning_p2r.strategy.offload import EngineEvents, OffloadEngine, OffloadStats
+from lightning_p2r.strategy.offload import BlockStreamer, OffloadStats, StreamerEvents
 
 CPU = torch.device("cpu")
 DIM = 8
@@ -87,12 +87,12 @@ PREFIX = "model.blocks."
 
 
 def build(offloaded: tuple[int, ...], layer_to_block: tuple[int, ...] = (0, 1, 2, 3), *, prefetch: int = 1,
-          offload_params: bool = True, seed: int = 0) -> tuple[Outer, Outer, OffloadEngine]:
+          offload_params: bool = True, seed: int = 0) -> tuple[Outer, Outer, BlockStreamer]:
     """(reference without an engine, the same model under an engine, the engine)."""
     torch.manual_seed(seed)
     reference = Outer(layer_to_block)
     model = copy.deepcopy(reference)
-    engine = OffloadEngine(model.model, offloaded, CPU, prefetch=prefetch, param_prefix=PREFIX,
+    engine = BlockStreamer(model.model, offloaded, CPU, prefetch=prefetch, param_prefix=PREFIX,
                            offload_params=offload_params)
     return reference, model, engine
 
@@ -113,7 +113,7 @@ def released(model: Outer, index: int) -> bool:
     return all(storage_size(p) == 0 for p in model.model.blocks[index].parameters())
 
 
-def gradients(model: nn.Module, engine: OffloadEngine | None = None) -> dict[str, torch.Tensor | None]:
+def gradients(model: nn.Module, engine: BlockStreamer | None = None) -> dict[str, torch.Tensor | None]:
     """Every parameter's gradient by state-dict name: the host buffer for an offloaded one, ``.grad`` otherwise."""
     grads = {name: p.grad for name, p in model.named_parameters()}
     if engine is not None:
@@ -161,12 +161,12 @@ def test_tied_parameters_of_an_offloaded_block_are_refused() -> None:
     model = Stack()
     model.blocks[2].fc1.weight = model.blocks[0].fc1.weight
     with pytest.raises(ValueError, match="share a parameter"):
-        OffloadEngine(model, (2,), CPU)
+        BlockStreamer(model, (2,), CPU)
     model = Stack()
     model.embed.weight = model.blocks[0].fc2.weight  # tied by identity (the shapes never matter to the check)
     with pytest.raises(ValueError, match="outside the blocks"):
-        OffloadEngine(model, (0,), CPU)
-    OffloadEngine(Stack(), (1, 2), CPU)  # nothing tied: accepted
+        BlockStreamer(model, (0,), CPU)
+    BlockStreamer(Stack(), (1, 2), CPU)  # nothing tied: accepted
 
 
 # ------------------------------------------------------------------------------------- forward and backward
@@ -305,7 +305,7 @@ def test_m6_transformer_with_shared_moe_blocks_matches_the_plain_model() -> None
     config = TINY | {"num_layers": 4, "num_unique_blocks": 2, "init_seed": 5}
     reference = M6Transformer(M6Config(**config))
     model = copy.deepcopy(reference)
-    engine = OffloadEngine(model, (0, 1), CPU, prefetch=1, param_prefix="blocks.")
+    engine = BlockStreamer(model, (0, 1), CPU, prefetch=1, param_prefix="blocks.")
     tokens = torch.randint(0, TINY["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(0))
 
     def loss_of(transformer: M6Transformer) -> torch.Tensor:
@@ -331,7 +331,7 @@ def test_blocks_called_out_of_layer_order_or_without_a_hidden_state_are_refused(
         model.model.blocks[2](torch.zeros(1, DIM))
     torch.manual_seed(0)
     silent = Outer(output="none")
-    OffloadEngine(silent.model, (1,), CPU)
+    BlockStreamer(silent.model, (1,), CPU)
     with pytest.raises(TypeError, match="hidden state"):
         silent(batch())
 
@@ -340,7 +340,7 @@ def test_tuple_outputs_and_a_no_grad_forward() -> None:
     torch.manual_seed(0)
     reference = Outer(output="tuple")
     model = copy.deepcopy(reference)
-    engine = OffloadEngine(model.model, (0, 2), CPU, prefetch=0, param_prefix=PREFIX)
+    engine = BlockStreamer(model.model, (0, 2), CPU, prefetch=0, param_prefix=PREFIX)
     x = batch()
     with torch.no_grad():
         assert torch.equal(model(x), reference(x))
@@ -423,10 +423,10 @@ def test_module_load_state_dict_writes_into_the_host_masters(offload_params: boo
 
 
 # ------------------------------------------------------------------------------------------ manual (layered)
-class RecordingEvents(EngineEvents):
-    """EngineEvents that checks, at every event, where the block's parameters and gradients are."""
+class RecordingEvents(StreamerEvents):
+    """StreamerEvents that checks, at every event, where the block's parameters and gradients are."""
 
-    def __init__(self, engine: OffloadEngine, model: Outer) -> None:
+    def __init__(self, engine: BlockStreamer, model: Outer) -> None:
         super().__init__(engine)
         self.model = model
         self.log: list[tuple[str, int]] = []
@@ -476,7 +476,7 @@ def test_engine_events_stream_each_block_once_per_direction_for_all_micro_batche
 
 def test_engine_events_ignore_resident_blocks() -> None:
     reference, model, engine = build((2,))
-    events = EngineEvents(engine)
+    events = StreamerEvents(engine)
     with events:
         for index in (0, 1, 3):
             events.before_forward(index)
@@ -493,7 +493,7 @@ def test_engine_events_signal_a_shared_block_once_after_all_its_layers() -> None
     engine.on_block_grads_ready = ready.append
     micro = list(batch(rows=4).split(2))
     run_layered(reference.model.stages(), micro)
-    with EngineEvents(engine) as events:
+    with StreamerEvents(engine) as events:
         run_layered(model.model.stages(), micro, events)
     # The shared block's gradient is summed on the device over all its layers and goes to the host once, after
     # its last layer (the host step the strategy starts from this callback must never see a partial sum).

@@ -183,7 +183,7 @@ def test_a_rank_keeps_only_its_blocks_and_ends_before_anything_is_allocated() ->
 def test_replicas_are_summed_in_one_flat_all_reduce_per_dtype(tmp_path) -> None:
     import torch.distributed as dist
 
-    from lightning_p2r.strategy.pipeline.placement import sum_over
+    from lightning_p2r.strategy.pipeline.rank_stages import sum_over
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:

@@ -2,7 +2,7 @@ import pytest
 
 from lightning_p2r import M6Config, M6Transformer
 from lightning_p2r.layout import BlockFootprint, device_bytes_needed, parse_bytes, plan_offload, spread
-from lightning_p2r.strategy.plan import block_footprints
+from lightning_p2r.strategy.offload_plan import block_footprints
 
 
 def test_spread_keeps_the_first_block_resident_and_interleaves() -> None:

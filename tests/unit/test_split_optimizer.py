@@ -19,7 +19,7 @@ from helpers import run_layered
 from torch import nn
 
 from lightning_p2r.protocols import LayeredStages
-from lightning_p2r.strategy.offload import EngineEvents, OffloadEngine
+from lightning_p2r.strategy.offload import BlockStreamer, StreamerEvents
 from lightning_p2r.strategy.split_optimizer import (
     SplitOptimizer,
     detach_to_host,
@@ -87,12 +87,12 @@ def adamw(model: nn.Module, **kwargs: object) -> torch.optim.AdamW:
 
 
 def build(offloaded: tuple[int, ...] = (1, 3), *, offload_params: bool = True, layer_to_block=(0, 1, 2, 3),
-          **kwargs: object) -> tuple[Net, torch.optim.AdamW, Net, OffloadEngine, SplitOptimizer]:
+          **kwargs: object) -> tuple[Net, torch.optim.AdamW, Net, BlockStreamer, SplitOptimizer]:
     """(reference model, its plain AdamW, the model under an engine, the engine, the split optimizer)."""
     torch.manual_seed(0)
     reference = Net(layer_to_block)
     model = copy.deepcopy(reference)
-    engine = OffloadEngine(model, offloaded, CPU, prefetch=1, param_prefix="blocks.", offload_params=offload_params)
+    engine = BlockStreamer(model, offloaded, CPU, prefetch=1, param_prefix="blocks.", offload_params=offload_params)
     split = split_single_optimizer([adamw(model, **kwargs)], engine)
     return reference, adamw(reference, **kwargs), model, engine, split
 
@@ -101,7 +101,7 @@ def batch(seed: int) -> torch.Tensor:
     return torch.randn(4, DIM, generator=torch.Generator().manual_seed(seed))
 
 
-def train_step(model: Net, optimizer: torch.optim.Optimizer, seed: int, engine: OffloadEngine | None = None) -> None:
+def train_step(model: Net, optimizer: torch.optim.Optimizer, seed: int, engine: BlockStreamer | None = None) -> None:
     optimizer.zero_grad()
     model(batch(seed)).backward()
     if engine is not None:
@@ -109,7 +109,7 @@ def train_step(model: Net, optimizer: torch.optim.Optimizer, seed: int, engine: 
     optimizer.step()
 
 
-def weights(model: nn.Module, engine: OffloadEngine | None = None) -> dict[str, torch.Tensor]:
+def weights(model: nn.Module, engine: BlockStreamer | None = None) -> dict[str, torch.Tensor]:
     """Every parameter's value by name: the host master for an offloaded one."""
     values = {name: p.detach() for name, p in model.named_parameters()}
     if engine is not None:
@@ -294,14 +294,14 @@ def test_checkpoints_move_between_plans_and_plain_optimizers() -> None:
     saved_weights = {name: t.clone() for name, t in weights(model, engine).items()}
     saved_state = copy.deepcopy(split.state_dict())
 
-    def restored(offloaded: tuple[int, ...] | None) -> tuple[Net, torch.optim.Optimizer, OffloadEngine | None]:
+    def restored(offloaded: tuple[int, ...] | None) -> tuple[Net, torch.optim.Optimizer, BlockStreamer | None]:
         net = Net()
         net.load_state_dict(saved_weights)
         if offloaded is None:
             optimizer = adamw(net)
             optimizer.load_state_dict(copy.deepcopy(saved_state))
             return net, optimizer, None
-        net_engine = OffloadEngine(net, offloaded, CPU, param_prefix="blocks.")
+        net_engine = BlockStreamer(net, offloaded, CPU, param_prefix="blocks.")
         optimizer = split_single_optimizer([adamw(net)], net_engine)
         optimizer.load_state_dict(copy.deepcopy(saved_state))
         return net, optimizer, net_engine
@@ -310,7 +310,7 @@ def test_checkpoints_move_between_plans_and_plain_optimizers() -> None:
     # the carry path (after delinking): an ordinary optimizer's state handed to a new split optimizer
     carried = Net()
     carried.load_state_dict(saved_weights)
-    carried_engine = OffloadEngine(carried, (2,), CPU, param_prefix="blocks.")
+    carried_engine = BlockStreamer(carried, (2,), CPU, param_prefix="blocks.")
     # (a copy: like torch's load_state_dict, carrying shares the state tensors, and the reference steps on)
     carried_split = split_single_optimizer([adamw(carried)], carried_engine, carry_state_from=copy.deepcopy(plain))
     runs.append((carried, carried_split, carried_engine))
@@ -452,7 +452,7 @@ def test_submitted_host_steps_with_layered_accumulation_and_shared_blocks_match_
     run_layered(reference.stages(), micro)
     plain.step()
     split.zero_grad()
-    with EngineEvents(engine) as events:
+    with StreamerEvents(engine) as events:
         run_layered(model.stages(), micro, events)
     engine.finish_backward()
     split.step()

@@ -1,5 +1,5 @@
 """Two engines behind one interface (:class:`~.base.Engine`): ``local`` (one process, nothing sharded: the streaming
-offload engine) and ``fsdp2`` (every layout across processes, and ZeRO-2/3 on one), by the rulebook's placement path."""
+block streamer) and ``fsdp2`` (every layout across processes, and ZeRO-2/3 on one), by the rulebook's placement path."""
 
 from __future__ import annotations
 

@@ -19,15 +19,15 @@ from ...sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
 from ..checkpoint import load_model_into, load_optimizer_into
 from ..compile import check_compile
 from ..layered import BlockEvents
+from ..offload_plan import OffloadPlan
 from ..optimizers import optimizer_state_to
 from ..options import AccumulationConfig, OffloadConfig, ParallelConfig, ShardingConfig, layout_of
-from ..plan import OffloadPlan
 
 if TYPE_CHECKING:
     from lightning.pytorch.plugins.precision import Precision
 
     from ..accounting import CollectiveCounter
-    from ..offload import OffloadEngine
+    from ..offload import BlockStreamer
     from ..steps import StepRunner
 
 Weights = tuple[dict[str, Any] | str, bool]
@@ -132,7 +132,7 @@ class Engine:
     def reshard(self, module: nn.Module) -> None:
         """Gathered parameters back to their shards (after evaluation, before a checkpoint)."""
 
-    def stage_runner(self) -> nn.Module | None:
+    def outside_blocks_root(self) -> nn.Module | None:
         """The module the embedding and head stages must run through (layered accumulation), if any."""
         return None
 
@@ -149,12 +149,12 @@ class Engine:
         """The pipeline schedule's runner (its timeline feeds the pipeline benchmark), or None without stages."""
         return None
 
-    def offload_streamer(self) -> OffloadEngine | None:
-        """The streaming offload engine (one process only), for telemetry; else None."""
+    def offload_streamer(self) -> BlockStreamer | None:
+        """The block streamer (one process only), for telemetry; else None."""
         return None
 
     def update_static_bytes(self) -> None:
-        """Refresh the device bytes the streaming engine's telemetry counts as static (one process only)."""
+        """Refresh the device bytes the block streamer's telemetry counts as static (one process only)."""
 
     def grad_copies(self) -> Callable[[torch.Tensor], int] | None:
         """How many ranks hold the same local part of a parameter's gradient (None: torch's clipping is right)."""

@@ -28,7 +28,7 @@ from ..optimizers import unwrapped as unwrapped_optimizer
 from ..parallel import ParallelMeshes, build_meshes
 from ..parallel.clipping import ranks_holding
 from ..parallel.experts import expert_dispatch
-from ..pipeline.placement import StagePlacement
+from ..pipeline.rank_stages import RankStages
 from ..placement import Placement, place
 from ..regather import delinked_plain_copy, optimizer_subset, release_model_state, replace_submodule, shard_optimizer
 from ..replicated_zero import ZeroOneOptimizer, partition_optimizer_states
@@ -49,7 +49,7 @@ class FSDP2Engine(Engine):
         super().__init__()
         self.path = path
         self.meshes: ParallelMeshes | None = None
-        self.stages: StagePlacement | None = None
+        self.stages: RankStages | None = None
         self.placement: Placement | None = None
         self.zero_group: Any = None
         """The ranks ZeRO-1 partitions the optimizer states over (those holding the same parts of the parameters)."""
@@ -84,7 +84,7 @@ class FSDP2Engine(Engine):
             if dims.expert_parallel > 1 and self.path != "pipeline":
                 self.expert_zero_group = meshes.data_dims_group(meshes.experts, meshes.expert_data_dims)
         if self.path == "pipeline":
-            self.stages = StagePlacement(ctx, meshes.dense["pp"].get_group())
+            self.stages = RankStages(ctx, meshes.dense["pp"].get_group())
 
     def place(self, module: nn.Module, ctx: EngineContext, *, move_module: bool = True) -> Placed:
         if self.stages is not None and ctx.gradient_scaler:
@@ -132,13 +132,13 @@ class FSDP2Engine(Engine):
     def pipeline_runner(self) -> Any:
         return self.stages.runner if self.stages is not None else None
 
-    def stage_runner(self) -> nn.Module | None:
-        return self.placement.runner if self.placement is not None else None
+    def outside_blocks_root(self) -> nn.Module | None:
+        return self.placement.outside_root if self.placement is not None else None
 
     def block_events(self) -> BlockEvents | None:
         if self.stages is not None or self.placement is None:
             return None
-        return FSDPEvents(self._holder.blocks, self.stage_runner(),
+        return FSDPEvents(self._holder.blocks, self.outside_blocks_root(),
                           reshard_after_last=self.ctx.layout.resharding.after_last_micro_batch)
 
     @contextlib.contextmanager
@@ -164,7 +164,7 @@ class FSDP2Engine(Engine):
                 optimizer.link_grads()  # FSDP2 has all-reduced the gradients by now
 
     def reshard(self, module: nn.Module) -> None:
-        reshard_all(module, self.stage_runner())
+        reshard_all(module, self.outside_blocks_root())
         if self.stages is not None:
             for stage_module in self.stages.stage_modules:
                 stage_module.reshard()

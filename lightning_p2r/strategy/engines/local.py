@@ -1,4 +1,4 @@
-"""One process, nothing sharded: the one placement (``placement.py``) without FSDP2, the streaming engine
+"""One process, nothing sharded: the one placement (``placement.py``) without FSDP2, the block streamer
 (``offload.py``) keeping the planned blocks in host memory and the split optimizer (``split_optimizer.py``) stepping
 them there."""
 
@@ -12,10 +12,10 @@ from torch import nn
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
 from ..blocks import module_name
 from ..layered import BlockEvents
-from ..offload import EngineEvents, OffloadEngine
+from ..offload import BlockStreamer, StreamerEvents
+from ..offload_plan import OffloadPlan
 from ..optimizers import optimizer_state_to
 from ..placement import place
-from ..plan import OffloadPlan
 from ..split_optimizer import SplitOptimizer, detach_to_host, device_optimizer_state_bytes, split_single_optimizer
 from .base import Engine, EngineContext, Placed, holder_of
 
@@ -25,11 +25,11 @@ class LocalEngine(Engine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.streaming: OffloadEngine | None = None
+        self.streaming: BlockStreamer | None = None
         self.optimizer: torch.optim.Optimizer | None = None  # the last one returned (host steps, telemetry read it)
         self._resident_model_bytes = 0
 
-    def offload_streamer(self) -> OffloadEngine | None:
+    def offload_streamer(self) -> BlockStreamer | None:
         return self.streaming
 
     def teardown(self, module: nn.Module | None) -> None:
@@ -38,12 +38,12 @@ class LocalEngine(Engine):
 
     def place(self, module: nn.Module, ctx: EngineContext) -> Placed:
         """The one placement (``placement.py``) without its FSDP2 steps: offloaded blocks materialize straight into
-        host memory, where the streaming engine keeps them as its masters, and the rest on the device."""
+        host memory, where the block streamer keeps them as its masters, and the rest on the device."""
         self.ctx = ctx.without_weights()
         holder = holder_of(module)
 
         def stream(plan: OffloadPlan) -> None:
-            self.streaming = OffloadEngine(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
+            self.streaming = BlockStreamer(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
                                            pin_memory=ctx.pin_memory,
                                            block_prefixes=_block_prefixes(module, holder, plan.offloaded),
                                            offload_params="params" in ctx.offload.offload_states)
@@ -85,7 +85,7 @@ class LocalEngine(Engine):
 
     # ---------------------------------------------------------------------------------------------- training
     def block_events(self) -> BlockEvents | None:
-        return EngineEvents(self.streaming) if self.streaming is not None and self.streaming.blocks else None
+        return StreamerEvents(self.streaming) if self.streaming is not None and self.streaming.blocks else None
 
     def post_backward(self, optimizers: list[Any]) -> None:
         if self.streaming is not None:
@@ -105,7 +105,7 @@ class LocalEngine(Engine):
         return self._split([new_optimizer], carry_state_from=new_optimizer), placed
 
     # ------------------------------------------------------------------------------------------- checkpoints
-    # The module's own state_dict()/load_state_dict() read and write the host masters (the streaming engine's
+    # The module's own state_dict()/load_state_dict() read and write the host masters (the block streamer's
     # state-dict hooks), so Lightning's whole-model save and the base class's load serve this layout as they are.
     def load_optimizer_state(self, module: nn.Module, index: int, optimizer: torch.optim.Optimizer,
                              checkpoint: dict[str, Any], sharded_path: str | None, device: torch.device) -> None:
@@ -121,7 +121,7 @@ class LocalEngine(Engine):
 
 
 def _block_prefixes(module: nn.Module, holder: nn.Module, indices: Any) -> dict[int, str]:
-    """Each block's state-dict prefix inside ``module``: the streaming engine names its host masters with them, so
+    """Each block's state-dict prefix inside ``module``: the block streamer names its host masters with them, so
     the module's own ``state_dict`` reads them under their usual names (a declared block list's own name,
     ``model.model.layers.3.``, not its ``blocks`` alias; a block that several layers share, under the first)."""
     try:

@@ -34,7 +34,7 @@ def pipeline_parts(module: nn.Module) -> PipelineParts:
     return module.pipeline_parts()
 
 
-class StagePlacement:
+class RankStages:
     """This rank's stages of one job, cut at every placement (delinking re-cuts), and the replicas' process groups."""
 
     def __init__(self, ctx: EngineContext, group: dist.ProcessGroup) -> None:
