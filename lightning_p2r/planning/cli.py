@@ -213,6 +213,7 @@ def main(argv: list[str]) -> None:
                "expert_parallel_s", "pipeline_sends_s", "data_parallel_s", "offload_copies_s", "optimizer_s",
                "device_GB", "states_GB", "activations_GB", "host_GB"] + (["pseudo_step_s"] if pseudo else [])
     print(format_rows(rows, columns))
+    _warn_missing_terms(config, [p.layout for p in plans[: args.top]], cluster, workload)
     print("\nall figures are predictions of the cost model (docs/planning.md); the best layout as a recipe fragment:")
     print(strategy_fragment(plans[0], workload, cluster))
     if args.trial is not None:
@@ -223,6 +224,16 @@ def main(argv: list[str]) -> None:
             writer = csv.DictWriter(file, fieldnames=columns[:-1] if pseudo else columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(every)
+
+
+def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
+    """Say which framework terms the shown layouts count but the cluster file leaves at zero (their predictions are
+    short by that time), and where each comes from."""
+    from .framework import HOW_TO_GET, missing_terms
+
+    for name, count in missing_terms(config, layouts, cluster, workload).items():
+        print(f"warning: {cluster.name} has no {name} ({HOW_TO_GET[name]}): {count} of the {len(layouts)} layouts "
+              "shown count it, and their step times leave it out")
 
 
 def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Cluster, steps: int,

@@ -135,3 +135,22 @@ def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, worklo
     """Seconds of framework time per step: each count times its cluster constant (zero in a file that has none)."""
     counts = framework_counts(config, layout, cluster, workload, share, transfers)
     return sum(count * getattr(cluster, name) for name, count in counts.items())
+
+
+HOW_TO_GET = {**{term: "measured by `lightning-p2r calibrate`" for term in MEASURED},
+              **{term: "fitted by `python -m lightning_p2r.benchmarks.planner --cross-validate`; `calibrate` does not "
+                       "measure it" for term in FITTED}}
+"""Where a cluster file's value of each term comes from (the planner's warning names it)."""
+
+
+def missing_terms(config: M6Config, layouts: Sequence[Layout], cluster: Cluster,
+                  workload: Workload) -> dict[str, int]:
+    """The terms ``cluster`` leaves at zero that ``layouts`` count, with how many of them count each: their
+    predictions leave that time out (a file from before ``calibrate`` measured it, or a fitted term never fitted
+    on this machine), so they come out short."""
+    missing: dict[str, int] = {}
+    for layout in layouts:
+        for name, count in framework_counts(config, layout, cluster, workload).items():
+            if count > 0 and getattr(cluster, name) == 0:
+                missing[name] = missing.get(name, 0) + 1
+    return {name: missing[name] for name in TERMS if name in missing}
