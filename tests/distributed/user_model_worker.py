@@ -1,9 +1,11 @@
 """A user's own block-sequence model that declares its parallel plan, trained on one process or under
 ``P2RStrategy(tensor_parallel=2)``, or (``--experts``) a user's own MoE whose plan declares its stacked experts,
-under ``P2RStrategy(expert_parallel=2)``; launched by test_user_model_plan.py. Each rank writes its losses."""
+under ``P2RStrategy(expert_parallel=2)``, or (``--data-parallel 2 --seed-per-rank``) built eagerly with another
+seed on each rank and replicated; launched by test_user_model_plan.py. Each rank writes its losses."""
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import lightning as L
@@ -90,10 +92,10 @@ class Stack(nn.Module):
 
 
 class UserModule(L.LightningModule):
-    def __init__(self, experts: bool = False) -> None:
+    def __init__(self, experts: bool = False, seed: int = 0) -> None:
         super().__init__()
         self.losses: list[float] = []
-        torch.manual_seed(0)  # built eagerly: the same initial weights on every rank and in the reference
+        torch.manual_seed(seed)  # built eagerly: the same initial weights on every rank and in the reference
         self.model = Stack(experts)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -112,14 +114,20 @@ def main() -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1)
     parser.add_argument("--expert-parallel", type=int, default=1)
     parser.add_argument("--experts", action="store_true", help="MoE blocks of the user's own")
+    parser.add_argument("--data-parallel", type=int, default=1, help="replicated data-parallel ranks")
+    parser.add_argument("--sharding", default="none")
+    parser.add_argument("--seed-per-rank", action="store_true",
+                        help="each rank builds its model from its own seed (as a script without seed_everything)")
     args = parser.parse_args()
     # Counting sequences (each token's successor is the next token, mod VOCAB): learnable, so the loss falls.
     starts = torch.randint(0, VOCAB, (STEPS * BATCH, 1), generator=torch.Generator().manual_seed(1))
     data = (starts + torch.arange(SEQ + 1)) % VOCAB
-    tp, ep = args.tensor_parallel, args.expert_parallel
-    strategy = P2RStrategy(tensor_parallel=tp, expert_parallel=ep) if tp * ep > 1 else P2RStrategy()
-    module = UserModule(args.experts)
-    trainer = L.Trainer(accelerator="cpu", devices=tp * ep, strategy=strategy, max_steps=STEPS, logger=False,
+    tp, ep, dp = args.tensor_parallel, args.expert_parallel, args.data_parallel
+    strategy = P2RStrategy(tensor_parallel=tp, expert_parallel=ep, sharding=args.sharding)
+    # Lightning's launcher sets LOCAL_RANK in the processes it starts (rank 0 is the launching one).
+    seed = int(os.environ.get("LOCAL_RANK", "0")) if args.seed_per_rank else 0
+    module = UserModule(args.experts, seed)
+    trainer = L.Trainer(accelerator="cpu", devices=tp * ep * dp, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         limit_val_batches=0, default_root_dir=args.out, use_distributed_sampler=False)
     # Tensor-parallel ranks read the same batch (the whole batch on every rank); expert-parallel ranks are data
@@ -129,8 +137,9 @@ def main() -> None:
     # The experts each rank holds, per MoE layer (a share where expert parallelism split the layer).
     experts = [expert_dispatch(m).local_experts if expert_dispatch(m) else m.num_experts
                for m in module.model.modules() if isinstance(m, UserExperts)]
-    report = {"losses": module.losses, "split_parameters": split, "experts_held": experts}
-    (args.out / f"tp{tp}.ep{ep}.rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    weights = [float(local.double().sum()) for local in (getattr(p, "_local_tensor", p) for p in module.parameters())]
+    report = {"losses": module.losses, "split_parameters": split, "experts_held": experts, "weights": weights}
+    (args.out / f"tp{tp}.ep{ep}.dp{dp}.rank{trainer.global_rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
