@@ -46,6 +46,7 @@ from .names import (
 from .offload import (
     BlockFootprint,
     OffloadPlan,
+    check_delayed_host_step,
     check_fsdp_offload_states,
     check_offload_options,
     device_bytes_needed,
@@ -109,6 +110,7 @@ __all__ = [
     "check_local_sharing",
     "check_micro_batches",
     "check_model",
+    "check_delayed_host_step",
     "check_offload_options",
     "check_options",
     "check_parallel_options",

@@ -48,7 +48,7 @@ def parse_bytes(value: int | str, total: int | None = None, name: str = "device_
 
 def check_offload_options(*, offload_fraction: float | None, offload_blocks: Sequence[int] | None,
                           device_memory_budget: int | str | None, offload_states: Sequence[str] | None, prefetch: int,
-                          pin_memory: object, overlap_host_step: object) -> set[str]:
+                          pin_memory: object, overlap_host_step: object, host_step: object = "exact") -> set[str]:
     """Validate ``P2RStrategy``'s offload options; returns the offload states to use (all three by default)."""
     given = [n for n, v in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
                             ("device_memory_budget", device_memory_budget)) if v is not None]
@@ -77,7 +77,26 @@ def check_offload_options(*, offload_fraction: float | None, offload_blocks: Seq
         raise ValueError(f"P2RStrategy.pin_memory must be True, False or 'auto', got {pin_memory!r}")
     if overlap_host_step not in (True, False, "auto"):
         raise ValueError(f"P2RStrategy.overlap_host_step must be True, False or 'auto', got {overlap_host_step!r}")
+    if host_step not in HOST_STEPS:
+        raise ValueError(f"P2RStrategy.host_step must be one of {HOST_STEPS}, got {host_step!r}")
+    if host_step == "delayed" and not given:
+        raise ValueError("P2RStrategy(host_step='delayed') delays offloaded blocks' host optimizer steps, but nothing "
+                         "is offloaded: add offload_fraction, offload_blocks or device_memory_budget")
     return states
+
+
+HOST_STEPS = ("exact", "delayed")
+"""When an offloaded block's host optimizer update reaches the model: "exact" (before the next forward) or "delayed"
+(computed during the next step, used from the one after: DeepSpeed's delayed parameter update)."""
+
+
+def check_delayed_host_step(host_step: str, path: str) -> None:
+    """The delayed update belongs to the one-process block streamer, whose split optimizer steps offloaded blocks on
+    the host itself; FSDP2's CPU offload steps the host shards inside the optimizer's own step."""
+    if host_step == "delayed" and path != "local":
+        raise ValueError("P2RStrategy(host_step='delayed') runs on one process with sharding 'none' or 'zero1' (the "
+                         "block streamer); FSDP2's CPU offload (zero2/zero3, or several processes) steps the host "
+                         "shards inside the optimizer step and cannot delay them: use host_step='exact' there")
 
 
 @dataclass(frozen=True)

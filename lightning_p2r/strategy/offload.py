@@ -54,6 +54,14 @@ class _OffloadedBlock:
     unwritten: set[int] = field(default_factory=set)  # host gradient buffers still holding an earlier step's
     ready_event: object | None = None
     reload_release: bool = False  # load_state_dict holds the block on the device only to write into it
+    published: list[torch.Tensor] | None = None
+    """Delayed host steps with streamed parameters: the values the model computes with (fetched from here), while the
+    host step updates ``host`` in place; ``BlockStreamer.publish`` copies them over (None: ``host`` is both)."""
+
+    @property
+    def source(self) -> list[torch.Tensor]:
+        """Where fetches copy the parameters from."""
+        return self.published if self.published is not None else self.host
 
 
 def _hidden_state(output: object) -> torch.Tensor | None:
@@ -76,9 +84,15 @@ class BlockStreamer:
 
     def __init__(self, holder: nn.Module, offloaded: tuple[int, ...], device: torch.device, *, prefetch: int = 1,
                  pin_memory: bool = False, param_prefix: str = "", block_prefixes: dict[int, str] | None = None,
-                 offload_params: bool = True) -> None:
+                 offload_params: bool = True, delayed: bool = False) -> None:
         self.holder = holder
         self.offload_params = offload_params
+        self.delayed = delayed
+        """Host steps are delayed (``host_step="delayed"``): the model computes with the published values, and the split
+        optimizer publishes each block's update one step after its gradients (``publish``)."""
+        self.wait_for_update: Callable[[int | None], None] | None = None
+        """Delayed host steps: wait until block i's pending update (all blocks' for None) no longer reads its
+        gradient buffers, before they are written or read again (the split optimizer sets it)."""
         self.device = device
         self.prefetch = prefetch
         self.pin_memory = pin_memory
@@ -148,8 +162,11 @@ class BlockStreamer:
             host.append(master)
         param_bytes = sum(h.numel() * h.element_size() for h in host)
         trainable = frozenset(position for position, param in enumerate(params) if param.requires_grad)
+        # Delayed host steps update the masters while the device runs the next step: fetches read a second copy.
+        published = [h.clone().pin_memory() if self.pin_memory else h.clone() for h in host] if (
+            self.delayed and self.offload_params) else None
         return _OffloadedBlock(index, names, params, host, [None] * len(host), trainable, param_bytes,
-                               resident=not self.offload_params, unwritten=set(trainable))
+                               resident=not self.offload_params, unwritten=set(trainable), published=published)
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
         """Host master of every offloaded parameter, by its name in the LightningModule's state dict."""
@@ -191,16 +208,22 @@ class BlockStreamer:
         return [name for name, _ in self.holder.blocks[index].named_parameters()]
 
     def _save_masters(self, index: int, module: nn.Module, state: dict, prefix: str, local_metadata: object) -> None:
-        for name, master in zip(self._local_names(index), self.blocks[index].host):
+        # The model's values are what it computes with: under delayed host steps the published copy (streamed) or
+        # the device parameters (resident); a pending update is the optimizer's (``SplitOptimizer.state_dict``).
+        block = self.blocks[index]
+        values = block.source if self.offload_params else (block.params if self.delayed else block.host)
+        for name, value in zip(self._local_names(index), values):
             if prefix + name in state:
-                state[prefix + name] = master.detach()
+                state[prefix + name] = value.detach()
 
     def _load_masters(self, index: int, module: nn.Module, state: dict, prefix: str, *args: object) -> None:
         block = self.blocks[index]
         with torch.no_grad():
-            for name, master in zip(self._local_names(index), block.host):
+            for position, name in enumerate(self._local_names(index)):
                 if prefix + name in state:
-                    master.copy_(state[prefix + name])
+                    block.host[position].copy_(state[prefix + name])
+                    if block.published is not None:
+                        block.published[position].copy_(state[prefix + name])
         # The module then copies the same values into its parameters: give them storage to land in.
         block.reload_release = not block.resident
         self.fetch(index, wait=True)
@@ -284,14 +307,28 @@ class BlockStreamer:
     # -------------------------------------------------------------------------------------- data movement
     def push_params(self, index: int) -> None:
         """After a host step: refresh the device copy of a block whose parameters stay resident."""
-        if self.offload_params:
-            return  # the next fetch copies the updated host masters in
+        if self.offload_params or self.delayed:
+            return  # the next fetch copies the updated host masters in; delayed steps reach the model by ``publish``
         block = self.blocks[index]
         # May run on the host-step thread: name the device and the compute stream explicitly.
         with torch.no_grad(), _on_stream(self._compute_stream):
             for param, master in zip(block.params, block.host):
                 param.data.copy_(master, non_blocking=self.pin_memory)
         self.stats.h2d_bytes += block.param_bytes
+
+    def publish(self, index: int) -> None:
+        """Delayed host steps, on the main thread once block ``index``'s update is complete: the model computes with it
+        from now on (copied into the fetch source, or into the resident device parameters)."""
+        block = self.blocks[index]
+        with torch.no_grad():
+            if block.published is not None:
+                for published, master in zip(block.published, block.host):
+                    published.copy_(master)
+            elif self.delayed:
+                with _on_stream(self._compute_stream):
+                    for param, master in zip(block.params, block.host):
+                        param.data.copy_(master, non_blocking=self.pin_memory)
+                self.stats.h2d_bytes += block.param_bytes
 
     def fetch(self, index: int, wait: bool) -> None:
         block = self.blocks[index]
@@ -308,12 +345,12 @@ class BlockStreamer:
             if self._copy_stream is not None:
                 self._copy_stream.wait_stream(self._compute_stream)
                 with torch.cuda.stream(self._copy_stream):
-                    for param, master in zip(block.params, block.host):
+                    for param, master in zip(block.params, block.source):
                         param.data.copy_(master, non_blocking=self.pin_memory)
                         param.data.record_stream(self._copy_stream)
                     block.ready_event = self._copy_stream.record_event()
             else:
-                for param, master in zip(block.params, block.host):
+                for param, master in zip(block.params, block.source):
                     param.data.copy_(master)
                 self.stats.copy_wait_seconds += time.perf_counter() - start
             block.resident = True
@@ -343,6 +380,8 @@ class BlockStreamer:
             self._releases.append(self._compute_stream.record_event())
 
     def _offload_grads(self, block: _OffloadedBlock) -> None:
+        if self.wait_for_update is not None:  # a delayed update still reading this block's buffers
+            self.wait_for_update(block.index)
         start = time.perf_counter()
         for position, (param, buffer) in enumerate(zip(block.params, block.host_grads)):
             if param.grad is None:
@@ -376,7 +415,10 @@ class BlockStreamer:
             self._offload_grads(block)
 
     def finish_backward(self) -> None:
-        """After ``backward``: offload what a block left behind (parameters that got no gradient)."""
+        """After ``backward``: offload what a block left behind (parameters that got no gradient). Delayed updates
+        are all complete from here on (clipping and the next updates read the gradient buffers)."""
+        if self.wait_for_update is not None:
+            self.wait_for_update(None)
         for block in self.blocks.values():
             self.flush_grads(block.index)
             self.release(block.index)
@@ -388,6 +430,8 @@ class BlockStreamer:
         for block in self.blocks.values():
             if set_to_none:
                 block.unwritten = set(block.trainable)
+                if self.delayed:
+                    continue  # a delayed update may be stepping these masters: it unlinks their gradients itself
                 for master in block.host:
                     if isinstance(master, nn.Parameter):
                         master.grad = None

@@ -140,6 +140,12 @@ class OffloadConfig:
     cannot change the result (no clipping, gradient scaler or accumulation); "auto": only with an accelerator (on a
     CPU the two compete for the cores: 476 ms instead of 345 ms per step measured on 2 cores)."""
 
+    host_step: Literal["exact", "delayed"] = "exact"
+    """"exact": an offloaded block's host optimizer update is in place before the next forward. "delayed" (one process,
+    DeepSpeed's delayed parameter update): the update from step t's gradients is computed on the host while the
+    device runs step t+1 and used from step t+2, so the host step hides behind the device; those blocks then train
+    one step stale (docs/offload.md measures the cost). Clipping, loss scaling and checkpoints stay exact."""
+
     log_telemetry: bool = True
     """Log the offload statistics (``offload/*``) through the Trainer's loggers."""
 
@@ -147,7 +153,8 @@ class OffloadConfig:
         states = check_offload_options(
             offload_fraction=self.offload_fraction, offload_blocks=self.offload_blocks,
             device_memory_budget=self.device_memory_budget, offload_states=self.offload_states,
-            prefetch=self.prefetch, pin_memory=self.pin_memory, overlap_host_step=self.overlap_host_step)
+            prefetch=self.prefetch, pin_memory=self.pin_memory, overlap_host_step=self.overlap_host_step,
+            host_step=self.host_step)
         # Stored resolved (all three by default), sorted so equal settings compare equal.
         object.__setattr__(self, "offload_states", sorted(states))
         check_bool("log_telemetry", self.log_telemetry)

@@ -3,6 +3,14 @@
 ``SplitOptimizer`` shows the user's groups in their order, each offloaded parameter replaced by its host master;
 underneath, one optimizer of the same class per side (one per offloaded block on the host) steps with the groups'
 settings. Its state dict is in that canonical order, so a checkpoint loads under another offload plan, or none.
+
+With ``host_step="delayed"`` (DeepSpeed's delayed parameter update) the host update of step t's gradients is
+submitted at the end of step t and runs on a host thread while the device computes step t+1; it is published to the
+model (``BlockStreamer.publish``) at the end of step t+1, so step t+2 computes with it. The thread owns a block's
+masters, gradient buffers and host optimizer from submission until it completes: the block streamer waits for it
+before writing that block's next gradients, and every update is complete when a backward ends (clipping and loss
+scaling then read the new gradients, as without the delay). A checkpoint stores the model as it computes and the
+pending update in the optimizer state (``delayed_params``), so a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -92,6 +100,11 @@ class SplitOptimizer(torch.optim.Optimizer):
         self.host_optimizers = {index: self._build(groups, host_kwargs) for index, groups in side_groups.items()}
         self._executor: ThreadPoolExecutor | None = None
         self._pending: dict[int, Future] = {}
+        self.delayed = engine.delayed
+        self._unpublished: set[int] = set()
+        """Delayed host steps: blocks whose update was submitted and is not yet the model's (``publish``)."""
+        if self.delayed:
+            engine.wait_for_update = self._wait_for_update
         self._initialized = True
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -128,7 +141,9 @@ class SplitOptimizer(torch.optim.Optimizer):
             canonical = self.param_groups[group["_canonical"]]
             group.update({k: v for k, v in canonical.items() if k != "params" and k not in _IMPLEMENTATION_FLAGS})
 
-    def _host_step(self, index: int) -> float:
+    def _host_step(self, index: int, received: set[int] | None = None) -> float:
+        """Step block ``index``'s host optimizer. ``received``: the positions that got a gradient this step, taken
+        on the main thread when the step is delayed (the main thread moves on to the next step meanwhile)."""
         optimizer = self.host_optimizers[index]
         if optimizer is None:
             return 0.0
@@ -136,20 +151,61 @@ class SplitOptimizer(torch.optim.Optimizer):
         # A parameter whose host buffer holds no gradient of this step is skipped, as plain AdamW skips a
         # parameter whose .grad is None (no weight decay, no moment decay, no step count).
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        stale = [p for p in params if not self.engine.received_gradient(*self._position_of[id(p)])]
+        if received is None:
+            stale = [p for p in params if not self.engine.received_gradient(*self._position_of[id(p)])]
+        else:
+            stale = [p for p in params if self._position_of[id(p)][1] not in received]
         if len(stale) == len(params):
             return 0.0
         saved = [(p, p.grad) for p in stale]
         for p in stale:
             p.grad = None
-        self._sync_hyperparameters(optimizer)
+        if not self.delayed:  # a delayed step's settings were taken when it was submitted (the LR has moved since)
+            self._sync_hyperparameters(optimizer)
         try:
             optimizer.step()
         finally:
             for p, grad in saved:
                 p.grad = grad
+            if self.delayed:  # the next step's gradients link them again (the main thread left them alone)
+                for p in params:
+                    p.grad = None
         self.engine.push_params(index)
         return time.perf_counter() - start
+
+    def _wait_for_update(self, index: int | None) -> None:
+        """Delayed host steps: wait for block ``index``'s pending update (every block's for None)."""
+        for key in list(self._pending) if index is None else [index]:
+            future = self._pending.pop(key, None)
+            if future is not None:
+                self.engine.stats.host_step_seconds += future.result()
+
+    def _submit_delayed(self) -> None:
+        """Publish the updates of the previous step, then submit this step's (their gradients are final: clipped and
+        unscaled by now), each with the learning rate and settings of this step."""
+        self._wait_for_update(None)
+        for index in sorted(self._unpublished):
+            self.engine.publish(index)
+        self._unpublished.clear()
+        for index, optimizer in self.host_optimizers.items():
+            if optimizer is None:
+                continue
+            block = self.engine.blocks[index]
+            received = {position for position in block.trainable if self.engine.received_gradient(index, position)}
+            if not received:
+                continue
+            self._sync_hyperparameters(optimizer)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="p2r-host-step")
+            self._pending[index] = self._executor.submit(self._host_step, index, received)
+            self._unpublished.add(index)
+
+    def flush(self) -> None:
+        """Delayed host steps: complete and publish every pending update (the model then has all of them)."""
+        self._wait_for_update(None)
+        for index in sorted(self._unpublished):
+            self.engine.publish(index)
+        self._unpublished.clear()
 
     def submit_host_step(self, index: int) -> None:
         """Start block ``index``'s host step now, while the device is still busy with earlier blocks' backward."""
@@ -164,9 +220,12 @@ class SplitOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         stats = self.engine.stats
-        for index in self.host_optimizers:
-            future = self._pending.pop(index, None)
-            stats.host_step_seconds += future.result() if future is not None else self._host_step(index)
+        if self.delayed:
+            self._submit_delayed()
+        else:
+            for index in self.host_optimizers:
+                future = self._pending.pop(index, None)
+                stats.host_step_seconds += future.result() if future is not None else self._host_step(index)
         if self.device_optimizer is not None:
             start = time.perf_counter()
             self._sync_hyperparameters(self.device_optimizer)
@@ -177,6 +236,10 @@ class SplitOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.delayed and not set_to_none:
+            raise ValueError("P2RStrategy(host_step='delayed') needs zero_grad(set_to_none=True), Lightning's default: "
+                             "zeroing the host gradient buffers in place would race with the delayed update reading "
+                             "them")
         if self.device_optimizer is not None:
             self.device_optimizer.zero_grad(set_to_none=set_to_none)
         # Host gradient buffers are persistent: the next step's first micro-batch overwrites them, and until it
@@ -197,9 +260,15 @@ class SplitOptimizer(torch.optim.Optimizer):
         pass
 
     def state_dict(self) -> dict[str, Any]:
+        self._wait_for_update(None)  # a delayed update in flight: its optimizer state and values are complete first
         merged = self.state  # each parameter is in exactly one inner optimizer
-        state = {slot: dict(merged[p]) for slot, p in enumerate(self._canonical_params()) if merged.get(p)}
-        return {"state": state, "param_groups": regrouped(self.param_groups)}
+        params = self._canonical_params()
+        state = {slot: dict(merged[p]) for slot, p in enumerate(params) if merged.get(p)}
+        result = {"state": state, "param_groups": regrouped(self.param_groups)}
+        if self._unpublished:  # updated values the model does not compute with yet (published after the next step)
+            result["delayed_params"] = {slot: p.detach().clone() for slot, p in enumerate(params)
+                                        if self._position_of.get(id(p), (None,))[0] in self._unpublished}
+        return result
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_groups = state_dict["param_groups"]
@@ -215,8 +284,27 @@ class SplitOptimizer(torch.optim.Optimizer):
             local_state = {i: saved_state[slot] for i, slot in enumerate(slots) if slot in saved_state}
             optimizer.load_state_dict({"state": local_state, "param_groups": regrouped(optimizer.param_groups)})
             self._sync_hyperparameters(optimizer)
+        self._load_delayed_params(state_dict.get("delayed_params") or {})
+
+    @torch.no_grad()
+    def _load_delayed_params(self, values: dict[Any, torch.Tensor]) -> None:
+        """A checkpoint's pending (delayed) update: into the masters, published after the next step as it would have
+        been; without a delay here, or on a parameter that is not offloaded now, it reaches the model at once."""
+        params = self._canonical_params()
+        for slot, value in values.items():
+            param = params[int(slot)]
+            param.copy_(value.to(param.device))
+            where = self._position_of.get(id(param))
+            if where is None:
+                continue
+            if self.delayed:
+                self._unpublished.add(where[0])
+            else:
+                self.engine.push_params(where[0])
 
     def shutdown(self) -> None:
+        """Complete (and publish) every pending host step, then stop the thread."""
+        self.flush()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
             self._executor = None

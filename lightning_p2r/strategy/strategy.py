@@ -122,6 +122,7 @@ class P2RStrategy(ParallelStrategy):
         prefetch: int = 1,
         pin_memory: bool | Literal["auto"] = "auto",
         overlap_host_step: bool | Literal["auto"] = "auto",
+        host_step: Literal["exact", "delayed"] = "exact",
         log_telemetry: bool = True,
         blocks: str | None = None,
         accelerator: Any = None,
@@ -144,7 +145,7 @@ class P2RStrategy(ParallelStrategy):
             offload_fraction=offload_fraction, offload_blocks=offload_blocks,
             device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
             offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
-            overlap_host_step=overlap_host_step, log_telemetry=log_telemetry)
+            overlap_host_step=overlap_host_step, host_step=host_step, log_telemetry=log_telemetry)
         self.model_config = ModelConfig(blocks=blocks)
         if pipeline_parallel > 1:  # the one option rule across sections (each section checked itself)
             check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)

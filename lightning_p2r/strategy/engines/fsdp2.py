@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from ...layout import check_fsdp_offload_states, fsdp_mode_for
+from ...layout import check_delayed_host_step, check_fsdp_offload_states, fsdp_mode_for
 from ...sharing import OptimizerStatePolicy, Perturbation
 from ..accounting import local_tensor
 from ..checkpoint import (
@@ -69,6 +69,7 @@ class FSDP2Engine(Engine):
         """FSDP2's own rule: its CPU offload moves a unit's parameters, gradients and optimizer states together."""
         super().check_options(ctx)
         check_fsdp_offload_states(set(ctx.offload.offload_states))
+        check_delayed_host_step(ctx.offload.host_step, self.path)
 
     def setup_environment(self, ctx: EngineContext) -> None:
         """The dense mesh and its expert twin (``parallel/mesh.py``); the stages' traffic runs over "pp"."""

@@ -46,7 +46,8 @@ class LocalEngine(Engine):
             self.streaming = BlockStreamer(holder, plan.offloaded, ctx.device, prefetch=ctx.offload.prefetch,
                                            pin_memory=ctx.pin_memory,
                                            block_prefixes=_block_prefixes(module, holder, plan.offloaded),
-                                           offload_params="params" in ctx.offload.offload_states)
+                                           offload_params="params" in ctx.offload.offload_states,
+                                           delayed=ctx.offload.host_step == "delayed")
 
         plan = place(module, ctx, None, None, stream=stream).plan
         self.streaming.on_block_grads_ready = self._on_block_grads_ready
@@ -73,7 +74,8 @@ class LocalEngine(Engine):
         return self.optimizer
 
     def _on_block_grads_ready(self, index: int) -> None:
-        if isinstance(self.optimizer, SplitOptimizer) and self.ctx.host_step_allowed():
+        # Delayed host steps are submitted at the optimizer step, with the gradients clipped and unscaled.
+        if isinstance(self.optimizer, SplitOptimizer) and not self.optimizer.delayed and self.ctx.host_step_allowed():
             self.optimizer.submit_host_step(index)
 
     def update_static_bytes(self) -> None:
