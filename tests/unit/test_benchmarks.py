@@ -365,3 +365,16 @@ def test_balance_benchmark_compares_both_rules(tmp_path: Path, capsys: pytest.Ca
     assert len(_read_csv(tmp_path / "balance.csv")) == 2
     _assert_png(tmp_path / "balance.png")
     assert "bias (mean ± sd)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_delayed_host_step_benchmark_writes_csv_and_png(tmp_path: Path) -> None:
+    from lightning_p2r.benchmarks import delayed_host_step
+
+    summary = delayed_host_step.main(["--quick", "--out", str(tmp_path)])
+    rows = _read_csv(tmp_path / "delayed_host_step.csv")
+    assert [row["arm"] for row in rows] == ["exact", "delayed"]
+    assert all(math.isfinite(float(row["final_val_loss_mean"])) for row in rows)
+    # The arms differ (the delayed one trains its offloaded blocks one step stale) but start from the same seed.
+    assert summary["finals"]["exact"] != summary["finals"]["delayed"]
+    _assert_png(tmp_path / "delayed_host_step.png")
