@@ -7,7 +7,7 @@ from typing import Literal, get_args
 Sharding = Literal["none", "zero1", "zero2", "zero3"]
 Accumulation = Literal["standard", "layered"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "looped_bfs"]
-PlacementPath = Literal["local", "fsdp", "model_parallel", "pipeline"]
+PlacementPath = Literal["local", "ddp", "fsdp", "model_parallel", "pipeline"]
 FSDPMode = Literal["replicate", "zero2", "zero3"]
 OffloadState = Literal["params", "grads", "optimizer"]
 

@@ -78,7 +78,9 @@ class Layout:
         return dims.data_parallel, dims.data_rank(rank)
 
     def path(self, devices: int) -> PlacementPath:
-        return placement_path(self.sharding, devices, model_parallel=self.model_parallel, pipelined=self.pipelined)
+        return placement_path(self.sharding, devices, offloading=self.offloading,
+                              layered=self.accumulation == "layered", model_parallel=self.model_parallel,
+                              pipelined=self.pipelined)
 
     @property
     def resharding(self) -> Resharding:
@@ -268,7 +270,7 @@ def check_devices(layout: Layout, devices: int, *, accelerator: bool = True) -> 
     planner's clusters do; a CPU-only run does not)."""
     dims = layout.dims(devices)
     if (layout.sharding == "zero1" and layout.offloading and accelerator
-            and layout.path(devices) != "local"):
+            and layout.path(devices) not in ("local", "ddp")):
         raise ValueError(
             "P2RStrategy(sharding='zero1') with offloaded blocks across processes on an accelerator: "
             "ZeroRedundancyOptimizer broadcasts its partitions through the accelerator's process group, which "

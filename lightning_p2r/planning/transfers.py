@@ -3,11 +3,13 @@ pipeline sends, and host-device copies of offloaded blocks. The same list is pri
 compared, kind by kind, with what :class:`~lightning_p2r.strategy.accounting.CollectiveCounter` and the offload
 telemetry count on real runs (``tests/distributed``).
 
-Data parallelism (FSDP2 per block, plus one unit for what lies outside the blocks), per step:
+Data parallelism (FSDP2 per block, plus one unit for what lies outside the blocks; DDP for "none"/zero1 on plain
+data parallelism), per step:
 
-- "none"/zero1 (FSDP2's replicate layout): each unit's gradient all-reduced once, in one call (accumulation keeps
-  it local until the last micro-batch); zero1 then broadcasts the updated partitions (every rank receives every
-  parameter once);
+- "none"/zero1: each gradient all-reduced once (accumulation keeps it local until the last micro-batch); zero1
+  then broadcasts the updated partitions (every rank receives every parameter once). On FSDP2's replicate layout
+  each unit is one all-reduce; DDP packs the gradients into buckets (:func:`ddp_bucket_calls`) and issues one per
+  bucket (the bytes are the same, the calls, which price the latency, are fewer);
 - zero2: each unit gathered once per micro-batch (layered accumulation: once per step), reduce-scattered once;
 - zero3: each block gathered twice per micro-batch (forward, and again for backward; layered: twice per step),
   the root unit once per micro-batch;
@@ -19,6 +21,7 @@ Only parameter parts held by more than one data rank move; expert parts over the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..models.config import M6Config
@@ -64,7 +67,7 @@ def step_transfers(config: M6Config, layout: Layout, cluster: Cluster, workload:
     """What a rank at ``pipeline_rank`` moves in one step (every rank of a pipeline position moves the same)."""
     share = rank_share(config, layout, cluster, workload, pipeline_rank)
     transfers = _model_parallel(config, layout, workload, share, clip_gradients)
-    transfers += _data_parallel(config, layout, workload, share)
+    transfers += _data_parallel(config, layout, workload, share, ddp=layout.path(cluster.devices) == "ddp")
     transfers += _pipeline(config, layout, workload, share)
     transfers += _offload(config, layout, workload, share)
     return [t for t in transfers if t.payload > 0]
@@ -109,7 +112,23 @@ def _model_parallel(config: M6Config, layout: Layout, workload: Workload, share:
     return transfers + (clipping if clip_gradients else [])
 
 
-def _data_parallel(config: M6Config, layout: Layout, workload: Workload, share: RankShare) -> list[Transfer]:
+DDP_FIRST_BUCKET_BYTES = 1 << 20
+"""DDP's first gradient bucket (torch's default: small, so the first all-reduce starts early in backward)."""
+DDP_BUCKET_BYTES = 25 << 20
+"""DDP's other buckets (``bucket_cap_mb=25``, torch's and Lightning's default)."""
+
+
+def ddp_bucket_calls(gradient_bytes: float) -> int:
+    """All-reduce calls DDP issues for ``gradient_bytes`` of gradients per step: one per bucket, the first of
+    ``DDP_FIRST_BUCKET_BYTES`` and the others of ``DDP_BUCKET_BYTES`` (a bucket closes at whole parameters, which
+    this ignores)."""
+    if gradient_bytes <= 0:
+        return 0
+    return 1 + math.ceil(max(0.0, gradient_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+
+
+def _data_parallel(config: M6Config, layout: Layout, workload: Workload, share: RankShare,
+                   ddp: bool = False) -> list[Transfer]:
     m = layout.micro_batches
     once = layout.accumulation == "layered"
     pb = workload.param_bytes
@@ -139,7 +158,21 @@ def _data_parallel(config: M6Config, layout: Layout, workload: Workload, share: 
             reduces = m if ((offloaded or layout.reduce_every_micro_batch) and not once) else 1
             transfers.append(Transfer(label, "all_gather", gathers * payload, size, stride, gathers, True))
             transfers.append(Transfer(label, "reduce_scatter", reduces * payload, size, stride, reduces, True))
+    if ddp:
+        transfers = _ddp_buckets(transfers)
     return transfers + _replica_sums(config, layout, workload, share)
+
+
+def _ddp_buckets(transfers: list[Transfer]) -> list[Transfer]:
+    """The per-unit gradient all-reduces of ``transfers`` as DDP issues them: the same bytes in one call per
+    bucket."""
+    reduces = [t for t in transfers if t.kind == "all_reduce"]
+    if not reduces:
+        return transfers
+    payload = sum(t.payload for t in reduces)
+    bucketed = Transfer("data parallel", "all_reduce", payload, reduces[0].size, reduces[0].stride,
+                        ddp_bucket_calls(payload), True)
+    return [bucketed] + [t for t in transfers if t.kind != "all_reduce"]
 
 
 def _gathers_per_step(layout: Layout, is_block: bool) -> int:

@@ -8,9 +8,11 @@ which skips the steps that split the model (3, 6) and streams its offloaded bloc
    a model built eagerly and replicated takes the first rank's values, as DDP does when it wraps one;
 4. **recompute**: pipeline stage modules checkpoint each layer (layered accumulation recomputes in its executor);
 5. **compile** each block (``compile.py``), after the plan and recompute, before FSDP2 wraps it;
-6. **FSDP2**: ``fully_shard`` every unit (a block; its experts first), then the roots (``Layout.resharding``);
-   data-parallel replication is this step too (FSDP2's replicate layout: shards of one rank, gradients
-   all-reduced), and ZeRO-1 partitions the optimizer states afterwards (``replicated_zero.py``);
+6. **data parallelism**: FSDP2 ``fully_shard`` on every unit (a block; its experts first), then the roots
+   (``Layout.resharding``); replicated layouts take FSDP2's replicate layout (shards of one rank, gradients
+   all-reduced) with offload or layered accumulation, and otherwise (the "ddp" path) DDP's reducer, whose bucketed
+   all-reduces overlap the backward: it wraps the module once materialized (7). ZeRO-1 partitions the optimizer
+   states afterwards (``replicated_zero.py``);
 7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them
    (an offloaded block's in host memory);
 8. **streaming offload** (one process, nothing sharded: ``offload.py``): the planned blocks' host values become the
@@ -31,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
 from ..layout import fsdp_mode_for
 from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
@@ -65,6 +68,8 @@ class Placement:
     """``root`` on the meta device, as it was before placement (delinking copies it); None on one process."""
     outside_root: nn.Module | None = None
     """Layered accumulation's FSDP2 root over the modules outside the blocks (see ``sharding.OutsideBlocksRoot``)."""
+    wrapper: DistributedDataParallel | None = None
+    """The "ddp" path: DDP's wrapper around the module, which Lightning then calls (its reducer syncs gradients)."""
 
 
 def shard_unit(unit: nn.Module, mesh: object, *, reshard: bool, offloaded: bool, pin_memory: bool) -> None:
@@ -115,7 +120,8 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
             check_tensor_parallel_ties(root, planned_modules(root, holder, split))
         apply_model_plan(module, holder, split, meshes, ctx)
     lazy = has_meta_tensors(module)
-    if (not lazy and split is None and stages is None and ctx.world_size > 1
+    reducer = ctx.layout.path(ctx.world_size) == "ddp"  # DDP broadcasts rank 0's model itself when it wraps
+    if (not lazy and not reducer and split is None and stages is None and ctx.world_size > 1
             and fsdp_mode_for(ctx.sharding.sharding) == "replicate"):
         copy_first_replica(module, meshes.data_group(), ctx.device)
     if move_module and not lazy and meshes is not None:  # one process: after the block streamer (8)
@@ -124,9 +130,16 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
     stage_modules = stages.build_stage_modules(holder) if stages is not None else []
     # 5. compile
     apply_compile(ctx.accumulation.compile, holder.blocks, own)
-    # 6. FSDP2: units, then roots
+    # 6. data parallelism: FSDP2's units, then roots; or DDP's reducer, around the materialized module
     if meshes is None:
         return _place_on_one_process(module, holder, placement, ctx, lazy, ties, stream)
+    if reducer:
+        if lazy:  # 7. materialize
+            _materialize_shards(module, holder, plan, ctx, placement.template)
+        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        placement.wrapper = DistributedDataParallel(module, device_ids=device_ids, process_group=meshes.data_group())
+        check_ties_kept(root, ties)
+        return placement
     reshard = ctx.layout.resharding
     units = [holder.blocks[i] for i in own]
     if split is not None:

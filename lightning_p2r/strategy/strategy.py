@@ -93,7 +93,7 @@ class P2RStrategy(ParallelStrategy):
     timeout) are accepted too and set by the Trainer.
 
     A ``ParallelStrategy``, not a ``DDPStrategy``: data-parallel replication is a step of the one placement
-    (``placement.py``: FSDP2's replicate layout), so the model is never wrapped, and on one process Lightning leaves
+    (``placement.py``: DDP's reducer or FSDP2's replicate layout), and on one process Lightning leaves
     the training loader's sampler as it is (it replaces it with a ``DistributedSampler`` only for a distributed job).
     """
 
@@ -210,8 +210,9 @@ class P2RStrategy(ParallelStrategy):
     @property
     def path(self) -> PlacementPath:
         """Which placement path runs this job: "local" (one process and nothing sharded: the block streamer), or one
-        of the FSDP2 engine's "fsdp" (every rank holds a shard or a replica of every block), "model_parallel" (tensor
-        / expert parallel first) and "pipeline" (stages first)."""
+        of the FSDP2 engine's "ddp" (replicas synced by DDP's reducer), "fsdp" (every rank holds a shard or, with
+        offload or layered accumulation, a replica of every block), "model_parallel" (tensor / expert parallel
+        first) and "pipeline" (stages first)."""
         return self.layout.path(self.world_size)
 
     @property
@@ -309,6 +310,9 @@ class P2RStrategy(ParallelStrategy):
             rank_zero_warn(warning)
         # A data module that declares its batch size is checked now, before any work; other data at its first batch.
         check_trainer(self.layout, trainer.accumulate_grad_batches, getattr(trainer.datamodule, "batch_size", None))
+        if self._layer_sync is not None and trainer.state.fn == TrainerFn.FITTING:
+            # Trainer(sync_batchnorm=True): BatchNorm layers synchronized across ranks, as Lightning's DDP does.
+            self.model = self._layer_sync.apply(self.model)
         module = self.lightning_module
         path, holder_path = self.model_config.blocks, None
         if path is None and isinstance(module, NamesBlockList):
@@ -328,6 +332,8 @@ class P2RStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         placed = self.engine.place(module, self.context(weights))
+        if placed.wrapper is not None:  # the "ddp" path: Lightning calls DDP's wrapper (its forward redirection)
+            self.model = placed.wrapper
         if weights is not None:  # the one place a checkpoint's weights are written into a placed model
             self.engine.load_weights(module, *weights)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -511,6 +517,7 @@ class P2RStrategy(ParallelStrategy):
         over the new parameters, to which the caller (``PseudoToReal``) rebinds the learning-rate schedulers."""
         new_optimizer, placed = self.engine.delink(pl_module, unwrapped(optimizer), self.context(), num_unique_blocks,
                                                    optimizer_state, perturb)
+        self.model = placed.wrapper if placed.wrapper is not None else pl_module  # a new wrapper on the "ddp" path
         self.optimizers = [new_optimizer]
         self.plan = placed.plan
         return new_optimizer
@@ -575,10 +582,16 @@ class P2RStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         release_to_host(self.optimizers, self.streamer)
+        if self.model is not None and self.model is not self.lightning_module:
+            self.model = self.lightning_module  # DDP's wrapper off, as Lightning's DDP does at teardown
         if self.engine is not None:
             self.engine.teardown(self.lightning_module)
         vars(self.precision_plugin).pop("clip_grad_by_norm", None)  # the class's method again
         module = self.lightning_module
+        if self._layer_sync is not None and module is not None and module._trainer is not None \
+                and module.trainer.state.fn == TrainerFn.FITTING:
+            self.model = self._layer_sync.revert(self.model)  # plain BatchNorm again after fitting, as under DDP
+            module = self.lightning_module
         if module is not None and has_meta_tensors(module):
             # Setup stopped (a bad option) before every tensor was placed: a meta tensor cannot move to the host,
             # so the model stays where it is and only the environment is torn down.

@@ -232,16 +232,22 @@ def test_the_latency_is_the_mean_small_call_over_its_ring_steps() -> None:
         latency_per_step(-1.0, "all_reduce", 2)
 
 
-def test_replicated_data_parallelism_all_reduces_each_unit_once() -> None:
+def test_ddp_all_reduces_its_gradients_in_buckets() -> None:
+    from lightning_p2r.planning.transfers import DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, ddp_bucket_calls
+
+    assert ddp_bucket_calls(0) == 0 and ddp_bucket_calls(1) == 1 and ddp_bucket_calls(DDP_FIRST_BUCKET_BYTES) == 1
+    assert ddp_bucket_calls(DDP_FIRST_BUCKET_BYTES + 1) == 2
+    assert ddp_bucket_calls(DDP_FIRST_BUCKET_BYTES + DDP_BUCKET_BYTES + 1) == 3
+
     def reduces(layout: Layout) -> tuple[int, float]:
         found = [t for t in step_transfers(DENSE, layout, cluster(2), WORK) if t.kind == "all_reduce"]
         return sum(t.calls for t in found), sum(t.payload for t in found)
 
-    # FSDP2's replicate layout (sharding "none", any accumulation): one call per unit (4 blocks and the root), the
-    # bytes of every gradient once; zero1 the same, then broadcasts.
-    standard, layered = reduces(Layout()), reduces(Layout(accumulation="layered", micro_batches=2))
-    assert standard == layered and standard[0] == 4 + 1 and standard[1] > 0
-    assert reduces(Layout(sharding="zero1")) == standard
+    # DDP (standard accumulation, sharding "none"): the same bytes as FSDP2's replicate layout (layered
+    # accumulation), one call per bucket instead of one per unit (4 blocks and the root).
+    ddp, replicate = reduces(Layout()), reduces(Layout(accumulation="layered", micro_batches=2))
+    assert ddp[1] == replicate[1] and replicate[0] == 4 + 1
+    assert ddp[0] == ddp_bucket_calls(ddp[1]) < replicate[0]
 
 
 def test_a_group_crosses_the_network_when_its_span_exceeds_a_node() -> None:

@@ -39,8 +39,9 @@ def _with_world_size(strategy: P2RStrategy, world_size: int) -> P2RStrategy:
 
 @pytest.mark.parametrize(("kwargs", "world_size", "path", "mode"), [
     ({"sharding": "none"}, 1, "local", "replicate"), ({"sharding": "zero1"}, 1, "local", "replicate"),
-    # Across processes every layout is FSDP2's: "none" and "zero1" its replicate layout (where DDP used to run).
-    ({"sharding": "none"}, 2, "fsdp", "replicate"), ({"sharding": "zero1"}, 2, "fsdp", "replicate"),
+    # Across processes "none" and "zero1" take DDP's reducer ("ddp"), or FSDP2's replicate layout with offload or
+    # layered accumulation (DDP's reducer cannot drive them).
+    ({"sharding": "none"}, 2, "ddp", "replicate"), ({"sharding": "zero1"}, 2, "ddp", "replicate"),
     ({"sharding": "zero2"}, 1, "fsdp", "zero2"), ({"sharding": "zero3"}, 2, "fsdp", "zero3"),
     ({"sharding": "none", "offload_fraction": 0.5}, 1, "local", "replicate"),
     ({"sharding": "none", "offload_fraction": 0.5}, 2, "fsdp", "replicate"),

@@ -1,5 +1,6 @@
-"""Two engines behind one interface (:class:`~.base.Engine`): ``local`` (one process, nothing sharded: the streaming
-block streamer) and ``fsdp2`` (every layout across processes, and ZeRO-2/3 on one), by the rulebook's placement path."""
+"""Two engines behind one interface (:class:`~.base.Engine`): ``local`` (one process, nothing sharded: the block
+streamer) and ``fsdp2`` (every layout across processes, DDP's reducer on the "ddp" path, and ZeRO-2/3 on one), by
+the rulebook's placement path."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from .local import LocalEngine
 
 
 def engine_for(path: str) -> Engine:
-    """The engine of a placement path ("local", "fsdp", "model_parallel" or "pipeline")."""
+    """The engine of a placement path ("local", "ddp", "fsdp", "model_parallel" or "pipeline")."""
     if path == "local":
         return LocalEngine()
     return FSDP2Engine(path)

@@ -71,10 +71,12 @@ class EngineContext:
 
 @dataclass(frozen=True)
 class Placed:
-    """What a placement made: the offload plan (None where no block can be offloaded: DDP) and its setup log lines."""
+    """What a placement made: the offload plan, its setup log lines, and the wrapper Lightning calls instead of the
+    module (DDP's, on the "ddp" path; None elsewhere)."""
 
     plan: OffloadPlan | None = None
     log: tuple[str, ...] = ()
+    wrapper: nn.Module | None = None
 
 
 def holder_of(module: nn.Module) -> nn.Module:

@@ -1,5 +1,5 @@
 """Every layout across processes, and ZeRO-2/3 on one, in one engine: ZeRO-2/3, the replicated layouts (``none`` and
-``zero1``: FSDP2's HSDP with shards of one rank, where DDP used to run), tensor / expert parallelism and pipeline
+``zero1``: DDP's reducer, or FSDP2's HSDP with shards of one rank), tensor / expert parallelism and pipeline
 stages. They differ only in the steps of the one placement path they take (``placement.py``) and, for pipelines, in
 the step runner. Checkpoints are torch distributed checkpoints, except where every rank holds the whole model: one
 file, as DDP writes it."""
@@ -62,7 +62,7 @@ class FSDP2Engine(Engine):
     def saves_sharded(self) -> bool:  # type: ignore[override]
         """Sharded (DCP) checkpoints, but one file where every rank holds the whole model (the replicated layouts
         without a model split), as DDP writes it: ``load_from_checkpoint`` and any other tool read it."""
-        return not (self.path == "fsdp" and self.ctx is not None
+        return not (self.path in ("fsdp", "ddp") and self.ctx is not None
                     and fsdp_mode_for(self.ctx.sharding.sharding) == "replicate")
 
     def check_options(self, ctx: EngineContext) -> None:
@@ -100,7 +100,8 @@ class FSDP2Engine(Engine):
             # in teardown; the strategy's training step calls the stages directly).
             self._holder.forward = self.stages.forward
         log = ["P2RStrategy " + self.meshes.dims.describe()] if self.meshes.dims.model_parallel else []
-        return Placed(self.placement.plan, tuple(log + ([self.stages.describe()] if self.stages is not None else [])))
+        return Placed(self.placement.plan, tuple(log + ([self.stages.describe()] if self.stages is not None else [])),
+                      self.placement.wrapper)
 
     def teardown(self, module: nn.Module | None) -> None:
         if self.stages is not None and module is not None:
@@ -145,7 +146,13 @@ class FSDP2Engine(Engine):
     @contextlib.contextmanager
     def no_sync(self, module: nn.Module) -> Iterator[None]:
         """Skip the gradient reduction of every unit that is not offloaded (their gradients must not stay on the
-        device) until the last micro-batch, unless the options ask to reduce every micro-batch."""
+        device) until the last micro-batch, unless the options ask to reduce every micro-batch; DDP's reducer skips
+        it by its own ``no_sync``."""
+        wrapper = self.placement.wrapper if self.placement is not None else None
+        if wrapper is not None and not self.ctx.accumulation.reduce_every_micro_batch:
+            with wrapper.no_sync():
+                yield
+            return
         units = []
         if not self.ctx.accumulation.reduce_every_micro_batch and self.stages is None:
             blocks = holder_of(module).blocks
@@ -171,7 +178,8 @@ class FSDP2Engine(Engine):
                 stage_module.reshard()
 
     def grad_copies(self) -> Callable[[torch.Tensor], int] | None:
-        return None if self.path == "fsdp" else self.copies  # "fsdp": one mesh, torch's clipping is right
+        # "fsdp" (one mesh) and "ddp" (plain tensors): torch's clipping is right
+        return None if self.path in ("fsdp", "ddp") else self.copies
 
     def copies(self, param: torch.Tensor) -> int:
         """Ranks holding the same local part of ``param``'s gradient (a ZeRO-1 view counts as its parameter)."""
