@@ -12,16 +12,12 @@ says nothing about hiding the host step (a GPU's ``benchmarks.gpu`` measures tha
 
 from __future__ import annotations
 
-import json
-import math
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from lightning_p2r.benchmarks.p2r_protocol import paired_difference
+from lightning_p2r.benchmarks.pseudo_to_real import launch_run
 from lightning_p2r.benchmarks.report import (
     base_parser,
     environment_info,
@@ -31,46 +27,23 @@ from lightning_p2r.benchmarks.report import (
     with_environment,
     write_csv,
 )
-from lightning_p2r.measure.run import worker_env
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 ARMS = ("exact", "delayed")
 
 
-def _worker(spec: dict[str, Any]) -> None:
-    from lightning_p2r.benchmarks.pseudo_to_real import ValidationRecorder, build_cli
-
-    torch.set_num_threads(spec["threads"])
-    cli = build_cli(spec["args"])
-    recorder = ValidationRecorder()
-    cli.trainer.callbacks.append(recorder)
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    clock = recorder.step_clock
+def run_arm(name: str, cli_args: list[str], result: Path) -> dict[str, Any]:
+    """One training run in its own process, by the Pseudo-to-Real benchmark's worker (no delinking): its validation
+    points and its median step time after two warm-up steps."""
+    spec = {"name": name, "threads": 2, "args": cli_args, "schedule": {}, "arm": None, "moment_check": False,
+            "save_at": {}, "resume": None, "result": str(result)}
+    run = launch_run(spec, timeout=3600)
+    clock = run["step_clock"]
     steps = [b - a for a, b in zip(clock[2:], clock[3:])] or [float("nan")]
-    Path(spec["result"]).write_text(json.dumps({"points": recorder.points, "step_s": statistics.median(steps)}))
-
-
-def _run(spec: dict[str, Any]) -> dict[str, Any]:
-    command = [sys.executable, "-m", "lightning_p2r.benchmarks.delayed_host_step", "--worker", json.dumps(spec)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=3600, env=worker_env(spec["threads"]))
-    path = Path(spec["result"])
-    if result.returncode or not path.exists():
-        raise RuntimeError(f"run {spec['name']} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
-    return json.loads(path.read_text())
-
-
-def paired(differences: list[float]) -> tuple[float, float]:
-    """Mean and standard error of paired differences (the error is nan for one pair)."""
-    mean = statistics.fmean(differences)
-    if len(differences) < 2:
-        return mean, math.nan
-    return mean, statistics.stdev(differences) / math.sqrt(len(differences))
+    return {"points": run["points"], "step_s": statistics.median(steps)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    if argv is None and len(sys.argv) > 2 and sys.argv[1] == "--worker":
-        _worker(json.loads(sys.argv[2]))
-        return {}
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, default=3)
@@ -87,23 +60,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for seed in range(seeds):
         for arm in ARMS:
             name = f"{arm}_seed{seed}"
-            spec = {"name": name, "threads": 2, "result": str(out / f".delayed_{name}.json"), "args": [
+            result = run_arm(name, [
                 "--config", str(args.config), f"--seed_everything={seed}", "--trainer.accelerator=cpu",
                 "--trainer.devices=1", "--trainer.num_sanity_val_steps=0", "--trainer.logger=false",
                 "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]", "--trainer.enable_progress_bar=false",
                 "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={out / '.runs'}",
                 f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={val_every}",
                 f"--trainer.limit_val_batches={val_batches}", "--trainer.strategy=lightning_p2r.P2RStrategy",
-                "--trainer.strategy.offload_fraction=0.5", f"--trainer.strategy.host_step={arm}"]}
-            result = _run(spec)
+                "--trainer.strategy.offload_fraction=0.5", f"--trainer.strategy.host_step={arm}"],
+                out / f".delayed_{name}.json")
             finals[arm].append(result["points"][-1][1])
             step_times[arm].append(result["step_s"])
             print(f"seed {seed} {arm}: final val loss {finals[arm][-1]:.4f}, {result['step_s']:.4f} s/step",
                   flush=True)
-    diff, error = paired([d - e for d, e in zip(finals["delayed"], finals["exact"])])
+    paired = paired_difference(dict(enumerate(finals["delayed"])), dict(enumerate(finals["exact"])))
     rows = [{"arm": arm, "final_val_loss_mean": round(statistics.fmean(finals[arm]), 4),
              "final_val_loss_sd": round(statistics.stdev(finals[arm]), 4) if seeds > 1 else None,
-             "vs_exact": None if arm == "exact" else f"{diff:+.4f} ± {error:.4f}",
+             "vs_exact": None if arm == "exact" else f"{paired.mean:+.4f} ± {paired.se:.4f}",
              "step_s_median": round(statistics.median(step_times[arm]), 4), "seeds": seeds, "steps": steps}
             for arm in ARMS]
     print_table(rows, ["arm", "final_val_loss_mean", "final_val_loss_sd", "vs_exact", "step_s_median", "seeds",

@@ -244,7 +244,7 @@ def _worker(spec: dict[str, Any]) -> None:
 
 
 # ------------------------------------------------------------------------------------------- in the parent
-def _launch(spec: dict[str, Any], timeout: int = 7200) -> dict[str, Any]:
+def launch_run(spec: dict[str, Any], timeout: int = 7200) -> dict[str, Any]:
     """Run ``spec`` in a fresh process; the result JSON it wrote."""
     env = worker_env(spec["threads"])
     command = [sys.executable, "-m", "lightning_p2r.benchmarks.pseudo_to_real", "--worker", json.dumps(spec)]
@@ -322,7 +322,7 @@ class Runner:
 
     def _one(self, spec: dict[str, Any]) -> None:
         began = time.perf_counter()
-        data = _launch(spec, self.timeout)
+        data = launch_run(spec, self.timeout)
         final = data["points"][-1] if data["points"] else None
         print(f"  {spec['name']}: final val loss {final[1] if final else float('nan'):.4f}, "
               f"{time.perf_counter() - began:.0f} s", flush=True)
@@ -651,7 +651,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             timing_folder.mkdir(exist_ok=True)
             for spec in timing_specs(arms, timed, common, timing_folder, phase_steps, budget, threads):
                 reused = args.reuse_timing and Path(spec["result"]).exists()
-                data = json.loads(Path(spec["result"]).read_text(encoding="utf-8")) if reused else _launch(
+                data = json.loads(Path(spec["result"]).read_text(encoding="utf-8")) if reused else launch_run(
                     spec, args.timeout)
                 phases, delink_s = phase_times(data["step_clock"], sorted(int(s) for s in spec["schedule"]))
                 timing.setdefault(spec["setting"], {})[spec["arm"]["name"]] = {"phases": phases, "delink_s": delink_s}

@@ -19,6 +19,7 @@ from typing import Any
 
 from ..models.config import M6Config
 from .cluster import Cluster, load_cluster
+from .framework import HOW_TO_GET, missing_terms
 from .layout import SCHEDULES, SHARDINGS, Layout, Workload
 from .model import parameter_count, pseudo_of
 from .search import Plan, SearchSpace, evaluate, search
@@ -229,8 +230,6 @@ def main(argv: list[str]) -> None:
 def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
     """Say which framework terms the shown layouts count but the cluster file leaves at zero (their predictions are
     short by that time), and where each comes from."""
-    from .framework import HOW_TO_GET, missing_terms
-
     for name, count in missing_terms(config, layouts, cluster, workload).items():
         print(f"warning: {cluster.name} has no {name} ({HOW_TO_GET[name]}): {count} of the {len(layouts)} layouts "
               "shown count it, and their step times leave it out")

@@ -309,7 +309,9 @@ class BlockStreamer:
         """After a host step: refresh the device copy of a block whose parameters stay resident."""
         if self.offload_params or self.delayed:
             return  # the next fetch copies the updated host masters in; delayed steps reach the model by ``publish``
-        block = self.blocks[index]
+        self._copy_masters_to_device(self.blocks[index])
+
+    def _copy_masters_to_device(self, block: _OffloadedBlock) -> None:
         # May run on the host-step thread: name the device and the compute stream explicitly.
         with torch.no_grad(), _on_stream(self._compute_stream):
             for param, master in zip(block.params, block.host):
@@ -320,15 +322,12 @@ class BlockStreamer:
         """Delayed host steps, on the main thread once block ``index``'s update is complete: the model computes with it
         from now on (copied into the fetch source, or into the resident device parameters)."""
         block = self.blocks[index]
-        with torch.no_grad():
-            if block.published is not None:
+        if block.published is not None:
+            with torch.no_grad():
                 for published, master in zip(block.published, block.host):
                     published.copy_(master)
-            elif self.delayed:
-                with _on_stream(self._compute_stream):
-                    for param, master in zip(block.params, block.host):
-                        param.data.copy_(master, non_blocking=self.pin_memory)
-                self.stats.h2d_bytes += block.param_bytes
+        elif self.delayed:
+            self._copy_masters_to_device(block)
 
     def fetch(self, index: int, wait: bool) -> None:
         block = self.blocks[index]

@@ -168,7 +168,7 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
             stage_module.after_last_forward = _reshard_blocks
     # 7. materialize
     if lazy:
-        _materialize_shards(module, holder, plan, ctx, placement.template)  # the engine writes ctx.weights, if any
+        _materialize_shards(module, holder, plan, ctx, placement.template)  # the strategy then writes ctx.weights
     if placement.outside_root is not None:
         # The model's own forward (evaluation, a callback measuring a loss) reads the embedding and head outside
         # the outside root: gather them first. Training calls the stages through that root instead.

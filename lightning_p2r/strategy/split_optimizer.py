@@ -183,10 +183,7 @@ class SplitOptimizer(torch.optim.Optimizer):
     def _submit_delayed(self) -> None:
         """Publish the updates of the previous step, then submit this step's (their gradients are final: clipped and
         unscaled by now), each with the learning rate and settings of this step."""
-        self._wait_for_update(None)
-        for index in sorted(self._unpublished):
-            self.engine.publish(index)
-        self._unpublished.clear()
+        self.flush()
         for index, optimizer in self.host_optimizers.items():
             if optimizer is None:
                 continue

@@ -13,6 +13,7 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -279,6 +280,7 @@ class P2RStrategy(ParallelStrategy):
         super().setup_environment()  # the accelerator's device
         self.set_world_ranks()
         if self.engine.needs_process_group:
+            reset_seed()  # the seed_everything seed again on every rank, as Lightning's DDP does before joining
             backend = self._process_group_backend or default_backend(self.root_device)
             self._process_group_backend = backend
             start_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
