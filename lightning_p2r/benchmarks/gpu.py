@@ -14,7 +14,10 @@ Arms, in order (the most informative first, so that a run cut short by ``--budge
 - ``moe-peer``: the same model under plain FSDP2 (``fully_shard`` per block and root, bf16 parameters through
   ``MixedPrecisionPolicy``, fp32 reduction) with each block compiled and fused AdamW: torchtitan's recipe;
 - ``dense-compile``, ``dense-peer``: a ~0.94B dense M6 (16 layers, dim 2048), the same two ways;
-- ``moe-offload-half``, ``moe-offload-all``: 4 and 8 of the MoE model's 8 blocks offloaded (the exact host step).
+- ``moe-offload-half``, ``moe-offload-all``: 4 and 8 of the MoE model's 8 blocks offloaded (the exact host step);
+  the same with ``-delayed`` (``host_step="delayed"``: the host update hidden behind the next step), and the delayed
+  all-offloaded MoE and the dense model compiled (``-compile``; the dense one exact and delayed), each against its
+  resident arm above.
 
 Every arm reports tokens/s, model TFLOP/s (:mod:`lightning_p2r.measure.throughput`: active parameters and attention,
 3x the forward), MFU against the device's table peak and against a bf16 matmul measured in the same process, and
@@ -55,8 +58,9 @@ from lightning_p2r.models.moe import MoEFeedForward
 from lightning_p2r.models.transformer import M6Transformer
 from lightning_p2r.planning.model import model_forward_flops
 
-COLUMNS = ["arm", "model", "params_M", "active_M", "kernel", "compile", "offloaded", "tokens_per_s", "step_ms",
-           "tflops", "mfu", "logged_mfu", "mfu_vs_matmul", "cuda_max_alloc_MB", "graph_breaks", "wall_s", "status"]
+COLUMNS = ["arm", "model", "params_M", "active_M", "kernel", "compile", "offloaded", "host_step", "tokens_per_s",
+           "step_ms", "tflops", "mfu", "logged_mfu", "mfu_vs_matmul", "cuda_max_alloc_MB", "host_step_ms",
+           "copy_wait_ms", "graph_breaks", "wall_s", "status"]
 
 
 @dataclass(frozen=True)
@@ -110,22 +114,26 @@ def _median_step(ends: list[float], warmup: int) -> float:
 
 
 def run_p2r(config: M6Config, sizes: Sizes, device: torch.device, *, compile_backend: str | bool,
-            offload_fraction: float = 0.0) -> dict[str, float]:
+            offload_fraction: float = 0.0, host_step: str = "exact") -> dict[str, float]:
     """Median seconds per step of ``config`` under ``P2RStrategy`` (bf16-mixed), and the MFU the run's own
     :class:`Throughput` callback logged over its last window (a check of the callback against this script)."""
     L.seed_everything(0, verbose=False)
     module = M6LanguageModel(config, OptimizerConfig(lr=1e-4, warmup_steps=1, fused=None))
     timer = StepTimer()
     throughput = Throughput(window=max(1, sizes.steps - sizes.warmup - 1), prog_bar=False)
-    strategy = P2RStrategy(compile=compile_backend, offload_fraction=offload_fraction, log_telemetry=False)
+    strategy = P2RStrategy(compile=compile_backend, offload_fraction=offload_fraction, log_telemetry=False,
+                           host_step=host_step)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(accelerator=device.type, devices=1, strategy=strategy, max_steps=sizes.steps,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
                             callbacks=[timer, throughput], precision="bf16-mixed", use_distributed_sampler=False)
         trainer.fit(module, train_dataloaders=random_windows(config, sizes, sizes.steps))
+    timed = strategy.telemetry_history[sizes.warmup:]
+    offload = {f"{name}_ms": 1000 * statistics.median(getattr(stats, f"{name}_seconds") for stats in timed)
+               for name in ("host_step", "copy_wait")} if timed else {}
     return {"seconds": _median_step(timer.ends, sizes.warmup),
-            "logged_mfu": throughput.last.get("perf/mfu", float("nan"))}
+            "logged_mfu": throughput.last.get("perf/mfu", float("nan"))} | offload
 
 
 def _single_process_group(device: torch.device) -> None:
@@ -213,15 +221,22 @@ class Arm:
     compile: bool
     run: Callable[[Sizes, torch.device, Any], Any]
     offload_fraction: float = 0.0
+    host_step: str = "-"
 
 
 def _arms() -> list[Arm]:
-    def p2r(model: str, kernel: str, compile_: bool, fraction: float = 0.0) -> Callable:
+    def p2r(model: str, kernel: str, compile_: bool, fraction: float = 0.0, host_step: str = "exact") -> Callable:
         def go(sizes: Sizes, device: torch.device, backend: Any) -> float:
             config = replace(getattr(sizes, model), expert_kernel=kernel)
             return run_p2r(config, sizes, device, compile_backend=backend if compile_ else False,
-                           offload_fraction=fraction)
+                           offload_fraction=fraction, host_step=host_step)
         return go
+
+    def offload(model: str, compile_: bool, fraction: float, host_step: str) -> Arm:
+        name = f"{model}-offload-{'all' if fraction == 1.0 else 'half'}{'-delayed' if host_step == 'delayed' else ''}"
+        kernel = "grouped" if model == "moe" else "auto"
+        return Arm(name + ("-compile" if compile_ else ""), model, kernel if model == "moe" else "-", compile_,
+                   p2r(model, kernel, compile_, fraction, host_step), offload_fraction=fraction, host_step=host_step)
 
     def peer(model: str) -> Callable:
         def go(sizes: Sizes, device: torch.device, backend: Any) -> float:
@@ -237,8 +252,13 @@ def _arms() -> list[Arm]:
         Arm("moe-peer", "moe", "grouped", True, peer("moe")),
         Arm("dense-compile", "dense", "-", True, p2r("dense", "auto", True)),
         Arm("dense-peer", "dense", "-", True, peer("dense")),
-        Arm("moe-offload-half", "moe", "grouped", False, p2r("moe", "grouped", False, 0.5), offload_fraction=0.5),
-        Arm("moe-offload-all", "moe", "grouped", False, p2r("moe", "grouped", False, 1.0), offload_fraction=1.0),
+        offload("moe", False, 0.5, "exact"),
+        offload("moe", False, 1.0, "exact"),
+        offload("moe", False, 0.5, "delayed"),
+        offload("moe", False, 1.0, "delayed"),
+        offload("moe", True, 1.0, "delayed"),
+        offload("dense", True, 1.0, "exact"),
+        offload("dense", True, 1.0, "delayed"),
     ]
 
 
@@ -246,7 +266,8 @@ def measure_arm(arm: Arm, sizes: Sizes, device: torch.device, backend: Any, peak
                 ) -> dict[str, Any]:
     config = getattr(sizes, arm.model)
     row: dict[str, Any] = {"arm": arm.name, "model": arm.model, "kernel": arm.kernel, "compile": arm.compile,
-                           "offloaded": f"{round(arm.offload_fraction * config.num_layers)}/{config.num_layers}"}
+                           "offloaded": f"{round(arm.offload_fraction * config.num_layers)}/{config.num_layers}",
+                           "host_step": arm.host_step}
     total, active = parameter_counts(config)
     row |= {"params_M": total / 1e6, "active_M": active / 1e6}
     torch._dynamo.reset()
@@ -265,7 +286,7 @@ def measure_arm(arm: Arm, sizes: Sizes, device: torch.device, backend: Any, peak
     if arm.compile:
         row["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
     if isinstance(result, dict) and "seconds" in result:
-        row["logged_mfu"] = result["logged_mfu"]
+        row |= {key: value for key, value in result.items() if key != "seconds"}
         result = result["seconds"]
     if isinstance(result, dict):
         row |= result
@@ -297,7 +318,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         unknown = sorted(set(wanted) - {arm.name for arm in arms})
         if unknown:
             parser.error(f"unknown arms {unknown}; choose from {[arm.name for arm in arms]}")
-        arms = [arm for arm in arms if arm.name in wanted]
+        by_name = {arm.name: arm for arm in arms}
+        arms = [by_name[name] for name in wanted]  # in the order asked: a run cut short keeps the first
     backend: Any = True if device.type == "cuda" else "aot_eager"
     env = environment_info(device)
     print_environment(env)

@@ -53,10 +53,18 @@ class _OffloadedBlock:
     grads_received: set[int] = field(default_factory=set)
     unwritten: set[int] = field(default_factory=set)  # host gradient buffers still holding an earlier step's
     ready_event: object | None = None
+    copied_event: object | None = None
+    """The copy stream's event after the block's last fetch: ``publish`` waits for it before overwriting the source
+    that an asynchronous copy may still be reading (the host runs ahead of the device)."""
     reload_release: bool = False  # load_state_dict holds the block on the device only to write into it
     published: list[torch.Tensor] | None = None
     """Delayed host steps with streamed parameters: the values the model computes with (fetched from here), while the
-    host step updates ``host`` in place; ``BlockStreamer.publish`` copies them over (None: ``host`` is both)."""
+    host step updates ``host`` in place; ``BlockStreamer.publish`` makes the update the model's (None: ``host`` is
+    both)."""
+    staging: list[torch.Tensor] | None = None
+    """Delayed host steps: where the host-step thread copies the masters right after updating them
+    (``BlockStreamer.stage``), so that ``publish`` on the main thread swaps buffers instead of copying them."""
+    staged: bool = False
 
     @property
     def source(self) -> list[torch.Tensor]:
@@ -163,10 +171,13 @@ class BlockStreamer:
         param_bytes = sum(h.numel() * h.element_size() for h in host)
         trainable = frozenset(position for position, param in enumerate(params) if param.requires_grad)
         # Delayed host steps update the masters while the device runs the next step: fetches read a second copy.
-        published = [h.clone().pin_memory() if self.pin_memory else h.clone() for h in host] if (
-            self.delayed and self.offload_params) else None
+        published = staging = None
+        if self.delayed and self.offload_params:
+            published, staging = ([h.clone().pin_memory() if self.pin_memory else h.clone() for h in host]
+                                  for _ in range(2))
         return _OffloadedBlock(index, names, params, host, [None] * len(host), trainable, param_bytes,
-                               resident=not self.offload_params, unwritten=set(trainable), published=published)
+                               resident=not self.offload_params, unwritten=set(trainable), published=published,
+                               staging=staging)
 
     def host_tensors(self) -> dict[str, torch.Tensor]:
         """Host master of every offloaded parameter, by its name in the LightningModule's state dict."""
@@ -224,6 +235,7 @@ class BlockStreamer:
                     block.host[position].copy_(state[prefix + name])
                     if block.published is not None:
                         block.published[position].copy_(state[prefix + name])
+        block.staged = False  # a staged update predates these values
         # The module then copies the same values into its parameters: give them storage to land in.
         block.reload_release = not block.resident
         self.fetch(index, wait=True)
@@ -323,11 +335,31 @@ class BlockStreamer:
         from now on (copied into the fetch source, or into the resident device parameters)."""
         block = self.blocks[index]
         if block.published is not None:
-            with torch.no_grad():
-                for published, master in zip(block.published, block.host):
-                    published.copy_(master)
+            if block.copied_event is not None:  # a fetch may still be reading the values being replaced
+                block.copied_event.synchronize()
+                block.copied_event = None
+            if block.staged:  # the host-step thread copied the update already: swap, no copy on this thread
+                block.published, block.staging = block.staging, block.published
+                block.staged = False
+            else:  # an update that was not staged (one restored from a checkpoint)
+                with torch.no_grad():
+                    for published, master in zip(block.published, block.host):
+                        published.copy_(master)
         elif self.delayed:
             self._copy_masters_to_device(block)
+
+    def stage(self, index: int) -> None:
+        """Delayed host steps, on the host-step thread right after block ``index``'s update: copy the masters into the
+        block's staging buffers, which ``publish`` later swaps in (the main thread, which drives the device, copies
+        nothing). The staging buffers were last read by fetches before the previous ``publish``, which waited for
+        them."""
+        block = self.blocks[index]
+        if block.staging is None:
+            return
+        with torch.no_grad():
+            for staging, master in zip(block.staging, block.host):
+                staging.copy_(master)
+        block.staged = True
 
     def fetch(self, index: int, wait: bool) -> None:
         block = self.blocks[index]
@@ -348,6 +380,7 @@ class BlockStreamer:
                         param.data.copy_(master, non_blocking=self.pin_memory)
                         param.data.record_stream(self._copy_stream)
                     block.ready_event = self._copy_stream.record_event()
+                    block.copied_event = block.ready_event if block.published is not None else None
             else:
                 for param, master in zip(block.params, block.source):
                     param.data.copy_(master)

@@ -171,6 +171,8 @@ class SplitOptimizer(torch.optim.Optimizer):
                 for p in params:
                     p.grad = None
         self.engine.push_params(index)
+        if self.delayed:
+            self.engine.stage(index)
         return time.perf_counter() - start
 
     def _wait_for_update(self, index: int | None) -> None:
@@ -184,7 +186,9 @@ class SplitOptimizer(torch.optim.Optimizer):
         """Publish the updates of the previous step, then submit this step's (their gradients are final: clipped and
         unscaled by now), each with the learning rate and settings of this step."""
         self.flush()
-        for index, optimizer in self.host_optimizers.items():
+        # Last block first: the next backward needs the last block's gradient buffers first (its offload waits for
+        # that block's update), the next forward only reads the published copies.
+        for index, optimizer in sorted(self.host_optimizers.items(), reverse=True):
             if optimizer is None:
                 continue
             block = self.engine.blocks[index]
@@ -296,6 +300,7 @@ class SplitOptimizer(torch.optim.Optimizer):
                 continue
             if self.delayed:
                 self._unpublished.add(where[0])
+                self.engine.blocks[where[0]].staged = False  # publish copies the restored masters
             else:
                 self.engine.push_params(where[0])
 

@@ -66,3 +66,23 @@ def test_cuda_pins_host_buffers_by_default(tmp_path: Path) -> None:
 def test_cuda_bf16_mixed_offload_runs(tmp_path: Path) -> None:
     module, trainer, _ = _fit(tmp_path, P2RStrategy(offload_fraction=0.5), precision="bf16-mixed")
     assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
+@pytest.mark.parametrize("clip", [None, 0.5], ids=["no_clip", "clip"])
+def test_cuda_delayed_host_steps_follow_the_rule(tmp_path: Path, clip: float | None) -> None:
+    """The delayed host step on a real copy stream, pinned published copies and a host thread: the same losses and
+    weights as the rule applied by hand on the CPU (tests/unit/test_delayed_host_step.py), so no asynchronous copy
+    reads a published copy while the next update overwrites it."""
+    import test_delayed_host_step as rule
+
+    expected_losses, expected_weights = rule.delayed_by_hand(clip)
+    module = rule.Module()
+    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=rule.STEPS, logger=False,
+                        strategy=P2RStrategy(offload_blocks=list(rule.OFFLOADED), host_step="delayed"),
+                        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path, gradient_clip_val=clip)
+    trainer.fit(module, torch.utils.data.DataLoader(rule.batches(), batch_size=rule.BATCH))
+    assert trainer.strategy.context().pin_memory is True
+    assert module.losses == pytest.approx(expected_losses, rel=1e-4, abs=1e-5)
+    for name, value in module.model.state_dict().items():
+        torch.testing.assert_close(value.cpu(), expected_weights[name], rtol=1e-4, atol=1e-5, msg=name)
