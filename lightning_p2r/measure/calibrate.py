@@ -142,10 +142,16 @@ def matmul_overhead(device: torch.device, repeats: int, operator_seconds: float,
     weight = torch.randn(4 * dim, dim, device=device, dtype=dtype, requires_grad=True)
     rows = [16, 32, 64, 128]
     seconds = []
+    # Several calls per timing, as training queues them: on CUDA a timing of one call would be mostly the host's
+    # wait for the device (measured on an H100: 0.2 ms per call, which priced small MoE models 4x too slow).
+    calls = 8
+
+    def linear_calls(x: torch.Tensor) -> None:
+        for _ in range(calls):
+            torch.nn.functional.linear(x, weight).sum().backward()
     for count in rows:
         x = torch.randn(count, dim, device=device, dtype=dtype, requires_grad=True)
-        seconds.append(median_seconds(lambda x=x: torch.nn.functional.linear(x, weight).sum().backward(),
-                                      iters=repeats, device=device))
+        seconds.append(median_seconds(lambda x=x: linear_calls(x), iters=repeats, device=device) / calls)
     # What the cost model already charges one linear layer at any rows: three launches (forward, two gradients)
     # and five passes over the weight (read twice, the gradient written, read and written), as step_time counts.
     weight_bytes = weight.numel() * weight.element_size()
@@ -485,7 +491,8 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
     measured["step_overhead"] = step_overhead(processes, threads, quick)
     accumulated = step_overhead(processes, threads, quick, accumulate=ACCUMULATED_BATCHES)
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else host_memory_bytes() / processes
-    cluster = Cluster(name=name, devices=processes, devices_per_node=processes, device_memory=float(memory),
+    cluster = Cluster(name=name, accelerator="cuda" if cuda else "cpu", devices=processes,
+                      devices_per_node=processes, device_memory=float(memory),
                       host_memory_per_node=host_memory_bytes(), inter_node_bandwidth=measured["intra_node_bandwidth"],
                       inter_node_latency=measured["intra_node_latency"], overlap_collectives=cuda,
                       overlap_copies=cuda, cpu_oversubscription=1.0 if cuda else cpu_oversubscription(

@@ -49,12 +49,19 @@ def parse_quantity(value: Any, name: str, *, unit: str = "") -> float:
     return number * _SCALE[lowered]
 
 
+ACCELERATORS = ("cuda", "cpu")
+
+
 @dataclass(frozen=True)
 class Cluster:
     """The machines a run would use. Bandwidths are per device and per direction; FLOP/s are what a device achieves
     on the training's large matmuls (not its datasheet peak)."""
 
     name: str = "cluster"
+    accelerator: str = "cuda"
+    """"cuda" or "cpu": what the devices are. It decides the kernels the model runs where it lets the device choose
+    (``M6Config.expert_kernel="auto"``: grouped expert GEMMs on CUDA in bf16). ``lightning-p2r calibrate`` writes
+    it; a file without it describes GPUs."""
     devices: int = 8
     """Accelerators (or, on a CPU-only machine, training processes) in the whole run."""
     devices_per_node: int = 8
@@ -140,6 +147,9 @@ class Cluster:
             elif field.name == "name":
                 if not isinstance(value, str) or not value:
                     raise ValueError(f"Cluster.name must be a non-empty string, got {value!r}")
+            elif field.name == "accelerator":
+                if value not in ACCELERATORS:
+                    raise ValueError(f"Cluster.accelerator must be one of {list(ACCELERATORS)}, got {value!r}")
             elif field.type == "bool" or isinstance(field.default, bool):
                 if not isinstance(value, bool):
                     raise ValueError(f"Cluster.{field.name} must be true or false, got {value!r}")
@@ -184,7 +194,7 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
         raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
     parsed: dict[str, Any] = {}
     for key, value in values.items():
-        if key in ("name", "collective_factors") or isinstance(known[key].default, bool):
+        if key in ("name", "accelerator", "collective_factors") or isinstance(known[key].default, bool):
             parsed[key] = value
         elif key in ("devices", "devices_per_node"):
             parsed[key] = value

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
-from .model import layer_operator_launches
+from .model import grouped_experts, layer_operator_launches
 from .share import RankShare, rank_share
 from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, Transfer, step_transfers
 
@@ -78,13 +78,14 @@ def pipeline_stage_actions(layout: Layout) -> int:
     return 2 * layout.stages_per_rank * layout.micro_batches
 
 
-def tensor_parallel_operator_passes(config: M6Config, layout: Layout, share: RankShare) -> int:
+def tensor_parallel_operator_passes(config: M6Config, layout: Layout, share: RankShare, *,
+                                    grouped: bool = False) -> int:
     """Operators the rank's layers launch per step under tensor parallelism (none without it): forward and backward
     (three forwards' worth, as ``operator_overhead`` counts them) of every micro-batch."""
     if layout.tensor_parallel == 1:
         return 0
     local_experts = config.num_experts // layout.expert_parallel
-    launches = sum(layer_operator_launches(config, layer, local_experts) for layer in share.layers)
+    launches = sum(layer_operator_launches(config, layer, local_experts, grouped=grouped) for layer in share.layers)
     return 3 * layout.micro_batches * launches
 
 
@@ -121,7 +122,8 @@ def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workloa
     if transfers is None:
         transfers = step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
     fitted = {"stage_overhead": pipeline_stage_actions(layout),
-              "dtensor_overhead": tensor_parallel_operator_passes(config, layout, share),
+              "dtensor_overhead": tensor_parallel_operator_passes(
+                  config, layout, share, grouped=grouped_experts(config, cluster.accelerator, workload.precision)),
               "blocking_collective_overhead": blocking_collective_calls(transfers, cluster.overlap_collectives),
               "expert_wait_overhead": expert_dispatch_calls(transfers)}
     stretch = cluster.cpu_oversubscription

@@ -173,22 +173,34 @@ def layer_elementwise_elements(config: M6Config, layer: int) -> float:
     return elements
 
 
-def layer_operator_launches(config: M6Config, layer: int, local_experts: int | None = None) -> int:
+def grouped_experts(config: M6Config, accelerator: str, precision: str) -> bool:
+    """Whether the MoE layers run their experts as two grouped GEMMs (else a loop of two matmuls per expert): the
+    model's ``expert_kernel``, where "auto" picks grouped on a CUDA device computing in bf16, as the layer does
+    (``lightning_p2r.models.moe.resolve_expert_kernel``)."""
+    if config.expert_kernel != "auto":
+        return config.expert_kernel == "grouped"
+    return accelerator == "cuda" and precision == "bf16-mixed"
+
+
+def layer_operator_launches(config: M6Config, layer: int, local_experts: int | None = None, *,
+                            grouped: bool = False) -> int:
     """Operators one layer's forward launches on any batch (the fixed per-call cost the device or the host's
-    dispatcher pays); backward about twice as many. An MoE layer loops over its experts (two matmuls and a GELU
-    each; ``local_experts`` of them on an expert-parallel rank) and pays its routing bookkeeping."""
+    dispatcher pays); backward about twice as many. An MoE layer pays its routing bookkeeping and, with the loop
+    kernel, two matmuls and a GELU per expert (``local_experts`` of them on an expert-parallel rank); the grouped
+    kernel's launches do not grow with the experts."""
     launches = 30
     if config.is_moe_layer(layer):
-        launches += 40 + 4 * (config.num_experts if local_experts is None else local_experts)
+        per_expert = 4 * (config.num_experts if local_experts is None else local_experts)
+        launches += 40 + (6 if grouped else per_expert)
     return launches
 
 
-def layer_matmuls(config: M6Config, layer: int, local_experts: int | None = None) -> int:
+def layer_matmuls(config: M6Config, layer: int, local_experts: int | None = None, *, grouped: bool = False) -> int:
     """Matmul calls of one layer's forward (backward runs two per forward matmul: the input's and the weight's
     gradient): attention's qkv and output projections, then a dense FFN's two, or the router's one and two per
-    expert the rank computes (``local_experts`` on an expert-parallel rank)."""
+    expert the rank computes (``local_experts`` on an expert-parallel rank; two in all with the grouped kernel)."""
     if config.is_moe_layer(layer):
-        return 2 + 1 + 2 * (config.num_experts if local_experts is None else local_experts)
+        return 2 + 1 + (2 if grouped else 2 * (config.num_experts if local_experts is None else local_experts))
     return 4
 
 

@@ -39,6 +39,7 @@ from .layout import Layout, Workload
 from .memory import stored_elements, unsharded_elements
 from .model import (
     as_run,
+    grouped_experts,
     head_forward_flops,
     layer_attention_flops,
     layer_elementwise_elements,
@@ -90,9 +91,12 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     elementwise = sum(layer_elementwise_elements(config, layer) for layer in share.layers)
     elementwise_seconds = 3 * tokens * elementwise * workload.activation_bytes / cluster.elementwise_bandwidth
     local_experts = config.num_experts // layout.expert_parallel
-    launches = sum(layer_operator_launches(config, layer, local_experts) for layer in share.layers) + 10
+    grouped = grouped_experts(config, cluster.accelerator, workload.precision)
+    launches = sum(layer_operator_launches(config, layer, local_experts, grouped=grouped)
+                   for layer in share.layers) + 10
     launch_seconds = passes * layout.micro_batches * launches * cluster.operator_overhead
-    matmuls = sum(layer_matmuls(config, layer, local_experts) for layer in share.layers) + int(share.last_stage)
+    matmuls = sum(layer_matmuls(config, layer, local_experts, grouped=grouped)
+                  for layer in share.layers) + int(share.last_stage)
     matmul_seconds = passes * layout.micro_batches * matmuls * cluster.matmul_overhead
     local_params = sum(unsharded_elements(config, layout, share, block) for block in (*share.blocks, None))
     # Per micro-batch every local weight is read by its forward and its input-gradient matmul (once more under

@@ -1,0 +1,208 @@
+"""The planner judged on a fresh draw of model shapes and one-device layouts (issue 41: held-out shapes, not only
+held-out layouts; item 2: the same on a GPU).
+
+    python -m lightning_p2r.benchmarks.planner_draw [--seed 11] [--count 24] [--budget-s 150] [--cluster FILE]
+                                                    [--measured CSV] [--out DIR]
+
+1. **Draw.** A seeded random sample of models (depth, width, dense or MoE with 4-16 experts and top-1 or top-2,
+   sequence length) and one-device layouts (offloaded fraction, micro-batches, standard or layered accumulation,
+   recompute), sized for the device (a GPU gets models of 10-300 M parameters in bf16, a CPU small ones in fp32);
+   layouts the strategy's rulebook refuses are redrawn.
+2. **Measure.** Each draw trains for a few steps in this process on random tokens (the planner's trial worker's
+   fit); the measured step is the median optimizer-step interval after warm-up. Rows are written as they finish, so
+   a run cut short by ``--budget-s`` keeps what it measured.
+3. **Predict.** With ``--cluster`` (a ``lightning-p2r calibrate`` file of this machine) each row gets the
+   planner's estimate; ``--measured CSV`` re-predicts stored measurements without running anything, so a change to
+   the cost model is judged on the same draw. The summary prints the median and largest |error| and Spearman's rank
+   correlation of predicted and measured step.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from lightning_p2r.benchmarks.report import base_parser
+from lightning_p2r.models.config import M6Config
+from lightning_p2r.planning.cluster import Cluster, load_cluster
+from lightning_p2r.planning.layout import Layout, Workload, check_layout
+from lightning_p2r.planning.step_time import estimate_step
+
+COLUMNS = ("draw", "layout", "layers", "dim", "experts", "top_k", "seq_len", "global_batch", "precision",
+           "measured_s", "predicted_s", "error_pct", "status", "model", "options")
+
+
+@dataclass(frozen=True)
+class Draw:
+    config: M6Config
+    layout: Layout
+    workload: Workload
+
+
+def _model(rng: random.Random, gpu: bool) -> tuple[M6Config, int, int]:
+    """(config, global batch, seq_len) of one drawn model."""
+    layers = rng.choice((2, 4, 6, 8))
+    dim = rng.choice((256, 512, 768, 1024) if gpu else (32, 64, 96, 128))
+    seq = rng.choice((256, 512, 1024, 2048) if gpu else (32, 64, 128))
+    tokens = rng.choice((8192, 16384, 32768) if gpu else (256, 512, 1024))
+    experts = rng.choice((0, 0, 4, 8, 16))
+    moe = {} if experts == 0 else {"num_experts": experts, "moe_top_k": rng.choice((1, 2)),
+                                   "capacity_factor": rng.choice((None, 1.25))}
+    config = M6Config(vocab_size=rng.choice((8192, 32768)) if gpu else 256, max_seq_len=seq, num_layers=layers,
+                      dim=dim, num_heads=dim // 64 if gpu else 4, moe_layers=[] if experts == 0 else None,
+                      **moe)
+    return config, max(1, tokens // seq), seq
+
+
+def _layout(rng: random.Random, layers: int) -> Layout:
+    micro = rng.choice((1, 1, 2, 4))
+    return Layout(offload_fraction=rng.choice((0.0, 0.0, 0.5, 1.0)), micro_batches=micro,
+                  accumulation=rng.choice(("standard", "layered")) if micro > 1 else "standard",
+                  recompute=rng.random() < 0.25)
+
+
+def draw(seed: int, count: int, gpu: bool) -> list[Draw]:
+    """``count`` runnable (model, layout, workload) draws on one device, seeded."""
+    rng = random.Random(seed)
+    cluster = Cluster(devices=1, devices_per_node=1)
+    out: list[Draw] = []
+    while len(out) < count:
+        config, batch, seq = _model(rng, gpu)
+        layout = _layout(rng, config.num_layers)
+        workload = Workload(global_batch=batch, seq_len=seq, precision="bf16-mixed" if gpu else "32-true")
+        try:
+            check_layout(layout, config, cluster, workload)
+        except ValueError:
+            continue
+        out.append(Draw(config, layout, workload))
+    return out
+
+
+def measure(item: Draw, device: str, steps: int) -> float:
+    from lightning_p2r.measure.run import fit_on_random_tokens
+    from lightning_p2r.strategy import P2RStrategy
+
+    spec = {"name": item.layout.describe(), "model": asdict(item.config), "devices": 1, "steps": steps,
+            "global_batch": item.workload.global_batch, "seq_len": item.workload.seq_len,
+            "precision": item.workload.precision, "accumulate_grad_batches": item.layout.trainer_accumulation,
+            "accelerator": device}
+    strategy = P2RStrategy(**item.layout.strategy_options(), log_telemetry=False)
+    return fit_on_random_tokens(spec, strategy, warmup=2)[2]
+
+
+def row_of(index: int, item: Draw) -> dict[str, Any]:
+    config = item.config
+    return {"draw": index, "layout": item.layout.describe(), "layers": config.num_layers, "dim": config.dim,
+            "experts": config.num_experts if config.moe_layers != [] else 0, "top_k": config.moe_top_k,
+            "seq_len": item.workload.seq_len, "global_batch": item.workload.global_batch,
+            "precision": item.workload.precision, "model": json.dumps(asdict(config)),
+            "options": json.dumps(asdict(item.layout))}
+
+
+def draw_of_row(row: dict[str, Any]) -> Draw:
+    options = json.loads(row["options"])
+    if options.get("offload_blocks") is not None:
+        options["offload_blocks"] = tuple(options["offload_blocks"])
+    return Draw(M6Config(**json.loads(row["model"])), Layout(**options),
+                Workload(global_batch=int(row["global_batch"]), seq_len=int(row["seq_len"]),
+                         precision=row["precision"]))
+
+
+def predict(rows: list[dict[str, Any]], cluster: Cluster) -> None:
+    for row in rows:
+        if not row.get("measured_s"):
+            continue
+        item = draw_of_row(row)
+        predicted = estimate_step(item.config, item.layout, cluster.with_devices(1), item.workload).total
+        measured = float(row["measured_s"])
+        row["predicted_s"] = predicted
+        row["error_pct"] = 100 * (predicted - measured) / measured
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
+    scored = [row for row in rows if row.get("error_pct") not in (None, "")]
+    if not scored:
+        return {}
+    errors = sorted(abs(float(row["error_pct"])) for row in scored)
+    return {"count": len(scored), "median_abs_error_pct": errors[len(errors) // 2] if len(errors) % 2 else
+            (errors[len(errors) // 2 - 1] + errors[len(errors) // 2]) / 2, "max_abs_error_pct": errors[-1],
+            "spearman": spearman([float(r["predicted_s"]) for r in scored], [float(r["measured_s"]) for r in scored])}
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        for rank, index in enumerate(order):
+            out[index] = float(rank)
+        return out
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    if n < 2:
+        return float("nan")
+    mean = (n - 1) / 2
+    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
+    var = sum((x - mean) ** 2 for x in ra)
+    return cov / var
+
+
+def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--count", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=5, help="optimizer steps per draw (2 of them warm-up)")
+    parser.add_argument("--budget-s", type=float, default=150.0, help="stop drawing after this many seconds")
+    parser.add_argument("--cluster", help="a calibrated cluster file of this machine: predict every row")
+    parser.add_argument("--measured", help="re-predict this CSV's measurements instead of running")
+    args = parser.parse_args(argv)
+    out = Path(args.out) / "planner_draw.csv"
+    if args.measured:
+        with open(args.measured, newline="") as file:
+            rows = list(csv.DictReader(file))
+    else:
+        rows = []
+        began = time.perf_counter()
+        for index, item in enumerate(draw(args.seed, args.count, gpu=args.device == "cuda")):
+            row = row_of(index, item)
+            if time.perf_counter() - began > args.budget_s:
+                row["status"] = f"skipped: past --budget-s {args.budget_s}"
+            else:
+                try:
+                    row |= {"measured_s": measure(item, args.device, args.steps), "status": "ok"}
+                except Exception as error:  # a draw that fails is a finding: record it, measure the next
+                    traceback.print_exc()
+                    row["status"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+            rows.append(row)
+            print(f"[{time.perf_counter() - began:6.1f} s] {row['draw']} {row['layout']} L{row['layers']} "
+                  f"d{row['dim']} E{row['experts']} s{row['seq_len']} b{row['global_batch']}: "
+                  f"{row.get('measured_s', '-')} {row['status']}", flush=True)
+            write_rows(rows, out)
+    if args.cluster:
+        predict(rows, load_cluster(args.cluster))
+    write_rows(rows, out)
+    for row in rows:
+        if row.get("error_pct") not in (None, ""):
+            print(f"{row['draw']:>3} {row['layout']:24s} L{row['layers']} d{row['dim']} E{row['experts']} "
+                  f"s{row['seq_len']}: measured {float(row['measured_s']):.4g} s, predicted "
+                  f"{float(row['predicted_s']):.4g} s ({float(row['error_pct']):+.0f}%)")
+    print(summary(rows))
+    print(f"wrote {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

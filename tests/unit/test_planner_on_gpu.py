@@ -1,0 +1,118 @@
+"""The planner's GPU terms (issue 41 item 2): the expert kernel a cluster's device runs, counted as that kernel's
+matmul calls and launches; the cluster's accelerator field; and the two benchmarks that measure the planner on a
+device (compute by shape, a seeded draw of models and one-device layouts)."""
+
+import csv
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_p2r.benchmarks import compute_shapes, planner_draw
+from lightning_p2r.models.config import M6Config
+from lightning_p2r.planning.cluster import Cluster, cluster_from_dict
+from lightning_p2r.planning.layout import Layout, Workload, check_layout
+from lightning_p2r.planning.model import grouped_experts, layer_matmuls, layer_operator_launches
+from lightning_p2r.planning.step_time import estimate_step
+
+MOE = M6Config(vocab_size=512, max_seq_len=64, num_layers=4, dim=64, num_heads=4, num_experts=16, moe_top_k=2)
+DENSE = replace(MOE, moe_layers=[])
+
+
+@pytest.mark.parametrize(("kernel", "accelerator", "precision", "grouped"), [
+    ("auto", "cuda", "bf16-mixed", True), ("auto", "cuda", "32-true", False), ("auto", "cpu", "bf16-mixed", False),
+    ("grouped", "cpu", "32-true", True), ("loop", "cuda", "bf16-mixed", False)])
+def test_the_expert_kernel_is_the_one_the_layer_picks(kernel, accelerator, precision, grouped) -> None:
+    assert grouped_experts(replace(MOE, expert_kernel=kernel), accelerator, precision) is grouped
+
+
+def test_grouped_experts_are_two_matmul_calls_whatever_the_number_of_experts() -> None:
+    layer = 0
+    assert MOE.is_moe_layer(layer)
+    loop_calls = layer_matmuls(MOE, layer)
+    assert loop_calls == 3 + 2 * 16 and layer_matmuls(MOE, layer, 4) == 3 + 2 * 4
+    assert layer_matmuls(MOE, layer, grouped=True) == layer_matmuls(replace(MOE, num_experts=64), layer,
+                                                                    grouped=True) == 5
+    assert layer_operator_launches(MOE, layer, grouped=True) < layer_operator_launches(MOE, layer)
+    assert layer_matmuls(DENSE, layer, grouped=True) == layer_matmuls(DENSE, layer) == 4
+
+
+def test_a_gpu_cluster_prices_an_moe_model_in_bf16_on_the_grouped_kernel() -> None:
+    gpu = Cluster(devices=1, devices_per_node=1, matmul_overhead=1e-4)
+    work = Workload(global_batch=8, seq_len=64, precision="bf16-mixed")
+    grouped = estimate_step(MOE, Layout(), gpu, work).compute
+    looped = estimate_step(replace(MOE, expert_kernel="loop"), Layout(), gpu, work).compute
+    assert grouped < looped
+    # Nothing changes for a dense model, for fp32, or on a CPU cluster.
+    cpu = replace(gpu, accelerator="cpu")
+    assert estimate_step(MOE, Layout(), cpu, work).compute == pytest.approx(looped)
+    fp32 = replace(work, precision="32-true")
+    assert estimate_step(MOE, Layout(), gpu, fp32).compute == estimate_step(
+        replace(MOE, expert_kernel="loop"), Layout(), gpu, fp32).compute
+    assert estimate_step(DENSE, Layout(), gpu, work).compute == estimate_step(DENSE, Layout(), cpu, work).compute
+
+
+def test_the_cluster_names_a_wrong_accelerator() -> None:
+    assert cluster_from_dict({"accelerator": "cpu"}).accelerator == "cpu"
+    assert Cluster().accelerator == "cuda"  # files written before the field describe GPUs
+    with pytest.raises(ValueError, match=r"the file: Cluster.accelerator must be one of \['cuda', 'cpu'\], got 'tpu'"):
+        cluster_from_dict({"accelerator": "tpu"}, source="the file")
+
+
+def test_compute_shapes_times_every_kind_and_counts_the_planners_flops(tmp_path: Path) -> None:
+    rows = compute_shapes.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    assert {row["kind"] for row in rows} == {"linear", "experts", "attention"}
+    assert all(row["seconds"] > 0 and row["tflops"] > 0 for row in rows)
+    with (tmp_path / "compute_shapes.csv").open() as file:
+        assert len(list(csv.DictReader(file))) == len(rows)
+    assert (tmp_path / "compute_shapes.png").stat().st_size > 0
+    linear = {"kind": "linear", "rows": 8, "inner": 16, "outer": 32}
+    assert compute_shapes.row_flops(linear) == 3 * 2 * 8 * 16 * 32
+    assert compute_shapes.row_flops(linear | {"kind": "experts"}) == 2 * compute_shapes.row_flops(linear)
+    attention = {"kind": "attention", "rows": 64, "inner": 16, "outer": 32}
+    assert compute_shapes.row_flops(attention) == 3 * 2 * 2 * 64 * (16 + 1) / 2 * 32
+
+
+def test_the_draw_is_seeded_runnable_and_varied() -> None:
+    first, again, other = (planner_draw.draw(seed, 24, gpu=True) for seed in (3, 3, 4))
+    assert first == again and first != other
+    one_device = Cluster(devices=1, devices_per_node=1)
+    for item in first:
+        check_layout(item.layout, item.config, one_device, item.workload)
+    assert len({(d.config.dim, d.config.num_layers, d.config.num_experts, d.workload.seq_len) for d in first}) > 12
+    assert {d.layout.offload_fraction for d in first} >= {0.0, 0.5, 1.0}
+    assert any(d.config.moe_layers == [] for d in first) and any(d.config.moe_layers != [] for d in first)
+
+
+def test_a_stored_draw_is_predicted_again_from_its_csv(tmp_path: Path) -> None:
+    items = planner_draw.draw(5, 3, gpu=False)
+    rows = [planner_draw.row_of(i, item) | {"measured_s": 0.05, "status": "ok"} for i, item in enumerate(items)]
+    planner_draw.write_rows(rows, tmp_path / "in" / "planner_draw.csv")
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("accelerator: cpu\ndevices: 1\ndevices_per_node: 1\n")
+    out = planner_draw.main(["--measured", str(tmp_path / "in" / "planner_draw.csv"), "--cluster", str(cluster),
+                             "--out", str(tmp_path / "out")])
+    for row, item in zip(out, items):
+        assert planner_draw.draw_of_row(row) == item
+        expected = estimate_step(item.config, item.layout, cluster_from_dict(
+            {"accelerator": "cpu", "devices": 1, "devices_per_node": 1}), item.workload).total
+        assert float(row["predicted_s"]) == pytest.approx(expected)
+        assert float(row["error_pct"]) == pytest.approx(100 * (expected - 0.05) / 0.05)
+
+
+def test_the_summary_reports_errors_and_rank_correlation() -> None:
+    rows = [{"measured_s": m, "predicted_s": p, "error_pct": 100 * (p - m) / m}
+            for m, p in ((1.0, 1.1), (2.0, 1.8), (3.0, 3.3), (4.0, 4.0))]
+    result = planner_draw.summary(rows)
+    assert result["count"] == 4 and result["max_abs_error_pct"] == pytest.approx(10)
+    assert result["median_abs_error_pct"] == pytest.approx(10)
+    assert result["spearman"] == pytest.approx(1.0)
+    assert planner_draw.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compute_shapes_on_cuda_runs_the_grouped_kernel(tmp_path: Path) -> None:
+    rows = compute_shapes.measure_shapes(torch.device("cuda"), quick=True)
+    assert all(row["seconds"] > 0 for row in rows)
