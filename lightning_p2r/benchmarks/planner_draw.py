@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_p2r.benchmarks.report import base_parser
+from lightning_p2r.benchmarks.report import apply_threads, base_parser
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning.cluster import Cluster, load_cluster
 from lightning_p2r.planning.layout import Layout, Workload, check_layout
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--cluster", help="a calibrated cluster file of this machine: predict every row")
     parser.add_argument("--measured", help="re-predict this CSV's measurements instead of running")
     args = parser.parse_args(argv)
+    apply_threads(args.threads)
     out = Path(args.out) / "planner_draw.csv"
     if args.measured:
         with open(args.measured, newline="") as file:
