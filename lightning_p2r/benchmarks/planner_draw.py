@@ -22,12 +22,14 @@ from __future__ import annotations
 import csv
 import json
 import random
+import statistics
 import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_p2r.benchmarks.planner_cv import spearman
 from lightning_p2r.benchmarks.report import apply_threads, base_parser
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning.cluster import Cluster, load_cluster
@@ -85,15 +87,13 @@ def draw(seed: int, count: int, gpu: bool) -> list[Draw]:
 
 
 def measure(item: Draw, device: str, steps: int) -> float:
+    """Seconds per optimizer step of one draw, trained here as ``plan --trial`` trains a layout."""
     from lightning_p2r.measure.run import fit_on_random_tokens
+    from lightning_p2r.measure.trial import trial_spec
     from lightning_p2r.strategy import P2RStrategy
 
-    spec = {"name": item.layout.describe(), "model": asdict(item.config), "devices": 1, "steps": steps,
-            "global_batch": item.workload.global_batch, "seq_len": item.workload.seq_len,
-            "precision": item.workload.precision, "accumulate_grad_batches": item.layout.trainer_accumulation,
-            "accelerator": device}
-    strategy = P2RStrategy(**item.layout.strategy_options(), log_telemetry=False)
-    return fit_on_random_tokens(spec, strategy, warmup=2)[2]
+    spec = trial_spec(item.config, item.layout, item.workload, devices=1, steps=steps, accelerator=device, out="")
+    return fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"], log_telemetry=False), warmup=2)[2]
 
 
 def row_of(index: int, item: Draw) -> dict[str, Any]:
@@ -129,27 +129,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
     scored = [row for row in rows if row.get("error_pct") not in (None, "")]
     if not scored:
         return {}
-    errors = sorted(abs(float(row["error_pct"])) for row in scored)
-    return {"count": len(scored), "median_abs_error_pct": errors[len(errors) // 2] if len(errors) % 2 else
-            (errors[len(errors) // 2 - 1] + errors[len(errors) // 2]) / 2, "max_abs_error_pct": errors[-1],
+    errors = [abs(float(row["error_pct"])) for row in scored]
+    return {"count": len(scored), "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
             "spearman": spearman([float(r["predicted_s"]) for r in scored], [float(r["measured_s"]) for r in scored])}
-
-
-def spearman(a: list[float], b: list[float]) -> float:
-    def ranks(values: list[float]) -> list[float]:
-        order = sorted(range(len(values)), key=values.__getitem__)
-        out = [0.0] * len(values)
-        for rank, index in enumerate(order):
-            out[index] = float(rank)
-        return out
-    ra, rb = ranks(a), ranks(b)
-    n = len(a)
-    if n < 2:
-        return float("nan")
-    mean = (n - 1) / 2
-    cov = sum((x - mean) * (y - mean) for x, y in zip(ra, rb))
-    var = sum((x - mean) ** 2 for x in ra)
-    return cov / var
 
 
 def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
