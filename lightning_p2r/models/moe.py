@@ -195,6 +195,18 @@ class Experts(nn.Module):
         nn.init.normal_(self.w_in, std=self.w_in.shape[1] ** -0.5)
         nn.init.normal_(self.w_out, std=self.w_out.shape[1] ** -0.5)
 
+    @property
+    def runs_one_ffn(self) -> bool:
+        """Whether every expert runs the same FFN (one shared before upcycling), on weights this module holds whole
+        (not split by expert or tensor parallelism, whose dispatch replaces ``forward``)."""
+        return (self.num_unique == 1 and "forward" not in vars(self)
+                and type(self.w_in) is nn.Parameter and type(self.w_in.data) is torch.Tensor)
+
+    def one_ffn(self, x: torch.Tensor) -> torch.Tensor:
+        """The one shared FFN on every row of x (rows, dim) -> (rows, dim): ``runs_one_ffn`` models only."""
+        counts = torch.full((1,), x.shape[0], dtype=torch.int64, device=x.device)
+        return expert_mlps(x, counts, self.w_in, self.w_out, kernel=self.kernel)
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: (rows, dim) sorted by expert, ``counts[e]`` rows for expert e ((experts,) integers on x's device); rows
         past ``counts.sum()`` (dropped assignments) give zeros -> (rows, dim)."""
@@ -408,20 +420,30 @@ class MoEFeedForward(nn.Module):
             segment_key = torch.where(kept, experts_flat, self.num_experts)
             segment_sizes = count_per_expert(segment_key, self.num_experts + 1)[:self.num_experts]
             gates_flat = gates_flat * kept
-        order = torch.argsort(segment_key, stable=True)  # grouped by expert, dropped last
-        if kept is not None:  # at most capacity rows per expert are kept: the rest need no gather
-            order = order[:min(order.numel(), capacity * self.num_experts)]
-        sorted_tokens = tokens_flat[order]
-        sorted_gates = gates_flat[order]
-
-        expert_out = self.experts(x[sorted_tokens], segment_sizes)
-        # Under autocast the experts compute in bf16/fp16: the gates (fp32 router probabilities) weigh their outputs
-        # in fp32, and the sum goes back in x's dtype (a bf16 gate would round each token's mix to 3 digits).
-        weighted = (expert_out.float() * sorted_gates.unsqueeze(-1).float()).to(x.dtype)
         # Allocated in the input's shape and filled through a flat view, so the returned tensor is not a view: FSDP2
         # warns on (and an in-place op by a caller would break) a view returned from a wrapped block.
         output = x.new_zeros(shape)
-        output.view(num_tokens, shape[-1]).index_add_(0, sorted_tokens, weighted)
+        if self.experts.runs_one_ffn:
+            # Every expert runs one FFN (before upcycling): a token's output is that FFN's output times the sum of its
+            # kept gates, the same sum computed once per token instead of once per assignment (1 / (prototypes x
+            # top_k) of the expert work, and no gather): the upcycled model's shared stage costs less than a step of
+            # the upcycled model.
+            gate_sums = torch.zeros(num_tokens, dtype=gates_flat.dtype, device=x.device).index_add(
+                0, tokens_flat, gates_flat)
+            shared = self.experts.one_ffn(x)
+            output.view(num_tokens, shape[-1]).copy_((shared.float() * gate_sums.unsqueeze(-1).float()).to(x.dtype))
+        else:
+            order = torch.argsort(segment_key, stable=True)  # grouped by expert, dropped last
+            if kept is not None:  # at most capacity rows per expert are kept: the rest need no gather
+                order = order[:min(order.numel(), capacity * self.num_experts)]
+            sorted_tokens = tokens_flat[order]
+            sorted_gates = gates_flat[order]
+            expert_out = self.experts(x[sorted_tokens], segment_sizes)
+            # Under autocast the experts compute in bf16/fp16: the gates (fp32 router probabilities) weigh their
+            # outputs in fp32, and the sum goes back in x's dtype (a bf16 gate would round each token's mix to 3
+            # digits).
+            weighted = (expert_out.float() * sorted_gates.unsqueeze(-1).float()).to(x.dtype)
+            output.view(num_tokens, shape[-1]).index_add_(0, sorted_tokens, weighted)
         if self.always_on is not None:
             output = output + self.always_on(x).view(shape)
         if self.bias_rate is not None and self.training:

@@ -10,7 +10,8 @@ Conventions, chosen to match what the package runs:
   blocks.
 - Dense causal attention averages (s + 1) / 2 keys per query (a memory-efficient kernel skips the masked half); a
   banded layer ``min(window, s)`` at most, counted as the band's mean length.
-- An MoE layer computes ``num_prototypes x moe_top_k`` expert assignments per token (dropless; with a capacity
+- An MoE layer computes ``num_prototypes x moe_top_k`` expert assignments per token (one FFN while a single FFN is
+  shared by every expert, before upcycling: ``routed_ffn_runs``; dropless; with a capacity
   factor fewer may be kept, so this is the upper bound the planner budgets for).
 - Activations assume a memory-efficient attention kernel (no (s, s) score matrix is saved).
 """
@@ -115,12 +116,19 @@ def layer_attention_flops(config: M6Config, layer: int, seq_len: int) -> float:
     return 2 * 2 * attended_keys(config, layer, seq_len) * config.dim
 
 
+def routed_ffn_runs(config: M6Config) -> int:
+    """Routed FFNs an MoE layer runs per token: one per assignment (``num_prototypes x moe_top_k``), or one when a
+    single FFN is shared by every expert before upcycling (the layer weighs it by the token's gates; with tensor or
+    expert parallelism it runs per assignment, which this count does not follow)."""
+    return 1 if config.num_unique_experts == 1 else config.num_prototypes * config.moe_top_k
+
+
 def layer_forward_flops(config: M6Config, layer: int, seq_len: int) -> float:
     """FLOPs of one token through one layer's forward pass (matmuls, the attention kernel's included)."""
     d, h = config.dim, config.hidden_dim
     attention = 2 * 4 * d * d + layer_attention_flops(config, layer, seq_len)
     if config.is_moe_layer(layer):
-        assignments = config.num_prototypes * config.moe_top_k + config.always_on_experts
+        assignments = routed_ffn_runs(config) + config.always_on_experts
         ffn = 2 * d * config.num_experts + assignments * 2 * 2 * d * config.routed_hidden_dim
     else:
         ffn = 2 * 2 * d * h
@@ -149,7 +157,7 @@ def layer_activation_elements(config: M6Config, layer: int, *, tensor_parallel: 
     replicated = 4 * d  # two norms' inputs and outputs
     split = 4 * d  # q, k, v, attention output
     if config.is_moe_layer(layer):
-        assignments = config.num_prototypes * config.moe_top_k
+        assignments = routed_ffn_runs(config)
         replicated += config.num_experts + assignments * 2 * d
         split += (assignments + config.always_on_experts) * 2 * config.routed_hidden_dim
     else:
@@ -164,7 +172,7 @@ def layer_elementwise_elements(config: M6Config, layer: int) -> float:
     d, h = config.dim, config.hidden_dim
     elements = 2 * 3 * d + 2 * 3 * d + 4 * d + 4 * d  # two norms, two residual adds, rotary on q and k, attention io
     if config.is_moe_layer(layer):
-        assignments = config.num_prototypes * config.moe_top_k
+        assignments = routed_ffn_runs(config)
         routed_hidden = config.routed_hidden_dim
         elements += 4 * config.num_experts + assignments * (4 * d + 2 * routed_hidden + 3 * d)  # router, gather, GELU
         elements += config.always_on_experts * 2 * routed_hidden
@@ -190,7 +198,8 @@ def layer_operator_launches(config: M6Config, layer: int, local_experts: int | N
     kernel's launches do not grow with the experts."""
     launches = 30
     if config.is_moe_layer(layer):
-        per_expert = 4 * (config.num_experts if local_experts is None else local_experts)
+        experts = 1 if config.num_unique_experts == 1 else config.num_experts
+        per_expert = 4 * (experts if local_experts is None else min(local_experts, experts))
         launches += 40 + (6 if grouped else per_expert)
     return launches
 
@@ -200,7 +209,9 @@ def layer_matmuls(config: M6Config, layer: int, local_experts: int | None = None
     gradient): attention's qkv and output projections, then a dense FFN's two, or the router's one and two per
     expert the rank computes (``local_experts`` on an expert-parallel rank; two in all with the grouped kernel)."""
     if config.is_moe_layer(layer):
-        return 2 + 1 + (2 if grouped else 2 * (config.num_experts if local_experts is None else local_experts))
+        experts = 1 if config.num_unique_experts == 1 else config.num_experts
+        experts = experts if local_experts is None else min(local_experts, experts)
+        return 2 + 1 + (2 if grouped else 2 * experts)
     return 4
 
 
