@@ -39,6 +39,8 @@ class Arm:
     unique_experts: int | None = None
     """FFNs the experts of a layer share before the first delinking upcycles them (None: one per expert)."""
     upcycle_router: str = "keep"
+    upcycle_drop: float = 0.0
+    """Drop-Upcycling: the share of each upcycled expert's hidden units re-initialized at upcycling."""
     trunk: str | None = None
     """The arm whose checkpoint at this arm's first delink step it resumes from (its shared stage)."""
     parent: str | None = None
@@ -54,7 +56,8 @@ class Arm:
         """The model options this arm sets (everything else is the recipe's)."""
         return {"num_unique_blocks": self.blocks, "sharing": self.sharing, "residual_init": self.residual_init,
                 "pseudo_depth": self.pseudo_depth, "growth_init": self.growth_init,
-                "num_unique_experts": self.unique_experts, "upcycle_router": self.upcycle_router}
+                "num_unique_experts": self.unique_experts, "upcycle_router": self.upcycle_router,
+                "upcycle_drop": self.upcycle_drop}
 
     def cli_args(self) -> list[str]:
         """``model_options`` as LightningCLI overrides of the recipe."""
@@ -151,6 +154,11 @@ def growth_arms(num_layers: int, growth_factor: int = 4, upcycle_fraction: float
                 note="new layers' output projections zeroed (the function is kept at growth)"),
         replace(upcycle, name="upcycle_reinit", upcycle_router="reinit", parent="upcycle",
                 note="the router re-initialized at upcycling"),
+        # Issue 41 item 4: Drop-Upcycling (Nakamura et al., ICLR 2025) at its paper's ratio and at half of it.
+        replace(upcycle, name="drop_upcycle", upcycle_drop=0.5, parent="upcycle",
+                note="Drop-Upcycling: half of each expert's hidden units re-initialized at upcycling"),
+        replace(upcycle, name="drop_upcycle_quarter", upcycle_drop=0.25, parent="upcycle",
+                note="Drop-Upcycling with a quarter of each expert's hidden units re-initialized"),
     ]
 
 

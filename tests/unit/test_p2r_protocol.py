@@ -42,6 +42,10 @@ def test_growth_arms_their_points_and_their_model_options() -> None:
     assert arms["upcycle"].delink_steps(800) == {80: None}
     assert {arms[n].parent for n in ("stack_early", "stack_late", "stack_zero_outputs")} == {"stack"}
     assert arms["upcycle_reinit"].parent == "upcycle" and arms["upcycle_reinit"].upcycle_router == "reinit"
+    assert {arms[n].parent for n in ("drop_upcycle", "drop_upcycle_quarter")} == {"upcycle"}
+    assert "--model.config.upcycle_drop=0.5" in arms["drop_upcycle"].cli_args()
+    assert "--model.config.upcycle_drop=0.25" in arms["drop_upcycle_quarter"].cli_args()
+    assert "--model.config.upcycle_drop=0.0" in arms["upcycle"].cli_args()
     stack = arms["stack_upcycle"].cli_args()
     assert {"--model.config.num_unique_blocks=4", "--model.config.sharing=cycle",
             "--model.config.pseudo_depth=shallow", "--model.config.num_unique_experts=1"} <= set(stack)
