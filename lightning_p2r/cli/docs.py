@@ -1,10 +1,13 @@
-"""Generate ``docs/configuration.md`` from the config dataclasses' field docstrings.
+"""Generate ``docs/configuration.md`` from the config dataclasses' field docstrings, and ``P2RStrategy``'s keyword
+options from its option sections.
 
 The docstrings are the single source: jsonargparse shows them in ``--help``, and this module writes the same text
-into the reference page. ``tests/unit/test_docs.py`` fails when the page is stale.
+into the reference page. The option sections (``strategy/options.py``) are the one declaration of each strategy
+option: this module writes the constructor's keywords from them, between two marker comments in
+``strategy/strategy.py``. ``tests/unit/test_docs.py`` fails when either is stale.
 
-    python -m lightning_p2r.cli.docs            # rewrite docs/configuration.md
-    python -m lightning_p2r.cli.docs --check    # exit 1 if it is out of date
+    python -m lightning_p2r.cli.docs            # rewrite docs/configuration.md and the strategy's keywords
+    python -m lightning_p2r.cli.docs --check    # exit 1 if either is out of date
 """
 
 from __future__ import annotations
@@ -23,9 +26,19 @@ from ..data import TextDataModule
 from ..models import M6Config
 from ..module import OptimizerConfig
 from ..strategy import P2RStrategy
-from ..strategy.options import field_docstrings
+from ..strategy import strategy as strategy_module
+from ..strategy.options import GENERATED_BEGIN, GENERATED_END, constructor_keywords, field_docstrings
 
 DEFAULT_PATH = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+STRATEGY_PATH = Path(strategy_module.__file__)
+
+
+def render_strategy(source: str) -> str:
+    """``strategy.py``'s source with the keywords between the markers written from the option sections."""
+    head, rest = source.split(GENERATED_BEGIN, 1)
+    _, tail = rest.split(GENERATED_END, 1)
+    indent = head[head.rindex("\n") + 1:]
+    return f"{head}{GENERATED_BEGIN}\n{constructor_keywords(indent)}\n{indent}{GENERATED_END}{tail}"
 
 
 def init_arg_docstrings(cls: type) -> dict[str, str]:
@@ -119,15 +132,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 if the page is out of date")
     parser.add_argument("--path", type=Path, default=DEFAULT_PATH)
     args = parser.parse_args(argv)
-    text = render()
+    strategy_source = STRATEGY_PATH.read_text(encoding="utf-8")
+    outputs = {args.path: render(), STRATEGY_PATH: render_strategy(strategy_source)}
     if args.check:
-        current = args.path.read_text(encoding="utf-8") if args.path.exists() else ""
-        if current != text:
-            print(f"{args.path} is out of date: run python -m lightning_p2r.cli.docs", file=sys.stderr)
-            return 1
-        return 0
-    args.path.write_text(text, encoding="utf-8")
-    print(f"wrote {args.path}")
+        stale = [path for path, text in outputs.items()
+                 if (path.read_text(encoding="utf-8") if path.exists() else "") != text]
+        for path in stale:
+            print(f"{path} is out of date: run python -m lightning_p2r.cli.docs", file=sys.stderr)
+        return 1 if stale else 0
+    for path, text in outputs.items():
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path}")
     return 0
 
 

@@ -1,11 +1,15 @@
-"""``P2RStrategy``'s flat keywords as four typed, frozen sections, each validated once, when it is built, and read
-back as ``strategy.sharding`` and so on. The field docstrings are the options' reference: ``docs/configuration.md``
-and the strategy's ``--help`` text are made from them (the docs/*.md pages explain each option at length).
+"""``P2RStrategy``'s flat keywords as typed, frozen sections, each validated once, when it is built, and read back as
+``strategy.sharding`` and so on. Each option is declared here once: its name, type, default and docstring. The
+constructor's keywords are generated from these fields (:func:`constructor_keywords`, written into strategy.py by
+``python -m lightning_p2r.cli.docs``), and ``docs/configuration.md`` and the strategy's ``--help`` text from their
+docstrings (the docs/*.md pages explain each option at length). To add an option: a field with its docstring in its
+section, then that command.
 """
 
 from __future__ import annotations
 
 import ast
+import builtins
 import inspect
 import textwrap
 from dataclasses import InitVar, dataclass, fields
@@ -193,6 +197,43 @@ SECTIONS: dict[str, type] = {"sharding_config": ShardingConfig, "parallel_config
                              "accumulation_config": AccumulationConfig, "offload_config": OffloadConfig,
                              "model_config": ModelConfig}
 """The strategy's attribute holding each section."""
+
+
+OPTION_NAMES: tuple[str, ...] = tuple(f.name for cls in SECTIONS.values() for f in fields(cls))
+"""Every option ``P2RStrategy`` takes, in the sections' order: the constructor's keywords (generated from them)."""
+
+
+def build_sections(options: dict[str, object]) -> dict[str, object]:
+    """Each section (by its strategy attribute) built from the flat keyword values, each validated as it is built."""
+    built: dict[str, object] = {}
+    for attribute, cls in SECTIONS.items():
+        values = {f.name: options[f.name] for f in fields(cls)}
+        if cls is AccumulationConfig:  # micro_batches means the pipeline's when there is one
+            values["pipelined"] = options["pipeline_parallel"] > 1  # type: ignore[operator]
+        built[attribute] = cls(**values)
+    return built
+
+
+GENERATED_BEGIN = "# ---- options: generated from strategy/options.py by `python -m lightning_p2r.cli.docs` ----"
+GENERATED_END = "# ---- end of the generated options ----"
+
+
+def constructor_keywords(indent: str = "        ") -> str:
+    """The option keywords of ``P2RStrategy.__init__`` as source lines (name, annotation and default exactly as the
+    sections write them), so each option is declared once, in its section; a static signature stays for
+    LightningCLI, IDEs and type checkers. ``tests/unit/test_docs.py`` fails when strategy.py's copy is stale."""
+    lines = []
+    for cls in SECTIONS.values():
+        source = textwrap.dedent(inspect.getsource(cls))
+        for statement in ast.parse(source).body[0].body:  # type: ignore[attr-defined]
+            if (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+                    and statement.target.id in OPTION_NAMES):
+                annotation = ast.get_source_segment(source, statement.annotation)
+                default = ast.get_source_segment(source, statement.value)  # type: ignore[arg-type]
+                shadows = "  # noqa: A002 (the option's name, as torch's)" if statement.target.id in vars(
+                    builtins) else ""
+                lines.append(f"{indent}{statement.target.id}: {annotation} = {default},{shadows}")
+    return "\n".join(lines)
 
 
 def field_docstrings(cls: type) -> dict[str, str]:

@@ -61,6 +61,7 @@ from .offload import BlockStreamer, OffloadStats
 from .offload_plan import OffloadPlan, block_footprints, device_total_memory, outside_blocks_bytes, parse_bytes
 from .optimizers import unwrapped
 from .options import (
+    OPTION_NAMES,
     SECTIONS,
     AccumulationConfig,
     ModelConfig,
@@ -69,6 +70,7 @@ from .options import (
     ParallelConfig,
     ShardingConfig,
     args_section,
+    build_sections,
     layout_of,
 )
 from .parallel.clipping import clip_grad_norm_across_meshes
@@ -102,7 +104,9 @@ class P2RStrategy(ParallelStrategy):
 
     def __init__(
         self,
+        # ---- options: generated from strategy/options.py by `python -m lightning_p2r.cli.docs` ----
         sharding: Sharding = "none",
+        count_collectives: bool = False,
         tensor_parallel: int = 1,
         expert_parallel: int = 1,
         sequence_parallel: bool = False,
@@ -112,9 +116,8 @@ class P2RStrategy(ParallelStrategy):
         accumulation: Accumulation = "standard",
         micro_batches: int = 1,
         recompute: bool = False,
-        compile: bool | str = False,  # noqa: A002 (the option's name, as torch.compile's)
+        compile: bool | str = False,  # noqa: A002 (the option's name, as torch's)
         reduce_every_micro_batch: bool = False,
-        count_collectives: bool = False,
         offload_fraction: float | None = None,
         offload_blocks: list[int] | None = None,
         device_memory_budget: int | str | None = None,
@@ -126,6 +129,7 @@ class P2RStrategy(ParallelStrategy):
         host_step: Literal["exact", "delayed"] = "exact",
         log_telemetry: bool = True,
         blocks: str | None = None,
+        # ---- end of the generated options ----
         accelerator: Any = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: Any = None,
@@ -134,20 +138,15 @@ class P2RStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        # Validated first, so a bad option fails before Lightning sets anything up.
-        self.sharding_config = ShardingConfig(sharding=sharding, count_collectives=count_collectives)
-        self.parallel_config = ParallelConfig(
-            tensor_parallel=tensor_parallel, expert_parallel=expert_parallel, sequence_parallel=sequence_parallel,
-            pipeline_parallel=pipeline_parallel, pipeline_schedule=pipeline_schedule, stages_per_rank=stages_per_rank)
-        self.accumulation_config = AccumulationConfig(
-            accumulation=accumulation, micro_batches=micro_batches, recompute=recompute, compile=compile,
-            reduce_every_micro_batch=reduce_every_micro_batch, pipelined=pipeline_parallel > 1)
-        self.offload_config = OffloadConfig(
-            offload_fraction=offload_fraction, offload_blocks=offload_blocks,
-            device_memory_budget=device_memory_budget, activation_allowance=activation_allowance,
-            offload_states=offload_states, prefetch=prefetch, pin_memory=pin_memory,
-            overlap_host_step=overlap_host_step, host_step=host_step, log_telemetry=log_telemetry)
-        self.model_config = ModelConfig(blocks=blocks)
+        # Validated first, so a bad option fails before Lightning sets anything up: each section is built from the
+        # keywords of its fields (declared once, in strategy/options.py; the signature above is generated from them).
+        options = {name: value for name, value in locals().items() if name in OPTION_NAMES}
+        sections = build_sections(options)
+        self.sharding_config: ShardingConfig = sections["sharding_config"]
+        self.parallel_config: ParallelConfig = sections["parallel_config"]
+        self.accumulation_config: AccumulationConfig = sections["accumulation_config"]
+        self.offload_config: OffloadConfig = sections["offload_config"]
+        self.model_config: ModelConfig = sections["model_config"]
         if pipeline_parallel > 1:  # the one option rule across sections (each section checked itself)
             check_micro_batches(pipeline_schedule, micro_batches, pipeline_parallel)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,

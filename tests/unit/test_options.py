@@ -50,3 +50,27 @@ def test_the_docstring_documents_every_keyword_from_the_sections() -> None:
         for field in dataclasses.fields(cls):
             assert documented.get(field.name), field.name
             assert field.name in inspect.signature(P2RStrategy).parameters
+
+
+def test_the_constructor_takes_each_sections_option_once_in_the_sections_order() -> None:
+    import inspect
+
+    from lightning_p2r.strategy.options import OPTION_NAMES, SECTIONS
+
+    parameters = list(inspect.signature(P2RStrategy).parameters)
+    assert parameters[:len(OPTION_NAMES)] == list(OPTION_NAMES)
+    assert len(set(OPTION_NAMES)) == len(OPTION_NAMES)  # no option in two sections
+    for cls in SECTIONS.values():
+        for field in dataclasses.fields(cls):
+            assert inspect.signature(P2RStrategy).parameters[field.name].default == field.default, field.name
+
+
+def test_a_stale_generated_signature_is_caught(tmp_path) -> None:
+    from lightning_p2r.cli import docs as docs_gen
+    from lightning_p2r.strategy.options import GENERATED_BEGIN
+
+    source = docs_gen.STRATEGY_PATH.read_text()
+    assert docs_gen.render_strategy(source) == source
+    stale = source.replace("        prefetch: int = 1,\n", "")
+    assert GENERATED_BEGIN in stale and stale != source
+    assert docs_gen.render_strategy(stale) == source
