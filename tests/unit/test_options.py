@@ -74,3 +74,16 @@ def test_a_stale_generated_signature_is_caught(tmp_path) -> None:
     stale = source.replace("        prefetch: int = 1,\n", "")
     assert GENERATED_BEGIN in stale and stale != source
     assert docs_gen.render_strategy(stale) == source
+
+
+def test_the_rulebooks_layout_reads_only_declared_options() -> None:
+    """``Layout`` is the rulebook's resolved reading of the sections (``layout_of``): every field is a declared
+    option, and a strategy's layout carries the value it was given."""
+    from lightning_p2r.layout import Layout
+    from lightning_p2r.strategy.options import OPTION_NAMES
+
+    assert {f.name for f in dataclasses.fields(Layout)} <= set(OPTION_NAMES)
+    given = {"sharding": "zero2", "micro_batches": 2, "accumulation": "layered", "recompute": True,
+             "offload_fraction": 0.5, "compile": "aot_eager", "reduce_every_micro_batch": True}
+    layout = P2RStrategy(**given).layout
+    assert {name: getattr(layout, name) for name in given} == given
