@@ -559,6 +559,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--arms", nargs="+", help="only these main arms (scratch always), e.g. a compute-matched "
                                                   "scratch baseline: --arms scratch --steps N")
     parser.add_argument("--no-ablations", action="store_true", help="skip the one-lever-at-a-time runs")
+    parser.add_argument("--variants", nargs="+", help="only these one-lever variants (default: every variant of the "
+                                                      "arms run), e.g. --arms upcycle --variants drop_upcycle")
     parser.add_argument("--no-timing", action="store_true", help="skip the per-setting step timings")
     parser.add_argument("--reuse-timing", action="store_true",
                         help="read the step timings kept by an earlier run of the same settings")
@@ -614,6 +616,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 parser.error(f"--arms: unknown {unknown}; the main arms are {sorted(arms)}")
             arms = {name: arm for name, arm in arms.items() if name == "scratch" or name in args.arms}
             ablations = [arm for arm in ablations if arm.parent in arms]
+        if args.variants:
+            unknown = sorted(set(args.variants) - {arm.name for arm in ablations})
+            if unknown:
+                parser.error(f"--variants: unknown {unknown}; the variants of these arms are "
+                             f"{sorted(arm.name for arm in ablations)}")
+            ablations = [arm for arm in ablations if arm.name in args.variants]
         main_names = list(arms)
         warmup = probe.model.optimizer_config.warmup_steps
         first = "stack" if growth else "p2r"
