@@ -61,3 +61,18 @@ def test_the_planner_prices_the_shared_stage_at_one_ffn_per_token() -> None:
     ffn = 2 * 2 * BASE.dim * BASE.routed_hidden_dim
     assert upcycled - shared == pytest.approx(ffn * (BASE.moe_top_k - 1))
     assert two_unique == upcycled
+
+
+def test_the_shortcut_compiles_without_a_graph_break() -> None:
+    torch.manual_seed(0)
+    layer = MoEFeedForward(replace(BASE, expert_kernel="grouped"))
+    assert layer.experts.runs_one_ffn
+    x = torch.randn(2, 16, BASE.dim)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+            return out.output.float().sum() + out.aux_loss
+
+    torch._dynamo.reset()
+    assert torch._dynamo.explain(step)(x).graph_break_count == 0
