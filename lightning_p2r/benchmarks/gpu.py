@@ -21,7 +21,9 @@ Arms, in order (the most informative first, so that a run cut short by ``--budge
 
 Every arm reports tokens/s, model TFLOP/s (:mod:`lightning_p2r.measure.throughput`: active parameters and attention,
 3x the forward), MFU against the device's table peak and against a bf16 matmul measured in the same process, and
-``torch.cuda.max_memory_allocated``. An arm that fails is reported with its error, and the next one runs.
+``torch.cuda.max_memory_allocated``; offloading arms also the strategy's own median host-step and copy-wait times
+per step (``host_step_ms``, ``copy_wait_ms``). ``--arms`` runs the named arms in the order given. An arm that fails
+is reported with its error, and the next one runs.
 ``--smoke`` runs every arm's code path on tiny models in seconds (CPU: the peer and ``compile`` with the
 "aot_eager" backend); CI runs it.
 """
