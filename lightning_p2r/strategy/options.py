@@ -147,8 +147,9 @@ class OffloadConfig:
     host_step: Literal["exact", "delayed"] = "exact"
     """"exact": an offloaded block's host optimizer update is in place before the next forward. "delayed" (one process,
     DeepSpeed's delayed parameter update): the update from step t's gradients is computed on the host while the
-    device runs step t+1 and used from step t+2, so the host step hides behind the device; those blocks then train
-    one step stale (docs/offload.md measures the cost). Clipping, loss scaling and checkpoints stay exact."""
+    device runs step t+1 and used from step t+2, so the host step hides behind the device when it is the shorter of
+    the two (a delayed step is never shorter than its host step: docs/offload.md); those blocks then train one step
+    stale (docs/offload.md measures the cost). Clipping, loss scaling and checkpoints stay exact."""
 
     log_telemetry: bool = True
     """Log the offload statistics (``offload/*``) through the Trainer's loggers."""
