@@ -378,3 +378,18 @@ def test_delayed_host_step_benchmark_writes_csv_and_png(tmp_path: Path) -> None:
     # The arms differ (the delayed one trains its offloaded blocks one step stale) but start from the same seed.
     assert summary["finals"]["exact"] != summary["finals"]["delayed"]
     _assert_png(tmp_path / "delayed_host_step.png")
+
+
+def test_pseudo_to_real_variants_must_be_variants_of_the_arms_run(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """``--variants`` narrows the one-lever variants; a name that is not a variant of the arms run is a usage error
+    that lists the ones there are, before any run."""
+    from lightning_p2r.benchmarks import pseudo_to_real
+
+    with pytest.raises(SystemExit):
+        pseudo_to_real.main(["--quick", "--protocol", "growth", "--arms", "upcycle", "--variants", "stack_late",
+                             "--no-timing", "--out", str(tmp_path)])
+    error = capsys.readouterr().err
+    assert "--variants: unknown ['stack_late']" in error
+    assert "'drop_upcycle', 'drop_upcycle_quarter', 'upcycle_reinit'" in error
+    assert not (tmp_path / "growth_runs").exists() or not any((tmp_path / "growth_runs").iterdir())
