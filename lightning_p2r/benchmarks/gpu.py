@@ -235,9 +235,10 @@ def _arms() -> list[Arm]:
         return go
 
     def offload(model: str, compile_: bool, fraction: float, host_step: str) -> Arm:
-        name = f"{model}-offload-{'all' if fraction == 1.0 else 'half'}{'-delayed' if host_step == 'delayed' else ''}"
+        name = (f"{model}-offload-{'all' if fraction == 1.0 else 'half'}{'-delayed' if host_step == 'delayed' else ''}"
+                f"{'-compile' if compile_ else ''}")
         kernel = "grouped" if model == "moe" else "auto"
-        return Arm(name + ("-compile" if compile_ else ""), model, kernel if model == "moe" else "-", compile_,
+        return Arm(name, model, "grouped" if model == "moe" else "-", compile_,
                    p2r(model, kernel, compile_, fraction, host_step), offload_fraction=fraction, host_step=host_step)
 
     def peer(model: str) -> Callable:

@@ -62,7 +62,7 @@ def _model(rng: random.Random, gpu: bool) -> tuple[M6Config, int, int]:
     return config, max(1, tokens // seq), seq
 
 
-def _layout(rng: random.Random, layers: int) -> Layout:
+def _layout(rng: random.Random) -> Layout:
     micro = rng.choice((1, 1, 2, 4))
     return Layout(offload_fraction=rng.choice((0.0, 0.0, 0.5, 1.0)), micro_batches=micro,
                   accumulation=rng.choice(("standard", "layered")) if micro > 1 else "standard",
@@ -76,7 +76,7 @@ def draw(seed: int, count: int, gpu: bool) -> list[Draw]:
     out: list[Draw] = []
     while len(out) < count:
         config, batch, seq = _model(rng, gpu)
-        layout = _layout(rng, config.num_layers)
+        layout = _layout(rng)
         workload = Workload(global_batch=batch, seq_len=seq, precision="bf16-mixed" if gpu else "32-true")
         try:
             check_layout(layout, config, cluster, workload)

@@ -407,7 +407,7 @@ class MoEFeedForward(nn.Module):
 
         if capacity_factor is None:  # dropless: every assignment is kept, no ranking needed
             counts = count_per_expert(experts_flat, self.num_experts)
-            kept, segment_key, segment_sizes = None, experts_flat, counts
+            kept = None
         else:
             priority = position_major_assignments(shape, self.num_prototypes * self.top_k, x.device)
             ranked, counts = expert_positions(experts_flat[priority], self.num_experts)
@@ -415,10 +415,6 @@ class MoEFeedForward(nn.Module):
             positions[priority] = ranked
             capacity = expert_capacity(experts_flat.numel(), self.num_experts, capacity_factor, counts, num_tokens)
             kept = positions < capacity
-            # Dropped assignments sort after every expert's segment (key num_experts) with a zero gate: shapes stay
-            # static and nothing is read on the host (a boolean-mask gather would sync to learn its length).
-            segment_key = torch.where(kept, experts_flat, self.num_experts)
-            segment_sizes = count_per_expert(segment_key, self.num_experts + 1)[:self.num_experts]
             gates_flat = gates_flat * kept
         # Allocated in the input's shape and filled through a flat view, so the returned tensor is not a view: FSDP2
         # warns on (and an in-place op by a caller would break) a view returned from a wrapped block.
@@ -433,6 +429,12 @@ class MoEFeedForward(nn.Module):
             shared = self.experts.one_ffn(x)
             output.view(num_tokens, shape[-1]).copy_((shared.float() * gate_sums.unsqueeze(-1).float()).to(x.dtype))
         else:
+            segment_key, segment_sizes = experts_flat, counts
+            if kept is not None:
+                # Dropped assignments sort after every expert's segment (key num_experts) with a zero gate: shapes
+                # stay static and nothing is read on the host (a boolean-mask gather would sync to learn its length).
+                segment_key = torch.where(kept, experts_flat, self.num_experts)
+                segment_sizes = count_per_expert(segment_key, self.num_experts + 1)[:self.num_experts]
             order = torch.argsort(segment_key, stable=True)  # grouped by expert, dropped last
             if kept is not None:  # at most capacity rows per expert are kept: the rest need no gather
                 order = order[:min(order.numel(), capacity * self.num_experts)]
