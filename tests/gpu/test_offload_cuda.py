@@ -22,13 +22,13 @@ pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
-def _fit(tmp_path: Path, strategy, precision: str = "32-true", callbacks=()):
+def _fit(tmp_path: Path, strategy, precision: str = "32-true", callbacks=(), accumulate: int = 1):
     L.seed_everything(3)
     module = M6LanguageModel(M6Config(**(TINY | {"num_layers": 6, "dim": 64})), OptimizerConfig(warmup_steps=1))
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy=strategy, max_steps=4, logger=False,
                         enable_progress_bar=False, enable_checkpointing=False, limit_val_batches=0,
                         precision=precision, default_root_dir=tmp_path,
-                        callbacks=list(callbacks))
+                        callbacks=list(callbacks), accumulate_grad_batches=accumulate)
     torch.cuda.reset_peak_memory_stats()
     trainer.fit(module, datamodule=tiny_data(tmp_path))
     return module, trainer, torch.cuda.max_memory_allocated()
@@ -42,6 +42,22 @@ def test_cuda_offload_matches_resident_training_and_uses_less_memory(tmp_path: P
     assert offload_peak < resident_peak
     stats = trainer.strategy.telemetry_history[-1]
     assert stats.peak_resident_offloaded_blocks <= 2 and stats.h2d_bytes > 0
+
+
+def test_cuda_offload_accumulates_micro_batches_through_pinned_memory(tmp_path: Path) -> None:
+    """Standard accumulation: the later micro-batches' gradients are added on the host through a pinned landing
+    buffer (not a fresh pageable tensor each): still the resident run's training, and the buffer is pinned."""
+    landings = []
+
+    class Inspect(L.Callback):
+        def on_train_batch_end(self, trainer, *args):
+            landings.append(trainer.strategy.streamer._grad_landing)
+
+    initial = InitialWeights()
+    reference, _, _ = _fit(tmp_path / "ref", P2RStrategy(), callbacks=[initial], accumulate=2)
+    offloaded, _, _ = _fit(tmp_path / "off", P2RStrategy(offload_fraction=1.0), callbacks=[Inspect()], accumulate=2)
+    assert_trained_alike(offloaded.state_dict(), reference.state_dict(), initial.weights, name="cuda offload mb2")
+    assert landings[-1] is not None and landings[-1].is_pinned()
 
 
 def test_cuda_pins_host_buffers_by_default(tmp_path: Path) -> None:
