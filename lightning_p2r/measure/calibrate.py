@@ -1,6 +1,6 @@
 """``lightning-p2r calibrate``: measure this machine's constants and write them as a cluster file.
 
-    lightning-p2r calibrate --out cluster.yaml [--processes 2] [--threads 1] [--quick]
+    lightning-p2r calibrate --out cluster.yaml [--processes 2] [--threads N] [--quick]
 
 What it measures, each as the median of several timed repetitions after a warm-up:
 
@@ -55,7 +55,7 @@ import torch
 from ..planning.cluster import Cluster, write_cluster
 from ..planning.network import ring_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
-from .run import median_seconds, worker_env
+from .run import host_threads, median_seconds, worker_env
 
 
 def matmul_flops(device: torch.device, size: int, repeats: int) -> float:
@@ -512,10 +512,14 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--out", required=True, help="the cluster YAML to write (replaced atomically)")
     parser.add_argument("--processes", type=int, default=2,
                         help="training processes (devices) on this machine; collectives are timed among them")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads per process (default: 1 on CPU, where each process is a device; beside "
+                             "GPUs the usable cores divided among the processes, as a run's host work uses them)")
     parser.add_argument("--name", default="this-machine")
     parser.add_argument("--quick", action="store_true", help="smaller, fewer measurements (seconds, noisier)")
     args = parser.parse_args(argv)
+    if args.threads is None:
+        args.threads = host_threads("cuda" if torch.cuda.is_available() else "cpu", args.processes, usable_cores())
     try:
         cluster = calibrate(processes=args.processes, threads=args.threads, quick=args.quick, name=args.name)
     except ValueError as error:

@@ -32,11 +32,22 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
-def run_rank_worker(module: str, spec: dict[str, Any], timeout: int) -> list[dict[str, Any]]:
-    """Run ``python -m <module> --worker <spec>`` (Lightning's launcher starts its other ranks; one thread each) and
-    collect the report each rank wrote to ``<spec["out"]>.rank<r>.json``, removing the files; fail with stderr."""
+def host_threads(accelerator: str, processes: int, cores: int) -> int:
+    """Torch threads per training process that a timing should use to stand for a real run: on CPU each process is
+    one of the planner's devices and runs one thread; beside a GPU the host's cores are shared among the processes,
+    since the host work there (an offloaded block's optimizer step, copies into pinned buffers) is multi-threaded in
+    a real run, and timing it on one thread would make it several times slower than the run it predicts."""
+    if accelerator == "cpu":
+        return 1
+    return max(1, cores // max(1, processes))
+
+
+def run_rank_worker(module: str, spec: dict[str, Any], timeout: int, threads: int = 1) -> list[dict[str, Any]]:
+    """Run ``python -m <module> --worker <spec>`` (Lightning's launcher starts its other ranks; ``threads`` threads
+    each) and collect the report each rank wrote to ``<spec["out"]>.rank<r>.json``, removing the files; fail with
+    stderr."""
     command = [sys.executable, "-m", module, "--worker", json.dumps(spec)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=worker_env(threads=1))
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=worker_env(threads))
     if result.returncode != 0:
         raise RuntimeError(f"{spec['name']} failed: {result.stderr[-3000:]}")
     reports = []

@@ -2,8 +2,9 @@
 machine for a few optimizer steps (the recipe's model and batch, random tokens, no checkpoint, no logger) and puts
 the measured step beside the predicted one.
 
-A layout runs in a fresh worker process (Lightning's launcher starts its other ranks), one thread per process, as
-the planner benchmark runs its layouts (:func:`~lightning_p2r.measure.run.run_rank_worker`); the measured step is
+A layout runs in a fresh worker process (Lightning's launcher starts its other ranks), one thread per process on
+CPU, as the planner benchmark runs its layouts, and on GPUs the host's cores shared among the processes (the host
+optimizer of an offloaded block runs on them) (:func:`~lightning_p2r.measure.run.run_rank_worker`); the measured step is
 rank 0's median optimizer-step interval after the warm-up steps. The prediction is only comparable when the cluster
 file describes this machine (``lightning-p2r calibrate``); otherwise the trial still ranks the layouts by what they
 measure here.
@@ -51,7 +52,10 @@ def trial_spec(config: M6Config, layout: Layout, workload: Workload, *, devices:
     """The worker spec that trains ``config`` with ``layout`` on ``devices`` processes (see
     :func:`~lightning_p2r.measure.run.fit_on_random_tokens`): the Trainer accumulates the micro-batches of standard
     accumulation without a pipeline (``Layout.trainer_accumulation``), the strategy everything else."""
+    from .run import host_threads
+
     return {"name": layout.describe(), "model": asdict(config), "devices": devices, "steps": steps,
+            "threads": host_threads(accelerator, devices, os.cpu_count() or 1),
             "global_batch": workload.global_batch, "seq_len": workload.seq_len, "precision": workload.precision,
             "accumulate_grad_batches": layout.trainer_accumulation, "strategy": layout.strategy_options(),
             "accelerator": accelerator, "out": out}
@@ -61,7 +65,7 @@ def run_trial(spec: dict[str, Any], timeout: int = 1800) -> float:
     """Seconds per optimizer step of ``spec`` measured in a worker process (rank 0's median after warm-up)."""
     from .run import run_rank_worker
 
-    return run_rank_worker("lightning_p2r.measure.trial", spec, timeout)[0]["step_s"]
+    return run_rank_worker("lightning_p2r.measure.trial", spec, timeout, spec["threads"])[0]["step_s"]
 
 
 def run_trials(config: M6Config, layouts: list[tuple[Layout, float]], workload: Workload, *, devices: int,
@@ -92,7 +96,7 @@ def _worker(spec: dict[str, Any]) -> None:
     from ..strategy import P2RStrategy
     from .run import fit_on_random_tokens
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(spec["threads"])
     trainer, _, step_s = fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"]),
                                               warmup=min(WARMUP, spec["steps"] - 1))
     Path(spec["out"]).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps({"step_s": step_s}))

@@ -5,6 +5,7 @@ import pytest
 import yaml
 
 from lightning_p2r.cli import main
+from lightning_p2r.measure.run import host_threads
 from lightning_p2r.measure.trial import trial_refusal, trial_spec
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning import Cluster, write_cluster
@@ -45,6 +46,17 @@ def test_trial_spec_gives_standard_accumulation_to_the_trainer() -> None:
     layered = trial_spec(M6Config(**TINY), Layout(micro_batches=2, accumulation="layered"),
                          Workload(global_batch=4, seq_len=16), devices=1, steps=3, accelerator="cpu", out="x")
     assert layered["accumulate_grad_batches"] == 1 and layered["strategy"]["micro_batches"] == 2
+
+
+def test_trials_time_the_host_with_the_threads_a_run_would_use(monkeypatch) -> None:
+    """One thread per process on CPU (each process is a device); beside GPUs the cores divided among the processes:
+    an offloaded block's host optimizer timed on one thread would run several times slower than in the run."""
+    assert host_threads("cpu", 2, 16) == 1
+    assert host_threads("cuda", 1, 16) == 16 and host_threads("cuda", 4, 16) == 4 and host_threads("cuda", 8, 4) == 1
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    args = (M6Config(**TINY), Layout(), Workload(global_batch=4, seq_len=16))
+    assert trial_spec(*args, devices=2, steps=3, accelerator="cuda", out="x")["threads"] == 8
+    assert trial_spec(*args, devices=2, steps=3, accelerator="cpu", out="x")["threads"] == 1
 
 
 def test_trial_refusals_are_one_line() -> None:
