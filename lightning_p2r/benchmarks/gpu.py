@@ -18,6 +18,11 @@ Arms, in order (the most informative first, so that a run cut short by ``--budge
   the same with ``-delayed`` (``host_step="delayed"``: the host update hidden behind the next step), and the delayed
   all-offloaded MoE and the dense model compiled (``-compile``; the dense one exact and delayed), each against its
   resident arm above.
+- ``moe-accum4``, ``moe-offload-all-layered4``, ``moe-offload-all-delayed-layered4``, ``dense-compile-accum4``,
+  ``dense-offload-all-delayed-layered4-compile``: four batches per optimizer step, resident by Lightning's
+  accumulation against every block offloaded under layered accumulation (with recompute), where each block is
+  fetched and its host update run once per four micro-batches: the host step's share of a step shrinks as the
+  batch grows (DeepSpeed's ZeRO-Offload also relies on large batches for this).
 
 Every arm reports tokens/s, model TFLOP/s (:mod:`lightning_p2r.measure.throughput`: active parameters and attention,
 3x the forward), MFU against the device's table peak and against a bf16 matmul measured in the same process, and
@@ -60,7 +65,8 @@ from lightning_p2r.models.moe import MoEFeedForward
 from lightning_p2r.models.transformer import M6Transformer
 from lightning_p2r.planning.model import model_forward_flops
 
-COLUMNS = ["arm", "model", "params_M", "active_M", "kernel", "compile", "offloaded", "host_step", "tokens_per_s",
+COLUMNS = ["arm", "model", "params_M", "active_M", "kernel", "compile", "offloaded", "host_step", "micro_batches",
+           "accumulation", "tokens_per_s",
            "step_ms", "tflops", "mfu", "logged_mfu", "mfu_vs_matmul", "cuda_max_alloc_MB", "host_step_ms",
            "copy_wait_ms", "graph_breaks", "wall_s", "status"]
 
@@ -104,37 +110,53 @@ def parameter_counts(config: M6Config) -> tuple[float, float]:
     return total, total - len(moe_blocks) * unused * per_expert
 
 
-def random_windows(config: M6Config, sizes: Sizes, count: int) -> torch.utils.data.DataLoader:
+def random_windows(config: M6Config, sizes: Sizes, count: int, batch_size: int | None = None
+                   ) -> torch.utils.data.DataLoader:
+    batch_size = batch_size or sizes.batch_size
     generator = torch.Generator().manual_seed(0)
-    windows = torch.randint(0, config.vocab_size, (count * sizes.batch_size, sizes.seq_len + 1), generator=generator)
-    return torch.utils.data.DataLoader(windows, batch_size=sizes.batch_size)
+    windows = torch.randint(0, config.vocab_size, (count * batch_size, sizes.seq_len + 1), generator=generator)
+    return torch.utils.data.DataLoader(windows, batch_size=batch_size)
 
 
-def _median_step(ends: list[float], warmup: int) -> float:
-    steps = [b - a for a, b in zip(ends, ends[1:])][warmup:]
+def _median_step(ends: list[float], warmup: int, batches_per_step: int = 1) -> float:
+    """Median optimizer-step interval after ``warmup`` steps; ``ends`` holds every training batch's end, and with
+    Lightning's accumulation each optimizer step ends on every ``batches_per_step``-th batch."""
+    step_ends = ends[batches_per_step - 1::batches_per_step]
+    steps = [b - a for a, b in zip(step_ends, step_ends[1:])][warmup:]
     return statistics.median(steps)
 
 
 def run_p2r(config: M6Config, sizes: Sizes, device: torch.device, *, compile_backend: str | bool,
-            offload_fraction: float = 0.0, host_step: str = "exact") -> dict[str, float]:
-    """Median seconds per step of ``config`` under ``P2RStrategy`` (bf16-mixed), and the MFU the run's own
-    :class:`Throughput` callback logged over its last window (a check of the callback against this script)."""
+            offload_fraction: float = 0.0, host_step: str = "exact", micro_batches: int = 1,
+            accumulation: str = "standard") -> dict[str, float]:
+    """Median seconds per optimizer step of ``config`` under ``P2RStrategy`` (bf16-mixed), and the MFU the run's own
+    :class:`Throughput` callback logged over its last window (a check of the callback against this script).
+
+    Each optimizer step takes ``micro_batches`` batches of ``sizes.batch_size`` sequences: Lightning's
+    ``accumulate_grad_batches`` for "standard" accumulation, the strategy's layered accumulation (with recompute:
+    only each block's input kept per micro-batch) for "layered"."""
+    layered = accumulation == "layered"
     L.seed_everything(0, verbose=False)
     module = M6LanguageModel(config, OptimizerConfig(lr=1e-4, warmup_steps=1, fused=None))
     timer = StepTimer()
     throughput = Throughput(window=max(1, sizes.steps - sizes.warmup - 1), prog_bar=False)
     strategy = P2RStrategy(compile=compile_backend, offload_fraction=offload_fraction, log_telemetry=False,
-                           host_step=host_step)
+                           host_step=host_step, accumulation=accumulation,
+                           micro_batches=micro_batches if layered else 1, recompute=layered)
+    trainer_accumulation = 1 if layered else micro_batches
+    loader = random_windows(config, sizes, sizes.steps * trainer_accumulation,
+                            sizes.batch_size * (micro_batches if layered else 1))
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(accelerator=device.type, devices=1, strategy=strategy, max_steps=sizes.steps,
                             logger=False, enable_checkpointing=False, enable_progress_bar=False,
                             enable_model_summary=False, limit_val_batches=0, default_root_dir=root,
-                            callbacks=[timer, throughput], precision="bf16-mixed", use_distributed_sampler=False)
-        trainer.fit(module, train_dataloaders=random_windows(config, sizes, sizes.steps))
+                            callbacks=[timer, throughput], precision="bf16-mixed", use_distributed_sampler=False,
+                            accumulate_grad_batches=trainer_accumulation)
+        trainer.fit(module, train_dataloaders=loader)
     timed = strategy.telemetry_history[sizes.warmup:]
     offload = {f"{name}_ms": 1000 * statistics.median(getattr(stats, f"{name}_seconds") for stats in timed)
                for name in ("host_step", "copy_wait")} if timed else {}
-    return {"seconds": _median_step(timer.ends, sizes.warmup),
+    return {"seconds": _median_step(timer.ends, sizes.warmup, trainer_accumulation),
             "logged_mfu": throughput.last.get("perf/mfu", float("nan"))} | offload
 
 
@@ -224,22 +246,38 @@ class Arm:
     run: Callable[[Sizes, torch.device, Any], Any]
     offload_fraction: float = 0.0
     host_step: str = "-"
+    micro_batches: int = 1
+    accumulation: str = "-"
 
 
 def _arms() -> list[Arm]:
-    def p2r(model: str, kernel: str, compile_: bool, fraction: float = 0.0, host_step: str = "exact") -> Callable:
+    def p2r(model: str, kernel: str, compile_: bool, fraction: float = 0.0, host_step: str = "exact",
+            micro_batches: int = 1, accumulation: str = "standard") -> Callable:
         def go(sizes: Sizes, device: torch.device, backend: Any) -> float:
             config = replace(getattr(sizes, model), expert_kernel=kernel)
             return run_p2r(config, sizes, device, compile_backend=backend if compile_ else False,
-                           offload_fraction=fraction, host_step=host_step)
+                           offload_fraction=fraction, host_step=host_step, micro_batches=micro_batches,
+                           accumulation=accumulation)
         return go
 
-    def offload(model: str, compile_: bool, fraction: float, host_step: str) -> Arm:
+    def offload(model: str, compile_: bool, fraction: float, host_step: str, micro_batches: int = 1) -> Arm:
+        layered = micro_batches > 1  # an offloaded block is fetched once per step only under layered accumulation
         name = (f"{model}-offload-{'all' if fraction == 1.0 else 'half'}{'-delayed' if host_step == 'delayed' else ''}"
-                f"{'-compile' if compile_ else ''}")
+                f"{f'-layered{micro_batches}' if layered else ''}{'-compile' if compile_ else ''}")
         kernel = "grouped" if model == "moe" else "auto"
+        accumulation = "layered" if layered else "standard"
         return Arm(name, model, "grouped" if model == "moe" else "-", compile_,
-                   p2r(model, kernel, compile_, fraction, host_step), offload_fraction=fraction, host_step=host_step)
+                   p2r(model, kernel, compile_, fraction, host_step, micro_batches, accumulation),
+                   offload_fraction=fraction, host_step=host_step, micro_batches=micro_batches,
+                   accumulation=accumulation if layered else "-")
+
+    def accumulated(model: str, compile_: bool, micro_batches: int) -> Arm:
+        """The resident model over the same tokens per step, by Lightning's (standard) accumulation."""
+        kernel = "grouped" if model == "moe" else "auto"
+        return Arm(f"{model}{'-compile' if compile_ else ''}-accum{micro_batches}", model,
+                   "grouped" if model == "moe" else "-", compile_, p2r(model, kernel, compile_, 0.0, "exact",
+                                                                      micro_batches, "standard"),
+                   micro_batches=micro_batches, accumulation="standard")
 
     def peer(model: str) -> Callable:
         def go(sizes: Sizes, device: torch.device, backend: Any) -> float:
@@ -262,6 +300,11 @@ def _arms() -> list[Arm]:
         offload("moe", True, 1.0, "delayed"),
         offload("dense", True, 1.0, "exact"),
         offload("dense", True, 1.0, "delayed"),
+        accumulated("moe", False, 4),
+        offload("moe", False, 1.0, "exact", 4),
+        offload("moe", False, 1.0, "delayed", 4),
+        accumulated("dense", True, 4),
+        offload("dense", True, 1.0, "delayed", 4),
     ]
 
 
@@ -270,7 +313,8 @@ def measure_arm(arm: Arm, sizes: Sizes, device: torch.device, backend: Any, peak
     config = getattr(sizes, arm.model)
     row: dict[str, Any] = {"arm": arm.name, "model": arm.model, "kernel": arm.kernel, "compile": arm.compile,
                            "offloaded": f"{round(arm.offload_fraction * config.num_layers)}/{config.num_layers}",
-                           "host_step": arm.host_step}
+                           "host_step": arm.host_step, "micro_batches": arm.micro_batches,
+                           "accumulation": arm.accumulation}
     total, active = parameter_counts(config)
     row |= {"params_M": total / 1e6, "active_M": active / 1e6}
     torch._dynamo.reset()
@@ -294,7 +338,7 @@ def measure_arm(arm: Arm, sizes: Sizes, device: torch.device, backend: Any, peak
     if isinstance(result, dict):
         row |= result
     elif result is not None:
-        tokens_per_s = sizes.batch_size * sizes.seq_len / result
+        tokens_per_s = sizes.batch_size * arm.micro_batches * sizes.seq_len / result
         forward = model_forward_flops(config, sizes.seq_len)
         table_peak, matmul_peak = peaks
         row |= {"tokens_per_s": tokens_per_s, "step_ms": 1000 * result,
