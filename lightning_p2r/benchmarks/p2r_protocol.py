@@ -41,12 +41,22 @@ class Arm:
     upcycle_router: str = "keep"
     upcycle_drop: float = 0.0
     """Drop-Upcycling: the share of each upcycled expert's hidden units re-initialized at upcycling."""
+    steps_fraction: float = 1.0
+    """The share of the run's optimizer steps this arm trains, its schedule decaying at its own last step (the
+    compute-matched scratch arm trains fewer steps than the others)."""
     trunk: str | None = None
     """The arm whose checkpoint at this arm's first delink step it resumes from (its shared stage)."""
     parent: str | None = None
     """A variant of another arm: it trains at that arm's best LR (no sweep of its own), and its stages have that
     arm's shapes, so it is priced with that arm's measured step times."""
     note: str = ""
+
+    def own_steps(self, steps: int, multiple: int = 1) -> int:
+        """This arm's optimizer steps in a run of ``steps``: rounded to a ``multiple`` (the validation interval,
+        so that the last step is measured), at least one multiple."""
+        if self.steps_fraction == 1.0:
+            return steps
+        return max(multiple, round(steps * self.steps_fraction / multiple) * multiple)
 
     def delink_steps(self, steps: int) -> dict[int, int | None]:
         """{optimizer step: unique blocks after} for a run of ``steps`` steps."""
@@ -160,6 +170,72 @@ def growth_arms(num_layers: int, growth_factor: int = 4, upcycle_fraction: float
         replace(upcycle, name="drop_upcycle_quarter", upcycle_drop=0.25, parent="upcycle",
                 note="Drop-Upcycling with a quarter of each expert's hidden units re-initialized"),
     ]
+
+
+GROWTH_RULE_FRACTION = 0.3
+"""The growth confirmation's rule (docs/pseudo_to_real.md, "The confirmation, fixed before it runs"): grow 4x at
+30% of the run's optimizer steps, the point the first size measured best; not moved for the new settings."""
+
+
+def matched_fraction(grow_at: float, step_time_ratio: float) -> float:
+    """The share of the run a real model trains in the time the grown arm takes: ``grow_at`` of the run at the
+    shallow stage's ``step_time_ratio`` (its seconds per step over the real model's), then the rest at full cost."""
+    if not 0.0 < step_time_ratio <= 1.5 or not 0.0 < grow_at < 1.0:
+        raise ValueError(f"expected 0 < grow_at < 1 and a step-time ratio in (0, 1.5], got {grow_at}, "
+                         f"{step_time_ratio}")
+    return grow_at * step_time_ratio + (1.0 - grow_at)
+
+
+def confirmation_arms(num_layers: int, warmup_steps: int, matched: float, growth_factor: int = 4,
+                      grow_at: float = GROWTH_RULE_FRACTION, upcycle_fraction: float = 0.1) -> list[Arm]:
+    """The growth confirmation's arms, as committed before its runs. Main (each swept over the LRs): ``scratch``;
+    ``scratch_matched``, the real model for ``matched`` of the run (the grown arm's compute) with its own schedule;
+    ``grow``, a shallow model of L/``growth_factor`` blocks grown by the cycle map at ``grow_at``; ``drop_upcycle``,
+    the real depth with each layer's experts sharing one FFN until ``upcycle_fraction``, then upcycled with half of
+    each expert's hidden units re-initialized. One variant at ``grow``'s best LR: ``grow_rewarm``, the LR warmed up
+    again over ``warmup_steps`` after growth."""
+    if num_layers % growth_factor:
+        raise ValueError(f"growth by {growth_factor} needs num_layers divisible by it, got {num_layers}")
+    shallow = num_layers // growth_factor
+    grow = Arm("grow", shallow, sharing="cycle", pseudo_depth="shallow", schedule=((grow_at, None),),
+               note=f"{shallow} layers grown to {num_layers} at {grow_at:.0%} (the rule)")
+    return [
+        Arm("scratch", None, note="the real model from step 0"),
+        Arm("scratch_matched", None, steps_fraction=matched,
+            note=f"the real model for {matched:.1%} of the steps: the grown arm's compute"),
+        grow,
+        Arm("drop_upcycle", None, unique_experts=1, upcycle_drop=0.5, schedule=((upcycle_fraction, None),),
+            note=f"one FFN per layer until {upcycle_fraction:.0%}, then Drop-Upcycling (r = 0.5)"),
+        replace(grow, name="grow_rewarm", rewarm_steps=max(1, warmup_steps), parent="grow",
+                note=f"grown at {grow_at:.0%}, the LR warmed up again over {warmup_steps} steps"),
+    ]
+
+
+def loss_at(xs: Sequence[float], losses: Sequence[float], x: float) -> float:
+    """The loss curve sampled at ``xs`` read at ``x``, linear between samples (NaN outside them)."""
+    if not xs or x < xs[0] or x > xs[-1]:
+        return math.nan
+    for i in range(1, len(xs)):
+        if x <= xs[i]:
+            frac = (x - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
+            return losses[i - 1] + frac * (losses[i] - losses[i - 1])
+    return losses[-1]
+
+
+def confirmation_verdict(grow: Mapping[int, float], scratch_at_grow_time: Mapping[int, float],
+                         matched: Mapping[int, float], time_ratio: float) -> dict[str, object]:
+    """The committed decision in one setting, per seed paired: ``grow`` (final losses) ends below scratch's curve
+    read at the time the grown run took, by more than 2 standard errors; it reaches scratch's final loss in less
+    time (``time_ratio`` < 1: its time to that loss over scratch's whole run); and it is not worse than the
+    compute-matched scratch (``matched``'s final losses), read strictly: a mean difference of at most 0."""
+    equal_time = paired_difference(grow, scratch_at_grow_time)
+    versus_matched = paired_difference(grow, matched)
+    sooner = math.isfinite(time_ratio) and time_ratio < 1.0
+    return {"diff_at_equal_time": equal_time.mean, "diff_at_equal_time_se": equal_time.se,
+            "lower_by_2se": equal_time.significant, "time_ratio": time_ratio, "sooner": sooner,
+            "diff_vs_matched": versus_matched.mean, "diff_vs_matched_se": versus_matched.se,
+            "not_worse_than_matched": versus_matched.n > 0 and versus_matched.mean <= 0.0,
+            "confirmed": equal_time.significant and sooner and versus_matched.n > 0 and versus_matched.mean <= 0.0}
 
 
 def trunk_of(run: Run, arms: Mapping[str, Arm]) -> Run | None:

@@ -51,7 +51,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -60,14 +60,19 @@ import lightning as L
 import torch
 
 from lightning_p2r.benchmarks.p2r_protocol import (
+    GROWTH_RULE_FRACTION,
     Arm,
     Phase,
     Run,
     ablation_arms,
     best_lr,
+    confirmation_arms,
+    confirmation_verdict,
     first_crossing,
     growth_arms,
+    loss_at,
     main_arms,
+    matched_fraction,
     paired_difference,
     seconds_to,
     waves,
@@ -88,7 +93,7 @@ from lightning_p2r.measure.run import worker_env
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "pseudo_to_real.yaml"
 SETTINGS = ("single", "zero3", "offload")
 TIMED_ARMS = ("scratch", "p2r", "cycled")
-GROWTH_TIMED_ARMS = ("scratch", "cycled", "stack", "upcycle", "stack_upcycle")
+GROWTH_TIMED_ARMS = ("scratch", "cycled", "stack", "upcycle", "stack_upcycle", "grow", "drop_upcycle")
 # --quick: a tiny model on a tiny byte-level corpus; the smoke test checks plumbing, the numbers mean nothing.
 QUICK_OVERRIDES = ["--model.config.num_layers=4", "--model.config.dim=32", "--model.config.num_heads=2",
                    "--model.config.num_experts=2", "--model.config.sparse_window=8", "--model.optimizer.warmup_steps=2",
@@ -266,16 +271,21 @@ class Runner:
     """Trains runs ``jobs`` at a time in subprocesses, keeping each finished result under ``folder``."""
 
     def __init__(self, folder: Path, base_args: list[str], steps: int, jobs: int, arms: dict[str, Arm],
-                 timeout: int) -> None:
+                 timeout: int, val_every: int = 1) -> None:
         self.folder, self.base_args, self.steps, self.jobs, self.arms = folder, base_args, steps, jobs, arms
-        self.timeout = timeout
+        self.timeout, self.val_every = timeout, val_every
         folder.mkdir(parents=True, exist_ok=True)
         # Results are reused only under the same settings: the hash covers every argument a run gets, except the
         # per-invocation temporary folder (the root dir, and the --quick corpus inside it).
         self.key = settings_key(base_args, steps)
 
+    def own_steps(self, arm: Arm) -> int:
+        return arm.own_steps(self.steps, self.val_every)
+
     def _paths(self, run: Run) -> tuple[Path, Path]:
-        stem = f"{run.name}_{self.key}"  # names hold dots (lr0.002): no with_suffix
+        own = self.own_steps(run.arm)
+        # names hold dots (lr0.002): no with_suffix; an arm of its own length says it (it depends on a timing)
+        stem = f"{run.name}{'' if own == self.steps else f'_n{own}'}_{self.key}"
         return self.folder / f"{stem}.json", self.folder / f"{stem}.ckpt"
 
     def _spec(self, run: Run, save_at: dict[int, str]) -> dict[str, Any]:
@@ -283,6 +293,8 @@ class Runner:
         delinks = arm.delink_steps(self.steps)
         args = [*self.base_args, f"--seed_everything={run.seed}", f"--data.seed={run.seed}",
                 f"--model.optimizer.lr={run.lr}", *arm.cli_args()]
+        if self.own_steps(arm) != self.steps:  # the last value of an option wins: its schedule ends there too
+            args.append(f"--trainer.max_steps={self.own_steps(arm)}")
         trunk = None if arm.trunk is None else Run(self.arms[arm.trunk], run.lr, run.seed)
         # The moment check compares layers that shared a block; a grown or upcycled model has no such pairing.
         moment_check = bool(delinks) and arm.pseudo_depth == "shared" and arm.unique_experts is None
@@ -393,19 +405,20 @@ def final_loss(result: dict[str, Any]) -> float:
     return result["points"][-1][1] if result["points"] else math.nan
 
 
-def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence[float], seeds: int,
+def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence[float], seeds: Sequence[int],
             timing: dict[str, dict[str, Any]], ablations: list[str]) -> dict[str, Any]:
+    """``seeds``: the sweep ran on the first, the arms' best LRs on all of them."""
     steps = runner.steps
     sweep_rows, best = [], {}
     for name in main:
-        finals = {lr: [final_loss(runner.result(Run(arms[name], lr, 0)))] for lr in lrs}
+        finals = {lr: [final_loss(runner.result(Run(arms[name], lr, seeds[0])))] for lr in lrs}
         best[name] = best_lr(finals)
-        sweep_rows += [{"arm": name, "lr": lr, "seed": 0, "final_val_loss": finals[lr][0], "best": lr == best[name]}
-                       for lr in lrs]
-    results = {name: {s: runner.result(Run(arms[name], best[name], s)) for s in range(seeds)} for name in main}
+        sweep_rows += [{"arm": name, "lr": lr, "seed": seeds[0], "final_val_loss": finals[lr][0],
+                        "best": lr == best[name]} for lr in lrs]
+    results = {name: {s: runner.result(Run(arms[name], best[name], s)) for s in seeds} for name in main}
     for name in ablations:  # variants: at their parent's best LR
         best[name] = best[arms[name].parent]
-        results[name] = {s: runner.result(Run(arms[name], best[name], s)) for s in range(seeds)}
+        results[name] = {s: runner.result(Run(arms[name], best[name], s)) for s in seeds}
     finals = {name: {s: final_loss(r) for s, r in per_seed.items()} for name, per_seed in results.items()}
     scratch = finals["scratch"]
     summary, ablation_rows, time_rows = [], [], []
@@ -442,9 +455,35 @@ def analyse(runner: Runner, arms: dict[str, Arm], main: list[str], lrs: Sequence
             "time": time_rows}
 
 
+def confirmation_rows(analysis: dict[str, Any], timing: dict[str, dict[str, Any]], arms: dict[str, Arm],
+                      steps: int) -> list[dict[str, Any]]:
+    """The confirmation's verdict in each timed setting: scratch's loss read off its own curve at the step it
+    reaches in the seconds the grown run took (that setting's measured step times), paired by seed."""
+    results = analysis["results"]
+    if not {"grow", "scratch", "scratch_matched"} <= set(results):
+        return []
+    finals = {name: {s: final_loss(r) for s, r in results[name].items()} for name in ("grow", "scratch_matched")}
+    rows = []
+    for setting, measured in timing.items():
+        if not {"grow", "scratch"} <= set(measured):
+            continue
+        grow_seconds = clock(arms["grow"], steps, measured["grow"])(steps)
+        scratch_step = grow_seconds / measured["scratch"]["phases"][0]
+        at_time = {s: loss_at([p[0] for p in r["points"]], [p[1] for p in r["points"]], scratch_step)
+                   for s, r in results["scratch"].items()}
+        time_ratio = next((row["time_ratio"] for row in analysis["time"]
+                           if row["arm"] == "grow" and row["setting"] == setting), math.nan)
+        rows.append({"setting": setting, "grow_seconds": grow_seconds, "scratch_step_at_that_time": scratch_step}
+                    | confirmation_verdict(finals["grow"], at_time, finals["scratch_matched"], time_ratio))
+    return rows
+
+
 def _priced_as(arm: Arm) -> str:
-    """The arm whose measured stage times price this one (a variant's stages have its parent's shapes)."""
-    return arm.parent or arm.name
+    """The arm whose measured stage times price this one: a variant's stages have its parent's shapes, and the real
+    model of another length (the compute-matched scratch) is scratch's shape."""
+    if arm.parent:
+        return arm.parent
+    return "scratch" if arm.steps_fraction != 1.0 and arm.blocks is None and not arm.schedule else arm.name
 
 
 def clock(arm: Arm, steps: int, times: dict[str, Any]) -> Callable[[float], float]:
@@ -536,6 +575,9 @@ SUMMARY_COLUMNS = ["arm", "lr", "seeds", "final_mean", "final_sd", "diff_vs_scra
                    "steps_to_scratch_final", "tau", "moment_ratio"]
 TIME_COLUMNS = ["arm", "setting", "s_per_step_first_stage", "s_per_step_real", "delink_s", "r", "tau", "delta",
                 "criterion_wins", "time_to_scratch_final_s", "scratch_time_s", "time_ratio", "time_ratio_at_own_final"]
+VERDICT_COLUMNS = ["setting", "grow_seconds", "scratch_step_at_that_time", "diff_at_equal_time",
+                   "diff_at_equal_time_se", "lower_by_2se", "time_ratio", "sooner", "diff_vs_matched",
+                   "diff_vs_matched_se", "not_worse_than_matched", "confirmed"]
 ABLATION_COLUMNS = ["arm", "parent", "lr", "seeds", "final_mean", "final_sd", "diff_vs_parent", "diff_vs_parent_se",
                     "diff_vs_scratch", "diff_se", "steps_to_scratch_final", "moment_ratio", "note"]
 TIMING_COLUMNS = ["setting", "arm", "stage", "blocks", "s_per_step", "delink_s", "offloaded_blocks_at_end"]
@@ -545,12 +587,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--config", type=Path, default=RECIPE, help="recipe YAML (default: pseudo_to_real.yaml)")
-    parser.add_argument("--protocol", choices=("sharing", "growth"), default="sharing",
+    parser.add_argument("--protocol", choices=("sharing", "growth", "confirm"), default="sharing",
                         help="sharing: issue 14's arms and ablations; growth: issue 30's shallow stage grown by "
-                             "stacking and experts upcycled (default %(default)s)")
+                             "stacking and experts upcycled; confirm: issue 41's growth confirmation, its rule and "
+                             "arms as committed in docs/pseudo_to_real.md (default %(default)s)")
     parser.add_argument("--steps", type=int, help="optimizer steps of every run (default 400, or 800 for the growth "
                                                   "protocol; 40 and 80 with --quick)")
     parser.add_argument("--seeds", type=int, help="seeds per arm at its best LR (default 3, 2 with --quick)")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="the LR sweep's seed; the others follow it (default 0; the confirmation uses 3)")
+    parser.add_argument("--step-ratio", type=float,
+                        help="confirm: the shallow stage's seconds per step over the real model's, instead of the "
+                             "single-process timing (sets the compute-matched scratch's length)")
     parser.add_argument("--lrs", type=float, nargs="+", help="the LR sweep (default 0.002 0.004 0.008)")
     parser.add_argument("--jobs", type=int, default=2, help="training runs at a time, 1 thread each (default 2)")
     parser.add_argument("--val-every", type=int, help="steps between validations (default 25, 10 with --quick)")
@@ -570,7 +618,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         _worker(json.loads(args.worker))
         return {}
     quick = args.quick
-    growth = args.protocol == "growth"
+    growth = args.protocol in ("growth", "confirm")
+    confirm = args.protocol == "confirm"
     steps = args.steps or (40 if quick else 400) * (2 if growth else 1)
     seeds = args.seeds or (2 if quick else 3)
     lrs = args.lrs or ([0.002, 0.008] if quick else [0.002, 0.004, 0.008])
@@ -602,7 +651,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         batches = len(probe.datamodule.train_dataloader())
         if steps > batches:
             parser.error(f"--steps={steps} is more than one epoch ({batches} batches): the protocol never repeats data")
-        if growth:
+        warmup = probe.model.optimizer_config.warmup_steps
+        if confirm:  # the compute-matched length is set once the step times are known (below)
+            every = confirmation_arms(config.num_layers, warmup, matched=1.0)
+            arms = {arm.name: arm for arm in every if arm.parent is None}
+            ablations = [] if args.no_ablations else [arm for arm in every if arm.parent is not None]
+        elif growth:
             every = growth_arms(config.num_layers)
             arms = {arm.name: arm for arm in every if arm.parent is None}
             ablations = [] if args.no_ablations else [arm for arm in every if arm.parent is not None]
@@ -623,31 +677,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              f"{sorted(arm.name for arm in ablations)}")
             ablations = [arm for arm in ablations if arm.name in args.variants]
         main_names = list(arms)
-        warmup = probe.model.optimizer_config.warmup_steps
-        first = "stack" if growth else "p2r"
+        first = "grow" if confirm else "stack" if growth else "p2r"
         if first in arms and warmup >= min(arms[first].delink_steps(steps)):
             parser.error(f"warmup ({warmup} steps) must end before {first}'s first delinking "
                          f"(step {min(arms[first].delink_steps(steps))}): run more --steps")
         arms.update({arm.name: arm for arm in ablations})
-        runner = Runner(out / ("growth_runs" if growth else "p2r_runs"), train_args, steps, args.jobs, arms,
-                        args.timeout)
+        runner = Runner(out / (f"{args.protocol}_runs" if confirm else "growth_runs" if growth else "p2r_runs"),
+                        train_args, steps, args.jobs, arms, args.timeout, val_every)
         print(f"{steps} steps per run (one epoch is {batches}), {config.num_layers} layers, dim {config.dim}; "
               f"runs kept in {runner.folder} (key {runner.key})")
 
-        print("\n== LR sweep (seed 0) ==", flush=True)
-        runner.run_all([Run(arms[name], lr, 0) for name in main_names for lr in lrs])
-        best = {name: best_lr({lr: [final_loss(runner.result(Run(arms[name], lr, 0)))] for lr in lrs})
-                for name in main_names}
-        print("best LR per arm: " + ", ".join(f"{k} {v:g}" for k, v in best.items()))
-        print(f"\n== seeds 1..{seeds - 1} at each arm's best LR ==", flush=True)
-        runner.run_all([Run(arms[name], best[name], s) for name in main_names for s in range(1, seeds)])
-        if ablations:
-            print(f"\n== variants at their parent arm's best LR, {seeds} seeds ==", flush=True)
-            runner.run_all([Run(arm, best[arm.parent], s) for arm in ablations for s in range(seeds)])
-
         timing: dict[str, dict[str, Any]] = {}
-        timing_rows = []
-        if not args.no_timing:
+        timing_rows: list[dict[str, Any]] = []
+
+        def measure_timing() -> None:
             size = sizes(config)
             budget = size["pseudo_total"] + (size["real_blocks"] - size["pseudo_blocks"]) // 4
             threads = os.cpu_count() or 1
@@ -671,6 +714,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                         "offloaded_blocks_at_end": data["offloaded_blocks"]})
                 print(f"  {spec['name']}: " + ", ".join(f"{s:.3f}" for s in phases) + " s/step", flush=True)
 
+        if confirm:  # the step times come first: they set the compute-matched scratch's length
+            if args.step_ratio is None:
+                if args.no_timing:
+                    parser.error("--protocol confirm needs the step timings or --step-ratio")
+                measure_timing()
+            ratio = args.step_ratio or timing["single"]["grow"]["phases"][0] / timing["single"]["scratch"]["phases"][0]
+            arms["scratch_matched"] = replace(arms["scratch_matched"],
+                                              steps_fraction=matched_fraction(GROWTH_RULE_FRACTION, ratio))
+            print(f"shallow stage at {ratio:.3f} of a real step: scratch_matched trains "
+                  f"{runner.own_steps(arms['scratch_matched'])} of {steps} steps", flush=True)
+        seed_list = list(range(args.first_seed, args.first_seed + seeds))
+        print(f"\n== LR sweep (seed {seed_list[0]}) ==", flush=True)
+        runner.run_all([Run(arms[name], lr, seed_list[0]) for name in main_names for lr in lrs])
+        best = {name: best_lr({lr: [final_loss(runner.result(Run(arms[name], lr, seed_list[0])))] for lr in lrs})
+                for name in main_names}
+        print("best LR per arm: " + ", ".join(f"{k} {v:g}" for k, v in best.items()))
+        print(f"\n== seeds {seed_list[1:]} at each arm's best LR ==", flush=True)
+        runner.run_all([Run(arms[name], best[name], s) for name in main_names for s in seed_list[1:]])
+        if ablations:
+            print(f"\n== variants at their parent arm's best LR, seeds {seed_list} ==", flush=True)
+            runner.run_all([Run(arm, best[arm.parent], s) for arm in ablations for s in seed_list])
+        if not args.no_timing and not timing:
+            measure_timing()
+
     for measured in timing.values():
         # Every arm's last stage is the real model, the model scratch times for the whole run: one measurement of
         # it per setting (the longest) keeps the timing noise of short stages out of r and the times.
@@ -678,7 +745,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for name, times in measured.items():
                 if arms[name].schedule:
                     times["phases"][-1] = measured["scratch"]["phases"][0]
-    analysis = analyse(runner, arms, main_names, lrs, seeds, timing, [a.name for a in ablations])
+    analysis = analyse(runner, arms, main_names, lrs, seed_list, timing, [a.name for a in ablations])
     print("\nLR sweep (seed 0, final validation loss)\n")
     print_table(analysis["sweep"], ["arm", "lr", "final_val_loss", "best"])
     print(f"\nat each arm's best LR, {seeds} seeds, paired against scratch (diff < 0: lower than scratch)\n")
@@ -698,7 +765,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("\nseconds per step by stage (measured alone; step 0-1 of each stage left out); the analysis prices "
               "every arm's real stage at scratch's figure of the same setting\n")
         print_table(timing_rows, TIMING_COLUMNS)
-    stem = "pseudo_to_real_growth" if growth else "pseudo_to_real"
+    stem = "growth_confirm" if confirm else "pseudo_to_real_growth" if growth else "pseudo_to_real"
+    verdicts = confirmation_rows(analysis, timing, arms, steps) if confirm else []
+    if verdicts:
+        print(f"\nthe committed decision, per setting (grow at {GROWTH_RULE_FRACTION:.0%}, seeds {seed_list}): "
+              "confirmed = lower than scratch at equal time by > 2 SE, and sooner to scratch's final loss, and not "
+              "worse than scratch_matched\n")
+        print_table(verdicts, VERDICT_COLUMNS)
     written = [
         write_csv(with_environment(curve_rows(analysis, timing, arms, steps), env), out / f"{stem}.csv"),
         write_csv(with_environment(analysis["summary"], env), out / f"{stem}_summary.csv"),
@@ -706,6 +779,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ]
     if analysis["ablations"]:
         written.append(write_csv(with_environment(analysis["ablations"], env), out / f"{stem}_ablations.csv"))
+    if verdicts:
+        written.append(write_csv(with_environment(verdicts, env), out / f"{stem}_verdict.csv"))
     if timing_rows:
         written.append(write_csv(with_environment(timing_rows, env), out / f"{stem}_timing.csv"))
         written.append(write_csv(with_environment(analysis["time"], env), out / f"{stem}_time.csv"))

@@ -154,6 +154,32 @@ def test_growth_protocol_runs_its_arms_end_to_end(tmp_path: Path) -> None:
     _assert_png(out / "pseudo_to_real_growth.png")
 
 
+def test_growth_confirmation_runs_its_arms_from_its_first_seed(tmp_path: Path) -> None:
+    """Issue 41's confirmation (one LR, two seeds from seed 3, 40 steps; the step-time ratio given, not timed): the
+    compute-matched scratch trains its share of the steps, and the re-warmup variant runs at grow's LR."""
+    import json
+    import math
+
+    from lightning_p2r.benchmarks import pseudo_to_real
+
+    out = tmp_path / "out"
+    pseudo_to_real.main(["--quick", "--protocol", "confirm", "--steps", "40", "--out", str(out), "--lrs", "0.008",
+                         "--seeds", "2", "--first-seed", "3", "--no-timing", "--step-ratio", "0.5",
+                         "--model.optimizer.warmup_steps=2"])
+    summary = {row["arm"]: row for row in _read_csv(out / "growth_confirm_summary.csv")}
+    assert set(summary) == {"scratch", "scratch_matched", "grow", "drop_upcycle"}
+    assert all(math.isfinite(float(row["final_mean"])) and row["seeds"] == "2" for row in summary.values())
+    assert summary["grow"]["tau"] == "0.3" and summary["drop_upcycle"]["tau"] == "0.1"
+    variant, = _read_csv(out / "growth_confirm_ablations.csv")
+    assert variant["arm"] == "grow_rewarm" and variant["lr"] == summary["grow"]["lr"]
+    # 0.3 x 0.5 + 0.7 = 0.85 of 40 steps, in whole validation intervals (10): 30 steps, ending on a validation.
+    matched = sorted((out / "confirm_runs").glob("scratch_matched_*_n30_*.json"))
+    assert [path.name.split("_")[3] for path in matched] == ["s3", "s4"]
+    assert json.loads(matched[0].read_text())["points"][-1][0] == 30
+    curves = _read_csv(out / "growth_confirm.csv")
+    assert {row["seed"] for row in curves} == {"3", "4"}
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_accumulation_sync_benchmark_writes_its_outputs(tmp_path) -> None:

@@ -5,13 +5,18 @@ import math
 import pytest
 
 from lightning_p2r.benchmarks.p2r_protocol import (
+    GROWTH_RULE_FRACTION,
     Phase,
     Run,
     ablation_arms,
     best_lr,
+    confirmation_arms,
+    confirmation_verdict,
     first_crossing,
     growth_arms,
+    loss_at,
     main_arms,
+    matched_fraction,
     paired_difference,
     seconds_to,
     trunk_of,
@@ -140,3 +145,70 @@ def test_the_time_ratio_at_an_arms_own_final_loss() -> None:
     own = 80 * 0.05 + 720 * 0.2 + 1.0
     assert _own_final_ratio(stack, measured, [720.0, 720.0], 800) == pytest.approx(own / (720 * 0.2))
     assert math.isnan(_own_final_ratio(stack, measured, [720.0, None], 800))  # a seed scratch never gets to
+
+
+def test_confirmation_arms_follow_the_committed_rule() -> None:
+    """docs/pseudo_to_real.md, "The confirmation, fixed before it runs": grow 4x at 30% of the steps; scratch, a
+    compute-matched scratch, the grown arm and Drop-Upcycling (r = 0.5, at 10%) swept; re-warmup a variant."""
+    arms = {arm.name: arm for arm in confirmation_arms(24, warmup_steps=20, matched=0.79)}
+    assert [name for name, arm in arms.items() if arm.parent is None] == [
+        "scratch", "scratch_matched", "grow", "drop_upcycle"]
+    assert GROWTH_RULE_FRACTION == 0.3 and arms["grow"].delink_steps(800) == {240: None}
+    assert {"--model.config.num_unique_blocks=6", "--model.config.pseudo_depth=shallow",
+            "--model.config.sharing=cycle"} <= set(arms["grow"].cli_args())
+    assert arms["drop_upcycle"].delink_steps(800) == {80: None} and arms["drop_upcycle"].upcycle_drop == 0.5
+    assert arms["drop_upcycle"].unique_experts == 1
+    assert arms["grow_rewarm"].parent == "grow" and arms["grow_rewarm"].rewarm_steps == 20
+    assert arms["grow_rewarm"].delink_steps(800) == {240: None}
+    matched = arms["scratch_matched"]
+    assert matched.blocks is None and not matched.schedule and matched.own_steps(800, 25) == 625  # 632 -> 625
+    assert arms["scratch"].own_steps(800, 25) == 800 and matched.own_steps(10, 25) == 25  # at least one interval
+    with pytest.raises(ValueError, match="divisible"):
+        confirmation_arms(18, warmup_steps=20, matched=0.8)
+
+
+def test_the_compute_matched_length_is_the_grown_arms_compute() -> None:
+    # 30% of the run at a third of a real step, then 70% at full cost.
+    assert matched_fraction(0.3, 1 / 3) == pytest.approx(0.8)
+    assert matched_fraction(0.3, 1.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="step-time ratio"):
+        matched_fraction(0.3, 0.0)
+
+
+def test_loss_at_reads_a_curve_between_its_samples() -> None:
+    assert loss_at([0, 10, 20], [5.0, 4.0, 3.0], 15) == pytest.approx(3.5)
+    assert loss_at([0, 10, 20], [5.0, 4.0, 3.0], 10) == 4.0 and loss_at([0, 10], [5.0, 4.0], 0) == 5.0
+    assert math.isnan(loss_at([0, 10], [5.0, 4.0], 11)) and math.isnan(loss_at([], [], 1))
+
+
+def test_the_verdict_needs_all_three_conditions() -> None:
+    grow = {3: 4.50, 4: 4.52, 5: 4.49}
+    scratch_then = {3: 4.60, 4: 4.61, 5: 4.60}  # scratch's curve at the time grow finished: higher on every seed
+    matched = {3: 4.55, 4: 4.57, 5: 4.53}
+    verdict = confirmation_verdict(grow, scratch_then, matched, time_ratio=0.86)
+    assert verdict["lower_by_2se"] and verdict["sooner"] and verdict["not_worse_than_matched"]
+    assert verdict["confirmed"] and verdict["diff_at_equal_time"] == pytest.approx(-0.1, abs=1e-9)
+    assert not confirmation_verdict(grow, scratch_then, matched, time_ratio=math.inf)["confirmed"]  # never there
+    assert not confirmation_verdict(grow, scratch_then, {3: 4.4, 4: 4.5, 5: 4.45}, 0.86)["confirmed"]  # matched wins
+    noisy = {3: 4.70, 4: 4.40, 5: 4.65}  # lower on average, not by 2 standard errors
+    assert not confirmation_verdict(grow, noisy, matched, 0.86)["lower_by_2se"]
+
+
+def test_confirmation_rows_read_scratch_at_the_grown_runs_time() -> None:
+    """The grown run (30% of 100 steps at 0.05 s, 70% at 0.2 s, one 1 s delink) takes 16.5 s: scratch (0.2 s per
+    step) is at step 82.5 then, read off its curve between its samples at 75 and 100."""
+    from lightning_p2r.benchmarks.pseudo_to_real import confirmation_rows
+
+    arms = {arm.name: arm for arm in confirmation_arms(8, warmup_steps=2, matched=0.825)}
+    curve = [[25, 5.0], [50, 4.6], [75, 4.4], [100, 4.2]]
+    results = {"scratch": {3: {"points": curve}, 4: {"points": curve}},
+               "grow": {3: {"points": [[100, 4.30]]}, 4: {"points": [[100, 4.32]]}},
+               "scratch_matched": {3: {"points": [[75, 4.31]]}, 4: {"points": [[75, 4.35]]}}}
+    timing = {"single": {"scratch": {"phases": [0.2], "delink_s": 0.0},
+                         "grow": {"phases": [0.05, 0.2], "delink_s": 1.0}}}
+    analysis = {"results": results, "time": [{"arm": "grow", "setting": "single", "time_ratio": 0.9}]}
+    row, = confirmation_rows(analysis, timing, arms, 100)
+    assert row["grow_seconds"] == pytest.approx(16.5) and row["scratch_step_at_that_time"] == pytest.approx(82.5)
+    assert row["diff_at_equal_time"] == pytest.approx((4.30 + 4.32) / 2 - 4.34)
+    assert row["diff_vs_matched"] == pytest.approx(-0.02) and row["time_ratio"] == 0.9
+    assert confirmation_rows({"results": {"scratch": {}}, "time": []}, timing, arms, 100) == []
