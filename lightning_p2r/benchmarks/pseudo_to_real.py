@@ -1,8 +1,8 @@
 """Does Pseudo-to-Real pay off? Seeded arms at their best learning rate, paired against the real model from scratch.
 
     python -m lightning_p2r.benchmarks.pseudo_to_real [--quick] [--out DIR | --update-docs] [--jobs N]
-        [--protocol sharing|growth] [--steps N] [--seeds N] [--lrs LR ...] [--no-ablations] [--no-timing]
-        [--config YAML]
+        [--protocol sharing|growth|confirm] [--steps N] [--seeds N] [--first-seed S] [--lrs LR ...]
+        [--no-ablations] [--no-timing] [--step-ratio R] [--config YAML] [recipe overrides]
 
 ``--protocol growth`` (issue 30) runs the same protocol over other arms, for twice the steps (800), into
 ``pseudo_to_real_growth*`` files and ``<out>/growth_runs``: ``scratch``; ``cycled`` (the sharing protocol's best);
@@ -11,6 +11,15 @@ the run, ``p2r_protocol.GSTACK_GROWTH_FRACTION``); ``upcycle`` (the real depth, 
 one FFN until they are upcycled at 10%); ``stack_upcycle`` (both at G_stack's point). Their variants train at the
 parent arm's best LR, 3 seeds, and are priced with its stage times: the growth point 3x earlier, 3x and 9x later,
 identity-preserving growth (``growth_init: zero_outputs``), and the router re-initialized at upcycling.
+
+``--protocol confirm`` (issue 41) runs the growth confirmation as committed in docs/pseudo_to_real.md before its
+runs, into ``growth_confirm*`` files and ``<out>/confirm_runs``: the step timings first (they set the compute-matched
+arm's length), then ``scratch``, ``scratch_matched`` (the real model for 0.3 r + 0.7 of the steps, r the shallow
+stage's measured step-time ratio, its own schedule decayed at its last step), ``grow`` (L/4 layers grown 4x at 30%)
+and ``drop_upcycle`` (experts sharing one FFN until 10%, then half of each expert's hidden units re-initialized),
+swept from ``--first-seed``; the variant ``grow_rewarm`` (the LR warmed up again after growth); and the committed
+decision per setting (``growth_confirm_verdict.csv``). The second size and the other corpus are recipe overrides,
+e.g. ``--model.config.num_layers=24 --model.config.dim=96`` or ``--data.corpus=bible-multi --data.prepared=auto``.
 
 The protocol (``p2r_protocol.py`` holds its pure parts):
 
@@ -258,6 +267,15 @@ def launch_run(spec: dict[str, Any], timeout: int = 7200) -> dict[str, Any]:
     if result.returncode or not path.exists():
         raise RuntimeError(f"run {spec['name']} failed (exit {result.returncode}):\n{result.stderr[-3000:]}")
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def epoch_batches(loader: Any) -> int | None:
+    """Batches in one epoch of ``loader``; None for a stream that has no fixed length (a language mixture sampled
+    with replacement of its weights: it draws fresh windows for as long as asked)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def settings_key(base_args: Sequence[str], steps: int) -> str:
@@ -648,8 +666,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         probe = build_cli([*common, "--trainer.max_steps=1"])
         config = probe.model.config
         probe.datamodule.setup("fit")
-        batches = len(probe.datamodule.train_dataloader())
-        if steps > batches:
+        batches = epoch_batches(probe.datamodule.train_dataloader())
+        if batches is not None and steps > batches:
             parser.error(f"--steps={steps} is more than one epoch ({batches} batches): the protocol never repeats data")
         warmup = probe.model.optimizer_config.warmup_steps
         if confirm:  # the compute-matched length is set once the step times are known (below)
@@ -684,7 +702,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         arms.update({arm.name: arm for arm in ablations})
         runner = Runner(out / (f"{args.protocol}_runs" if confirm else "growth_runs" if growth else "p2r_runs"),
                         train_args, steps, args.jobs, arms, args.timeout, val_every)
-        print(f"{steps} steps per run (one epoch is {batches}), {config.num_layers} layers, dim {config.dim}; "
+        epoch = batches if batches is not None else "not fixed: a streamed mixture"
+        print(f"{steps} steps per run (one epoch is {epoch}), {config.num_layers} layers, dim {config.dim}; "
               f"runs kept in {runner.folder} (key {runner.key})")
 
         timing: dict[str, dict[str, Any]] = {}
