@@ -471,11 +471,40 @@ def test_engine_events_stream_each_block_once_per_direction_for_all_micro_batche
     param_bytes = sum(block_bytes(reference, i) for i in range(4))
     assert stats.fetches == 8 and stats.h2d_bytes == 2 * param_bytes  # not once per micro-batch
     assert stats.d2h_bytes == param_bytes
-    assert stats.peak_resident_offloaded_blocks == 1  # manual mode does not prefetch
+    assert stats.peak_resident_offloaded_blocks == 2  # the next block comes in while a layer runs (prefetch 1)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_engine_events_prefetch_the_next_blocks_of_each_pass(prefetch: int) -> None:
+    """While a layer runs its micro-batches, the next ``prefetch`` offloaded blocks of the pass are already asked
+    for (without waiting), up the layers in forward and down them in backward; results are unchanged."""
+    reference, model, engine = build((0, 1, 2, 3), prefetch=prefetch)
+    micro = list(batch(rows=6).split(2))
+    want = run_layered(reference.model.stages(), micro)
+    calls: list[tuple[int, bool]] = []
+    fetch = engine.fetch
+
+    def recording_fetch(index: int, wait: bool) -> None:
+        calls.append((index, wait))
+        fetch(index, wait)
+
+    engine.fetch = recording_fetch
+    with StreamerEvents(engine) as events:
+        result = run_layered(model.model.stages(), micro, events)
+    assert torch.equal(result.loss, want.loss)
+    assert_same_tensors(gradients(model, engine), gradients(reference))
+    forward = [(i, True) for i in range(4)]
+    asked_early = [call for call in calls if not call[1]]
+    expected = [(j, False) for i in range(4) for j in range(i + 1, min(4, i + 1 + prefetch))]
+    expected += [(j, False) for i in reversed(range(4)) for j in range(i - 1, max(-1, i - 1 - prefetch), -1)]
+    assert asked_early == expected
+    assert [call for call in calls if call[1]][:4] == forward
+    assert engine.take_stats().peak_resident_offloaded_blocks == prefetch + 1
 
 
 def test_engine_events_ignore_resident_blocks() -> None:
-    reference, model, engine = build((2,))
+    # No prefetch: with it, the layer before block 2 would rightly ask for block 2 ahead of its forward.
+    reference, model, engine = build((2,), prefetch=0)
     events = StreamerEvents(engine)
     with events:
         for index in (0, 1, 3):
