@@ -51,13 +51,13 @@ def test_cuda_offload_accumulates_micro_batches_through_pinned_memory(tmp_path: 
 
     class Inspect(L.Callback):
         def on_train_batch_end(self, trainer, *args):
-            landings.append(trainer.strategy.streamer._grad_landing)
+            landings.append(dict(trainer.strategy.streamer._grad_landing))
 
     initial = InitialWeights()
     reference, _, _ = _fit(tmp_path / "ref", P2RStrategy(), callbacks=[initial], accumulate=2)
     offloaded, _, _ = _fit(tmp_path / "off", P2RStrategy(offload_fraction=1.0), callbacks=[Inspect()], accumulate=2)
     assert_trained_alike(offloaded.state_dict(), reference.state_dict(), initial.weights, name="cuda offload mb2")
-    assert landings[-1] is not None and landings[-1].is_pinned()
+    assert landings[-1] and all(buffer.is_pinned() for buffer in landings[-1].values())
 
 
 def test_cuda_pins_host_buffers_by_default(tmp_path: Path) -> None:
