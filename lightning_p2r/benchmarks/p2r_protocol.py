@@ -231,11 +231,11 @@ def confirmation_verdict(grow: Mapping[int, float], scratch_at_grow_time: Mappin
     equal_time = paired_difference(grow, scratch_at_grow_time)
     versus_matched = paired_difference(grow, matched)
     sooner = math.isfinite(time_ratio) and time_ratio < 1.0
+    not_worse = versus_matched.n > 0 and versus_matched.mean <= 0.0
     return {"diff_at_equal_time": equal_time.mean, "diff_at_equal_time_se": equal_time.se,
             "lower_by_2se": equal_time.significant, "time_ratio": time_ratio, "sooner": sooner,
             "diff_vs_matched": versus_matched.mean, "diff_vs_matched_se": versus_matched.se,
-            "not_worse_than_matched": versus_matched.n > 0 and versus_matched.mean <= 0.0,
-            "confirmed": equal_time.significant and sooner and versus_matched.n > 0 and versus_matched.mean <= 0.0}
+            "not_worse_than_matched": not_worse, "confirmed": equal_time.significant and sooner and not_worse}
 
 
 def trunk_of(run: Run, arms: Mapping[str, Arm]) -> Run | None:

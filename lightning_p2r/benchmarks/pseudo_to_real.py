@@ -765,7 +765,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 if arms[name].schedule:
                     times["phases"][-1] = measured["scratch"]["phases"][0]
     analysis = analyse(runner, arms, main_names, lrs, seed_list, timing, [a.name for a in ablations])
-    print("\nLR sweep (seed 0, final validation loss)\n")
+    print(f"\nLR sweep (seed {seed_list[0]}, final validation loss)\n")
     print_table(analysis["sweep"], ["arm", "lr", "final_val_loss", "best"])
     print(f"\nat each arm's best LR, {seeds} seeds, paired against scratch (diff < 0: lower than scratch)\n")
     print_table(analysis["summary"], SUMMARY_COLUMNS)

@@ -55,7 +55,7 @@ import torch
 from ..planning.cluster import Cluster, write_cluster
 from ..planning.network import ring_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
-from .run import host_threads, median_seconds, worker_env
+from .run import host_threads, median_seconds, usable_cores, worker_env
 
 
 def matmul_flops(device: torch.device, size: int, repeats: int) -> float:
@@ -449,14 +449,6 @@ def cpu_oversubscription(processes: int, threads: int, cores: int) -> float:
     if cores < 1:
         raise ValueError(f"cores must be >= 1, got {cores}")
     return max(1.0, processes * threads / cores)
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its affinity mask where the platform has one)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def host_memory_bytes() -> float:

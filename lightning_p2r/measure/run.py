@@ -32,6 +32,14 @@ def worker_env(threads: int) -> dict[str, str]:
     return env
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask where the platform has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def host_threads(accelerator: str, processes: int, cores: int) -> int:
     """Torch threads per training process that a timing should use to stand for a real run: on CPU each process is
     one of the planner's devices and runs one thread; beside a GPU the host's cores are shared among the processes,

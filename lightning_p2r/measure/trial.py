@@ -52,10 +52,10 @@ def trial_spec(config: M6Config, layout: Layout, workload: Workload, *, devices:
     """The worker spec that trains ``config`` with ``layout`` on ``devices`` processes (see
     :func:`~lightning_p2r.measure.run.fit_on_random_tokens`): the Trainer accumulates the micro-batches of standard
     accumulation without a pipeline (``Layout.trainer_accumulation``), the strategy everything else."""
-    from .run import host_threads
+    from .run import host_threads, usable_cores
 
     return {"name": layout.describe(), "model": asdict(config), "devices": devices, "steps": steps,
-            "threads": host_threads(accelerator, devices, os.cpu_count() or 1),
+            "threads": host_threads(accelerator, devices, usable_cores()),
             "global_batch": workload.global_batch, "seq_len": workload.seq_len, "precision": workload.precision,
             "accumulate_grad_batches": layout.trainer_accumulation, "strategy": layout.strategy_options(),
             "accelerator": accelerator, "out": out}

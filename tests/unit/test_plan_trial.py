@@ -53,7 +53,7 @@ def test_trials_time_the_host_with_the_threads_a_run_would_use(monkeypatch) -> N
     an offloaded block's host optimizer timed on one thread would run several times slower than in the run."""
     assert host_threads("cpu", 2, 16) == 1
     assert host_threads("cuda", 1, 16) == 16 and host_threads("cuda", 4, 16) == 4 and host_threads("cuda", 8, 4) == 1
-    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    monkeypatch.setattr("lightning_p2r.measure.run.usable_cores", lambda: 16)
     args = (M6Config(**TINY), Layout(), Workload(global_batch=4, seq_len=16))
     assert trial_spec(*args, devices=2, steps=3, accelerator="cuda", out="x")["threads"] == 8
     assert trial_spec(*args, devices=2, steps=3, accelerator="cpu", out="x")["threads"] == 1
