@@ -42,6 +42,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from lightning_p2r.measure.fit_terms import fit_nonnegative
+
 STEPS = 8
 GLOBAL_BATCH = 8
 PROCESSES = (1, 2, 4)
@@ -177,29 +179,6 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
     norm = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
     return cov / norm if norm else math.nan
-
-
-def fit_nonnegative(features: list[list[float]], residuals: list[float]) -> list[float]:
-    """Non-negative least squares, by trying every subset of the columns (a handful of terms): the coefficients
-    ``c >= 0`` minimizing ``sum((features @ c - residuals) ** 2)``."""
-    import itertools
-
-    import numpy as np
-
-    a, b = np.asarray(features, dtype=float), np.asarray(residuals, dtype=float)
-    columns = a.shape[1] if a.ndim == 2 else 0
-    best, best_error = [0.0] * columns, float(np.sum(b ** 2))
-    for size in range(1, columns + 1):
-        for subset in itertools.combinations(range(columns), size):
-            solution, *_ = np.linalg.lstsq(a[:, subset], b, rcond=None)
-            if (solution < 0).any():
-                continue
-            error = float(np.sum((a[:, subset] @ solution - b) ** 2))
-            if error < best_error:
-                best_error, best = error, [0.0] * columns
-                for index, value in zip(subset, solution):
-                    best[index] = float(value)
-    return best
 
 
 def predictions(rows: list[dict[str, Any]], clusters: dict[int, Any]) -> None:

@@ -1,20 +1,26 @@
 """The planner judged on a fresh draw of model shapes and one-device layouts (issue 41: held-out shapes, not only
 held-out layouts; item 2: the same on a GPU).
 
-    python -m lightning_p2r.benchmarks.planner_draw [--seed 11] [--count 24] [--budget-s 150] [--cluster FILE]
-                                                    [--measured CSV] [--out DIR]
+    python -m lightning_p2r.benchmarks.planner_draw [--seed 11] [--count 24] [--processes 1] [--budget-s 150]
+                                                    [--cluster FILE] [--measured CSV] [--out DIR]
 
 1. **Draw.** A seeded random sample of models (depth, width, dense or MoE with 4-16 experts and top-1 or top-2,
    sequence length) and one-device layouts (offloaded fraction, micro-batches, standard or layered accumulation,
    recompute), sized for the device (a GPU gets models of 10-300 M parameters in bf16, a CPU small ones in fp32);
-   layouts the strategy's rulebook refuses are redrawn.
-2. **Measure.** Each draw trains for a few steps in this process on random tokens (the planner's trial worker's
-   fit); the measured step is the median optimizer-step interval after warm-up. Rows are written as they finish, so
-   a run cut short by ``--budget-s`` keeps what it measured.
+   layouts the strategy's rulebook refuses are redrawn. With ``--processes N`` above one, each model's layout is
+   drawn from the planner's own search space on N devices (ZeRO stage, tensor / expert / pipeline degrees,
+   schedules, micro-batches, accumulation, offload).
+2. **Measure.** Each draw trains for a few steps on random tokens (the planner's trial worker's fit: in this
+   process on one device, in ``plan --trial``'s worker processes on several); the measured step is rank 0's median
+   optimizer-step interval after warm-up. Rows are written as they finish, so a run cut short by ``--budget-s``
+   keeps what it measured.
 3. **Predict.** With ``--cluster`` (a ``lightning-p2r calibrate`` file of this machine) each row gets the
    planner's estimate; ``--measured CSV`` re-predicts stored measurements without running anything, so a change to
    the cost model is judged on the same draw. The summary prints the median and largest |error| and Spearman's rank
-   correlation of predicted and measured step.
+   correlation of predicted and measured step, for all rows and per process count.
+
+The user's path (issue 41 item 1) is ``lightning-p2r calibrate --processes N --out FILE`` (which fits the framework
+waits on this machine) and then this draw with ``--cluster FILE``: no term is chosen or fitted on the draw.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from lightning_p2r.planning.cluster import Cluster, load_cluster
 from lightning_p2r.planning.layout import Layout, Workload, check_layout
 from lightning_p2r.planning.step_time import estimate_step
 
-COLUMNS = ("draw", "layout", "layers", "dim", "experts", "top_k", "seq_len", "global_batch", "precision",
+COLUMNS = ("draw", "processes", "layout", "layers", "dim", "experts", "top_k", "seq_len", "global_batch", "precision",
            "measured_s", "predicted_s", "error_pct", "status", "model", "options")
 
 
@@ -45,6 +51,7 @@ class Draw:
     config: M6Config
     layout: Layout
     workload: Workload
+    processes: int = 1
 
 
 def _model(rng: random.Random, gpu: bool) -> tuple[M6Config, int, int]:
@@ -69,36 +76,55 @@ def _layout(rng: random.Random) -> Layout:
                   recompute=rng.random() < 0.25)
 
 
-def draw(seed: int, count: int, gpu: bool) -> list[Draw]:
-    """``count`` runnable (model, layout, workload) draws on one device, seeded."""
+def draw(seed: int, count: int, gpu: bool, processes: int = 1) -> list[Draw]:
+    """``count`` runnable (model, layout, workload) draws on ``processes`` devices, seeded."""
+    from lightning_p2r.planning.search import candidate_layouts
+
     rng = random.Random(seed)
-    cluster = Cluster(devices=1, devices_per_node=1)
+    # One device keeps the cluster its earlier draws were checked against (their seeds draw the same layouts).
+    cluster = Cluster(devices=1, devices_per_node=1) if processes == 1 else Cluster(
+        accelerator="cuda" if gpu else "cpu", devices=processes, devices_per_node=processes)
     out: list[Draw] = []
     while len(out) < count:
         config, batch, seq = _model(rng, gpu)
-        layout = _layout(rng)
-        workload = Workload(global_batch=batch, seq_len=seq, precision="bf16-mixed" if gpu else "32-true")
-        try:
-            check_layout(layout, config, cluster, workload)
-        except ValueError:
-            continue
-        out.append(Draw(config, layout, workload))
+        precision = "bf16-mixed" if gpu else "32-true"
+        workload = Workload(global_batch=batch * processes, seq_len=seq, precision=precision)
+        if processes == 1:
+            layout = _layout(rng)
+            try:
+                check_layout(layout, config, cluster, workload)
+            except ValueError:
+                continue
+        else:
+            pool = sorted(candidate_layouts(config, cluster, workload), key=lambda option: option.describe())
+            if not pool:
+                continue
+            layout = rng.choice(pool)
+        out.append(Draw(config, layout, workload, processes))
     return out
 
 
 def measure(item: Draw, device: str, steps: int) -> float:
-    """Seconds per optimizer step of one draw, trained here as ``plan --trial`` trains a layout."""
+    """Seconds per optimizer step of one draw, trained as ``plan --trial`` trains a layout (one device: in this
+    process; several: in the trial's worker processes)."""
+    import tempfile
+
     from lightning_p2r.measure.run import fit_on_random_tokens
-    from lightning_p2r.measure.trial import trial_spec
+    from lightning_p2r.measure.trial import run_trial, trial_spec
     from lightning_p2r.strategy import P2RStrategy
 
-    spec = trial_spec(item.config, item.layout, item.workload, devices=1, steps=steps, accelerator=device, out="")
-    return fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"], log_telemetry=False), warmup=2)[2]
+    with tempfile.TemporaryDirectory() as folder:
+        spec = trial_spec(item.config, item.layout, item.workload, devices=item.processes, steps=steps,
+                          accelerator=device, out=str(Path(folder) / "draw"))
+        if item.processes > 1:
+            return run_trial(spec)
+        return fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"], log_telemetry=False), warmup=2)[2]
 
 
 def row_of(index: int, item: Draw) -> dict[str, Any]:
     config = item.config
-    return {"draw": index, "layout": item.layout.describe(), "layers": config.num_layers, "dim": config.dim,
+    return {"draw": index, "processes": item.processes, "layout": item.layout.describe(),
+            "layers": config.num_layers, "dim": config.dim,
             "experts": config.num_experts if config.moe_layers != [] else 0, "top_k": config.moe_top_k,
             "seq_len": item.workload.seq_len, "global_batch": item.workload.global_batch,
             "precision": item.workload.precision, "model": json.dumps(asdict(config)),
@@ -111,7 +137,7 @@ def draw_of_row(row: dict[str, Any]) -> Draw:
         options["offload_blocks"] = tuple(options["offload_blocks"])
     return Draw(M6Config(**json.loads(row["model"])), Layout(**options),
                 Workload(global_batch=int(row["global_batch"]), seq_len=int(row["seq_len"]),
-                         precision=row["precision"]))
+                         precision=row["precision"]), int(row.get("processes") or 1))
 
 
 def predict(rows: list[dict[str, Any]], cluster: Cluster) -> None:
@@ -119,19 +145,32 @@ def predict(rows: list[dict[str, Any]], cluster: Cluster) -> None:
         if not row.get("measured_s"):
             continue
         item = draw_of_row(row)
-        predicted = estimate_step(item.config, item.layout, cluster.with_devices(1), item.workload).total
+        devices = cluster.with_devices(item.processes)
+        predicted = estimate_step(item.config, item.layout, devices, item.workload).total
         measured = float(row["measured_s"])
         row["predicted_s"] = predicted
         row["error_pct"] = 100 * (predicted - measured) / measured
 
 
-def summary(rows: list[dict[str, Any]]) -> dict[str, float]:
-    scored = [row for row in rows if row.get("error_pct") not in (None, "")]
-    if not scored:
-        return {}
+def _scores(scored: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(float(row["error_pct"])) for row in scored]
     return {"count": len(scored), "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
             "spearman": spearman([float(r["predicted_s"]) for r in scored], [float(r["measured_s"]) for r in scored])}
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The median and largest |error| and Spearman's rank correlation of the predicted rows, for all of them and,
+    when the draw holds several process counts, per process count (``by_processes``)."""
+    scored = [row for row in rows if row.get("error_pct") not in (None, "")]
+    if not scored:
+        return {}
+    by_count: dict[int, list[dict[str, Any]]] = {}
+    for row in scored:
+        by_count.setdefault(int(row.get("processes") or 1), []).append(row)
+    result = _scores(scored)
+    if len(by_count) > 1:
+        result["by_processes"] = {n: _scores(by_count[n]) for n in sorted(by_count)}
+    return result
 
 
 def write_rows(rows: list[dict[str, Any]], path: Path) -> None:
@@ -146,6 +185,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--count", type=int, default=24)
+    parser.add_argument("--processes", type=int, nargs="+", default=[1],
+                        help="process counts to draw layouts for (each gets --count draws; several processes run as "
+                             "plan --trial runs them)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per draw (2 of them warm-up)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop drawing after this many seconds")
     parser.add_argument("--cluster", help="a calibrated cluster file of this machine: predict every row")
@@ -159,7 +201,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     else:
         rows = []
         began = time.perf_counter()
-        for index, item in enumerate(draw(args.seed, args.count, gpu=args.device == "cuda")):
+        gpu = args.device == "cuda"
+        # Each process count draws from its own seed (seed + processes - 1: one process keeps the seed's old draw).
+        items = [item for processes in args.processes
+                 for item in draw(args.seed + processes - 1, args.count, gpu=gpu, processes=processes)]
+        for index, item in enumerate(items):
             row = row_of(index, item)
             if time.perf_counter() - began > args.budget_s:
                 row["status"] = f"skipped: past --budget-s {args.budget_s}"
@@ -170,7 +216,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     traceback.print_exc()
                     row["status"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
             rows.append(row)
-            print(f"[{time.perf_counter() - began:6.1f} s] {row['draw']} {row['layout']} L{row['layers']} "
+            print(f"[{time.perf_counter() - began:6.1f} s] {row['draw']} p{row['processes']} {row['layout']} "
+                  f"L{row['layers']} "
                   f"d{row['dim']} E{row['experts']} s{row['seq_len']} b{row['global_batch']}: "
                   f"{row.get('measured_s', '-')} {row['status']}", flush=True)
             write_rows(rows, out)

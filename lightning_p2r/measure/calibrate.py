@@ -31,7 +31,12 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``intra_node_latency``: the **mean** time of small all-reduces (1 and 16 KB) over rounds of back-to-back calls
   (the median round), per ring step (:func:`latency_per_step`). A step pays the sum of its calls, so the mean,
   tail included, is what it pays; a single call's median and a line's intercept through larger sizes miss the
-  calls that wait for a descheduled rank, which dominate on a CPU running more processes than cores.
+  calls that wait for a descheduled rank, which dominate on a CPU running more processes than cores;
+- ``stage_overhead``, ``dtensor_overhead``, ``blocking_collective_overhead``, ``expert_wait_overhead`` (with
+  ``--processes`` above one; ``--no-fit`` skips them): no microbenchmark isolates them, so a handful of small
+  layouts that count them (pipeline, tensor, expert parallel, ZeRO) train for a few steps, as ``plan --trial`` runs
+  a layout, and the terms are fitted to their steps; ``fitted_spread`` keeps each term's range over the fits that
+  leave one layout out (:mod:`.fit_terms`).
 
 One node is all this command sees: the inter-node constants are copied from the intra-node ones, and the file says
 so.
@@ -54,6 +59,7 @@ import torch
 
 from ..planning.cluster import Cluster, write_cluster
 from ..planning.network import ring_terms
+from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
 from .run import host_threads, median_seconds, usable_cores, worker_env
 
@@ -509,6 +515,9 @@ def main(argv: list[str]) -> None:
                              "GPUs the usable cores divided among the processes, as a run's host work uses them)")
     parser.add_argument("--name", default="this-machine")
     parser.add_argument("--quick", action="store_true", help="smaller, fewer measurements (seconds, noisier)")
+    parser.add_argument("--no-fit", action="store_true",
+                        help="skip fitting the framework waits from timed probe layouts (their terms stay 0; the "
+                             "planner warns where a layout counts one)")
     args = parser.parse_args(argv)
     if args.threads is None:
         args.threads = host_threads("cuda" if torch.cuda.is_available() else "cpu", args.processes, usable_cores())
@@ -516,9 +525,11 @@ def main(argv: list[str]) -> None:
         cluster = calibrate(processes=args.processes, threads=args.threads, quick=args.quick, name=args.name)
     except ValueError as error:
         parser.error(str(error))
+    if args.processes > 1 and not args.no_fit:
+        cluster, _ = fit_framework_terms(cluster, quick=args.quick, threads=args.threads)
     comment = (f"Measured by `lightning-p2r calibrate` on {time.strftime('%Y-%m-%d')} with {args.processes} "
                f"process(es) of {args.threads} thread(s).\nOne node was measured: inter-node constants repeat the "
-               "intra-node ones; edit them for a multi-node cluster.")
+               f"intra-node ones; edit them for a multi-node cluster.\n{describe_fit(cluster)}")
     write_cluster(cluster, args.out, comment)
     for key, value in cluster.to_dict().items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")

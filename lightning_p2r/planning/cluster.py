@@ -52,6 +52,10 @@ def parse_quantity(value: Any, name: str, *, unit: str = "") -> float:
 ACCELERATORS = ("cuda", "cpu")
 
 
+FITTED_TERMS = ("stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead")
+"""The framework terms fitted to measured steps rather than measured one by one (``planning.framework.FITTED``)."""
+
+
 @dataclass(frozen=True)
 class Cluster:
     """The machines a run would use. Bandwidths are per device and per direction; FLOP/s are what a device achieves
@@ -105,6 +109,10 @@ class Cluster:
     expert_wait_overhead: float = 0.0
     """Seconds per expert-parallel all-to-all beyond the microbenchmark's latency: each waits for the rank whose
     experts received the most tokens (dropless routing leaves the ranks' expert work unequal); fitted."""
+    fitted_spread: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    """The fitted terms ``lightning-p2r calibrate`` fitted on this machine, each with the [lowest, highest] value of
+    the fits leaving one timed probe layout out (``lightning_p2r.measure.fit_terms``). A term listed here was fitted, 0
+    included; one absent and at 0 was never fitted, and the planner warns when its layouts count it."""
     cpu_oversubscription: float = 1.0
     """Training threads per core of a node when above 1 (a CPU-only run with more processes x threads than cores;
     written by ``lightning-p2r calibrate``): each process gets 1 / this of a core, which stretches the fitted
@@ -144,6 +152,11 @@ class Cluster:
                         v, (int, float)) or v <= 0 for k, v in value.items()):
                     raise ValueError(f"Cluster.{field.name} must map some of {list(kinds)} to positive "
                                      f"numbers, got {value!r}")
+            elif field.name == "fitted_spread":
+                if not isinstance(value, dict) or any(k not in FITTED_TERMS or not _is_range(v)
+                                                      for k, v in value.items()):
+                    raise ValueError(f"Cluster.{field.name} must map some of {list(FITTED_TERMS)} to [low, high] "
+                                     f"seconds (0 <= low <= high), got {value!r}")
             elif field.name == "name":
                 if not isinstance(value, str) or not value:
                     raise ValueError(f"Cluster.name must be a non-empty string, got {value!r}")
@@ -179,6 +192,12 @@ class Cluster:
         return dataclasses.asdict(self)
 
 
+def _is_range(value: Any) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == 2
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)
+            and 0 <= value[0] <= value[1])
+
+
 _TIMES = {"operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
           "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead", "host_device_latency",
           "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}
@@ -194,7 +213,8 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
         raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
     parsed: dict[str, Any] = {}
     for key, value in values.items():
-        if key in ("name", "accelerator", "collective_factors") or isinstance(known[key].default, bool):
+        if key in ("name", "accelerator", "collective_factors", "fitted_spread") or isinstance(
+                known[key].default, bool):
             parsed[key] = value
         elif key in ("devices", "devices_per_node"):
             parsed[key] = value

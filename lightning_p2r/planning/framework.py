@@ -5,9 +5,10 @@ top of the operators ``operator_overhead`` prices.
 Each term is a count (a pure function of the model, the layout and the rank's share) times one constant of the
 cluster file. ``batch_overhead`` and ``module_hook_overhead`` (``MEASURED``) are measured by ``lightning-p2r
 calibrate`` (a ``Trainer`` stepping a tiny model with and without accumulation; a stack of tiny blocks with and
-without FSDP2). The others (``FITTED``) cannot be isolated by a microbenchmark: they are fitted to measured steps
-by ``python -m lightning_p2r.benchmarks.planner --cross-validate``, on one half of a random sample of layouts, and
-judged on the other half (docs/planning.md). Each term's assumption, in one line:
+without FSDP2). The others (``FITTED``) cannot be isolated by a microbenchmark: they are fitted to measured steps,
+by ``lightning-p2r calibrate`` on the user's machine (a handful of timed probe layouts,
+:mod:`lightning_p2r.measure.fit_terms`) and by ``python -m lightning_p2r.benchmarks.planner --cross-validate`` on one
+half of a random sample of layouts, judged on the other half (docs/planning.md). Each term's assumption, in one line:
 
 - ``batch_overhead`` (measured): standard accumulation without a pipeline is Lightning's: every micro-batch beyond
   the first repeats Lightning's per-batch loop (fetch, hooks, logging, the loss's cross-rank finiteness check, the
@@ -42,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..models.config import M6Config
-from .cluster import Cluster
+from .cluster import FITTED_TERMS, Cluster
 from .layout import Layout, Workload
 from .model import grouped_experts, layer_operator_launches
 from .share import RankShare, rank_share
@@ -50,7 +51,7 @@ from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, Transfer, step_transfer
 
 MEASURED = ("batch_overhead", "module_hook_overhead")
 """The framework terms ``calibrate`` measures."""
-FITTED = ("stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead")
+FITTED = FITTED_TERMS
 """The cluster fields fitted to measured steps rather than measured one by one."""
 TERMS = (*MEASURED, *FITTED)
 """Every framework term: the measured ones and the fitted ones."""
@@ -140,8 +141,8 @@ def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, worklo
 
 
 HOW_TO_GET = {**{term: "measured by `lightning-p2r calibrate`" for term in MEASURED},
-              **{term: "fitted by `python -m lightning_p2r.benchmarks.planner --cross-validate`; `calibrate` does not "
-                       "measure it" for term in FITTED}}
+              **{term: "fitted by `lightning-p2r calibrate` with --processes 2 or more (from timed probe layouts)"
+                 for term in FITTED}}
 """Where a cluster file's value of each term comes from (the planner's warning names it)."""
 
 
@@ -153,6 +154,6 @@ def missing_terms(config: M6Config, layouts: Sequence[Layout], cluster: Cluster,
     missing: dict[str, int] = {}
     for layout in layouts:
         for name, count in framework_counts(config, layout, cluster, workload).items():
-            if count > 0 and getattr(cluster, name) == 0:
+            if count > 0 and getattr(cluster, name) == 0 and name not in cluster.fitted_spread:
                 missing[name] = missing.get(name, 0) + 1
     return {name: missing[name] for name in TERMS if name in missing}

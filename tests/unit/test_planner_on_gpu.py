@@ -111,6 +111,32 @@ def test_the_summary_reports_errors_and_rank_correlation() -> None:
     assert planner_draw.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
 
 
+def test_a_several_process_draw_takes_layouts_from_the_planners_space_and_reports_per_count(tmp_path: Path) -> None:
+    from lightning_p2r.planning.search import candidate_layouts
+
+    items = planner_draw.draw(7, 10, gpu=False, processes=2)
+    assert items == planner_draw.draw(7, 10, gpu=False, processes=2)
+    two = Cluster(accelerator="cpu", devices=2, devices_per_node=2)
+    for item in items:
+        assert item.processes == 2 and item.layout in set(candidate_layouts(item.config, two, item.workload))
+    assert len({item.layout.describe() for item in items}) > 5
+    # The one-process draw of a seed is what it was before several process counts existed.
+    assert all(item.processes == 1 for item in planner_draw.draw(7, 3, gpu=False))
+    rows = [planner_draw.row_of(i, item) | {"measured_s": 0.05, "status": "ok"}
+            for i, item in enumerate(planner_draw.draw(7, 2, gpu=False) + items[:2])]
+    planner_draw.write_rows(rows, tmp_path / "in" / "planner_draw.csv")
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("accelerator: cpu\ndevices: 1\ndevices_per_node: 1\n")
+    out = planner_draw.main(["--measured", str(tmp_path / "in" / "planner_draw.csv"), "--cluster", str(cluster),
+                             "--out", str(tmp_path / "out")])
+    for row, item in zip(out[2:], items):
+        assert planner_draw.draw_of_row(row) == item  # the process count round-trips through the CSV
+        predicted = estimate_step(item.config, item.layout, cluster_from_dict(
+            {"accelerator": "cpu", "devices": 2, "devices_per_node": 1}), item.workload).total
+        assert float(row["predicted_s"]) == pytest.approx(predicted)
+    assert set(planner_draw.summary(out)["by_processes"]) == {1, 2}
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compute_shapes_on_cuda_runs_the_grouped_kernel(tmp_path: Path) -> None:

@@ -1,0 +1,166 @@
+"""The cost model's fitted framework terms, fitted on this machine by ``lightning-p2r calibrate``.
+
+Four terms of the step estimate (``FITTED`` in :mod:`lightning_p2r.planning.framework`: a pipeline stage action, a
+tensor-parallel operator pass, a blocking collective's wait, an expert all-to-all's wait) are Python and
+synchronization time that no microbenchmark isolates. ``calibrate`` prices them the way the planner's
+cross-validation does, on the user's own machine: it trains a handful of small layouts that count them
+(:func:`probe_layouts`), predicts each with those terms at zero, and fits the terms by non-negative least squares on
+the relative residuals (:func:`fit_terms`). Beside each value it writes the range of the fits that leave one probe
+out (``Cluster.fitted_spread``): a wide range says the timings were noisy, and the term is known to that precision
+only. One process counts none of the four terms, so a one-process calibration fits nothing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..models.config import M6Config
+from ..planning.cluster import Cluster
+from ..planning.framework import FITTED, framework_counts
+from ..planning.layout import Layout, Workload
+
+PROBE_MODEL: dict[str, Any] = {"vocab_size": 256, "max_seq_len": 64, "num_layers": 4, "dim": 64, "num_heads": 4,
+                               "num_experts": 4, "moe_top_k": 1, "moe_layers": [1, 3], "capacity_factor": None,
+                               "init_seed": 0}
+"""A model every parallel dimension applies to (4 layers to pipeline, heads and experts to split), small enough that
+the framework terms are a visible share of its step."""
+PROBE_BATCH = 8
+"""Sequences per step of a probe (its global batch)."""
+PROBES_PER_TERM = 2
+"""Layouts timed per fitted term (``--quick``: 1); the same layout may serve several terms."""
+PROBE_STEPS = 8
+"""Optimizer steps per probe (``--quick``: 5), two of them warm-up, as ``plan --trial`` runs a layout."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One timed layout: its step measured, its step predicted with the fitted terms at zero, and each fitted term's
+    count in that step."""
+
+    layout: Layout
+    measured_s: float
+    base_s: float
+    counts: dict[str, float]
+
+
+def probe_workload() -> tuple[M6Config, Workload]:
+    config = M6Config(**PROBE_MODEL)
+    return config, Workload(global_batch=PROBE_BATCH, seq_len=config.max_seq_len)
+
+
+def unfitted(cluster: Cluster) -> Cluster:
+    """``cluster`` with every fitted term at zero: the prediction the fit corrects."""
+    return dataclasses.replace(cluster, **dict.fromkeys(FITTED, 0.0))
+
+
+def probe_layouts(cluster: Cluster, per_term: int = PROBES_PER_TERM) -> list[Layout]:
+    """For each fitted term, the ``per_term`` simplest layouts of the planner's search space on ``cluster``'s devices
+    that count it (fewest other fitted terms first, so each term is seen as much on its own as the space allows; then
+    fewer micro-batches, then by name). Empty on one device, where no layout counts one."""
+    from ..planning.search import candidate_layouts
+
+    config, workload = probe_workload()
+    pool = sorted(candidate_layouts(config, cluster, workload), key=lambda layout: layout.describe())
+    counts = {layout: framework_counts(config, layout, cluster, workload) for layout in pool}
+    chosen: list[Layout] = []
+    for term in FITTED:
+        counting = [layout for layout in pool if counts[layout][term] > 0]
+        counting.sort(key=lambda layout: (sum(counts[layout][t] > 0 for t in FITTED if t != term),
+                                          layout.micro_batches, layout.describe()))
+        picked = [layout for layout in counting if layout not in chosen][:per_term]
+        # A term may be counted only by layouts already chosen for another term: those measure it too.
+        chosen += picked
+    return chosen
+
+
+def predicted_probe(layout: Layout, cluster: Cluster, measured_s: float) -> Probe:
+    """The :class:`Probe` of ``layout`` measured at ``measured_s`` on ``cluster``."""
+    from ..planning.step_time import estimate_step
+
+    config, workload = probe_workload()
+    zeroed = unfitted(cluster)
+    counts = framework_counts(config, layout, zeroed, workload)
+    return Probe(layout=layout, measured_s=measured_s,
+                 base_s=estimate_step(config, layout, zeroed, workload).total,
+                 counts={term: float(counts[term]) for term in FITTED})
+
+
+def fit_nonnegative(features: list[list[float]], residuals: list[float]) -> list[float]:
+    """Non-negative least squares, by trying every subset of the columns (a handful of terms): the coefficients
+    ``c >= 0`` minimizing ``sum((features @ c - residuals) ** 2)``."""
+    import numpy as np
+
+    a, b = np.asarray(features, dtype=float), np.asarray(residuals, dtype=float)
+    columns = a.shape[1] if a.ndim == 2 else 0
+    best, best_error = [0.0] * columns, float(np.sum(b ** 2))
+    for size in range(1, columns + 1):
+        for subset in itertools.combinations(range(columns), size):
+            solution, *_ = np.linalg.lstsq(a[:, subset], b, rcond=None)
+            if (solution < 0).any():
+                continue
+            error = float(np.sum((a[:, subset] @ solution - b) ** 2))
+            if error < best_error:
+                best_error, best = error, [0.0] * columns
+                for index, value in zip(subset, solution):
+                    best[index] = float(value)
+    return best
+
+
+def _fit(probes: list[Probe]) -> dict[str, float]:
+    # Relative errors are what the planner's targets count: each probe weighs 1 / its measured step.
+    features = [[p.counts[term] / p.measured_s for term in FITTED] for p in probes]
+    residuals = [(p.measured_s - p.base_s) / p.measured_s for p in probes]
+    return dict(zip(FITTED, fit_nonnegative(features, residuals)))
+
+
+def fit_terms(probes: list[Probe]) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """The fitted terms that some probe counts, and for each the [lowest, highest] value of the fits leaving one probe
+    out (the value itself twice when there are too few probes to leave one out). Terms no probe counts are left out
+    of both: the machine says nothing about them."""
+    counted = [term for term in FITTED if any(p.counts[term] > 0 for p in probes)]
+    if not counted:
+        return {}, {}
+    values = _fit(probes)
+    fits = [_fit(probes[:i] + probes[i + 1:]) for i in range(len(probes))] if len(probes) > len(counted) else []
+    spread = {term: [min(f[term] for f in fits), max(f[term] for f in fits)] if fits else [values[term]] * 2
+              for term in counted}
+    return {term: values[term] for term in counted}, spread
+
+
+def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | None = None,
+                        threads: int | None = None, log: Any = print) -> tuple[Cluster, list[Probe]]:
+    """Time the probe layouts on ``cluster.devices`` processes of this machine (``threads`` torch threads each, else
+    what ``plan --trial`` gives a process) and return ``cluster`` with the fitted terms and their spread set, and the
+    probes (``cluster`` unchanged, and no probe, on one device)."""
+    from .trial import run_trial, trial_spec
+
+    layouts = probe_layouts(cluster, 1 if quick else PROBES_PER_TERM)
+    config, workload = probe_workload()
+    steps = steps or (5 if quick else PROBE_STEPS)
+    probes = []
+    with tempfile.TemporaryDirectory() as folder:
+        for index, layout in enumerate(layouts):
+            spec = trial_spec(config, layout, workload, devices=cluster.devices, steps=steps,
+                              accelerator=cluster.accelerator, out=str(Path(folder) / f"probe{index}"))
+            spec["threads"] = threads or spec["threads"]
+            probe = predicted_probe(layout, cluster, run_trial(spec))
+            log(f"probe {index + 1}/{len(layouts)}: {layout.describe()}: {probe.measured_s * 1e3:.1f} ms per step "
+                f"({probe.base_s * 1e3:.1f} ms before the fitted terms)")
+            probes.append(probe)
+    values, spread = fit_terms(probes)
+    return dataclasses.replace(cluster, **values, fitted_spread=spread), probes
+
+
+def describe_fit(cluster: Cluster) -> str:
+    """Lines for the cluster file's header: each fitted term with its leave-one-out range."""
+    if not cluster.fitted_spread:
+        return "No framework term fitted (one process counts none of them)."
+    lines = ["Fitted from timed probe layouts (value, and its range leaving one probe out):"]
+    for term, (low, high) in cluster.fitted_spread.items():
+        lines.append(f"  {term}: {getattr(cluster, term) * 1e6:.0f} us ({low * 1e6:.0f}-{high * 1e6:.0f} us)")
+    return "\n".join(lines)

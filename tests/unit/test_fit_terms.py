@@ -1,0 +1,116 @@
+"""``lightning-p2r calibrate`` fits the cost model's framework waits on the user's machine (issue 41 item 1): the probe
+layouts it times, the fit and its spread, and the cluster file that carries them (timing itself: the distributed
+test ``tests/distributed/test_calibrate_fit.py``)."""
+
+import random
+
+import pytest
+
+from lightning_p2r.measure.fit_terms import (
+    Probe,
+    describe_fit,
+    fit_terms,
+    predicted_probe,
+    probe_layouts,
+    probe_workload,
+)
+from lightning_p2r.planning.cluster import Cluster, load_cluster, write_cluster
+from lightning_p2r.planning.framework import FITTED, framework_counts, missing_terms
+from lightning_p2r.planning.layout import Layout
+
+
+def _cpu_cluster(devices: int) -> Cluster:
+    return Cluster(accelerator="cpu", devices=devices, devices_per_node=devices, overlap_collectives=False,
+                   overlap_copies=False)
+
+
+@pytest.mark.parametrize("per_term", [1, 2])
+def test_the_probes_count_every_fitted_term_on_two_processes(per_term) -> None:
+    cluster = _cpu_cluster(2)
+    config, workload = probe_workload()
+    layouts = probe_layouts(cluster, per_term)
+    assert len(layouts) == len(set(layouts)) <= per_term * len(FITTED)
+    for term in FITTED:
+        counting = [layout for layout in layouts if framework_counts(config, layout, cluster, workload)[term] > 0]
+        assert len(counting) >= per_term, (term, [layout.describe() for layout in layouts])
+
+
+def test_one_process_has_nothing_to_fit() -> None:
+    assert probe_layouts(_cpu_cluster(1)) == []
+    assert fit_terms([]) == ({}, {})
+
+
+def _synthetic(truth: dict[str, float], noise: float, seed: int) -> list[Probe]:
+    """Probes of the real probe layouts whose measured step is the unfitted prediction plus ``truth``'s terms, times a
+    relative noise of up to ``noise``."""
+    rng = random.Random(seed)
+    cluster = _cpu_cluster(2)
+    probes = []
+    for layout in probe_layouts(cluster):
+        base = predicted_probe(layout, cluster, 1.0)
+        exact = base.base_s + sum(truth[t] * base.counts[t] for t in FITTED)
+        probes.append(predicted_probe(layout, cluster, exact * (1 + rng.uniform(-noise, noise))))
+    return probes
+
+
+def test_the_fit_recovers_known_terms_and_its_spread_brackets_them() -> None:
+    truth = {"stage_overhead": 2e-3, "dtensor_overhead": 2e-5, "blocking_collective_overhead": 8e-4,
+             "expert_wait_overhead": 9e-4}
+    values, spread = fit_terms(_synthetic(truth, 0.0, 0))
+    assert set(values) == set(spread) == set(FITTED)
+    for term in FITTED:
+        assert values[term] == pytest.approx(truth[term], rel=1e-6)
+        assert spread[term][0] == pytest.approx(truth[term], rel=1e-6)
+    values, spread = fit_terms(_synthetic(truth, 0.05, 1))
+    for term in FITTED:
+        low, high = spread[term]
+        assert 0 <= low <= high
+        assert low <= values[term] * 1.5 + 1e-9 and high >= values[term] / 1.5 - 1e-9
+    # With noise the largest terms are still found within a factor (each has probes where it is a large share).
+    assert values["dtensor_overhead"] == pytest.approx(truth["dtensor_overhead"], rel=0.5)
+
+
+def test_terms_no_probe_counts_are_left_out() -> None:
+    only_blocking = dict.fromkeys(FITTED, 0.0)
+    probes = [Probe(Layout(), 1.0, 0.5, only_blocking | {"blocking_collective_overhead": 10.0}),
+              Probe(Layout(micro_batches=2), 2.0, 1.0, only_blocking | {"blocking_collective_overhead": 20.0})]
+    values, spread = fit_terms(probes)
+    assert values == {"blocking_collective_overhead": pytest.approx(0.05)}
+    assert list(spread) == ["blocking_collective_overhead"]
+
+
+def test_the_fit_never_goes_negative() -> None:
+    # Measured faster than predicted: the terms can only add time, so the fit is 0 (and says it was fitted).
+    probes = [Probe(Layout(micro_batches=i + 1), 1.0, 1.2, dict.fromkeys(FITTED, float(i + 1))) for i in range(5)]
+    values, spread = fit_terms(probes)
+    assert all(v == 0 for v in values.values())
+    assert all(s == [0.0, 0.0] for s in spread.values())
+
+
+def test_a_fitted_file_round_trips_and_stops_the_missing_term_warning(tmp_path) -> None:
+    cluster = _cpu_cluster(2)
+    fitted = Cluster(**{**cluster.to_dict(), "dtensor_overhead": 2e-5, "stage_overhead": 0.0,
+                        "fitted_spread": {"dtensor_overhead": [1e-5, 3e-5], "stage_overhead": [0.0, 1e-4]}})
+    path = tmp_path / "cluster.yaml"
+    write_cluster(fitted, path, describe_fit(fitted))
+    assert load_cluster(path) == fitted
+    assert "dtensor_overhead: 20 us (10-30 us)" in path.read_text()
+    config, workload = probe_workload()
+    layouts = [Layout(tensor_parallel=2), Layout(pipeline_parallel=2, micro_batches=2)]
+    assert set(missing_terms(config, layouts, cluster, workload)) >= {"stage_overhead", "dtensor_overhead"}
+    # A term fitted to 0 is known, not missing; one never fitted still is.
+    missing = missing_terms(config, layouts, fitted, workload)
+    assert "stage_overhead" not in missing and "dtensor_overhead" not in missing
+    assert "blocking_collective_overhead" in missing
+
+
+@pytest.mark.parametrize("spread", [{"matmul_overhead": [0.0, 1.0]}, {"stage_overhead": [2.0, 1.0]},
+                                    {"stage_overhead": [-1.0, 1.0]}, {"stage_overhead": 1.0},
+                                    {"stage_overhead": [0.0, float("nan")]}])
+def test_a_bad_spread_is_refused_naming_the_field(spread) -> None:
+    with pytest.raises(ValueError, match="fitted_spread"):
+        Cluster(fitted_spread=spread)
+
+
+def test_describe_fit_says_when_nothing_was_fitted() -> None:
+    assert "one process" in describe_fit(_cpu_cluster(1))
