@@ -140,11 +140,15 @@ def draw_of_row(row: dict[str, Any]) -> Draw:
                          precision=row["precision"]), int(row.get("processes") or 1))
 
 
-def predict(rows: list[dict[str, Any]], cluster: Cluster) -> None:
+def predict(rows: list[dict[str, Any]], clusters: Cluster | list[Cluster]) -> None:
+    """Each measured row's prediction and error, with the calibration of its process count (a ``calibrate
+    --processes N`` file has ``devices: N``; the first file serves a count no file has)."""
+    clusters = clusters if isinstance(clusters, list) else [clusters]
     for row in rows:
         if not row.get("measured_s"):
             continue
         item = draw_of_row(row)
+        cluster = next((c for c in clusters if c.devices == item.processes), clusters[0])
         devices = cluster.with_devices(item.processes)
         predicted = estimate_step(item.config, item.layout, devices, item.workload).total
         measured = float(row["measured_s"])
@@ -190,7 +194,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                              "plan --trial runs them)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per draw (2 of them warm-up)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop drawing after this many seconds")
-    parser.add_argument("--cluster", help="a calibrated cluster file of this machine: predict every row")
+    parser.add_argument("--cluster", nargs="+",
+                        help="calibrated cluster files of this machine (one per process count, `lightning-p2r "
+                             "calibrate --processes N`): predict every row with its count's file")
     parser.add_argument("--measured", help="re-predict this CSV's measurements instead of running")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
@@ -222,7 +228,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   f"{row.get('measured_s', '-')} {row['status']}", flush=True)
             write_rows(rows, out)
     if args.cluster:
-        predict(rows, load_cluster(args.cluster))
+        predict(rows, [load_cluster(path) for path in args.cluster])
     write_rows(rows, out)
     for row in rows:
         if row.get("error_pct") not in (None, ""):

@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from ..planning.cluster import Cluster, write_cluster
+from ..planning.cluster import ELEMENTWISE_LARGE_BYTES, ELEMENTWISE_SMALL_BYTES, Cluster, write_cluster
 from ..planning.network import ring_terms
 from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
@@ -111,6 +111,42 @@ def elementwise_bandwidth(device: torch.device, rows: int, repeats: int) -> floa
 
     seconds = median_seconds(step, iters=repeats, device=device)
     return 3 * 8 * rows * 1024 * 4 / seconds
+
+
+LAYER_PROBE = {"vocab_size": 64, "max_seq_len": 8, "dim": 16, "num_heads": 2, "moe_top_k": 1,
+               "capacity_factor": None, "init_seed": 0}
+"""The model whose layers ``layer_overheads`` times: small enough that FLOPs and traffic are negligible."""
+
+
+def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
+    """``dense_layer_overhead``, ``moe_layer_overhead`` and ``moe_expert_overhead``: the package's own transformer at a
+    negligible size (``LAYER_PROBE``), forward and backward, with 1 and 5 layers (the difference over 4 is one layer's
+    fixed cost) and with MoE layers of 2 and 8 experts (the difference over 5 x 6 is one expert's), in the precision
+    training uses on the device (bf16 autocast on CUDA, fp32 on CPU) and with the expert kernel it picks there."""
+    from ..models.config import M6Config
+    from ..models.transformer import M6Transformer
+
+    def seconds(layers: int, experts: int) -> float:
+        moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
+        config = M6Config(**LAYER_PROBE, num_layers=layers, **moe)
+        model = M6Transformer(config).to(device)
+        tokens = torch.randint(0, config.vocab_size, (1, config.max_seq_len), device=device)
+
+        def step() -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                out = model(tokens)
+            (out.logits.float().mean() + out.aux_loss + out.z_loss).backward()
+
+        return median_seconds(step, iters=repeats * 2, device=device)
+
+    dense = max(seconds(5, 0) - seconds(1, 0), 0.0) / 4
+    two, eight = seconds(5, 2), seconds(5, 8)
+    expert = max(eight - two, 0.0) / (5 * 6)
+    moe = max(two - seconds(1, 2), 0.0) / 4 - 2 * expert
+    # A floor of one operator's cost: 0 would read as "unmeasured" and fall back to counting operators.
+    floor = 1e-6
+    return {"dense_layer_overhead": max(dense, floor), "moe_layer_overhead": max(moe, floor),
+            "moe_expert_overhead": expert}
 
 
 def operator_overhead(device: torch.device, chain: int, repeats: int) -> float:
@@ -193,8 +229,11 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
     return {"device_flops": matmul_flops(device, size, repeats),
             "attention_flops": attention_flops(device, 128 if quick or device.type != "cuda" else 2048, repeats),
             "memory_bandwidth": bandwidth,
-            "elementwise_bandwidth": elementwise_bandwidth(device, 2**10 if quick else 2**13, repeats),
+            "elementwise_bandwidth": elementwise_bandwidth(device, ELEMENTWISE_LARGE_BYTES // 4096, repeats),
+            "elementwise_small_bandwidth": elementwise_bandwidth(device, ELEMENTWISE_SMALL_BYTES // 4096,
+                                                                 repeats * 5),
             "operator_overhead": operator_seconds,
+            **layer_overheads(device, repeats),
             "matmul_overhead": matmul_overhead(device, repeats, operator_seconds, bandwidth),
             "host_device_bandwidth": copy_bandwidth, "host_device_latency": copy_latency,
             "optimizer_seconds_per_param": adam_seconds_per_param(device, 2**18 if quick else 2**22, repeats),

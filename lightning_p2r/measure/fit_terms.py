@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +60,10 @@ def unfitted(cluster: Cluster) -> Cluster:
 
 
 def probe_layouts(cluster: Cluster, per_term: int = PROBES_PER_TERM) -> list[Layout]:
-    """For each fitted term, the ``per_term`` simplest layouts of the planner's search space on ``cluster``'s devices
-    that count it (fewest other fitted terms first, so each term is seen as much on its own as the space allows; then
-    fewer micro-batches, then by name). Empty on one device, where no layout counts one."""
+    """For each fitted term, layouts of the planner's search space on ``cluster``'s devices that count it: the simplest
+    (fewest other fitted terms, then fewest micro-batches, then by name), and with ``per_term`` above one, layouts
+    like it (the same other terms) counting the term about four times as often, so that the fit tells the term's cost
+    per count from whatever else the simplest layout's step holds. Empty on one device, where no layout counts one."""
     from ..planning.search import candidate_layouts
 
     config, workload = probe_workload()
@@ -69,12 +71,19 @@ def probe_layouts(cluster: Cluster, per_term: int = PROBES_PER_TERM) -> list[Lay
     counts = {layout: framework_counts(config, layout, cluster, workload) for layout in pool}
     chosen: list[Layout] = []
     for term in FITTED:
-        counting = [layout for layout in pool if counts[layout][term] > 0]
-        counting.sort(key=lambda layout: (sum(counts[layout][t] > 0 for t in FITTED if t != term),
-                                          layout.micro_batches, layout.describe()))
-        picked = [layout for layout in counting if layout not in chosen][:per_term]
-        # A term may be counted only by layouts already chosen for another term: those measure it too.
-        chosen += picked
+        def others(layout: Layout, term: str = term) -> int:
+            return sum(counts[layout][t] > 0 for t in FITTED if t != term)
+
+        counting = sorted((layout for layout in pool if counts[layout][term] > 0),
+                          key=lambda layout: (others(layout), layout.micro_batches, layout.describe()))
+        if not counting:
+            continue
+        simplest = counting[0]
+        target = 4 * counts[simplest][term]
+        alike = sorted((layout for layout in counting[1:] if others(layout) == others(simplest)),
+                       key=lambda layout: (abs(math.log(counts[layout][term] / target)), layout.describe()))
+        # A layout already chosen for another term measures this one too.
+        chosen += [layout for layout in [simplest, *alike[: per_term - 1]] if layout not in chosen]
     return chosen
 
 

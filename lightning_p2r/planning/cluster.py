@@ -52,6 +52,12 @@ def parse_quantity(value: Any, name: str, *, unit: str = "") -> float:
 ACCELERATORS = ("cuda", "cpu")
 
 
+ELEMENTWISE_SMALL_BYTES = 2**18
+"""Bytes of the activation tensor at which ``Cluster.elementwise_small_bandwidth`` is measured (64 rows of 1024
+fp32)."""
+ELEMENTWISE_LARGE_BYTES = 2**25
+"""Bytes of the activation tensor at which ``Cluster.elementwise_bandwidth`` is measured (8192 rows of 1024 fp32)."""
+_ZERO_MEANS_UNMEASURED = ("elementwise_small_bandwidth",)
 FITTED_TERMS = ("stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead")
 """The framework terms fitted to measured steps rather than measured one by one (``planning.framework.FITTED``)."""
 
@@ -81,9 +87,23 @@ class Cluster:
     memory_bandwidth: float = 2e12
     """Device memory bytes/s of plain traffic (gradient accumulation, FSDP2's buffer copies)."""
     elementwise_bandwidth: float = 1.5e12
-    """Bytes/s the elementwise operators (norms, GELU, residual adds) achieve, in the bytes the cost model counts."""
+    """Bytes/s the elementwise operators (norms, GELU, residual adds) achieve, in the bytes the cost model counts, on
+    activations far larger than the caches (``ELEMENTWISE_LARGE_BYTES`` per tensor)."""
+    elementwise_small_bandwidth: float = 0.0
+    """The same on activations of ``ELEMENTWISE_SMALL_BYTES`` per tensor, which a CPU's caches hold; between the two
+    sizes the planner interpolates (log-log) by a micro-batch's activation tensor. 0: every size at
+    ``elementwise_bandwidth`` (a file from before ``calibrate`` measured it)."""
     operator_overhead: float = 5e-6
     """Seconds of fixed cost per operator launch (kernel launch, or the host dispatcher on a CPU-only run)."""
+    dense_layer_overhead: float = 0.0
+    """Seconds one dense layer's forward and backward take at a negligible size, on the model's own code (its
+    operators' dispatch, autograd and Python: what a small layer pays beyond its FLOPs and traffic). Measured by
+    ``lightning-p2r calibrate``; 0: the planner prices a layer's fixed cost as operators times ``operator_overhead``."""
+    moe_layer_overhead: float = 0.0
+    """The same for an MoE layer's routing, dispatch and combine (its experts excluded: ``moe_expert_overhead``)."""
+    moe_expert_overhead: float = 0.0
+    """Seconds each expert an MoE layer computes adds to the layer's forward and backward at a negligible size (the
+    loop kernel's per-expert matmuls and activation; about 0 with the grouped kernel)."""
     matmul_overhead: float = 0.0
     """Seconds of fixed cost per matmul call beyond ``operator_overhead`` and the weight's memory traffic: on a CPU
     the BLAS call's setup, which a matmul of few rows cannot amortize (matmul efficiency by shape). Measured by
@@ -171,7 +191,8 @@ class Cluster:
                     raise ValueError(f"Cluster.{field.name} must be a positive integer, got {value!r}")
             elif not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise ValueError(f"Cluster.{field.name} must be a finite number, got {value!r}")
-            elif value < 0 or (value == 0 and not field.name.endswith(("latency", "overhead", "per_param"))):
+            elif value < 0 or (value == 0 and not field.name.endswith(("latency", "overhead", "per_param"))
+                               and field.name not in _ZERO_MEANS_UNMEASURED):
                 raise ValueError(f"Cluster.{field.name} must be {'>= 0' if 'latency' in field.name else '> 0'}, "
                                  f"got {value!r}")
         if self.cpu_oversubscription < 1:
@@ -180,6 +201,17 @@ class Cluster:
         if self.devices % self.devices_per_node and self.devices > self.devices_per_node:
             raise ValueError(f"Cluster.devices ({self.devices}) must be a multiple of devices_per_node "
                              f"({self.devices_per_node}): nodes are whole")
+
+    def elementwise_bandwidth_at(self, tensor_bytes: float) -> float:
+        """Bytes/s of elementwise operators on activation tensors of ``tensor_bytes``: interpolated in log-log between
+        the two measured sizes, clamped outside them (``elementwise_bandwidth`` alone when the small size is
+        unmeasured)."""
+        if self.elementwise_small_bandwidth <= 0:
+            return self.elementwise_bandwidth
+        low, high = math.log(ELEMENTWISE_SMALL_BYTES), math.log(ELEMENTWISE_LARGE_BYTES)
+        where = min(max((math.log(max(tensor_bytes, 1.0)) - low) / (high - low), 0.0), 1.0)
+        return math.exp((1 - where) * math.log(self.elementwise_small_bandwidth)
+                        + where * math.log(self.elementwise_bandwidth))
 
     @property
     def nodes(self) -> int:
@@ -198,7 +230,8 @@ def _is_range(value: Any) -> bool:
             and 0 <= value[0] <= value[1])
 
 
-_TIMES = {"operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
+_TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead",
+          "operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
           "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead", "host_device_latency",
           "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}
 

@@ -190,7 +190,7 @@ def grouped_experts(config: M6Config, accelerator: str, precision: str) -> bool:
     return accelerator == "cuda" and precision == "bf16-mixed"
 
 
-def _looped_experts(config: M6Config, local_experts: int | None) -> int:
+def looped_experts(config: M6Config, local_experts: int | None) -> int:
     """Expert FFNs the loop kernel runs in one MoE layer: each expert the rank holds (``local_experts`` on an
     expert-parallel rank), or the one FFN they all share before upcycling."""
     experts = 1 if config.num_unique_experts == 1 else config.num_experts
@@ -205,7 +205,7 @@ def layer_operator_launches(config: M6Config, layer: int, local_experts: int | N
     kernel's launches do not grow with the experts."""
     launches = 30
     if config.is_moe_layer(layer):
-        launches += 40 + (6 if grouped else 4 * _looped_experts(config, local_experts))
+        launches += 40 + (6 if grouped else 4 * looped_experts(config, local_experts))
     return launches
 
 
@@ -214,7 +214,7 @@ def layer_matmuls(config: M6Config, layer: int, local_experts: int | None = None
     gradient): attention's qkv and output projections, then a dense FFN's two, or the router's one and two per
     expert the rank computes (``local_experts`` on an expert-parallel rank; two in all with the grouped kernel)."""
     if config.is_moe_layer(layer):
-        return 2 + 1 + (2 if grouped else 2 * _looped_experts(config, local_experts))
+        return 2 + 1 + (2 if grouped else 2 * looped_experts(config, local_experts))
     return 4
 
 

@@ -46,6 +46,7 @@ from .model import (
     layer_forward_flops,
     layer_matmuls,
     layer_operator_launches,
+    looped_experts,
 )
 from .network import Link, collective_seconds, group_link
 from .share import RankShare, distinct_pipeline_ranks, rank_share
@@ -89,12 +90,13 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     flops = tokens * (blocks + head) / tp * 3 + (tokens * blocks / tp if layout.recompute else 0.0)
     attention_flops = tokens * attention / tp * passes
     elementwise = sum(layer_elementwise_elements(config, layer) for layer in share.layers)
-    elementwise_seconds = 3 * tokens * elementwise * workload.activation_bytes / cluster.elementwise_bandwidth
+    # A micro-batch's activation tensor (tokens x width) decides whether the caches hold it (on a CPU).
+    activation_bytes = tokens / layout.micro_batches * config.dim * workload.activation_bytes
+    elementwise_seconds = (3 * tokens * elementwise * workload.activation_bytes
+                           / cluster.elementwise_bandwidth_at(activation_bytes))
     local_experts = config.num_experts // layout.expert_parallel
     grouped = grouped_experts(config, cluster.accelerator, workload.precision)
-    launches = sum(layer_operator_launches(config, layer, local_experts, grouped=grouped)
-                   for layer in share.layers) + 10
-    launch_seconds = passes * layout.micro_batches * launches * cluster.operator_overhead
+    launch_seconds = passes * layout.micro_batches * fixed_layer_seconds(config, share, cluster, local_experts, grouped)
     matmuls = sum(layer_matmuls(config, layer, local_experts, grouped=grouped)
                   for layer in share.layers) + int(share.last_stage)
     matmul_seconds = passes * layout.micro_batches * matmuls * cluster.matmul_overhead
@@ -107,6 +109,20 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
                             cluster.memory_bandwidth)
     return (flops / cluster.device_flops + attention_flops / cluster.attention_flops + elementwise_seconds +
             launch_seconds + matmul_seconds + accumulation_seconds)
+
+
+def fixed_layer_seconds(config: M6Config, share: RankShare, cluster: Cluster, local_experts: int,
+                        grouped: bool) -> float:
+    """Seconds of fixed cost of one forward pass (a third of a forward and backward) of the rank's layers and the
+    embedding and head, at any size. With the layer costs ``calibrate`` measures on the model's own code, those;
+    otherwise each layer's operators times ``operator_overhead``. The embedding and head count 10 operators."""
+    if cluster.dense_layer_overhead <= 0:
+        launches = sum(layer_operator_launches(config, layer, local_experts, grouped=grouped) for layer in share.layers)
+        return (launches + 10) * cluster.operator_overhead
+    experts = 0 if grouped else looped_experts(config, local_experts)
+    layers = sum(cluster.moe_layer_overhead + experts * cluster.moe_expert_overhead if config.is_moe_layer(layer)
+                 else cluster.dense_layer_overhead for layer in share.layers)
+    return layers / 3 + 10 * cluster.operator_overhead
 
 
 def transfer_seconds(transfer: Transfer, cluster: Cluster) -> float:

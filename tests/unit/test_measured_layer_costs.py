@@ -1,0 +1,85 @@
+"""The planner prices a layer's fixed cost and its elementwise traffic from what ``calibrate`` measures on the
+package's own model (issue 41 item 1: small layers cost several times their operator count on a CPU; activations a
+CPU's caches hold move several times faster than large ones); a file without those measurements is priced as
+before."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from lightning_p2r.measure.calibrate import layer_overheads
+from lightning_p2r.models.config import M6Config
+from lightning_p2r.planning.cluster import ELEMENTWISE_LARGE_BYTES, ELEMENTWISE_SMALL_BYTES, Cluster
+from lightning_p2r.planning.layout import Layout, Workload
+from lightning_p2r.planning.share import rank_share
+from lightning_p2r.planning.step_time import estimate_step, fixed_layer_seconds
+
+CPU = Cluster(accelerator="cpu", devices=1, devices_per_node=1, overlap_collectives=False, overlap_copies=False,
+              operator_overhead=4e-6)
+MOE = M6Config(vocab_size=256, max_seq_len=64, num_layers=4, dim=32, num_heads=4, num_experts=8,
+               moe_layers=[1, 3], capacity_factor=None)
+WORKLOAD = Workload(global_batch=4, seq_len=64)
+
+
+def _fixed(cluster: Cluster, config: M6Config = MOE, layout: Layout = Layout()) -> float:
+    share = rank_share(config, layout, cluster, WORKLOAD, 0)
+    return fixed_layer_seconds(config, share, cluster, config.num_experts // layout.expert_parallel, grouped=False)
+
+
+def test_a_file_without_layer_costs_prices_operators_as_before() -> None:
+    from lightning_p2r.planning.model import layer_operator_launches
+
+    launches = sum(layer_operator_launches(MOE, layer) for layer in range(MOE.num_layers)) + 10
+    assert _fixed(CPU) == pytest.approx(launches * CPU.operator_overhead)
+
+
+def test_measured_layer_costs_price_each_layer_by_its_kind_and_experts() -> None:
+    measured = dataclasses.replace(CPU, dense_layer_overhead=3e-4, moe_layer_overhead=6e-4, moe_expert_overhead=5e-5)
+    per_pass = (2 * 3e-4 + 2 * (6e-4 + 8 * 5e-5)) / 3 + 10 * CPU.operator_overhead
+    assert _fixed(measured) == pytest.approx(per_pass)
+    # An expert-parallel rank computes its own experts only.
+    two = dataclasses.replace(measured, devices=2, devices_per_node=2)
+    share = rank_share(MOE, Layout(expert_parallel=2), two, WORKLOAD, 0)
+    assert fixed_layer_seconds(MOE, share, two, 4, grouped=False) == pytest.approx(
+        (2 * 3e-4 + 2 * (6e-4 + 4 * 5e-5)) / 3 + 10 * CPU.operator_overhead)
+    # The step: forward, backward at twice its launches, per micro-batch; recompute adds a forward.
+    step = estimate_step(MOE, Layout(micro_batches=2), measured, WORKLOAD).compute
+    again = estimate_step(MOE, Layout(micro_batches=2), dataclasses.replace(measured, moe_expert_overhead=6e-5),
+                          WORKLOAD).compute
+    assert again - step == pytest.approx(3 * 2 * (2 * 8 * 1e-5) / 3)
+
+
+def test_elementwise_bandwidth_moves_between_the_two_measured_sizes() -> None:
+    cluster = dataclasses.replace(CPU, elementwise_bandwidth=4e9, elementwise_small_bandwidth=16e9)
+    assert cluster.elementwise_bandwidth_at(ELEMENTWISE_SMALL_BYTES / 8) == pytest.approx(16e9)
+    assert cluster.elementwise_bandwidth_at(ELEMENTWISE_SMALL_BYTES) == pytest.approx(16e9)
+    assert cluster.elementwise_bandwidth_at(ELEMENTWISE_LARGE_BYTES * 4) == pytest.approx(4e9)
+    middle = math.sqrt(ELEMENTWISE_SMALL_BYTES * ELEMENTWISE_LARGE_BYTES)
+    assert cluster.elementwise_bandwidth_at(middle) == pytest.approx(8e9)
+    assert CPU.elementwise_bandwidth_at(123.0) == CPU.elementwise_bandwidth  # unmeasured: one figure for all
+
+
+def test_small_activations_are_priced_faster_than_large_ones_only_when_measured() -> None:
+    measured = dataclasses.replace(CPU, elementwise_bandwidth=4e9, elementwise_small_bandwidth=16e9)
+    small, large = Workload(global_batch=2, seq_len=64), Workload(global_batch=2048, seq_len=64)
+    ratio = [estimate_step(MOE, Layout(), measured, w).compute / estimate_step(MOE, Layout(), CPU, w).compute
+             for w in (small, large)]
+    assert ratio[0] < ratio[1]
+
+
+@pytest.mark.parametrize("bad", [{"elementwise_small_bandwidth": -1.0}, {"dense_layer_overhead": -1e-3},
+                                 {"moe_expert_overhead": float("nan")}])
+def test_bad_measured_costs_are_refused_naming_the_field(bad) -> None:
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        Cluster(**bad)
+
+
+@pytest.mark.slow
+def test_calibrate_measures_the_layer_costs_on_the_models_own_code() -> None:
+    torch.manual_seed(0)
+    costs = layer_overheads(torch.device("cpu"), repeats=2)
+    assert set(costs) == {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead"}
+    assert costs["dense_layer_overhead"] > 0 and costs["moe_layer_overhead"] > 0 and costs["moe_expert_overhead"] >= 0
+    assert Cluster(**costs).dense_layer_overhead == costs["dense_layer_overhead"]
