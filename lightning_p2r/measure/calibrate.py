@@ -50,9 +50,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -113,7 +115,7 @@ def elementwise_bandwidth(device: torch.device, rows: int, repeats: int) -> floa
     return 3 * 8 * rows * 1024 * 4 / seconds
 
 
-LAYER_PROBE = {"vocab_size": 64, "max_seq_len": 8, "dim": 16, "num_heads": 2, "moe_top_k": 1,
+LAYER_PROBE = {"vocab_size": 64, "max_seq_len": 32, "dim": 16, "num_heads": 2, "moe_top_k": 1,
                "capacity_factor": None, "init_seed": 0}
 """The model whose layers ``layer_overheads`` times: small enough that FLOPs and traffic are negligible."""
 
@@ -121,12 +123,14 @@ LAYER_PROBE = {"vocab_size": 64, "max_seq_len": 8, "dim": 16, "num_heads": 2, "m
 def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     """``dense_layer_overhead``, ``moe_layer_overhead`` and ``moe_expert_overhead``: the package's own transformer at a
     negligible size (``LAYER_PROBE``), forward and backward, with 1 and 5 layers (the difference over 4 is one layer's
-    fixed cost) and with MoE layers of 2 and 8 experts (the difference over 5 x 6 is one expert's), in the precision
-    training uses on the device (bf16 autocast on CUDA, fp32 on CPU) and with the expert kernel it picks there."""
+    fixed cost) and with MoE layers of 2 and 16 experts (the difference over 5 x 14 is one expert's), in the precision
+    training uses on the device (bf16 autocast on CUDA, fp32 on CPU) and with the expert kernel it picks there. The
+    models are timed in turn, three rounds, each keeping its fastest round's median: a difference of two timings is
+    otherwise at the mercy of one slow moment on a shared machine."""
     from ..models.config import M6Config
     from ..models.transformer import M6Transformer
 
-    def seconds(layers: int, experts: int) -> float:
+    def step_of(layers: int, experts: int) -> Callable[[], None]:
         moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
         config = M6Config(**LAYER_PROBE, num_layers=layers, **moe)
         model = M6Transformer(config).to(device)
@@ -137,12 +141,17 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
                 out = model(tokens)
             (out.logits.float().mean() + out.aux_loss + out.z_loss).backward()
 
-        return median_seconds(step, iters=repeats * 2, device=device)
+        return step
 
-    dense = max(seconds(5, 0) - seconds(1, 0), 0.0) / 4
-    two, eight = seconds(5, 2), seconds(5, 8)
-    expert = max(eight - two, 0.0) / (5 * 6)
-    moe = max(two - seconds(1, 2), 0.0) / 4 - 2 * expert
+    shapes = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2), "experts": (5, 16)}
+    steps = {name: step_of(*shape) for name, shape in shapes.items()}
+    seconds = dict.fromkeys(steps, math.inf)
+    for _ in range(3):
+        for name, step in steps.items():
+            seconds[name] = min(seconds[name], median_seconds(step, iters=repeats, device=device))
+    dense = max(seconds["dense5"] - seconds["dense1"], 0.0) / 4
+    expert = max(seconds["experts"] - seconds["moe5"], 0.0) / (5 * 14)
+    moe = max(seconds["moe5"] - seconds["moe1"], 0.0) / 4 - 2 * expert
     # A floor of one operator's cost: 0 would read as "unmeasured" and fall back to counting operators.
     floor = 1e-6
     return {"dense_layer_overhead": max(dense, floor), "moe_layer_overhead": max(moe, floor),
