@@ -38,7 +38,7 @@ from typing import Any
 from lightning_p2r.benchmarks.planner_cv import spearman
 from lightning_p2r.benchmarks.report import apply_threads, base_parser
 from lightning_p2r.models.config import M6Config
-from lightning_p2r.planning.cluster import Cluster, load_cluster
+from lightning_p2r.planning.cluster import Cluster, cluster_for, load_cluster
 from lightning_p2r.planning.layout import Layout, Workload, check_layout
 from lightning_p2r.planning.step_time import estimate_step
 
@@ -148,8 +148,7 @@ def predict(rows: list[dict[str, Any]], clusters: Cluster | list[Cluster]) -> No
         if not row.get("measured_s"):
             continue
         item = draw_of_row(row)
-        cluster = next((c for c in clusters if c.devices == item.processes), clusters[0])
-        devices = cluster.with_devices(item.processes)
+        devices, _ = cluster_for(clusters, item.processes)
         predicted = estimate_step(item.config, item.layout, devices, item.workload).total
         measured = float(row["measured_s"])
         row["predicted_s"] = predicted

@@ -7,8 +7,12 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``device_flops``: a linear layer's forward and backward, fp32 (CPU) or bf16 (CUDA), of training-like shapes;
 - ``attention_flops``: causal scaled-dot-product attention, forward and backward;
 - ``memory_bandwidth``: an add of large tensors (three tensors' bytes per element): plain memory traffic;
-- ``elementwise_bandwidth``: LayerNorm, GELU and a residual add, forward and backward, in the bytes the cost model
-  counts for them;
+- ``elementwise_bandwidth`` / ``elementwise_small_bandwidth``: LayerNorm, GELU and a residual add, forward and
+  backward, in the bytes the cost model counts for them, on activations of 32 MiB and of 256 KiB (which a CPU's
+  caches hold);
+- ``dense_layer_overhead``, ``moe_layer_overhead``, ``moe_expert_overhead``: the package's own transformer at a
+  negligible size with 1 and 5 layers, dense and MoE, 2 and 16 experts: a layer's fixed cost (dispatch, autograd,
+  Python), which on a CPU is several times its operator count at ``operator_overhead`` (:func:`layer_overheads`);
 - ``operator_overhead``: the fixed cost of one operator in a chain of tiny ones, forward and backward (the
   dispatcher and autograd on CPU, the launch on CUDA);
 - ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.config import M6Config
-from .cluster import Cluster, load_cluster
+from .cluster import Cluster, cluster_for, load_cluster
 from .framework import HOW_TO_GET, missing_terms
 from .layout import SCHEDULES, SHARDINGS, Layout, Workload
 from .model import parameter_count, pseudo_of
@@ -148,7 +148,9 @@ def _numbers(text: str | None, kind: type, option: str, parser: argparse.Argumen
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-p2r plan", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--cluster", required=True, help="cluster YAML (lightning-p2r calibrate writes one)")
+    parser.add_argument("--cluster", required=True, nargs="+",
+                        help="cluster YAML (lightning-p2r calibrate writes one); several: the one calibrated for "
+                             "--devices processes prices the run")
     parser.add_argument("--config", required=True, help="a recipe YAML: its model.config, data and trainer")
     parser.add_argument("--devices", type=int, help="devices in the run (default: the cluster file's)")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the recipe's)")
@@ -174,10 +176,10 @@ def main(argv: list[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        cluster = load_cluster(args.cluster)
+        cluster, mismatch = cluster_for([load_cluster(path) for path in args.cluster], args.devices)
         config, settings = recipe_inputs(args.config)
-        if args.devices is not None:
-            cluster = cluster.with_devices(args.devices)
+        if mismatch:
+            print(f"warning: {mismatch}")
         workload = workload_for(settings, args)
         config = dataclasses.replace(config, max_seq_len=workload.seq_len)  # --seq-len, linked as fit links it
     except ValueError as error:

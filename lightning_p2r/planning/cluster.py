@@ -273,6 +273,25 @@ def load_cluster(path: str | Path) -> Cluster:
     return cluster_from_dict(values or {}, source=str(path))
 
 
+def cluster_for(clusters: list[Cluster], devices: int | None) -> tuple[Cluster, str | None]:
+    """The calibration to price ``devices`` devices with, from one or several cluster files (``lightning-p2r calibrate
+    --processes N`` writes ``devices: N``): the file of that count, else the first; with a warning when a CPU file
+    measured under another number of processes serves (its constants were measured with that many processes loading
+    the machine: a one-process step priced by a two-process file came out 36% slow, median, docs/planning.md)."""
+    if not clusters:
+        raise ValueError("no cluster file given")
+    if devices is None:
+        return clusters[0], None
+    same = [cluster for cluster in clusters if cluster.devices == devices]
+    chosen = (same or clusters)[0]
+    if same or chosen.accelerator != "cpu":
+        return chosen.with_devices(devices), None
+    return chosen.with_devices(devices), (
+        f"{chosen.name} was calibrated with {chosen.devices} process(es) and the run has {devices}: on a CPU its "
+        f"constants depend on how many processes load the machine; run `lightning-p2r calibrate --processes "
+        f"{devices}` and pass that file too (--cluster accepts several)")
+
+
 def write_cluster(cluster: Cluster, path: str | Path, comment: str = "") -> None:
     """Write ``cluster`` as YAML, atomically (a failed write leaves an earlier file whole)."""
     import os

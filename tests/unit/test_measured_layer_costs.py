@@ -23,9 +23,9 @@ MOE = M6Config(vocab_size=256, max_seq_len=64, num_layers=4, dim=32, num_heads=4
 WORKLOAD = Workload(global_batch=4, seq_len=64)
 
 
-def _fixed(cluster: Cluster, config: M6Config = MOE, layout: Layout = Layout()) -> float:
-    share = rank_share(config, layout, cluster, WORKLOAD, 0)
-    return fixed_layer_seconds(config, share, cluster, config.num_experts // layout.expert_parallel, grouped=False)
+def _fixed(cluster: Cluster) -> float:
+    share = rank_share(MOE, Layout(), cluster, WORKLOAD, 0)
+    return fixed_layer_seconds(MOE, share, cluster, MOE.num_experts, grouped=False)
 
 
 def test_a_file_without_layer_costs_prices_operators_as_before() -> None:

@@ -125,3 +125,31 @@ def test_plan_warns_when_the_cluster_file_lacks_a_term_its_layouts_count(capsys,
     main(["plan", "--cluster", str(path), "--config", str(RECIPES / "tp_ep_moe.yaml"), "--devices", "8", "--top", "5",
           "--micro-batches", "1,2"])
     assert "warning:" not in capsys.readouterr().out
+
+
+def test_plan_prices_a_cpu_run_with_the_file_calibrated_for_its_process_count(capsys, tmp_path) -> None:
+    """Issue 41 item 1: on a CPU the constants depend on how many processes loaded the machine while they were
+    measured; a one-process run priced by a two-process file came out 36% slow (median). ``plan`` takes the file of
+    the run's count among several, and warns when only another count's file is given."""
+    from lightning_p2r.planning.cluster import Cluster, cluster_for, write_cluster
+
+    files = {}
+    for processes, overhead in ((1, 0.004), (2, 0.016)):
+        files[processes] = tmp_path / f"cpu-{processes}.yaml"
+        write_cluster(Cluster(name=f"cpu{processes}", accelerator="cpu", devices=processes, devices_per_node=processes,
+                              step_overhead=overhead, overlap_collectives=False, overlap_copies=False),
+                      files[processes])
+    clusters = [load_cluster(files[2]), load_cluster(files[1])]
+    chosen, warning = cluster_for(clusters, 1)
+    assert (chosen.name, chosen.devices, warning) == ("cpu1", 1, None)
+    chosen, warning = cluster_for(clusters[:1], 1)
+    assert chosen.name == "cpu2" and chosen.devices == 1 and "--processes 1" in warning
+    assert cluster_for(clusters, None) == (clusters[0], None)
+    gpu = Cluster(devices=8, devices_per_node=8)
+    assert cluster_for([gpu], 16)[1] is None  # GPU constants do not depend on the process count
+    recipe = str(RECIPES / "quickstart.yaml")
+    main(["plan", "--cluster", str(files[2]), "--config", recipe, "--devices", "1", "--top", "1"])
+    assert "calibrated with 2 process(es) and the run has 1" in capsys.readouterr().out
+    main(["plan", "--cluster", str(files[2]), str(files[1]), "--config", recipe, "--devices", "1", "--top", "1"])
+    out = capsys.readouterr().out
+    assert "calibrated with" not in out and "cluster cpu1: 1 devices" in out
