@@ -42,7 +42,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from lightning_p2r.measure.fit_terms import fit_nonnegative
+from lightning_p2r.measure.fit_terms import fit_nonnegative, unfitted
 
 STEPS = 8
 GLOBAL_BATCH = 8
@@ -192,7 +192,7 @@ def predictions(rows: list[dict[str, Any]], clusters: dict[int, Any]) -> None:
         config = M6Config(**MODELS[row["model"]])
         layout = layout_of(row["options"])
         cluster = clusters[int(row["processes"])].with_devices(int(row["processes"]))
-        cluster = dataclasses.replace(cluster, **dict.fromkeys(FITTED, 0.0))
+        cluster = unfitted(cluster)
         workload = Workload(global_batch=GLOBAL_BATCH, seq_len=config.max_seq_len)
         row["base_s"] = estimate_step(config, layout, cluster, workload).total
         for name, count in framework_counts(config, layout, cluster, workload).items():

@@ -140,10 +140,9 @@ def draw_of_row(row: dict[str, Any]) -> Draw:
                          precision=row["precision"]), int(row.get("processes") or 1))
 
 
-def predict(rows: list[dict[str, Any]], clusters: Cluster | list[Cluster]) -> None:
+def predict(rows: list[dict[str, Any]], clusters: list[Cluster]) -> None:
     """Each measured row's prediction and error, with the calibration of its process count (a ``calibrate
     --processes N`` file has ``devices: N``; the first file serves a count no file has)."""
-    clusters = clusters if isinstance(clusters, list) else [clusters]
     for row in rows:
         if not row.get("measured_s"):
             continue
@@ -222,8 +221,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     row["status"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
             rows.append(row)
             print(f"[{time.perf_counter() - began:6.1f} s] {row['draw']} p{row['processes']} {row['layout']} "
-                  f"L{row['layers']} "
-                  f"d{row['dim']} E{row['experts']} s{row['seq_len']} b{row['global_batch']}: "
+                  f"L{row['layers']} d{row['dim']} E{row['experts']} s{row['seq_len']} b{row['global_batch']}: "
                   f"{row.get('measured_s', '-')} {row['status']}", flush=True)
             write_rows(rows, out)
     if args.cluster:
