@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import sys
 import tempfile
 from dataclasses import asdict
@@ -69,20 +70,33 @@ def run_trial(spec: dict[str, Any], timeout: int = 1800) -> float:
 
 
 def run_trials(config: M6Config, layouts: list[tuple[Layout, float]], workload: Workload, *, devices: int,
-               steps: int, accelerator: str) -> list[dict[str, Any]]:
-    """Measure each (layout, predicted seconds) in turn; rows in the given order with ``measured_s`` and the
-    prediction's error relative to the measurement."""
-    rows = []
+               steps: int, accelerator: str, rounds: int = 1) -> list[dict[str, Any]]:
+    """Measure each (layout, predicted seconds); rows in the given order with ``measured_s`` and the prediction's
+    error relative to the measurement. With ``rounds`` above one the layouts run in turn that many times (1, 2, ...,
+    K, then 1, 2, ... again), so that a machine drifting between runs slows every layout alike, and ``measured_s``
+    is the median of each layout's rounds (``measured_min_s`` / ``measured_max_s`` their range)."""
+    times: list[list[float]] = [[] for _ in layouts]
     with tempfile.TemporaryDirectory() as folder:
-        for rank, (layout, predicted) in enumerate(layouts, 1):
-            spec = trial_spec(config, layout, workload, devices=devices, steps=steps, accelerator=accelerator,
-                              out=str(Path(folder) / f"trial{rank}"))
-            measured = run_trial(spec)
-            rows.append({"rank": rank, "layout": layout.describe(), "predicted_s": predicted, "measured_s": measured,
-                         "error_pct": 100 * (predicted - measured) / measured, "load_avg_1m": _load()})
-            print(f"trial {rank}/{len(layouts)}: {layout.describe()}: measured {measured:.4g} s, predicted "
-                  f"{predicted:.4g} s", flush=True)
-    return rows
+        for round_ in range(1, rounds + 1):
+            for rank, (layout, predicted) in enumerate(layouts, 1):
+                spec = trial_spec(config, layout, workload, devices=devices, steps=steps, accelerator=accelerator,
+                                  out=str(Path(folder) / f"trial{rank}_round{round_}"))
+                times[rank - 1].append(run_trial(spec))
+                of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""
+                print(f"trial {rank}/{len(layouts)}{of_rounds}: {layout.describe()}: measured "
+                      f"{times[rank - 1][-1]:.4g} s, predicted {predicted:.4g} s", flush=True)
+    return [trial_row(rank, layout, predicted, measured)
+            for rank, ((layout, predicted), measured) in enumerate(zip(layouts, times), 1)]
+
+
+def trial_row(rank: int, layout: Layout, predicted: float, measured: list[float]) -> dict[str, Any]:
+    """One layout's row from its measured rounds: their median, and their range when there are several."""
+    median = statistics.median(measured)
+    row = {"rank": rank, "layout": layout.describe(), "predicted_s": predicted, "measured_s": median,
+           "error_pct": 100 * (predicted - median) / median, "load_avg_1m": _load()}
+    if len(measured) > 1:
+        row |= {"measured_min_s": min(measured), "measured_max_s": max(measured)}
+    return row
 
 
 def _load() -> float:

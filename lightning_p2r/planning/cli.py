@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trial-steps", type=int, default=20,
                         help="optimizer steps per trial, the first 2 untimed (default 20: with 6, the same layout's "
                              "median step varied 1.7x between runs on a 2-core machine, with 20 by 1.2x)")
+    parser.add_argument("--trial-rounds", type=int, default=1, metavar="R",
+                        help="run the K layouts in turn R times and compare each one's median (default 1): a "
+                             "machine that drifts between runs then slows every layout alike")
     return parser
 
 
@@ -195,6 +198,8 @@ def main(argv: list[str]) -> None:
         refusal = trial_refusal(args.trial, cluster.devices, accelerator, available)
         if refusal is None and args.trial_steps < 3:
             refusal = f"--trial-steps must be >= 3 (2 warm-up steps, then timed ones), got {args.trial_steps}"
+        if refusal is None and args.trial_rounds < 1:
+            refusal = f"--trial-rounds must be >= 1 (how often each layout runs), got {args.trial_rounds}"
         if refusal:
             parser.error(refusal)
     space = SearchSpace()
@@ -221,7 +226,7 @@ def main(argv: list[str]) -> None:
     print("\nall figures are predictions of the cost model (docs/planning.md); the best layout as a recipe fragment:")
     print(strategy_fragment(plans[0], workload, cluster))
     if args.trial is not None:
-        trial(config, plans[: args.trial], workload, cluster, args.trial_steps, accelerator)
+        trial(config, plans[: args.trial], workload, cluster, args.trial_steps, accelerator, args.trial_rounds)
     if args.csv:
         every = plan_rows(plans, workload, None, cluster)
         with open(args.csv, "w", newline="") as file:
@@ -239,16 +244,18 @@ def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluste
 
 
 def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Cluster, steps: int,
-          accelerator: str) -> list[dict[str, Any]]:
+          accelerator: str, rounds: int = 1) -> list[dict[str, Any]]:
     """Run ``plans`` on this machine (``lightning_p2r.measure.trial``), print measured beside predicted and the
     measured best as a recipe fragment; returns the rows."""
     from ..measure.trial import run_trials
 
+    times = f", in turn {rounds} times (the median counts)" if rounds > 1 else ""
     print(f"\ntrials: the {len(plans)} best layouts, {steps} optimizer steps each on {cluster.devices} "
-          f"{accelerator} process(es), random tokens")
+          f"{accelerator} process(es), random tokens{times}")
     rows = run_trials(config, [(p.layout, p.step.total) for p in plans], workload, devices=cluster.devices,
-                      steps=steps, accelerator=accelerator)
-    print(format_rows(rows, ["rank", "layout", "predicted_s", "measured_s", "error_pct", "load_avg_1m"]))
+                      steps=steps, accelerator=accelerator, rounds=rounds)
+    spread = ["measured_min_s", "measured_max_s"] if rounds > 1 else []
+    print(format_rows(rows, ["rank", "layout", "predicted_s", "measured_s", *spread, "error_pct", "load_avg_1m"]))
     best = min(range(len(rows)), key=lambda i: rows[i]["measured_s"])
     print(f"\nmeasured best: rank {rows[best]['rank']} ({rows[best]['layout']}, {rows[best]['measured_s']:.4g} s "
           "per step); timings on a shared machine are noisy (load_avg_1m): as a recipe fragment:")

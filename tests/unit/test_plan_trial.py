@@ -6,7 +6,7 @@ import yaml
 
 from lightning_p2r.cli import main
 from lightning_p2r.measure.run import host_threads
-from lightning_p2r.measure.trial import trial_refusal, trial_spec
+from lightning_p2r.measure.trial import run_trials, trial_refusal, trial_spec
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning import Cluster, write_cluster
 from lightning_p2r.planning.layout import Layout, Workload
@@ -66,8 +66,9 @@ def test_trial_refusals_are_one_line() -> None:
     assert trial_refusal(2, 2, "cpu", 2) is None
 
 
-@pytest.mark.parametrize(("args", "message"), [(["--trial", "0"], "--trial must be >= 1"),
-                                               (["--trial", "1", "--trial-steps", "2"], "--trial-steps must be >= 3")])
+@pytest.mark.parametrize(("args", "message"), [
+    (["--trial", "0"], "--trial must be >= 1"), (["--trial", "1", "--trial-steps", "2"], "--trial-steps must be >= 3"),
+    (["--trial", "1", "--trial-rounds", "0"], "--trial-rounds must be >= 1")])
 def test_plan_refuses_a_bad_trial(capsys, tmp_path, args, message) -> None:
     with pytest.raises(SystemExit):
         main(_inputs(tmp_path) + args)
@@ -78,3 +79,42 @@ def test_plan_refuses_a_trial_on_more_devices_than_this_machine_has(capsys, tmp_
     with pytest.raises(SystemExit):
         main(_inputs(tmp_path, devices=1) + ["--devices", "512", "--trial", "1"])
     assert "need 512 devices" in capsys.readouterr().err
+
+
+def _scripted_trials(monkeypatch, seconds: list[float]) -> list[str]:
+    """Replace the worker by ``seconds`` returned in call order; the layouts in the order they ran."""
+    order, left = [], list(seconds)
+
+    def run_trial(spec):
+        order.append(spec["name"])
+        return left.pop(0)
+
+    monkeypatch.setattr("lightning_p2r.measure.trial.run_trial", run_trial)
+    return order
+
+
+def test_trial_rounds_run_the_layouts_in_turn_and_compare_medians(monkeypatch) -> None:
+    """Round-robin, so that a drifting machine slows every layout alike; each layout's median and range."""
+    order = _scripted_trials(monkeypatch, [0.30, 0.20, 0.10, 0.21, 0.12, 0.50])
+    layouts = [(Layout(), 0.1), (Layout(micro_batches=2), 0.2)]
+    workload = Workload(global_batch=4, seq_len=16)
+    rows = run_trials(M6Config(**TINY), layouts, workload, devices=1, steps=3, accelerator="cpu", rounds=3)
+    assert order == ["none", "none m2"] * 3
+    assert [row["measured_s"] for row in rows] == [0.12, 0.21]
+    assert (rows[0]["measured_min_s"], rows[0]["measured_max_s"]) == (0.10, 0.30)
+    assert rows[1]["error_pct"] == pytest.approx(100 * (0.2 - 0.21) / 0.21)
+    _scripted_trials(monkeypatch, [0.4])
+    one, = run_trials(M6Config(**TINY), layouts[:1], workload, devices=1, steps=3, accelerator="cpu")
+    assert one["measured_s"] == 0.4 and "measured_min_s" not in one
+
+
+def test_plan_prints_each_layouts_median_and_range_over_its_rounds(capsys, monkeypatch, tmp_path) -> None:
+    order = _scripted_trials(monkeypatch, [0.3, 0.15, 0.1, 0.15])
+    main(_inputs(tmp_path) + ["--trial", "2", "--trial-rounds", "2", "--sharding", "none", "--micro-batches", "1,2",
+                              "--offload-fractions", "0"])
+    out = capsys.readouterr().out
+    table = out[out.index("trials:"):]
+    assert "in turn 2 times" in table and "(round 2/2)" in table and "measured_min_s" in table
+    assert order[:2] == order[2:] and len(set(order)) == 2
+    # The first layout's median (0.2) is above the second's (0.15), though its best round (0.1) was the fastest.
+    assert f"measured best: rank 2 ({order[1]}, 0.15 s per step)" in table
