@@ -5,8 +5,9 @@ import pytest
 import torch
 import tqdm
 
-# Two cores: keep torch from oversubscribing them when pytest runs several things.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two cores: keep torch from oversubscribing them when pytest runs several things (under pytest-xdist, the cores
+# divided among its workers).
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 # No tqdm monitor thread (it only retunes slow bars): a process with a second thread prepares data through a spawned
 # helper, seconds per prepare_data call, where one thread forks litdata's workers in milliseconds
 # (lightning_p2r.data.prepared.token_writer; the helper path has its own test in test_prepared_data).
@@ -61,3 +62,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if here in Path(item.path).parents:
             item.add_marker(pytest.mark.distributed)
+
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """``pytest -n 2`` (pytest-xdist, optional): whole files to each worker, as ``--dist loadfile`` does (a file's
+    module-scoped runs happen once), with the files of the shared model-parallel runs kept together
+    (``suite_scheduling.py``)."""
+    from suite_scheduling import by_file_shared_runs_together
+
+    return by_file_shared_runs_together(config, log)
