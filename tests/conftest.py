@@ -64,7 +64,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.distributed)
 
 
-
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     """``pytest -n 2`` (pytest-xdist, optional): whole files to each worker, as ``--dist loadfile`` does (a file's

@@ -76,24 +76,28 @@ def run_trials(config: M6Config, layouts: list[tuple[Layout, float]], workload: 
     K, then 1, 2, ... again), so that a machine drifting between runs slows every layout alike, and ``measured_s``
     is the median of each layout's rounds (``measured_min_s`` / ``measured_max_s`` their range)."""
     times: list[list[float]] = [[] for _ in layouts]
+    loads: list[list[float]] = [[] for _ in layouts]  # the machine's load right after each run
     with tempfile.TemporaryDirectory() as folder:
         for round_ in range(1, rounds + 1):
             for rank, (layout, predicted) in enumerate(layouts, 1):
                 spec = trial_spec(config, layout, workload, devices=devices, steps=steps, accelerator=accelerator,
                                   out=str(Path(folder) / f"trial{rank}_round{round_}"))
-                times[rank - 1].append(run_trial(spec))
+                measured = run_trial(spec)
+                times[rank - 1].append(measured)
+                loads[rank - 1].append(_load())
                 of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""
-                print(f"trial {rank}/{len(layouts)}{of_rounds}: {layout.describe()}: measured "
-                      f"{times[rank - 1][-1]:.4g} s, predicted {predicted:.4g} s", flush=True)
-    return [trial_row(rank, layout, predicted, measured)
-            for rank, ((layout, predicted), measured) in enumerate(zip(layouts, times), 1)]
+                print(f"trial {rank}/{len(layouts)}{of_rounds}: {layout.describe()}: measured {measured:.4g} s, "
+                      f"predicted {predicted:.4g} s", flush=True)
+    return [trial_row(rank, layout, predicted, measured, max(load))
+            for rank, ((layout, predicted), measured, load) in enumerate(zip(layouts, times, loads), 1)]
 
 
-def trial_row(rank: int, layout: Layout, predicted: float, measured: list[float]) -> dict[str, Any]:
-    """One layout's row from its measured rounds: their median, and their range when there are several."""
+def trial_row(rank: int, layout: Layout, predicted: float, measured: list[float], load: float) -> dict[str, Any]:
+    """One layout's row from its measured rounds: their median, and their range when there are several; ``load``
+    the highest 1-minute load average seen after them."""
     median = statistics.median(measured)
     row = {"rank": rank, "layout": layout.describe(), "predicted_s": predicted, "measured_s": median,
-           "error_pct": 100 * (predicted - median) / median, "load_avg_1m": _load()}
+           "error_pct": 100 * (predicted - median) / median, "load_avg_1m": load}
     if len(measured) > 1:
         row |= {"measured_min_s": min(measured), "measured_max_s": max(measured)}
     return row

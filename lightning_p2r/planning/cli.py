@@ -249,9 +249,9 @@ def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Clus
     measured best as a recipe fragment; returns the rows."""
     from ..measure.trial import run_trials
 
-    times = f", in turn {rounds} times (the median counts)" if rounds > 1 else ""
+    turns = f", in turn {rounds} times (the median counts)" if rounds > 1 else ""
     print(f"\ntrials: the {len(plans)} best layouts, {steps} optimizer steps each on {cluster.devices} "
-          f"{accelerator} process(es), random tokens{times}")
+          f"{accelerator} process(es), random tokens{turns}")
     rows = run_trials(config, [(p.layout, p.step.total) for p in plans], workload, devices=cluster.devices,
                       steps=steps, accelerator=accelerator, rounds=rounds)
     spread = ["measured_min_s", "measured_max_s"] if rounds > 1 else []
