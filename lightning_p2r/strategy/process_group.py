@@ -79,7 +79,9 @@ def reduce_in_place(tensor: torch.Tensor, group: Any = None, reduce_op: Any = "m
             op, divide = dist.ReduceOp.SUM, True
         else:
             op = getattr(dist.ReduceOp, name.upper())
-    dist.barrier(group=group)  # every rank has its value ready (a logged metric's update may still be running)
+    # No barrier first (Lightning's ``_sync_ddp`` has one): the all-reduce itself waits for every rank, and on
+    # CUDA it is ordered after the work that produced ``tensor``; a barrier was one more blocking round trip per
+    # call, and the loss's finiteness check calls this every micro-batch.
     dist.all_reduce(tensor, op=op, group=group)
     if not divide:
         return tensor
