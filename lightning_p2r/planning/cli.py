@@ -25,6 +25,8 @@ from .model import parameter_count, pseudo_of
 from .search import Plan, SearchSpace, evaluate, search
 
 GB = 1e9
+TRIAL_STEPS = 20
+"""Optimizer steps per trial unless ``--trial-steps`` says otherwise (the first 2 untimed)."""
 
 
 def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
@@ -167,10 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trial", type=int, metavar="K",
                         help="then run the K best layouts on this machine for a few steps (random tokens, no "
                              "checkpoint), print measured beside predicted and recommend the measured best")
-    parser.add_argument("--trial-steps", type=int, default=20,
+    parser.add_argument("--trial-steps", type=int,
                         help="optimizer steps per trial, the first 2 untimed (default 20: with 6, the same layout's "
                              "median step varied 1.7x between runs on a 2-core machine, with 20 by 1.2x)")
-    parser.add_argument("--trial-rounds", type=int, default=1, metavar="R",
+    parser.add_argument("--trial-rounds", type=int, metavar="R",
                         help="run the K layouts in turn R times and compare each one's median (default 1): a "
                              "machine that drifts between runs then slows every layout alike")
     return parser
@@ -191,6 +193,13 @@ def main(argv: list[str]) -> None:
     if args.top < 1 or not 0 < args.memory_headroom <= 1:
         parser.error("--top must be >= 1 and --memory-headroom in (0, 1]")
     accelerator = "cpu"
+    given = [flag for flag, value in (("--trial-steps", args.trial_steps), ("--trial-rounds", args.trial_rounds))
+             if value is not None]
+    if given and args.trial is None:  # they only shape trials: alone they would be ignored without a word
+        verb = "apply" if len(given) > 1 else "applies"
+        parser.error(f"{' and '.join(given)} {verb} only to trials: add --trial K (the number of best layouts to run)")
+    args.trial_steps = TRIAL_STEPS if args.trial_steps is None else args.trial_steps
+    args.trial_rounds = 1 if args.trial_rounds is None else args.trial_rounds
     if args.trial is not None:
         from ..measure.trial import machine_devices, trial_refusal
 

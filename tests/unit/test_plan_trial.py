@@ -68,7 +68,9 @@ def test_trial_refusals_are_one_line() -> None:
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--trial", "0"], "--trial must be >= 1"), (["--trial", "1", "--trial-steps", "2"], "--trial-steps must be >= 3"),
-    (["--trial", "1", "--trial-rounds", "0"], "--trial-rounds must be >= 1")])
+    (["--trial", "1", "--trial-rounds", "0"], "--trial-rounds must be >= 1"),
+    (["--trial-steps", "30"], "--trial-steps applies only to trials: add --trial K"),
+    (["--trial-steps", "30", "--trial-rounds", "3"], "--trial-steps and --trial-rounds apply only to trials")])
 def test_plan_refuses_a_bad_trial(capsys, tmp_path, args, message) -> None:
     with pytest.raises(SystemExit):
         main(_inputs(tmp_path) + args)
