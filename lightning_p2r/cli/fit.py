@@ -38,6 +38,7 @@ from ..strategy.checkpoint import META_FILE, check_checkpoint_path
 from ..strategy.launch import RankFailed
 from .options_diff import describe_differences, differing_options
 from .recipe_files import check_recipe_files, keys_named_in, locate_key, names_model_class, recipe_paths
+from .trainer_options import trainer_option_problem
 
 # The dataclass fields' docstrings become --help text and YAML comments.
 set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -227,6 +228,9 @@ class P2RCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         section = self.config[self.config.subcommand] if self.config.get("subcommand") else self.config
+        problem = trainer_option_problem(section.trainer)
+        if problem:
+            self.parser.error(problem)
         section.trainer.strategy = strategy_from_class_path(section.trainer.get("strategy"))
         place_outputs_under_root(section.trainer)
         resumed = _as_dict(section.get("model"))  # a checkpoint file's options, merged in by LightningCLI

@@ -334,7 +334,12 @@ def check_batch(layout: Layout, sequences: int) -> None:
 
 def check_trainer(layout: Layout, accumulate_grad_batches: int, batch_size: object = None) -> None:
     """Where the strategy splits each batch itself (layered accumulation, pipelines), Lightning must not accumulate
-    too, and a batch size the data declares must split (other data is checked at its first batch)."""
+    too, and a batch size the data declares must split (other data is checked at its first batch). Lightning itself
+    takes ``accumulate_grad_batches=0`` and fails at the first batch (a modulo by zero): refused here first."""
+    if isinstance(accumulate_grad_batches, bool) or not isinstance(accumulate_grad_batches, int) \
+            or accumulate_grad_batches < 1:
+        raise ValueError("Trainer(accumulate_grad_batches=...) must be an integer >= 1 (batches per optimizer step), "
+                         f"got {accumulate_grad_batches!r}")
     if layout.accumulation != "layered" and not layout.pipelined:
         return
     if accumulate_grad_batches != 1:

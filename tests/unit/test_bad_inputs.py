@@ -151,6 +151,15 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
      r"model.config.num_layers=6 \(the checkpoint has 4\).*drop these options"),
     ("resume the newest run with another depth", ["--ckpt_path=last", "--model.config.num_layers=6"],
      r"model.config.num_layers=6 \(the checkpoint has 4\).*drop these options"),
+    # Trainer options Lightning takes and then fails on at the first batch, or runs as another value.
+    ("no batch per optimizer step", ["--trainer.accumulate_grad_batches=0"],
+     r"--trainer.accumulate_grad_batches must be an integer >= 1 .*got 0"),
+    ("validation every 0 batches", ["--trainer.val_check_interval=0"],
+     r"--trainer.val_check_interval must be > 0 .*--trainer.limit_val_batches=0"),
+    ("validation every 0 epochs", ["--trainer.check_val_every_n_epoch=0"],
+     r"--trainer.check_val_every_n_epoch must be an integer >= 1 or null"),
+    ("a negative clipping norm", ["--trainer.gradient_clip_val=-1.0"],
+     r"--trainer.gradient_clip_val must be >= 0 .*would train unclipped"),
 ]
 
 
@@ -175,11 +184,13 @@ def test_the_cli_refuses_in_one_message_and_leaves_the_earlier_run_alone(
 
 # ------------------------------------------------------------------------------ checkpoints and data in fit
 def _fit_refused(tmp_path: Path, message: str, *, config: dict | None = None, data: TextDataModule | None = None,
-                 strategy: P2RStrategy | None = None, ckpt_path: Any = None) -> None:
+                 strategy: P2RStrategy | None = None, ckpt_path: Any = None,
+                 trainer_options: dict[str, Any] | None = None) -> None:
     module = M6LanguageModel(M6Config(**(config or DENSE)), OptimizerConfig(warmup_steps=1))
     steps: list[int] = []
     module.on_train_batch_start = lambda *args: steps.append(1)
-    trainer = tiny_trainer(tmp_path, strategy=strategy or P2RStrategy(), max_steps=2, limit_val_batches=0)
+    trainer = tiny_trainer(tmp_path, strategy=strategy or P2RStrategy(), max_steps=2, limit_val_batches=0,
+                           **(trainer_options or {}))
     with pytest.raises(ValueError, match=message):
         trainer.fit(module, datamodule=data or tiny_data(tmp_path), ckpt_path=ckpt_path)
     assert steps == []  # refused before the first batch
@@ -197,6 +208,8 @@ FIT_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("empty checkpoint through P2RStrategy", {"ckpt_path": "empty.ckpt"}, r"empty.ckpt is empty"),
     ("checkpoint holding a custom class", {"ckpt_path": "custom.ckpt"},
      r"custom.ckpt cannot be loaded: it holds Python objects that a weights-only load refuses"),
+    ("no batch per optimizer step through the Trainer", {"trainer_options": {"accumulate_grad_batches": 0}},
+     r"Trainer\(accumulate_grad_batches=...\) must be an integer >= 1 .*got 0"),
 ]
 
 
@@ -206,7 +219,8 @@ def test_fit_refuses_before_the_first_batch(case: dict[str, Any], message: str, 
     torch.save({"state_dict": {}, "thing": _NotAllowed()}, tmp_path / "custom.ckpt")
     strategy = P2RStrategy(accumulation="layered", micro_batches=3) if case.get("strategy") == "layered3" else None
     ckpt_path = tmp_path / case["ckpt_path"] if "ckpt_path" in case else None
-    _fit_refused(tmp_path, message, config=case.get("config"), strategy=strategy, ckpt_path=ckpt_path)
+    _fit_refused(tmp_path, message, config=case.get("config"), strategy=strategy, ckpt_path=ckpt_path,
+                 trainer_options=case.get("trainer_options"))
 
 
 def test_the_catalogue_has_at_least_forty_cases() -> None:
