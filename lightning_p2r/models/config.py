@@ -188,7 +188,8 @@ class M6Config:
     logits, summed over MoE layers like the balancing loss."""
 
     router_jitter: float = 0.0
-    """Multiplicative uniform noise on the router input during training (Switch); 0 turns it off."""
+    """Multiplicative uniform noise on the router input during training (Switch): the input times a factor drawn
+    from [1 - router_jitter, 1 + router_jitter], so below 1; 0 turns it off."""
 
     expert_hidden_dim: int | None = None
     """Hidden size of each routed expert; None uses the FFN's (``ffn_hidden_dim``). Fine-grained experts
@@ -308,6 +309,8 @@ class M6Config:
             raise ValueError(f"M6Config.capacity_factor must be > 0 or None (dropless), got {self.capacity_factor!r}")
         for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_jitter"):
             _at_least(name, getattr(self, name), 0.0)
+        if self.router_jitter >= 1:  # the factor uniform(1 - j, 1 + j) could reach 0 or flip the input's sign
+            raise ValueError(f"M6Config.router_jitter must be in [0, 1) (Switch uses 0.01), got {self.router_jitter!r}")
 
     # ----------------------------------------------------------------------------------------------- derived
     @property

@@ -45,6 +45,8 @@ API_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("MoE layer past the depth", lambda: M6Config(num_layers=4, moe_layers=[9]),
      r"moe_layers has layer indices outside \[0, 4\): \[9\]"),
     ("negative jitter", lambda: M6Config(router_jitter=-1), r"router_jitter must be >= 0.0"),
+    ("jitter that can flip the router input", lambda: M6Config(router_jitter=1.5),
+     r"router_jitter must be in \[0, 1\)"),
     ("negative init seed", lambda: M6Config(init_seed=-1), r"init_seed must be a non-negative integer or None"),
     ("unknown positions", lambda: M6Config(position_embedding="alibi"),
      r"position_embedding must be one of \['rotary', 'learned'\]"),
