@@ -13,9 +13,9 @@ from typing import Any
 
 
 def trainer_option_problem(trainer: Any) -> str | None:
-    """The first of ``trainer``'s options (the parsed ``trainer:`` section: a dict or the parser's namespace, read
-    with ``.get``) that cannot run as given, as a one-line
-    message naming the option, its value and what it accepts; None when every one can."""
+    """The first of ``trainer``'s options that cannot run as given, as a one-line message naming the option, its
+    value and what it accepts; None when every one can. ``trainer``: the parsed ``trainer:`` section (a dict, or the
+    parser's namespace), read with ``.get``."""
     accumulate = trainer.get("accumulate_grad_batches")
     if accumulate is not None and (not _is_integer(accumulate) or accumulate < 1):
         return ("--trainer.accumulate_grad_batches must be an integer >= 1 (batches per optimizer step), got "

@@ -189,7 +189,8 @@ class M6Config:
 
     router_jitter: float = 0.0
     """Multiplicative uniform noise on the router input during training (Switch): the input times a factor drawn
-    from [1 - router_jitter, 1 + router_jitter], so below 1; 0 turns it off."""
+    from [1 - router_jitter, 1 + router_jitter], which stays positive because router_jitter must be below 1; 0 turns
+    it off."""
 
     expert_hidden_dim: int | None = None
     """Hidden size of each routed expert; None uses the FFN's (``ffn_hidden_dim``). Fine-grained experts
