@@ -1,21 +1,22 @@
 """PseudoToReal under 2-process DDP: after delinking, the new parameters are all-reduced and ranks stay equal."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from lightning_p2r.measure.run import worker_env
+
 WORKER = Path(__file__).with_name("ddp_delink_worker.py")
 
 
 def _run(tmp_path: Path, *extra: str) -> list[dict]:
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    env.pop("LOCAL_RANK", None)
+    # Without the launcher variables an earlier in-process fit leaves in this process's environment: an inherited
+    # MASTER_PORT made every run of this file bind that one port, which a concurrent test's run could hold.
     result = subprocess.run([sys.executable, str(WORKER), "--out", str(tmp_path), *extra], capture_output=True,
-                            text=True, timeout=240, env=env)
+                            text=True, timeout=240, env=worker_env(threads=1))
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
 
