@@ -170,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="then run the K best layouts on this machine for a few steps (random tokens, no "
                              "checkpoint), print measured beside predicted and recommend the measured best")
     parser.add_argument("--trial-steps", type=int,
-                        help="optimizer steps per trial, the first 2 untimed (default 20: with 6, the same layout's "
-                             "median step varied 1.7x between runs on a 2-core machine, with 20 by 1.2x)")
+                        help=f"optimizer steps per trial, the first 2 untimed (default {TRIAL_STEPS}: with 6, the "
+                             "same layout's median step varied 1.7x between runs on a 2-core machine, with 20 by 1.2x)")
     parser.add_argument("--trial-rounds", type=int, metavar="R",
                         help="run the K layouts in turn R times and compare each one's median (default 1): a "
                              "machine that drifts between runs then slows every layout alike")

@@ -3,17 +3,14 @@ operator Lightning passes by name or as a ``ReduceOp``, on float and integer ten
 correct value (one all-reduce, without a barrier before it)."""
 
 import json
-import socket
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
 
 from lightning_p2r.strategy.process_group import reduce_in_place
-
-pytestmark = pytest.mark.distributed
 
 RANKS = 2
 
@@ -38,15 +35,9 @@ def _reduce_on_rank(rank: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_every_rank_gets_the_same_reduced_value_for_every_operator(tmp_path: Path) -> None:
     out = tmp_path / "reduced"
-    mp.spawn(_reduce_on_rank, args=(_free_port(), str(out)), nprocs=RANKS, join=True)
+    mp.spawn(_reduce_on_rank, args=(find_free_network_port(), str(out)), nprocs=RANKS, join=True)
     results = [json.loads(out.with_suffix(f".rank{rank}.json").read_text()) for rank in range(RANKS)]
     assert results[0] == results[1]
     assert results[0] == {"mean": 1.5, "avg": 1.5, "sum": 3.0, "max": 2.0, "none_is_sum": 3.0, "reduce_op_min": 1.0,
