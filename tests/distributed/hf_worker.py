@@ -4,7 +4,8 @@ CPU processes (gloo); launched by test_hf_layouts.py. Every rank runs every conf
 Each rank reads its own slice of the same global batches (no sampler), so a run compares exactly with one process.
 Rank 0 writes ``<name>.json``: the loss of every step (averaged over the ranks that compute different ones), every
 rank's whole weights after training, whether the tied head stayed tied, and each rank's parameter elements held
-(a model built in place holds only its share).
+(a model built in place holds only its share). A one-process reference also records the value each tensor started
+training from (``initial``), against which the test measures how far training moved it.
 """
 
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import lightning as L
 from rank_slices import RankSlices, report, run_configs
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -23,18 +25,32 @@ from lightning_p2r.strategy.parallel.experts import expert_dispatch  # noqa: E40
 GLOBAL_BATCH, STEPS = 4, 4
 
 
+class StartingValues(L.Callback):
+    """Each tensor's value when it first takes part in a step: at step 0, or, for the layers growth adds, the value
+    it was grown with. A one-process run only (its full state dict is the module's own)."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[float]] = {}
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
+        for name, value in get_model_state_dict(pl_module).items():
+            if name not in self.values:
+                self.values[name] = value.detach().float().flatten().tolist()
+
+
 def run(config: dict, out: Path, devices: int) -> None:
     L.seed_everything(0)
     family = config["family"]
     module = causal_lm(family, optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3, **config.get("module", {}))
     options = config.get("strategy")
     strategy = P2RStrategy(**options) if options is not None else "auto"
-    losses = Losses()
+    losses, starting = Losses(), StartingValues()
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
+                        # After PseudoToReal, which grows the model at the start of its step.
                         callbacks=[losses] + ([PseudoToReal(delink_at_step=config["delink_at"])]
-                                              if "delink_at" in config else []))
+                                              if "delink_at" in config else []) + ([starting] if devices == 1 else []))
     trainer.fit(module, datamodule=RankSlices(windows(rows=GLOBAL_BATCH * STEPS), GLOBAL_BATCH))
     model = module.model
     head = model.lm_head
@@ -47,8 +63,9 @@ def run(config: dict, out: Path, devices: int) -> None:
     # The experts each rank runs, per MoE layer (fewer than the layer has where expert parallelism split it).
     experts_held = [expert_dispatch(m).local_experts if expert_dispatch(m) else m.num_experts
                     for name, m in model.named_modules() if name.endswith("mlp.experts")]
-    report(out, config["name"], trainer, module, losses.losses, {"tied": tied, "held": held,
-                                                                  "experts_held": experts_held})
+    local = {"tied": tied, "held": held, "experts_held": experts_held}
+    report(out, config["name"], trainer, module, losses.losses, local | ({"initial": starting.values}
+                                                                          if devices == 1 else {}))
 
 
 if __name__ == "__main__":

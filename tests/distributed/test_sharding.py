@@ -175,8 +175,10 @@ def test_a_wrong_run_fails_the_comparison_by_a_wide_margin(runs: Path, wrong: st
     state reset each move some tensor by far more than the allowed share of training's movement."""
     with pytest.raises(AssertionError):
         _assert_same_weights(runs, wrong, "reference")
-    worst = max(divergence(_weights(runs, wrong), _weights(runs, "reference"), _initial(runs, "reference")).values())
-    assert worst > 10 * MOVEMENT_FRACTION, worst
+    for measure in ("max", "norm"):  # the norm, which the Hugging Face layouts' test uses, rejects them too
+        worst = max(divergence(_weights(runs, wrong), _weights(runs, "reference"), _initial(runs, "reference"),
+                               measure).values())
+        assert worst > 10 * MOVEMENT_FRACTION, (measure, worst)
 
 
 @pytest.mark.distributed

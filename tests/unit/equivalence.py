@@ -22,6 +22,14 @@ same order:
   one step too many 0.33, one block's gradient dropped for one step 0.99, one block's Adam state reset 0.59 of the
   movement (the negative controls there). ``MOVEMENT_FRACTION = 1e-2`` sits between the two: more than 10x above
   the noise seen anywhere, more than 30x below the mildest bug measured.
+- **Trained alike in norm** (``assert_trained_alike(..., measure="norm")``): the same bound on
+  ``||ours - reference|| / ||reference - initial||`` per tensor. Where the forward and backward themselves are split
+  (tensor parallelism), reordering reaches every matmul, and on a tiny model trained a few steps one element whose
+  early gradient nearly cancels can flip the sign of Adam's first update: that element then differs by a few % of
+  ``lr`` while every other differs by 1e-4 of it (tests/distributed/test_hf_layouts.py, tp2_llama: one element of
+  2,048 at 1.5% of the largest movement, the next at 3e-4). The maximum then measures one element's luck; the norm
+  measures the tensor (4e-4 there), while a real bug, which changes whole tensors or shards, stays as far above
+  the bound (the negative controls of test_sharding.py are checked in both measures).
 """
 
 from __future__ import annotations
@@ -57,10 +65,16 @@ def initial_value_of(key: str, initial: Mapping[str, torch.Tensor], final_blocks
     return initial[key[: match.start(2)] + str(source) + key[match.end(2):]]
 
 
+MEASURES = {"max": lambda t: t.abs().max().item(), "norm": lambda t: t.norm().item()}
+"""How a tensor's difference and movement are sized: the largest element, or the Euclidean norm."""
+
+
 def divergence(ours: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
-               initial: Mapping[str, torch.Tensor]) -> dict[str, float]:
-    """Per tensor, ``max |ours - reference| / max |reference - initial|`` (0 where both are exactly equal, inf where
-    they differ in a tensor training did not move)."""
+               initial: Mapping[str, torch.Tensor], measure: str = "max") -> dict[str, float]:
+    """Per tensor, ``size(ours - reference) / size(reference - initial)`` with ``size`` the largest element
+    (``measure="max"``) or the norm (``"norm"``): 0 where both are exactly equal, inf where they differ in a tensor
+    training did not move."""
+    size = MEASURES[measure]
     if set(ours) != set(reference):
         raise AssertionError(f"different tensors: only ours {sorted(set(ours) - set(reference))}, "
                              f"only the reference {sorted(set(reference) - set(ours))}")
@@ -68,22 +82,24 @@ def divergence(ours: Mapping[str, torch.Tensor], reference: Mapping[str, torch.T
     ratios = {}
     for key, want in reference.items():
         want = want.detach().float().cpu()
-        difference = (ours[key].detach().float().cpu() - want).abs().max().item()
-        moved = (want - initial_value_of(key, initial, blocks).float().cpu()).abs().max().item()
+        difference = size(ours[key].detach().float().cpu() - want)
+        moved = size(want - initial_value_of(key, initial, blocks).float().cpu())
         ratios[key] = 0.0 if difference == 0 else difference / moved if moved > 0 else float("inf")
     return ratios
 
 
 def assert_trained_alike(ours: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor],
                          initial: Mapping[str, torch.Tensor], *, name: str = "",
-                         fraction: float = MOVEMENT_FRACTION) -> None:
-    """Every tensor of ``ours`` within ``fraction`` of training's movement of that tensor from the reference."""
-    ratios = divergence(ours, reference, initial)
+                         fraction: float = MOVEMENT_FRACTION, measure: str = "max") -> None:
+    """Every tensor of ``ours`` within ``fraction`` of training's movement of that tensor from the reference, both
+    sized by ``measure`` (:data:`MEASURES`)."""
+    ratios = divergence(ours, reference, initial, measure)
     worst = max(ratios, key=ratios.get)
     if ratios[worst] > fraction:
+        over = sum(r > fraction for r in ratios.values())
         raise AssertionError(f"{name}: {worst} differs from the reference by {ratios[worst]:.3g} of the distance "
-                             f"training moved it (allowed {fraction:g}); {sum(r > fraction for r in ratios.values())} "
-                             f"of {len(ratios)} tensors over")
+                             f"training moved it (by {measure}; allowed {fraction:g}); {over} of {len(ratios)} "
+                             "tensors over")
 
 
 def assert_bit_identical(ours: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor], *,

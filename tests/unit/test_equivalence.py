@@ -20,6 +20,20 @@ def test_noise_far_below_the_movement_passes_and_a_share_of_a_step_fails() -> No
         assert_trained_alike(wrong, reference, initial)
 
 
+def test_in_norm_one_unlucky_element_passes_and_a_shifted_tensor_fails() -> None:
+    initial = {"w": torch.zeros(1000)}
+    reference = {"w": torch.full((1000,), 0.02)}
+    one_element = {"w": reference["w"].clone()}
+    one_element["w"][7] += 0.02 * 0.05  # one element off by 5% of a step: Adam's sign flip where a gradient cancels
+    with pytest.raises(AssertionError, match="by max"):
+        assert_trained_alike(one_element, reference, initial)
+    assert_trained_alike(one_element, reference, initial, measure="norm")
+    assert divergence(one_element, reference, initial, "norm")["w"] == pytest.approx(0.05 / 1000 ** 0.5)
+    shifted = {"w": reference["w"] + 0.02 * 0.05}  # every element off by 5%: a bug
+    with pytest.raises(AssertionError, match="by norm"):
+        assert_trained_alike(shifted, reference, initial, measure="norm")
+
+
 def test_a_tensor_that_did_not_move_must_match_exactly() -> None:
     initial, reference = _runs()
     reference["head"] = initial["head"].clone()
