@@ -57,6 +57,17 @@ def _auto_prepared_dir(corpus: str, tokenizer: str | None, vocab_size: int | Non
     return root / "prepared" / f"{name}-{tokenizer}{vocab_size}-{key}"
 
 
+SEED_MAX = 2**32 - 1
+
+
+def _check_integer(name: str, value: Any, low: int, high: int | None = None) -> None:
+    """Refuse ``value`` unless it is an integer in [low, high] (True and 2.0 are not: a batch of True windows is a
+    typo, not a batch of one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
+        raise ValueError(f"data.{name} must be an integer {bound}, got {value!r}")
+
+
 class TextDataModule(pl.LightningDataModule):
     """Next-token windows of a text corpus; each batch is a long tensor of shape (batch_size, seq_len + 1).
 
@@ -71,7 +82,7 @@ class TextDataModule(pl.LightningDataModule):
         val_fraction: Fraction of the token stream, taken from its end, held out for validation (0 < f < 1).
         num_workers: DataLoader worker processes; 0 loads batches in the main process.
         cache_dir: Folder for the tokenizer and token-id cache; default $LIGHTNING_P2R_CACHE or ~/.cache/lightning_p2r.
-        seed: Seed of the training shuffle order.
+        seed: Seed of the training shuffle order (0 to 2**32 - 1, as Lightning's ``seed_everything``).
         prepared: A directory written by ``lightning-p2r prepare-data``: training and validation then stream its
             token chunks with litdata (allocated memory flat in the corpus size, exact mid-epoch resume from Lightning's
             checkpoint), and its manifest gives the tokenizer and vocabulary (``tokenizer``/``vocab_size``, if
@@ -144,14 +155,14 @@ class TextDataModule(pl.LightningDataModule):
             raise ValueError(f"vocab_size must be {BYTE_VOCAB} (or None) with tokenizer='bytes', got {vocab_size}")
         if tokenizer == "bpe" and vocab_size < MIN_BPE_VOCAB:
             raise ValueError(f"vocab_size must be >= {MIN_BPE_VOCAB} with tokenizer='bpe', got {vocab_size}")
-        if seq_len < 1:
-            raise ValueError(f"seq_len must be an integer >= 1, got {seq_len}")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size}")
+        _check_integer("seq_len", seq_len, 1)
+        _check_integer("batch_size", batch_size, 1)
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"val_fraction must be strictly between 0 and 1, got {val_fraction}")
-        if num_workers < 0:
-            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers}")
+        _check_integer("num_workers", num_workers, 0)
+        # The range of Lightning's seed_everything; litdata's shuffle (numpy) refuses anything outside it, but only
+        # when the first epoch starts.
+        _check_integer("seed", seed, 0, SEED_MAX)
         corpus = corpus or ("kjv" if prepared is None else None)
         if corpus == "bible-multi" and prepared is None:
             raise ValueError("corpus 'bible-multi' is streamed: set data.prepared to the directory to prepare it in")
