@@ -77,6 +77,47 @@ def test_fit_logs_metrics_and_the_loss_falls(tmp_path: Path) -> None:
     assert isinstance(trainer.optimizers[0], torch.optim.AdamW)
 
 
+class StepLogs(L.pytorch.loggers.Logger):
+    """The metric names each logger write received, by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: dict[int, set[str]] = {}
+
+    name, version = "steps", 0
+
+    def log_hyperparams(self, params, *args, **kwargs) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.written.setdefault(step, set()).update(metrics)
+
+
+@pytest.mark.parametrize("layout", ["standard", "layered"])
+def test_moe_metrics_reach_every_logger_write_and_are_not_logged_between(tmp_path: Path, layout: str) -> None:
+    """The per-layer routing metrics are logged only on the steps Lightning writes (``log_every_n_steps``), with
+    micro-batches accumulated by Lightning or by the layered executor: every write that has the loss has them."""
+    from lightning_p2r import P2RStrategy
+
+    model = M6LanguageModel(M6Config(**TINY), OptimizerConfig(warmup_steps=1))
+    logs = StepLogs()
+    options = ({"accumulate_grad_batches": 2} if layout == "standard"
+               else {"strategy": P2RStrategy(accumulation="layered", micro_batches=2)})
+    trainer = _trainer(tmp_path, max_steps=7, log_every_n_steps=3, logger=logs, limit_val_batches=0, **options)
+    logged: list[str] = []
+    log = model.log
+    model.log = lambda name, *args, **kwargs: (logged.append(name), log(name, *args, **kwargs))[1]
+    trainer.fit(model, datamodule=_data(tmp_path))
+    writes = {step: names for step, names in logs.written.items() if "train/loss" in names}
+    assert sorted(writes) == [2, 5]  # Lightning's 0-based steps of the 3rd and 6th optimizer steps
+    for names in writes.values():
+        assert {"moe/load_max_over_mean", "moe/dropped_fraction", "moe/layer1/load_max_over_mean"} <= names
+    # Logged on those two steps only (per micro-batch of standard accumulation, once per step when layered).
+    per_step = 2 if layout == "standard" else 1
+    assert logged.count("moe/layer1/dropped_fraction") == 2 * per_step
+    assert logged.count("train/loss") == 7 * per_step
+
+
 def test_checkpoint_round_trip_with_weights_only(tmp_path: Path) -> None:
     model = M6LanguageModel(M6Config(**TINY, num_unique_blocks=1))
     trainer = _trainer(tmp_path, max_steps=3)
