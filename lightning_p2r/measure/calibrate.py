@@ -6,6 +6,8 @@ What it measures, each as the median of several timed repetitions after a warm-u
 
 - ``device_flops``: a linear layer's forward and backward, fp32 (CPU) or bf16 (CUDA), of training-like shapes;
 - ``attention_flops``: causal scaled-dot-product attention, forward and backward;
+- ``attention_rates``: the same attention's marginal FLOP/s on a grid of sequence lengths and head sizes
+  (:func:`attention_rate`), which the planner reads by the model's shape;
 - ``memory_bandwidth``: an add of large tensors (three tensors' bytes per element): plain memory traffic;
 - ``elementwise_bandwidth`` / ``elementwise_small_bandwidth``: LayerNorm, GELU and a residual add, forward and
   backward, in the bytes the cost model counts for them, on activations of 32 MiB and of 256 KiB (which a CPU's
@@ -95,6 +97,54 @@ def attention_flops(device: torch.device, seq_len: int, repeats: int) -> float:
 
     seconds = median_seconds(step, iters=repeats, device=device)
     return 3 * 8 * 4 * seq_len * 4 * (seq_len + 1) / 2 * 64 / seconds
+
+
+ATTENTION_GRID = {"cpu": ((32, 64, 128, 256), (8, 16, 32, 64)), "cuda": ((256, 1024, 4096), (64, 128))}
+"""Sequence lengths and head sizes of ``Cluster.attention_rates``, by device type: what models trained there use."""
+ATTENTION_GRID_QUICK = {"cpu": ((32, 128), (8, 64)), "cuda": ((256, 1024), (64, 128))}
+_RATE_KEY = "attention_rate@"
+
+
+def attention_rate(device: torch.device, seq_len: int, head_dim: int, repeats: int) -> float:
+    """Marginal FLOP/s of causal scaled-dot-product attention, forward and backward, at ``seq_len`` and
+    ``head_dim``: the time 8 sequences of 4 heads take beyond 2 sequences, against the FLOPs the cost model counts
+    for the 24 added sequence-heads. The difference leaves out the kernel's fixed cost per call, which the layer's
+    fixed cost (``dense_layer_overhead``, timed on the model's own code) already holds. Each size keeps its faster
+    of two rounds."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    def step_of(sequences: int) -> Callable[[], None]:
+        q, k, v = (torch.randn(sequences, 4, seq_len, head_dim, device=device, dtype=dtype, requires_grad=True)
+                   for _ in range(3))
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+    few, many = step_of(2), step_of(8)
+    seconds = {few: math.inf, many: math.inf}
+    for _ in range(2):
+        for step in seconds:
+            seconds[step] = min(seconds[step], median_seconds(step, iters=repeats, device=device))
+    flops = 3 * seq_len * 4 * (seq_len + 1) / 2 * head_dim * 24
+    added = seconds[many] - seconds[few]
+    if added <= 0:  # timing noise: the average rate of the larger run instead
+        added = seconds[many] * 24 / 32
+    return flops / added
+
+
+def attention_rates(device: torch.device, quick: bool, repeats: int) -> dict[str, float]:
+    """:func:`attention_rate` on the device's grid (``ATTENTION_GRID``), keyed ``attention_rate@SEQxHEAD`` so that
+    the processes' values average like every other constant; :func:`rate_rows` turns them into the cluster's rows."""
+    grid = (ATTENTION_GRID_QUICK if quick else ATTENTION_GRID)["cuda" if device.type == "cuda" else "cpu"]
+    return {f"{_RATE_KEY}{seq}x{head}": attention_rate(device, seq, head, repeats)
+            for seq in grid[0] for head in grid[1]}
+
+
+def rate_rows(measured: dict[str, Any]) -> list[list[float]]:
+    """Pop the ``attention_rate@SEQxHEAD`` entries of ``measured`` into ``Cluster.attention_rates`` rows."""
+    rows = []
+    for key in sorted(k for k in measured if k.startswith(_RATE_KEY)):
+        seq, head = key[len(_RATE_KEY):].split("x")
+        rows.append([int(seq), int(head), float(measured.pop(key))])
+    return sorted(rows)
 
 
 def memory_bandwidth(device: torch.device, elements: int, repeats: int) -> float:
@@ -247,6 +297,7 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
                                                                  repeats * 5),
             "operator_overhead": operator_seconds,
             **layer_overheads(device, repeats),
+            **attention_rates(device, quick, 3 if quick else 10),
             "matmul_overhead": matmul_overhead(device, repeats, operator_seconds, bandwidth),
             "host_device_bandwidth": copy_bandwidth, "host_device_latency": copy_latency,
             "optimizer_seconds_per_param": adam_seconds_per_param(device, 2**18 if quick else 2**22, repeats),
@@ -538,6 +589,7 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
             torch.set_num_threads(previous)
         # Nothing to communicate with: the collective constants are unused on one device.
         measured |= {"intra_node_bandwidth": measured["memory_bandwidth"], "intra_node_latency": 0.0}
+    measured["attention_rates"] = rate_rows(measured)
     measured["step_overhead"] = step_overhead(processes, threads, quick)
     accumulated = step_overhead(processes, threads, quick, accumulate=ACCUMULATED_BATCHES)
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else host_memory_bytes() / processes

@@ -84,6 +84,13 @@ class Cluster:
     """Matmul FLOP/s one device achieves at the training precision."""
     attention_flops: float = 200e12
     """FLOP/s of the attention kernel (scores and weighted sum), counted over the keys a query attends to."""
+    attention_rates: list[list[float]] = dataclasses.field(default_factory=list)
+    """The attention kernel's FLOP/s by shape: ``[seq_len, head_dim, FLOP/s]`` rows on a full grid of sequence
+    lengths and head sizes, each the marginal rate of one more sequence and head (its fixed cost per call is the
+    layer's, in ``dense_layer_overhead``). Measured by ``lightning-p2r calibrate``: a small head (a CPU run's 8 to 32)
+    attends several times slower per FLOP than the 64-wide head of ``attention_flops``. The planner interpolates
+    log-log between the grid's points and holds the edge's rate outside it; empty: every shape at
+    ``attention_flops``."""
     memory_bandwidth: float = 2e12
     """Device memory bytes/s of plain traffic (gradient accumulation, FSDP2's buffer copies)."""
     elementwise_bandwidth: float = 1.5e12
@@ -172,6 +179,8 @@ class Cluster:
                         v, (int, float)) or v <= 0 for k, v in value.items()):
                     raise ValueError(f"Cluster.{field.name} must map some of {list(kinds)} to positive "
                                      f"numbers, got {value!r}")
+            elif field.name == "attention_rates":
+                _check_rate_grid(value)
             elif field.name == "fitted_spread":
                 if not isinstance(value, dict) or any(k not in FITTED_TERMS or not _is_range(v)
                                                       for k, v in value.items()):
@@ -213,6 +222,30 @@ class Cluster:
         return math.exp((1 - where) * math.log(self.elementwise_small_bandwidth)
                         + where * math.log(self.elementwise_bandwidth))
 
+    def attention_flops_at(self, seq_len: int, head_dim: int) -> float:
+        """FLOP/s of the attention kernel at ``seq_len`` and ``head_dim``: bilinear in (log seq_len, log head_dim)
+        on the log of ``attention_rates``, clamped to the grid (``attention_flops`` when there is none)."""
+        if not self.attention_rates:
+            return self.attention_flops
+        rates = {(row[0], row[1]): row[2] for row in self.attention_rates}
+        seqs, heads = sorted({key[0] for key in rates}), sorted({key[1] for key in rates})
+
+        def bracket(points: list[float], value: float) -> tuple[float, float, float]:
+            """The grid points around ``value`` and its position between them (0..1, clamped)."""
+            if len(points) == 1 or value <= points[0]:
+                return points[0], points[0], 0.0
+            if value >= points[-1]:
+                return points[-1], points[-1], 0.0
+            upper = next(i for i, point in enumerate(points) if point >= value)
+            low, high = points[upper - 1], points[upper]
+            return low, high, (math.log(value) - math.log(low)) / (math.log(high) - math.log(low))
+
+        s0, s1, ws = bracket(seqs, float(seq_len))
+        h0, h1, wh = bracket(heads, float(head_dim))
+        log_rate = ((1 - ws) * (1 - wh) * math.log(rates[s0, h0]) + ws * (1 - wh) * math.log(rates[s1, h0])
+                    + (1 - ws) * wh * math.log(rates[s0, h1]) + ws * wh * math.log(rates[s1, h1]))
+        return math.exp(log_rate)
+
     @property
     def nodes(self) -> int:
         return max(1, self.devices // self.devices_per_node)
@@ -222,6 +255,23 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _check_rate_grid(value: Any) -> None:
+    """``attention_rates`` must be [seq_len, head_dim, FLOP/s] rows, positive and finite, covering every pair of
+    the sequence lengths and head sizes they name once."""
+    rows_ok = isinstance(value, list) and all(
+        isinstance(row, (list, tuple)) and len(row) == 3 and all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0 for v in row)
+        for row in value)
+    if not rows_ok:
+        raise ValueError(f"Cluster.attention_rates must be a list of [seq_len, head_dim, FLOP/s] rows of positive "
+                         f"numbers, got {value!r}")
+    pairs = [(row[0], row[1]) for row in value]
+    seqs, heads = {pair[0] for pair in pairs}, {pair[1] for pair in pairs}
+    if len(set(pairs)) != len(pairs) or len(pairs) != len(seqs) * len(heads):
+        raise ValueError(f"Cluster.attention_rates must give each pair of its sequence lengths {sorted(seqs)} and "
+                         f"head sizes {sorted(heads)} exactly once (a full grid), got {len(pairs)} rows")
 
 
 def _is_range(value: Any) -> bool:
@@ -246,7 +296,7 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
         raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
     parsed: dict[str, Any] = {}
     for key, value in values.items():
-        if key in ("name", "accelerator", "collective_factors", "fitted_spread") or isinstance(
+        if key in ("name", "accelerator", "collective_factors", "fitted_spread", "attention_rates") or isinstance(
                 known[key].default, bool):
             parsed[key] = value
         elif key in ("devices", "devices_per_node"):

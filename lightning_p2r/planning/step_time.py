@@ -107,7 +107,8 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     weight_passes = 2 + (1 if layout.recompute else 0) + 3
     accumulation_seconds = (layout.micro_batches * weight_passes * local_params * workload.param_bytes /
                             cluster.memory_bandwidth)
-    return (flops / cluster.device_flops + attention_flops / cluster.attention_flops + elementwise_seconds +
+    attention_rate = cluster.attention_flops_at(workload.seq_len, config.head_dim)
+    return (flops / cluster.device_flops + attention_flops / attention_rate + elementwise_seconds +
             launch_seconds + matmul_seconds + accumulation_seconds)
 
 
