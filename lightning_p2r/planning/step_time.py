@@ -40,6 +40,7 @@ from .memory import stored_elements, unsharded_elements
 from .model import (
     as_run,
     grouped_experts,
+    head_elementwise_elements,
     head_forward_flops,
     layer_attention_flops,
     layer_elementwise_elements,
@@ -94,6 +95,11 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     activation_bytes = tokens / layout.micro_batches * config.dim * workload.activation_bytes
     elementwise_seconds = (3 * tokens * elementwise * workload.activation_bytes
                            / cluster.elementwise_bandwidth_at(activation_bytes))
+    if share.last_stage:  # the loss's log-softmax over the rank's share of the vocabulary (loss parallel)
+        vocabulary = head_elementwise_elements(config) / tp
+        logits_bytes = tokens / layout.micro_batches * vocabulary / 2 * workload.activation_bytes
+        elementwise_seconds += (3 * tokens * vocabulary * workload.activation_bytes
+                                / cluster.elementwise_bandwidth_at(logits_bytes))
     local_experts = config.num_experts // layout.expert_parallel
     grouped = grouped_experts(config, cluster.accelerator, workload.precision)
     launch_seconds = passes * layout.micro_batches * fixed_layer_seconds(config, share, cluster, local_experts, grouped)

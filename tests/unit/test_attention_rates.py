@@ -84,3 +84,22 @@ def test_calibrate_measures_a_rate_per_grid_point_as_cluster_rows() -> None:
     assert [row[:2] for row in rows] == [[s, h] for s in seqs for h in heads]
     assert all(math.isfinite(row[2]) and row[2] > 0 for row in rows)
     assert Cluster(attention_rates=rows).attention_flops_at(seqs[0], heads[0]) == pytest.approx(rows[0][2])
+
+
+def test_the_loss_log_softmax_is_priced_as_traffic_of_the_logits() -> None:
+    """Per token, the log-softmax reads the logits and writes the log-probabilities (2 x vocabulary elements, three
+    times that forward and backward) at the bandwidth of a tensor the size of the logits; a tensor-parallel rank
+    holds its share of the vocabulary (loss parallel)."""
+    from lightning_p2r.planning.cluster import ELEMENTWISE_LARGE_BYTES
+
+    work = Workload(global_batch=64, seq_len=64)  # logits of 4,096 tokens x 2,048 words: 32 MiB, uncached
+    flat = dataclasses.replace(CPU, elementwise_bandwidth=1e9, device_flops=1e30, attention_flops=1e30)
+    small, large = MODEL, dataclasses.replace(MODEL, vocab_size=2048 + 256)
+    assert 4096 * 2048 * 4 >= ELEMENTWISE_LARGE_BYTES
+    grown = estimate_step(large, Layout(), flat, work).compute - estimate_step(small, Layout(), flat, work).compute
+    assert grown == pytest.approx(3 * 4096 * 2 * 2048 * 4 / 1e9, rel=1e-3)
+    tp2 = Workload(global_batch=64, seq_len=64)
+    split = dataclasses.replace(flat, devices=2, devices_per_node=2)
+    grown_tp = (estimate_step(large, Layout(tensor_parallel=2), split, tp2).compute
+                - estimate_step(small, Layout(tensor_parallel=2), split, tp2).compute)
+    assert grown_tp == pytest.approx(grown / 2, rel=1e-3)
