@@ -61,7 +61,10 @@ def run(rule: str, seed: int, steps: int, rate: float, quick: bool) -> dict[str,
         trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                             enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
                             callbacks=[recorder], limit_val_batches=4 if quick else 20, val_check_interval=steps,
-                            num_sanity_val_steps=0)
+                            num_sanity_val_steps=0,
+                            # The recorder reads every step's moe/ metrics, which the module logs only on the steps
+                            # Lightning writes to its loggers.
+                            log_every_n_steps=1)
         trainer.fit(module, datamodule=data)
         val = float(trainer.callback_metrics.get("val/loss", float("nan")))
     last = recorder.rows[-10:]
