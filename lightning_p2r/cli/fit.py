@@ -82,12 +82,25 @@ def _recipe_location(files: list[str], command_line: list[str], message: str) ->
     for key in keys_named_in(message):
         # jsonargparse checks a recipe's values as it loads the file, before later overrides: a key given on the
         # command line is the override's only when the refused value is the override's.
-        if key in given and (got is None or given[key] == got.group(1)):
+        if key in given and (got is None or _same_value(given[key], got.group(1))):
             return ""
         where = locate_key(files, key)
         if where:
             return f" (in {where})"
     return ""
+
+
+def _same_value(typed: str, printed: str) -> bool:
+    """Whether the command line's ``typed`` value is the one jsonargparse ``printed`` as refused: as typed, or as
+    YAML reads it (``true`` is printed ``True``)."""
+    if typed == printed:
+        return True
+    import yaml
+
+    try:
+        return str(yaml.safe_load(typed)) == printed
+    except yaml.YAMLError:
+        return False
 
 
 def condense(message: str) -> str:

@@ -76,6 +76,10 @@ def test_a_bad_strategy_value_in_a_recipe_names_the_line_but_not_when_the_comman
     recipe.write_text(recipe.read_text().replace("zero3", "zero4"))
     code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe)])
     assert code == 2 and "zero4" in text and f"(in {recipe}, line 5)" in text
+    # A value the parser prints otherwise than it was typed (YAML's true is printed True) is still the override's.
+    recipe.write_text("data:\n  batch_size: 16\n")
+    code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe), "--data.batch_size=true"])
+    assert code == 2 and "batch_size" in text and "(in " not in text
 
 
 def test_recipe_paths_and_problems(tmp_path: Path) -> None:
