@@ -246,10 +246,14 @@ def main(argv: list[str]) -> None:
 
 def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
     """Say which framework terms the shown layouts count but the cluster file leaves at zero (their predictions are
-    short by that time), and where each comes from."""
+    short by that time), and where each comes from; and whether attention is priced by shape."""
     for name, count in missing_terms(config, layouts, cluster, workload).items():
         print(f"warning: {cluster.name} has no {name} ({HOW_TO_GET[name]}): {count} of the {len(layouts)} layouts "
               "shown count it, and their step times leave it out")
+    if not cluster.attention_rates:
+        print(f"warning: {cluster.name} has no attention_rates (measured by `lightning-p2r calibrate`): attention is "
+              f"priced at attention_flops, measured at one shape, for this model's heads of {config.head_dim} and "
+              f"{workload.seq_len} tokens too; small heads and short sequences attend slower and come out short")
 
 
 def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Cluster, steps: int,

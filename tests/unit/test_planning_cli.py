@@ -115,11 +115,13 @@ def test_plan_warns_when_the_cluster_file_lacks_a_term_its_layouts_count(capsys,
     it short; ``plan`` says which term, how many of the shown layouts count it, and where the value comes from."""
     out = plan(capsys, "--devices", "8", "--top", "5", "--micro-batches", "1,2")
     warnings = [line for line in out.splitlines() if line.startswith("warning:")]
-    assert warnings and all("layouts shown count it" in line for line in warnings)
+    assert warnings and all("layouts shown count it" in line for line in warnings if "attention_rates" not in line)
     assert any("calibrate" in line or "cross-validate" in line for line in warnings)
+    assert any("has no attention_rates" in line and "heads of" in line for line in warnings)
     complete = yaml.safe_load(CLUSTER.read_text()) | {
         term: 1e-5 for term in ("batch_overhead", "module_hook_overhead", "stage_overhead", "dtensor_overhead",
-                                "blocking_collective_overhead", "expert_wait_overhead")}
+                                "blocking_collective_overhead", "expert_wait_overhead")} | {
+        "attention_rates": [[s, h, 1e14] for s in (256, 1024) for h in (64, 128)]}
     path = tmp_path / "complete.yaml"
     path.write_text(yaml.safe_dump(complete))
     main(["plan", "--cluster", str(path), "--config", str(RECIPES / "tp_ep_moe.yaml"), "--devices", "8", "--top", "5",
