@@ -118,15 +118,11 @@ def attention_rate(device: torch.device, seq_len: int, head_dim: int, repeats: i
                    for _ in range(3))
         return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
 
-    few, many = step_of(2), step_of(8)
-    seconds = {few: math.inf, many: math.inf}
-    for _ in range(2):
-        for step in seconds:
-            seconds[step] = min(seconds[step], median_seconds(step, iters=repeats, device=device))
+    seconds = fastest_medians({"few": step_of(2), "many": step_of(8)}, device, repeats, rounds=2)
     flops = 3 * seq_len * 4 * (seq_len + 1) / 2 * head_dim * 24
-    added = seconds[many] - seconds[few]
+    added = seconds["many"] - seconds["few"]
     if added <= 0:  # timing noise: the average rate of the larger run instead
-        added = seconds[many] * 24 / 32
+        added = seconds["many"] * 24 / 32
     return flops / added
 
 
@@ -141,7 +137,7 @@ def attention_rates(device: torch.device, quick: bool, repeats: int) -> dict[str
 def rate_rows(measured: dict[str, Any]) -> list[list[float]]:
     """Pop the ``attention_rate@SEQxHEAD`` entries of ``measured`` into ``Cluster.attention_rates`` rows."""
     rows = []
-    for key in sorted(k for k in measured if k.startswith(_RATE_KEY)):
+    for key in [k for k in measured if k.startswith(_RATE_KEY)]:
         seq, head = key[len(_RATE_KEY):].split("x")
         rows.append([int(seq), int(head), float(measured.pop(key))])
     return sorted(rows)
@@ -174,13 +170,23 @@ LAYER_PROBE = {"vocab_size": 64, "max_seq_len": 32, "dim": 16, "num_heads": 2, "
 """The model whose layers ``layer_overheads`` times: small enough that FLOPs and traffic are negligible."""
 
 
+def fastest_medians(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int,
+                    rounds: int) -> dict[str, float]:
+    """Each step's median time, the steps timed in turn ``rounds`` times, keeping each one's fastest round: a
+    difference of two timings is otherwise at the mercy of one slow moment on a shared machine."""
+    seconds = dict.fromkeys(steps, math.inf)
+    for _ in range(rounds):
+        for name, step in steps.items():
+            seconds[name] = min(seconds[name], median_seconds(step, iters=repeats, device=device))
+    return seconds
+
+
 def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     """``dense_layer_overhead``, ``moe_layer_overhead`` and ``moe_expert_overhead``: the package's own transformer at a
     negligible size (``LAYER_PROBE``), forward and backward, with 1 and 5 layers (the difference over 4 is one layer's
     fixed cost) and with MoE layers of 2 and 16 experts (the difference over 5 x 14 is one expert's), in the precision
     training uses on the device (bf16 autocast on CUDA, fp32 on CPU) and with the expert kernel it picks there. The
-    models are timed in turn, three rounds, each keeping its fastest round's median: a difference of two timings is
-    otherwise at the mercy of one slow moment on a shared machine."""
+    models are timed in turn, three rounds, each keeping its fastest round's median (:func:`fastest_medians`)."""
     from ..models.config import M6Config
     from ..models.transformer import M6Transformer
 
@@ -198,11 +204,7 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
         return step
 
     shapes = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2), "experts": (5, 16)}
-    steps = {name: step_of(*shape) for name, shape in shapes.items()}
-    seconds = dict.fromkeys(steps, math.inf)
-    for _ in range(3):
-        for name, step in steps.items():
-            seconds[name] = min(seconds[name], median_seconds(step, iters=repeats, device=device))
+    seconds = fastest_medians({name: step_of(*shape) for name, shape in shapes.items()}, device, repeats, rounds=3)
     dense = max(seconds["dense5"] - seconds["dense1"], 0.0) / 4
     expert = max(seconds["experts"] - seconds["moe5"], 0.0) / (5 * 14)
     moe = max(seconds["moe5"] - seconds["moe1"], 0.0) / 4 - 2 * expert

@@ -232,7 +232,7 @@ class Cluster:
 
         def bracket(points: list[float], value: float) -> tuple[float, float, float]:
             """The grid points around ``value`` and its position between them (0..1, clamped)."""
-            if len(points) == 1 or value <= points[0]:
+            if value <= points[0]:
                 return points[0], points[0], 0.0
             if value >= points[-1]:
                 return points[-1], points[-1], 0.0

@@ -96,9 +96,8 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     elementwise_seconds = (3 * tokens * elementwise * workload.activation_bytes
                            / cluster.elementwise_bandwidth_at(activation_bytes))
     if share.last_stage:  # the loss's log-softmax over the rank's share of the vocabulary (loss parallel)
-        vocabulary = head_elementwise_elements(config) / tp
-        logits_bytes = tokens / layout.micro_batches * vocabulary / 2 * workload.activation_bytes
-        elementwise_seconds += (3 * tokens * vocabulary * workload.activation_bytes
+        logits_bytes = tokens / layout.micro_batches * config.vocab_size / tp * workload.activation_bytes
+        elementwise_seconds += (3 * tokens * head_elementwise_elements(config) / tp * workload.activation_bytes
                                 / cluster.elementwise_bandwidth_at(logits_bytes))
     local_experts = config.num_experts // layout.expert_parallel
     grouped = grouped_experts(config, cluster.accelerator, workload.precision)
