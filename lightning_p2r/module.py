@@ -190,6 +190,14 @@ def loggers_write_this_step(trainer: L.Trainer) -> bool:
     return bool(every) and ((trainer.global_step + 1) % every == 0 or trainer.should_stop)
 
 
+def loggers_write_after_this_batch(trainer: L.Trainer) -> bool:
+    """:func:`loggers_write_this_step` read in ``on_train_batch_end``, where a completed step has already advanced
+    ``global_step`` (the earlier micro-batches of a step, which have not, may answer True as well: a value logged
+    there is overwritten by the step's last)."""
+    every = trainer.log_every_n_steps
+    return bool(every) and (trainer.global_step % every == 0 or trainer.should_stop)
+
+
 def routing_metrics(routing: dict[int, RoutingStats]) -> dict[str, torch.Tensor]:
     """Balance and drop rate averaged over MoE layers and per layer, keyed by their logged names (moe/...)."""
     if not routing:
@@ -473,20 +481,22 @@ class M6LanguageModel(L.LightningModule):
             "skip to skip such steps")
 
     def log_train_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
-        """Log one training step's metrics: ``ce``, ``loss`` (total), ``aux``, ``z`` and any ``moe/...`` keys.
+        """Log one training step's metrics: ``ce`` (as ``train/loss``), ``loss`` (total), ``aux``, ``z`` and any
+        ``moe/...`` keys.
 
         Shared by ``training_step`` and the layered stages (whose strategy passes the micro-batch means), so both
-        paths log the same names. The ``moe/...`` keys (two per MoE layer, and two averages) are logged only on the
-        steps whose values reach the loggers (:func:`loggers_write_this_step`; always without a Trainer): every
-        ``self.log`` is Python work of Lightning's, and the values of the other steps were never written anywhere
-        (an 8-layer, 16-expert model of width 32 stepped 10% faster on a CPU without them).
+        paths log the same names. ``train/loss`` is logged on every batch, for the progress bar; the others only on
+        the steps whose values reach the loggers (:func:`loggers_write_this_step`; always without a Trainer). Each
+        ``self.log`` is about 0.3 ms of Lightning's Python on a CPU, whatever the model, and the values of the other
+        steps were never written anywhere: logging them on every batch cost a 4-layer model of width 32 a third of
+        its step (docs/benchmarks.md, "Logging").
         """
         self.log("train/loss", metrics["ce"], prog_bar=True)
+        if self._trainer is not None and not loggers_write_this_step(self.trainer):
+            return
         self.log("train/total_loss", metrics["loss"])
         self.log("train/aux_loss", metrics["aux"])
         self.log("train/z_loss", metrics["z"])
-        if self._trainer is not None and not loggers_write_this_step(self.trainer):
-            return
         for key, value in metrics.items():
             if key.startswith("moe/"):
                 self.log(key, value)
@@ -497,14 +507,15 @@ class M6LanguageModel(L.LightningModule):
             tokens = (batch.shape[1] - 1) * batch.shape[0] * data_ranks(self.trainer)
             self.log("train/tokens_per_sec", tokens / max(now - self._last_batch_end, 1e-9), prog_bar=True)
         self._last_batch_end = now
+        if not loggers_write_after_this_batch(self.trainer):  # the rest reaches no logger on this batch
+            return
         schedulers = self.lr_schedulers()
         if schedulers is not None:
             scheduler = schedulers[0] if isinstance(schedulers, list) else schedulers
             self.log("lr", scheduler.get_last_lr()[0])
-        if self.trainer.global_step % max(self.trainer.log_every_n_steps, 1) == 0:
-            mixture = getattr(self.trainer.datamodule, "realized_mixture", None)
-            for code, share in (mixture() if mixture is not None else {}).items():
-                self.log(f"data/mixture/{code}", share)
+        mixture = getattr(self.trainer.datamodule, "realized_mixture", None)
+        for code, share in (mixture() if mixture is not None else {}).items():
+            self.log(f"data/mixture/{code}", share)
 
     def on_train_epoch_start(self) -> None:
         self._last_batch_end = None  # the gap across validation or epoch boundaries is not throughput

@@ -94,9 +94,10 @@ class StepLogs(L.pytorch.loggers.Logger):
 
 
 @pytest.mark.parametrize("layout", ["standard", "layered"])
-def test_moe_metrics_reach_every_logger_write_and_are_not_logged_between(tmp_path: Path, layout: str) -> None:
-    """The per-layer routing metrics are logged only on the steps Lightning writes (``log_every_n_steps``), with
-    micro-batches accumulated by Lightning or by the layered executor: every write that has the loss has them."""
+def test_secondary_metrics_reach_every_logger_write_and_are_not_logged_between(tmp_path: Path, layout: str) -> None:
+    """The per-layer routing metrics, the total, auxiliary and z losses and the learning rate are logged only on the
+    steps Lightning writes (``log_every_n_steps``), with micro-batches accumulated by Lightning or by the layered
+    executor: every write that has the loss has them. The loss, on the progress bar, is logged on every batch."""
     from lightning_p2r import P2RStrategy
 
     model = M6LanguageModel(M6Config(**TINY), OptimizerConfig(warmup_steps=1))
@@ -111,11 +112,16 @@ def test_moe_metrics_reach_every_logger_write_and_are_not_logged_between(tmp_pat
     writes = {step: names for step, names in logs.written.items() if "train/loss" in names}
     assert sorted(writes) == [2, 5]  # Lightning's 0-based steps of the 3rd and 6th optimizer steps
     for names in writes.values():
-        assert {"moe/load_max_over_mean", "moe/dropped_fraction", "moe/layer1/load_max_over_mean"} <= names
+        assert {"moe/load_max_over_mean", "moe/dropped_fraction", "moe/layer1/load_max_over_mean",
+                "train/total_loss", "train/aux_loss", "train/z_loss", "lr", "train/tokens_per_sec"} <= names
     # Logged on those two steps only (per micro-batch of standard accumulation, once per step when layered).
     per_step = 2 if layout == "standard" else 1
-    assert logged.count("moe/layer1/dropped_fraction") == 2 * per_step
+    for name in ("moe/layer1/dropped_fraction", "train/total_loss", "train/aux_loss", "train/z_loss"):
+        assert logged.count(name) == 2 * per_step, name
     assert logged.count("train/loss") == 7 * per_step
+    # The learning rate is read after a batch: at the end of the written steps (and, harmlessly, on the first
+    # micro-batch after them, before the step counter moves), never on most batches.
+    assert 2 <= logged.count("lr") <= 2 + 2 * (per_step - 1) + 1
 
 
 def test_checkpoint_round_trip_with_weights_only(tmp_path: Path) -> None:
