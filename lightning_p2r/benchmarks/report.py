@@ -50,9 +50,13 @@ def chosen_layouts(parser: argparse.ArgumentParser, text: str, known: Mapping[st
 
 
 def apply_threads(threads: int | None) -> None:
-    """Set torch's thread count when asked: on a shared machine 1 thread can beat 2 stalled at every barrier."""
+    """Set torch's thread count when asked: on a shared machine 1 thread can beat 2 stalled at every barrier. The
+    environment's ``OMP_NUM_THREADS`` is set too: a ``Trainer`` in this process would otherwise reset the count to
+    the cores per process when it starts fitting (Lightning does where the variable is unset), and the benchmark
+    would time another thread count than it was asked for."""
     if threads:
         torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
 
 
 # ------------------------------------------------------------------------------------------------ environment

@@ -15,6 +15,8 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``dense_layer_overhead``, ``moe_layer_overhead``, ``moe_expert_overhead``: the package's own transformer at a
   negligible size with 1 and 5 layers, dense and MoE, 2 and 16 experts: a layer's fixed cost (dispatch, autograd,
   Python), which on a CPU is several times its operator count at ``operator_overhead`` (:func:`layer_overheads`);
+- ``dense_token_overhead``, ``moe_token_overhead``: the same dense and MoE models on 16 sequences instead of one:
+  what a layer's added tokens cost beyond the growth the cost model prices, per token (:func:`token_overheads`);
 - ``operator_overhead``: the fixed cost of one operator in a chain of tiny ones, forward and backward (the
   dispatcher and autograd on CPU, the launch on CUDA);
 - ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the
@@ -181,20 +183,29 @@ def fastest_medians(steps: dict[str, Callable[[], None]], device: torch.device, 
     return seconds
 
 
+TOKEN_PROBE_SEQUENCES = 16
+"""Sequences per batch of the layer probes' second token count (``LAYER_PROBE``'s are one): the per-token terms
+come from the growth between the two."""
+
+
 def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     """``dense_layer_overhead``, ``moe_layer_overhead`` and ``moe_expert_overhead``: the package's own transformer at a
     negligible size (``LAYER_PROBE``), forward and backward, with 1 and 5 layers (the difference over 4 is one layer's
     fixed cost) and with MoE layers of 2 and 16 experts (the difference over 5 x 14 is one expert's), in the precision
     training uses on the device (bf16 autocast on CUDA, fp32 on CPU) and with the expert kernel it picks there. The
-    models are timed in turn, three rounds, each keeping its fastest round's median (:func:`fastest_medians`)."""
+    models are timed in turn, three rounds, each keeping its fastest round's median (:func:`fastest_medians`).
+
+    The dense and MoE models are timed again on ``TOKEN_PROBE_SEQUENCES`` sequences; one layer's time there is
+    returned as ``dense_layer_seconds_many`` / ``moe_layer_seconds_many`` (and at one sequence as ``..._one``), from
+    which :func:`token_overheads` takes what each token costs beyond the priced terms."""
     from ..models.config import M6Config
     from ..models.transformer import M6Transformer
 
-    def step_of(layers: int, experts: int) -> Callable[[], None]:
+    def step_of(layers: int, experts: int, sequences: int = 1) -> Callable[[], None]:
         moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
         config = M6Config(**LAYER_PROBE, num_layers=layers, **moe)
         model = M6Transformer(config).to(device)
-        tokens = torch.randint(0, config.vocab_size, (1, config.max_seq_len), device=device)
+        tokens = torch.randint(0, config.vocab_size, (sequences, config.max_seq_len), device=device)
 
         def step() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -203,7 +214,10 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
 
         return step
 
-    shapes = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2), "experts": (5, 16)}
+    many = TOKEN_PROBE_SEQUENCES
+    shapes = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2), "experts": (5, 16),
+              "dense1_many": (1, 0, many), "dense5_many": (5, 0, many), "moe1_many": (1, 2, many),
+              "moe5_many": (5, 2, many)}
     seconds = fastest_medians({name: step_of(*shape) for name, shape in shapes.items()}, device, repeats, rounds=3)
     dense = max(seconds["dense5"] - seconds["dense1"], 0.0) / 4
     expert = max(seconds["experts"] - seconds["moe5"], 0.0) / (5 * 14)
@@ -211,7 +225,44 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     # A floor of one operator's cost: 0 would read as "unmeasured" and fall back to counting operators.
     floor = 1e-6
     return {"dense_layer_overhead": max(dense, floor), "moe_layer_overhead": max(moe, floor),
-            "moe_expert_overhead": expert}
+            "moe_expert_overhead": expert,
+            **{f"{kind}_layer_seconds_{size}": (seconds[f"{kind}5{suffix}"] - seconds[f"{kind}1{suffix}"]) / 4
+               for kind in ("dense", "moe") for size, suffix in (("one", ""), ("many", "_many"))}}
+
+
+LAYER_SECONDS = tuple(f"{kind}_layer_seconds_{size}" for kind in ("dense", "moe") for size in ("one", "many"))
+"""The raw layer timings :func:`layer_overheads` passes to :func:`token_overheads` (not cluster fields)."""
+
+
+def token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[str, float]:
+    """``dense_token_overhead`` and ``moe_token_overhead``: how much more one probe layer's forward and backward took
+    on ``TOKEN_PROBE_SEQUENCES`` sequences than on one, less the growth the cost model prices with ``cluster`` (its
+    FLOPs, attention and elementwise traffic), per added token; never below 0 (timing noise)."""
+    from ..models.config import M6Config
+    from ..planning import Workload
+    from ..planning.layout import Layout
+    from ..planning.share import rank_share
+    from ..planning.step_time import compute_seconds
+
+    one = dataclasses.replace(cluster.with_devices(1), dense_token_overhead=0.0, moe_token_overhead=0.0)
+
+    def priced_layer(experts: int, sequences: int) -> float:
+        moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
+        workload = Workload(global_batch=sequences, seq_len=LAYER_PROBE["max_seq_len"])
+
+        def compute(layers: int) -> float:
+            config = M6Config(**LAYER_PROBE, num_layers=layers, **moe)
+            return compute_seconds(config, Layout(), one, workload, rank_share(config, Layout(), one, workload, 0))
+
+        return (compute(5) - compute(1)) / 4
+
+    added_tokens = (TOKEN_PROBE_SEQUENCES - 1) * LAYER_PROBE["max_seq_len"]
+    out = {}
+    for kind, experts in (("dense", 0), ("moe", 2)):
+        measured = layer_seconds[f"{kind}_layer_seconds_many"] - layer_seconds[f"{kind}_layer_seconds_one"]
+        priced = priced_layer(experts, TOKEN_PROBE_SEQUENCES) - priced_layer(experts, 1)
+        out[f"{kind}_token_overhead"] = max(measured - priced, 0.0) / added_tokens
+    return out
 
 
 def operator_overhead(device: torch.device, chain: int, repeats: int) -> float:
@@ -592,6 +643,7 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
         # Nothing to communicate with: the collective constants are unused on one device.
         measured |= {"intra_node_bandwidth": measured["memory_bandwidth"], "intra_node_latency": 0.0}
     measured["attention_rates"] = rate_rows(measured)
+    layer_seconds = {name: measured.pop(name) for name in LAYER_SECONDS}
     measured["step_overhead"] = step_overhead(processes, threads, quick)
     accumulated = step_overhead(processes, threads, quick, accumulate=ACCUMULATED_BATCHES)
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else host_memory_bytes() / processes
@@ -601,6 +653,7 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
                       inter_node_latency=measured["intra_node_latency"], overlap_collectives=cuda,
                       overlap_copies=cuda, cpu_oversubscription=1.0 if cuda else cpu_oversubscription(
                           processes, threads, usable_cores()), **measured)
+    cluster = dataclasses.replace(cluster, **token_overheads(cluster, layer_seconds))
     extra = modelled_added_batches(cluster, ACCUMULATED_BATCHES)
     return dataclasses.replace(cluster, batch_overhead=batch_call_overhead(
         measured["step_overhead"], accumulated, ACCUMULATED_BATCHES, extra))

@@ -111,6 +111,14 @@ class Cluster:
     moe_expert_overhead: float = 0.0
     """Seconds each expert an MoE layer computes adds to the layer's forward and backward at a negligible size (the
     loop kernel's per-expert matmuls and activation; about 0 with the grouped kernel)."""
+    dense_token_overhead: float = 0.0
+    """Seconds each token adds to one dense layer's forward and backward beyond what its FLOPs and elementwise
+    traffic are priced at: the per-row work of operators over narrow rows (norms, rotary, softmax, the attention
+    kernel's per-query setup), which a bandwidth measured on 1024-wide rows does not count. Measured by
+    ``lightning-p2r calibrate`` on the model's own code at two token counts; 0: not priced."""
+    moe_token_overhead: float = 0.0
+    """The same for an MoE layer (its routing's top-k, sort, gathers and scatters add per-token work of their
+    own)."""
     matmul_overhead: float = 0.0
     """Seconds of fixed cost per matmul call beyond ``operator_overhead`` and the weight's memory traffic: on a CPU
     the BLAS call's setup, which a matmul of few rows cannot amortize (matmul efficiency by shape). Measured by
@@ -280,7 +288,8 @@ def _is_range(value: Any) -> bool:
             and 0 <= value[0] <= value[1])
 
 
-_TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead",
+_TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "dense_token_overhead",
+          "moe_token_overhead",
           "operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
           "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead", "host_device_latency",
           "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}

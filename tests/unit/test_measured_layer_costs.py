@@ -9,12 +9,18 @@ import math
 import pytest
 import torch
 
-from lightning_p2r.measure.calibrate import layer_overheads
+from lightning_p2r.measure.calibrate import (
+    LAYER_PROBE,
+    LAYER_SECONDS,
+    TOKEN_PROBE_SEQUENCES,
+    layer_overheads,
+    token_overheads,
+)
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning.cluster import ELEMENTWISE_LARGE_BYTES, ELEMENTWISE_SMALL_BYTES, Cluster
 from lightning_p2r.planning.layout import Layout, Workload
 from lightning_p2r.planning.share import rank_share
-from lightning_p2r.planning.step_time import estimate_step, fixed_layer_seconds
+from lightning_p2r.planning.step_time import compute_seconds, estimate_step, fixed_layer_seconds
 
 CPU = Cluster(accelerator="cpu", devices=1, devices_per_node=1, overlap_collectives=False, overlap_copies=False,
               operator_overhead=4e-6)
@@ -69,8 +75,50 @@ def test_small_activations_are_priced_faster_than_large_ones_only_when_measured(
     assert ratio[0] < ratio[1]
 
 
+def test_each_token_of_each_layer_pays_its_kinds_per_token_cost_in_every_pass() -> None:
+    costs = {"dense_token_overhead": 2e-6, "moe_token_overhead": 5e-6}
+    measured = dataclasses.replace(CPU, **costs)
+    tokens = WORKLOAD.global_batch * WORKLOAD.seq_len
+    per_pass = tokens * (2 * 2e-6 + 2 * 5e-6)  # MOE: layers 0 and 2 dense, 1 and 3 MoE
+    for layout, passes in ((Layout(), 3), (Layout(micro_batches=2), 3), (Layout(recompute=True), 4)):
+        added = (estimate_step(MOE, layout, measured, WORKLOAD).compute
+                 - estimate_step(MOE, layout, CPU, WORKLOAD).compute)
+        assert added == pytest.approx(per_pass * passes / 3)
+
+
+def _probe_layer_seconds(cluster: Cluster, experts: int, sequences: int) -> float:
+    """One probe layer's forward and backward as the cost model prices it (with the cluster's token costs)."""
+    moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
+    workload = Workload(global_batch=sequences, seq_len=LAYER_PROBE["max_seq_len"])
+
+    def compute(layers: int) -> float:
+        config = M6Config(**LAYER_PROBE, num_layers=layers, **moe)
+        return compute_seconds(config, Layout(), cluster, workload, rank_share(config, Layout(), cluster, workload))
+
+    return (compute(5) - compute(1)) / 4
+
+
+def test_the_per_token_costs_are_what_the_probe_layers_grew_by_beyond_the_priced_terms() -> None:
+    cluster = dataclasses.replace(CPU, elementwise_bandwidth=4e9, elementwise_small_bandwidth=16e9,
+                                  dense_layer_overhead=3e-4, moe_layer_overhead=6e-4)
+    truth = dataclasses.replace(cluster, dense_token_overhead=7e-7, moe_token_overhead=1.5e-6)
+    # Timings that the cost model with the true per-token costs prices exactly: the fit reads those costs back,
+    # whatever the cluster it is given already holds for them.
+    layer_seconds = {f"{kind}_layer_seconds_{size}": _probe_layer_seconds(truth, experts, sequences)
+                     for kind, experts in (("dense", 0), ("moe", 2))
+                     for size, sequences in (("one", 1), ("many", TOKEN_PROBE_SEQUENCES))}
+    assert set(layer_seconds) == set(LAYER_SECONDS)
+    for start in (cluster, truth):
+        fitted = token_overheads(start, layer_seconds)
+        assert fitted["dense_token_overhead"] == pytest.approx(7e-7)
+        assert fitted["moe_token_overhead"] == pytest.approx(1.5e-6)
+    # A layer that grew by less than priced (timing noise) costs nothing per token, not a negative amount.
+    shrunk = layer_seconds | {"dense_layer_seconds_many": layer_seconds["dense_layer_seconds_one"]}
+    assert token_overheads(cluster, shrunk)["dense_token_overhead"] == 0.0
+
+
 @pytest.mark.parametrize("bad", [{"elementwise_small_bandwidth": -1.0}, {"dense_layer_overhead": -1e-3},
-                                 {"moe_expert_overhead": float("nan")}])
+                                 {"moe_expert_overhead": float("nan")}, {"moe_token_overhead": -1e-6}])
 def test_bad_measured_costs_are_refused_naming_the_field(bad) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         Cluster(**bad)
@@ -80,6 +128,10 @@ def test_bad_measured_costs_are_refused_naming_the_field(bad) -> None:
 def test_calibrate_measures_the_layer_costs_on_the_models_own_code() -> None:
     torch.manual_seed(0)
     costs = layer_overheads(torch.device("cpu"), repeats=2)
-    assert set(costs) == {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead"}
+    assert set(costs) == {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", *LAYER_SECONDS}
     assert costs["dense_layer_overhead"] > 0 and costs["moe_layer_overhead"] > 0 and costs["moe_expert_overhead"] >= 0
-    assert Cluster(**costs).dense_layer_overhead == costs["dense_layer_overhead"]
+    # Sixteen sequences take a layer longer than one.
+    assert costs["dense_layer_seconds_many"] > costs["dense_layer_seconds_one"]
+    assert costs["moe_layer_seconds_many"] > costs["moe_layer_seconds_one"]
+    fields = {key: value for key, value in costs.items() if key not in LAYER_SECONDS}
+    assert Cluster(**fields).dense_layer_overhead == costs["dense_layer_overhead"]
