@@ -15,8 +15,9 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``dense_layer_overhead``, ``moe_layer_overhead``, ``moe_expert_overhead``: the package's own transformer at a
   negligible size with 1 and 5 layers, dense and MoE, 2 and 16 experts: a layer's fixed cost (dispatch, autograd,
   Python), which on a CPU is several times its operator count at ``operator_overhead`` (:func:`layer_overheads`);
-- ``dense_token_overhead``, ``moe_token_overhead``: the same dense and MoE models on 16 sequences instead of one:
-  what a layer's added tokens cost beyond the growth the cost model prices, per token (:func:`token_overheads`);
+- ``dense_token_overhead``, ``moe_token_overhead`` and their ``..._width_overhead``: the same dense and MoE models
+  on 16 sequences instead of one, at widths 16 and 64: what a layer's added tokens cost beyond the growth the cost
+  model prices, per token, on a line in the width (:func:`token_overheads`);
 - ``operator_overhead``: the fixed cost of one operator in a chain of tiny ones, forward and backward (the
   dispatcher and autograd on CPU, the launch on CUDA);
 - ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the
@@ -186,6 +187,9 @@ def fastest_medians(steps: dict[str, Callable[[], None]], device: torch.device, 
 TOKEN_PROBE_SEQUENCES = 16
 """Sequences per batch of the layer probes' second token count (``LAYER_PROBE``'s are one): the per-token terms
 come from the growth between the two."""
+TOKEN_PROBE_WIDTHS = (16, 64)
+"""Widths at which the per-token terms are measured (heads of 8 at both): the first is ``LAYER_PROBE``'s; a token's
+unpriced work grows with the width, and the planner prices it on the line through the two."""
 
 
 def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
@@ -195,15 +199,15 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     training uses on the device (bf16 autocast on CUDA, fp32 on CPU) and with the expert kernel it picks there. The
     models are timed in turn, three rounds, each keeping its fastest round's median (:func:`fastest_medians`).
 
-    The dense and MoE models are timed again on ``TOKEN_PROBE_SEQUENCES`` sequences; one layer's time there is
-    returned as ``dense_layer_seconds_many`` / ``moe_layer_seconds_many`` (and at one sequence as ``..._one``), from
+    The dense and MoE models are timed again on ``TOKEN_PROBE_SEQUENCES`` sequences, and both token counts at the
+    second of ``TOKEN_PROBE_WIDTHS`` too; one layer's time at each is returned under its ``LAYER_SECONDS`` name, from
     which :func:`token_overheads` takes what each token costs beyond the priced terms."""
     from ..models.config import M6Config
     from ..models.transformer import M6Transformer
 
-    def step_of(layers: int, experts: int, sequences: int = 1) -> Callable[[], None]:
+    def step_of(layers: int, experts: int, sequences: int = 1, width: int = LAYER_PROBE["dim"]) -> Callable[[], None]:
         moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
-        config = M6Config(**LAYER_PROBE, num_layers=layers, **moe)
+        config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=layers, **moe)
         model = M6Transformer(config).to(device)
         tokens = torch.randint(0, config.vocab_size, (sequences, config.max_seq_len), device=device)
 
@@ -214,10 +218,13 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
 
         return step
 
-    many = TOKEN_PROBE_SEQUENCES
-    shapes = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2), "experts": (5, 16),
-              "dense1_many": (1, 0, many), "dense5_many": (5, 0, many), "moe1_many": (1, 2, many),
-              "moe5_many": (5, 2, many)}
+    shapes: dict[str, tuple[int, ...]] = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2),
+                                          "experts": (5, 16)}
+    for kind, experts in PROBE_KINDS:
+        for layers in (1, 5):
+            for size, sequences in PROBE_SIZES:
+                for width in TOKEN_PROBE_WIDTHS:
+                    shapes[f"{kind}{layers}_{size}_{width}"] = (layers, experts, sequences, width)
     seconds = fastest_medians({name: step_of(*shape) for name, shape in shapes.items()}, device, repeats, rounds=3)
     dense = max(seconds["dense5"] - seconds["dense1"], 0.0) / 4
     expert = max(seconds["experts"] - seconds["moe5"], 0.0) / (5 * 14)
@@ -226,43 +233,68 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     floor = 1e-6
     return {"dense_layer_overhead": max(dense, floor), "moe_layer_overhead": max(moe, floor),
             "moe_expert_overhead": expert,
-            **{f"{kind}_layer_seconds_{size}": (seconds[f"{kind}5{suffix}"] - seconds[f"{kind}1{suffix}"]) / 4
-               for kind in ("dense", "moe") for size, suffix in (("one", ""), ("many", "_many"))}}
+            **{layer_seconds_name(kind, size, width): (seconds[f"{kind}5_{size}_{width}"]
+                                                       - seconds[f"{kind}1_{size}_{width}"]) / 4
+               for kind, _ in PROBE_KINDS for size, _ in PROBE_SIZES for width in TOKEN_PROBE_WIDTHS}}
 
 
-LAYER_SECONDS = tuple(f"{kind}_layer_seconds_{size}" for kind in ("dense", "moe") for size in ("one", "many"))
+PROBE_KINDS = (("dense", 0), ("moe", 2))
+"""The layer kinds the per-token terms are measured for, with the probe's experts."""
+PROBE_SIZES = (("one", 1), ("many", TOKEN_PROBE_SEQUENCES))
+"""The two token counts (sequences of ``LAYER_PROBE``'s length) of the per-token probes."""
+
+
+def layer_seconds_name(kind: str, size: str, width: int) -> str:
+    return f"{kind}_layer_seconds_{size}_{width}"
+
+
+LAYER_SECONDS = tuple(layer_seconds_name(kind, size, width) for kind, _ in PROBE_KINDS for size, _ in PROBE_SIZES
+                      for width in TOKEN_PROBE_WIDTHS)
 """The raw layer timings :func:`layer_overheads` passes to :func:`token_overheads` (not cluster fields)."""
 
 
 def token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[str, float]:
-    """``dense_token_overhead`` and ``moe_token_overhead``: how much more one probe layer's forward and backward took
-    on ``TOKEN_PROBE_SEQUENCES`` sequences than on one, less the growth the cost model prices with ``cluster`` (its
-    FLOPs, attention and elementwise traffic), per added token; never below 0 (timing noise)."""
+    """``dense_token_overhead`` / ``dense_token_width_overhead`` and the MoE pair: how much more one probe layer's
+    forward and backward took on ``TOKEN_PROBE_SEQUENCES`` sequences than on one, less the growth the cost model
+    prices with ``cluster`` (its FLOPs, attention and elementwise traffic), per added token, at each of
+    ``TOKEN_PROBE_WIDTHS``; the line through the two (never below 0: timing noise) gives the seconds per token at
+    width 0 and per unit of width."""
     from ..models.config import M6Config
     from ..planning import Workload
     from ..planning.layout import Layout
     from ..planning.share import rank_share
     from ..planning.step_time import compute_seconds
 
-    one = dataclasses.replace(cluster.with_devices(1), dense_token_overhead=0.0, moe_token_overhead=0.0)
+    one = dataclasses.replace(cluster.with_devices(1), **dict.fromkeys(TOKEN_FIELDS, 0.0))
 
-    def priced_layer(experts: int, sequences: int) -> float:
+    def priced_layer(experts: int, sequences: int, width: int) -> float:
         moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
         workload = Workload(global_batch=sequences, seq_len=LAYER_PROBE["max_seq_len"])
 
         def compute(layers: int) -> float:
-            config = M6Config(**LAYER_PROBE, num_layers=layers, **moe)
+            config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=layers, **moe)
             return compute_seconds(config, Layout(), one, workload, rank_share(config, Layout(), one, workload, 0))
 
         return (compute(5) - compute(1)) / 4
 
     added_tokens = (TOKEN_PROBE_SEQUENCES - 1) * LAYER_PROBE["max_seq_len"]
     out = {}
-    for kind, experts in (("dense", 0), ("moe", 2)):
-        measured = layer_seconds[f"{kind}_layer_seconds_many"] - layer_seconds[f"{kind}_layer_seconds_one"]
-        priced = priced_layer(experts, TOKEN_PROBE_SEQUENCES) - priced_layer(experts, 1)
-        out[f"{kind}_token_overhead"] = max(measured - priced, 0.0) / added_tokens
+    for kind, experts in PROBE_KINDS:
+        per_token = []
+        for width in TOKEN_PROBE_WIDTHS:
+            measured = (layer_seconds[layer_seconds_name(kind, "many", width)]
+                        - layer_seconds[layer_seconds_name(kind, "one", width)])
+            priced = priced_layer(experts, TOKEN_PROBE_SEQUENCES, width) - priced_layer(experts, 1, width)
+            per_token.append(max(measured - priced, 0.0) / added_tokens)
+        (narrow, wide), (low, high) = per_token, TOKEN_PROBE_WIDTHS
+        slope = max(wide - narrow, 0.0) / (high - low)
+        out[f"{kind}_token_overhead"] = max(narrow - slope * low, 0.0)
+        out[f"{kind}_token_width_overhead"] = slope
     return out
+
+
+TOKEN_FIELDS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead",
+                "moe_token_width_overhead")
 
 
 def operator_overhead(device: torch.device, chain: int, repeats: int) -> float:

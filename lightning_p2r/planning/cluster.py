@@ -116,9 +116,14 @@ class Cluster:
     traffic are priced at: the per-row work of operators over narrow rows (norms, rotary, softmax, the attention
     kernel's per-query setup), which a bandwidth measured on 1024-wide rows does not count. Measured by
     ``lightning-p2r calibrate`` on the model's own code at two token counts; 0: not priced."""
+    dense_token_width_overhead: float = 0.0
+    """Seconds per token and per unit of the model's width that one dense layer adds on top of
+    ``dense_token_overhead`` (the unpriced per-token work grows with the width: measured at two widths)."""
     moe_token_overhead: float = 0.0
-    """The same for an MoE layer (its routing's top-k, sort, gathers and scatters add per-token work of their
-    own)."""
+    """The same as ``dense_token_overhead`` for an MoE layer (its routing's top-k, sort, gathers and scatters add
+    per-token work of their own)."""
+    moe_token_width_overhead: float = 0.0
+    """The same as ``dense_token_width_overhead`` for an MoE layer."""
     matmul_overhead: float = 0.0
     """Seconds of fixed cost per matmul call beyond ``operator_overhead`` and the weight's memory traffic: on a CPU
     the BLAS call's setup, which a matmul of few rows cannot amortize (matmul efficiency by shape). Measured by
@@ -289,7 +294,7 @@ def _is_range(value: Any) -> bool:
 
 
 _TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "dense_token_overhead",
-          "moe_token_overhead",
+          "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead",
           "operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
           "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead", "host_device_latency",
           "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}

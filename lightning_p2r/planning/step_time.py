@@ -5,7 +5,8 @@
   backward's read and write) at ``elementwise_bandwidth``; its operator launches at ``operator_overhead`` each;
   and its matmul calls (forward, the two gradients, recompute's forward) at ``matmul_overhead`` each on top: the
   fixed cost that makes a matmul of few rows reach less of ``device_flops`` (matmul efficiency by shape); and
-  its tokens at ``dense_token_overhead`` / ``moe_token_overhead`` per layer (per-row work of narrow rows).
+  its tokens at ``dense_token_overhead`` / ``moe_token_overhead`` per layer, plus their ``..._width_overhead``
+  times the width (per-token work the traffic terms miss).
   Tensor parallelism divides the matmuls of attention, dense FFNs, experts and head; expert parallelism changes
   which rows a rank computes but not how many (balanced routing assumed).
 - **bubble**: a pipeline idles ``(p - 1) / (v m + p - 1)`` of the step (every schedule offered here), so the
@@ -114,11 +115,12 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     accumulation_seconds = (layout.micro_batches * weight_passes * local_params * workload.param_bytes /
                             cluster.memory_bandwidth)
     attention_rate = cluster.attention_flops_at(workload.seq_len, config.head_dim)
-    # Per-row work over narrow rows, per token a layer passes (forward, backward at twice, recompute's forward);
-    # tensor parallelism leaves a rank every row, only narrower.
-    row_seconds = tokens * passes / 3 * sum(
-        cluster.moe_token_overhead if config.is_moe_layer(layer) else cluster.dense_token_overhead
-        for layer in share.layers)
+    # Per-token work the traffic terms miss (measured on the model's own layers at two widths), per token a layer
+    # passes (forward, backward at twice, recompute's forward); tensor parallelism leaves a rank every token.
+    dense_token = cluster.dense_token_overhead + cluster.dense_token_width_overhead * config.dim
+    moe_token = cluster.moe_token_overhead + cluster.moe_token_width_overhead * config.dim
+    row_seconds = tokens * passes / 3 * sum(moe_token if config.is_moe_layer(layer) else dense_token
+                                            for layer in share.layers)
     return (flops / cluster.device_flops + attention_flops / attention_rate + elementwise_seconds +
             launch_seconds + matmul_seconds + accumulation_seconds + row_seconds)
 

@@ -13,7 +13,9 @@ from lightning_p2r.measure.calibrate import (
     LAYER_PROBE,
     LAYER_SECONDS,
     TOKEN_PROBE_SEQUENCES,
+    TOKEN_PROBE_WIDTHS,
     layer_overheads,
+    layer_seconds_name,
     token_overheads,
 )
 from lightning_p2r.models.config import M6Config
@@ -76,45 +78,62 @@ def test_small_activations_are_priced_faster_than_large_ones_only_when_measured(
 
 
 def test_each_token_of_each_layer_pays_its_kinds_per_token_cost_in_every_pass() -> None:
-    costs = {"dense_token_overhead": 2e-6, "moe_token_overhead": 5e-6}
+    costs = {"dense_token_overhead": 2e-6, "moe_token_overhead": 5e-6, "dense_token_width_overhead": 1e-8,
+             "moe_token_width_overhead": 3e-8}
     measured = dataclasses.replace(CPU, **costs)
     tokens = WORKLOAD.global_batch * WORKLOAD.seq_len
-    per_pass = tokens * (2 * 2e-6 + 2 * 5e-6)  # MOE: layers 0 and 2 dense, 1 and 3 MoE
+    dense, moe = 2e-6 + 1e-8 * MOE.dim, 5e-6 + 3e-8 * MOE.dim
+    per_pass = tokens * (2 * dense + 2 * moe)  # MOE: layers 0 and 2 dense, 1 and 3 MoE
     for layout, passes in ((Layout(), 3), (Layout(micro_batches=2), 3), (Layout(recompute=True), 4)):
         added = (estimate_step(MOE, layout, measured, WORKLOAD).compute
                  - estimate_step(MOE, layout, CPU, WORKLOAD).compute)
         assert added == pytest.approx(per_pass * passes / 3)
 
 
-def _probe_layer_seconds(cluster: Cluster, experts: int, sequences: int) -> float:
+def _probe_layer_seconds(cluster: Cluster, experts: int, sequences: int, width: int) -> float:
     """One probe layer's forward and backward as the cost model prices it (with the cluster's token costs)."""
     moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
     workload = Workload(global_batch=sequences, seq_len=LAYER_PROBE["max_seq_len"])
 
     def compute(layers: int) -> float:
-        config = M6Config(**LAYER_PROBE, num_layers=layers, **moe)
+        config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=layers, **moe)
         return compute_seconds(config, Layout(), cluster, workload, rank_share(config, Layout(), cluster, workload))
 
     return (compute(5) - compute(1)) / 4
 
 
+def _timings(truth: Cluster) -> dict[str, float]:
+    return {layer_seconds_name(kind, size, width): _probe_layer_seconds(truth, experts, sequences, width)
+            for kind, experts in (("dense", 0), ("moe", 2))
+            for size, sequences in (("one", 1), ("many", TOKEN_PROBE_SEQUENCES)) for width in TOKEN_PROBE_WIDTHS}
+
+
 def test_the_per_token_costs_are_what_the_probe_layers_grew_by_beyond_the_priced_terms() -> None:
     cluster = dataclasses.replace(CPU, elementwise_bandwidth=4e9, elementwise_small_bandwidth=16e9,
                                   dense_layer_overhead=3e-4, moe_layer_overhead=6e-4)
-    truth = dataclasses.replace(cluster, dense_token_overhead=7e-7, moe_token_overhead=1.5e-6)
+    costs = {"dense_token_overhead": 7e-7, "moe_token_overhead": 1.5e-6, "dense_token_width_overhead": 2e-8,
+             "moe_token_width_overhead": 4e-8}
+    truth = dataclasses.replace(cluster, **costs)
     # Timings that the cost model with the true per-token costs prices exactly: the fit reads those costs back,
     # whatever the cluster it is given already holds for them.
-    layer_seconds = {f"{kind}_layer_seconds_{size}": _probe_layer_seconds(truth, experts, sequences)
-                     for kind, experts in (("dense", 0), ("moe", 2))
-                     for size, sequences in (("one", 1), ("many", TOKEN_PROBE_SEQUENCES))}
+    layer_seconds = _timings(truth)
     assert set(layer_seconds) == set(LAYER_SECONDS)
     for start in (cluster, truth):
         fitted = token_overheads(start, layer_seconds)
-        assert fitted["dense_token_overhead"] == pytest.approx(7e-7)
-        assert fitted["moe_token_overhead"] == pytest.approx(1.5e-6)
-    # A layer that grew by less than priced (timing noise) costs nothing per token, not a negative amount.
-    shrunk = layer_seconds | {"dense_layer_seconds_many": layer_seconds["dense_layer_seconds_one"]}
+        assert fitted == pytest.approx(costs)
+    # A layer that grew by less than priced (timing noise) costs nothing per token, not a negative amount; a width
+    # that costs less per token than the narrower one gives no negative slope.
+    narrow, wide = TOKEN_PROBE_WIDTHS
+    shrunk = layer_seconds | {layer_seconds_name("dense", "many", narrow): layer_seconds[
+        layer_seconds_name("dense", "one", narrow)], layer_seconds_name("dense", "many", wide): layer_seconds[
+        layer_seconds_name("dense", "one", wide)]}
     assert token_overheads(cluster, shrunk)["dense_token_overhead"] == 0.0
+    cheaper_wide = _timings(dataclasses.replace(cluster, moe_token_overhead=2e-6))
+    cheaper_wide[layer_seconds_name("moe", "many", wide)] -= 1e-7 * (TOKEN_PROBE_SEQUENCES - 1) * LAYER_PROBE[
+        "max_seq_len"]  # 0.1 us per token less at the wider width
+    flat = token_overheads(cluster, cheaper_wide)
+    assert flat["moe_token_width_overhead"] == 0.0
+    assert flat["moe_token_overhead"] == pytest.approx(2e-6)
 
 
 @pytest.mark.parametrize("bad", [{"elementwise_small_bandwidth": -1.0}, {"dense_layer_overhead": -1e-3},
@@ -130,8 +149,9 @@ def test_calibrate_measures_the_layer_costs_on_the_models_own_code() -> None:
     costs = layer_overheads(torch.device("cpu"), repeats=2)
     assert set(costs) == {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", *LAYER_SECONDS}
     assert costs["dense_layer_overhead"] > 0 and costs["moe_layer_overhead"] > 0 and costs["moe_expert_overhead"] >= 0
-    # Sixteen sequences take a layer longer than one.
-    assert costs["dense_layer_seconds_many"] > costs["dense_layer_seconds_one"]
-    assert costs["moe_layer_seconds_many"] > costs["moe_layer_seconds_one"]
+    # Sixteen sequences take a layer longer than one, at either width.
+    for kind in ("dense", "moe"):
+        for width in TOKEN_PROBE_WIDTHS:
+            assert costs[layer_seconds_name(kind, "many", width)] > costs[layer_seconds_name(kind, "one", width)]
     fields = {key: value for key, value in costs.items() if key not in LAYER_SECONDS}
     assert Cluster(**fields).dense_layer_overhead == costs["dense_layer_overhead"]
