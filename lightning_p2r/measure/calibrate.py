@@ -47,6 +47,9 @@ What it measures, each as the median of several timed repetitions after a warm-u
   a layout, and the terms are fitted to their steps; ``fitted_spread`` keeps each term's range over the fits that
   leave one layout out (:mod:`.fit_terms`).
 
+While it times the device, each measuring process's share of its cores (CPU time over wall time) is watched: below
+90% other work was running, and the command says so and writes it into the file (``BusyMachineWarning``).
+
 One node is all this command sees: the inter-node constants are copied from the intra-node ones, and the file says
 so.
 
@@ -62,7 +65,9 @@ import dataclasses
 import math
 import os
 import statistics
+import sys
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -456,7 +461,7 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
                             world_size=processes)
     try:
         dist.barrier()
-        constants = device_constants(device, quick)
+        constants, constants["core_share"] = core_share(lambda: device_constants(device, quick), threads)
         constants["module_hook_overhead"] = module_hook_seconds(device, own_rank_mesh(device), 5 if quick else 15)
         repeats = 3 if quick else 20
         for index, elements in enumerate(collective_sizes(quick, processes)):
@@ -656,6 +661,34 @@ def host_memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
+class BusyMachineWarning(UserWarning):
+    """Other work shared the machine while ``calibrate`` measured it."""
+
+
+BUSY_SHARE = 0.9
+"""The share of its cores below which a measuring process is taken to have shared the machine with other work."""
+
+
+def core_share(fn: Callable[[], Any], threads: int) -> tuple[Any, float]:
+    """``fn()``'s result and the share of its ``threads`` cores the process got while it ran: its CPU time over the
+    wall time and the threads (1 when nothing else ran on the machine and every thread stayed busy)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / threads
+
+
+def busy_warnings(share: float) -> list[str]:
+    """What to tell the user when other work shared the machine with the measurement (a CPU run's constants are then
+    slower and noisier than the machine's, and the planner's figures with them), from the measuring processes'
+    share of their cores while they timed the device. (The load average is no such sign: it stays high for a minute
+    after the user's previous ``calibrate``.)"""
+    if share >= BUSY_SHARE:
+        return []
+    return [f"the measuring processes got {share:.0%} of their cores while timing this machine: other work was "
+            "running, and the constants are slower and noisier than the machine's; calibrate again with nothing else "
+            "running"]
+
+
 def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name: str = "this-machine") -> Cluster:
     """Measure this machine (see the module docstring) and return its :class:`Cluster`."""
     if processes < 1 or threads < 1:
@@ -668,12 +701,16 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
         torch.set_num_threads(threads)
         device = torch.device("cuda") if cuda else torch.device("cpu")
         try:
-            measured = device_constants(device, quick)
+            measured, measured["core_share"] = core_share(lambda: device_constants(device, quick), threads)
             measured["module_hook_overhead"] = _one_process_hooks(device, quick)
         finally:
             torch.set_num_threads(previous)
         # Nothing to communicate with: the collective constants are unused on one device.
         measured |= {"intra_node_bandwidth": measured["memory_bandwidth"], "intra_node_latency": 0.0}
+    share = measured.pop("core_share")
+    if not cuda:  # beside a GPU the device's timings do not hang on the host's cores
+        for message in busy_warnings(share):
+            warnings.warn(message, BusyMachineWarning, stacklevel=2)
     measured["attention_rates"] = rate_rows(measured)
     layer_seconds = {name: measured.pop(name) for name in LAYER_SECONDS}
     measured["step_overhead"] = step_overhead(processes, threads, quick)
@@ -713,14 +750,24 @@ def main(argv: list[str]) -> None:
     if args.threads is None:
         args.threads = host_threads("cuda" if torch.cuda.is_available() else "cpu", args.processes, usable_cores())
     try:
-        cluster = calibrate(processes=args.processes, threads=args.threads, quick=args.quick, name=args.name)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", BusyMachineWarning)
+            cluster = calibrate(processes=args.processes, threads=args.threads, quick=args.quick, name=args.name)
     except ValueError as error:
         parser.error(str(error))
+    busy = []
+    for warning in caught:
+        if issubclass(warning.category, BusyMachineWarning):
+            busy.append(f"Warning: {warning.message}.")
+            print(f"warning: {warning.message}", file=sys.stderr)
+        else:
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     if args.processes > 1 and not args.no_fit:
         cluster, _ = fit_framework_terms(cluster, quick=args.quick, threads=args.threads)
     comment = (f"Measured by `lightning-p2r calibrate` on {time.strftime('%Y-%m-%d')} with {args.processes} "
                f"process(es) of {args.threads} thread(s).\nOne node was measured: inter-node constants repeat the "
-               f"intra-node ones; edit them for a multi-node cluster.\n{describe_fit(cluster)}")
+               f"intra-node ones; edit them for a multi-node cluster.\n{describe_fit(cluster)}"
+               + "".join(f"\n{line}" for line in busy))
     write_cluster(cluster, args.out, comment)
     for key, value in cluster.to_dict().items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")
