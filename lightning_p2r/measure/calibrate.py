@@ -18,6 +18,8 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``dense_token_overhead``, ``moe_token_overhead`` and their ``..._width_overhead``: the same dense and MoE models
   on 16 sequences instead of one, at widths 16 and 64: what a layer's added tokens cost beyond the growth the cost
   model prices, per token, on a line in the width (:func:`token_overheads`);
+- ``moe_expert_weight_overhead``: the 16- and 2-expert MoE models at widths 16 and 64: what each expert costs more at
+  the wider width beyond the priced difference, per element of its weights (:func:`expert_weight_overhead`);
 - ``operator_overhead``: the fixed cost of one operator in a chain of tiny ones, forward and backward (the
   dispatcher and autograd on CPU, the launch on CUDA);
 - ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the
@@ -223,8 +225,10 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
 
         return step
 
+    wide = TOKEN_PROBE_WIDTHS[-1]
     shapes: dict[str, tuple[int, ...]] = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2),
-                                          "experts": (5, 16)}
+                                          "experts": (5, 16), "moe5_wide": (5, 2, 1, wide),
+                                          "experts_wide": (5, 16, 1, wide)}
     for kind, experts in PROBE_KINDS:
         for layers in (1, 5):
             for size, sequences in PROBE_SIZES:
@@ -238,6 +242,8 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     floor = 1e-6
     return {"dense_layer_overhead": max(dense, floor), "moe_layer_overhead": max(moe, floor),
             "moe_expert_overhead": expert,
+            "expert_seconds_narrow": expert,
+            "expert_seconds_wide": max(seconds["experts_wide"] - seconds["moe5_wide"], 0.0) / (5 * 14),
             **{layer_seconds_name(kind, size, width): (seconds[f"{kind}5_{size}_{width}"]
                                                        - seconds[f"{kind}1_{size}_{width}"]) / 4
                for kind, _ in PROBE_KINDS for size, _ in PROBE_SIZES for width in TOKEN_PROBE_WIDTHS}}
@@ -253,8 +259,8 @@ def layer_seconds_name(kind: str, size: str, width: int) -> str:
     return f"{kind}_layer_seconds_{size}_{width}"
 
 
-LAYER_SECONDS = tuple(layer_seconds_name(kind, size, width) for kind, _ in PROBE_KINDS for size, _ in PROBE_SIZES
-                      for width in TOKEN_PROBE_WIDTHS)
+LAYER_SECONDS = (*(layer_seconds_name(kind, size, width) for kind, _ in PROBE_KINDS for size, _ in PROBE_SIZES
+                    for width in TOKEN_PROBE_WIDTHS), "expert_seconds_narrow", "expert_seconds_wide")
 """The raw layer timings :func:`layer_overheads` passes to :func:`token_overheads` (not cluster fields)."""
 
 
@@ -300,6 +306,39 @@ def token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[s
 
 TOKEN_FIELDS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead",
                 "moe_token_width_overhead")
+
+
+def expert_weight_overhead(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[str, float]:
+    """``moe_expert_weight_overhead``: how much more each expert of the probe's MoE layers cost at the wider of
+    ``TOKEN_PROBE_WIDTHS`` than at ``LAYER_PROBE``'s, less the difference the cost model prices with ``cluster`` (the
+    weights' traffic, the matmuls), per element of one expert's two weight matrices; never below 0. On a CPU the loop
+    kernel's backward stacks every expert's weight gradients into the stacked weights' gradient, a copy that runs
+    slower per byte than plain traffic."""
+    from ..models.config import M6Config
+    from ..planning import Workload
+    from ..planning.layout import Layout
+    from ..planning.share import rank_share
+    from ..planning.step_time import compute_seconds
+
+    one = dataclasses.replace(cluster.with_devices(1), moe_expert_weight_overhead=0.0)
+    workload = Workload(global_batch=1, seq_len=LAYER_PROBE["max_seq_len"])
+
+    def priced_expert(width: int) -> float:
+        def compute(experts: int) -> float:
+            config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=5,
+                              num_experts=experts, moe_layers=None)
+            return compute_seconds(config, Layout(), one, workload, rank_share(config, Layout(), one, workload, 0))
+
+        return (compute(16) - compute(2)) / (5 * 14)
+
+    def elements(width: int) -> int:
+        config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_experts=2)
+        return 2 * config.dim * config.routed_hidden_dim
+
+    narrow, wide = LAYER_PROBE["dim"], TOKEN_PROBE_WIDTHS[-1]
+    measured = layer_seconds["expert_seconds_wide"] - layer_seconds["expert_seconds_narrow"]
+    priced = priced_expert(wide) - priced_expert(narrow)
+    return {"moe_expert_weight_overhead": max(measured - priced, 0.0) / (elements(wide) - elements(narrow))}
 
 
 def operator_overhead(device: torch.device, chain: int, repeats: int) -> float:
@@ -722,7 +761,8 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
                       inter_node_latency=measured["intra_node_latency"], overlap_collectives=cuda,
                       overlap_copies=cuda, cpu_oversubscription=1.0 if cuda else cpu_oversubscription(
                           processes, threads, usable_cores()), **measured)
-    cluster = dataclasses.replace(cluster, **token_overheads(cluster, layer_seconds))
+    cluster = dataclasses.replace(cluster, **token_overheads(cluster, layer_seconds),
+                                  **expert_weight_overhead(cluster, layer_seconds))
     extra = modelled_added_batches(cluster, ACCUMULATED_BATCHES)
     return dataclasses.replace(cluster, batch_overhead=batch_call_overhead(
         measured["step_overhead"], accumulated, ACCUMULATED_BATCHES, extra))

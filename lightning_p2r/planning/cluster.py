@@ -111,6 +111,11 @@ class Cluster:
     moe_expert_overhead: float = 0.0
     """Seconds each expert an MoE layer computes adds to the layer's forward and backward at a negligible size (the
     loop kernel's per-expert matmuls and activation; about 0 with the grouped kernel)."""
+    moe_expert_weight_overhead: float = 0.0
+    """Seconds per element of one expert's weights (both matrices) that each expert the loop kernel computes adds per
+    micro-batch beyond the weights' priced traffic: on a CPU its backward stacks the experts' weight gradients into
+    the stacked weights' gradient, slower per byte than plain traffic. Measured by ``lightning-p2r calibrate`` on the
+    model's own MoE layers at two widths; 0: not priced (and never with the grouped kernel)."""
     dense_token_overhead: float = 0.0
     """Seconds each token adds to one dense layer's forward and backward beyond what its FLOPs and elementwise
     traffic are priced at: the per-row work of operators over narrow rows (norms, rotary, softmax, the attention
@@ -294,7 +299,7 @@ def _is_range(value: Any) -> bool:
 
 
 _TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "dense_token_overhead",
-          "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead",
+          "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead", "moe_expert_weight_overhead",
           "operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
           "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead", "host_device_latency",
           "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}

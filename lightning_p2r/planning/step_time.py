@@ -6,7 +6,8 @@
   and its matmul calls (forward, the two gradients, recompute's forward) at ``matmul_overhead`` each on top: the
   fixed cost that makes a matmul of few rows reach less of ``device_flops`` (matmul efficiency by shape); and
   its tokens at ``dense_token_overhead`` / ``moe_token_overhead`` per layer, plus their ``..._width_overhead``
-  times the width (per-token work the traffic terms miss).
+  times the width (per-token work the traffic terms miss); and, with the loop kernel, each micro-batch's
+  stacking of the experts' weight gradients at ``moe_expert_weight_overhead`` per weight element.
   Tensor parallelism divides the matmuls of attention, dense FFNs, experts and head; expert parallelism changes
   which rows a rank computes but not how many (balanced routing assumed).
 - **bubble**: a pipeline idles ``(p - 1) / (v m + p - 1)`` of the step (every schedule offered here), so the
@@ -121,8 +122,14 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     moe_token = cluster.moe_token_overhead + cluster.moe_token_width_overhead * config.dim
     row_seconds = tokens * passes / 3 * sum(moe_token if config.is_moe_layer(layer) else dense_token
                                             for layer in share.layers)
+    # The loop kernel's backward stacks each expert's weight gradients, per micro-batch (tensor parallelism splits
+    # the experts' hidden units).
+    looped = 0 if grouped else sum(looped_experts(config, local_experts) for layer in share.layers
+                                   if config.is_moe_layer(layer))
+    expert_weights = looped * 2 * config.dim * config.routed_hidden_dim / tp
+    stacking_seconds = layout.micro_batches * expert_weights * cluster.moe_expert_weight_overhead
     return (flops / cluster.device_flops + attention_flops / attention_rate + elementwise_seconds +
-            launch_seconds + matmul_seconds + accumulation_seconds + row_seconds)
+            launch_seconds + matmul_seconds + accumulation_seconds + row_seconds + stacking_seconds)
 
 
 def fixed_layer_seconds(config: M6Config, share: RankShare, cluster: Cluster, local_experts: int,

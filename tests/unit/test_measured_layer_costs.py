@@ -14,6 +14,7 @@ from lightning_p2r.measure.calibrate import (
     LAYER_SECONDS,
     TOKEN_PROBE_SEQUENCES,
     TOKEN_PROBE_WIDTHS,
+    expert_weight_overhead,
     layer_overheads,
     layer_seconds_name,
     token_overheads,
@@ -117,7 +118,7 @@ def test_the_per_token_costs_are_what_the_probe_layers_grew_by_beyond_the_priced
     # Timings that the cost model with the true per-token costs prices exactly: the fit reads those costs back,
     # whatever the cluster it is given already holds for them.
     layer_seconds = _timings(truth)
-    assert set(layer_seconds) == set(LAYER_SECONDS)
+    assert set(layer_seconds) | {"expert_seconds_narrow", "expert_seconds_wide"} == set(LAYER_SECONDS)
     for start in (cluster, truth):
         fitted = token_overheads(start, layer_seconds)
         assert fitted == pytest.approx(costs)
@@ -136,8 +137,52 @@ def test_the_per_token_costs_are_what_the_probe_layers_grew_by_beyond_the_priced
     assert flat["moe_token_overhead"] == pytest.approx(2e-6)
 
 
+def test_each_looped_expert_pays_its_weight_stacking_per_micro_batch_and_the_grouped_kernel_none() -> None:
+    stacking = dataclasses.replace(CPU, moe_expert_weight_overhead=1e-9)
+    per_micro_batch = 2 * MOE.num_experts * 2 * MOE.dim * MOE.hidden_dim * 1e-9  # two MoE layers of 8 experts
+    for micro_batches in (1, 3):
+        layout = Layout(micro_batches=micro_batches)
+        added = (estimate_step(MOE, layout, stacking, WORKLOAD).compute
+                 - estimate_step(MOE, layout, CPU, WORKLOAD).compute)
+        assert added == pytest.approx(micro_batches * per_micro_batch)
+    # An expert-parallel rank stacks its own experts; tensor parallelism splits each expert's hidden units.
+    two = dataclasses.replace(stacking, devices=2, devices_per_node=2)
+    for layout in (Layout(expert_parallel=2), Layout(tensor_parallel=2)):
+        added = (estimate_step(MOE, layout, two, WORKLOAD).compute
+                 - estimate_step(MOE, layout, dataclasses.replace(two, moe_expert_weight_overhead=0.0),
+                                 WORKLOAD).compute)
+        assert added == pytest.approx(per_micro_batch / 2)
+    grouped = MOE.replace(expert_kernel="grouped")
+    assert (estimate_step(grouped, Layout(), stacking, WORKLOAD).compute
+            == pytest.approx(estimate_step(grouped, Layout(), CPU, WORKLOAD).compute))
+
+
+def _probe_expert_seconds(cluster: Cluster, width: int) -> float:
+    """One expert of the probe's MoE layers as the cost model prices it (16 experts less 2, over 5 layers x 14)."""
+    workload = Workload(global_batch=1, seq_len=LAYER_PROBE["max_seq_len"])
+
+    def compute(experts: int) -> float:
+        config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=5, num_experts=experts,
+                          moe_layers=None)
+        return compute_seconds(config, Layout(), cluster, workload, rank_share(config, Layout(), cluster, workload))
+
+    return (compute(16) - compute(2)) / (5 * 14)
+
+
+def test_the_expert_weight_cost_is_what_an_expert_grew_by_at_the_wider_width_beyond_the_priced_terms() -> None:
+    cluster = dataclasses.replace(CPU, memory_bandwidth=40e9, moe_layer_overhead=6e-4, moe_expert_overhead=4e-5)
+    truth = dataclasses.replace(cluster, moe_expert_weight_overhead=8e-10)
+    timings = {"expert_seconds_narrow": _probe_expert_seconds(truth, LAYER_PROBE["dim"]),
+               "expert_seconds_wide": _probe_expert_seconds(truth, TOKEN_PROBE_WIDTHS[-1])}
+    for start in (cluster, truth):
+        assert expert_weight_overhead(start, timings)["moe_expert_weight_overhead"] == pytest.approx(8e-10)
+    cheaper = timings | {"expert_seconds_wide": timings["expert_seconds_narrow"]}
+    assert expert_weight_overhead(cluster, cheaper)["moe_expert_weight_overhead"] == 0.0
+
+
 @pytest.mark.parametrize("bad", [{"elementwise_small_bandwidth": -1.0}, {"dense_layer_overhead": -1e-3},
-                                 {"moe_expert_overhead": float("nan")}, {"moe_token_overhead": -1e-6}])
+                                 {"moe_expert_overhead": float("nan")}, {"moe_token_overhead": -1e-6},
+                                 {"moe_expert_weight_overhead": -1e-9}])
 def test_bad_measured_costs_are_refused_naming_the_field(bad) -> None:
     with pytest.raises(ValueError, match=next(iter(bad))):
         Cluster(**bad)
