@@ -246,7 +246,8 @@ def main(argv: list[str]) -> None:
 
 def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
     """Say which framework terms the shown layouts count but the cluster file leaves at zero (their predictions are
-    short by that time), and where each comes from; and whether attention is priced by shape."""
+    short by that time), and where each comes from; whether attention is priced by shape; and whether a CPU file has
+    the layer costs that grow with the tokens and the experts' weights."""
     for name, count in missing_terms(config, layouts, cluster, workload).items():
         print(f"warning: {cluster.name} has no {name} ({HOW_TO_GET[name]}): {count} of the {len(layouts)} layouts "
               "shown count it, and their step times leave it out")
@@ -254,6 +255,18 @@ def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluste
         print(f"warning: {cluster.name} has no attention_rates (measured by `lightning-p2r calibrate`): attention is "
               f"priced at attention_flops, measured at one shape, for this model's heads of {config.head_dim} and "
               f"{workload.seq_len} tokens too; small heads and short sequences attend slower and come out short")
+    if cluster.accelerator == "cpu" and cluster.dense_layer_overhead > 0 and not any(
+            getattr(cluster, name) for name in SIZE_DEPENDENT_LAYER_COSTS):
+        print(f"warning: {cluster.name} has no per-token layer costs ({', '.join(SIZE_DEPENDENT_LAYER_COSTS)}; "
+              "measured by `lightning-p2r calibrate` from 2026-11-28): a layer's per-token work beyond its traffic and "
+              "each expert's gradient stacking are left out, and CPU steps come out short (by 20-30% on the draws in "
+              "docs/benchmarks.md); calibrate again")
+
+
+SIZE_DEPENDENT_LAYER_COSTS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead",
+                              "moe_token_width_overhead", "moe_expert_weight_overhead")
+"""The layer costs ``calibrate`` measures at more than one size; a CPU file with the fixed layer costs but none of
+these was written before they existed."""
 
 
 def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Cluster, steps: int,

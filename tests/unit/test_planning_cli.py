@@ -129,6 +129,25 @@ def test_plan_warns_when_the_cluster_file_lacks_a_term_its_layouts_count(capsys,
     assert "warning:" not in capsys.readouterr().out
 
 
+def test_plan_warns_when_a_cpu_file_predates_the_per_token_layer_costs(capsys, tmp_path) -> None:
+    """Issue 41 item 1: a CPU file calibrated before the per-token and expert-stacking costs existed prices CPU steps
+    20-30% short; ``plan`` names the missing fields and says to calibrate again. A file that has them does not warn."""
+    old = {"name": "old-cpu", "accelerator": "cpu", "devices": 1, "devices_per_node": 1, "device_flops": 1e11,
+           "attention_flops": 3e10, "memory_bandwidth": 4e10, "elementwise_bandwidth": 7e9,
+           "dense_layer_overhead": 3e-4, "moe_layer_overhead": 7e-4, "overlap_collectives": False,
+           "overlap_copies": False}
+    for name, extra, warned in (("old", {}, True), ("new", {"moe_expert_weight_overhead": 8e-10,
+                                                              "dense_token_overhead": 5e-7}, False)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(old | extra))
+        main(["plan", "--cluster", str(path), "--config", str(RECIPES / "quickstart.yaml"), "--devices", "1",
+              "--top", "2"])
+        lines = [line for line in capsys.readouterr().out.splitlines() if "per-token layer costs" in line]
+        assert bool(lines) == warned, name
+        if warned:
+            assert "moe_expert_weight_overhead" in lines[0] and "calibrate again" in lines[0]
+
+
 def test_plan_prices_a_cpu_run_with_the_file_calibrated_for_its_process_count(capsys, tmp_path) -> None:
     """Issue 41 item 1: on a CPU the constants depend on how many processes loaded the machine while they were
     measured; a one-process run priced by a two-process file came out 36% slow (median). ``plan`` takes the file of
