@@ -24,6 +24,7 @@ from typing import IO, Any, NoReturn
 
 import torch
 from jsonargparse import Namespace, set_parsing_settings
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import Strategy
@@ -308,7 +309,7 @@ class P2RCLI(LightningCLI):
         except RankFailed as error:
             sys.stderr.write(f"error: a rank failed, every rank was stopped: {error}\n")
             raise SystemExit(1) from None
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, MisconfigurationException) as error:
             if self.trainer.global_step > 0:
                 raise
             notes = "".join(f"\n  {note}" for note in getattr(error, "__notes__", []))
@@ -318,9 +319,11 @@ class P2RCLI(LightningCLI):
     def instantiate_classes(self) -> None:
         # A bad value that only the class can judge (a range, a divisibility, a missing corpus) ends the command
         # with the usual one-line CLI error instead of a traceback, before anything is trained or written.
+        # Lightning's Trainer refuses its own options (max_steps=-5, an unknown accelerator) with a
+        # MisconfigurationException, which is no ValueError: one line as well.
         try:
             super().instantiate_classes()
-        except (ValueError, FileNotFoundError) as error:
+        except (ValueError, FileNotFoundError, MisconfigurationException) as error:
             self.parser.error(str(error))
 
 

@@ -166,6 +166,8 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
      r"--trainer.check_val_every_n_epoch must be an integer >= 1 or null"),
     ("a negative clipping norm", ["--trainer.gradient_clip_val=-1.0"],
      r"--trainer.gradient_clip_val must be >= 0 .*would train unclipped"),
+    # Lightning's own refusal of a Trainer option (a MisconfigurationException, no ValueError).
+    ("negative max steps", ["--trainer.max_steps=-5"], r"`max_steps` must be a non-negative integer or -1"),
 ]
 
 
