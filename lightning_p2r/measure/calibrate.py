@@ -40,7 +40,8 @@ What it measures, each as the median of several timed repetitions after a warm-u
   when as many GPUs exist); a line through its times gives its bus bandwidth (the slope), by the ring formula;
   all-reduce's is the link's, the other kinds' are kept relative to it;
 - ``intra_node_latency``: the **mean** time of small all-reduces (1 and 16 KB) over rounds of back-to-back calls
-  (the median round), per ring step (:func:`latency_per_step`). A step pays the sum of its calls, so the mean,
+  (the median round), in four windows spread over the collective timings (the median window), per ring step
+  (:func:`latency_per_step`). A step pays the sum of its calls, so the mean,
   tail included, is what it pays; a single call's median and a line's intercept through larger sizes miss the
   calls that wait for a descheduled rank, which dominate on a CPU running more processes than cores;
 - ``stage_overhead``, ``dtensor_overhead``, ``blocking_collective_overhead``, ``expert_wait_overhead`` (with
@@ -503,15 +504,17 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
         constants, constants["core_share"] = core_share(lambda: device_constants(device, quick), threads)
         constants["module_hook_overhead"] = module_hook_seconds(device, own_rank_mesh(device), 5 if quick else 15)
         repeats = 3 if quick else 20
+        rounds = LATENCY_ROUNDS_QUICK if quick else LATENCY_ROUNDS
+        # The latency is timed in windows spread over the collective timings and their median kept: on a 2-core
+        # CPU one window's mean ranged over 0.2-0.56 ms within a run, and one window per calibration gave 0.22 to
+        # 0.80 ms from one run to the next.
+        windows = [small_all_reduce_mean(device, rounds)]
         for index, elements in enumerate(collective_sizes(quick, processes)):
             # Tiny messages are noisier: more repetitions where they cost little.
             times = _time_collectives(elements, processes, device, repeats * (5 if index == 0 else 1))
             constants |= {f"{kind}@{index}": seconds for kind, seconds in times.items()}
-        rounds = LATENCY_ROUNDS_QUICK if quick else LATENCY_ROUNDS
-        constants["small_all_reduce_mean"] = sum(
-            statistics.median(mean_call_seconds(_all_reduce_of(elements, device), calls=LATENCY_CALLS, device=device)
-                              for _ in range(rounds))
-            for elements in LATENCY_ELEMENTS) / len(LATENCY_ELEMENTS)
+            windows.append(small_all_reduce_mean(device, rounds))
+        constants["small_all_reduce_mean"] = statistics.median(windows)
         names = sorted(constants)
         values = torch.tensor([constants[name] for name in names], dtype=torch.float64, device=device)
         dist.all_reduce(values)
@@ -519,6 +522,14 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
             queue.put({name: float(value) / processes for name, value in zip(names, values.tolist())})
     finally:
         dist.destroy_process_group()
+
+
+def small_all_reduce_mean(device: torch.device, rounds: int) -> float:
+    """One window of the latency measurement: the mean call of ``LATENCY_CALLS`` back-to-back all-reduces of each of
+    ``LATENCY_ELEMENTS``, the median of ``rounds`` rounds per size, averaged over the sizes."""
+    return sum(statistics.median(mean_call_seconds(_all_reduce_of(elements, device), calls=LATENCY_CALLS,
+                                                   device=device) for _ in range(rounds))
+               for elements in LATENCY_ELEMENTS) / len(LATENCY_ELEMENTS)
 
 
 LATENCY_ELEMENTS = (256, 4096)
