@@ -76,7 +76,8 @@ from typing import Any
 
 import torch
 
-from ..planning.cluster import ELEMENTWISE_LARGE_BYTES, ELEMENTWISE_SMALL_BYTES, Cluster, write_cluster
+from ..models.config import M6Config
+from ..planning.cluster import ELEMENTWISE_LARGE_BYTES, ELEMENTWISE_SMALL_BYTES, TOKEN_COSTS, Cluster, write_cluster
 from ..planning.network import ring_terms
 from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
@@ -200,6 +201,26 @@ TOKEN_PROBE_WIDTHS = (16, 64)
 unpriced work grows with the width, and the planner prices it on the line through the two."""
 
 
+def probe_config(layers: int, experts: int, width: int = LAYER_PROBE["dim"]) -> M6Config:
+    """``LAYER_PROBE`` with ``layers`` layers, all MoE with ``experts`` experts (0: dense), at ``width`` (heads
+    of 8)."""
+    moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
+    return M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=layers, **moe)
+
+
+def priced_probe(config: M6Config, cluster: Cluster, sequences: int) -> float:
+    """The cost model's compute seconds of ``config`` on one device of ``cluster`` for ``sequences`` sequences of
+    ``LAYER_PROBE``'s length (forward and backward, no optimizer: what the probes time)."""
+    from ..planning import Workload
+    from ..planning.layout import Layout
+    from ..planning.share import rank_share
+    from ..planning.step_time import compute_seconds
+
+    workload = Workload(global_batch=sequences, seq_len=LAYER_PROBE["max_seq_len"])
+    one = cluster.with_devices(1)
+    return compute_seconds(config, Layout(), one, workload, rank_share(config, Layout(), one, workload, 0))
+
+
 def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     """``dense_layer_overhead``, ``moe_layer_overhead`` and ``moe_expert_overhead``: the package's own transformer at a
     negligible size (``LAYER_PROBE``), forward and backward, with 1 and 5 layers (the difference over 4 is one layer's
@@ -210,12 +231,10 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     The dense and MoE models are timed again on ``TOKEN_PROBE_SEQUENCES`` sequences, and both token counts at the
     second of ``TOKEN_PROBE_WIDTHS`` too; one layer's time at each is returned under its ``LAYER_SECONDS`` name, from
     which :func:`token_overheads` takes what each token costs beyond the priced terms."""
-    from ..models.config import M6Config
     from ..models.transformer import M6Transformer
 
     def step_of(layers: int, experts: int, sequences: int = 1, width: int = LAYER_PROBE["dim"]) -> Callable[[], None]:
-        moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
-        config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=layers, **moe)
+        config = probe_config(layers, experts, width)
         model = M6Transformer(config).to(device)
         tokens = torch.randint(0, config.vocab_size, (sequences, config.max_seq_len), device=device)
 
@@ -271,23 +290,11 @@ def token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[s
     prices with ``cluster`` (its FLOPs, attention and elementwise traffic), per added token, at each of
     ``TOKEN_PROBE_WIDTHS``; the line through the two (never below 0: timing noise) gives the seconds per token at
     width 0 and per unit of width."""
-    from ..models.config import M6Config
-    from ..planning import Workload
-    from ..planning.layout import Layout
-    from ..planning.share import rank_share
-    from ..planning.step_time import compute_seconds
-
-    one = dataclasses.replace(cluster.with_devices(1), **dict.fromkeys(TOKEN_FIELDS, 0.0))
+    unpriced = dataclasses.replace(cluster, **dict.fromkeys(TOKEN_COSTS, 0.0))
 
     def priced_layer(experts: int, sequences: int, width: int) -> float:
-        moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
-        workload = Workload(global_batch=sequences, seq_len=LAYER_PROBE["max_seq_len"])
-
-        def compute(layers: int) -> float:
-            config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=layers, **moe)
-            return compute_seconds(config, Layout(), one, workload, rank_share(config, Layout(), one, workload, 0))
-
-        return (compute(5) - compute(1)) / 4
+        return (priced_probe(probe_config(5, experts, width), unpriced, sequences)
+                - priced_probe(probe_config(1, experts, width), unpriced, sequences)) / 4
 
     added_tokens = (TOKEN_PROBE_SEQUENCES - 1) * LAYER_PROBE["max_seq_len"]
     out = {}
@@ -305,35 +312,20 @@ def token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[s
     return out
 
 
-TOKEN_FIELDS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead",
-                "moe_token_width_overhead")
-
-
 def expert_weight_overhead(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[str, float]:
     """``moe_expert_weight_overhead``: how much more each expert of the probe's MoE layers cost at the wider of
     ``TOKEN_PROBE_WIDTHS`` than at ``LAYER_PROBE``'s, less the difference the cost model prices with ``cluster`` (the
     weights' traffic, the matmuls), per element of one expert's two weight matrices; never below 0. On a CPU the loop
     kernel's backward stacks every expert's weight gradients into the stacked weights' gradient, a copy that runs
     slower per byte than plain traffic."""
-    from ..models.config import M6Config
-    from ..planning import Workload
-    from ..planning.layout import Layout
-    from ..planning.share import rank_share
-    from ..planning.step_time import compute_seconds
-
-    one = dataclasses.replace(cluster.with_devices(1), moe_expert_weight_overhead=0.0)
-    workload = Workload(global_batch=1, seq_len=LAYER_PROBE["max_seq_len"])
+    unpriced = dataclasses.replace(cluster, moe_expert_weight_overhead=0.0)
 
     def priced_expert(width: int) -> float:
-        def compute(experts: int) -> float:
-            config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=5,
-                              num_experts=experts, moe_layers=None)
-            return compute_seconds(config, Layout(), one, workload, rank_share(config, Layout(), one, workload, 0))
-
-        return (compute(16) - compute(2)) / (5 * 14)
+        return (priced_probe(probe_config(5, 16, width), unpriced, 1)
+                - priced_probe(probe_config(5, 2, width), unpriced, 1)) / (5 * 14)
 
     def elements(width: int) -> int:
-        config = M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_experts=2)
+        config = probe_config(1, 2, width)
         return 2 * config.dim * config.routed_hidden_dim
 
     narrow, wide = LAYER_PROBE["dim"], TOKEN_PROBE_WIDTHS[-1]
@@ -678,7 +670,6 @@ def batch_call_overhead(one_batch_s: float, accumulated_s: float, batches: int, 
 def modelled_added_batches(cluster: Cluster, batches: int) -> float:
     """Seconds the cost model prices for the step-overhead model's ``batches - 1`` added batches (with the
     framework terms at their values in ``cluster``, 0 in a fresh calibration)."""
-    from ..models.config import M6Config
     from ..planning import Workload, estimate_step
     from ..planning.layout import Layout
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.config import M6Config
-from .cluster import Cluster, cluster_for, load_cluster
+from .cluster import SIZE_DEPENDENT_LAYER_COSTS, Cluster, cluster_for, load_cluster
 from .framework import HOW_TO_GET, missing_terms
 from .layout import SCHEDULES, SHARDINGS, Layout, Workload
 from .model import parameter_count, pseudo_of
@@ -262,11 +262,6 @@ def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluste
               "each expert's gradient stacking are left out, and CPU steps come out short (by 20-30% on the draws in "
               "docs/benchmarks.md); calibrate again")
 
-
-SIZE_DEPENDENT_LAYER_COSTS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead",
-                              "moe_token_width_overhead", "moe_expert_weight_overhead")
-"""The layer costs ``calibrate`` measures at more than one size; a CPU file with the fixed layer costs but none of
-these was written before they existed."""
 
 
 def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Cluster, steps: int,

@@ -298,6 +298,13 @@ def _is_range(value: Any) -> bool:
             and 0 <= value[0] <= value[1])
 
 
+TOKEN_COSTS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead", "moe_token_width_overhead")
+"""The per-token layer costs (``lightning_p2r.measure.calibrate.token_overheads``)."""
+SIZE_DEPENDENT_LAYER_COSTS = (*TOKEN_COSTS, "moe_expert_weight_overhead")
+"""The layer costs ``calibrate`` measures at more than one size; a CPU file with the fixed layer costs but none of
+these was written before they existed (``plan`` warns)."""
+
+
 _TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "dense_token_overhead",
           "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead", "moe_expert_weight_overhead",
           "operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
