@@ -1,8 +1,8 @@
 """The planner judged on a fresh draw of model shapes and one-device layouts (issue 41: held-out shapes, not only
 held-out layouts; item 2: the same on a GPU).
 
-    python -m lightning_p2r.benchmarks.planner_draw [--seed 11] [--count 24] [--processes 1] [--budget-s 150]
-                                                    [--cluster FILE] [--measured CSV] [--out DIR]
+    python -m lightning_p2r.benchmarks.planner_draw [--seed 11] [--count 24] [--processes 1] [--rounds 1]
+                                                    [--budget-s 150] [--cluster FILE] [--measured CSV] [--out DIR]
 
 1. **Draw.** A seeded random sample of models (depth, width, dense or MoE with 4-16 experts and top-1 or top-2,
    sequence length) and one-device layouts (offloaded fraction, micro-batches, standard or layered accumulation,
@@ -12,8 +12,10 @@ held-out layouts; item 2: the same on a GPU).
    schedules, micro-batches, accumulation, offload).
 2. **Measure.** Each draw trains for a few steps on random tokens (the planner's trial worker's fit: in this
    process on one device, in ``plan --trial``'s worker processes on several); the measured step is rank 0's median
-   optimizer-step interval after warm-up. Rows are written as they finish, so a run cut short by ``--budget-s``
-   keeps what it measured.
+   optimizer-step interval after warm-up. With ``--rounds R`` the whole draw runs R times in turn (as ``plan
+   --trial-rounds`` runs its layouts) and each row keeps the median of its rounds, with their range
+   (``measured_min_s`` / ``measured_max_s``): one run slowed by something else on the machine then moves one round,
+   not the row. Rows are written as they finish, so a run cut short by ``--budget-s`` keeps what it measured.
 3. **Predict.** With ``--cluster`` (a ``lightning-p2r calibrate`` file of this machine) each row gets the
    planner's estimate; ``--measured CSV`` re-predicts stored measurements without running anything, so a change to
    the cost model is judged on the same draw. The summary prints the median and largest |error| and Spearman's rank
@@ -27,10 +29,12 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import random
 import statistics
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -43,7 +47,8 @@ from lightning_p2r.planning.layout import Layout, Workload, check_layout
 from lightning_p2r.planning.step_time import estimate_step
 
 COLUMNS = ("draw", "processes", "layout", "layers", "dim", "experts", "top_k", "seq_len", "global_batch", "precision",
-           "measured_s", "predicted_s", "error_pct", "status", "model", "options")
+           "measured_s", "measured_min_s", "measured_max_s", "rounds", "predicted_s", "error_pct", "status", "model",
+           "options")
 
 
 @dataclass(frozen=True)
@@ -121,6 +126,39 @@ def measure(item: Draw, device: str, steps: int) -> float:
         return fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"], log_telemetry=False), warmup=2)[2]
 
 
+def measure_rows(items: list[Draw], timer: Callable[[Draw], float], *, rounds: int = 1, budget_s: float = math.inf,
+                 after_each: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+    """One row per draw, ``timer`` run on every draw ``rounds`` times in turn (all draws once, then again): each row's
+    ``measured_s`` is the median of its rounds. A draw that fails is a finding: the row records the error and is not
+    run again. Past ``budget_s`` seconds nothing more is run; a row measured in fewer rounds keeps the median of
+    those, and one never measured says it was skipped. ``after_each`` gets the rows after every run (to write them
+    as they come)."""
+    began = time.perf_counter()
+    rows = [row_of(index, item) for index, item in enumerate(items)]
+    times: list[list[float]] = [[] for _ in items]
+    for round_ in range(1, rounds + 1):
+        for item, row, measured in zip(items, rows, times):
+            if row.get("status", "ok") != "ok":
+                continue
+            if time.perf_counter() - began > budget_s:
+                row.setdefault("status", f"skipped: past --budget-s {budget_s}")
+                continue
+            try:
+                measured.append(timer(item))
+            except Exception as error:
+                traceback.print_exc()
+                row["status"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
+                continue
+            row |= {"measured_s": statistics.median(measured), "measured_min_s": min(measured),
+                    "measured_max_s": max(measured), "rounds": len(measured), "status": "ok"}
+            of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""
+            print(f"[{time.perf_counter() - began:6.1f} s] {row['draw']} p{row['processes']} {row['layout']} "
+                  f"L{row['layers']} d{row['dim']} E{row['experts']} s{row['seq_len']} b{row['global_batch']}: "
+                  f"{measured[-1]:.4g} s{of_rounds}", flush=True)
+            after_each(rows)
+    return rows
+
+
 def row_of(index: int, item: Draw) -> dict[str, Any]:
     config = item.config
     return {"draw": index, "processes": item.processes, "layout": item.layout.describe(),
@@ -191,39 +229,28 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="process counts to draw layouts for (each gets --count draws; several processes run as "
                              "plan --trial runs them)")
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per draw (2 of them warm-up)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole draw this many times in turn; each row keeps its rounds' median")
     parser.add_argument("--budget-s", type=float, default=150.0, help="stop drawing after this many seconds")
     parser.add_argument("--cluster", nargs="+",
                         help="calibrated cluster files of this machine (one per process count, `lightning-p2r "
                              "calibrate --processes N`): predict every row with its count's file")
     parser.add_argument("--measured", help="re-predict this CSV's measurements instead of running")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1 (how often each draw runs), got {args.rounds}")
     apply_threads(args.threads)
     out = Path(args.out) / "planner_draw.csv"
     if args.measured:
         with open(args.measured, newline="") as file:
             rows = list(csv.DictReader(file))
     else:
-        rows = []
-        began = time.perf_counter()
         gpu = args.device == "cuda"
         # Each process count draws from its own seed (seed + processes - 1: one process keeps the seed's old draw).
         items = [item for processes in args.processes
                  for item in draw(args.seed + processes - 1, args.count, gpu=gpu, processes=processes)]
-        for index, item in enumerate(items):
-            row = row_of(index, item)
-            if time.perf_counter() - began > args.budget_s:
-                row["status"] = f"skipped: past --budget-s {args.budget_s}"
-            else:
-                try:
-                    row |= {"measured_s": measure(item, args.device, args.steps), "status": "ok"}
-                except Exception as error:  # a draw that fails is a finding: record it, measure the next
-                    traceback.print_exc()
-                    row["status"] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:160]}"
-            rows.append(row)
-            print(f"[{time.perf_counter() - began:6.1f} s] {row['draw']} p{row['processes']} {row['layout']} "
-                  f"L{row['layers']} d{row['dim']} E{row['experts']} s{row['seq_len']} b{row['global_batch']}: "
-                  f"{row.get('measured_s', '-')} {row['status']}", flush=True)
-            write_rows(rows, out)
+        rows = measure_rows(items, lambda item: measure(item, args.device, args.steps), rounds=args.rounds,
+                            budget_s=args.budget_s, after_each=lambda rows: write_rows(rows, out))
     if args.cluster:
         predict(rows, [load_cluster(path) for path in args.cluster])
     write_rows(rows, out)

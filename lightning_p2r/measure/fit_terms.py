@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,13 +61,21 @@ def unfitted(cluster: Cluster) -> Cluster:
 def probe_layouts(cluster: Cluster, per_term: int = PROBES_PER_TERM) -> list[Layout]:
     """For each fitted term, layouts of the planner's search space on ``cluster``'s devices that count it: the simplest
     (fewest other fitted terms, then fewest micro-batches, then by name), and with ``per_term`` above one, layouts
-    like it (the same other terms) counting the term about four times as often, so that the fit tells the term's cost
-    per count from whatever else the simplest layout's step holds. Empty on one device, where no layout counts one."""
+    like it (the same other terms) where the term is the largest share of the step (most counts per second of the
+    unfitted estimate), so that the fit reads the term's cost per count from a step it dominates, not from a small
+    difference (a blocking collective priced only from the two or nine waits of plain data parallelism would take its
+    value from the tensor-parallel probes, where it shares every count with the DTensor term). Empty on one device,
+    where no layout counts one."""
     from ..planning.search import candidate_layouts
+    from ..planning.step_time import estimate_step
 
     config, workload = probe_workload()
     pool = sorted(candidate_layouts(config, cluster, workload), key=lambda layout: layout.describe())
     counts = {layout: framework_counts(config, layout, cluster, workload) for layout in pool}
+    zeroed = unfitted(cluster)
+
+    def base_seconds(layout: Layout) -> float:
+        return estimate_step(config, layout, zeroed, workload).total
     chosen: list[Layout] = []
     for term in FITTED:
         def others(layout: Layout, term: str = term) -> int:
@@ -79,9 +86,8 @@ def probe_layouts(cluster: Cluster, per_term: int = PROBES_PER_TERM) -> list[Lay
         if not counting:
             continue
         simplest = counting[0]
-        target = 4 * counts[simplest][term]
         alike = sorted((layout for layout in counting[1:] if others(layout) == others(simplest)),
-                       key=lambda layout: (abs(math.log(counts[layout][term] / target)), layout.describe()))
+                       key=lambda layout: (-counts[layout][term] / base_seconds(layout), layout.describe()))
         # A layout already chosen for another term measures this one too.
         chosen += [layout for layout in [simplest, *alike[: per_term - 1]] if layout not in chosen]
     return chosen

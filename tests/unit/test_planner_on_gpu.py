@@ -142,3 +142,31 @@ def test_a_several_process_draw_takes_layouts_from_the_planners_space_and_report
 def test_compute_shapes_on_cuda_runs_the_grouped_kernel(tmp_path: Path) -> None:
     rows = compute_shapes.measure_shapes(torch.device("cuda"), quick=True)
     assert all(row["seconds"] > 0 for row in rows)
+
+
+def test_rounds_run_the_whole_draw_in_turn_and_each_row_keeps_its_median() -> None:
+    """``--rounds``: every draw runs once before any runs again; a row's step is the median of its rounds, with their
+    range; a failing draw is recorded once and not run again; past the budget, rows keep what they measured."""
+    items = planner_draw.draw(5, 3, gpu=False)
+    order: list[int] = []
+    slow = iter([0.30, 0.10, 0.50, 0.11, 0.12, 0.90])  # draw 0: 0.30, 0.50, 0.12; draw 1: 0.10, 0.11, 0.90
+
+    def timer(item):
+        index = items.index(item)
+        order.append(index)
+        if index == 2:
+            raise RuntimeError("out of memory\nmore")
+        return next(slow)
+
+    written = []
+    rows = planner_draw.measure_rows(items, timer, rounds=3, after_each=lambda rows: written.append(len(rows)))
+    assert order == [0, 1, 2, 0, 1, 0, 1]
+    assert [r["rounds"] for r in rows[:2]] == [3, 3]
+    assert rows[0]["measured_s"] == pytest.approx(0.30) and rows[0]["measured_min_s"] == pytest.approx(0.12)
+    assert rows[1]["measured_s"] == pytest.approx(0.11) and rows[1]["measured_max_s"] == pytest.approx(0.90)
+    assert rows[2]["status"] == "failed: RuntimeError: out of memory" and "measured_s" not in rows[2]
+    assert written == [3] * 6
+    past = planner_draw.measure_rows(items[:2], lambda item: 0.2, rounds=2, budget_s=-1.0)
+    assert [row["status"] for row in past] == ["skipped: past --budget-s -1.0"] * 2
+    with pytest.raises(SystemExit):
+        planner_draw.main(["--rounds", "0"])
