@@ -1,7 +1,7 @@
 """The cost model's fitted framework terms, fitted on this machine by ``lightning-p2r calibrate``.
 
 Four terms of the step estimate (``FITTED`` in :mod:`lightning_p2r.planning.framework`: a pipeline stage action, a
-tensor-parallel operator pass, a blocking collective's wait, an expert all-to-all's wait) are Python and
+pass of a tensor-parallel split module, a blocking collective's wait, an expert all-to-all's wait) are Python and
 synchronization time that no microbenchmark isolates. ``calibrate`` prices them the way the planner's
 cross-validation does, on the user's own machine: it trains a handful of small layouts that count them
 (:func:`probe_layouts`), predicts each with those terms at zero, and fits the terms by non-negative least squares on

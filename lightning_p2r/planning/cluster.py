@@ -145,8 +145,9 @@ class Cluster:
     stage_overhead: float = 0.0
     """Seconds per pipeline stage action (one stage's forward or backward of one micro-batch); fitted."""
     dtensor_overhead: float = 0.0
-    """Seconds per operator pass under tensor parallelism (DTensor dispatch, on top of ``operator_overhead``);
-    fitted."""
+    """Seconds per pass of a tensor-parallel split module (its input and output converted to and from DTensor, its
+    weight's operator dispatched through DTensor; ``planning.framework.tensor_parallel_module_passes``); fitted.
+    Files fitted before 2026-11-29 priced it per operator of the layer: calibrate again."""
     blocking_collective_overhead: float = 0.0
     """Seconds per collective call on the critical path (tensor parallel, balance loss, pipeline sends, clipping)
     beyond the microbenchmark's latency: each waits for the slowest rank of its group (tensor parallelism once per

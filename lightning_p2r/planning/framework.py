@@ -28,9 +28,11 @@ half of a random sample of layouts, judged on the other half (docs/planning.md).
   once.
 - ``expert_wait_overhead``: every expert-parallel all-to-all waits for the rank whose experts received the most
   tokens: dropless routing gives the ranks unequal expert work, which equal microbenchmark payloads do not see.
-- ``dtensor_overhead``: under tensor parallelism the layers' operators dispatch through DTensor (sharding
-  propagation in Python), each forward and backward pass of each micro-batch: a cost per operator on top of
-  ``operator_overhead``, counted with the same operator count.
+- ``dtensor_overhead``: under tensor parallelism each module the parallel plan splits converts its input and
+  output to and from DTensor and dispatches its weight's operator through DTensor (sharding propagation in Python),
+  each forward and backward pass of each micro-batch: a cost per split module's pass. The operators between those
+  modules (attention, the router, the experts' loop on local shards) run on plain tensors; counting every operator
+  (as until 2026-11-29) made a 16-expert layer's loop look like hundreds of DTensor calls.
 
 On a CPU-only machine running more training threads than cores the fitted counts stretch by
 ``Cluster.cpu_oversubscription`` (measured by ``calibrate``): each count is Python work of one process, which then
@@ -45,7 +47,6 @@ from collections.abc import Sequence
 from ..models.config import M6Config
 from .cluster import FITTED_TERMS, Cluster
 from .layout import Layout, Workload
-from .model import grouped_experts, layer_operator_launches
 from .share import RankShare, rank_share
 from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, Transfer, step_transfers
 
@@ -79,15 +80,21 @@ def pipeline_stage_actions(layout: Layout) -> int:
     return 2 * layout.stages_per_rank * layout.micro_batches
 
 
-def tensor_parallel_operator_passes(config: M6Config, layout: Layout, share: RankShare, *,
-                                    grouped: bool = False) -> int:
-    """Operators the rank's layers launch per step under tensor parallelism (none without it): forward and backward
-    (three forwards' worth, as ``operator_overhead`` counts them) of every micro-batch."""
+def tensor_parallel_module_passes(config: M6Config, layout: Layout, share: RankShare) -> int:
+    """Calls through DTensor per step under tensor parallelism (none without it): forward and backward (three
+    forwards' worth) of every micro-batch through each module the model's parallel plan splits. The parallel styles
+    wrap a module's input and output (``from_local`` / ``to_local``, a redistribution) and dispatch its weight's
+    operator through DTensor; everything between them (attention, norms without sequence parallelism, the router, the
+    experts' loop on their local shards) runs on plain tensors. Per layer: the attention's two projections and the
+    FFN's two linears, or an expert layer's entry and exit; sequence parallelism adds the two norms and an expert
+    layer's gather and cut. Outside the layers: the embedding and the head where the rank runs them (and the final
+    norm under sequence parallelism)."""
     if layout.tensor_parallel == 1:
         return 0
-    local_experts = config.num_experts // layout.expert_parallel
-    launches = sum(layer_operator_launches(config, layer, local_experts, grouped=grouped) for layer in share.layers)
-    return 3 * layout.micro_batches * launches
+    sequence = layout.sequence_parallel
+    per_layer = sum(4 + (2 + (2 if config.is_moe_layer(layer) else 0) if sequence else 0) for layer in share.layers)
+    ends = int(share.first_stage) + (2 if sequence else 1) * int(share.last_stage)
+    return 3 * layout.micro_batches * (per_layer + ends)
 
 
 def _blocking(transfer: Transfer, overlap_collectives: bool) -> bool:
@@ -123,8 +130,7 @@ def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workloa
     if transfers is None:
         transfers = step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
     fitted = {"stage_overhead": pipeline_stage_actions(layout),
-              "dtensor_overhead": tensor_parallel_operator_passes(
-                  config, layout, share, grouped=grouped_experts(config, cluster.accelerator, workload.precision)),
+              "dtensor_overhead": tensor_parallel_module_passes(config, layout, share),
               "blocking_collective_overhead": blocking_collective_calls(transfers, cluster.overlap_collectives),
               "expert_wait_overhead": expert_dispatch_calls(transfers)}
     stretch = cluster.cpu_oversubscription

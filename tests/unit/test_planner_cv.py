@@ -16,7 +16,7 @@ from lightning_p2r.planning.framework import (
     framework_seconds,
     hooked_module_passes,
     pipeline_stage_actions,
-    tensor_parallel_operator_passes,
+    tensor_parallel_module_passes,
 )
 from lightning_p2r.planning.layout import Layout
 from lightning_p2r.planning.share import rank_share
@@ -54,9 +54,25 @@ def test_pipeline_actions_and_tensor_parallel_operators() -> None:
     assert pipeline_stage_actions(Layout()) == 0
     assert pipeline_stage_actions(Layout(pipeline_parallel=2, stages_per_rank=2, micro_batches=4,
                                          pipeline_schedule="looped_bfs")) == 16
+    # Per layer the two attention projections and the FFN's two linears; the embedding and the head; three
+    # forwards' worth per micro-batch.
     tp = Layout(tensor_parallel=2, micro_batches=2)
-    assert tensor_parallel_operator_passes(CONFIG, tp, _share(tp, 2)) == 3 * 2 * 4 * 30  # 30 per dense layer
-    assert tensor_parallel_operator_passes(CONFIG, Layout(), _share(Layout(), 2)) == 0
+    assert tensor_parallel_module_passes(CONFIG, tp, _share(tp, 2)) == 3 * 2 * (4 * 4 + 2)
+    assert tensor_parallel_module_passes(CONFIG, Layout(), _share(Layout(), 2)) == 0
+    # Sequence parallelism splits the two norms too, and the final norm.
+    sp = Layout(tensor_parallel=2, sequence_parallel=True)
+    assert tensor_parallel_module_passes(CONFIG, sp, _share(sp, 2)) == 3 * (6 * 4 + 3)
+    # An expert layer's loop runs on local shards: its DTensor calls do not grow with the experts.
+    moe = {n: M6Config(vocab_size=64, max_seq_len=16, num_layers=4, dim=16, num_heads=2, num_experts=n,
+                       moe_layers=[1, 3], init_seed=0) for n in (2, 16)}
+    two = Cluster(devices=2, devices_per_node=2)
+    passes = {n: tensor_parallel_module_passes(config, tp, rank_share(config, tp, two, WORKLOAD))
+              for n, config in moe.items()}
+    assert passes[2] == passes[16] == 3 * 2 * (4 * 4 + 2)
+    # The second pipeline stage runs the head, not the embedding.
+    pipeline = Layout(tensor_parallel=2, pipeline_parallel=2, micro_batches=2)
+    last = rank_share(CONFIG, pipeline, Cluster(devices=4, devices_per_node=4), WORKLOAD, 1)
+    assert tensor_parallel_module_passes(CONFIG, pipeline, last) == 3 * 2 * (4 * len(last.layers) + 1)
 
 
 def test_the_fitted_counts_stretch_with_cpu_oversubscription_and_cpu_collectives_wait() -> None:
