@@ -13,6 +13,7 @@ from lightning_p2r.measure.fit_terms import (
     predicted_probe,
     probe_layouts,
     probe_workload,
+    unfitted,
 )
 from lightning_p2r.planning.cluster import Cluster, load_cluster, write_cluster
 from lightning_p2r.planning.framework import FITTED, framework_counts, missing_terms
@@ -33,6 +34,39 @@ def test_the_probes_count_every_fitted_term_on_two_processes(per_term) -> None:
     for term in FITTED:
         counting = [layout for layout in layouts if framework_counts(config, layout, cluster, workload)[term] > 0]
         assert len(counting) >= per_term, (term, [layout.describe() for layout in layouts])
+
+
+def test_each_terms_second_probe_is_where_that_term_is_the_largest_share_of_the_step() -> None:
+    """The second probe of a term is the layout like the simplest one (the same other fitted terms) that counts the
+    term most per second of the unfitted step, so the fit reads it off a step it dominates: for the blocking wait on
+    two CPU processes, a ZeRO-3 layout (tens of waits), not ZeRO-1's few."""
+    from lightning_p2r.planning.search import candidate_layouts
+    from lightning_p2r.planning.step_time import estimate_step
+
+    cluster = _cpu_cluster(2)
+    config, workload = probe_workload()
+    zeroed = unfitted(cluster)
+    pool = list(candidate_layouts(config, cluster, workload))
+    counts = {layout: framework_counts(config, layout, cluster, workload) for layout in pool}
+
+    def share(layout: Layout, term: str) -> float:
+        return counts[layout][term] / estimate_step(config, layout, zeroed, workload).total
+
+    def others(layout: Layout, term: str) -> set[str]:
+        return {t for t in FITTED if t != term and counts[layout][t] > 0}
+
+    simplest, second = probe_layouts(cluster, 1), probe_layouts(cluster, 2)
+    for term in FITTED:
+        first = next(layout for layout in simplest if counts[layout][term] > 0)
+        alike = [layout for layout in pool if counts[layout][term] > 0 and layout != first
+                 and others(layout, term) == others(first, term)]
+        best = max(share(layout, term) for layout in alike)
+        assert any(share(layout, term) == best for layout in second if layout in alike), term
+    # Plain data parallelism waits twice per step; its second probe waits many times more.
+    term = "blocking_collective_overhead"
+    blocking = sorted(counts[layout][term] for layout in second
+                      if counts[layout][term] > 0 and not others(layout, term))
+    assert blocking[0] == 2 and blocking[-1] >= 8 * 2
 
 
 def test_one_process_has_nothing_to_fit() -> None:
