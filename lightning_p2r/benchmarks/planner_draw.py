@@ -19,7 +19,8 @@ held-out layouts; item 2: the same on a GPU).
 3. **Predict.** With ``--cluster`` (a ``lightning-p2r calibrate`` file of this machine) each row gets the
    planner's estimate; ``--measured CSV`` re-predicts stored measurements without running anything, so a change to
    the cost model is judged on the same draw. The summary prints the median and largest |error| and Spearman's rank
-   correlation of predicted and measured step, for all rows and per process count.
+   correlation of predicted and measured step, for all rows and per process count, and with ``--rounds`` how far
+   a row's own rounds lie apart (median and largest): the error no cost model can get under on this machine.
 
 The user's path (issue 41 item 1) is ``lightning-p2r calibrate --processes N --out FILE`` (which fits the framework
 waits on this machine) and then this draw with ``--cluster FILE``: no term is chosen or fitted on the draw.
@@ -194,13 +195,21 @@ def predict(rows: list[dict[str, Any]], clusters: list[Cluster]) -> None:
 
 def _scores(scored: list[dict[str, Any]]) -> dict[str, Any]:
     errors = [abs(float(row["error_pct"])) for row in scored]
-    return {"count": len(scored), "median_abs_error_pct": statistics.median(errors), "max_abs_error_pct": max(errors),
-            "spearman": spearman([float(r["predicted_s"]) for r in scored], [float(r["measured_s"]) for r in scored])}
+    result = {"count": len(scored), "median_abs_error_pct": statistics.median(errors),
+              "max_abs_error_pct": max(errors),
+              "spearman": spearman([float(r["predicted_s"]) for r in scored], [float(r["measured_s"]) for r in scored])}
+    # With several rounds, how far one row's own timings lie apart: the floor under the error the model can reach.
+    spreads = [100 * (float(r["measured_max_s"]) - float(r["measured_min_s"])) / float(r["measured_s"])
+               for r in scored if int(r.get("rounds") or 1) > 1]
+    if spreads:
+        result |= {"median_rounds_spread_pct": statistics.median(spreads), "max_rounds_spread_pct": max(spreads)}
+    return result
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The median and largest |error| and Spearman's rank correlation of the predicted rows, for all of them and,
-    when the draw holds several process counts, per process count (``by_processes``)."""
+    when the draw holds several process counts, per process count (``by_processes``). Rows measured in several
+    rounds add how far their rounds lie apart (max - min, in % of the row's median): the median and largest."""
     scored = [row for row in rows if row.get("error_pct") not in (None, "")]
     if not scored:
         return {}

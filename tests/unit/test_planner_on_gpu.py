@@ -109,6 +109,12 @@ def test_the_summary_reports_errors_and_rank_correlation() -> None:
     assert result["median_abs_error_pct"] == pytest.approx(10)
     assert result["spearman"] == pytest.approx(1.0)
     assert planner_draw.spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert "median_rounds_spread_pct" not in result  # one round each: no spread to report
+    rounds = [r | {"rounds": 3, "measured_min_s": 0.9 * r["measured_s"], "measured_max_s": r["measured_s"] * s}
+              for r, s in zip(rows, (1.1, 1.2, 1.3, 1.4))]
+    spread = planner_draw.summary(rounds)
+    assert spread["median_rounds_spread_pct"] == pytest.approx(35)
+    assert spread["max_rounds_spread_pct"] == pytest.approx(50)
 
 
 def test_a_several_process_draw_takes_layouts_from_the_planners_space_and_reports_per_count(tmp_path: Path) -> None:
