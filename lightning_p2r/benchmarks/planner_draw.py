@@ -20,7 +20,7 @@ held-out layouts; item 2: the same on a GPU).
    planner's estimate; ``--measured CSV`` re-predicts stored measurements without running anything, so a change to
    the cost model is judged on the same draw. The summary prints the median and largest |error| and Spearman's rank
    correlation of predicted and measured step, for all rows and per process count, and with ``--rounds`` how far
-   a row's own rounds lie apart (median and largest): the error no cost model can get under on this machine.
+   a row's own rounds lie apart (median and largest): the timing noise the errors are measured against.
 
 The user's path (issue 41 item 1) is ``lightning-p2r calibrate --processes N --out FILE`` (which fits the framework
 waits on this machine) and then this draw with ``--cluster FILE``: no term is chosen or fitted on the draw.
@@ -198,7 +198,7 @@ def _scores(scored: list[dict[str, Any]]) -> dict[str, Any]:
     result = {"count": len(scored), "median_abs_error_pct": statistics.median(errors),
               "max_abs_error_pct": max(errors),
               "spearman": spearman([float(r["predicted_s"]) for r in scored], [float(r["measured_s"]) for r in scored])}
-    # With several rounds, how far one row's own timings lie apart: the floor under the error the model can reach.
+    # With several rounds, how far one row's own timings lie apart: the noise its error is measured against.
     spreads = [100 * (float(r["measured_max_s"]) - float(r["measured_min_s"])) / float(r["measured_s"])
                for r in scored if int(r.get("rounds") or 1) > 1]
     if spreads:
