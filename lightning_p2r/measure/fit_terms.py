@@ -13,6 +13,7 @@ only. One process counts none of the four terms, so a one-process calibration fi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import tempfile
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ def probe_layouts(cluster: Cluster, per_term: int = PROBES_PER_TERM) -> list[Lay
     counts = {layout: framework_counts(config, layout, cluster, workload) for layout in pool}
     zeroed = unfitted(cluster)
 
+    @functools.cache  # a layout like the simplest for several terms is priced once
     def base_seconds(layout: Layout) -> float:
         return estimate_step(config, layout, zeroed, workload).total
     chosen: list[Layout] = []

@@ -91,10 +91,12 @@ def tensor_parallel_module_passes(config: M6Config, layout: Layout, share: RankS
     norm under sequence parallelism)."""
     if layout.tensor_parallel == 1:
         return 0
-    sequence = layout.sequence_parallel
-    per_layer = sum(4 + (2 + (2 if config.is_moe_layer(layer) else 0) if sequence else 0) for layer in share.layers)
-    ends = int(share.first_stage) + (2 if sequence else 1) * int(share.last_stage)
-    return 3 * layout.micro_batches * (per_layer + ends)
+    layers = len(share.layers)
+    modules = 4 * layers + int(share.first_stage) + int(share.last_stage)
+    if layout.sequence_parallel:
+        moe_layers = sum(config.is_moe_layer(layer) for layer in share.layers)
+        modules += 2 * layers + 2 * moe_layers + int(share.last_stage)
+    return 3 * layout.micro_batches * modules
 
 
 def _blocking(transfer: Transfer, overlap_collectives: bool) -> bool:
