@@ -124,10 +124,10 @@ def test_fsdp2_hooks_are_measured_per_hooked_module_and_micro_batch() -> None:
     assert hook_call_overhead(0.010, 0.009, 13, 4) == 0.0  # noise never makes it negative
     with pytest.raises(ValueError, match="hooked_modules"):
         hook_call_overhead(0.01, 0.02, 0, 4)
-    # The microbenchmark itself, on one process (a process group of its own for the while): FSDP2's hooks cost
-    # something, and far less than a second per module.
+    # The microbenchmark itself, on one process (a process group of its own for the while): a cost per module, far
+    # less than a second (it is a difference of two timings floored at 0, so a busy machine may read it as 0).
     seconds = _one_process_hooks(torch.device("cpu"), quick=True)
-    assert 0 < seconds < 0.05
+    assert 0 <= seconds < 0.05
 
 
 def test_spearman_and_the_nonnegative_fit() -> None:
