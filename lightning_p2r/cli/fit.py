@@ -144,16 +144,37 @@ def _overrides(command_line: list[str]) -> list[tuple[str, str | None]]:
 
 
 def _suggestion(parser: LightningArgumentParser, message: str) -> str:
-    """`` (did you mean --trainer.max_steps?)`` for an unrecognized option close to a known one."""
+    """`` (did you mean: --trainer.max_stpes -> --trainer.max_steps?)`` for an unrecognized option: an option of
+    that name in another section (``--lr`` or ``--model.lr`` -> ``--model.optimizer.lr``; ``--strategy.sharding`` ->
+    ``--trainer.strategy.sharding``, the strategy's options being P2RStrategy's keywords), else the closest
+    spelling."""
     if "unrecognized arguments" not in message:
         return ""
     known = [option for action in parser._actions for option in action.option_strings]  # noqa: SLF001
     hints = []
     for word in message.split(":", 1)[-1].split():
         if word.startswith("--"):
-            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.75)
-            hints += [f"{word.split('=', 1)[0]} -> {close[0]}"] if close else []
+            typed = word.split("=", 1)[0]
+            close = _same_name_elsewhere(typed, known) or difflib.get_close_matches(typed, known, n=1, cutoff=0.75)
+            hints += [f"{typed} -> {close[0]}"] if close else []
     return f" (did you mean: {', '.join(hints)}?)" if hints else ""
+
+
+def _same_name_elsewhere(typed: str, known: list[str]) -> list[str]:
+    """The known options (P2RStrategy's keywords as ``--trainer.strategy.*`` among them) whose last name is
+    ``typed``'s, the one sharing most of ``typed``'s sections first; none when the name is ambiguous across several
+    sections that ``typed`` does not tell apart."""
+    from ..strategy import P2RStrategy
+
+    strategy = [f"--trainer.strategy.{name}" for name in inspect.signature(P2RStrategy.__init__).parameters
+                if name != "self"]
+    sections = typed[2:].split(".")
+    same = [option for option in dict.fromkeys([*known, *strategy])
+            if option != typed and option[2:].split(".")[-1] == sections[-1]]
+    shared = {option: len(set(option[2:].split(".")[:-1]) & set(sections[:-1])) for option in same}
+    best = max(shared.values(), default=0)
+    ranked = [option for option in same if shared[option] == best]
+    return ranked if len(ranked) == 1 else []
 
 
 def _strategy_option_hint(message: str) -> str:

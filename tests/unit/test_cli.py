@@ -252,6 +252,22 @@ def test_a_mistyped_option_gets_one_short_error_with_a_suggestion(tmp_path: Path
     assert "--trainer.max_steps" in err[-1]
 
 
+@pytest.mark.parametrize(("typed", "meant"), [
+    ("--strategy.sharding=zero3", "--trainer.strategy.sharding"),  # P2RStrategy's keyword, outside its section
+    ("--model.lr=0.01", "--model.optimizer.lr"),
+    ("--lr=0.01", "--model.optimizer.lr"),
+    ("--num_layers=8", "--model.config.num_layers"),
+])
+def test_an_option_in_the_wrong_section_is_named_where_it_lives(tmp_path: Path, monkeypatch, capsys, typed: str,
+                                                                 meant: str) -> None:
+    from lightning_p2r.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"), typed])
+    assert f"(did you mean: {typed.split('=')[0]} -> {meant}?)" in capsys.readouterr().err
+
+
 def test_a_mistyped_strategy_option_is_named_with_the_closest_one(tmp_path: Path, monkeypatch, capsys) -> None:
     from lightning_p2r.cli import main
 
