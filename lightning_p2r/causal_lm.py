@@ -219,11 +219,6 @@ class CausalLMModule(L.LightningModule):
 
     def pipeline_parts(self) -> PipelineParts:
         """The model as pipeline parallelism cuts it, from its declaration (``models.decoders``)."""
-        if family_of(self.model) == "litgpt":
-            # Its last stage failed in torch.distributed.pipelining's shape inference (a wild allocation) in this
-            # package's tests; refused until that is understood (docs/your_model.md).
-            raise ValueError("P2RStrategy(pipeline_parallel > 1) does not run litgpt's GPT yet; use sharding, offload "
-                             "and layered accumulation for it")
         return decoder_pipeline_parts(self.model, self._declared(), self.layered_stages(), next_token_batch)
 
     def _log_stage_metrics(self, metrics: dict[str, torch.Tensor]) -> None:

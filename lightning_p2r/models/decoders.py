@@ -131,6 +131,10 @@ def embed_and_block_call(model: nn.Module, parts: DecoderParts, tokens: torch.Te
 
     base = model.get_submodule(parts.base)
     handle = first_block.register_forward_pre_hook(record, prepend=True, with_kwargs=True)
+    # The base's own forward, through __call__ (its hooks run): a pipeline replaces the forward of the module
+    # holding the blocks on the instance (evaluation through the stages), and where that module is the base
+    # (litgpt's GPT), calling it would start a pipeline evaluation from inside a stage.
+    replaced = vars(base).pop("forward", None)
     try:
         if parts.call == "positional":
             base(tokens)
@@ -140,6 +144,8 @@ def embed_and_block_call(model: nn.Module, parts: DecoderParts, tokens: torch.Te
         pass
     finally:
         handle.remove()
+        if replaced is not None:
+            base.forward = replaced
     if "args" not in recorded:
         raise RuntimeError(f"{type(base).__name__}.forward never called its first block")
     args, kwargs = recorded["args"], dict(recorded["kwargs"])

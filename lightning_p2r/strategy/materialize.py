@@ -5,6 +5,7 @@ its seed and the name, so independent of the placement), else the modules' ``res
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
@@ -123,6 +124,13 @@ class Initializer:
         # when a checkpoint gives the parameters (computed buffers are not persistent).
         self._computed = [name for name, m in self.root.named_modules()
                           if any(b.device.type == "meta" for b in m.buffers(recurse=False))]
+        # ... and those of modules above the root, by their names from the LightningModule: a pipeline rank without
+        # the head has a root below the module holding litgpt's cos/sin tables. They own buffers only (the root
+        # holds every parameter).
+        inside = {id(m) for m in self.root.modules()}
+        self._module = module
+        self._computed_above = [name for name, m in module.named_modules() if id(m) not in inside
+                                and any(b.device.type == "meta" for b in m.buffers(recurse=False))]
 
     def template(self) -> nn.Module:
         if self._template is None:
@@ -152,6 +160,25 @@ class Initializer:
         for name in self._computed:
             module = self.root.get_submodule(name)
             self._from_twin(name, [], list(module.named_buffers(recurse=False)))
+        for name in self._computed_above:
+            self._buffers_from_twin(name)
+
+    def _buffers_from_twin(self, name: str) -> None:
+        """A module above the root: its rule runs on a twin holding the module's own buffers only, seeded by its
+        name from the LightningModule. The twin leaves out every module the original refers to (its children, an
+        alias such as the declared ``blocks``): nothing placed below it is copied (FSDP2's units refuse a copy)."""
+        module = self._module.get_submodule(name)
+        rule = init_rule(self._module, name, self.hook)
+        if rule is None:
+            return  # buffers no rule computes: check_no_meta_buffers refused them before placement
+        referred = [*module.children(), *(value for value in vars(module).values() if isinstance(value, nn.Module))]
+        memo: dict[int, object] = {id(other): None for other in referred}
+        memo |= {id(b): torch.empty_like(b, device="cpu") for b in module.buffers(recurse=False)}
+        twin = copy.deepcopy(module, memo)
+        initialize_module(rule, twin, self.seed, name)
+        with torch.no_grad():
+            for key, tensor in module.named_buffers(recurse=False):
+                tensor.copy_(getattr(twin, key).to(tensor.dtype))
 
     def _from_twin(self, name: str, params: list[tuple[str, torch.Tensor]],
                    buffers: list[tuple[str, torch.Tensor]]) -> None:

@@ -234,6 +234,51 @@ def test_a_litgpt_gpt_built_in_place_trains_like_the_eager_build(tmp_path: Path,
     assert list(module.state_dict()) == list(eager.state_dict())
 
 
+
+def test_buffers_above_the_parameters_root_are_recomputed_when_materialized() -> None:
+    """A pipeline rank without the head holds its parameters under ``transformer``, below litgpt's ``GPT`` that owns
+    the rotary tables: they are recomputed by the GPT's rule all the same (they were left uninitialized: NaN)."""
+    pytest.importorskip("litgpt", reason="litgpt is not installed (pip install --no-deps litgpt)")
+    from litgpt import GPT, Config
+
+    from lightning_p2r.strategy.materialize import Initializer, allocate
+    from lightning_p2r.strategy.ties import smallest_parameter_root
+
+    eager = GPT(Config(**LITGPT))
+    with torch.device("meta"):
+        gpt = GPT(Config(**LITGPT))
+    gpt.lm_head = None  # the last stage's part, on another rank
+    outer = nn.Module()
+    outer.model = gpt
+    assert smallest_parameter_root(outer) is gpt.transformer
+    initializer = Initializer(outer, None, seed=3)
+    initializer.fill(allocate(outer, "cpu"))
+    initializer.finish()
+    torch.testing.assert_close(gpt.cos, eager.cos)
+    torch.testing.assert_close(gpt.sin, eager.sin)
+
+
+def test_the_embedding_runs_the_models_own_forward_when_the_pipeline_replaced_it() -> None:
+    """The pipeline replaces the forward of the module holding the blocks on the instance (evaluation through the
+    stages); for litgpt's GPT that module is also the one whose forward embeds: the stage's embedding still runs
+    GPT.forward, and the replacement stays."""
+    pytest.importorskip("litgpt", reason="litgpt is not installed (pip install --no-deps litgpt)")
+    from litgpt import GPT, Config
+
+    from lightning_p2r.models.decoders import KNOWN_DECODERS, embed_and_block_call
+
+    gpt = GPT(Config(**LITGPT))
+
+    def through_the_stages(*args, **kwargs):
+        raise AssertionError("a pipeline evaluation started from inside a stage")
+
+    gpt.forward = through_the_stages
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    hidden, call = embed_and_block_call(gpt, KNOWN_DECODERS["litgpt"], tokens, gpt.transformer.h[0])
+    torch.testing.assert_close(hidden, gpt.transformer.wte(tokens))
+    assert len(call.args) >= 2  # cos and sin, which GPT.forward passes to its blocks
+    assert gpt.forward is through_the_stages
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_the_hf_expert_plan_is_read_and_splits_the_experts_alone(family: str) -> None:
     from lightning_p2r.protocols import StackedExperts
