@@ -152,7 +152,7 @@ class ComputesTokenLoss(Protocol):
     token_loss: Any
 
 
-SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output"]
+SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output", "heads"]
 """How one submodule splits over the tensor-parallel ranks (Megatron-LM):
 
 - "column": a linear layer whose output features are split (the first matmul of a pair);
@@ -161,7 +161,10 @@ SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output
 - "expert": an MoE layer (the module that routes): whole on every tensor-parallel rank (under sequence parallelism
   it sees the whole sequence); the stacked expert weights inside it are declared in ``ParallelPlan.experts``;
 - "vocabulary": an embedding split by vocabulary rows (the partial lookups summed);
-- "output": the output layer split by vocabulary columns (each rank its shard of the logits).
+- "output": the output layer split by vocabulary columns (each rank its shard of the logits);
+- "heads": a module run on this rank's attention heads, its input shaped (batch, sequence, heads, head_dim) and
+  normalized over ``head_dim`` (a per-head norm, as Qwen3's ``q_norm`` and ``k_norm``): its weights whole on every
+  rank, their gradients summed over the ranks (Hugging Face's "replicated_with_grad_allreduce").
 """
 
 

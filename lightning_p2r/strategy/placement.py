@@ -44,7 +44,7 @@ from .materialize import Initializer, allocate, has_meta_tensors
 from .offload_plan import OffloadPlan, plan_for_model
 from .parallel import ParallelMeshes, parallelize_model
 from .parallel.loss import VocabParallelCrossEntropy
-from .parallel.parallelize import model_plan
+from .parallel.parallelize import check_sequence_parallel, model_plan
 from .pipeline.rank_stages import RankStages
 from .regather import meta_template
 from .sharding import OutsideBlocksRoot, fsdp_modules, modules_outside_blocks
@@ -91,6 +91,8 @@ def apply_model_plan(module: nn.Module, holder: nn.Module, plan: ParallelPlan, m
     # A pipeline rank without the output layer (a stand-in) never computes the loss.
     vocab = output[0].weight.shape[0] if output and isinstance(output[0], HoldsWeight) else None
     loss_parallel = meshes.dims.tensor_parallel > 1 and vocab is not None and isinstance(module, ComputesTokenLoss)
+    if ctx.parallel.sequence_parallel:
+        check_sequence_parallel(holder, plan)
     parallelize_model(holder, plan, meshes, loss_parallel=loss_parallel,
                       sequence_parallel=ctx.parallel.sequence_parallel)
     if loss_parallel:

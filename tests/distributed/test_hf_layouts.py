@@ -29,7 +29,7 @@ GROWN = {"module": {"num_unique_blocks": 2, "pseudo_depth": "shallow", "growth_i
 """A shallow pseudo model of 2 layers grown to the real 4 by PseudoToReal at step 2 (issue 38 item 6)."""
 
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
-               for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt")] + [
+               for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN}]
 TWO_PROCESSES = [
     {"name": "ddp_qwen3_moe", "family": "qwen3_moe", "strategy": {}},
@@ -44,6 +44,9 @@ TWO_PROCESSES = [
     # embedding by vocabulary with it.
     {"name": "tp2_llama", "family": "llama", "strategy": {"tensor_parallel": 2}},
     {"name": "tp2_zero3_llama_tied", "family": "llama_tied", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
+    # Qwen3's per-head norms (HF's "replicated_with_grad_allreduce"): whole on each rank's heads, gradients summed.
+    {"name": "tp2_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2}},
+    {"name": "tp2_zero3_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
     {"name": "zero1_gpt2", "family": "gpt2", "strategy": {"sharding": "zero1"}},
     {"name": "pp2_gpt2", "family": "gpt2", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "zero2_layered_mixtral", "family": "mixtral",

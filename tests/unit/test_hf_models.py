@@ -143,7 +143,7 @@ def test_the_hf_tensor_parallel_plan_is_read_and_a_tied_head_splits_its_embeddin
 
 
 @pytest.mark.parametrize(("family", "overrides", "message"), [
-    ("qwen3_moe", {}, r"self_attn\.q_norm \(Qwen3MoeRMSNorm, Hugging Face style 'replicated_with_grad_allreduce'\)"),
+    ("qwen3_moe", {}, r"mlp\.experts \(Qwen3MoeExperts, Hugging Face style 'moe_tp_experts'\)"),
     ("mixtral", {}, r"mlp\.experts \(MixtralExperts, Hugging Face style 'moe_tp_experts'\)"),
     ("llama", {"num_key_value_heads": 1}, r"must divide LlamaForCausalLM's num_key_value_heads=1"),
     ("gpt2", {}, r"nor a Hugging Face base_model_tp_plan \(GPT-2 has none: its Conv1D"),
@@ -154,6 +154,35 @@ def test_what_tensor_parallelism_cannot_split_is_refused_in_one_line(family: str
 
     with pytest.raises(ValueError, match=message):
         model_plan(_declared(family, **overrides), tensor_parallel=2)
+
+
+def test_qwen3s_per_head_norms_run_whole_on_the_ranks_heads() -> None:
+    """HF's "replicated_with_grad_allreduce" (Qwen3's q_norm and k_norm) is the "heads" kind: torch's sequence style
+    over the heads dimension, the weights replicated."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+    from lightning_p2r.strategy.parallel.tensor import styles
+
+    plan = model_plan(_declared("qwen3"), tensor_parallel=2)
+    assert plan.blocks[0]["self_attn.q_norm"] == plan.blocks[0]["self_attn.k_norm"] == "heads"
+    style = styles({"self_attn.q_norm": "heads"})["self_attn.q_norm"]
+    assert isinstance(style, SequenceParallel) and style.use_local_output
+    assert style.sequence_sharding[0].dim == 2  # (batch, sequence, heads, head_dim)
+
+
+def test_sequence_parallelism_of_a_plan_marking_no_sequence_module_is_refused_in_one_line() -> None:
+    """An HF plan says nothing of its norms, and HF's attention reshapes by the sequence length it is given: under
+    sequence parallelism it failed inside the first step's matmul; it is refused before placement instead."""
+    from lightning_p2r import M6Config
+    from lightning_p2r.models.transformer import M6Transformer
+    from lightning_p2r.strategy.parallel.parallelize import check_sequence_parallel, model_plan
+
+    holder = _declared("llama")
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\) needs the parallel plan of LlamaForCausalLM"):
+        check_sequence_parallel(holder, model_plan(holder, tensor_parallel=2))
+    m6 = M6Transformer(M6Config(vocab_size=64, max_seq_len=16, num_layers=2, dim=32, num_heads=2))
+    check_sequence_parallel(m6, m6.parallel_plan())  # its norms are marked
 
 
 def test_a_hand_written_plan_naming_a_conv1d_is_refused_by_name() -> None:

@@ -5,10 +5,10 @@
 its stacked weights, "grouped_gemm"). The strategy reads them rather than asking the user for a plan.
 
 HF's attention reshapes its projections with ``view(..., -1, head_dim)``, so a rank's share of the q/k/v columns is
-read as its share of the heads: the head counts follow the split. What tensor parallelism cannot split yet (stacked
-expert weights with gate and up packed, "packed_colwise", which expert parallelism splits by expert instead; per-head
-norms whose gradient HF all-reduces, "replicated_with_grad_allreduce"; any other style) is refused in one line naming
-the module.
+read as its share of the heads: the head counts follow the split, and per-head norms (Qwen3's q_norm and k_norm,
+"replicated_with_grad_allreduce") run whole on them. What tensor parallelism cannot split yet (stacked expert weights
+with gate and up packed, "packed_colwise", which expert parallelism splits by expert instead; any other style) is
+refused in one line naming the module.
 """
 
 from __future__ import annotations
@@ -21,9 +21,11 @@ from ...protocols import ParallelPlan, SplitKind, StackedExperts
 from ..blocks import module_name
 
 HF_STYLES: dict[str, SplitKind] = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "output",
-                                   "colwise_rep": "column", "rowwise_rep": "row"}
+                                   "colwise_rep": "column", "rowwise_rep": "row",
+                                   "replicated_with_grad_allreduce": "heads"}
 """HF's style names -> the package's split kinds (the "_rep" variants differ only in output layouts HF's own
-tensor parallel needs, which the package's styles already give)."""
+tensor parallel needs, which the package's styles already give; HF uses "replicated_with_grad_allreduce" for the
+per-head norms of Qwen3's attention, which the "heads" kind runs on the rank's heads)."""
 
 
 def hf_tp_plan(holder: nn.Module) -> dict[str, str] | None:

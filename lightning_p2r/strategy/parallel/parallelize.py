@@ -99,6 +99,17 @@ def _check_stacked(owner: str, module: nn.Module, declared: StackedExperts, tens
                          f"{what}'s {count} experts: use expert_parallel in {divisors(count)}")
 
 
+def check_sequence_parallel(holder: nn.Module, plan: ParallelPlan) -> None:
+    """Sequence parallelism runs what lies between the split layers on this rank's sequence positions: the plan must
+    say which modules those are ("sequence", its norms). A plan without any (a Hugging Face plan, whose attention
+    also reshapes by the sequence length it is given) is refused in one line, before anything is placed."""
+    if not any(kind == "sequence" for entries in (*plan.blocks, plan.outside) for kind in entries.values()):
+        raise ValueError(f"P2RStrategy(sequence_parallel=True) needs the parallel plan of {type(holder).__name__} to "
+                         "mark the modules that run on the rank's sequence positions (its norms) as 'sequence'; "
+                         "its plan marks none (a Hugging Face plan never does): use sequence_parallel=False, or "
+                         "declare a ParallelPlan whose blocks can run on a share of the sequence")
+
+
 def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, *, loss_parallel: bool = False,
                       sequence_parallel: bool = False) -> None:
     """Tensor parallelism first (the planned layers' weights become DTensors on "tp"), then the expert layers (split

@@ -56,6 +56,10 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
                                          output_layouts=Shard(-1) if loss_parallel else Replicate())
         elif kind == "sequence" and sequence_parallel:
             made[name] = SequenceParallel()
+        elif kind == "heads":
+            # Whole weights (replicated DTensors) applied to this rank's heads (dimension 2): the weight's gradient,
+            # a sum over the heads, comes out partial on each rank and is summed into the replicated weight.
+            made[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif kind == "expert" and sequence_parallel:
             made[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                             use_local_output=True)
