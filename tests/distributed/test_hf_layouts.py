@@ -68,6 +68,14 @@ TWO_PROCESSES = [
     # forward runs the blocks (the pipeline's evaluation replaces it): both once broke its pipeline (NaN, a hang).
     {"name": "pp2_litgpt", "family": "litgpt", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "zero1_litgpt", "family": "litgpt", "strategy": {"sharding": "zero1"}},
+    # Cells the layouts above leave empty (a sweep of 68 family x layout pairs matched once, docs/your_model.md).
+    {"name": "zero1_offload_llama", "family": "llama", "strategy": {"sharding": "zero1", "offload_fraction": 0.5}},
+    {"name": "zero3_gpt2", "family": "gpt2", "strategy": {"sharding": "zero3"}},
+    {"name": "none_mixtral", "family": "mixtral", "strategy": {}},
+    {"name": "pp2_interleaved_litgpt", "family": "litgpt", "strategy": {
+        "pipeline_parallel": 2, "micro_batches": 2, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2}},
+    {"name": "tp2_layered_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2, "accumulation": "layered",
+                                                                  "micro_batches": 2}},
 ]
 
 
