@@ -206,13 +206,19 @@ class _ZeroEmbedding(nn.Module):
         return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
 
 
-def hidden_size(model: nn.Module) -> int:
-    """The width of the hidden states (Hugging Face's ``hidden_size``, litgpt's ``n_embd``)."""
+def hidden_size(model: nn.Module, parts: DecoderParts) -> int:
+    """The width of the hidden states: Hugging Face's ``config.hidden_size``, litgpt's ``n_embd``, else (a model of
+    your own, without a config) the ``embedding_dim`` of the first declared embedding."""
     config = getattr(model, "config", None)
     size = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
-    if not isinstance(size, int):
-        raise ValueError(f"cannot tell the hidden size of {type(model).__name__} (no config.hidden_size or n_embd)")
-    return size
+    if isinstance(size, int):
+        return size
+    for name in parts.embed:
+        embedding = model.get_submodule(name)
+        if isinstance(embedding, nn.Embedding):
+            return embedding.embedding_dim
+    raise ValueError(f"cannot tell the hidden size of {type(model).__name__}: no config.hidden_size or n_embd, and "
+                     f"none of its declared embeddings {list(parts.embed)} is an nn.Embedding")
 
 
 @contextmanager
@@ -236,7 +242,7 @@ def decoder_pipeline_parts(model: nn.Module, parts: DecoderParts, stages: Layere
     carries the logits as ``.logits``, as a Hugging Face model's does."""
     blocks = model.get_submodule(parts.blocks)
     norm, head = model.get_submodule(parts.norm), model.get_submodule(parts.head)
-    dim = hidden_size(model)
+    dim = hidden_size(model, parts)
 
     def context(micro_batch: torch.Tensor) -> BlockCall:
         inputs, targets = split(micro_batch)

@@ -59,7 +59,9 @@ class LayeredSteps(StepRunner):
         if not isinstance(module, DefinesLayeredStages):
             raise ValueError(
                 f"P2RStrategy(accumulation='layered') needs the LightningModule to define layered_stages() -> "
-                f"LayeredStages (embedding, per-layer and head stages); {type(module).__name__} does not")
+                f"LayeredStages (embedding, per-layer and head stages); {type(module).__name__} does not. For a "
+                "decoder, CausalLMModule(model=..., parts=DecoderParts(blocks=..., embed=(...), norm=..., head=..., "
+                "base=...)) defines it from the model's module names (docs/your_model.md)")
         self.engine = engine
         self.micro_batches, self.recompute = micro_batches, recompute
         self._step: LayeredStep | None = None

@@ -56,8 +56,9 @@ def run(config: dict, out: Path, devices: int) -> None:
     head = model.lm_head
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.transformer.wte
     tied = None
-    if getattr(model.config, "tie_word_embeddings", False) and hasattr(head, "weight") and hasattr(embedding,
-                                                                                                   "weight"):
+    # (a user's own decoder has no config: NanoGPT ties its head by construction)
+    ties = getattr(getattr(model, "config", None), "tie_word_embeddings", family == "nanogpt")
+    if ties and hasattr(head, "weight") and hasattr(embedding, "weight"):
         tied = head.weight is embedding.weight  # (a pipeline rank holds one end only: its replica is checked)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
     # The experts each rank runs, per MoE layer (fewer than the layer has where expert parallelism split it).

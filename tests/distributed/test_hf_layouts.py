@@ -29,7 +29,8 @@ GROWN = {"module": {"num_unique_blocks": 2, "pseudo_depth": "shallow", "growth_i
 """A shallow pseudo model of 2 layers grown to the real 4 by PseudoToReal at step 2 (issue 38 item 6)."""
 
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
-               for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3")] + [
+               for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3",
+                              "nanogpt")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN}]
 TWO_PROCESSES = [
     {"name": "ddp_qwen3_moe", "family": "qwen3_moe", "strategy": {}},
@@ -76,6 +77,10 @@ TWO_PROCESSES = [
         "pipeline_parallel": 2, "micro_batches": 2, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2}},
     {"name": "tp2_layered_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2, "accumulation": "layered",
                                                                   "micro_batches": 2}},
+    # A user's own decoder (no config, learned positions, a tied head), given whole with its DecoderParts.
+    {"name": "pp2_nanogpt", "family": "nanogpt", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
+    {"name": "zero3_layered_nanogpt", "family": "nanogpt",
+     "strategy": {"sharding": "zero3", "accumulation": "layered", "micro_batches": 2}},
 ]
 
 

@@ -32,12 +32,61 @@ LITGPT = {"n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 64, "vocab_size
 """A tiny litgpt ``GPT`` (``CausalLMModule(litgpt_config=LITGPT)``)."""
 
 
+class NanoBlock(torch.nn.Module):
+    """A pre-norm block as users write it (nanoGPT's shape): one fused q/k/v linear, SDPA, a GELU MLP."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.c_attn, self.c_proj = torch.nn.Linear(dim, 3 * dim), torch.nn.Linear(dim, dim)
+        self.fc, self.proj = torch.nn.Linear(dim, 4 * dim), torch.nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2)
+                   for t in self.c_attn(self.ln_1(x)).split(dim, dim=2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.c_proj(y.transpose(1, 2).reshape(batch, length, dim))
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln_2(x))))
+
+
+class NanoGPT(torch.nn.Module):
+    """A user's own decoder with no config object: learned positions and a head tied to the token embedding."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, layers: int = 4, length: int = 64) -> None:
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict({
+            "wte": torch.nn.Embedding(VOCAB, dim), "wpe": torch.nn.Embedding(length, dim),
+            "h": torch.nn.ModuleList(NanoBlock(dim, heads) for _ in range(layers)), "ln_f": torch.nn.LayerNorm(dim)})
+        self.lm_head = torch.nn.Linear(dim, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.transformer.wte(ids) + self.transformer.wpe(torch.arange(ids.shape[1], device=ids.device))
+        for block in self.transformer.h:
+            x = block(x)
+        return self.lm_head(self.transformer.ln_f(x))
+
+
+def nano_parts():
+    """The declaration a user writes for :class:`NanoGPT` (its own module names)."""
+    from lightning_p2r.models.decoders import DecoderParts
+
+    return DecoderParts(blocks="transformer.h", embed=("transformer.wte", "transformer.wpe"), norm="transformer.ln_f",
+                        head="lm_head", base="", call="positional")
+
+
 def causal_lm(family: str, **kwargs):
-    """``CausalLMModule`` of a family of :data:`CONFIGS`, or litgpt's GPT for "litgpt"."""
+    """``CausalLMModule`` of a family of :data:`CONFIGS`, litgpt's GPT for "litgpt", or a user's own decoder given
+    whole with its declaration for "nanogpt"."""
     from lightning_p2r.causal_lm import CausalLMModule
 
     if family == "litgpt":
         return CausalLMModule(litgpt_config=LITGPT, **kwargs)
+    if family == "nanogpt":
+        kwargs.pop("init_seed", None)  # a model given whole keeps its own weights
+        return CausalLMModule(model=NanoGPT(), parts=nano_parts(), **kwargs)
     return CausalLMModule(hf_config=CONFIGS[family], **kwargs)
 
 

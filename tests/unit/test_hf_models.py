@@ -264,6 +264,18 @@ def test_a_litgpt_gpt_built_in_place_trains_like_the_eager_build(tmp_path: Path,
 
 
 
+def test_a_decoder_without_a_config_reads_its_width_from_its_embedding() -> None:
+    """A user's own decoder has no ``config.hidden_size``: the pipeline's stand-in embeddings take the width of the
+    first declared nn.Embedding (it was refused: "cannot tell the hidden size")."""
+    from hf_models import NanoGPT, nano_parts
+
+    from lightning_p2r.models.decoders import DecoderParts, hidden_size
+
+    assert hidden_size(NanoGPT(dim=48), nano_parts()) == 48
+    with pytest.raises(ValueError, match=r"none of its declared embeddings \['ln_f'\] is an nn.Embedding"):
+        hidden_size(NanoGPT().transformer, DecoderParts(blocks="h", embed=("ln_f",), norm="ln_f", head="ln_f"))
+
+
 def test_buffers_above_the_parameters_root_are_recomputed_when_materialized() -> None:
     """A pipeline rank without the head holds its parameters under ``transformer``, below litgpt's ``GPT`` that owns
     the rotary tables: they are recomputed by the GPT's rule all the same (they were left uninitialized: NaN)."""

@@ -30,7 +30,9 @@ def pipeline_parts(module: nn.Module) -> PipelineParts:
     if not isinstance(module, DefinesPipelineStages):
         raise ValueError(
             f"P2RStrategy(pipeline_parallel > 1) needs the LightningModule to define pipeline_parts() -> "
-            f"PipelineParts (see lightning_p2r.protocols); {type(module).__name__} does not")
+            f"PipelineParts (see lightning_p2r.protocols); {type(module).__name__} does not. For a decoder, "
+            "CausalLMModule(model=..., parts=DecoderParts(blocks=..., embed=(...), norm=..., head=..., base=...)) "
+            "defines it from the model's module names (docs/your_model.md)")
     return module.pipeline_parts()
 
 
