@@ -152,7 +152,7 @@ class ComputesTokenLoss(Protocol):
     token_loss: Any
 
 
-SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output", "heads"]
+SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output", "heads", "gather"]
 """How one submodule splits over the tensor-parallel ranks (Megatron-LM):
 
 - "column": a linear layer whose output features are split (the first matmul of a pair);
@@ -164,7 +164,12 @@ SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output
 - "output": the output layer split by vocabulary columns (each rank its shard of the logits);
 - "heads": a module run on this rank's attention heads, its input shaped (batch, sequence, heads, head_dim) and
   normalized over ``head_dim`` (a per-head norm, as Qwen3's ``q_norm`` and ``k_norm``): its weights whole on every
-  rank, their gradients summed over the ranks (Hugging Face's "replicated_with_grad_allreduce").
+  rank, their gradients summed over the ranks (Hugging Face's "replicated_with_grad_allreduce");
+- "gather": under sequence parallelism, a module (an attention, an MLP) whose input hidden states (its first
+  positional argument, or ``hidden_states=``) are gathered from the ranks' positions at its entry, so that it runs on
+  the whole sequence, its column layers included (torchtitan's plan for Llama); nothing without sequence
+  parallelism. A plan with "gather" entries keeps the embedding's output whole (a model that derives positions from
+  it, as Hugging Face's do) and cuts the hidden states to the rank's positions at the first block's entry.
 """
 
 

@@ -77,6 +77,15 @@ TWO_PROCESSES = [
         "pipeline_parallel": 2, "micro_batches": 2, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2}},
     {"name": "tp2_layered_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2, "accumulation": "layered",
                                                                   "micro_batches": 2}},
+    # Sequence parallelism of HF models: the attention and the MLP gather the sequence at their entry, the norms run
+    # on the rank's positions (the strategy adds both to HF's plan), the first block cuts its input.
+    {"name": "tp2_sequence_parallel_llama", "family": "llama",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
+    {"name": "tp2_sequence_parallel_qwen3", "family": "qwen3",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
+    {"name": "tp2_sequence_parallel_zero3_layered_llama_tied", "family": "llama_tied",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
+                  "micro_batches": 2}},
     # A user's own decoder (no config, learned positions, a tied head), given whole with its DecoderParts.
     {"name": "pp2_nanogpt", "family": "nanogpt", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "zero3_layered_nanogpt", "family": "nanogpt",

@@ -137,9 +137,12 @@ def test_the_hf_tensor_parallel_plan_is_read_and_a_tied_head_splits_its_embeddin
     plan = model_plan(_declared("llama_tied"), tensor_parallel=2)
     assert plan.blocks[0] == {"self_attn.q_proj": "column", "self_attn.k_proj": "column", "self_attn.v_proj": "column",
                               "self_attn.o_proj": "row", "mlp.gate_proj": "column", "mlp.up_proj": "column",
-                              "mlp.down_proj": "row"}
-    assert plan.outside == {"lm_head": "output", "model.embed_tokens": "vocabulary"}
-    assert model_plan(_declared("llama"), tensor_parallel=2).outside == {"lm_head": "output"}
+                              "mlp.down_proj": "row",
+                              # for sequence parallelism (HF's plan has nothing for it; inert without it)
+                              "self_attn": "gather", "mlp": "gather", "input_layernorm": "sequence",
+                              "post_attention_layernorm": "sequence"}
+    assert plan.outside == {"lm_head": "output", "model.embed_tokens": "vocabulary", "model.norm": "sequence"}
+    assert model_plan(_declared("llama"), tensor_parallel=2).outside == {"lm_head": "output", "model.norm": "sequence"}
 
 
 @pytest.mark.parametrize(("family", "overrides", "message"), [
@@ -172,17 +175,49 @@ def test_qwen3s_per_head_norms_run_whole_on_the_ranks_heads() -> None:
 
 
 def test_sequence_parallelism_of_a_plan_marking_no_sequence_module_is_refused_in_one_line() -> None:
-    """An HF plan says nothing of its norms, and HF's attention reshapes by the sequence length it is given: under
-    sequence parallelism it failed inside the first step's matmul; it is refused before placement instead."""
+    """A plan that says nothing of its norms cannot run them on the rank's positions: refused before placement
+    (Hugging Face plans, which have nothing for sequence parallelism, failed inside the first step's matmul before
+    the strategy added their norms and gathers)."""
     from lightning_p2r import M6Config
     from lightning_p2r.models.transformer import M6Transformer
+    from lightning_p2r.protocols import ParallelPlan
     from lightning_p2r.strategy.parallel.parallelize import check_sequence_parallel, model_plan
 
-    holder = _declared("llama")
-    with pytest.raises(ValueError, match=r"sequence_parallel=True\) needs the parallel plan of LlamaForCausalLM"):
-        check_sequence_parallel(holder, model_plan(holder, tensor_parallel=2))
     m6 = M6Transformer(M6Config(vocab_size=64, max_seq_len=16, num_layers=2, dim=32, num_heads=2))
+    columns_only = ParallelPlan(tuple({"ffn.fc_in": "column", "ffn.fc_out": "row"} for _ in m6.blocks), {})
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\) needs the parallel plan of M6Transformer"):
+        check_sequence_parallel(m6, columns_only)
     check_sequence_parallel(m6, m6.parallel_plan())  # its norms are marked
+    holder = _declared("llama")
+    check_sequence_parallel(holder, model_plan(holder, tensor_parallel=2))
+    holder.blocks[1] = holder.blocks[0]  # a shared (pseudo) first block: the cut would run twice
+    with pytest.raises(ValueError, match=r"cuts the sequence at the first layer's block, which this LlamaForCausalLM"):
+        check_sequence_parallel(holder, model_plan(holder, tensor_parallel=2))
+
+
+def test_under_sequence_parallelism_a_gathering_plan_keeps_whole_inputs_inside_its_gathered_modules() -> None:
+    """The kinds' styles: inside a "gather" module a column layer reads the gathered (whole) input, the embedding's
+    output stays whole (the first block cuts it), the norms hand on plain tensors; without sequence parallelism
+    "gather" and "sequence" do nothing."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    from lightning_p2r.strategy.parallel.tensor import GatherSequence, styles
+
+    entries = {"self_attn": "gather", "self_attn.q_proj": "column", "self_attn.o_proj": "row",
+               "input_layernorm": "sequence", "other_proj": "column"}
+    made = styles(entries, sequence_parallel=True, gathers=True)
+    assert isinstance(made["self_attn"], GatherSequence)
+    assert isinstance(made["self_attn.q_proj"], ColwiseParallel)
+    assert made["self_attn.q_proj"].input_layouts == (Replicate(),)
+    assert made["other_proj"].input_layouts == (Shard(1),)  # not inside a gathered module: gathers itself
+    assert isinstance(made["self_attn.o_proj"], RowwiseParallel) and made["self_attn.o_proj"].output_layouts == (
+        Shard(1),)
+    assert isinstance(made["input_layernorm"], SequenceParallel) and made["input_layernorm"].use_local_output
+    embedding = styles({"embed": "vocabulary"}, sequence_parallel=True, gathers=True)["embed"]
+    assert embedding.output_layouts == (Replicate(),)
+    assert styles({"embed": "vocabulary"}, sequence_parallel=True)["embed"].output_layouts == (Shard(1),)
+    assert set(styles(entries)) == {"self_attn.q_proj", "self_attn.o_proj", "other_proj"}
 
 
 def test_a_hand_written_plan_naming_a_conv1d_is_refused_by_name() -> None:

@@ -98,6 +98,7 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
                 outside[name] = kind
             else:
                 per_block[index][name[len(f"{blocks_name}.{index}."):]] = kind
+    _add_sequence_parallel_entries(holder, per_block, outside)
     # A head tied to the input embedding (GPT-2, Llama 3.2, ...) splits it too, by vocabulary: one sharded weight.
     for name in [name for name, kind in outside.items() if kind == "output"]:
         weight = getattr(holder.get_submodule(name), "weight", None)
@@ -106,6 +107,32 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
                 outside[other] = "vocabulary"
     _check_sizes(holder, tensor_parallel)
     return ParallelPlan(tuple(per_block), outside, experts=experts)
+
+
+def _is_norm(module: nn.Module) -> bool:
+    return type(module).__name__.endswith("Norm") and next(module.parameters(), None) is not None
+
+
+def _add_sequence_parallel_entries(holder: nn.Module, per_block: list[dict[str, SplitKind]],
+                                   outside: dict[str, SplitKind]) -> None:
+    """What sequence parallelism needs beyond HF's plan (which has nothing for it): a block's own norms and the
+    final norm run on the rank's positions ("sequence"), and the modules holding the column layers (the attention,
+    the MLP) gather the sequence at their entry ("gather"), since HF's attention reshapes by the length it is given.
+    Both kinds do nothing without sequence parallelism."""
+    for entries, block in zip(per_block, holder.blocks):
+        columns = [name for name, kind in entries.items() if kind == "column"]
+        if not columns:
+            continue
+        for name in sorted({name.rpartition(".")[0] for name in columns} - {""}):
+            entries[name] = "gather"
+        for name, child in block.named_children():
+            if _is_norm(child):
+                entries[name] = "sequence"
+    if any("gather" in entries.values() for entries in per_block):
+        inside = {id(m) for block in holder.blocks for m in block.modules()}
+        for name, module in holder.named_modules():
+            if id(module) not in inside and _is_norm(module) and name not in outside:
+                outside[name] = "sequence"
 
 
 HIDDEN_DIM_OF_STYLE = {"colwise": 1, "rowwise": 2}

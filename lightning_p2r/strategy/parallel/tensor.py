@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -35,27 +36,72 @@ def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
     return hook
 
 
+class GatherSequence(ParallelStyle):
+    """A module run on the whole sequence under sequence parallelism (the "gather" kind): its input hidden states,
+    this rank's positions, are all-gathered at its entry (their gradient reduce-scattered back)."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def gather(tensor: torch.Tensor) -> torch.Tensor:
+            if not isinstance(tensor, DTensor):
+                tensor = DTensor.from_local(tensor, device_mesh, [Shard(1)], run_check=False)
+            return tensor.redistribute(device_mesh, [Replicate()]).to_local()
+
+        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            if args:
+                return (gather(args[0]), *args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, kwargs | {"hidden_states": gather(kwargs["hidden_states"])}
+            raise ValueError(f"{type(module).__name__} is planned 'gather' but was called without positional "
+                             "arguments or hidden_states=: nothing to gather")
+
+        module.register_forward_pre_hook(hook, with_kwargs=True)
+        return module
+
+
+def cut_to_own_positions(tp_mesh: Any) -> Any:
+    """A forward pre-hook giving a block only this rank's positions of its (whole) input hidden states: the first
+    block of a plan that gathers at module entry, whose embedding output stays whole."""
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        def cut(whole: torch.Tensor) -> torch.Tensor:
+            return DTensor.from_local(whole, tp_mesh, [Replicate()], run_check=False).redistribute(
+                tp_mesh, [Shard(1)]).to_local()
+
+        if args:
+            return (cut(args[0]), *args[1:]), kwargs
+        return args, kwargs | {"hidden_states": cut(kwargs["hidden_states"])}
+
+    return hook
+
+
 def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
-           loss_parallel: bool = False) -> dict[str, Any]:
+           loss_parallel: bool = False, gathers: bool = False) -> dict[str, Any]:
     """torch's ``ParallelStyle`` for each of a plan's entries (see ``protocols.SplitKind``). With
     ``sequence_parallel`` the residual stream between the layers stays split by sequence position (Megatron-LM), and
-    an expert layer gathers the sequence. ``loss_parallel``: the output layer leaves each rank its vocabulary shard."""
+    an expert layer gathers the sequence. ``loss_parallel``: the output layer leaves each rank its vocabulary shard.
+    ``gathers``: the plan has "gather" modules (the embedding's output then stays whole, and the norms hand on plain
+    tensors of their positions)."""
     sequence = Shard(1) if sequence_parallel else Replicate()
+    gathered = [name for name, kind in entries.items() if kind == "gather"]
     made: dict[str, Any] = {}
     for name, kind in entries.items():
         if kind == "column":
-            made[name] = ColwiseParallel(input_layouts=sequence)
+            inside_gathered = any(name.startswith(outer + ".") for outer in gathered)
+            made[name] = ColwiseParallel(input_layouts=Replicate() if inside_gathered else sequence)
         elif kind == "row":
             made[name] = RowwiseParallel(output_layouts=sequence)
         elif kind == "vocabulary":
             # Each rank looks up the ids it holds (zeros for the others); the sum (reduce-scattered by position
-            # under sequence parallelism) is the embedding.
-            made[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=sequence)
+            # under sequence parallelism, unless the plan cuts at the first block) is the embedding.
+            made[name] = RowwiseParallel(input_layouts=Replicate(),
+                                         output_layouts=Replicate() if gathers else sequence)
         elif kind == "output":
             made[name] = ColwiseParallel(input_layouts=sequence,
                                          output_layouts=Shard(-1) if loss_parallel else Replicate())
         elif kind == "sequence" and sequence_parallel:
-            made[name] = SequenceParallel()
+            made[name] = SequenceParallel(use_local_output=gathers)
+        elif kind == "gather" and sequence_parallel:
+            made[name] = GatherSequence()
         elif kind == "heads":
             # Whole weights (replicated DTensors) applied to this rank's heads (dimension 2): the weight's gradient,
             # a sum over the heads, comes out partial on each rank and is summed into the replicated weight.
@@ -93,17 +139,20 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
     # after, so every name updates one tensor as on one process (``ties.check_tensor_parallel_ties`` has refused
     # a tie split one way under one name and another way, or not at all, under another).
     ties = find_ties(holder)
-    for block, entries in zip(holder.blocks, plan.blocks):
+    gathers = sequence_parallel and any(kind == "gather" for entries in plan.blocks for kind in entries.values())
+    for index, (block, entries) in enumerate(zip(holder.blocks, plan.blocks)):
         # A pipeline stage holds some blocks: the others are parameterless stand-ins, with nothing to split.
         if not _holds_parameters(block):
             continue
-        parallelize_module(block, tp_mesh, styles(entries, sequence_parallel=sequence_parallel))
+        parallelize_module(block, tp_mesh, styles(entries, sequence_parallel=sequence_parallel, gathers=gathers))
+        if gathers and index == 0:
+            block.register_forward_pre_hook(cut_to_own_positions(tp_mesh), with_kwargs=True)
         if sequence_parallel:
             for name, kind in entries.items():
                 if kind == "expert":
                     block.get_submodule(name).register_forward_hook(_keep_own_positions(tp_mesh))
     present = {name: kind for name, kind in plan.outside.items() if _holds_parameters(_find(holder, name))}
-    made = styles(present, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    made = styles(present, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, gathers=gathers)
     if made:
         parallelize_module(holder, tp_mesh, made)
     for name, kind in present.items():
