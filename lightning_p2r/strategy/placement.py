@@ -208,14 +208,18 @@ def copy_first_replica(module: nn.Module, group: Any, device: torch.device) -> N
 
 
 def planned_modules(root: nn.Module, holder: nn.Module, plan: ParallelPlan) -> dict[str, str]:
-    """``plan`` (the holder's) by module names relative to ``root`` (what the tie check reads)."""
-    prefix = module_name(root, holder)
-    prefix = prefix + "." if prefix else ""
-    named = {prefix + name: kind for name, kind in plan.outside.items()}
+    """``plan`` (the holder's) by module names relative to ``root`` (what the tie check reads). On a pipeline rank
+    without the head, the root lies below the holder (a Hugging Face model's inner ``model``): the entries outside
+    the root are another rank's."""
     blocks = module_name(holder, holder.blocks)
+    named = dict(plan.outside)
     for index, entries in enumerate(plan.blocks):
-        named |= {f"{prefix}{blocks}.{index}.{name}": kind for name, kind in entries.items()}
-    return named
+        named |= {f"{blocks}.{index}.{name}": kind for name, kind in entries.items()}
+    if any(module is holder for module in root.modules()):
+        prefix = module_name(root, holder)
+        return {(f"{prefix}.{name}" if prefix else name): kind for name, kind in named.items()}
+    inner = module_name(holder, root) + "."
+    return {name[len(inner):]: kind for name, kind in named.items() if name.startswith(inner)}
 
 
 def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan, ctx: EngineContext,

@@ -1,7 +1,8 @@
 """Hugging Face models in the multi-process layouts (issue 38): a tiny Qwen3-MoE and a Llama with a tied head,
 built in place by ``CausalLMModule`` (meta device, each rank materializing its share with the model's own
 initialization), trained on 2 processes like the eager build on one: DDP, ZeRO-3 with offload, layered accumulation,
-and a 2-stage pipeline derived from the model's declaration; every tensor two ranks hold is equal on both.
+and a 2-stage pipeline derived from the model's declaration; every tensor two ranks hold is equal on both. Pipeline x
+tensor parallelism runs on 4 processes.
 
 Two ranks sum in another order than one process, so the weights are compared as tests/unit/equivalence.py explains:
 each tensor within 1% of how far training moved it, in norm (``measure="norm"``). A fixed tolerance failed on one
@@ -92,12 +93,22 @@ TWO_PROCESSES = [
      "strategy": {"sharding": "zero3", "accumulation": "layered", "micro_batches": 2}},
 ]
 
+FOUR_PROCESSES = [
+    # Pipeline x tensor parallelism: a tied head across the stages (the head-less first stage splits its embedding by
+    # vocabulary too), and sequence parallelism through the stages.
+    {"name": "pp2_tp2_llama_tied", "family": "llama_tied",
+     "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
+    {"name": "pp2_tp2_sequence_parallel_qwen3", "family": "qwen3",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
+]
+
 
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf_layouts")
     launch_configs(WORKER, out, 1, ONE_PROCESS)
     launch_configs(WORKER, out, 2, TWO_PROCESSES)
+    launch_configs(WORKER, out, 4, FOUR_PROCESSES)
     return out
 
 
@@ -107,9 +118,9 @@ def _read(out: Path, name: str) -> dict:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("config", TWO_PROCESSES, ids=lambda c: c["name"])
-def test_an_hf_model_built_in_place_trains_on_two_processes_like_the_eager_build_on_one(hf_runs: Path,
-                                                                                         config: dict) -> None:
+@pytest.mark.parametrize("config", TWO_PROCESSES + FOUR_PROCESSES, ids=lambda c: c["name"])
+def test_an_hf_model_built_in_place_trains_on_several_processes_like_the_eager_build_on_one(
+        hf_runs: Path, config: dict) -> None:
     reference = _read(hf_runs, config.get("reference", f"reference_{config['family']}"))
     run = _read(hf_runs, config["name"])
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)

@@ -220,6 +220,26 @@ def test_under_sequence_parallelism_a_gathering_plan_keeps_whole_inputs_inside_i
     assert set(styles(entries)) == {"self_attn.q_proj", "self_attn.o_proj", "other_proj"}
 
 
+def test_a_pipeline_rank_without_the_head_splits_its_tied_embedding_and_names_the_plan_from_its_root() -> None:
+    """pp x tp of an HF model: on the first stage the head is another rank's (a stand-in), so the root lies below the
+    holder, and the tie is known from the config only. Before: the tie check failed ("LlamaForCausalLM is not part
+    of LlamaModel"), and a tied embedding stayed whole against the other stage's split head (a collective of two
+    sizes)."""
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+    from lightning_p2r.strategy.placement import planned_modules
+    from lightning_p2r.strategy.ties import smallest_parameter_root
+
+    holder = _declared("llama_tied")
+    holder.lm_head = nn.Identity()  # the last stage's
+    plan = model_plan(holder, tensor_parallel=2)
+    assert plan.outside["model.embed_tokens"] == "vocabulary" and "lm_head" not in plan.outside
+    root = smallest_parameter_root(holder)
+    assert root is holder.model
+    named = planned_modules(root, holder, plan)
+    assert named["embed_tokens"] == "vocabulary" and named["layers.0.self_attn.q_proj"] == "column"
+    assert not any(name.startswith(("model.", "lm_head")) for name in named)
+
+
 def test_a_hand_written_plan_naming_a_conv1d_is_refused_by_name() -> None:
     from lightning_p2r.protocols import ParallelPlan
     from lightning_p2r.strategy.parallel.parallelize import model_plan

@@ -105,6 +105,16 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
         for other, module in holder.named_modules():
             if isinstance(module, nn.Embedding) and module.weight is weight and other not in outside:
                 outside[other] = "vocabulary"
+    # ... also on a pipeline rank holding the embedding without the head (another stage's): the model's config says
+    # the two are tied, and both ends must split alike for the stages to sum the tied gradient.
+    config: Any = getattr(holder, "config", None)
+    get_embedding = getattr(holder, "get_input_embeddings", None)
+    splits_head = any(HF_STYLES.get(style) == "output" for style in patterns.values())
+    if getattr(config, "tie_word_embeddings", False) and callable(get_embedding) and splits_head:
+        embedding = get_embedding()
+        if isinstance(embedding, nn.Embedding) and next(embedding.parameters(), None) is not None:
+            name = module_name(holder, embedding)
+            outside.setdefault(name, "vocabulary")
     _check_sizes(holder, tensor_parallel)
     return ParallelPlan(tuple(per_block), outside, experts=experts)
 
