@@ -213,6 +213,10 @@ class ParallelPlan:
     """Expert modules by name inside a block (the same in every block that has one): what expert parallelism
     splits."""
 
+    def kinds(self) -> set[SplitKind]:
+        """Every kind the plan uses, in its blocks or outside them."""
+        return {kind for entries in (*self.blocks, self.outside) for kind in entries.values()}
+
     def expert_layers(self, holder: nn.Module, indices: Sequence[int] | None = None) -> list[nn.Module]:
         """The "expert" submodules of the blocks (all, or those at ``indices``)."""
         chosen = range(len(self.blocks)) if indices is None else indices

@@ -104,13 +104,12 @@ def check_sequence_parallel(holder: nn.Module, plan: ParallelPlan) -> None:
     say which modules those are ("sequence", its norms); a plan without any is refused in one line, before anything
     is placed. A plan that gathers at module entry ("gather") cuts the sequence at the first block, which must then
     run at one layer only."""
-    if not any(kind == "sequence" for entries in (*plan.blocks, plan.outside) for kind in entries.values()):
+    if "sequence" not in plan.kinds():
         raise ValueError(f"P2RStrategy(sequence_parallel=True) needs the parallel plan of {type(holder).__name__} to "
                          "mark the modules that run on the rank's sequence positions (its norms) as 'sequence'; "
                          "its plan marks none (a Hugging Face plan never does): use sequence_parallel=False, or "
                          "declare a ParallelPlan whose blocks can run on a share of the sequence")
-    gathers = any(kind == "gather" for entries in plan.blocks for kind in entries.values())
-    if gathers and any(block is holder.blocks[0] for block in list(holder.blocks)[1:]):
+    if "gather" in plan.kinds() and any(block is holder.blocks[0] for block in list(holder.blocks)[1:]):
         # A plan that gathers at module entry cuts the hidden states to the rank's positions at the first block's
         # entry: a block run at several layers would cut them again at the later ones.
         raise ValueError("P2RStrategy(sequence_parallel=True) cuts the sequence at the first layer's block, which this "

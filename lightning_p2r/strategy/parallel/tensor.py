@@ -36,6 +36,26 @@ def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
     return hook
 
 
+def _own_positions(whole: torch.Tensor, tp_mesh: Any) -> torch.Tensor:
+    """This rank's sequence positions of a tensor every tensor-parallel rank holds whole (its gradient gathered)."""
+    return DTensor.from_local(whole, tp_mesh, [Replicate()], run_check=False).redistribute(
+        tp_mesh, [Shard(1)]).to_local()
+
+
+def _on_hidden_states(change: Any, what: str) -> Any:
+    """A forward pre-hook applying ``change`` to a module's input hidden states: its first positional argument, or
+    ``hidden_states=`` (how Hugging Face's decoder layers call their attention)."""
+
+    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if args:
+            return (change(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, kwargs | {"hidden_states": change(kwargs["hidden_states"])}
+        raise ValueError(f"{what} was called without positional arguments or hidden_states=: no hidden states")
+
+    return hook
+
+
 class GatherSequence(ParallelStyle):
     """A module run on the whole sequence under sequence parallelism (the "gather" kind): its input hidden states,
     this rank's positions, are all-gathered at its entry (their gradient reduce-scattered back)."""
@@ -46,32 +66,15 @@ class GatherSequence(ParallelStyle):
                 tensor = DTensor.from_local(tensor, device_mesh, [Shard(1)], run_check=False)
             return tensor.redistribute(device_mesh, [Replicate()]).to_local()
 
-        def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-            if args:
-                return (gather(args[0]), *args[1:]), kwargs
-            if "hidden_states" in kwargs:
-                return args, kwargs | {"hidden_states": gather(kwargs["hidden_states"])}
-            raise ValueError(f"{type(module).__name__} is planned 'gather' but was called without positional "
-                             "arguments or hidden_states=: nothing to gather")
-
-        module.register_forward_pre_hook(hook, with_kwargs=True)
+        module.register_forward_pre_hook(_on_hidden_states(gather, f"{type(module).__name__}, planned 'gather',"),
+                                         with_kwargs=True)
         return module
 
 
 def cut_to_own_positions(tp_mesh: Any) -> Any:
     """A forward pre-hook giving a block only this rank's positions of its (whole) input hidden states: the first
     block of a plan that gathers at module entry, whose embedding output stays whole."""
-
-    def hook(_: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        def cut(whole: torch.Tensor) -> torch.Tensor:
-            return DTensor.from_local(whole, tp_mesh, [Replicate()], run_check=False).redistribute(
-                tp_mesh, [Shard(1)]).to_local()
-
-        if args:
-            return (cut(args[0]), *args[1:]), kwargs
-        return args, kwargs | {"hidden_states": cut(kwargs["hidden_states"])}
-
-    return hook
+    return _on_hidden_states(lambda whole: _own_positions(whole, tp_mesh), "the first block")
 
 
 def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
@@ -115,15 +118,11 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
 def _keep_own_positions(tp_mesh: Any) -> Any:
     """A forward hook cutting an MoE layer's output (the whole sequence's) back to this rank's positions."""
 
-    def own_positions(whole: torch.Tensor) -> torch.Tensor:
-        return DTensor.from_local(whole, tp_mesh, [Replicate()], run_check=False).redistribute(
-            tp_mesh, [Shard(1)]).to_local()
-
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         # A tensor, or a dataclass carrying it as ``output`` beside statistics (an MoE layer's routing statistics).
         if isinstance(output, torch.Tensor):
-            return own_positions(output)
-        return dataclasses.replace(output, output=own_positions(output.output))
+            return _own_positions(output, tp_mesh)
+        return dataclasses.replace(output, output=_own_positions(output.output, tp_mesh))
 
     return hook
 
@@ -139,7 +138,7 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
     # after, so every name updates one tensor as on one process (``ties.check_tensor_parallel_ties`` has refused
     # a tie split one way under one name and another way, or not at all, under another).
     ties = find_ties(holder)
-    gathers = sequence_parallel and any(kind == "gather" for entries in plan.blocks for kind in entries.values())
+    gathers = sequence_parallel and "gather" in plan.kinds()
     for index, (block, entries) in enumerate(zip(holder.blocks, plan.blocks)):
         # A pipeline stage holds some blocks: the others are parameterless stand-ins, with nothing to split.
         if not _holds_parameters(block):
