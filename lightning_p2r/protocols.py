@@ -193,11 +193,20 @@ class StackedExperts:
     weights: dict[str, int | None]
     """Stacked parameter name (in the module) -> its dimension of hidden units, split by tensor parallelism (the
     output dimension of the first matmul, the input of the second); None where the weight cannot split that way
-    (gate and up projections packed in one tensor)."""
+    (gate and up projections packed in one tensor): tensor parallelism then splits the module by expert instead
+    (:attr:`splits_by_expert_over_tensor_parallel`)."""
     call: ExpertCall
     """How the module's ``forward`` is called (:data:`ExpertCall`)."""
     counts: tuple[str, ...] = ("num_experts",)
     """Attributes of the module holding its number of experts: set to this rank's number once it is split."""
+
+    @property
+    def splits_by_expert_over_tensor_parallel(self) -> bool:
+        """Whether tensor parallelism gives each rank whole experts (a share of them; every rank sees the same
+        tokens, runs those routed to its experts, and the partial outputs are summed, as Megatron-Core does with
+        ``expert_tensor_parallel_size=1``) rather than a share of every expert's hidden units: when a weight declares
+        no hidden-unit dimension. Only a "top_k" module splits this way."""
+        return any(dim is None for dim in self.weights.values())
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,12 @@ TWO_PROCESSES = [
         "pipeline_parallel": 2, "micro_batches": 2, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2}},
     {"name": "tp2_layered_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2, "accumulation": "layered",
                                                                   "micro_batches": 2}},
+    # Stacked experts with gate and up packed in one tensor (HF's "packed_colwise"), under tensor parallelism: each rank
+    # runs whole experts, half of them, on the tokens routed there; the MoE block sees the whole sequence under
+    # sequence parallelism.
+    {"name": "tp2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2}},
+    {"name": "tp2_sequence_parallel_zero3_mixtral", "family": "mixtral",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3"}},
     # Sequence parallelism of HF models: the attention and the MLP gather the sequence at their entry, the norms run
     # on the rank's positions (the strategy adds both to HF's plan), the first block cuts its input.
     {"name": "tp2_sequence_parallel_llama", "family": "llama",
@@ -100,7 +106,11 @@ FOUR_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "pp2_tp2_sequence_parallel_qwen3", "family": "qwen3",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
+    # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
+    {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
 ]
+MOE_FAMILIES = {"qwen3_moe", "mixtral"}
+"""Families whose stacked experts pack gate and up in one tensor: tensor parallelism splits them by expert."""
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +150,11 @@ def test_an_hf_model_built_in_place_trains_on_several_processes_like_the_eager_b
     assert_trained_alike({k: torch.tensor(v) for k, v in merged.items()},
                          {k: torch.tensor(v) for k, v in expected.items()},
                          {k: torch.tensor(v) for k, v in initial.items()}, name=config["name"], measure="norm")
-    if config["strategy"].get("expert_parallel", 1) > 1:  # each rank runs half of every layer's experts
-        assert all(rank["experts_held"] == [n // 2 for n in reference["ranks"][0]["experts_held"]]
+    strategy = config["strategy"]
+    shares = strategy.get("expert_parallel", 1) * (strategy.get("tensor_parallel", 1)
+                                                   if config["family"] in MOE_FAMILIES else 1)
+    if shares > 1:  # each rank runs its share of every layer's experts
+        assert all(rank["experts_held"] == [n // shares for n in reference["ranks"][0]["experts_held"]]
                    for rank in run["ranks"])
     if {"pipeline_parallel", "tensor_parallel"} & set(config["strategy"]) or config["strategy"].get("sharding") in (
             "zero2", "zero3"):

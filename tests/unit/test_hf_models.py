@@ -146,8 +146,6 @@ def test_the_hf_tensor_parallel_plan_is_read_and_a_tied_head_splits_its_embeddin
 
 
 @pytest.mark.parametrize(("family", "overrides", "message"), [
-    ("qwen3_moe", {}, r"mlp\.experts \(Qwen3MoeExperts, Hugging Face style 'moe_tp_experts'\)"),
-    ("mixtral", {}, r"mlp\.experts \(MixtralExperts, Hugging Face style 'moe_tp_experts'\)"),
     ("llama", {"num_key_value_heads": 1}, r"must divide LlamaForCausalLM's num_key_value_heads=1"),
     ("gpt2", {}, r"nor a Hugging Face base_model_tp_plan \(GPT-2 has none: its Conv1D"),
 ])
@@ -388,6 +386,23 @@ def test_the_hf_expert_plan_is_read_and_splits_the_experts_alone(family: str) ->
     assert [module for module, _ in plan.stacked_experts(model)] == [layer.mlp.experts for layer in model.model.layers]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_under_tensor_parallelism_an_hf_moe_splits_its_packed_experts_by_expert(family: str) -> None:
+    from lightning_p2r.protocols import StackedExperts
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    model = _declared(family)
+    plan = model_plan(model, tensor_parallel=2)
+    declared = StackedExperts({"gate_up_proj": None, "down_proj": 2}, call="top_k")
+    assert plan.experts == {"mlp.experts": declared} and declared.splits_by_expert_over_tensor_parallel
+    # The sparse MoE block is the plan's expert layer (whole sequence under sequence parallelism); the experts' own
+    # tensor-parallel styles (moe_tp_experts, packed_colwise, rowwise) are not applied to them.
+    assert plan.blocks[0]["mlp"] == "expert"
+    assert not any(name.startswith("mlp.") for entries in plan.blocks for name in entries)
+    assert [layer for layer in plan.expert_layers(model)] == [layer.mlp for layer in model.model.layers]
+    assert not StackedExperts({"w1": 1, "w2": 2}, call="top_k").splits_by_expert_over_tensor_parallel
+
+
 class _UserExperts(nn.Module):
     def __init__(self, experts: int = 4) -> None:
         super().__init__()
@@ -415,7 +430,9 @@ def _user_moe(experts, count: int = 4) -> nn.Module:
     ({"w1": 1, "w3": 2}, 4, (1, 2), r"names .*_UserExperts\.w3, which is not a stacked weight"),
     ({"w1": 1, "w2": 2}, 6, (1, 4), r"expert_parallel=4\) gives each rank an equal share of .*6 experts: use "
                                      r"expert_parallel in \[1, 2, 3, 6\]"),
-    ({"w1": None, "w2": 2}, 4, (2, 2), r"tensor_parallel=2 cannot split .*_UserExperts\.w1 by hidden unit"),
+    # no hidden-unit dimension: split by expert over both degrees, whose product must divide the experts
+    ({"w1": None, "w2": 2}, 4, (4, 2), r"tensor_parallel=4, expert_parallel=2\) splits .*_UserExperts's 4 experts "
+                                       r"by expert over both"),
     ({"w1": 1, "w2": 1}, 4, (3, 1), r"tensor_parallel=3 must divide the hidden units of .*_UserExperts\.w1 \(8\)"),
 ])
 def test_a_declared_expert_plan_the_layout_cannot_split_is_refused_by_name(declared: dict, count: int,
@@ -426,6 +443,18 @@ def test_a_declared_expert_plan_the_layout_cannot_split_is_refused_by_name(decla
     with pytest.raises(ValueError, match=message):
         model_plan(_user_moe(StackedExperts(declared, call="top_k"), count), *degrees)
     assert model_plan(_user_moe(StackedExperts({"w1": 1, "w2": 2}, call="top_k")), 2, 2).experts
+
+
+def test_experts_without_a_hidden_unit_dimension_split_by_expert_only_when_called_top_k() -> None:
+    from lightning_p2r.protocols import StackedExperts
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    packed = {"w1": None, "w2": 2}
+    assert model_plan(_user_moe(StackedExperts(packed, call="top_k")), 2, 2).experts
+    with pytest.raises(ValueError, match=r"tensor_parallel=2 cannot split .*_UserExperts\.w1 by hidden unit .* "
+                                         r"splits by expert only a module called as 'top_k'"):
+        model_plan(_user_moe(StackedExperts(packed, call="sorted")), 2, 1)
+    assert model_plan(_user_moe(StackedExperts(packed, call="sorted")), 1, 2).experts  # expert parallelism alone
 
 
 def test_the_streaming_engine_names_an_hf_models_host_masters_by_the_models_own_names(tmp_path: Path) -> None:

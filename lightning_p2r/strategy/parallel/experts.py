@@ -66,12 +66,17 @@ class _ScaleGradient(torch.autograd.Function):
 
 class ExpertDispatch:
     """The ``forward`` of an expert module split over expert-parallel ranks (by expert) and tensor-parallel ranks (by
-    hidden unit). It runs the module's own ``forward`` on a stand-in that holds this rank's experts as plain tensors
-    (``DTensor`` indexing would gather them), so any module declared as :class:`StackedExperts` can be split."""
+    hidden unit, or by expert where the weights declare no hidden-unit dimension). It runs the module's own
+    ``forward`` on a stand-in that holds this rank's experts as plain tensors (``DTensor`` indexing would gather
+    them), so any module declared as :class:`StackedExperts` can be split."""
 
     def __init__(self, module: nn.Module, declared: StackedExperts, expert_group: Any, tp_mesh: Any,
                  local_experts: int) -> None:
         self.declared, self.expert_group, self.tp_mesh = declared, expert_group, tp_mesh
+        self.tp_experts_from = None
+        """Under tensor parallelism by expert: the first of this rank's experts among its expert-parallel rank's."""
+        if tp_mesh is not None and declared.splits_by_expert_over_tensor_parallel:
+            self.tp_experts_from = tp_mesh.get_local_rank() * local_experts
         self.gradient_scale = 1.0 / dist.get_world_size(expert_group) if expert_group is not None else 1.0
         """1 / expert_parallel: through the all-to-all an expert's gradient sums its expert group's tokens, while
         FSDP2 averages it only over the ranks holding the same expert. (FSDP2's ``set_gradient_divide_factor``
@@ -79,6 +84,9 @@ class ExpertDispatch:
         self.module = module
         self.local_experts = local_experts
         """How many of the module's experts this rank holds and runs."""
+        self.exchanged_experts = local_experts * (tp_mesh.size() if self.tp_experts_from is not None else 1)
+        """How many experts the expert-parallel exchange sends this rank's group rows for: its own, or, split by
+        expert over tensor parallelism too, those of every tensor-parallel rank beside it."""
         # The stand-in: the module's attributes, its own parameter table (filled at each call, the declared weights
         # as local tensors), and this rank's number of experts.
         self._stand_in = copy.copy(module)
@@ -112,7 +120,7 @@ class ExpertDispatch:
         experts = top_k_index.reshape(-1)
         order = torch.argsort(experts, stable=True)  # assignments sorted by expert
         token_of = order // top_k_index.shape[1]
-        counts = torch.bincount(experts, minlength=dist.get_world_size(self.expert_group) * self.local_experts)
+        counts = torch.bincount(experts, minlength=dist.get_world_size(self.expert_group) * self.exchanged_experts)
         out = self._exchange(hidden.index_select(0, token_of), counts, top_k_weights.reshape(-1)[order])
         return torch.zeros_like(hidden).index_add(0, token_of, out.to(hidden.dtype))
 
@@ -121,7 +129,7 @@ class ExpertDispatch:
         """Rows sorted by global expert (``counts`` per expert; ``gates``: each row's gate weight, "top_k") to their
         experts' ranks, through the local experts, and back -> one output row per input row, in the same order."""
         group = self.expert_group
-        ranks, local_experts = dist.get_world_size(group), self.local_experts
+        ranks, local_experts = dist.get_world_size(group), self.exchanged_experts
         device = rows.device
         # The counts first (each rank learns how many rows it receives for each of its experts from each source).
         # The all-to-all takes its splits as host integers: the one place an expert-parallel layer syncs.
@@ -157,13 +165,32 @@ class ExpertDispatch:
             x = copy_to_tensor_parallel(x, self.tp_mesh)
             gates = copy_to_tensor_parallel(gates, self.tp_mesh) if gates is not None else None
         try:
-            out = self._forward(self._stand_in, x, index) if gates is None else self._forward(self._stand_in, x,
-                                                                                              index, gates)
+            if gates is None:
+                out = self._forward(self._stand_in, x, index)
+            elif self.tp_experts_from is not None:
+                out = self._own_experts_only(x, index, gates)
+            else:
+                out = self._forward(self._stand_in, x, index, gates)
         finally:  # the stand-in keeps no activation-bearing tensors between calls
             self._stand_in._parameters = {}
         if self.tp_mesh is not None:
             out = reduce_from_tensor_parallel(out, self.tp_mesh)
         return out
+
+
+    def _own_experts_only(self, x: torch.Tensor, index: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+        """Tensor parallelism by expert ("top_k"): of the (tokens, k) assignments to the expert-parallel rank's
+        experts, run those of this tensor-parallel rank's share as top-1 rows -> this rank's partial output per
+        token (zero for the others' experts), which the caller sums over the ranks."""
+        k = index.shape[1]
+        flat = index.reshape(-1)
+        first = self.tp_experts_from
+        # Which assignments are this rank's: a host-side count, as the expert-parallel exchange's split sizes are.
+        mine = torch.nonzero((flat >= first) & (flat < first + self.local_experts)).squeeze(1)
+        token = torch.div(mine, k, rounding_mode="floor")
+        rows = self._forward(self._stand_in, x.index_select(0, token), (flat.index_select(0, mine) - first)
+                             .unsqueeze(1), gates.reshape(-1).index_select(0, mine).unsqueeze(1))
+        return torch.zeros_like(x).index_add(0, token, rows.to(x.dtype))
 
 
 def expert_dispatch(module: nn.Module) -> ExpertDispatch | None:
@@ -175,13 +202,17 @@ def expert_dispatch(module: nn.Module) -> ExpertDispatch | None:
 def parallelize_experts(module: nn.Module, declared: StackedExperts, *, expert_tensor_mesh: Any, expert_group: Any,
                         tp_mesh: Any) -> None:
     """Split one declared expert module (groups None: off): its stacked weights become DTensors on the ("ep", "tp")
-    mesh, by expert and by hidden unit, and its ``forward`` an :class:`ExpertDispatch`."""
+    mesh, by expert and by hidden unit (or by expert on both), and its ``forward`` an :class:`ExpertDispatch`."""
     ranks = dist.get_world_size(expert_group) if expert_group is not None else 1
     first = getattr(module, next(iter(declared.weights)))
+    # Tensor parallelism splits every expert's hidden units, or, where a weight declares none (gate and up packed),
+    # gives each tensor-parallel rank whole experts: a share of its expert-parallel rank's (Shard(0) on both).
+    by_expert = tp_mesh is not None and declared.splits_by_expert_over_tensor_parallel
     for name, hidden_dim in declared.weights.items():
         param = getattr(module, name)
-        placements = [Shard(0), Shard(hidden_dim) if hidden_dim is not None else Replicate()]
-        placed = distribute_tensor(param.data, expert_tensor_mesh, placements, src_data_rank=None)
+        inner = Shard(0) if by_expert else Shard(hidden_dim) if hidden_dim is not None else Replicate()
+        placed = distribute_tensor(param.data, expert_tensor_mesh, [Shard(0), inner], src_data_rank=None)
         setattr(module, name, nn.Parameter(placed, requires_grad=param.requires_grad))
-    dispatch = ExpertDispatch(module, declared, expert_group, tp_mesh, first.shape[0] // ranks)
+    local = first.shape[0] // ranks // (tp_mesh.size() if by_expert else 1)
+    dispatch = ExpertDispatch(module, declared, expert_group, tp_mesh, local)
     vars(module)["forward"] = dispatch  # an instance attribute: nn.Module.__call__ runs it, hooks included

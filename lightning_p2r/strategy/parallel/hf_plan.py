@@ -6,9 +6,11 @@ its stacked weights, "grouped_gemm"). The strategy reads them rather than asking
 
 HF's attention reshapes its projections with ``view(..., -1, head_dim)``, so a rank's share of the q/k/v columns is
 read as its share of the heads: the head counts follow the split, and per-head norms (Qwen3's q_norm and k_norm,
-"replicated_with_grad_allreduce") run whole on them. What tensor parallelism cannot split yet (stacked expert weights
-with gate and up packed, "packed_colwise", which expert parallelism splits by expert instead; any other style) is
-refused in one line naming the module.
+"replicated_with_grad_allreduce") run whole on them. Stacked experts (Mixtral, Qwen3-MoE: "moe_tp_experts" on the
+expert module, gate and up packed in one tensor, "packed_colwise") are taken from the expert plan under tensor
+parallelism too: packed weights cannot be cut by hidden unit into contiguous shards, so the tensor-parallel ranks
+split them by expert (``experts.py``), and the module routing to them is the plan's "expert" layer. Any other style
+is refused in one line naming the module.
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ def _hf_patterns(holder: nn.Module, base_attribute: str, class_attribute: str | 
 
 def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int = 1) -> ParallelPlan:
     """The :class:`ParallelPlan` of ``holder``'s HF plans; refuses styles, modules and sizes it cannot split."""
-    experts = _experts_from_hf(holder) if expert_parallel > 1 else {}
+    splits_experts = expert_parallel > 1 or (tensor_parallel > 1 and hf_ep_plan(holder) is not None)
+    experts = _experts_from_hf(holder) if splits_experts else {}
     if tensor_parallel == 1:  # expert parallelism alone: the experts, nothing else split
         return ParallelPlan(tuple({} for _ in holder.blocks), {}, experts=experts)
     patterns = hf_tp_plan(holder)
@@ -76,7 +79,11 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
     blocks_name = module_name(holder, holder.blocks)
     per_block: list[dict[str, SplitKind]] = [{} for _ in holder.blocks]
     outside: dict[str, SplitKind] = {}
+    # The expert modules and their weights split as the expert plan says (above), not by their tensor-parallel styles.
+    expert_patterns = [f"{blocks_name}.*.{name}" if blocks_name else f"*.{name}" for name in experts]
     for pattern, style in patterns.items():
+        if any(pattern == inner or pattern.startswith(inner + ".") for inner in expert_patterns):
+            continue
         parts = pattern.split(".")
         if blocks_name and pattern.startswith(blocks_name + ".*."):
             inner = pattern[len(blocks_name) + 3:]
@@ -98,6 +105,7 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
                 outside[name] = kind
             else:
                 per_block[index][name[len(f"{blocks_name}.{index}."):]] = kind
+    _mark_expert_layers(holder, per_block, experts)
     _add_sequence_parallel_entries(holder, per_block, outside)
     # A head tied to the input embedding (GPT-2, Llama 3.2, ...) splits it too, by vocabulary: one sharded weight.
     for name in [name for name, kind in outside.items() if kind == "output"]:
@@ -117,6 +125,18 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
             outside.setdefault(name, "vocabulary")
     _check_sizes(holder, tensor_parallel)
     return ParallelPlan(tuple(per_block), outside, experts=experts)
+
+
+def _mark_expert_layers(holder: nn.Module, per_block: list[dict[str, SplitKind]],
+                        experts: dict[str, StackedExperts]) -> None:
+    """The module holding each expert module (HF's sparse MoE block: the router and the experts) is the plan's
+    "expert" layer: whole on every tensor-parallel rank, and given the whole sequence under sequence parallelism."""
+    for entries, block in zip(per_block, holder.blocks):
+        names = {name for name, _ in block.named_modules()}
+        for name in experts:
+            layer = name.rpartition(".")[0]
+            if name in names and layer:
+                entries[layer] = "expert"
 
 
 def _is_norm(module: nn.Module) -> bool:
@@ -148,7 +168,8 @@ def _add_sequence_parallel_entries(holder: nn.Module, per_block: list[dict[str, 
 HIDDEN_DIM_OF_STYLE = {"colwise": 1, "rowwise": 2}
 """Where an HF stacked expert weight (experts x out x in, applied as ``F.linear``) keeps its hidden units, by its
 tensor-parallel style: the output rows of the first matmul ("colwise"), the input columns of the second
-("rowwise"). Gate and up packed in one tensor ("packed_colwise") cannot be split contiguously: None."""
+("rowwise"). Gate and up packed in one tensor ("packed_colwise") cannot be split contiguously: None (tensor
+parallelism then splits the module's experts by expert)."""
 
 
 def _experts_from_hf(holder: nn.Module) -> dict[str, StackedExperts]:

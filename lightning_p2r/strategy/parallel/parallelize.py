@@ -75,17 +75,18 @@ def _check_stacked(owner: str, module: nn.Module, declared: StackedExperts, tens
                    expert_parallel: int) -> None:
     what = f"{owner}'s {type(module).__name__}"
     experts = set()
+    by_expert = tensor_parallel > 1 and declared.splits_by_expert_over_tensor_parallel
     for name, hidden_dim in declared.weights.items():
         weight = getattr(module, name, None)
         if not isinstance(weight, nn.Parameter) or weight.dim() < 2:
             raise ValueError(f"the expert plan names {what}.{name}, which is not a stacked weight "
                              "(experts x ...) parameter")
         experts.add(weight.shape[0])
-        if tensor_parallel > 1 and hidden_dim is None:
-            raise ValueError(f"tensor_parallel={tensor_parallel} cannot split {what}.{name} by hidden unit (its gate "
-                             "and up projections are packed in one tensor); use tensor_parallel=1 with "
-                             "expert_parallel for this model")
-        if tensor_parallel > 1 and weight.shape[hidden_dim] % tensor_parallel:
+        if by_expert and declared.call != "top_k":
+            raise ValueError(f"tensor_parallel={tensor_parallel} cannot split {what}.{name} by hidden unit (none "
+                             "declared: gate and up packed in one tensor?), and splits by expert only a module "
+                             "called as 'top_k'; use tensor_parallel=1 with expert_parallel for this model")
+        if tensor_parallel > 1 and not by_expert and weight.shape[hidden_dim] % tensor_parallel:
             raise ValueError(f"tensor_parallel={tensor_parallel} must divide the hidden units of {what}.{name} "
                              f"({weight.shape[hidden_dim]})")
     missing = [name for name in declared.counts if not hasattr(module, name)]
@@ -97,6 +98,10 @@ def _check_stacked(owner: str, module: nn.Module, declared: StackedExperts, tens
     if count % expert_parallel:
         raise ValueError(f"P2RStrategy(expert_parallel={expert_parallel}) gives each rank an equal share of "
                          f"{what}'s {count} experts: use expert_parallel in {divisors(count)}")
+    if by_expert and count % (expert_parallel * tensor_parallel):
+        raise ValueError(f"P2RStrategy(tensor_parallel={tensor_parallel}, expert_parallel={expert_parallel}) splits "
+                         f"{what}'s {count} experts by expert over both (its weights have no hidden-unit dimension to "
+                         "split): their product must divide the number of experts")
 
 
 def check_sequence_parallel(holder: nn.Module, plan: ParallelPlan) -> None:
