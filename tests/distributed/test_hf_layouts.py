@@ -30,7 +30,7 @@ GROWN = {"module": {"num_unique_blocks": 2, "pseudo_depth": "shallow", "growth_i
 """A shallow pseudo model of 2 layers grown to the real 4 by PseudoToReal at step 2 (issue 38 item 6)."""
 
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
-               for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3",
+               for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3", "qwen2_moe",
                               "nanogpt")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN}]
 TWO_PROCESSES = [
@@ -84,6 +84,10 @@ TWO_PROCESSES = [
     {"name": "tp2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2}},
     {"name": "tp2_sequence_parallel_zero3_mixtral", "family": "mixtral",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3"}},
+    # Qwen2-MoE: a shared expert with its own gate beside the routed experts, dense layers between the MoE ones.
+    {"name": "tp2_sequence_parallel_qwen2_moe", "family": "qwen2_moe",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
+    {"name": "ep2_zero3_qwen2_moe", "family": "qwen2_moe", "strategy": {"expert_parallel": 2, "sharding": "zero3"}},
     # Sequence parallelism of HF models: the attention and the MLP gather the sequence at their entry, the norms run
     # on the rank's positions (the strategy adds both to HF's plan), the first block cuts its input.
     {"name": "tp2_sequence_parallel_llama", "family": "llama",
@@ -109,7 +113,7 @@ FOUR_PROCESSES = [
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
     {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
 ]
-MOE_FAMILIES = {"qwen3_moe", "mixtral"}
+MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe"}
 """Families whose stacked experts pack gate and up in one tensor: tensor parallelism splits them by expert."""
 
 

@@ -20,6 +20,12 @@ CONFIGS = {
     "qwen3_moe": {"model_type": "qwen3_moe", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
                   "moe_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 4,
                   "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 8},
+    # Qwen2-MoE: a shared expert beside the routed ones, with its own sigmoid gate, and a dense layer between MoE
+    # layers (decoder_sparse_step 2).
+    "qwen2_moe": {"model_type": "qwen2_moe", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                  "moe_intermediate_size": 16, "shared_expert_intermediate_size": 32, "num_hidden_layers": 4,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2,
+                  "decoder_sparse_step": 2},
     # Dense Qwen3: per-head norms of the queries and keys (q_norm, k_norm) inside the attention.
     "qwen3": {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
