@@ -31,7 +31,7 @@ GROWN = {"module": {"num_unique_blocks": 2, "pseudo_depth": "shallow", "growth_i
 
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
                for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3", "qwen2_moe",
-                              "nanogpt")] + [
+                              "mistral", "nanogpt")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN}]
 TWO_PROCESSES = [
     {"name": "ddp_qwen3_moe", "family": "qwen3_moe", "strategy": {}},
@@ -88,6 +88,9 @@ TWO_PROCESSES = [
     {"name": "tp2_sequence_parallel_qwen2_moe", "family": "qwen2_moe",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
     {"name": "ep2_zero3_qwen2_moe", "family": "qwen2_moe", "strategy": {"expert_parallel": 2, "sharding": "zero3"}},
+    # Mistral's sliding window under sequence parallelism: the mask comes from the whole sequence on every rank.
+    {"name": "tp2_sequence_parallel_zero3_mistral", "family": "mistral",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3"}},
     # Sequence parallelism of HF models: the attention and the MLP gather the sequence at their entry, the norms run
     # on the rank's positions (the strategy adds both to HF's plan), the first block cuts its input.
     {"name": "tp2_sequence_parallel_llama", "family": "llama",
