@@ -41,17 +41,23 @@ class StartingValues(L.Callback):
 def run(config: dict, out: Path, devices: int) -> None:
     L.seed_everything(0)
     family = config["family"]
-    module = causal_lm(family, optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3, **config.get("module", {}))
+    module = causal_lm(family, optimizer={"lr": 1e-2, "warmup_steps": 0} | config.get("optimizer", {}), init_seed=3,
+                       **config.get("module", {}))
     options = config.get("strategy")
     strategy = P2RStrategy(**options) if options is not None else "auto"
     losses, starting = Losses(), StartingValues()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+    steps = config.get("steps", STEPS)
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
                         # After PseudoToReal, which grows the model at the start of its step.
                         callbacks=[losses] + ([PseudoToReal(delink_at_step=config["delink_at"])]
                                               if "delink_at" in config else []) + ([starting] if devices == 1 else []))
-    trainer.fit(module, datamodule=RankSlices(windows(rows=GLOBAL_BATCH * STEPS), GLOBAL_BATCH))
+    # "batches": fewer batches than steps, read again in order (one batch: the same one at every step).
+    data = RankSlices(windows(rows=GLOBAL_BATCH * config.get("batches", steps)), GLOBAL_BATCH)
+    trainer.fit(module, datamodule=data, ckpt_path=out / config["resume"] if "resume" in config else None)
+    if "save" in config:
+        trainer.save_checkpoint(out / config["save"])
     model = module.model
     head = model.lm_head
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.transformer.wte

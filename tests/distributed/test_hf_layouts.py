@@ -116,6 +116,19 @@ FOUR_PROCESSES = [
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
     {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
 ]
+# Checkpoints resharded between layouts: saved at step 2 under one layout, resumed to step 4 under another, against
+# an uninterrupted run of 4 steps. Every step reads the same one batch (Lightning resumes a plain DataLoader from its
+# first batch, whatever step the checkpoint was saved at), at a constant learning rate (a schedule follows
+# max_steps, and the saved run's is shorter).
+RESHARD = {"family": "qwen3_moe", "batches": 1, "optimizer": {"min_lr_ratio": 1.0}}
+RESHARD_ONE = [RESHARD | {"name": "reference_one_batch_qwen3_moe", "strategy": None},
+               RESHARD | {"name": "qwen3_moe_saved_on_one", "strategy": None, "steps": 2, "save": "one.ckpt"}]
+RESHARD_TWO = [RESHARD | {"name": "tp2_qwen3_moe_resumes_one_process", "strategy": {"tensor_parallel": 2},
+                          "resume": "one.ckpt"},
+               RESHARD | {"name": "tp2_qwen3_moe_saved", "strategy": {"tensor_parallel": 2}, "steps": 2,
+                          "save": "tp2.ckpt"}]
+RESHARD_FOUR = [RESHARD | {"name": "tp2_ep2_qwen3_moe_resumes_tp2",
+                           "strategy": {"tensor_parallel": 2, "expert_parallel": 2}, "resume": "tp2.ckpt"}]
 MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe"}
 """Families whose stacked experts pack gate and up in one tensor: tensor parallelism splits them by expert."""
 
@@ -123,9 +136,9 @@ MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe"}
 @pytest.fixture(scope="module")
 def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hf_layouts")
-    launch_configs(WORKER, out, 1, ONE_PROCESS)
-    launch_configs(WORKER, out, 2, TWO_PROCESSES)
-    launch_configs(WORKER, out, 4, FOUR_PROCESSES)
+    launch_configs(WORKER, out, 1, ONE_PROCESS + RESHARD_ONE)
+    launch_configs(WORKER, out, 2, TWO_PROCESSES + RESHARD_TWO)
+    launch_configs(WORKER, out, 4, FOUR_PROCESSES + RESHARD_FOUR)
     return out
 
 
@@ -167,3 +180,15 @@ def test_an_hf_model_built_in_place_trains_on_several_processes_like_the_eager_b
             "zero2", "zero3"):
         for rank in run["ranks"]:  # built in place: no rank holds the whole model
             assert rank["held"] < 0.75 * reference["ranks"][0]["held"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", ["tp2_qwen3_moe_resumes_one_process", "tp2_ep2_qwen3_moe_resumes_tp2"])
+def test_an_hf_moe_checkpoint_reshards_between_layouts(hf_runs: Path, name: str) -> None:
+    """Saved on one process and resumed under tp2 (experts split by expert over the tensor-parallel ranks); saved
+    under tp2 and resumed under tp2 x ep2 (one expert per rank): both continue with the uninterrupted run's losses."""
+    reference = _read(hf_runs, "reference_one_batch_qwen3_moe")["losses"]
+    resumed = _read(hf_runs, name)["losses"]
+    assert len(reference) == 4 and len(resumed) == 2
+    assert resumed == pytest.approx(reference[2:], rel=1e-5)
