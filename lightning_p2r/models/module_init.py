@@ -51,6 +51,12 @@ def _reset_parameters(module: nn.Module) -> None:
     module.reset_parameters()
 
 
+def is_module_default(rule: ModuleInit | None) -> bool:
+    """Whether ``rule`` (from :func:`init_rule`) is the module's own ``reset_parameters()``, which differs by module
+    kind, rather than a model-wide rule."""
+    return rule is _reset_parameters
+
+
 def is_hf_pretrained(module: nn.Module) -> bool:
     """Whether ``module`` is a Hugging Face ``transformers.PreTrainedModel`` (checked without importing it)."""
     return any(cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..models.module_init import init_rule, initialize_module, recomputes_buffers
+from ..models.module_init import init_rule, initialize_module, is_module_default, recomputes_buffers
 from ..protocols import InitializesByName, InitializesModules
 from .blocks import module_name
 from .regather import meta_template
@@ -89,6 +89,29 @@ def write(param: DTensor, full: torch.Tensor) -> None:
         mesh = param.device_mesh
         part = distribute_tensor(full.to(mesh.device_type), mesh, param.placements, src_data_rank=None)
         local.copy_(part.to_local().to(local.dtype))
+
+
+def ambiguous_tied_inits(root: nn.Module, hook=None) -> list[str]:
+    """A one-line note for each parameter registered under several names (a tied embedding and head) whose modules
+    would initialize it by different ``reset_parameters()`` (an ``nn.Embedding``'s N(0, 1) and an ``nn.Linear``'s
+    uniform bound): built in place, it takes its first name's; an eager build gives it the init of whichever module
+    created it, which the meta-built model cannot tell. None when the model's own rule covers both (the
+    LightningModule's ``init_module``, Hugging Face's ``_init_weights``), which is the same for every module kind."""
+    names: dict[int, list[str]] = {}
+    for name, param in root.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    notes = []
+    for tied in (group for group in names.values() if len(group) > 1):
+        owners = [name.rpartition(".")[0] for name in tied]
+        kinds = {type(root.get_submodule(owner)).__name__ for owner in owners}
+        rules = {init_rule(root, owner, hook) for owner in owners}
+        if len(kinds) > 1 and any(is_module_default(rule) for rule in rules):
+            first = type(root.get_submodule(owners[0])).__name__
+            notes.append(f"the tied parameter {' = '.join(tied)} is initialized by {first}.reset_parameters() (its "
+                         f"first name's module; the model was built on the meta device). Built eagerly, it would "
+                         f"take the init of whichever of {sorted(kinds)} created it. To choose, give the "
+                         "LightningModule an init_module(module) method, or load weights")
+    return notes
 
 
 class Initializer:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
@@ -40,7 +41,7 @@ from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
 from .blocks import module_name
 from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
-from .materialize import Initializer, allocate, has_meta_tensors
+from .materialize import Initializer, allocate, ambiguous_tied_inits, has_meta_tensors
 from .offload_plan import OffloadPlan, plan_for_model
 from .parallel import ParallelMeshes, parallelize_model
 from .parallel.loss import VocabParallelCrossEntropy
@@ -229,6 +230,9 @@ def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan,
     cut. ``template``: the root as it was before placement, on the meta device (whole shapes; None: unsplit)."""
     initializer = Initializer(module, holder, seed=ctx.init_seed, template=template)
     fill = ctx.weights is None
+    if fill and initializer.values_from is None:
+        for note in ambiguous_tied_inits(initializer.root, initializer.hook):
+            rank_zero_warn(f"P2RStrategy: {note}")
     for index, block in enumerate(holder.blocks):
         params = allocate(block, "cpu" if index in plan.offloaded else ctx.device)
         if fill:

@@ -1,6 +1,7 @@
 """The tie rules (``strategy/ties.py``): which names share a parameter, which FSDP2 root holds them all, what is
 refused before the first step, and a tied model checkpointed and resumed under zero3 with its tie intact."""
 
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -164,3 +165,46 @@ def test_a_tied_model_saved_sharded_resumes_tied_like_a_plain_trainer(tmp_path: 
     plain = TiedModule()
     plain.load_state_dict(single)  # strict: every name present
     assert torch.equal(plain.net.lm_head.weight, whole["net.model.embed.weight"])
+
+
+class BuiltInPlace(L.LightningModule):
+    """A user's tied model built in ``configure_model`` (on the meta device under P2RStrategy), default inits."""
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = HeadBeside()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self.net(batch[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, V), batch[:, 1:].reshape(-1))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class BuiltInPlaceWithItsInit(BuiltInPlace):
+    def init_module(self, module: nn.Module) -> None:
+        for param in module.parameters(recurse=False):
+            nn.init.normal_(param, std=0.02)
+
+
+def test_a_tie_between_modules_with_different_default_inits_is_named() -> None:
+    from lightning_p2r.strategy.materialize import ambiguous_tied_inits
+
+    note, = ambiguous_tied_inits(HeadBeside())
+    assert note.startswith("the tied parameter model.embed.weight = lm_head.weight is initialized by "
+                           "Embedding.reset_parameters()") and "['Embedding', 'Linear']" in note
+    assert ambiguous_tied_inits(HeadBeside(), hook=lambda module: None) == []  # the model's own rule: one for both
+    untied = HeadBeside()
+    untied.lm_head.weight = nn.Parameter(untied.lm_head.weight.detach().clone())
+    assert ambiguous_tied_inits(untied) == []
+
+
+def test_a_tied_model_built_in_place_with_default_inits_is_warned_about(tmp_path: Path) -> None:
+    with pytest.warns(UserWarning, match=r"P2RStrategy: the tied parameter model\.embed\.weight = lm_head\.weight is "
+                                         r"initialized by Embedding\.reset_parameters\(\).*init_module\(module\)"):
+        _trainer(tmp_path / "default", P2RStrategy(), 1).fit(BuiltInPlace(), _data())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _trainer(tmp_path / "hook", P2RStrategy(), 1).fit(BuiltInPlaceWithItsInit(), _data())
+    assert not [w for w in caught if "tied parameter" in str(w.message)]
