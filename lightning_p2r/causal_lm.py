@@ -26,6 +26,7 @@ from .models.decoders import (
     family_of,
     next_token_loss,
 )
+from .models.litgpt_plan import declare_litgpt_plan
 from .models.module_init import initialize_by_module
 from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, next_token_batch
 from .protocols import LayeredStages, PipelineParts
@@ -143,9 +144,11 @@ class CausalLMModule(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is not None:
+            self._declare_plan()
             return
         self.model = build_hf_model(self.hf_config) if self.hf_config is not None else build_litgpt_model(
             self.litgpt_config)
+        self._declare_plan()
         if not _is_meta(self.model):  # built eagerly: the values a build in place gets (module_init.py)
             initialize_by_module(self, self.init_seed)
         layers = self._layers()
@@ -155,6 +158,11 @@ class CausalLMModule(L.LightningModule):
                                self._declared().residual_outputs)
             else:
                 share_layers(self.model, layers, self.num_unique_blocks, self.sharing)
+
+    def _declare_plan(self) -> None:
+        """litgpt's GPT declares no parallel plan (Hugging Face models carry theirs in their configs): the package's."""
+        if family_of(self.model) == "litgpt" and not hasattr(self.model, "parallel_plan"):
+            declare_litgpt_plan(self.model)
 
     def _layers(self) -> nn.ModuleList:
         """The decoder's own list of layers (``model.layers``, ``transformer.h``)."""

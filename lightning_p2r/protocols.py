@@ -152,7 +152,7 @@ class ComputesTokenLoss(Protocol):
     token_loss: Any
 
 
-SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output", "heads", "gather"]
+SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output", "heads", "gather", "packed_column"]
 """How one submodule splits over the tensor-parallel ranks (Megatron-LM):
 
 - "column": a linear layer whose output features are split (the first matmul of a pair);
@@ -170,6 +170,10 @@ SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output
   the whole sequence, its column layers included (torchtitan's plan for Llama); nothing without sequence
   parallelism. A plan with "gather" entries keeps the embedding's output whole (a model that derives positions from
   it, as Hugging Face's do) and cuts the hidden states to the rank's positions at the first block's entry.
+- "packed_column": a linear layer whose output features pack several column-split parts one after another (q, k
+  and v of an attention in one matrix, as litgpt's ``qkv``; their sizes in ``ParallelPlan.packed``): each rank
+  computes its share of every part. The weight stays split in contiguous rows (so checkpoints keep the model's own
+  layout) and is gathered for each forward (its gradient reduce-scattered), as ZeRO-3 does for a whole layer.
 """
 
 
@@ -221,6 +225,16 @@ class ParallelPlan:
     experts: dict[str, StackedExperts] = field(default_factory=dict)
     """Expert modules by name inside a block (the same in every block that has one): what expert parallelism
     splits."""
+    packed: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    """For each "packed_column" entry (by its name inside a block): the sizes of its packed parts, in order along
+    the output features (litgpt's ``qkv``: the query, key and value rows)."""
+    divisible: dict[str, int] = field(default_factory=dict)
+    """Sizes the tensor-parallel degree must divide, by name (heads, key/value groups, widths, the vocabulary): a
+    degree that does not is refused in one line naming them, before anything is split."""
+    on_tensor_parallel: Callable[[int], None] | None = None
+    """Called with the tensor-parallel degree once the plan is applied: for a model whose forward reads head counts
+    from a config rather than from its tensors' shapes (litgpt's attention), to give each split module its rank's
+    counts. None for models that need nothing (the package's own, Hugging Face's)."""
 
     def kinds(self) -> set[SplitKind]:
         """Every kind the plan uses, in its blocks or outside them."""

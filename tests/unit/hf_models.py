@@ -39,6 +39,10 @@ CONFIGS = {
 LITGPT = {"n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 64, "vocab_size": VOCAB, "padded_vocab_size": VOCAB,
           "bias": False}
 """A tiny litgpt ``GPT`` (``CausalLMModule(litgpt_config=LITGPT)``)."""
+LITGPT_GQA = LITGPT | {"n_query_groups": 2, "mlp_class_name": "LLaMAMLP", "intermediate_size": 64,
+                       "norm_class_name": "RMSNorm"}
+"""A Llama-shaped litgpt ``GPT``: grouped queries (4 heads, 2 key/value groups), a gated MLP, RMSNorm."""
+LITGPT_CONFIGS = {"litgpt": LITGPT, "litgpt_gqa": LITGPT_GQA}
 
 
 class NanoBlock(torch.nn.Module):
@@ -91,8 +95,8 @@ def causal_lm(family: str, **kwargs):
     whole with its declaration for "nanogpt"."""
     from lightning_p2r.causal_lm import CausalLMModule
 
-    if family == "litgpt":
-        return CausalLMModule(litgpt_config=LITGPT, **kwargs)
+    if family in LITGPT_CONFIGS:
+        return CausalLMModule(litgpt_config=LITGPT_CONFIGS[family], **kwargs)
     if family == "nanogpt":
         kwargs.pop("init_seed", None)  # a model given whole keeps its own weights
         return CausalLMModule(model=NanoGPT(), parts=nano_parts(), **kwargs)

@@ -471,3 +471,50 @@ def test_the_streaming_engine_names_an_hf_models_host_masters_by_the_models_own_
               ).fit(module, torch.utils.data.DataLoader(windows(), batch_size=4))
     assert masters.names and masters.names <= masters.state
     assert all(name.startswith("model.model.layers.") for name in masters.names)
+
+
+def _litgpt(**overrides) -> nn.Module:
+    pytest.importorskip("litgpt", reason="litgpt is not installed (pip install --no-deps litgpt)")
+    from hf_models import LITGPT_GQA
+    from litgpt import GPT, Config
+
+    from lightning_p2r.models.litgpt_plan import declare_litgpt_plan
+
+    with torch.device("meta"):
+        gpt = GPT(Config(**(LITGPT_GQA | overrides)))
+    vars(gpt)["blocks"] = gpt.transformer.h  # the strategy's alias of the declared block list
+    declare_litgpt_plan(gpt)  # as CausalLMModule does
+    return gpt
+
+
+def test_litgpts_packed_qkv_splits_by_its_parts_and_each_attention_gets_the_ranks_head_counts() -> None:
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    gpt = _litgpt()
+    plan = model_plan(gpt, tensor_parallel=2)
+    assert plan.blocks[0] == {"attn.qkv": "packed_column", "attn.proj": "row", "mlp.fc_1": "column",
+                              "mlp.fc_2": "column", "mlp.proj": "row"}
+    assert plan.outside == {"transformer.wte": "vocabulary", "lm_head": "output"}
+    assert plan.packed == {"attn.qkv": (32, 16, 16)}  # 4 query heads, 2 key/value groups, of 8 each
+    assert sum(plan.packed["attn.qkv"]) == gpt.transformer.h[0].attn.qkv.out_features
+    plan.on_tensor_parallel(2)
+    attention = gpt.transformer.h[0].attn
+    assert (attention.config.n_head, attention.config.n_query_groups, attention.config.head_size) == (2, 1, 8)
+    assert gpt.config.n_head == 4  # the model's own config (rotary tables, generation) is unchanged
+
+
+@pytest.mark.parametrize(("overrides", "degrees", "message"), [
+    ({}, (4, 1), r"tensor_parallel=4 must divide GPT's n_query_groups=2$"),
+    ({"norm_qk": True}, (2, 1), r"norm_qk=True"),
+    ({"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2, "moe_intermediate_size": 16}, (1, 2),
+     r"cannot split its LLaMAMoE"),
+])
+def test_what_tensor_parallelism_cannot_split_in_litgpt_is_refused_in_one_line(overrides: dict, degrees: tuple,
+                                                                                 message: str) -> None:
+    from lightning_p2r.strategy.parallel.parallelize import check_sequence_parallel, model_plan
+
+    with pytest.raises(ValueError, match=message):
+        model_plan(_litgpt(**overrides), *degrees)
+    gpt = _litgpt()
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\) needs the parallel plan of GPT to mark"):
+        check_sequence_parallel(gpt, model_plan(gpt, tensor_parallel=2))

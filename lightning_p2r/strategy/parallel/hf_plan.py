@@ -214,7 +214,7 @@ def check_splittable(what: str, module: nn.Module, kind: SplitKind) -> None:
     """Refuse, in one line, a plan entry torch's styles cannot split: a linear kind on a module that is not an
     ``nn.Linear`` (GPT-2's ``Conv1D`` stores its weight transposed), a vocabulary kind on one that is not an
     ``nn.Embedding``."""
-    if kind in ("column", "row", "output") and not isinstance(module, nn.Linear):
+    if kind in ("column", "row", "output", "packed_column") and not isinstance(module, nn.Linear):
         raise ValueError(f"tensor parallelism cannot split {what} as {kind!r}: it is a {type(module).__name__}, not "
                          "an nn.Linear (a Conv1D stores its weight as in x out); leave it out of the plan")
     if kind == "vocabulary" and not isinstance(module, nn.Embedding):

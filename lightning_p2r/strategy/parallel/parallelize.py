@@ -32,6 +32,10 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
                          "(lightning_p2r.protocols.DeclaresParallelPlan; docs/your_model.md shows one) "
                          "and no Hugging Face tensor-parallel (base_model_tp_plan) or expert-parallel "
                          "(base_model_ep_plan) plan")
+    bad = {name: size for name, size in plan.divisible.items() if size % tensor_parallel}
+    if bad:
+        raise ValueError(f"tensor_parallel={tensor_parallel} must divide {type(holder).__name__}'s "
+                         + ", ".join(f"{name}={size}" for name, size in bad.items()))
     if len(plan.blocks) != len(holder.blocks):
         raise ValueError(f"the parallel plan of {type(holder).__name__} has {len(plan.blocks)} block entries for "
                          f"{len(holder.blocks)} blocks")

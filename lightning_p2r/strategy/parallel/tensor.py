@@ -9,8 +9,9 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -22,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from ...protocols import ParallelPlan, SplitKind
 from ..ties import find_ties, retie
-from .experts import owned
+from .experts import copy_to_tensor_parallel, owned
 
 
 def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
@@ -71,6 +72,40 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+class PackedColumnParallel(ParallelStyle):
+    """A linear layer whose output features pack several parts (the "packed_column" kind, litgpt's ``qkv``): each rank
+    computes its share of every part (its heads' queries, keys and values). No contiguous shard of the weight is that
+    share, so the weight (and bias) stay DTensors split in contiguous rows, the model's own order, which checkpoints
+    keep; each forward gathers the weight, takes the rank's rows, and the backward reduce-scatters its gradient
+    (ZeRO-3's traffic, for this layer only). The input arrives whole on every rank; its gradient, partial on each,
+    is summed over the ranks (Megatron-LM's f)."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.sizes = sizes
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        ranks, rank = device_mesh.size(), device_mesh.get_local_rank()
+        for name, param in list(module.named_parameters(recurse=False)):
+            placed = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None)
+            setattr(module, name, nn.Parameter(placed, requires_grad=param.requires_grad))
+        starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        rows = torch.cat([torch.arange(start + rank * size // ranks, start + (rank + 1) * size // ranks)
+                          for start, size in zip(starts, self.sizes)])
+
+        def own(param: torch.Tensor | None) -> torch.Tensor | None:
+            if param is None:
+                return None
+            whole = param.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
+            return whole.index_select(0, rows.to(whole.device))
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return F.linear(copy_to_tensor_parallel(x, device_mesh), own(module.weight), own(module.bias))
+
+        vars(module)["forward"] = forward  # an instance attribute: nn.Module.__call__ runs it, hooks included
+        return module
+
+
 def cut_to_own_positions(tp_mesh: Any) -> Any:
     """A forward pre-hook giving a block only this rank's positions of its (whole) input hidden states: the first
     block of a plan that gathers at module entry, whose embedding output stays whole."""
@@ -78,12 +113,13 @@ def cut_to_own_positions(tp_mesh: Any) -> Any:
 
 
 def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
-           loss_parallel: bool = False, gathers: bool = False) -> dict[str, Any]:
+           loss_parallel: bool = False, gathers: bool = False,
+           packed: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
     """torch's ``ParallelStyle`` for each of a plan's entries (see ``protocols.SplitKind``). With
     ``sequence_parallel`` the residual stream between the layers stays split by sequence position (Megatron-LM), and
     an expert layer gathers the sequence. ``loss_parallel``: the output layer leaves each rank its vocabulary shard.
     ``gathers``: the plan has "gather" modules (the embedding's output then stays whole, and the norms hand on plain
-    tensors of their positions)."""
+    tensors of their positions). ``packed``: the part sizes of each "packed_column" entry."""
     sequence = Shard(1) if sequence_parallel else Replicate()
     gathered = [name for name, kind in entries.items() if kind == "gather"]
     made: dict[str, Any] = {}
@@ -109,6 +145,8 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
             # Whole weights (replicated DTensors) applied to this rank's heads (dimension 2): the weight's gradient,
             # a sum over the heads, comes out partial on each rank and is summed into the replicated weight.
             made[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        elif kind == "packed_column":
+            made[name] = PackedColumnParallel((packed or {})[name])
         elif kind == "expert" and sequence_parallel:
             made[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                             use_local_output=True)
@@ -143,7 +181,8 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
         # A pipeline stage holds some blocks: the others are parameterless stand-ins, with nothing to split.
         if not _holds_parameters(block):
             continue
-        parallelize_module(block, tp_mesh, styles(entries, sequence_parallel=sequence_parallel, gathers=gathers))
+        parallelize_module(block, tp_mesh, styles(entries, sequence_parallel=sequence_parallel, gathers=gathers,
+                                                  packed=plan.packed))
         if gathers and index == 0:
             block.register_forward_pre_hook(cut_to_own_positions(tp_mesh), with_kwargs=True)
         if sequence_parallel:
@@ -158,6 +197,8 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
         if kind == "output":
             holder.get_submodule(name).register_forward_hook(_logits_hook(tp_mesh, loss_parallel=loss_parallel))
     retie(holder, ties)
+    if plan.on_tensor_parallel is not None:  # the model's own head counts, for the rank's share of the heads
+        plan.on_tensor_parallel(tp_mesh.size())
 
 
 def _find(holder: nn.Module, name: str) -> nn.Module:

@@ -1,0 +1,64 @@
+"""litgpt's ``GPT`` declared for tensor parallelism (Megatron-LM), the way Hugging Face models declare theirs in
+their configs: the strategy reads the plan and applies it from outside (``strategy/parallel/``).
+
+litgpt packs the queries, keys and values of an attention in one ``qkv`` linear, one part after another, and its
+attention reads the head counts from its config rather than from the tensors' shapes. The plan says both: ``qkv`` is
+a "packed_column" layer with the three parts' sizes (each rank computes its heads' share of every part), and once the
+plan is applied each attention gets a config with the rank's head counts. The MLP's first linears split by column, its
+``proj`` and the attention's ``proj`` by row, the embedding by vocabulary and the head by its outputs. No
+"sequence" entries: sequence parallelism is refused for it (litgpt's attention reshapes by the length it is given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch import nn
+
+from ..protocols import ParallelPlan, SplitKind
+
+MLP_PLANS: dict[str, dict[str, SplitKind]] = {
+    "GptNeoxMLP": {"mlp.fc": "column", "mlp.proj": "row"},
+    "LLaMAMLP": {"mlp.fc_1": "column", "mlp.fc_2": "column", "mlp.proj": "row"},
+    "GemmaMLP": {"mlp.fc_1": "column", "mlp.fc_2": "column", "mlp.proj": "row"},
+}
+"""litgpt's MLP classes (``config.mlp_class_name``) by how their linears split."""
+
+
+def declare_litgpt_plan(model: nn.Module) -> None:
+    """Give a litgpt ``GPT`` the ``parallel_plan()`` it lacks (``protocols.DeclaresParallelPlan``), as an instance
+    attribute: ``CausalLMModule`` does it for the model it builds or is given."""
+    vars(model)["parallel_plan"] = lambda: litgpt_parallel_plan(model)
+
+
+def litgpt_parallel_plan(model: nn.Module) -> ParallelPlan:
+    """The tensor-parallel plan of a litgpt ``GPT``; refuses, in one line naming the field, parts it cannot split
+    yet."""
+    config: Any = model.config
+    mlp = MLP_PLANS.get(config.mlp_class_name)
+    if mlp is None:
+        raise ValueError(f"the parallel plan of litgpt's GPT cannot split its {config.mlp_class_name} (its MoE or MLP "
+                         f"class): the package splits {sorted(MLP_PLANS)}; use tensor_parallel=1 and "
+                         "expert_parallel=1 for this model (sharding, offload, layered accumulation and pipelines "
+                         "work)")
+    if config.norm_qk:
+        raise ValueError("the parallel plan of litgpt's GPT cannot split an attention with norm_qk=True yet (its query "
+                         "and key norms); use tensor_parallel=1 for this model")
+    sizes = {"n_head": config.n_head, "n_query_groups": config.n_query_groups,
+             "intermediate_size": config.intermediate_size, "padded_vocab_size": config.padded_vocab_size}
+    blocks = model.transformer.h
+    per_block: dict[str, SplitKind] = {"attn.qkv": "packed_column", "attn.proj": "row", **mlp}
+    query, key_value = config.n_head * config.head_size, config.n_query_groups * config.head_size
+
+    def rank_head_counts(degree: int) -> None:
+        # litgpt's attention views its q, k and v by these counts: each rank holds 1/degree of the heads.
+        local = dataclasses.replace(config, n_head=config.n_head // degree,
+                                    n_query_groups=config.n_query_groups // degree)
+        for block in blocks:
+            if next(block.parameters(), None) is not None:  # a pipeline stage's stand-in has no attention to set
+                block.attn.config = local
+
+    return ParallelPlan(tuple(dict(per_block) for _ in blocks), {"transformer.wte": "vocabulary", "lm_head": "output"},
+                        packed={"attn.qkv": (query, key_value, key_value)}, divisible=sizes,
+                        on_tensor_parallel=rank_head_counts)
