@@ -5,8 +5,9 @@ litgpt packs the queries, keys and values of an attention in one ``qkv`` linear,
 attention reads the head counts from its config rather than from the tensors' shapes. The plan says both: ``qkv`` is
 a "packed_column" layer with the three parts' sizes (each rank computes its heads' share of every part), and once the
 plan is applied each attention gets a config with the rank's head counts. The MLP's first linears split by column, its
-``proj`` and the attention's ``proj`` by row, the embedding by vocabulary and the head by its outputs. No
-"sequence" entries: sequence parallelism is refused for it (litgpt's attention reshapes by the length it is given).
+``proj`` and the attention's ``proj`` by row, the embedding by vocabulary and the head by its outputs. Under sequence
+parallelism the attention and the MLP gather the sequence at their entry (litgpt's attention reshapes by the length
+it is given) and the norms run on the rank's positions, as the strategy does for Hugging Face decoders.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ MLP_PLANS: dict[str, dict[str, SplitKind]] = {
     "GemmaMLP": {"mlp.fc_1": "column", "mlp.fc_2": "column", "mlp.proj": "row"},
 }
 """litgpt's MLP classes (``config.mlp_class_name``) by how their linears split."""
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """A norm with weights (litgpt's LayerNorm, RMSNorm; not the ``nn.Identity`` it puts where a config has none)."""
+    return "Norm" in type(module).__name__ and next(module.parameters(), None) is not None
 
 
 def declare_litgpt_plan(model: nn.Module) -> None:
@@ -48,7 +54,13 @@ def litgpt_parallel_plan(model: nn.Module) -> ParallelPlan:
     sizes = {"n_head": config.n_head, "n_query_groups": config.n_query_groups,
              "intermediate_size": config.intermediate_size, "padded_vocab_size": config.padded_vocab_size}
     blocks = model.transformer.h
-    per_block: dict[str, SplitKind] = {"attn.qkv": "packed_column", "attn.proj": "row", **mlp}
+    per_block: dict[str, SplitKind] = {"attn.qkv": "packed_column", "attn.proj": "row", **mlp,
+                                       # sequence parallelism: the attention and the MLP gather the sequence at their
+                                       # entry (litgpt reshapes by the length it is given), the block's norms run on
+                                       # the rank's positions; both inert without it
+                                       "attn": "gather", "mlp": "gather"}
+    norms = {name for block in blocks for name, child in block.named_children() if _is_norm(child)}
+    per_block |= dict.fromkeys(sorted(norms), "sequence")
     query, key_value = config.n_head * config.head_size, config.n_query_groups * config.head_size
 
     def rank_head_counts(degree: int) -> None:
@@ -59,6 +71,9 @@ def litgpt_parallel_plan(model: nn.Module) -> ParallelPlan:
             if next(block.parameters(), None) is not None:  # a pipeline stage's stand-in has no attention to set
                 block.attn.config = local
 
-    return ParallelPlan(tuple(dict(per_block) for _ in blocks), {"transformer.wte": "vocabulary", "lm_head": "output"},
+    outside: dict[str, SplitKind] = {"transformer.wte": "vocabulary", "lm_head": "output"}
+    if _is_norm(model.transformer.ln_f):
+        outside["transformer.ln_f"] = "sequence"
+    return ParallelPlan(tuple(dict(per_block) for _ in blocks), outside,
                         packed={"attn.qkv": (query, key_value, key_value)}, divisible=sizes,
                         on_tensor_parallel=rank_head_counts)

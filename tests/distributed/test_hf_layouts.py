@@ -89,10 +89,12 @@ TWO_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
     {"name": "ep2_zero3_qwen2_moe", "family": "qwen2_moe", "strategy": {"expert_parallel": 2, "sharding": "zero3"}},
     # litgpt's packed qkv (each rank computes its heads' share of q, k and v) and its head counts read from its config
-    # (each attention gets the rank's): multi-head, and grouped queries with a gated MLP under ZeRO-3 + layered.
+    # (each attention gets the rank's): multi-head, and grouped queries with a gated MLP under sequence parallelism,
+    # ZeRO-3 and layered accumulation.
     {"name": "tp2_litgpt", "family": "litgpt", "strategy": {"tensor_parallel": 2}},
-    {"name": "tp2_zero3_layered_litgpt_gqa", "family": "litgpt_gqa",
-     "strategy": {"tensor_parallel": 2, "sharding": "zero3", "accumulation": "layered", "micro_batches": 2}},
+    {"name": "tp2_sequence_parallel_zero3_layered_litgpt_gqa", "family": "litgpt_gqa",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
+                  "micro_batches": 2}},
     # Mistral's sliding window under sequence parallelism: the mask comes from the whole sequence on every rank.
     {"name": "tp2_sequence_parallel_zero3_mistral", "family": "mistral",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3"}},
@@ -118,8 +120,8 @@ FOUR_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "pp2_tp2_sequence_parallel_qwen3", "family": "qwen3",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
-    {"name": "pp2_tp2_litgpt", "family": "litgpt",
-     "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
+    {"name": "pp2_tp2_sequence_parallel_litgpt", "family": "litgpt",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
     {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
 ]

@@ -493,8 +493,10 @@ def test_litgpts_packed_qkv_splits_by_its_parts_and_each_attention_gets_the_rank
     gpt = _litgpt()
     plan = model_plan(gpt, tensor_parallel=2)
     assert plan.blocks[0] == {"attn.qkv": "packed_column", "attn.proj": "row", "mlp.fc_1": "column",
-                              "mlp.fc_2": "column", "mlp.proj": "row"}
-    assert plan.outside == {"transformer.wte": "vocabulary", "lm_head": "output"}
+                              "mlp.fc_2": "column", "mlp.proj": "row",
+                              # for sequence parallelism (inert without it)
+                              "attn": "gather", "mlp": "gather", "norm_1": "sequence", "norm_2": "sequence"}
+    assert plan.outside == {"transformer.wte": "vocabulary", "lm_head": "output", "transformer.ln_f": "sequence"}
     assert plan.packed == {"attn.qkv": (32, 16, 16)}  # 4 query heads, 2 key/value groups, of 8 each
     assert sum(plan.packed["attn.qkv"]) == gpt.transformer.h[0].attn.qkv.out_features
     plan.on_tensor_parallel(2)
@@ -511,10 +513,7 @@ def test_litgpts_packed_qkv_splits_by_its_parts_and_each_attention_gets_the_rank
 ])
 def test_what_tensor_parallelism_cannot_split_in_litgpt_is_refused_in_one_line(overrides: dict, degrees: tuple,
                                                                                  message: str) -> None:
-    from lightning_p2r.strategy.parallel.parallelize import check_sequence_parallel, model_plan
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
 
     with pytest.raises(ValueError, match=message):
         model_plan(_litgpt(**overrides), *degrees)
-    gpt = _litgpt()
-    with pytest.raises(ValueError, match=r"sequence_parallel=True\) needs the parallel plan of GPT to mark"):
-        check_sequence_parallel(gpt, model_plan(gpt, tensor_parallel=2))
