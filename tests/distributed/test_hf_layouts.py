@@ -130,10 +130,18 @@ FOUR_PROCESSES = [
 # first batch, whatever step the checkpoint was saved at), at a constant learning rate (a schedule follows
 # max_steps, and the saved run's is shorter).
 RESHARD = {"family": "qwen3_moe", "batches": 1, "optimizer": {"min_lr_ratio": 1.0}}
+LITGPT_RESHARD = RESHARD | {"family": "litgpt_gqa"}
 RESHARD_ONE = [RESHARD | {"name": "reference_one_batch_qwen3_moe", "strategy": None},
-               RESHARD | {"name": "qwen3_moe_saved_on_one", "strategy": None, "steps": 2, "save": "one.ckpt"}]
+               RESHARD | {"name": "qwen3_moe_saved_on_one", "strategy": None, "steps": 2, "save": "one.ckpt"},
+               LITGPT_RESHARD | {"name": "reference_one_batch_litgpt_gqa", "strategy": None},
+               LITGPT_RESHARD | {"name": "litgpt_gqa_saved_on_one", "strategy": None, "steps": 2,
+                                 "save": "litgpt_one.ckpt"}]
 RESHARD_TWO = [RESHARD | {"name": "tp2_qwen3_moe_resumes_one_process", "strategy": {"tensor_parallel": 2},
                           "resume": "one.ckpt"},
+               # litgpt's packed qkv, split in contiguous rows: the checkpoint keeps the model's own layout
+               LITGPT_RESHARD | {"name": "tp2_sequence_parallel_litgpt_gqa_resumes_one_process",
+                                 "strategy": {"tensor_parallel": 2, "sequence_parallel": True},
+                                 "resume": "litgpt_one.ckpt"},
                RESHARD | {"name": "tp2_qwen3_moe_saved", "strategy": {"tensor_parallel": 2}, "steps": 2,
                           "save": "tp2.ckpt"}]
 RESHARD_FOUR = [RESHARD | {"name": "tp2_ep2_qwen3_moe_resumes_tp2",
@@ -193,11 +201,14 @@ def test_an_hf_model_built_in_place_trains_on_several_processes_like_the_eager_b
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", ["tp2_qwen3_moe_resumes_one_process", "tp2_ep2_qwen3_moe_resumes_tp2"])
-def test_an_hf_moe_checkpoint_reshards_between_layouts(hf_runs: Path, name: str) -> None:
-    """Saved on one process and resumed under tp2 (experts split by expert over the tensor-parallel ranks); saved
-    under tp2 and resumed under tp2 x ep2 (one expert per rank): both continue with the uninterrupted run's losses."""
-    reference = _read(hf_runs, "reference_one_batch_qwen3_moe")["losses"]
+@pytest.mark.parametrize(("name", "family"), [("tp2_qwen3_moe_resumes_one_process", "qwen3_moe"),
+                                              ("tp2_ep2_qwen3_moe_resumes_tp2", "qwen3_moe"),
+                                              ("tp2_sequence_parallel_litgpt_gqa_resumes_one_process", "litgpt_gqa")])
+def test_a_checkpoint_reshards_between_layouts(hf_runs: Path, name: str, family: str) -> None:
+    """Saved on one process and resumed under tp2 (an MoE's experts split by expert over the tensor-parallel ranks;
+    litgpt's packed qkv); saved under tp2 and resumed under tp2 x ep2 (one expert per rank): each continues with the
+    uninterrupted run's losses."""
+    reference = _read(hf_runs, f"reference_one_batch_{family}")["losses"]
     resumed = _read(hf_runs, name)["losses"]
     assert len(reference) == 4 and len(resumed) == 2
     assert resumed == pytest.approx(reference[2:], rel=1e-5)
