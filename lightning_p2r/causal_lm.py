@@ -26,6 +26,7 @@ from .models.decoders import (
     family_of,
     next_token_loss,
 )
+from .models.gpt2_plan import declare_gpt2_plan
 from .models.litgpt_plan import declare_litgpt_plan
 from .models.module_init import initialize_by_module
 from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, next_token_batch
@@ -160,9 +161,11 @@ class CausalLMModule(L.LightningModule):
                 share_layers(self.model, layers, self.num_unique_blocks, self.sharing)
 
     def _declare_plan(self) -> None:
-        """litgpt's GPT declares no parallel plan (Hugging Face models carry theirs in their configs): the package's."""
-        if family_of(self.model) == "litgpt" and not hasattr(self.model, "parallel_plan"):
-            declare_litgpt_plan(self.model)
+        """litgpt's GPT and Hugging Face's GPT-2 declare no parallel plan (other Hugging Face models carry theirs in
+        their configs): the package's."""
+        declare = {"litgpt": declare_litgpt_plan, "gpt2": declare_gpt2_plan}.get(family_of(self.model) or "")
+        if declare is not None and not hasattr(self.model, "parallel_plan"):
+            declare(self.model)
 
     def _layers(self) -> nn.ModuleList:
         """The decoder's own list of layers (``model.layers``, ``transformer.h``)."""

@@ -228,6 +228,9 @@ class ParallelPlan:
     packed: dict[str, tuple[int, ...]] = field(default_factory=dict)
     """For each "packed_column" entry (by its name inside a block): the sizes of its packed parts, in order along
     the output features (litgpt's ``qkv``: the query, key and value rows)."""
+    transposed: frozenset[str] = frozenset()
+    """Entries inside a block whose weight is stored in x out and applied as ``x @ weight + bias`` (GPT-2's
+    ``Conv1D``), which the strategy splits along the other dimension than an ``nn.Linear``'s."""
     divisible: dict[str, int] = field(default_factory=dict)
     """Sizes the tensor-parallel degree must divide, by name (heads, key/value groups, widths, the vocabulary): a
     degree that does not is refused in one line naming them, before anything is split."""

@@ -95,6 +95,11 @@ TWO_PROCESSES = [
     {"name": "tp2_sequence_parallel_zero3_layered_litgpt_gqa", "family": "litgpt_gqa",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
                   "micro_batches": 2}},
+    # GPT-2's Conv1D layers (weights stored in x out) by the package's plan: c_attn packed like litgpt's qkv, the tied
+    # head and embedding split alike.
+    {"name": "tp2_gpt2", "family": "gpt2", "strategy": {"tensor_parallel": 2}},
+    {"name": "tp2_zero3_layered_gpt2", "family": "gpt2",
+     "strategy": {"tensor_parallel": 2, "sharding": "zero3", "accumulation": "layered", "micro_batches": 2}},
     # Mistral's sliding window under sequence parallelism: the mask comes from the whole sequence on every rank.
     {"name": "tp2_sequence_parallel_zero3_mistral", "family": "mistral",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3"}},
@@ -120,6 +125,8 @@ FOUR_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "pp2_tp2_sequence_parallel_qwen3", "family": "qwen3",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
+    {"name": "pp2_tp2_gpt2", "family": "gpt2",
+     "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "pp2_tp2_sequence_parallel_litgpt", "family": "litgpt",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.

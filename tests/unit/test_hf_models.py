@@ -147,7 +147,7 @@ def test_the_hf_tensor_parallel_plan_is_read_and_a_tied_head_splits_its_embeddin
 
 @pytest.mark.parametrize(("family", "overrides", "message"), [
     ("llama", {"num_key_value_heads": 1}, r"must divide LlamaForCausalLM's num_key_value_heads=1"),
-    ("gpt2", {}, r"nor a Hugging Face base_model_tp_plan \(GPT-2 has none: its Conv1D"),
+    ("gpt2", {}, r"nor a Hugging Face base_model_tp_plan \(GPT-2 has none: CausalLMModule declares the package's"),
 ])
 def test_what_tensor_parallelism_cannot_split_is_refused_in_one_line(family: str, overrides: dict,
                                                                       message: str) -> None:
@@ -517,3 +517,28 @@ def test_what_tensor_parallelism_cannot_split_in_litgpt_is_refused_in_one_line(o
 
     with pytest.raises(ValueError, match=message):
         model_plan(_litgpt(**overrides), *degrees)
+
+
+def test_gpt2s_conv1d_layers_split_along_their_stored_dimensions_by_the_packages_plan() -> None:
+    from lightning_p2r.models.gpt2_plan import declare_gpt2_plan
+    from lightning_p2r.strategy.parallel.parallelize import check_sequence_parallel, model_plan
+
+    gpt2 = _declared("gpt2")
+    declare_gpt2_plan(gpt2)
+    plan = model_plan(gpt2, tensor_parallel=2)
+    assert plan.blocks[0] == {"attn.c_attn": "packed_column", "attn.c_proj": "row", "mlp.c_fc": "column",
+                              "mlp.c_proj": "row"}
+    assert plan.transposed == set(plan.blocks[0]) and plan.packed == {"attn.c_attn": (32, 32, 32)}
+    assert plan.outside == {"transformer.wte": "vocabulary", "lm_head": "output"}  # tied: split alike
+    plan.on_tensor_parallel(2)
+    assert gpt2.transformer.h[0].attn.split_size == 16
+    with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide GPT2LMHeadModel's n_head=4, n_inner=128, "
+                                         r"vocab_size=64"):
+        model_plan(gpt2, tensor_parallel=3)
+    with pytest.raises(ValueError, match=r"sequence_parallel=True\) needs the parallel plan of GPT2LMHeadModel"):
+        check_sequence_parallel(gpt2, plan)
+    from lightning_p2r.strategy.parallel.tensor import styles
+
+    with pytest.raises(ValueError, match=r"sequence parallelism does not split mlp\.c_fc, a layer the plan declares "
+                                         r"transposed"):
+        styles({"mlp.c_fc": "column"}, sequence_parallel=True, transposed=frozenset({"mlp.c_fc"}))

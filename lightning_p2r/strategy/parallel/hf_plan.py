@@ -74,8 +74,9 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
     if patterns is None:
         raise ValueError(f"P2RStrategy(tensor_parallel={tensor_parallel}) splits a model by its plan: "
                          f"{type(holder).__name__} has neither parallel_plan() nor a Hugging Face base_model_tp_plan "
-                         "(GPT-2 has none: its Conv1D layers are stored transposed); declare a "
-                         "lightning_p2r.protocols.ParallelPlan, or use sharding/offload/pipeline_parallel instead")
+                         "(GPT-2 has none: CausalLMModule declares the package's, as lightning_p2r.models.gpt2_plan."
+                         "declare_gpt2_plan(model) does); declare a lightning_p2r.protocols.ParallelPlan, or use "
+                         "sharding/offload/pipeline_parallel instead")
     blocks_name = module_name(holder, holder.blocks)
     per_block: list[dict[str, SplitKind]] = [{} for _ in holder.blocks]
     outside: dict[str, SplitKind] = {}
@@ -210,10 +211,15 @@ def _kind(name: str, style: str, module: nn.Module, holder: nn.Module) -> SplitK
     return kind
 
 
-def check_splittable(what: str, module: nn.Module, kind: SplitKind) -> None:
+def check_splittable(what: str, module: nn.Module, kind: SplitKind, transposed: bool = False) -> None:
     """Refuse, in one line, a plan entry torch's styles cannot split: a linear kind on a module that is not an
-    ``nn.Linear`` (GPT-2's ``Conv1D`` stores its weight transposed), a vocabulary kind on one that is not an
-    ``nn.Embedding``."""
+    ``nn.Linear`` (GPT-2's ``Conv1D`` stores its weight transposed: a plan declares it in ``ParallelPlan.transposed``),
+    a vocabulary kind on one that is not an ``nn.Embedding``."""
+    if transposed and kind in ("column", "row", "packed_column"):
+        if getattr(getattr(module, "weight", None), "dim", lambda: 0)() != 2:
+            raise ValueError(f"tensor parallelism cannot split {what} as a transposed {kind!r} layer: it has no 2-D "
+                             "weight")
+        return
     if kind in ("column", "row", "output", "packed_column") and not isinstance(module, nn.Linear):
         raise ValueError(f"tensor parallelism cannot split {what} as {kind!r}: it is a {type(module).__name__}, not "
                          "an nn.Linear (a Conv1D stores its weight as in x out); leave it out of the plan")

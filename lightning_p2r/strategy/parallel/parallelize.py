@@ -52,7 +52,7 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
                 raise ValueError(f"the parallel plan marks block {index}'s {name!r} as an expert layer but declares "
                                  f"no expert weights inside it: name its expert module in ParallelPlan.experts "
                                  "(lightning_p2r.protocols.StackedExperts)")
-            check_splittable(f"block {index}'s {name}", block.get_submodule(name), kind)
+            check_splittable(f"block {index}'s {name}", block.get_submodule(name), kind, name in plan.transposed)
     for name, kind in plan.outside.items():
         try:
             module = holder.get_submodule(name)

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from ...protocols import ParallelPlan, SplitKind
 from ..ties import find_ties, retie
-from .experts import copy_to_tensor_parallel, owned
+from .experts import copy_to_tensor_parallel, owned, reduce_from_tensor_parallel
 
 
 def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
@@ -72,23 +72,42 @@ class GatherSequence(ParallelStyle):
         return module
 
 
+def _place(module: nn.Module, device_mesh: Any, placement_of: Any) -> None:
+    """Turn each of ``module``'s own parameters into a DTensor on ``device_mesh`` (on the meta device too)."""
+    for name, param in list(module.named_parameters(recurse=False)):
+        placed = distribute_tensor(param.data, device_mesh, [placement_of(param)], src_data_rank=None)
+        setattr(module, name, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+
+def _matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """``x`` through a linear layer's (local) weight: stored out x in (``nn.Linear``), or in x out (``transposed``:
+    GPT-2's ``Conv1D``, ``x @ weight + bias``)."""
+    if not transposed:
+        return F.linear(x, weight, bias)
+    out = torch.matmul(x, weight)
+    return out + bias if bias is not None else out
+
+
 class PackedColumnParallel(ParallelStyle):
     """A linear layer whose output features pack several parts (the "packed_column" kind, litgpt's ``qkv``): each rank
     computes its share of every part (its heads' queries, keys and values). No contiguous shard of the weight is that
     share, so the weight (and bias) stay DTensors split in contiguous rows, the model's own order, which checkpoints
     keep; each forward gathers the weight, takes the rank's rows, and the backward reduce-scatters its gradient
     (ZeRO-3's traffic, for this layer only). The input arrives whole on every rank; its gradient, partial on each,
-    is summed over the ranks (Megatron-LM's f)."""
+    is summed over the ranks (Megatron-LM's f). ``transposed``: the weight is stored in x out (GPT-2's ``c_attn``),
+    its output features along dimension 1."""
 
-    def __init__(self, sizes: tuple[int, ...]) -> None:
+    def __init__(self, sizes: tuple[int, ...], transposed: bool = False) -> None:
         super().__init__()
-        self.sizes = sizes
+        self.sizes, self.transposed = sizes, transposed
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         ranks, rank = device_mesh.size(), device_mesh.get_local_rank()
-        for name, param in list(module.named_parameters(recurse=False)):
-            placed = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=None)
-            setattr(module, name, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+        def out_dim(param: torch.Tensor) -> int:
+            return 1 if self.transposed and param.dim() == 2 else 0
+
+        _place(module, device_mesh, lambda param: Shard(out_dim(param)))
         starts = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         rows = torch.cat([torch.arange(start + rank * size // ranks, start + (rank + 1) * size // ranks)
                           for start, size in zip(starts, self.sizes)])
@@ -97,12 +116,47 @@ class PackedColumnParallel(ParallelStyle):
             if param is None:
                 return None
             whole = param.redistribute(device_mesh, [Replicate()]).to_local(grad_placements=[Partial()])
-            return whole.index_select(0, rows.to(whole.device))
+            return whole.index_select(out_dim(param), rows.to(whole.device))
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            return F.linear(copy_to_tensor_parallel(x, device_mesh), own(module.weight), own(module.bias))
+            return _matmul(copy_to_tensor_parallel(x, device_mesh), own(module.weight), own(module.bias),
+                           self.transposed)
 
         vars(module)["forward"] = forward  # an instance attribute: nn.Module.__call__ runs it, hooks included
+        return module
+
+
+class TransposedLinearParallel(ParallelStyle):
+    """A linear layer stored in x out (GPT-2's ``Conv1D``: ``x @ weight + bias``), which torch's styles do not split:
+    by column (weight split along its outputs, dimension 1, the bias with it; the input whole on every rank, its
+    gradient summed, Megatron-LM's f) or by row (weight split along its inputs, dimension 0; the partial outputs
+    summed, Megatron-LM's g, and the whole bias added once; under sequence parallelism reduce-scattered to the rank's
+    positions instead, as torch's ``RowwiseParallel(output_layouts=Shard(1))``)."""
+
+    def __init__(self, kind: SplitKind, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        self.column, self.sequence_parallel = kind == "column", sequence_parallel
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        if self.column:
+            _place(module, device_mesh, lambda param: Shard(param.dim() - 1))
+        else:
+            _place(module, device_mesh, lambda param: Shard(0) if param.dim() == 2 else Replicate())
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            weight = module.weight.to_local()
+            bias = module.bias.to_local() if module.bias is not None else None
+            if self.column:
+                return _matmul(copy_to_tensor_parallel(x, device_mesh), weight, bias, transposed=True)
+            partial = torch.matmul(x, weight)
+            if self.sequence_parallel:
+                out = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False).redistribute(
+                    device_mesh, [Shard(1)]).to_local()
+            else:
+                out = reduce_from_tensor_parallel(partial, device_mesh)
+            return out + bias if bias is not None else out
+
+        vars(module)["forward"] = forward
         return module
 
 
@@ -114,17 +168,21 @@ def cut_to_own_positions(tp_mesh: Any) -> Any:
 
 def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
            loss_parallel: bool = False, gathers: bool = False,
-           packed: dict[str, tuple[int, ...]] | None = None) -> dict[str, Any]:
+           packed: dict[str, tuple[int, ...]] | None = None, transposed: frozenset[str] = frozenset()
+           ) -> dict[str, Any]:
     """torch's ``ParallelStyle`` for each of a plan's entries (see ``protocols.SplitKind``). With
     ``sequence_parallel`` the residual stream between the layers stays split by sequence position (Megatron-LM), and
     an expert layer gathers the sequence. ``loss_parallel``: the output layer leaves each rank its vocabulary shard.
     ``gathers``: the plan has "gather" modules (the embedding's output then stays whole, and the norms hand on plain
-    tensors of their positions). ``packed``: the part sizes of each "packed_column" entry."""
+    tensors of their positions). ``packed``: the part sizes of each "packed_column" entry; ``transposed``: the
+    entries whose weights are stored in x out."""
     sequence = Shard(1) if sequence_parallel else Replicate()
     gathered = [name for name, kind in entries.items() if kind == "gather"]
     made: dict[str, Any] = {}
     for name, kind in entries.items():
-        if kind == "column":
+        if name in transposed and kind in ("column", "row"):
+            made[name] = TransposedLinearParallel(kind, sequence_parallel=sequence_parallel)
+        elif kind == "column":
             inside_gathered = any(name.startswith(outer + ".") for outer in gathered)
             made[name] = ColwiseParallel(input_layouts=Replicate() if inside_gathered else sequence)
         elif kind == "row":
@@ -146,7 +204,7 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
             # a sum over the heads, comes out partial on each rank and is summed into the replicated weight.
             made[name] = SequenceParallel(sequence_dim=2, use_local_output=True)
         elif kind == "packed_column":
-            made[name] = PackedColumnParallel((packed or {})[name])
+            made[name] = PackedColumnParallel((packed or {})[name], transposed=name in transposed)
         elif kind == "expert" and sequence_parallel:
             made[name] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                             use_local_output=True)
@@ -182,7 +240,7 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
         if not _holds_parameters(block):
             continue
         parallelize_module(block, tp_mesh, styles(entries, sequence_parallel=sequence_parallel, gathers=gathers,
-                                                  packed=plan.packed))
+                                                  packed=plan.packed, transposed=plan.transposed))
         if gathers and index == 0:
             block.register_forward_pre_hook(cut_to_own_positions(tp_mesh), with_kwargs=True)
         if sequence_parallel:
