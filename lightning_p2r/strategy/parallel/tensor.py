@@ -130,12 +130,12 @@ class TransposedLinearParallel(ParallelStyle):
     """A linear layer stored in x out (GPT-2's ``Conv1D``: ``x @ weight + bias``), which torch's styles do not split:
     by column (weight split along its outputs, dimension 1, the bias with it; the input whole on every rank, its
     gradient summed, Megatron-LM's f) or by row (weight split along its inputs, dimension 0; the partial outputs
-    summed, Megatron-LM's g, and the whole bias added once; under sequence parallelism reduce-scattered to the rank's
-    positions instead, as torch's ``RowwiseParallel(output_layouts=Shard(1))``)."""
+    summed, Megatron-LM's g, and the whole bias added once). Not under sequence parallelism (refused by
+    :func:`styles`)."""
 
-    def __init__(self, kind: SplitKind, sequence_parallel: bool = False) -> None:
+    def __init__(self, kind: SplitKind) -> None:
         super().__init__()
-        self.column, self.sequence_parallel = kind == "column", sequence_parallel
+        self.column = kind == "column"
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         if self.column:
@@ -148,12 +148,7 @@ class TransposedLinearParallel(ParallelStyle):
             bias = module.bias.to_local() if module.bias is not None else None
             if self.column:
                 return _matmul(copy_to_tensor_parallel(x, device_mesh), weight, bias, transposed=True)
-            partial = torch.matmul(x, weight)
-            if self.sequence_parallel:
-                out = DTensor.from_local(partial, device_mesh, [Partial()], run_check=False).redistribute(
-                    device_mesh, [Shard(1)]).to_local()
-            else:
-                out = reduce_from_tensor_parallel(partial, device_mesh)
+            out = reduce_from_tensor_parallel(torch.matmul(x, weight), device_mesh)
             return out + bias if bias is not None else out
 
         vars(module)["forward"] = forward
@@ -181,7 +176,10 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
     made: dict[str, Any] = {}
     for name, kind in entries.items():
         if name in transposed and kind in ("column", "row"):
-            made[name] = TransposedLinearParallel(kind, sequence_parallel=sequence_parallel)
+            if sequence_parallel:
+                raise ValueError(f"sequence parallelism does not split {name}, a layer the plan declares transposed "
+                                 "(weights stored in x out): use sequence_parallel=False")
+            made[name] = TransposedLinearParallel(kind)
         elif kind == "column":
             inside_gathered = any(name.startswith(outer + ".") for outer in gathered)
             made[name] = ColwiseParallel(input_layouts=Replicate() if inside_gathered else sequence)
