@@ -5,6 +5,7 @@ nothing here imports the strategy, so model and module code can depend on it fre
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -269,6 +270,32 @@ class BalancesOverRanks(Protocol):
     sum over those processes (None where there is one), so the model imports no torch.distributed."""
 
     def balance_over(self, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None) -> None: ...
+
+
+class DeclaredPlan:
+    """A ``parallel_plan()`` given to a model that has none (litgpt's ``GPT``, Hugging Face's GPT-2) as an instance
+    attribute: ``plan_of(model)`` for the model it is attached to. The strategy calls ``plan_of`` with the module it
+    places, which may be a copy of the model it was attached to (delinking under sharding places one); a deep copy
+    gets one for the copy, without copying anything else."""
+
+    def __init__(self, plan_of: Callable[[nn.Module], ParallelPlan], model: nn.Module) -> None:
+        self.plan_of = plan_of
+        self._model = weakref.ref(model)
+
+    def __call__(self) -> ParallelPlan:
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model this parallel plan was declared for no longer exists")
+        return self.plan_of(model)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeclaredPlan:
+        model = self._model()
+        return DeclaredPlan(self.plan_of, memo.get(id(model), model))
+
+    @classmethod
+    def attach(cls, model: nn.Module, plan_of: Callable[[nn.Module], ParallelPlan]) -> None:
+        """Give ``model`` the ``parallel_plan()`` computed by ``plan_of(model)``."""
+        vars(model)["parallel_plan"] = cls(plan_of, model)
 
 
 @runtime_checkable

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from ..protocols import ParallelPlan, SplitKind
+from ..protocols import DeclaredPlan, ParallelPlan, SplitKind
 
 BLOCK_PLAN: dict[str, SplitKind] = {"attn.c_attn": "packed_column", "attn.c_proj": "row", "mlp.c_fc": "column",
                                     "mlp.c_proj": "row"}
@@ -25,7 +25,7 @@ BLOCK_PLAN: dict[str, SplitKind] = {"attn.c_attn": "packed_column", "attn.c_proj
 def declare_gpt2_plan(model: nn.Module) -> None:
     """Give a Hugging Face GPT-2 the ``parallel_plan()`` it lacks (``protocols.DeclaresParallelPlan``), as an instance
     attribute: ``CausalLMModule`` does it for the model it builds or is given."""
-    vars(model)["parallel_plan"] = lambda: gpt2_parallel_plan(model)
+    DeclaredPlan.attach(model, gpt2_parallel_plan)  # a deep copy of the model (growth builds one) gets its own
 
 
 def gpt2_parallel_plan(model: nn.Module) -> ParallelPlan:
@@ -36,7 +36,8 @@ def gpt2_parallel_plan(model: nn.Module) -> ParallelPlan:
                          "use tensor_parallel=1 for this model")
     width = config.n_embd
     inner = config.n_inner or 4 * width
-    blocks = model.transformer.h
+    # The declared block list (the strategy's alias: a pseudo model's unique blocks), else the model's layers.
+    blocks = getattr(model, "blocks", None) or model.transformer.h
 
     def rank_split_size(degree: int) -> None:
         # GPT-2's attention splits c_attn's output into q, k and v by this width: the rank's share of each.

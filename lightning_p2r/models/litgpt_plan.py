@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from ..protocols import ParallelPlan, SplitKind
+from ..protocols import DeclaredPlan, ParallelPlan, SplitKind
 
 MLP_PLANS: dict[str, dict[str, SplitKind]] = {
     "GptNeoxMLP": {"mlp.fc": "column", "mlp.proj": "row"},
@@ -35,7 +35,7 @@ def _is_norm(module: nn.Module) -> bool:
 def declare_litgpt_plan(model: nn.Module) -> None:
     """Give a litgpt ``GPT`` the ``parallel_plan()`` it lacks (``protocols.DeclaresParallelPlan``), as an instance
     attribute: ``CausalLMModule`` does it for the model it builds or is given."""
-    vars(model)["parallel_plan"] = lambda: litgpt_parallel_plan(model)
+    DeclaredPlan.attach(model, litgpt_parallel_plan)  # a deep copy of the model (growth builds one) gets its own
 
 
 def litgpt_parallel_plan(model: nn.Module) -> ParallelPlan:
@@ -53,7 +53,8 @@ def litgpt_parallel_plan(model: nn.Module) -> ParallelPlan:
                          "and key norms); use tensor_parallel=1 for this model")
     sizes = {"n_head": config.n_head, "n_query_groups": config.n_query_groups,
              "intermediate_size": config.intermediate_size, "padded_vocab_size": config.padded_vocab_size}
-    blocks = model.transformer.h
+    # The declared block list (the strategy's alias: a pseudo model's unique blocks), else the model's layers.
+    blocks = getattr(model, "blocks", None) or model.transformer.h
     per_block: dict[str, SplitKind] = {"attn.qkv": "packed_column", "attn.proj": "row", **mlp,
                                        # sequence parallelism: the attention and the MLP gather the sequence at their
                                        # entry (litgpt reshapes by the length it is given), the block's norms run on

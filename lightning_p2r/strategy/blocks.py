@@ -32,6 +32,26 @@ def module_name(root: nn.Module, target: nn.Module) -> str:
     raise ValueError(f"{type(target).__name__} is not part of {type(root).__name__}")
 
 
+def _registered_name(holder: nn.Module, target: nn.Module) -> str | None:
+    return next((name for name, module in holder.named_modules() if module is target), None)
+
+
+def block_names(holder: nn.Module) -> list[str]:
+    """Each declared block's registered name under ``holder``: ``model.layers.3``; for a pseudo model's block, run at
+    several layers, the first layer's (the unique blocks' list is an alias, not registered)."""
+    listed = _registered_name(holder, holder.blocks)
+    if listed is not None:  # by position (a pipeline rank's stand-ins need not be distinct objects)
+        return [f"{listed}.{index}" if listed else str(index) for index in range(len(holder.blocks))]
+    return [module_name(holder, block) for block in holder.blocks]
+
+
+def block_list_name(holder: nn.Module) -> str:
+    """The registered name of the list holding ``holder``'s declared blocks: the list itself, or, for a pseudo model
+    whose unique blocks are an unregistered alias, the layers list running them."""
+    listed = _registered_name(holder, holder.blocks)
+    return listed if listed is not None else block_names(holder)[0].rpartition(".")[0]
+
+
 @dataclass(frozen=True)
 class DeclaredBlocks:
     """Where a model's block list is and who runs it."""

@@ -212,10 +212,14 @@ def planned_modules(root: nn.Module, holder: nn.Module, plan: ParallelPlan) -> d
     """``plan`` (the holder's) by module names relative to ``root`` (what the tie check reads). On a pipeline rank
     without the head, the root lies below the holder (a Hugging Face model's inner ``model``): the entries outside
     the root are another rank's."""
-    blocks = module_name(holder, holder.blocks)
+    # Every name of each block: a pseudo model's block runs at several layers, registered under each of them.
+    names: dict[int, list[str]] = {}
+    for name, module in holder.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), []).append(name)
     named = dict(plan.outside)
-    for index, entries in enumerate(plan.blocks):
-        named |= {f"{blocks}.{index}.{name}": kind for name, kind in entries.items()}
+    for block, entries in zip(holder.blocks, plan.blocks):
+        for prefix in names.get(id(block), []):
+            named |= {f"{prefix}.{name}": kind for name, kind in entries.items()}
     if any(module is holder for module in root.modules()):
         prefix = module_name(root, holder)
         return {(f"{prefix}.{name}" if prefix else name): kind for name, kind in named.items()}

@@ -84,11 +84,18 @@ def check_tensor_parallel_ties(root: nn.Module, planned: Mapping[str, str]) -> N
     kind. A tied weight is split as one tensor only when every module holding it splits it the same way along the
     vocabulary (an embedding by "vocabulary" rows and a head by "output" columns both cut dim 0)."""
     for tie in find_ties(root):
-        kinds = {name: planned.get(_owner(name)) for name in tie}
+        # A module registered under several names (a pseudo model's block at several layers) is split once, for all
+        # of them: only names held by different modules can be cut apart.
+        holders: dict[int, str] = {}
+        for name in tie:
+            holders.setdefault(id(root.get_submodule(_owner(name))), name)
+        if len(holders) < 2:
+            continue
+        kinds = {name: planned.get(_owner(name)) for name in holders.values()}
         split = {name: kind for name, kind in kinds.items() if kind is not None}
         if not split:
             continue
-        if len(split) < len(tie) or not set(split.values()) <= {"vocabulary", "output"}:
+        if len(split) < len(kinds) or not set(split.values()) <= {"vocabulary", "output"}:
             where = ", ".join(f"{name} ({kind or 'not split'})" for name, kind in kinds.items())
             raise ValueError(
                 f"P2RStrategy(tensor_parallel > 1) would untie a shared parameter: it is registered as {where}. "

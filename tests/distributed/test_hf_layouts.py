@@ -28,11 +28,15 @@ WORKER = Path(__file__).with_name("hf_worker.py")
 
 GROWN = {"module": {"num_unique_blocks": 2, "pseudo_depth": "shallow", "growth_init": "zero_outputs"}, "delink_at": 2}
 """A shallow pseudo model of 2 layers grown to the real 4 by PseudoToReal at step 2 (issue 38 item 6)."""
+SHARED = {"module": {"num_unique_blocks": 2}, "delink_at": 2}
+"""A pseudo model whose 4 layers share 2 blocks, delinked by PseudoToReal at step 2."""
 
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
                for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3", "qwen2_moe",
                               "mistral", "litgpt_gqa", "nanogpt")] + [
-    {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN}]
+    {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN},
+    {"name": "reference_grown_qwen3", "family": "qwen3", "strategy": None, **GROWN},
+    {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED}]
 TWO_PROCESSES = [
     {"name": "ddp_qwen3_moe", "family": "qwen3_moe", "strategy": {}},
     {"name": "zero3_offload_qwen3_moe", "family": "qwen3_moe",
@@ -100,6 +104,12 @@ TWO_PROCESSES = [
     {"name": "tp2_gpt2", "family": "gpt2", "strategy": {"tensor_parallel": 2}},
     {"name": "tp2_zero3_layered_gpt2", "family": "gpt2",
      "strategy": {"tensor_parallel": 2, "sharding": "zero3", "accumulation": "layered", "micro_batches": 2}},
+    # Pseudo-to-Real under tensor parallelism: a shallow model grown, and shared layers (one block registered under
+    # several layers' names, split once) delinked, re-placed with the model's plan.
+    {"name": "tp2_grown_qwen3", "family": "qwen3", "reference": "reference_grown_qwen3",
+     "strategy": {"tensor_parallel": 2}, **GROWN},
+    {"name": "tp2_shared_litgpt_gqa", "family": "litgpt_gqa", "reference": "reference_shared_litgpt_gqa",
+     "strategy": {"tensor_parallel": 2}, **SHARED},
     # Mistral's sliding window under sequence parallelism: the mask comes from the whole sequence on every rank.
     {"name": "tp2_sequence_parallel_zero3_mistral", "family": "mistral",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3"}},

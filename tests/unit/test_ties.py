@@ -208,3 +208,41 @@ def test_a_tied_model_built_in_place_with_default_inits_is_warned_about(tmp_path
         warnings.simplefilter("always")
         _trainer(tmp_path / "hook", P2RStrategy(), 1).fit(BuiltInPlaceWithItsInit(), _data())
     assert not [w for w in caught if "tied parameter" in str(w.message)]
+
+
+def test_a_block_registered_at_several_layers_is_split_once_and_is_no_tie_to_cut() -> None:
+    """A pseudo model runs one block at several layers: its parameters have several names through one module, which
+    tensor parallelism splits once for all of them."""
+    net = HeadBeside()
+    net.model.blocks[1] = net.model.blocks[0]  # layers 0 and 1 run one block
+    check_tensor_parallel_ties(net, {"model.blocks.0": "column", "model.blocks.1": "column"})
+    check_tensor_parallel_ties(net, {"model.blocks.0": "column"})  # named under its first layer only
+    with pytest.raises(ValueError, match=r"model\.embed\.weight \(vocabulary\), lm_head\.weight \(not split\)"):
+        check_tensor_parallel_ties(net, {"model.embed": "vocabulary"})  # a tie between two modules still is one
+
+
+def test_a_pseudo_models_unique_blocks_are_named_by_the_layers_running_them() -> None:
+    from lightning_p2r.strategy.blocks import block_list_name, block_names
+
+    net = HeadBeside()
+    assert block_names(net.model) == ["blocks.0", "blocks.1"] and block_list_name(net.model) == "blocks"
+    layers = nn.ModuleList([Decoder().blocks[0] for _ in range(2)])
+    holder = nn.Module()
+    holder.layers = nn.ModuleList([layers[0], layers[0], layers[1], layers[1]])  # 4 layers, 2 unique blocks
+    vars(holder)["blocks"] = layers  # the strategy's alias, not registered
+    assert block_names(holder) == ["layers.0", "layers.2"] and block_list_name(holder) == "layers"
+
+
+def test_a_plan_declared_from_outside_follows_a_deep_copy_of_its_model() -> None:
+    import copy
+
+    from lightning_p2r.protocols import DeclaredPlan, ParallelPlan
+
+    def plan_of(model: nn.Module) -> ParallelPlan:
+        return ParallelPlan(tuple({} for _ in model.blocks), {})
+
+    net = Decoder(layers=2)
+    DeclaredPlan.attach(net, plan_of)
+    copied = copy.deepcopy(net)
+    copied.blocks.append(nn.Linear(D, D))
+    assert len(net.parallel_plan().blocks) == 2 and len(copied.parallel_plan().blocks) == 3

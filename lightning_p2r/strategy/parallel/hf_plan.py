@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 
 from ...protocols import ParallelPlan, SplitKind, StackedExperts
-from ..blocks import module_name
+from ..blocks import block_list_name, block_names, module_name
 
 HF_STYLES: dict[str, SplitKind] = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "output",
                                    "colwise_rep": "column", "rowwise_rep": "row",
@@ -77,7 +77,8 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
                          "(GPT-2 has none: CausalLMModule declares the package's, as lightning_p2r.models.gpt2_plan."
                          "declare_gpt2_plan(model) does); declare a lightning_p2r.protocols.ParallelPlan, or use "
                          "sharding/offload/pipeline_parallel instead")
-    blocks_name = module_name(holder, holder.blocks)
+    blocks_name = block_list_name(holder)
+    names = block_names(holder)  # a pseudo model's unique block i may sit at another layer than i
     per_block: list[dict[str, SplitKind]] = [{} for _ in holder.blocks]
     outside: dict[str, SplitKind] = {}
     # The expert modules and their weights split as the expert plan says (above), not by their tensor-parallel styles.
@@ -88,7 +89,7 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
         parts = pattern.split(".")
         if blocks_name and pattern.startswith(blocks_name + ".*."):
             inner = pattern[len(blocks_name) + 3:]
-            targets = [(index, f"{blocks_name}.{index}.{inner}") for index in range(len(holder.blocks))]
+            targets = [(index, f"{names[index]}.{inner}") for index in range(len(holder.blocks))]
         elif "*" in parts:
             raise ValueError(f"the Hugging Face plan of {type(holder).__name__} names {pattern!r} outside its "
                              f"block list {blocks_name!r}; tensor parallelism cannot place it")
@@ -105,7 +106,7 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
             if index is None:
                 outside[name] = kind
             else:
-                per_block[index][name[len(f"{blocks_name}.{index}."):]] = kind
+                per_block[index][name[len(names[index]) + 1:]] = kind
     _mark_expert_layers(holder, per_block, experts)
     _add_sequence_parallel_entries(holder, per_block, outside)
     # A head tied to the input embedding (GPT-2, Llama 3.2, ...) splits it too, by vocabulary: one sharded weight.
@@ -181,7 +182,7 @@ def _experts_from_hf(holder: nn.Module) -> dict[str, StackedExperts]:
         raise ValueError(f"expert parallelism splits declared expert modules: {type(holder).__name__} has neither "
                          "parallel_plan() nor a Hugging Face base_model_ep_plan; declare a lightning_p2r.protocols."
                          "ParallelPlan with StackedExperts, or use expert_parallel=1")
-    blocks_name = module_name(holder, holder.blocks)
+    blocks_name = block_list_name(holder)
     block_prefix = f"{blocks_name}.*." if blocks_name else "*."
     tp_styles = hf_tp_plan(holder) or {}
     found: dict[str, StackedExperts] = {}

@@ -7,7 +7,7 @@ import functools
 from torch import nn
 
 from ...layout.names import divisors
-from ...protocols import BalancesOverRanks, DeclaresParallelPlan, ParallelPlan, StackedExperts
+from ...protocols import BalancesOverRanks, DeclaredPlan, DeclaresParallelPlan, ParallelPlan, StackedExperts
 from .differentiable import all_reduce_sum
 from .experts import parallelize_experts
 from .hf_plan import check_splittable, hf_ep_plan, hf_tp_plan, plan_from_hf
@@ -18,7 +18,10 @@ from .tensor import apply_tensor_parallel
 def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int = 1) -> ParallelPlan:
     """The plan ``holder`` declares (``parallel_plan()``), else its Hugging Face plans (``hf_plan.py``), checked
     against its blocks (a name it lacks, a module torch cannot split, are refused by name)."""
-    if isinstance(holder, DeclaresParallelPlan):
+    declared = vars(holder).get("parallel_plan")
+    if isinstance(declared, DeclaredPlan):  # given to the model from outside: for this holder (a copy has its own)
+        plan = declared.plan_of(holder)
+    elif isinstance(holder, DeclaresParallelPlan):
         plan = holder.parallel_plan()
     elif (tensor_parallel > 1 and (hf_tp_plan(holder) is not None
                                    or hasattr(getattr(holder, "config", None), "base_model_tp_plan"))) or (
