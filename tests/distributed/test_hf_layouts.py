@@ -139,6 +139,9 @@ FOUR_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
     {"name": "pp2_tp2_sequence_parallel_litgpt", "family": "litgpt",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
+    # tp2 x ZeRO-3 over 2 data ranks: FSDP2 shards the packed qkv's tensor-parallel rows further.
+    {"name": "tp2_dp2_zero3_sequence_parallel_litgpt_gqa", "family": "litgpt_gqa",
+     "strategy": {"tensor_parallel": 2, "sharding": "zero3", "sequence_parallel": True}},
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
     {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
 ]
