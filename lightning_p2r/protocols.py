@@ -292,6 +292,10 @@ class DeclaredPlan:
         model = self._model()
         return DeclaredPlan(self.plan_of, memo.get(id(model), model))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled with its model (Lightning's spawn launchers pickle the LightningModule): a weak reference cannot be.
+        return DeclaredPlan, (self.plan_of, self._model())
+
     @classmethod
     def attach(cls, model: nn.Module, plan_of: Callable[[nn.Module], ParallelPlan]) -> None:
         """Give ``model`` the ``parallel_plan()`` computed by ``plan_of(model)``."""

@@ -233,16 +233,23 @@ def test_a_pseudo_models_unique_blocks_are_named_by_the_layers_running_them() ->
     assert block_names(holder) == ["layers.0", "layers.2"] and block_list_name(holder) == "layers"
 
 
+def _plan_of(model: nn.Module):
+    from lightning_p2r.protocols import ParallelPlan
+
+    return ParallelPlan(tuple({} for _ in model.blocks), {})
+
+
 def test_a_plan_declared_from_outside_follows_a_deep_copy_of_its_model() -> None:
     import copy
 
-    from lightning_p2r.protocols import DeclaredPlan, ParallelPlan
-
-    def plan_of(model: nn.Module) -> ParallelPlan:
-        return ParallelPlan(tuple({} for _ in model.blocks), {})
+    from lightning_p2r.protocols import DeclaredPlan
 
     net = Decoder(layers=2)
-    DeclaredPlan.attach(net, plan_of)
+    DeclaredPlan.attach(net, _plan_of)
     copied = copy.deepcopy(net)
     copied.blocks.append(nn.Linear(D, D))
     assert len(net.parallel_plan().blocks) == 2 and len(copied.parallel_plan().blocks) == 3
+    import pickle
+
+    unpickled = pickle.loads(pickle.dumps(copied))
+    assert len(unpickled.parallel_plan().blocks) == 3 and unpickled.parallel_plan._model() is unpickled
