@@ -232,6 +232,10 @@ class ParallelPlan:
     transposed: frozenset[str] = frozenset()
     """Entries inside a block whose weight is stored in x out and applied as ``x @ weight + bias`` (GPT-2's
     ``Conv1D``), which the strategy splits along the other dimension than an ``nn.Linear``'s."""
+    gathers_for_sequence_parallel: bool = False
+    """Whether the strategy adds what sequence parallelism needs, as it does for a Hugging Face plan: the block's
+    norms and the final norm "sequence", the modules holding column layers "gather" (the sequence all-gathered at
+    their entry). For a model whose attention reshapes by the length it is given (litgpt's, Hugging Face's)."""
     divisible: dict[str, int] = field(default_factory=dict)
     """Sizes the tensor-parallel degree must divide, by name (heads, key/value groups, widths, the vocabulary): a
     degree that does not is refused in one line naming them, before anything is split."""

@@ -27,11 +27,6 @@ MLP_PLANS: dict[str, dict[str, SplitKind]] = {
 """litgpt's MLP classes (``config.mlp_class_name``) by how their linears split."""
 
 
-def _is_norm(module: nn.Module) -> bool:
-    """A norm with weights (litgpt's LayerNorm, RMSNorm; not the ``nn.Identity`` it puts where a config has none)."""
-    return "Norm" in type(module).__name__ and next(module.parameters(), None) is not None
-
-
 def declare_litgpt_plan(model: nn.Module) -> None:
     """Give a litgpt ``GPT`` the ``parallel_plan()`` it lacks (``protocols.DeclaresParallelPlan``), as an instance
     attribute: ``CausalLMModule`` does it for the model it builds or is given."""
@@ -55,13 +50,7 @@ def litgpt_parallel_plan(model: nn.Module) -> ParallelPlan:
              "intermediate_size": config.intermediate_size, "padded_vocab_size": config.padded_vocab_size}
     # The declared block list (the strategy's alias: a pseudo model's unique blocks), else the model's layers.
     blocks = getattr(model, "blocks", None) or model.transformer.h
-    per_block: dict[str, SplitKind] = {"attn.qkv": "packed_column", "attn.proj": "row", **mlp,
-                                       # sequence parallelism: the attention and the MLP gather the sequence at their
-                                       # entry (litgpt reshapes by the length it is given), the block's norms run on
-                                       # the rank's positions; both inert without it
-                                       "attn": "gather", "mlp": "gather"}
-    norms = {name for block in blocks for name, child in block.named_children() if _is_norm(child)}
-    per_block |= dict.fromkeys(sorted(norms), "sequence")
+    per_block: dict[str, SplitKind] = {"attn.qkv": "packed_column", "attn.proj": "row", **mlp}
     query, key_value = config.n_head * config.head_size, config.n_query_groups * config.head_size
 
     def rank_head_counts(degree: int) -> None:
@@ -72,9 +61,8 @@ def litgpt_parallel_plan(model: nn.Module) -> ParallelPlan:
             if next(block.parameters(), None) is not None:  # a pipeline stage's stand-in has no attention to set
                 block.attn.config = local
 
-    outside: dict[str, SplitKind] = {"transformer.wte": "vocabulary", "lm_head": "output"}
-    if _is_norm(model.transformer.ln_f):
-        outside["transformer.ln_f"] = "sequence"
-    return ParallelPlan(tuple(dict(per_block) for _ in blocks), outside,
-                        packed={"attn.qkv": (query, key_value, key_value)}, divisible=sizes,
-                        on_tensor_parallel=rank_head_counts)
+    # Sequence parallelism as for Hugging Face decoders (litgpt's attention reshapes by the length it is given): the
+    # strategy adds the "gather" and "sequence" entries.
+    return ParallelPlan(tuple(dict(per_block) for _ in blocks), {"transformer.wte": "vocabulary", "lm_head": "output"},
+                        packed={"attn.qkv": (query, key_value, key_value)}, gathers_for_sequence_parallel=True,
+                        divisible=sizes, on_tensor_parallel=rank_head_counts)

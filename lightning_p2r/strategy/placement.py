@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ..layout import fsdp_mode_for
 from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
-from .blocks import module_name
+from .blocks import block_names, module_name
 from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
 from .materialize import Initializer, allocate, ambiguous_tied_inits, has_meta_tensors
@@ -212,14 +212,10 @@ def planned_modules(root: nn.Module, holder: nn.Module, plan: ParallelPlan) -> d
     """``plan`` (the holder's) by module names relative to ``root`` (what the tie check reads). On a pipeline rank
     without the head, the root lies below the holder (a Hugging Face model's inner ``model``): the entries outside
     the root are another rank's."""
-    # Every name of each block: a pseudo model's block runs at several layers, registered under each of them.
-    names: dict[int, list[str]] = {}
-    for name, module in holder.named_modules(remove_duplicate=False):
-        names.setdefault(id(module), []).append(name)
     named = dict(plan.outside)
-    for block, entries in zip(holder.blocks, plan.blocks):
-        for prefix in names.get(id(block), []):
-            named |= {f"{prefix}.{name}": kind for name, kind in entries.items()}
+    # A pseudo model's block by the first layer running it: the tie check reads its other layers' names as that one.
+    for prefix, entries in zip(block_names(holder), plan.blocks):
+        named |= {f"{prefix}.{name}": kind for name, kind in entries.items()}
     if any(module is holder for module in root.modules()):
         prefix = module_name(root, holder)
         return {(f"{prefix}.{name}" if prefix else name): kind for name, kind in named.items()}

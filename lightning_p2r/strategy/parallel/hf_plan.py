@@ -15,6 +15,7 @@ is refused in one line naming the module.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -108,7 +109,6 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
             else:
                 per_block[index][name[len(names[index]) + 1:]] = kind
     _mark_expert_layers(holder, per_block, experts)
-    _add_sequence_parallel_entries(holder, per_block, outside)
     # A head tied to the input embedding (GPT-2, Llama 3.2, ...) splits it too, by vocabulary: one sharded weight.
     for name in [name for name, kind in outside.items() if kind == "output"]:
         weight = getattr(holder.get_submodule(name), "weight", None)
@@ -126,7 +126,7 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
             name = module_name(holder, embedding)
             outside.setdefault(name, "vocabulary")
     _check_sizes(holder, tensor_parallel)
-    return ParallelPlan(tuple(per_block), outside, experts=experts)
+    return with_sequence_parallel_entries(holder, ParallelPlan(tuple(per_block), outside, experts=experts))
 
 
 def _mark_expert_layers(holder: nn.Module, per_block: list[dict[str, SplitKind]],
@@ -145,14 +145,16 @@ def _is_norm(module: nn.Module) -> bool:
     return type(module).__name__.endswith("Norm") and next(module.parameters(), None) is not None
 
 
-def _add_sequence_parallel_entries(holder: nn.Module, per_block: list[dict[str, SplitKind]],
-                                   outside: dict[str, SplitKind]) -> None:
-    """What sequence parallelism needs beyond HF's plan (which has nothing for it): a block's own norms and the
-    final norm run on the rank's positions ("sequence"), and the modules holding the column layers (the attention,
-    the MLP) gather the sequence at their entry ("gather"), since HF's attention reshapes by the length it is given.
-    Both kinds do nothing without sequence parallelism."""
+def with_sequence_parallel_entries(holder: nn.Module, plan: ParallelPlan) -> ParallelPlan:
+    """``plan`` with what sequence parallelism needs beyond it (a Hugging Face plan, and a plan declaring
+    ``gathers_for_sequence_parallel``, have nothing for it): a block's own norms and the final norm run on the rank's
+    positions ("sequence"), and the modules holding the column layers (the attention, the MLP) gather the sequence at
+    their entry ("gather"), since their attention reshapes by the length it is given. Both kinds do nothing without
+    sequence parallelism."""
+    per_block = [dict(entries) for entries in plan.blocks]
+    outside = dict(plan.outside)
     for entries, block in zip(per_block, holder.blocks):
-        columns = [name for name, kind in entries.items() if kind == "column"]
+        columns = [name for name, kind in entries.items() if kind in ("column", "packed_column")]
         if not columns:
             continue
         for name in sorted({name.rpartition(".")[0] for name in columns} - {""}):
@@ -165,6 +167,7 @@ def _add_sequence_parallel_entries(holder: nn.Module, per_block: list[dict[str, 
         for name, module in holder.named_modules():
             if id(module) not in inside and _is_norm(module) and name not in outside:
                 outside[name] = "sequence"
+    return dataclasses.replace(plan, blocks=tuple(per_block), outside=outside)
 
 
 HIDDEN_DIM_OF_STYLE = {"colwise": 1, "rowwise": 2}
@@ -217,7 +220,8 @@ def check_splittable(what: str, module: nn.Module, kind: SplitKind, transposed: 
     ``nn.Linear`` (GPT-2's ``Conv1D`` stores its weight transposed: a plan declares it in ``ParallelPlan.transposed``),
     a vocabulary kind on one that is not an ``nn.Embedding``."""
     if transposed and kind in ("column", "row", "packed_column"):
-        if getattr(getattr(module, "weight", None), "dim", lambda: 0)() != 2:
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, nn.Parameter) or weight.dim() != 2:
             raise ValueError(f"tensor parallelism cannot split {what} as a transposed {kind!r} layer: it has no 2-D "
                              "weight")
         return

@@ -10,7 +10,7 @@ from ...layout.names import divisors
 from ...protocols import BalancesOverRanks, DeclaredPlan, DeclaresParallelPlan, ParallelPlan, StackedExperts
 from .differentiable import all_reduce_sum
 from .experts import parallelize_experts
-from .hf_plan import check_splittable, hf_ep_plan, hf_tp_plan, plan_from_hf
+from .hf_plan import check_splittable, hf_ep_plan, hf_tp_plan, plan_from_hf, with_sequence_parallel_entries
 from .mesh import ParallelMeshes
 from .tensor import apply_tensor_parallel
 
@@ -35,6 +35,8 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
                          "(lightning_p2r.protocols.DeclaresParallelPlan; docs/your_model.md shows one) "
                          "and no Hugging Face tensor-parallel (base_model_tp_plan) or expert-parallel "
                          "(base_model_ep_plan) plan")
+    if plan.gathers_for_sequence_parallel:
+        plan = with_sequence_parallel_entries(holder, plan)
     bad = {name: size for name, size in plan.divisible.items() if size % tensor_parallel}
     if bad:
         raise ValueError(f"tensor_parallel={tensor_parallel} must divide {type(holder).__name__}'s "
