@@ -29,6 +29,7 @@ from .models.decoders import (
 from .models.gpt2_plan import declare_gpt2_plan
 from .models.litgpt_plan import declare_litgpt_plan
 from .models.module_init import initialize_by_module
+from .models.router_loss import aux_loss_coefficient
 from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, next_token_batch
 from .protocols import LayeredStages, PipelineParts
 from .sharing import delink, find_block_sequence, shallow_layers, share_layers
@@ -204,15 +205,28 @@ class CausalLMModule(L.LightningModule):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of ``input_ids`` (batch, seq)."""
+        output = self._model_output(input_ids)
+        return output if isinstance(output, torch.Tensor) else output.logits
+
+    def _model_output(self, input_ids: torch.Tensor) -> Any:
         if self._positional is None:  # the model's call style, from its declaration (read once: not per step)
             parts = self.parts or KNOWN_DECODERS.get(family_of(self.model) or "")
             self._positional = parts is not None and parts.call == "positional"
-        output = self.model(input_ids) if self._positional else self.model(input_ids=input_ids, use_cache=False)
-        return output if isinstance(output, torch.Tensor) else output.logits
+        return self.model(input_ids) if self._positional else self.model(input_ids=input_ids, use_cache=False)
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """The next-token cross-entropy; plus, for a Hugging Face MoE with ``output_router_logits=True``, its
+        load-balancing loss times its ``router_aux_loss_coef``, as the model's own loss adds it (logged apart as
+        ``train/ce`` and ``train/aux_loss``)."""
         inputs, targets = next_token_batch(batch)
-        loss = next_token_loss(self(inputs), targets)
+        output = self._model_output(inputs)
+        logits = output if isinstance(output, torch.Tensor) else output.logits
+        loss = next_token_loss(logits, targets)
+        aux = getattr(output, "aux_loss", None)
+        if isinstance(aux, torch.Tensor):
+            ce, loss = loss, loss + aux_loss_coefficient(self.model) * aux.to(loss.device)
+            self.log("train/ce", ce.detach(), sync_dist=False)
+            self.log("train/aux_loss", aux.detach(), sync_dist=False)
         self.log("train/loss", loss.detach(), prog_bar=True, sync_dist=False)
         return loss
 
@@ -234,6 +248,9 @@ class CausalLMModule(L.LightningModule):
 
     def _log_stage_metrics(self, metrics: dict[str, torch.Tensor]) -> None:
         self.log("train/loss", metrics["loss"], prog_bar=True, sync_dist=False)
+        for name in ("ce", "aux_loss"):
+            if name in metrics:
+                self.log(f"train/{name}", metrics[name], sync_dist=False)
 
     def configure_optimizers(self) -> dict[str, Any]:
         return adamw_with_schedule(self, self.optimizer_config)

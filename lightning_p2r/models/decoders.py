@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..protocols import LayeredStages, PipelineParts
+from .router_loss import RoutingRecords, finish_micro_batch, router_loss_of, run_recording_routers
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,8 @@ class BlockCall:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     targets: torch.Tensor
-    extra: dict[str, Any] = field(default_factory=dict)
+    routing: RoutingRecords | None = None
+    """The micro-batch's router records, where the model adds a load-balancing loss over all its layers."""
 
 
 def block_output(output: Any) -> torch.Tensor:
@@ -153,13 +155,15 @@ def embed_and_block_call(model: nn.Module, parts: DecoderParts, tokens: torch.Te
     return hidden, BlockCall(tuple(args[1:]), kwargs, targets=torch.empty(0))
 
 
-def check_stages_supported(model: nn.Module) -> None:
-    """Refuse what the stages cannot reproduce: a Hugging Face MoE whose router loss is added across all layers at
-    once (``output_router_logits``; its balance term is not a sum over layers)."""
+def check_pipeline_supported(model: nn.Module) -> None:
+    """Refuse what pipeline stages cannot reproduce: a Hugging Face MoE whose load-balancing loss pools all layers'
+    routing (``output_router_logits``): a stage runs a micro-batch's backward before it could know the later
+    stages' routing, which that loss's gradient needs (``models.router_loss``)."""
     if getattr(getattr(model, "config", None), "output_router_logits", False):
-        raise ValueError(f"{type(model).__name__} adds its routers' auxiliary loss over all layers at once "
-                         "(config.output_router_logits=True), which layer-by-layer stages cannot reproduce: set "
-                         "output_router_logits=False for layered accumulation or pipelines")
+        raise ValueError(f"{type(model).__name__} adds a load-balancing loss pooled over all its layers "
+                         "(config.output_router_logits=True), which pipeline stages cannot reproduce: set "
+                         "output_router_logits=False for pipeline parallelism (layered accumulation and the other "
+                         "layouts compute it)")
 
 
 def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -172,23 +176,38 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
                    log_metrics: Callable[[dict[str, torch.Tensor]], None] | None = None) -> LayeredStages:
     """Layered accumulation's stages of a decoder ``model`` declared by ``parts``: ``split`` turns a micro-batch into
     (input ids, target ids); the head's loss is the next-token cross-entropy, as the model's training step computes
-    it. The stages read the blocks at call time (placement may wrap them)."""
-    check_stages_supported(model)
+    it. The stages read the blocks at call time (placement may wrap them).
+
+    A Hugging Face MoE with ``output_router_logits=True`` adds its load-balancing loss, as its own forward does: each
+    layer records its routing, the head adds the loss (``models.router_loss``), and the metrics carry "ce" and
+    "aux_loss" besides "loss"."""
     blocks = model.get_submodule(parts.blocks)
     norm, head = model.get_submodule(parts.norm), model.get_submodule(parts.head)
+    balance = router_loss_of(model)
 
     def embed(micro_batch: torch.Tensor) -> tuple[torch.Tensor, BlockCall]:
         inputs, targets = split(micro_batch)
         hidden, call = embed_and_block_call(model, parts, inputs, blocks[layer_to_block[0]])
         call.targets = targets
+        call.routing = RoutingRecords() if balance is not None else None
         return hidden, call
 
-    def layer(index: int, hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, None]:
-        return block_output(blocks[layer_to_block[index]](hidden, *call.args, **call.kwargs)), None
+    def layer(index: int, hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        block = blocks[layer_to_block[index]]
+        if balance is None:
+            return block_output(block(hidden, *call.args, **call.kwargs)), None
+        output, term = run_recording_routers(balance, block, index, call.routing,
+                                             lambda: block(hidden, *call.args, **call.kwargs))
+        return block_output(output), term
 
     def head_stage(hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = next_token_loss(head(norm(hidden)), call.targets)
-        return loss, {"loss": loss.detach()}
+        aux = finish_micro_batch(balance, call.routing) if balance is not None else None
+        if aux is None:
+            return loss, {"loss": loss.detach()}
+        # The loss's value joins the head's (its gradient reaches each layer through that layer's term).
+        total = loss + balance.coefficient * aux.to(loss.device)
+        return total, {"loss": total.detach(), "ce": loss.detach(), "aux_loss": aux}
 
     return LayeredStages(embed=embed, layer=layer, head=head_stage, layer_to_block=list(layer_to_block),
                          log_metrics=log_metrics)
@@ -240,6 +259,7 @@ def decoder_pipeline_parts(model: nn.Module, parts: DecoderParts, stages: Layere
     """Pipeline parallelism's parts of a decoder ``model`` declared by ``parts`` (``stages``: its layered stages). A
     stage after the first records the block arguments with the embeddings standing in as zeros; evaluation's output
     carries the logits as ``.logits``, as a Hugging Face model's does."""
+    check_pipeline_supported(model)
     blocks = model.get_submodule(parts.blocks)
     norm, head = model.get_submodule(parts.norm), model.get_submodule(parts.head)
     dim = hidden_size(model, parts)

@@ -47,14 +47,18 @@ def run(config: dict, out: Path, devices: int) -> None:
     strategy = P2RStrategy(**options) if options is not None else "auto"
     losses, starting = Losses(), StartingValues()
     steps = config.get("steps", STEPS)
+    # "accumulate": n plain micro-batches per step, each 1/n of the global batch (a reference for layouts whose
+    # ranks or micro-batches each compute a loss over their own rows, as a router's load-balancing loss does).
+    accumulate = config.get("accumulate", 1)
     trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
+                        accumulate_grad_batches=accumulate,
                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
                         use_distributed_sampler=False, limit_val_batches=0, num_sanity_val_steps=0,
                         # After PseudoToReal, which grows the model at the start of its step.
                         callbacks=[losses] + ([PseudoToReal(delink_at_step=config["delink_at"])]
                                               if "delink_at" in config else []) + ([starting] if devices == 1 else []))
     # "batches": fewer batches than steps, read again in order (one batch: the same one at every step).
-    data = RankSlices(windows(rows=GLOBAL_BATCH * config.get("batches", steps)), GLOBAL_BATCH)
+    data = RankSlices(windows(rows=GLOBAL_BATCH * config.get("batches", steps)), GLOBAL_BATCH // accumulate)
     trainer.fit(module, datamodule=data, ckpt_path=out / config["resume"] if "resume" in config else None)
     if "save" in config:
         trainer.save_checkpoint(out / config["save"])
@@ -71,7 +75,9 @@ def run(config: dict, out: Path, devices: int) -> None:
     experts_held = [expert_dispatch(m).local_experts if expert_dispatch(m) else m.num_experts
                     for name, m in model.named_modules() if name.endswith("mlp.experts")]
     local = {"tied": tied, "held": held, "experts_held": experts_held}
-    report(out, config["name"], trainer, module, losses.losses, local | ({"initial": starting.values}
+    # A plain Trainer reports each micro-batch's loss divided by their count: a step's loss is their sum.
+    step_losses = [sum(losses.losses[i:i + accumulate]) for i in range(0, len(losses.losses), accumulate)]
+    report(out, config["name"], trainer, module, step_losses, local | ({"initial": starting.values}
                                                                           if devices == 1 else {}))
 
 

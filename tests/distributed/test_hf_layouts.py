@@ -36,7 +36,15 @@ ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": Non
                               "mistral", "litgpt_gqa", "nanogpt")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN},
     {"name": "reference_grown_qwen3", "family": "qwen3", "strategy": None, **GROWN},
-    {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED}]
+    {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED},
+    # The load-balancing loss is computed over the rows of one forward: layouts whose ranks see the same rows (tensor
+    # parallelism) compare with one forward over the global batch, layouts whose data ranks or micro-batches each
+    # see their own rows with a plain Trainer accumulating those same rows.
+    {"name": "reference_qwen3_moe_balanced", "family": "qwen3_moe_balanced", "strategy": None},
+    {"name": "reference_accumulated_qwen3_moe_balanced", "family": "qwen3_moe_balanced", "strategy": None,
+     "accumulate": 2},
+    {"name": "reference_accumulated4_qwen3_moe_balanced", "family": "qwen3_moe_balanced", "strategy": None,
+     "accumulate": 4}]
 TWO_PROCESSES = [
     {"name": "ddp_qwen3_moe", "family": "qwen3_moe", "strategy": {}},
     {"name": "zero3_offload_qwen3_moe", "family": "qwen3_moe",
@@ -145,6 +153,20 @@ FOUR_PROCESSES = [
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
     {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
 ]
+BALANCED_TWO_PROCESSES = [
+    # The load-balancing loss (output_router_logits=True): each data rank's over its own rows, as Hugging Face
+    # computes it per forward; under layered accumulation per micro-batch, its gradient applied once every layer ran.
+    {"name": "ddp_qwen3_moe_balanced", "family": "qwen3_moe_balanced", "strategy": {},
+     "reference": "reference_accumulated_qwen3_moe_balanced"},
+    {"name": "ep2_zero3_qwen3_moe_balanced", "family": "qwen3_moe_balanced",
+     "strategy": {"expert_parallel": 2, "sharding": "zero3"}, "reference": "reference_accumulated_qwen3_moe_balanced"},
+    {"name": "zero2_offload_layered_qwen3_moe_balanced", "family": "qwen3_moe_balanced",
+     "strategy": {"sharding": "zero2", "offload_fraction": 0.5, "accumulation": "layered", "micro_batches": 2},
+     "reference": "reference_accumulated4_qwen3_moe_balanced"},
+    {"name": "tp2_sequence_parallel_qwen3_moe_balanced", "family": "qwen3_moe_balanced",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
+]
+TWO_PROCESSES += BALANCED_TWO_PROCESSES
 # Checkpoints resharded between layouts: saved at step 2 under one layout, resumed to step 4 under another, against
 # an uninterrupted run of 4 steps. Every step reads the same one batch (Lightning resumes a plain DataLoader from its
 # first batch, whatever step the checkpoint was saved at), at a constant learning rate (a schedule follows
@@ -166,7 +188,7 @@ RESHARD_TWO = [RESHARD | {"name": "tp2_qwen3_moe_resumes_one_process", "strategy
                           "save": "tp2.ckpt"}]
 RESHARD_FOUR = [RESHARD | {"name": "tp2_ep2_qwen3_moe_resumes_tp2",
                            "strategy": {"tensor_parallel": 2, "expert_parallel": 2}, "resume": "tp2.ckpt"}]
-MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe"}
+MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_balanced"}
 """Families whose stacked experts pack gate and up in one tensor: tensor parallelism splits them by expert."""
 
 

@@ -29,6 +29,11 @@ CONFIGS = {
     # Mistral: attention over a sliding window (8 of the tests' 16 positions), its mask derived from the whole sequence.
     "mistral": {"model_type": "mistral", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": 8},
+    # Qwen3-MoE with its load-balancing loss in the training loss (Hugging Face adds it over all layers at once).
+    "qwen3_moe_balanced": {"model_type": "qwen3_moe", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                           "moe_intermediate_size": 16, "num_hidden_layers": 4, "num_attention_heads": 4,
+                           "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 8,
+                           "output_router_logits": True, "router_aux_loss_coef": 0.5},
     # Dense Qwen3: per-head norms of the queries and keys (q_norm, k_norm) inside the attention.
     "qwen3": {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,

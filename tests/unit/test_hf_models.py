@@ -106,16 +106,6 @@ def test_declarations_are_checked_by_name() -> None:
         decoder_parts(nn.Linear(2, 2))
 
 
-def test_a_router_loss_over_all_layers_is_refused_for_layered_accumulation(tmp_path: Path) -> None:
-    config = CONFIGS["qwen3_moe"] | {"output_router_logits": True}
-    module = CausalLMModule(hf_config=config)
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
-                        strategy=P2RStrategy(accumulation="layered", micro_batches=2))
-    with pytest.raises(ValueError, match="output_router_logits"):
-        trainer.fit(module, torch.utils.data.DataLoader(windows(), batch_size=4))
-
-
 def test_hf_config_needs_a_model_type() -> None:
     with pytest.raises(ValueError, match="needs a 'model_type'"):
         CausalLMModule(hf_config={"vocab_size": VOCAB}).configure_model()
