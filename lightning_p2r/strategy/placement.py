@@ -116,7 +116,8 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
     placement = Placement(plan, root, meta_template(root) if meshes is not None else None)
     ties = find_ties(root)
     # 3. the model's tensor / expert plan
-    split = (model_plan(holder, meshes.dims.tensor_parallel, meshes.dims.expert_parallel)
+    split = (model_plan(holder, meshes.dims.tensor_parallel, meshes.dims.expert_parallel,
+                        meshes.dims.pipeline_parallel)
              if meshes is not None and meshes.dims.model_parallel else None)
     if split is not None:
         if meshes.dims.tensor_parallel > 1:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 from rank_slices import RankSlices, report, run_configs
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.tensor import DTensor
@@ -72,7 +73,8 @@ def run(config: dict, out: Path, devices: int) -> None:
         tied = head.weight is embedding.weight  # (a pipeline rank holds one end only: its replica is checked)
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in module.parameters())
     # The experts each rank runs, per MoE layer (fewer than the layer has where expert parallelism split it).
-    experts_held = [expert_dispatch(m).local_experts if expert_dispatch(m) else m.num_experts
+    experts_held = [expert_dispatch(m).local_experts if expert_dispatch(m) else
+                    len(m) if isinstance(m, torch.nn.ModuleList) else m.num_experts  # (litgpt's: a list)
                     for name, m in model.named_modules() if name.endswith("mlp.experts")]
     local = {"tied": tied, "held": held, "experts_held": experts_held}
     # A plain Trainer reports each micro-batch's loss divided by their count: a step's loss is their sum.

@@ -33,7 +33,7 @@ SHARED = {"module": {"num_unique_blocks": 2}, "delink_at": 2}
 
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
                for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3", "qwen2_moe",
-                              "mistral", "litgpt_gqa", "nanogpt")] + [
+                              "mistral", "litgpt_gqa", "nanogpt", "litgpt_moe")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN},
     {"name": "reference_grown_qwen3", "family": "qwen3", "strategy": None, **GROWN},
     {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED},
@@ -153,6 +153,15 @@ FOUR_PROCESSES = [
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
     {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
 ]
+LITGPT_MOE_TWO_PROCESSES = [
+    # litgpt's MoE: a list of expert modules, each split by hidden unit (its router whole), a shared expert, a dense
+    # first layer.
+    {"name": "tp2_litgpt_moe", "family": "litgpt_moe", "strategy": {"tensor_parallel": 2}},
+    {"name": "tp2_sequence_parallel_zero3_layered_litgpt_moe", "family": "litgpt_moe",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
+                  "micro_batches": 2}},
+]
+TWO_PROCESSES += LITGPT_MOE_TWO_PROCESSES
 BALANCED_TWO_PROCESSES = [
     # The load-balancing loss (output_router_logits=True): each data rank's over its own rows, as Hugging Face
     # computes it per forward; under layered accumulation per micro-batch, its gradient applied once every layer ran.

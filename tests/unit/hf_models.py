@@ -47,7 +47,11 @@ LITGPT = {"n_layer": 4, "n_head": 4, "n_embd": 32, "block_size": 64, "vocab_size
 LITGPT_GQA = LITGPT | {"n_query_groups": 2, "mlp_class_name": "LLaMAMLP", "intermediate_size": 64,
                        "norm_class_name": "RMSNorm"}
 """A Llama-shaped litgpt ``GPT``: grouped queries (4 heads, 2 key/value groups), a gated MLP, RMSNorm."""
-LITGPT_CONFIGS = {"litgpt": LITGPT, "litgpt_gqa": LITGPT_GQA}
+LITGPT_MOE = LITGPT_GQA | {"mlp_class_name": "LLaMAMoE", "n_expert": 4, "n_expert_per_token": 2,
+                           "moe_intermediate_size": 16, "n_shared_expert": 1, "first_k_dense_replace": 1}
+"""litgpt's MoE (``LLaMAMoE``, DeepSeek's shape): a list of 4 gated-MLP experts, top-2, one shared expert beside
+them, and a dense first layer."""
+LITGPT_CONFIGS = {"litgpt": LITGPT, "litgpt_gqa": LITGPT_GQA, "litgpt_moe": LITGPT_MOE}
 
 
 class NanoBlock(torch.nn.Module):

@@ -154,7 +154,9 @@ def with_sequence_parallel_entries(holder: nn.Module, plan: ParallelPlan) -> Par
     per_block = [dict(entries) for entries in plan.blocks]
     outside = dict(plan.outside)
     for entries, block in zip(per_block, holder.blocks):
-        columns = [name for name, kind in entries.items() if kind in ("column", "packed_column")]
+        experts = [name for name, kind in entries.items() if kind == "expert"]  # whole sequence already
+        columns = [name for name, kind in entries.items() if kind in ("column", "packed_column")
+                   and not any(name.startswith(outer + ".") for outer in experts)]
         if not columns:
             continue
         for name in sorted({name.rpartition(".")[0] for name in columns} - {""}):

@@ -15,9 +15,10 @@ from .mesh import ParallelMeshes
 from .tensor import apply_tensor_parallel
 
 
-def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int = 1) -> ParallelPlan:
+def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int = 1,
+               pipeline_parallel: int = 1) -> ParallelPlan:
     """The plan ``holder`` declares (``parallel_plan()``), else its Hugging Face plans (``hf_plan.py``), checked
-    against its blocks (a name it lacks, a module torch cannot split, are refused by name)."""
+    against its blocks and the layout (a name it lacks, a module torch cannot split, are refused by name)."""
     declared = vars(holder).get("parallel_plan")
     if isinstance(declared, DeclaredPlan):  # given to the model from outside: for this holder (a copy has its own)
         plan = declared.plan_of(holder)
@@ -53,10 +54,13 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
             raise ValueError(f"the parallel plan of {type(holder).__name__} names {missing} in block {index}, which "
                              "has no such submodules")
         for name, kind in entries.items():
-            if kind == "expert" and not any(inner == name or inner.startswith(name + ".") for inner in plan.experts):
+            if kind == "expert" and not any(inner == name or inner.startswith(name + ".") for inner in plan.experts) \
+                    and not any(inner.startswith(name + ".") and entries[inner] in ("column", "row")
+                                for inner in entries):
                 raise ValueError(f"the parallel plan marks block {index}'s {name!r} as an expert layer but declares "
                                  f"no expert weights inside it: name its expert module in ParallelPlan.experts "
-                                 "(lightning_p2r.protocols.StackedExperts)")
+                                 "(lightning_p2r.protocols.StackedExperts), or split its expert modules by column "
+                                 "and row entries")
             check_splittable(f"block {index}'s {name}", block.get_submodule(name), kind, name in plan.transposed)
     for name, kind in plan.outside.items():
         try:
@@ -66,7 +70,30 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
         if next(module.parameters(), None) is not None:
             check_splittable(f"{type(holder).__name__}'s {name}", module, kind)
     check_experts(holder, plan, tensor_parallel, expert_parallel)
+    if tensor_parallel > 1 and pipeline_parallel > 1:
+        check_pipelined_expert_modules(holder, plan, tensor_parallel, pipeline_parallel)
     return plan
+
+
+def _expert_layers_of_modules(plan: ParallelPlan) -> list[str]:
+    """The plan's expert layers that hold no stacked expert weights (their experts are modules of their own)."""
+    return [f"block {index}'s {name!r}" for index, entries in enumerate(plan.blocks)
+            for name, kind in entries.items() if kind == "expert"
+            and not any(inner == name or inner.startswith(name + ".") for inner in plan.experts)]
+
+
+def check_pipelined_expert_modules(holder: nn.Module, plan: ParallelPlan, tensor_parallel: int,
+                                   pipeline_parallel: int) -> None:
+    """Refuse expert modules split by hidden unit inside pipeline stages: each expert's collectives carry the rows
+    routed to it, and torch's pipeline stage first runs on uninitialized inputs to learn its output shapes, so the
+    tensor-parallel ranks of a stage would route differently and their collectives would not match."""
+    bare = _expert_layers_of_modules(plan)
+    if bare:
+        raise ValueError(f"tensor_parallel={tensor_parallel} with pipeline_parallel={pipeline_parallel} cannot split "
+                         f"{type(holder).__name__}'s expert layer {bare[0]}: its experts are separate modules whose "
+                         "collectives carry the rows routed to each, and a pipeline stage first runs on uninitialized "
+                         "inputs to learn its shapes, where the tensor-parallel ranks would route differently; use "
+                         "pipeline_parallel=1 or tensor_parallel=1 for this model")
 
 
 def check_experts(holder: nn.Module, plan: ParallelPlan, tensor_parallel: int, expert_parallel: int) -> None:
@@ -74,6 +101,15 @@ def check_experts(holder: nn.Module, plan: ParallelPlan, tensor_parallel: int, e
     are missing or not stacked alike, experts that do not divide by ``expert_parallel``, a hidden-unit dimension
     tensor parallelism needs but the declaration lacks (or that does not divide). (A plan without expert modules
     leaves the MoE layers whole: experts that still share one FFN, say.)"""
+    if expert_parallel > 1:
+        # An expert layer whose experts are separate modules (litgpt's LLaMAMoE: a list of MLPs, each split by
+        # hidden unit under tensor parallelism) has no stacked weights to deal out by expert.
+        bare = _expert_layers_of_modules(plan)
+        if bare:
+            raise ValueError(f"expert_parallel={expert_parallel} deals out stacked expert weights "
+                             f"(ParallelPlan.experts), and {type(holder).__name__} declares none in its expert layer "
+                             f"{bare[0]} (its experts are separate modules, which tensor_parallel splits by hidden "
+                             "unit): use expert_parallel=1 for this model")
     found = plan.stacked_experts(holder, [i for i, block in enumerate(holder.blocks)
                                           if next(block.parameters(), None) is not None])
     for module, declared in found:

@@ -173,6 +173,9 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
     entries whose weights are stored in x out."""
     sequence = Shard(1) if sequence_parallel else Replicate()
     gathered = [name for name, kind in entries.items() if kind == "gather"]
+    # An expert layer runs on the whole sequence, and its experts on the rows routed to them, in no sequence order:
+    # the linears of expert modules inside it take and give whole rows (a row layer's partial outputs all-reduced).
+    in_expert_layer = [name for name, kind in entries.items() if kind == "expert"]
     made: dict[str, Any] = {}
     for name, kind in entries.items():
         if name in transposed and kind in ("column", "row"):
@@ -181,10 +184,11 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
                                  "(weights stored in x out): use sequence_parallel=False")
             made[name] = TransposedLinearParallel(kind)
         elif kind == "column":
-            inside_gathered = any(name.startswith(outer + ".") for outer in gathered)
-            made[name] = ColwiseParallel(input_layouts=Replicate() if inside_gathered else sequence)
+            whole = any(name.startswith(outer + ".") for outer in gathered + in_expert_layer)
+            made[name] = ColwiseParallel(input_layouts=Replicate() if whole else sequence)
         elif kind == "row":
-            made[name] = RowwiseParallel(output_layouts=sequence)
+            whole = any(name.startswith(outer + ".") for outer in in_expert_layer)
+            made[name] = RowwiseParallel(output_layouts=Replicate() if whole else sequence)
         elif kind == "vocabulary":
             # Each rank looks up the ids it holds (zeros for the others); the sum (reduce-scattered by position
             # under sequence parallelism, unless the plan cuts at the first block) is the embedding.
