@@ -187,13 +187,15 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
 
     def embed(micro_batch: torch.Tensor) -> tuple[torch.Tensor, BlockCall]:
         inputs, targets = split(micro_batch)
-        hidden, call = embed_and_block_call(model, parts, inputs, blocks[layer_to_block[0]])
+        hidden, call = embed_and_block_call(model, parts, inputs, blocks[0])
         call.targets = targets
         call.routing = RoutingRecords() if balance is not None else None
         return hidden, call
 
     def layer(index: int, hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, torch.Tensor | None]:
-        block = blocks[layer_to_block[index]]
+        # The model's own list holds each layer's module (a block shared by several layers at each of them), as its
+        # forward runs them; ``layer_to_block`` numbers the unique blocks, not positions in that list.
+        block = blocks[index]
         if balance is None:
             return block_output(block(hidden, *call.args, **call.kwargs)), None
         output, term = run_recording_routers(balance, block, index, call.routing,
@@ -267,7 +269,7 @@ def decoder_pipeline_parts(model: nn.Module, parts: DecoderParts, stages: Layere
     def context(micro_batch: torch.Tensor) -> BlockCall:
         inputs, targets = split(micro_batch)
         with _embeddings_standing_in(model, parts.embed, dim):
-            _, call = embed_and_block_call(model, parts, inputs, blocks[stages.layer_to_block[0]])
+            _, call = embed_and_block_call(model, parts, inputs, blocks[0])
         call.targets = targets
         return call
 

@@ -16,7 +16,7 @@ from ..models.module_init import init_rule, initialize_module, is_module_default
 from ..protocols import InitializesByName, InitializesModules
 from .blocks import module_name
 from .regather import meta_template
-from .ties import smallest_parameter_root
+from .ties import placement_root, smallest_parameter_root
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -131,7 +131,8 @@ class Initializer:
 
     def __init__(self, module: nn.Module, values_from: nn.Module | None, *, seed: int = 0,
                  template: nn.Module | None = None) -> None:
-        self.root = smallest_parameter_root(module)
+        # values_from is the block holder when the strategy materializes (a model that names its values, or not)
+        self.root = placement_root(module, values_from) if values_from is not None else smallest_parameter_root(module)
         # Seeds follow names from the LightningModule, which do not change with what a rank holds (a pipeline rank
         # without the head has a deeper root).
         prefix = module_name(module, self.root)

@@ -54,7 +54,7 @@ from .ties import (
     check_ties_kept,
     check_ties_within_units,
     find_ties,
-    smallest_parameter_root,
+    placement_root,
 )
 
 
@@ -111,7 +111,7 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
     own = sorted(mine) if mine is not None else range(len(holder.blocks))
     # 2. offload plan
     plan = plan_for_model(module, holder.blocks, ctx.device, ctx.offload, mine)
-    root = smallest_parameter_root(module)  # holds every name of a tied parameter (ties.py)
+    root = placement_root(module, holder)  # holds every name of a tied parameter, and the blocks (ties.py)
     # FSDP2 changes the modules' tensors in place: a meta copy keeps the whole shapes (initialization, delinking).
     placement = Placement(plan, root, meta_template(root) if meshes is not None else None)
     ties = find_ties(root)

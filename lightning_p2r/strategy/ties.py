@@ -48,6 +48,16 @@ def smallest_parameter_root(module: nn.Module) -> nn.Module:
             return current
 
 
+def placement_root(module: nn.Module, holder: nn.Module) -> nn.Module:
+    """The module placement shards and delinking rebuilds: :func:`smallest_parameter_root`, raised to ``holder`` (the
+    module declaring the block sequence) when it lies below it. A pipeline rank without the head holds its parameters
+    below a Hugging Face causal LM, which declares the blocks; delinking a copy of the root must find them."""
+    root = smallest_parameter_root(module)
+    if holder is not module and root is not holder and any(m is root for m in holder.modules()):
+        return holder
+    return root
+
+
 def _owner(name: str) -> str:
     return name.rpartition(".")[0]
 

@@ -37,6 +37,7 @@ ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": Non
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN},
     {"name": "reference_grown_qwen3", "family": "qwen3", "strategy": None, **GROWN},
     {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED},
+    {"name": "reference_shared_llama", "family": "llama", "strategy": None, **SHARED},
     # The load-balancing loss is computed over the rows of one forward: layouts whose ranks see the same rows (tensor
     # parallelism) compare with one forward over the global batch, layouts whose data ranks or micro-batches each
     # see their own rows with a plain Trainer accumulating those same rows.
@@ -44,7 +45,9 @@ ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": Non
     {"name": "reference_accumulated_qwen3_moe_balanced", "family": "qwen3_moe_balanced", "strategy": None,
      "accumulate": 2},
     {"name": "reference_accumulated4_qwen3_moe_balanced", "family": "qwen3_moe_balanced", "strategy": None,
-     "accumulate": 4}]
+     "accumulate": 4},
+    {"name": "reference_accumulated_shared_qwen3_moe_balanced", "family": "qwen3_moe_balanced", "strategy": None,
+     "accumulate": 2, **SHARED}]
 TWO_PROCESSES = [
     {"name": "ddp_qwen3_moe", "family": "qwen3_moe", "strategy": {}},
     {"name": "zero3_offload_qwen3_moe", "family": "qwen3_moe",
@@ -176,6 +179,16 @@ BALANCED_TWO_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
 ]
 TWO_PROCESSES += BALANCED_TWO_PROCESSES
+SHARED_TWO_PROCESSES = [
+    # Pseudo-to-Real of a foreign decoder in stages: layered accumulation ran the model's list at each unique block's
+    # number (the wrong block where consecutive layers share), and a pipeline failed at setup, then at delinking.
+    {"name": "zero3_layered_shared_qwen3_moe_balanced", "family": "qwen3_moe_balanced",
+     "strategy": {"sharding": "zero3", "accumulation": "layered", "micro_batches": 1, "recompute": True},
+     "reference": "reference_accumulated_shared_qwen3_moe_balanced", **SHARED},
+    {"name": "pp2_shared_llama", "family": "llama", "strategy": {"pipeline_parallel": 2, "micro_batches": 2},
+     "reference": "reference_shared_llama", **SHARED},
+]
+TWO_PROCESSES += SHARED_TWO_PROCESSES
 # Checkpoints resharded between layouts: saved at step 2 under one layout, resumed to step 4 under another, against
 # an uninterrupted run of 4 steps. Every step reads the same one batch (Lightning resumes a plain DataLoader from its
 # first batch, whatever step the checkpoint was saved at), at a constant learning rate (a schedule follows

@@ -60,6 +60,27 @@ def test_an_hf_model_built_in_place_trains_like_the_eager_build_on_a_plain_train
         assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("sharing", ["sequence", "cycle"])
+def test_a_pseudo_decoder_with_shared_layers_runs_each_layers_block_in_layered_stages(tmp_path: Path,
+                                                                                       sharing: str) -> None:
+    """Four layers sharing two blocks: layered accumulation (2 micro-batches, recompute, half offloaded) gives a plain
+    Trainer's losses. The stages once ran the model's list at the unique block's number (layer 2 ran block 1's
+    position, which holds block 0 when consecutive layers share): 4.166 against 4.175 at the first step."""
+    def fit(strategy: object) -> list[float]:
+        L.seed_everything(0)
+        module = CausalLMModule(hf_config=CONFIGS["llama"], optimizer={"lr": 1e-2, "warmup_steps": 0}, init_seed=3,
+                                num_unique_blocks=2, sharing=sharing)
+        losses = Losses()
+        L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False,
+                  enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=[losses],
+                  ).fit(module, torch.utils.data.DataLoader(windows(rows=8), batch_size=4))
+        return losses.losses
+
+    plain = fit("auto")
+    layered = fit(P2RStrategy(accumulation="layered", micro_batches=2, offload_fraction=0.5, recompute=True))
+    assert layered == pytest.approx(plain, rel=1e-5)
+
+
 def test_rotary_tables_built_on_the_meta_device_are_recomputed(tmp_path: Path) -> None:
     _, module = _fit(tmp_path, "llama", P2RStrategy(sharding="zero3"), steps=1)
     eager = AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIGS["llama"]))

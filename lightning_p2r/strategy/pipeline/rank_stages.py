@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from ...layout import StageCut, block_holders, check_local_sharing
 from ...protocols import DefinesPipelineStages, PipelineParts
 from ..accounting import local_tensor
-from ..blocks import module_name
+from ..blocks import block_names
 from ..parallel.clipping import ranks_holding
 from .runner import PipelineRunner, PipelineStepResult
 from .stage import PipelineStageModule, keep_only
@@ -128,10 +128,12 @@ class RankStages:
                 if cut.column(self.global_rank) == column:
                     self._groups[ranks] = group
         ranks_of = dict(self._outside_ranks)
-        blocks = module_name(holder, holder.blocks)  # the model's own name
+        # Each block by the model's own name (a pseudo model's shared block: the first layer running it, the name
+        # named_parameters gives its tensors).
+        names = block_names(holder)
         for block, ranks in holders.items():
             for name, _ in holder.blocks[block].named_parameters():
-                ranks_of[f"{blocks}.{block}.{name}"] = ranks
+                ranks_of[f"{names[block]}.{name}"] = ranks
         return ranks_of
 
     def copies(self, whole: torch.Tensor) -> int:
