@@ -99,20 +99,47 @@ def decoder_parts(model: nn.Module, parts: DecoderParts | None = None) -> Decode
     return parts
 
 
-class _FirstBlockReached(Exception):
-    """Raised by the recording hook: the base forward stops right before the first block runs."""
+class _LastBlockReached(Exception):
+    """Raised by the last layer's stand-in: the base forward stops before its final norm."""
 
 
 @dataclass
 class BlockCall:
-    """The arguments the model's forward passes each block besides the hidden states, and the micro-batch's targets.
-    Holds no tensor that requires grad (masks, rotary tables and positions are computed from the tokens alone)."""
+    """The arguments the model's forward passes each layer's block besides the hidden states, and the micro-batch's
+    targets. Holds no tensor that requires grad (masks, rotary tables and positions are computed from the tokens
+    alone)."""
 
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    layers: list[tuple[tuple[Any, ...], dict[str, Any]]]
+    """Per layer, the positional arguments after the hidden states and the keyword arguments. Layers may get
+    different ones: Qwen3 with sliding windows passes its sliding layers another attention mask than its full ones."""
     targets: torch.Tensor
     routing: RoutingRecords | None = None
     """The micro-batch's router records, where the model adds a load-balancing loss over all its layers."""
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        """The first layer's positional arguments after the hidden states."""
+        return self.layers[0][0]
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The first layer's keyword arguments."""
+        return self.layers[0][1]
+
+
+class _RecordingStandIn(nn.Module):
+    """Stands in for one layer's block while the base forward runs: records how the model calls that layer and hands
+    the hidden states on unchanged; the last layer's stops the forward."""
+
+    def __init__(self, index: int, calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]], last: int) -> None:
+        super().__init__()
+        self.index, self.calls, self.last = index, calls, last
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls[self.index] = (args, kwargs)
+        if self.index == self.last:
+            raise _LastBlockReached
+        return args[0] if args else kwargs["hidden_states"]
 
 
 def block_output(output: Any) -> torch.Tensor:
@@ -121,38 +148,44 @@ def block_output(output: Any) -> torch.Tensor:
 
 
 def embed_and_block_call(model: nn.Module, parts: DecoderParts, tokens: torch.Tensor,
-                         first_block: nn.Module) -> tuple[torch.Tensor, BlockCall]:
-    """Run the base forward on ``tokens`` until ``first_block`` would run: its input hidden states (with their
-    graph to the embedding) and the other arguments it would get. The hook runs before any other on the block (an
-    FSDP2 gather, an offload fetch), so the block itself is not touched."""
-    recorded: dict[str, Any] = {}
-
-    def record(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        recorded["args"], recorded["kwargs"] = args, kwargs
-        raise _FirstBlockReached
-
+                         blocks: nn.ModuleList) -> tuple[torch.Tensor, BlockCall]:
+    """Run the base forward on ``tokens`` with every entry of the model's layer list ``blocks`` standing in: the
+    first layer's input hidden states (with their graph to the embedding) and the other arguments the model passes
+    each layer. The blocks themselves are not called (an FSDP2 gather, an offload fetch, do not run), and the final
+    norm is not reached."""
+    calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
     base = model.get_submodule(parts.base)
-    handle = first_block.register_forward_pre_hook(record, prepend=True, with_kwargs=True)
+    originals = list(blocks)
     # The base's own forward, through __call__ (its hooks run): a pipeline replaces the forward of the module
     # holding the blocks on the instance (evaluation through the stages), and where that module is the base
     # (litgpt's GPT), calling it would start a pipeline evaluation from inside a stage.
     replaced = vars(base).pop("forward", None)
     try:
+        for index in range(len(originals)):
+            blocks[index] = _RecordingStandIn(index, calls, len(originals) - 1)
         if parts.call == "positional":
             base(tokens)
         else:
             base(input_ids=tokens, use_cache=False)
-    except _FirstBlockReached:
+    except _LastBlockReached:
         pass
     finally:
-        handle.remove()
+        for index, block in enumerate(originals):
+            blocks[index] = block
         if replaced is not None:
             base.forward = replaced
-    if "args" not in recorded:
-        raise RuntimeError(f"{type(base).__name__}.forward never called its first block")
-    args, kwargs = recorded["args"], dict(recorded["kwargs"])
-    hidden = args[0] if args else kwargs.pop("hidden_states")
-    return hidden, BlockCall(tuple(args[1:]), kwargs, targets=torch.empty(0))
+    if len(calls) != len(originals):
+        raise RuntimeError(f"{type(base).__name__}.forward called {len(calls)} of the {len(originals)} entries of "
+                           f"its layer list {parts.blocks!r}: the declaration must name the list its forward runs")
+    layers = []
+    for index in range(len(originals)):
+        args, kwargs = calls[index]
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        if index == 0:
+            first = hidden
+        layers.append((tuple(args[1:]), kwargs))
+    return first, BlockCall(layers, targets=torch.empty(0))
 
 
 def check_pipeline_supported(model: nn.Module) -> None:
@@ -187,7 +220,7 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
 
     def embed(micro_batch: torch.Tensor) -> tuple[torch.Tensor, BlockCall]:
         inputs, targets = split(micro_batch)
-        hidden, call = embed_and_block_call(model, parts, inputs, blocks[0])
+        hidden, call = embed_and_block_call(model, parts, inputs, blocks)
         call.targets = targets
         call.routing = RoutingRecords() if balance is not None else None
         return hidden, call
@@ -196,10 +229,11 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
         # The model's own list holds each layer's module (a block shared by several layers at each of them), as its
         # forward runs them; ``layer_to_block`` numbers the unique blocks, not positions in that list.
         block = blocks[index]
+        args, kwargs = call.layers[index]
         if balance is None:
-            return block_output(block(hidden, *call.args, **call.kwargs)), None
+            return block_output(block(hidden, *args, **kwargs)), None
         output, term = run_recording_routers(balance, block, index, call.routing,
-                                             lambda: block(hidden, *call.args, **call.kwargs))
+                                             lambda: block(hidden, *args, **kwargs))
         return block_output(output), term
 
     def head_stage(hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -269,7 +303,7 @@ def decoder_pipeline_parts(model: nn.Module, parts: DecoderParts, stages: Layere
     def context(micro_batch: torch.Tensor) -> BlockCall:
         inputs, targets = split(micro_batch)
         with _embeddings_standing_in(model, parts.embed, dim):
-            _, call = embed_and_block_call(model, parts, inputs, blocks[0])
+            _, call = embed_and_block_call(model, parts, inputs, blocks)
         call.targets = targets
         return call
 

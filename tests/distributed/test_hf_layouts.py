@@ -33,7 +33,7 @@ SHARED = {"module": {"num_unique_blocks": 2}, "delink_at": 2}
 
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
                for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3", "qwen2_moe",
-                              "mistral", "litgpt_gqa", "nanogpt", "litgpt_moe")] + [
+                              "mistral", "litgpt_gqa", "nanogpt", "litgpt_moe", "qwen3_sliding")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN},
     {"name": "reference_grown_qwen3", "family": "qwen3", "strategy": None, **GROWN},
     {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED},
@@ -187,6 +187,9 @@ SHARED_TWO_PROCESSES = [
      "reference": "reference_accumulated_shared_qwen3_moe_balanced", **SHARED},
     {"name": "pp2_shared_llama", "family": "llama", "strategy": {"pipeline_parallel": 2, "micro_batches": 2},
      "reference": "reference_shared_llama", **SHARED},
+    # Layers called with other masks (sliding windows on the second stage's layers only): each stage records its
+    # layers' own arguments.
+    {"name": "pp2_qwen3_sliding", "family": "qwen3_sliding", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
 ]
 TWO_PROCESSES += SHARED_TWO_PROCESSES
 # Checkpoints resharded between layouts: saved at step 2 under one layout, resumed to step 4 under another, against

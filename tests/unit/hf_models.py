@@ -38,6 +38,12 @@ CONFIGS = {
     "qwen3": {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
               "tie_word_embeddings": False},
+    # Qwen3 with sliding windows (4 of the tests' 16 positions) on its last two layers: its forward passes those
+    # layers another attention mask than the first two.
+    "qwen3_sliding": {"model_type": "qwen3", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                      "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                      "tie_word_embeddings": False, "use_sliding_window": True, "sliding_window": 4,
+                      "max_window_layers": 2},
 }
 
 

@@ -81,6 +81,16 @@ def test_a_pseudo_decoder_with_shared_layers_runs_each_layers_block_in_layered_s
     assert layered == pytest.approx(plain, rel=1e-5)
 
 
+def test_layers_the_model_calls_with_other_masks_get_them_in_layered_stages(tmp_path: Path) -> None:
+    """Qwen3 with sliding windows on its last two layers passes them another attention mask than its first two:
+    layered accumulation gives a plain Trainer's losses. The stages once called every layer with the first layer's
+    arguments (4.176 against 4.182 at the first step)."""
+    plain, _ = _fit(tmp_path, "qwen3_sliding", "auto", steps=2)
+    layered, module = _fit(tmp_path, "qwen3_sliding", P2RStrategy(accumulation="layered", micro_batches=2), steps=2)
+    assert module.model.config.layer_types == ["full_attention"] * 2 + ["sliding_attention"] * 2
+    assert layered == pytest.approx(plain, rel=1e-5)
+
+
 def test_rotary_tables_built_on_the_meta_device_are_recomputed(tmp_path: Path) -> None:
     _, module = _fit(tmp_path, "llama", P2RStrategy(sharding="zero3"), steps=1)
     eager = AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIGS["llama"]))
@@ -379,7 +389,7 @@ def test_the_embedding_runs_the_models_own_forward_when_the_pipeline_replaced_it
 
     gpt.forward = through_the_stages
     tokens = torch.randint(0, VOCAB, (2, 8))
-    hidden, call = embed_and_block_call(gpt, KNOWN_DECODERS["litgpt"], tokens, gpt.transformer.h[0])
+    hidden, call = embed_and_block_call(gpt, KNOWN_DECODERS["litgpt"], tokens, gpt.transformer.h)
     torch.testing.assert_close(hidden, gpt.transformer.wte(tokens))
     assert len(call.args) >= 2  # cos and sin, which GPT.forward passes to its blocks
     assert gpt.forward is through_the_stages
