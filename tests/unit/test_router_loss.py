@@ -92,6 +92,8 @@ def test_layer_records_give_the_pooled_loss_and_its_gradient_for_every_layer() -
     ("mixtral", {"accumulation": "layered", "micro_batches": 2, "recompute": True}),
     # Qwen2-MoE: dense layers between the MoE ones (no router there), and a shared expert
     ("qwen2_moe", {"accumulation": "layered", "micro_batches": 2, "sharding": "zero3", "offload_fraction": 0.5}),
+    # one process's block streamer (offloaded blocks fetched around each layer's call)
+    ("qwen3_moe", {"accumulation": "layered", "micro_batches": 2, "offload_fraction": 0.5}),
 ])
 def test_layered_accumulation_trains_with_the_pooled_loss_like_the_whole_model(tmp_path: Path, family: str,
                                                                             layout: dict) -> None:
