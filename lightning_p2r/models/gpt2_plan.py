@@ -5,8 +5,10 @@
 GPT-2's attention packs the queries, keys and values in one ``c_attn`` (a "packed_column" layer, as litgpt's
 ``qkv``) and splits its output by ``split_size``, an attribute: once the plan is applied, each attention gets the
 rank's. It reshapes by ``-1`` heads, so the head count follows the split. The MLP's ``c_fc`` splits by column, the two
-``c_proj`` by row, the embedding by vocabulary and the tied head by its outputs. No "sequence" entries: sequence
-parallelism is refused for it (``GPT2Model.forward`` reshapes the final norm's output by the whole sequence length).
+``c_proj`` by row, the embedding by vocabulary and the tied head by its outputs. Under sequence parallelism the
+attention and the MLP gather the sequence at their entry and their row layers reduce-scatter it, the blocks' norms run
+on the rank's positions, and the final norm gathers it whole, because ``GPT2Model.forward`` reshapes that norm's
+output by the whole sequence length.
 """
 
 from __future__ import annotations
@@ -46,8 +48,11 @@ def gpt2_parallel_plan(model: nn.Module) -> ParallelPlan:
                 block.attn.split_size = width // degree
                 block.attn.num_heads = config.n_head // degree
 
+    # Sequence parallelism as for litgpt (the strategy adds "gather" at the attention and the MLP, "sequence" at the
+    # blocks' norms), but the final norm gathers: the model views its output by the whole length.
     return ParallelPlan(tuple(dict(BLOCK_PLAN) for _ in blocks),
-                        {"transformer.wte": "vocabulary", "lm_head": "output"},
+                        {"transformer.wte": "vocabulary", "transformer.ln_f": "gather", "lm_head": "output"},
+                        gathers_for_sequence_parallel=True,
                         packed={"attn.c_attn": (width, width, width)}, transposed=frozenset(BLOCK_PLAN),
                         divisible={"n_head": config.n_head, "n_inner": inner, "vocab_size": config.vocab_size},
                         on_tensor_parallel=rank_split_size)

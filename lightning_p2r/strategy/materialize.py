@@ -131,7 +131,7 @@ class Initializer:
 
     def __init__(self, module: nn.Module, values_from: nn.Module | None, *, seed: int = 0,
                  template: nn.Module | None = None) -> None:
-        # values_from is the block holder when the strategy materializes (a model that names its values, or not)
+        # Placement passes the block holder as values_from: the root is the one it shards (ties.placement_root)
         self.root = placement_root(module, values_from) if values_from is not None else smallest_parameter_root(module)
         # Seeds follow names from the LightningModule, which do not change with what a rank holds (a pipeline rank
         # without the head has a deeper root).

@@ -155,6 +155,8 @@ FOUR_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "sharding": "zero3", "sequence_parallel": True}},
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
     {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
+    {"name": "pp2_tp2_sequence_parallel_gpt2", "family": "gpt2",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
 ]
 LITGPT_MOE_TWO_PROCESSES = [
     # litgpt's MoE: a list of expert modules, each split by hidden unit (its router whole), a shared expert, a dense
@@ -187,6 +189,10 @@ SHARED_TWO_PROCESSES = [
      "reference": "reference_accumulated_shared_qwen3_moe_balanced", **SHARED},
     {"name": "pp2_shared_llama", "family": "llama", "strategy": {"pipeline_parallel": 2, "micro_batches": 2},
      "reference": "reference_shared_llama", **SHARED},
+    # GPT-2's transposed Conv1D layers under sequence parallelism (the final norm gathers the sequence whole)
+    {"name": "tp2_sequence_parallel_zero3_layered_gpt2", "family": "gpt2",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
+                  "micro_batches": 2}},
     # Layers called with other masks (sliding windows on the second stage's layers only): each stage records its
     # layers' own arguments.
     {"name": "pp2_qwen3_sliding", "family": "qwen3_sliding", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},

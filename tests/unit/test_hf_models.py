@@ -572,25 +572,34 @@ def test_litgpts_moe_is_an_expert_layer_whose_experts_split_like_its_dense_mlps(
 
 
 def test_gpt2s_conv1d_layers_split_along_their_stored_dimensions_by_the_packages_plan() -> None:
+    """GPT-2's plan, with what sequence parallelism adds (once refused: its forward views the final norm's output by
+    the whole sequence length, and the losses differed)."""
+    from torch.distributed.tensor import Replicate
+
     from lightning_p2r.models.gpt2_plan import declare_gpt2_plan
     from lightning_p2r.strategy.parallel.parallelize import check_sequence_parallel, model_plan
 
     gpt2 = _declared("gpt2")
     declare_gpt2_plan(gpt2)
     plan = model_plan(gpt2, tensor_parallel=2)
-    assert plan.blocks[0] == {"attn.c_attn": "packed_column", "attn.c_proj": "row", "mlp.c_fc": "column",
-                              "mlp.c_proj": "row"}
-    assert plan.transposed == set(plan.blocks[0]) and plan.packed == {"attn.c_attn": (32, 32, 32)}
-    assert plan.outside == {"transformer.wte": "vocabulary", "lm_head": "output"}  # tied: split alike
+    split = {"attn.c_attn": "packed_column", "attn.c_proj": "row", "mlp.c_fc": "column", "mlp.c_proj": "row"}
+    # for sequence parallelism (inert without it): the attention and the MLP gather, the norms run on the rank's
+    # positions, the final norm gathers (GPT2Model.forward views its output by the whole length)
+    assert plan.blocks[0] == split | {"attn": "gather", "mlp": "gather", "ln_1": "sequence", "ln_2": "sequence"}
+    assert plan.transposed == set(split) and plan.packed == {"attn.c_attn": (32, 32, 32)}
+    assert plan.outside == {"transformer.wte": "vocabulary", "transformer.ln_f": "gather", "lm_head": "output"}
     plan.on_tensor_parallel(2)
     assert gpt2.transformer.h[0].attn.split_size == 16
     with pytest.raises(ValueError, match=r"tensor_parallel=3 must divide GPT2LMHeadModel's n_head=4, n_inner=128, "
                                          r"vocab_size=64"):
         model_plan(gpt2, tensor_parallel=3)
-    with pytest.raises(ValueError, match=r"sequence_parallel=True\) needs the parallel plan of GPT2LMHeadModel"):
-        check_sequence_parallel(gpt2, plan)
+    check_sequence_parallel(gpt2, plan)  # accepted
     from lightning_p2r.strategy.parallel.tensor import styles
 
-    with pytest.raises(ValueError, match=r"sequence parallelism does not split mlp\.c_fc, a layer the plan declares "
-                                         r"transposed"):
+    made = styles(plan.blocks[0], sequence_parallel=True, gathers=True, packed=plan.packed,
+                  transposed=plan.transposed)
+    assert made["mlp.c_proj"].scatter and not made["mlp.c_fc"].scatter
+    assert styles(plan.outside, sequence_parallel=True, gathers=True)["lm_head"].input_layouts == (Replicate(),)
+    with pytest.raises(ValueError, match=r"sequence parallelism splits mlp\.c_fc, a layer the plan declares "
+                                         r"transposed .* only inside a module that gathers the sequence"):
         styles({"mlp.c_fc": "column"}, sequence_parallel=True, transposed=frozenset({"mlp.c_fc"}))

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import (
 
 from ...protocols import ParallelPlan, SplitKind
 from ..ties import find_ties, retie
-from .experts import copy_to_tensor_parallel, owned, reduce_from_tensor_parallel
+from .experts import copy_to_tensor_parallel, owned
 
 
 def _logits_hook(tp_mesh: Any, *, loss_parallel: bool) -> Any:
@@ -130,12 +130,14 @@ class TransposedLinearParallel(ParallelStyle):
     """A linear layer stored in x out (GPT-2's ``Conv1D``: ``x @ weight + bias``), which torch's styles do not split:
     by column (weight split along its outputs, dimension 1, the bias with it; the input whole on every rank, its
     gradient summed, Megatron-LM's f) or by row (weight split along its inputs, dimension 0; the partial outputs
-    summed, Megatron-LM's g, and the whole bias added once). Not under sequence parallelism (refused by
-    :func:`styles`)."""
+    summed, Megatron-LM's g, and the whole bias added once). Under sequence parallelism (``scatter``) a row layer's
+    partial outputs are reduce-scattered to the rank's positions instead; a column layer then sits inside a module
+    that gathers the sequence at its entry (:func:`styles` refuses any other)."""
 
-    def __init__(self, kind: SplitKind) -> None:
+    def __init__(self, kind: SplitKind, scatter: bool = False) -> None:
         super().__init__()
         self.column = kind == "column"
+        self.scatter = scatter
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         if self.column:
@@ -145,10 +147,15 @@ class TransposedLinearParallel(ParallelStyle):
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             weight = module.weight.to_local()
-            bias = module.bias.to_local() if module.bias is not None else None
+            bias = None
+            if module.bias is not None:
+                # A row layer's whole bias added to the rank's positions only (sequence parallelism): its gradient
+                # is this rank's share, summed over the ranks into the replicated bias.
+                bias = module.bias.to_local(grad_placements=[Partial()]) if self.scatter else module.bias.to_local()
             if self.column:
                 return _matmul(copy_to_tensor_parallel(x, device_mesh), weight, bias, transposed=True)
-            out = reduce_from_tensor_parallel(torch.matmul(x, weight), device_mesh)
+            partial = DTensor.from_local(torch.matmul(x, weight), device_mesh, [Partial()], run_check=False)
+            out = partial.redistribute(device_mesh, [Shard(1) if self.scatter else Replicate()]).to_local()
             return out + bias if bias is not None else out
 
         vars(module)["forward"] = forward
@@ -179,10 +186,12 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
     made: dict[str, Any] = {}
     for name, kind in entries.items():
         if name in transposed and kind in ("column", "row"):
-            if sequence_parallel:
-                raise ValueError(f"sequence parallelism does not split {name}, a layer the plan declares transposed "
-                                 "(weights stored in x out): use sequence_parallel=False")
-            made[name] = TransposedLinearParallel(kind)
+            inside_gathered = any(name.startswith(outer + ".") for outer in gathered)
+            if sequence_parallel and kind == "column" and not inside_gathered:
+                raise ValueError(f"sequence parallelism splits {name}, a layer the plan declares transposed (weights "
+                                 "stored in x out), only inside a module that gathers the sequence ('gather'): use "
+                                 "sequence_parallel=False or mark its parent 'gather'")
+            made[name] = TransposedLinearParallel(kind, scatter=sequence_parallel and kind == "row")
         elif kind == "column":
             whole = any(name.startswith(outer + ".") for outer in gathered + in_expert_layer)
             made[name] = ColwiseParallel(input_layouts=Replicate() if whole else sequence)
@@ -195,7 +204,9 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
             made[name] = RowwiseParallel(input_layouts=Replicate(),
                                          output_layouts=Replicate() if gathers else sequence)
         elif kind == "output":
-            made[name] = ColwiseParallel(input_layouts=sequence,
+            # After a final norm that gathers the sequence (GPT-2's, whose model reshapes its output by the whole
+            # length), the output layer's input is whole.
+            made[name] = ColwiseParallel(input_layouts=Replicate() if gathered else sequence,
                                          output_layouts=Shard(-1) if loss_parallel else Replicate())
         elif kind == "sequence" and sequence_parallel:
             made[name] = SequenceParallel(use_local_output=gathers)
