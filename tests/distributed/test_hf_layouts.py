@@ -38,6 +38,7 @@ ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": Non
     {"name": "reference_grown_qwen3", "family": "qwen3", "strategy": None, **GROWN},
     {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED},
     {"name": "reference_shared_llama", "family": "llama", "strategy": None, **SHARED},
+    {"name": "reference_shared_qwen3", "family": "qwen3", "strategy": None, **SHARED},
     # The load-balancing loss is computed over the rows of one forward: layouts whose ranks see the same rows (tensor
     # parallelism) compare with one forward over the global batch, layouts whose data ranks or micro-batches each
     # see their own rows with a plain Trainer accumulating those same rows.
@@ -155,6 +156,9 @@ FOUR_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "sharding": "zero3", "sequence_parallel": True}},
     # Experts split by expert over both the expert- and the tensor-parallel ranks: one of the four on each rank.
     {"name": "tp2_ep2_qwen3_moe", "family": "qwen3_moe", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
+    {"name": "pp2_tp2_sequence_parallel_shared_qwen3", "family": "qwen3",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2},
+     "reference": "reference_shared_qwen3", **SHARED},
     {"name": "pp2_tp2_sequence_parallel_gpt2", "family": "gpt2",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
 ]
@@ -193,6 +197,11 @@ SHARED_TWO_PROCESSES = [
     {"name": "tp2_sequence_parallel_zero3_layered_gpt2", "family": "gpt2",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
                   "micro_batches": 2}},
+    # A shared first block under sequence parallelism: cut to the rank's positions at its first layer only (the
+    # later layers' input is shorter than the embedding's output); it crashed on a shape mismatch before.
+    {"name": "tp2_sequence_parallel_zero3_layered_shared_qwen3", "family": "qwen3",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
+                  "micro_batches": 2}, "reference": "reference_shared_qwen3", **SHARED},
     # Layers called with other masks (sliding windows on the second stage's layers only): each stage records its
     # layers' own arguments.
     {"name": "pp2_qwen3_sliding", "family": "qwen3_sliding", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},

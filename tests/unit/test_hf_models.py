@@ -209,7 +209,10 @@ def test_sequence_parallelism_of_a_plan_marking_no_sequence_module_is_refused_in
     check_sequence_parallel(m6, m6.parallel_plan())  # its norms are marked
     holder = _declared("llama")
     check_sequence_parallel(holder, model_plan(holder, tensor_parallel=2))
-    holder.blocks[1] = holder.blocks[0]  # a shared (pseudo) first block: the cut would run twice
+    holder.blocks[1] = holder.blocks[0]  # a shared (pseudo) first block: it runs at layers 0 and 1
+    # accepted: the cut tells the first layer's whole input by the embedding's output length (get_input_embeddings)
+    check_sequence_parallel(holder, model_plan(holder, tensor_parallel=2))
+    holder.get_input_embeddings = None  # a model that names no embedding, in its plan or otherwise: refused
     with pytest.raises(ValueError, match=r"cuts the sequence at the first layer's block, which this LlamaForCausalLM"):
         check_sequence_parallel(holder, model_plan(holder, tensor_parallel=2))
 

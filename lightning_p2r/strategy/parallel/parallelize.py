@@ -159,12 +159,18 @@ def check_sequence_parallel(holder: nn.Module, plan: ParallelPlan) -> None:
                          "mark the modules that run on the rank's sequence positions (its norms) as 'sequence'; "
                          "its plan marks none (a Hugging Face plan never does): use sequence_parallel=False, or "
                          "declare a ParallelPlan whose blocks can run on a share of the sequence")
-    if "gather" in plan.kinds() and any(block is holder.blocks[0] for block in list(holder.blocks)[1:]):
+    layers = list(getattr(holder, "layer_to_block", range(len(holder.blocks))))
+    first_shared = layers.count(layers[0]) > 1 or any(block is holder.blocks[0] for block in list(holder.blocks)[1:])
+    if "gather" in plan.kinds() and first_shared and "vocabulary" not in plan.outside.values() and not callable(
+            getattr(holder, "get_input_embeddings", None)):
         # A plan that gathers at module entry cuts the hidden states to the rank's positions at the first block's
-        # entry: a block run at several layers would cut them again at the later ones.
+        # entry; a block run at several layers tells its first layer's whole input from the later layers' by the
+        # embedding's output length, which a plan without a "vocabulary" embedding does not record.
         raise ValueError("P2RStrategy(sequence_parallel=True) cuts the sequence at the first layer's block, which this "
-                         f"{type(holder).__name__} runs at several layers (a shared, pseudo model): delink it first, "
-                         "or use sequence_parallel=False")
+                         f"{type(holder).__name__} runs at several layers (a shared, pseudo model), and neither its "
+                         "plan ('vocabulary') nor get_input_embeddings() names the embedding whose output length "
+                         "tells the first layer's input from the later ones': delink it first, or use "
+                         "sequence_parallel=False")
 
 
 def parallelize_model(holder: nn.Module, plan: ParallelPlan, meshes: ParallelMeshes, *, loss_parallel: bool = False,

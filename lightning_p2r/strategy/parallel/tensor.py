@@ -162,10 +162,39 @@ class TransposedLinearParallel(ParallelStyle):
         return module
 
 
-def cut_to_own_positions(tp_mesh: Any) -> Any:
+class WholeLength:
+    """The sequence length of the latest embedding output, which a plan that gathers at module entry keeps whole
+    (a forward hook on the embedding records it)."""
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+
+    def record(self, module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.dim() >= 2:
+            self.value = output.shape[1]
+
+
+def token_embeddings(holder: nn.Module, plan: ParallelPlan) -> list[nn.Module]:
+    """The modules embedding the tokens, which this rank holds: the plan's "vocabulary" layers, else a Hugging Face
+    model's ``get_input_embeddings()`` (its plans split no embedding)."""
+    named = [_find(holder, name) for name, kind in plan.outside.items() if kind == "vocabulary"]
+    if not named and callable(getattr(holder, "get_input_embeddings", None)):
+        named = [holder.get_input_embeddings()]
+    return [module for module in named if _holds_parameters(module)]
+
+
+def cut_to_own_positions(tp_mesh: Any, whole: WholeLength | None = None) -> Any:
     """A forward pre-hook giving a block only this rank's positions of its (whole) input hidden states: the first
-    block of a plan that gathers at module entry, whose embedding output stays whole."""
-    return _on_hidden_states(lambda whole: _own_positions(whole, tp_mesh), "the first block")
+    block of a plan that gathers at module entry, whose embedding output stays whole. With ``whole``, hidden states
+    shorter than the embedding's output pass unchanged: a pseudo model runs its first block at later layers too,
+    where they are the rank's positions already."""
+
+    def cut(hidden: torch.Tensor) -> torch.Tensor:
+        if whole is not None and whole.value is not None and hidden.shape[1] != whole.value:
+            return hidden
+        return _own_positions(hidden, tp_mesh)
+
+    return _on_hidden_states(cut, "the first block")
 
 
 def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
@@ -248,6 +277,10 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
     # a tie split one way under one name and another way, or not at all, under another).
     ties = find_ties(holder)
     gathers = sequence_parallel and "gather" in plan.kinds()
+    whole = WholeLength()
+    if gathers:  # the embeddings' output length tells the first block's whole input from its later layers' cut one
+        for embedding in token_embeddings(holder, plan):
+            embedding.register_forward_hook(whole.record)
     for index, (block, entries) in enumerate(zip(holder.blocks, plan.blocks)):
         # A pipeline stage holds some blocks: the others are parameterless stand-ins, with nothing to split.
         if not _holds_parameters(block):
@@ -255,7 +288,7 @@ def apply_tensor_parallel(holder: nn.Module, plan: ParallelPlan, tp_mesh: Any, *
         parallelize_module(block, tp_mesh, styles(entries, sequence_parallel=sequence_parallel, gathers=gathers,
                                                   packed=plan.packed, transposed=plan.transposed))
         if gathers and index == 0:
-            block.register_forward_pre_hook(cut_to_own_positions(tp_mesh), with_kwargs=True)
+            block.register_forward_pre_hook(cut_to_own_positions(tp_mesh, whole), with_kwargs=True)
         if sequence_parallel:
             for name, kind in entries.items():
                 if kind == "expert":
