@@ -174,18 +174,16 @@ def embed_and_block_call(model: nn.Module, parts: DecoderParts, tokens: torch.Te
             blocks[index] = block
         if replaced is not None:
             base.forward = replaced
-    if len(calls) != len(originals):
+    if not originals or len(calls) != len(originals):
         raise RuntimeError(f"{type(base).__name__}.forward called {len(calls)} of the {len(originals)} entries of "
                            f"its layer list {parts.blocks!r}: the declaration must name the list its forward runs")
-    layers = []
+    inputs, layers = [], []
     for index in range(len(originals)):
         args, kwargs = calls[index]
         kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        if index == 0:
-            first = hidden
+        inputs.append(args[0] if args else kwargs.pop("hidden_states"))
         layers.append((tuple(args[1:]), kwargs))
-    return first, BlockCall(layers, targets=torch.empty(0))
+    return inputs[0], BlockCall(layers, targets=torch.empty(0))
 
 
 def check_pipeline_supported(model: nn.Module) -> None:
