@@ -42,15 +42,18 @@ def block_names(holder: nn.Module) -> list[str]:
     listed = _registered_name(holder, holder.blocks)
     if listed is not None:  # by position (a pipeline rank's stand-ins need not be distinct objects)
         return [f"{listed}.{index}" if listed else str(index) for index in range(len(holder.blocks))]
-    # The model's layer list holds block b first at the first layer running it; a pipeline rank's stand-ins for the
-    # blocks other ranks hold are not in that list, so the list is named from a block that is.
-    layers = list(getattr(holder, "layer_to_block", range(len(holder.blocks))))
-    found = next((name for name in map(lambda block: _registered_name(holder, block), holder.blocks) if name), None)
-    if found is None:
-        return [module_name(holder, block) for block in holder.blocks]  # refused there, naming the first block
-    list_name = found.rpartition(".")[0]
-    return [f"{list_name}.{layers.index(block)}" if list_name else str(layers.index(block))
-            for block in range(len(holder.blocks))]
+    names = [_registered_name(holder, block) for block in holder.blocks]
+    if all(names):
+        return names
+    # A pipeline rank's stand-ins for the blocks other ranks hold are not in the model: each is named at the first
+    # layer running it (the model's list holds block b first there), in the list a held block is registered in.
+    found = next((name for name in names if name), None)
+    layers = getattr(holder, "layer_to_block", None)
+    if found is None or layers is None:
+        return [module_name(holder, block) for block in holder.blocks]  # refused there, naming the first missing
+    list_name, layers = found.rpartition(".")[0], list(layers)
+    return [name or (f"{list_name}.{layers.index(block)}" if list_name else str(layers.index(block)))
+            for block, name in enumerate(names)]
 
 
 def block_list_name(holder: nn.Module) -> str:

@@ -231,6 +231,11 @@ def test_a_pseudo_models_unique_blocks_are_named_by_the_layers_running_them() ->
     holder.layers = nn.ModuleList([layers[0], layers[0], layers[1], layers[1]])  # 4 layers, 2 unique blocks
     vars(holder)["blocks"] = layers  # the strategy's alias, not registered
     assert block_names(holder) == ["layers.0", "layers.2"] and block_list_name(holder) == "layers"
+    # A pipeline rank holding block 1 only: block 0 is a stand-in the model does not hold, named by its first layer
+    holder.layers = nn.ModuleList([nn.Identity(), nn.Identity(), layers[1], layers[1]])
+    vars(holder)["blocks"] = nn.ModuleList([nn.Module(), layers[1]])
+    vars(holder)["layer_to_block"] = [0, 0, 1, 1]
+    assert block_names(holder) == ["layers.0", "layers.2"]
 
 
 def _plan_of(model: nn.Module):
