@@ -54,7 +54,7 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
             raise ValueError(f"the parallel plan of {type(holder).__name__} names {missing} in block {index}, which "
                              "has no such submodules")
         for name, kind in entries.items():
-            if kind == "expert" and not any(inner == name or inner.startswith(name + ".") for inner in plan.experts) \
+            if kind == "expert" and not _declares_stacked_experts(plan, name) \
                     and not any(inner.startswith(name + ".") and entries[inner] in ("column", "row")
                                 for inner in entries):
                 raise ValueError(f"the parallel plan marks block {index}'s {name!r} as an expert layer but declares "
@@ -75,11 +75,15 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
     return plan
 
 
+def _declares_stacked_experts(plan: ParallelPlan, layer: str) -> bool:
+    """Whether the plan declares stacked expert weights (``ParallelPlan.experts``) at or inside ``layer``."""
+    return any(inner == layer or inner.startswith(layer + ".") for inner in plan.experts)
+
+
 def _expert_layers_of_modules(plan: ParallelPlan) -> list[str]:
     """The plan's expert layers that hold no stacked expert weights (their experts are modules of their own)."""
     return [f"block {index}'s {name!r}" for index, entries in enumerate(plan.blocks)
-            for name, kind in entries.items() if kind == "expert"
-            and not any(inner == name or inner.startswith(name + ".") for inner in plan.experts)]
+            for name, kind in entries.items() if kind == "expert" and not _declares_stacked_experts(plan, name)]
 
 
 def check_pipelined_expert_modules(holder: nn.Module, plan: ParallelPlan, tensor_parallel: int,
