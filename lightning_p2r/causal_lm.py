@@ -20,6 +20,7 @@ from . import register_strategies
 from .models.decoders import (
     KNOWN_DECODERS,
     DecoderParts,
+    check_stageable,
     decoder_parts,
     decoder_pipeline_parts,
     decoder_stages,
@@ -143,6 +144,7 @@ class CausalLMModule(L.LightningModule):
                                    "pseudo_depth": pseudo_depth, "growth_init": growth_init})
         self.model = model
         self._positional: bool | None = None
+        self._parts_found: tuple[nn.Module, DecoderParts] | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -201,7 +203,10 @@ class CausalLMModule(L.LightningModule):
         return "model"
 
     def _declared(self) -> DecoderParts:
-        return decoder_parts(self.model, self.parts)
+        # Found once, on the model as built: placement later wraps its modules (FSDP2's classes, offload's streams).
+        if self._parts_found is None or self._parts_found[0] is not self.model:
+            self._parts_found = (self.model, decoder_parts(self.model, self.parts))
+        return self._parts_found[1]
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of ``input_ids`` (batch, seq)."""
@@ -244,6 +249,7 @@ class CausalLMModule(L.LightningModule):
 
     def pipeline_parts(self) -> PipelineParts:
         """The model as pipeline parallelism cuts it, from its declaration (``models.decoders``)."""
+        check_stageable(self.model, self._declared(), "pipeline parallelism")
         return decoder_pipeline_parts(self.model, self._declared(), self.layered_stages(), next_token_batch)
 
     def _log_stage_metrics(self, metrics: dict[str, torch.Tensor]) -> None:

@@ -153,7 +153,8 @@ class ComputesTokenLoss(Protocol):
     token_loss: Any
 
 
-SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output", "heads", "gather", "packed_column"]
+SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output", "heads", "gather", "packed_column",
+                    "gathered_column", "row_of_whole"]
 """How one submodule splits over the tensor-parallel ranks (Megatron-LM):
 
 - "column": a linear layer whose output features are split (the first matmul of a pair);
@@ -175,6 +176,11 @@ SplitKind = Literal["column", "row", "sequence", "expert", "vocabulary", "output
   and v of an attention in one matrix, as litgpt's ``qkv``; their sizes in ``ParallelPlan.packed``): each rank
   computes its share of every part. The weight stays split in contiguous rows (so checkpoints keep the model's own
   layout) and is gathered for each forward (its gradient reduce-scattered), as ZeRO-3 does for a whole layer.
+- "gathered_column": a linear layer inside a block whose output features are split for the matmul and gathered
+  whole after it (Hugging Face's "colwise_gather_output" on OLMo 2's q/k/v, whose norms run over all heads at once):
+  every rank then runs the attention on all heads;
+- "row_of_whole": a row layer whose input arrives whole on every rank: each multiplies its share of the input
+  features and the partial outputs are summed (Hugging Face's "rowwise_split_input", OLMo 2's o_proj after it).
 """
 
 

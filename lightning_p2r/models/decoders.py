@@ -8,7 +8,9 @@ to the first block and records the arguments the model passes it, then every lay
 arguments. So a family's masking or positions rule is the model's own code, never a copy of it.
 
 Ready declarations cover Hugging Face's Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3, Qwen3-MoE and GPT-2
-(by ``config.model_type``) and litgpt's ``GPT``; any other decoder passes its own :class:`DecoderParts`.
+(by ``config.model_type``) and litgpt's ``GPT``. Any other Hugging Face decoder's parts are found from the
+conventions every ``PreTrainedModel`` follows (:func:`discovered_parts`); any other decoder passes its own
+:class:`DecoderParts`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..protocols import LayeredStages, PipelineParts
+from .hf_parts import find_parts
 from .router_loss import RoutingRecords, finish_micro_batch, router_loss_of, run_recording_routers
 
 
@@ -48,6 +51,14 @@ class DecoderParts:
     """Endings of a block's parameter names that are the last projections of its residual branches (attention
     output, FFN or expert down projection): zeroed on the layers a shallow pseudo model gains with
     ``growth_init="zero_outputs"``, so each adds nothing to the residual stream at first."""
+    logits_from: str = "head"
+    """How the last stage turns the last block's output into logits: "head" (``head(norm(hidden))``) or "forward"
+    (the causal LM's own forward with ``base`` standing in and returning ``norm(hidden)``: whatever the model does
+    after its head, such as Gemma 2's logit soft-capping or Granite's logit scaling, runs too)."""
+    unstageable: str = ""
+    """Why layered accumulation and pipelines cannot run this decoder as stages ("" when they can): set when the
+    parts were found from Hugging Face's conventions (:func:`discovered_parts`) and the base runs a module after its
+    final norm, which no stage would run."""
 
 
 _LLAMA_LIKE = DecoderParts(blocks="model.layers", embed=("model.embed_tokens",), norm="model.norm", head="lm_head",
@@ -78,16 +89,19 @@ def family_of(model: nn.Module) -> str | None:
 
 
 def decoder_parts(model: nn.Module, parts: DecoderParts | None = None) -> DecoderParts:
-    """``parts`` if given, else the ready declaration of ``model``'s family; checked against the model by name."""
+    """``parts`` if given, else the ready declaration of ``model``'s family, else the parts a Hugging Face model's
+    conventions show (:func:`discovered_parts`); checked against the model by name."""
     if parts is None:
         family = family_of(model)
-        if family is None:
+        parts = KNOWN_DECODERS[family] if family is not None else discovered_parts(model)
+        if parts is None:
             model_type = getattr(getattr(model, "config", None), "model_type", None)
             raise ValueError(
-                f"no ready declaration for {type(model).__name__} (model_type {model_type!r}); known: "
-                f"{sorted(KNOWN_DECODERS)}. Pass lightning_p2r.models.DecoderParts(blocks=..., embed=..., norm=..., "
-                "head=..., base=...) naming its parts")
-        parts = KNOWN_DECODERS[family]
+                f"no ready declaration for {type(model).__name__} (model_type {model_type!r}; known: "
+                f"{sorted(KNOWN_DECODERS)}), and its parts could not be found from Hugging Face's conventions (one "
+                "nn.ModuleList of the classes its _no_split_modules names, a final norm after it, "
+                "get_input_embeddings() and get_output_embeddings()). Pass lightning_p2r.models.decoders.DecoderParts("
+                "blocks=..., embed=..., norm=..., head=..., base=...) naming its parts")
     for name in (parts.blocks, *parts.embed, parts.norm, parts.head, parts.base):
         try:
             model.get_submodule(name)
@@ -97,6 +111,75 @@ def decoder_parts(model: nn.Module, parts: DecoderParts | None = None) -> Decode
     if not isinstance(model.get_submodule(parts.blocks), nn.ModuleList):
         raise ValueError(f"the decoder declaration's blocks {parts.blocks!r} is not an nn.ModuleList")
     return parts
+
+
+def discovered_parts(model: nn.Module) -> DecoderParts | None:
+    """A Hugging Face decoder's parts from its own conventions (``models.hf_parts``), or None where they do not show
+    them; ``unstageable`` says what layered accumulation and pipelines would skip, if anything."""
+    found = find_parts(model)
+    return DecoderParts(**found) if found is not None else None
+
+
+class _BaseOutput:
+    """What a base model's forward returns, standing in: the final norm's output as ``last_hidden_state`` and
+    ``[0]``; any other field (caches, router logits, attentions) None."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if index != 0:
+            raise IndexError(index)
+        return self.last_hidden_state
+
+    def __getattr__(self, name: str) -> None:
+        return None
+
+
+class _NormedBase(nn.Module):
+    """Stands in for the base while the causal LM's own forward computes the logits from given hidden states."""
+
+    def __init__(self, norm: nn.Module, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.norm, self.hidden = norm, hidden
+
+    def forward(self, *args: Any, **kwargs: Any) -> _BaseOutput:
+        return _BaseOutput(self.norm(self.hidden))
+
+
+def logits_function(model: nn.Module, parts: DecoderParts) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The last blocks' hidden states -> logits, as ``parts.logits_from`` says."""
+    norm, head = model.get_submodule(parts.norm), model.get_submodule(parts.head)
+    if parts.logits_from == "head":
+        return lambda hidden: head(norm(hidden))
+    if parts.logits_from != "forward" or not parts.base:
+        raise ValueError(f"DecoderParts.logits_from must be 'head', or 'forward' with a base, got "
+                         f"{parts.logits_from!r} (base {parts.base!r})")
+    owner_name, _, attribute = parts.base.rpartition(".")
+    owner = model.get_submodule(owner_name)
+    forward = type(model).forward  # the class's: not through __call__, whose hooks belong to the whole model's call
+
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        base = owner._modules[attribute]
+        owner._modules[attribute] = _NormedBase(norm, hidden)
+        try:
+            ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+            output = forward(model, input_ids=ids, use_cache=False)
+        finally:
+            owner._modules[attribute] = base
+        return output if isinstance(output, torch.Tensor) else output.logits
+
+    return logits
+
+
+def check_stageable(model: nn.Module, parts: DecoderParts, layout: str) -> None:
+    """Refuse running ``model`` as stages (``layout``: "layered accumulation", "pipeline parallelism") where its
+    declaration says the stages would skip part of its forward."""
+    if parts.unstageable:
+        raise ValueError(f"{layout} runs {type(model).__name__} as stages (embedding, blocks, then "
+                         "its logits) and would skip part of its forward: "
+                         f"{parts.unstageable}. Use accumulation='standard' without pipeline_parallel for this model "
+                         "(every other layout runs its own forward)")
 
 
 class _LastBlockReached(Exception):
@@ -212,8 +295,9 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
     A Hugging Face MoE with ``output_router_logits=True`` adds its load-balancing loss, as its own forward does: each
     layer records its routing, the head adds the loss (``models.router_loss``), and the metrics carry "ce" and
     "aux_loss" besides "loss"."""
+    check_stageable(model, parts, "layered accumulation")
     blocks = model.get_submodule(parts.blocks)
-    norm, head = model.get_submodule(parts.norm), model.get_submodule(parts.head)
+    logits_of = logits_function(model, parts)
     balance = router_loss_of(model)
 
     def embed(micro_batch: torch.Tensor) -> tuple[torch.Tensor, BlockCall]:
@@ -235,7 +319,7 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
         return block_output(output), term
 
     def head_stage(hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = next_token_loss(head(norm(hidden)), call.targets)
+        loss = next_token_loss(logits_of(hidden), call.targets)
         aux = finish_micro_batch(balance, call.routing) if balance is not None else None
         if aux is None:
             return loss, {"loss": loss.detach()}
@@ -248,14 +332,18 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
 
 
 class _ZeroEmbedding(nn.Module):
-    """Stands in for an embedding on a pipeline stage that does not hold it, while the stage records how the model
-    calls its blocks: the arguments depend on the token positions only, never on the embedded values."""
+    """Stands in for a module of the embedding stage on a pipeline stage that does not hold it, while the stage
+    records how the model calls its blocks: the arguments depend on the token positions only, never on the embedded
+    values. Token or position ids give zeros of the hidden width; hidden states (Bloom's embedding norm) go on as they
+    are. (The module itself may be absent there, so its kind is read off its input.)"""
 
     def __init__(self, dim: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.dim, self.dtype = dim, dtype
 
     def forward(self, ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if ids.is_floating_point() and ids.shape[-1] == self.dim:
+            return ids
         return torch.zeros(*ids.shape, self.dim, dtype=self.dtype, device=ids.device)
 
 
@@ -294,6 +382,7 @@ def decoder_pipeline_parts(model: nn.Module, parts: DecoderParts, stages: Layere
     stage after the first records the block arguments with the embeddings standing in as zeros; evaluation's output
     carries the logits as ``.logits``, as a Hugging Face model's does."""
     check_pipeline_supported(model)
+    check_stageable(model, parts, "pipeline parallelism")
     blocks = model.get_submodule(parts.blocks)
     norm, head = model.get_submodule(parts.norm), model.get_submodule(parts.head)
     dim = hidden_size(model, parts)
@@ -310,6 +399,6 @@ def decoder_pipeline_parts(model: nn.Module, parts: DecoderParts, stages: Layere
 
     return PipelineParts(
         stages=stages, context=context, embed_modules=[model.get_submodule(n) for n in parts.embed],
-        head_modules=[norm, head], logits=lambda hidden: head(norm(hidden)),
+        head_modules=[norm, head], logits=logits_function(model, parts),
         window=lambda inputs: F.pad(inputs, (0, 1)), output=lambda logits: SimpleNamespace(logits=logits),
         records=lambda call: {}, absorb=lambda call, other: None, metrics=metrics)

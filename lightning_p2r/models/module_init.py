@@ -98,14 +98,16 @@ def initialize_by_module(root: nn.Module, seed: int, hook: ModuleInit | None = N
 
 def recomputes_buffers(root: nn.Module, name: str, hook: ModuleInit | None = None) -> bool:
     """Whether the model's own rule rewrites the buffers of module ``name`` (a rotary table built at construction):
-    Hugging Face's rotary embeddings (``original_inv_freq``), any module's ``reset_parameters()`` that owns buffers
-    (litgpt's ``GPT`` recomputes its ``cos``/``sin`` there), or the user's hook."""
+    Hugging Face's ``_init_weights`` (since transformers 5 it initializes the non-persistent buffers too, because
+    ``from_pretrained`` builds on the meta device: rotary tables, Gemma's embedding scale), any module's
+    ``reset_parameters()`` that owns buffers (litgpt's ``GPT`` recomputes its ``cos``/``sin`` there), or the user's
+    hook. Materializing checks that the rule did write them (``strategy.materialize``)."""
     module = root.get_submodule(name)
     if hook is not None:
         return True
     rule = init_rule(root, name)
     if rule is None:
         return False
-    if is_hf_pretrained(getattr(rule, "__self__", None) or module):  # Hugging Face: its rotary tables
-        return hasattr(module, "original_inv_freq")
+    if is_hf_pretrained(getattr(rule, "__self__", None) or module):
+        return True
     return callable(getattr(module, "reset_parameters", None))

@@ -40,6 +40,39 @@ def check_no_meta_buffers(module: nn.Module) -> None:
             "LightningModule's __init__ instead of configure_model (it is then built whole, eagerly)")
 
 
+def _unwritten_value(tensor: torch.Tensor) -> float | int | None:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return float("nan")
+    return None if tensor.dtype == torch.bool else torch.iinfo(tensor.dtype).min
+
+
+@torch.no_grad()
+def mark_unwritten(buffers: dict[str, torch.Tensor]) -> None:
+    """Fill fresh buffers with a value no initialization writes (NaN; the integer type's minimum), so that
+    :func:`check_written` can tell whether the model's rule wrote them."""
+    for tensor in buffers.values():
+        value = _unwritten_value(tensor)
+        if value is not None:
+            tensor.fill_(value)
+
+
+def check_written(module: nn.Module, name: str, buffers: dict[str, torch.Tensor]) -> None:
+    """Refuse buffers the model's rule left as :func:`mark_unwritten` filled them: allocated on the meta device's
+    say-so, they would hold no value at all, silently."""
+    unwritten = []
+    for key, tensor in buffers.items():
+        value = _unwritten_value(tensor)
+        if tensor.numel() and value is not None and (
+                bool(torch.isnan(tensor).any()) if isinstance(value, float) else bool((tensor == value).all())):
+            unwritten.append(key)
+    if unwritten:
+        raise ValueError(
+            f"P2RStrategy builds the model on the meta device and recomputes its buffers by the model's own rule, but "
+            f"the rule of {type(module).__name__} ({name or 'the model'}) did not write {unwritten}. Compute them in "
+            "forward, give the LightningModule an init_module(module) method that writes them, or build the model "
+            "in the LightningModule's __init__ instead of configure_model (it is then built whole, eagerly)")
+
+
 def allocate(module: nn.Module, device: torch.device | str, *, skip: Iterable[nn.Module] = ()) -> list[nn.Parameter]:
     """Give every meta parameter and buffer of ``module`` (outside the ``skip`` subtrees) uninitialized storage on
     ``device``; returns the parameters allocated (each once)."""
@@ -199,7 +232,9 @@ class Initializer:
         memo: dict[int, object] = {id(other): None for other in referred}
         memo |= {id(b): torch.empty_like(b, device="cpu") for b in module.buffers(recurse=False)}
         twin = copy.deepcopy(module, memo)
+        mark_unwritten(dict(twin.named_buffers(recurse=False)))
         initialize_module(rule, twin, self.seed, name)
+        check_written(module, name, dict(twin.named_buffers(recurse=False)))
         with torch.no_grad():
             for key, tensor in module.named_buffers(recurse=False):
                 tensor.copy_(getattr(twin, key).to(tensor.dtype))
@@ -216,7 +251,9 @@ class Initializer:
         twin = self.template().get_submodule(name)
         twin.to_empty(device="cpu", recurse=False)
         try:
+            mark_unwritten({key: getattr(twin, key) for key, _ in buffers})
             initialize_module(rule, twin, self.seed, self._prefix + name)
+            check_written(twin, name, {key: getattr(twin, key) for key, _ in buffers})
             with torch.no_grad():
                 for key, tensor in params + buffers:
                     value = getattr(twin, key)

@@ -1,4 +1,5 @@
-"""Hugging Face models in the multi-process layouts (issue 38): a tiny Qwen3-MoE and a Llama with a tied head,
+"""Hugging Face models in the multi-process layouts (issue 38): a tiny Qwen3-MoE and a Llama with a tied head (and
+the other families of tests/unit/hf_models.py, those without a ready declaration included),
 built in place by ``CausalLMModule`` (meta device, each rank materializing its share with the model's own
 initialization), trained on 2 processes like the eager build on one: DDP, ZeRO-3 with offload, layered accumulation,
 and a 2-stage pipeline derived from the model's declaration; every tensor two ranks hold is equal on both. Pipeline x
@@ -33,7 +34,8 @@ SHARED = {"module": {"num_unique_blocks": 2}, "delink_at": 2}
 
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
                for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3", "qwen2_moe",
-                              "mistral", "litgpt_gqa", "nanogpt", "litgpt_moe", "qwen3_sliding")] + [
+                              "mistral", "litgpt_gqa", "nanogpt", "litgpt_moe", "qwen3_sliding", "gemma3",
+                              "gpt_neox", "olmoe", "olmo2", "granite", "bloom")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN},
     {"name": "reference_grown_qwen3", "family": "qwen3", "strategy": None, **GROWN},
     {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED},
@@ -161,6 +163,8 @@ FOUR_PROCESSES = [
      "reference": "reference_shared_qwen3", **SHARED},
     {"name": "pp2_tp2_sequence_parallel_gpt2", "family": "gpt2",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
+    {"name": "pp2_tp2_granite", "family": "granite",
+     "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
 ]
 LITGPT_MOE_TWO_PROCESSES = [
     # litgpt's MoE: a list of expert modules, each split by hidden unit (its router whole), a shared expert, a dense
@@ -207,6 +211,33 @@ SHARED_TWO_PROCESSES = [
     {"name": "pp2_qwen3_sliding", "family": "qwen3_sliding", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
 ]
 TWO_PROCESSES += SHARED_TWO_PROCESSES
+DISCOVERED_TWO_PROCESSES = [
+    # Families without a ready declaration, their parts found from Hugging Face's conventions (models/hf_parts.py).
+    # Gemma 3: an embedding scaled by a buffer its _init_weights recomputes, sliding-window layers, per-head norms.
+    {"name": "tp2_sequence_parallel_zero3_gemma3", "family": "gemma3",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3"}},
+    {"name": "pp2_gemma3", "family": "gemma3", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
+    # GPT-NeoX: its plan splits the input embedding by vocabulary ("embedding_rowwise").
+    {"name": "tp2_sequence_parallel_zero3_layered_gpt_neox", "family": "gpt_neox",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
+                  "micro_batches": 2}},
+    {"name": "ep2_zero3_olmoe", "family": "olmoe", "strategy": {"expert_parallel": 2, "sharding": "zero3"}},
+    # OLMo 2 / OLMoE: q/k norms over all heads, so their plans gather q, k and v whole and split o_proj's input.
+    {"name": "tp2_sequence_parallel_zero3_layered_olmo2", "family": "olmo2",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "sharding": "zero3", "accumulation": "layered",
+                  "micro_batches": 2}},
+    {"name": "tp2_sequence_parallel_olmoe", "family": "olmoe",
+     "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
+    {"name": "zero3_offload_layered_olmoe", "family": "olmoe",
+     "strategy": {"sharding": "zero3", "offload_fraction": 0.5, "accumulation": "layered", "micro_batches": 2}},
+    # Granite scales its logits after the head: the last stage computes them with the causal LM's own forward.
+    {"name": "zero2_layered_granite", "family": "granite",
+     "strategy": {"sharding": "zero2", "accumulation": "layered", "micro_batches": 2}},
+    {"name": "pp2_granite", "family": "granite", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
+    # Bloom: a norm between the embedding and the first block, on the first stage (later stages pass it through).
+    {"name": "pp2_bloom", "family": "bloom", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
+]
+TWO_PROCESSES += DISCOVERED_TWO_PROCESSES
 # Checkpoints resharded between layouts: saved at step 2 under one layout, resumed to step 4 under another, against
 # an uninterrupted run of 4 steps. Every step reads the same one batch (Lightning resumes a plain DataLoader from its
 # first batch, whatever step the checkpoint was saved at), at a constant learning rate (a schedule follows
@@ -228,7 +259,7 @@ RESHARD_TWO = [RESHARD | {"name": "tp2_qwen3_moe_resumes_one_process", "strategy
                           "save": "tp2.ckpt"}]
 RESHARD_FOUR = [RESHARD | {"name": "tp2_ep2_qwen3_moe_resumes_tp2",
                            "strategy": {"tensor_parallel": 2, "expert_parallel": 2}, "resume": "tp2.ckpt"}]
-MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_balanced"}
+MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_balanced", "olmoe"}
 """Families whose stacked experts pack gate and up in one tensor: tensor parallelism splits them by expert."""
 
 

@@ -44,6 +44,33 @@ CONFIGS = {
                       "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
                       "tie_word_embeddings": False, "use_sliding_window": True, "sliding_window": 4,
                       "max_window_layers": 2},
+    # Families without a ready declaration: their parts are found from Hugging Face's conventions
+    # (models/hf_parts.py). Gemma 3: an embedding scaled by a buffer, sliding-window layers, per-head norms.
+    "gemma3": {"model_type": "gemma3_text", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+               "sliding_window": 4, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    # GPT-NeoX (Pythia): its own names (gpt_neox.layers, embed_in), a packed query/key/value projection, attention
+    # and MLP in parallel off one residual, an untied head.
+    "gpt_neox": {"model_type": "gpt_neox", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                 "num_hidden_layers": 4, "num_attention_heads": 4, "rotary_pct": 0.5, "pad_token_id": 0,
+                 "bos_token_id": 1, "eos_token_id": 2},
+    # OLMoE: 4 experts, top-2, in every layer, per-layer query/key norms.
+    "olmoe": {"model_type": "olmoe", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 16,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,
+              "num_experts_per_tok": 2, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    # OLMo 2: norms after the attention and the MLP, and q/k norms over all heads at once (its tensor-parallel plan
+    # gathers q, k and v whole: "colwise_gather_output", then "rowwise_split_input").
+    "olmo2": {"model_type": "olmo2", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "pad_token_id": 0,
+              "bos_token_id": 1, "eos_token_id": 2},
+    # Bloom: ALiBi positions, a norm between the embedding and the first block (word_embeddings_layernorm), a tied
+    # head.
+    "bloom": {"model_type": "bloom", "vocab_size": VOCAB, "hidden_size": 32, "n_layer": 4, "n_head": 4,
+              "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    # Granite: its causal LM divides the logits by logits_scaling after the head, which stages would skip.
+    "granite": {"model_type": "granite", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "logits_scaling": 4.0,
+                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
 }
 
 

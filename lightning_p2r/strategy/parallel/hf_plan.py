@@ -25,10 +25,14 @@ from ..blocks import block_list_name, block_names, module_name
 
 HF_STYLES: dict[str, SplitKind] = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "output",
                                    "colwise_rep": "column", "rowwise_rep": "row",
-                                   "replicated_with_grad_allreduce": "heads"}
+                                   "replicated_with_grad_allreduce": "heads", "embedding_rowwise": "vocabulary",
+                                   "rowwise_split_input": "row_of_whole"}
 """HF's style names -> the package's split kinds (the "_rep" variants differ only in output layouts HF's own
 tensor parallel needs, which the package's styles already give; HF uses "replicated_with_grad_allreduce" for the
-per-head norms of Qwen3's attention, which the "heads" kind runs on the rank's heads)."""
+per-head norms of Qwen3's attention, which the "heads" kind runs on the rank's heads, "embedding_rowwise" for an
+input embedding split by vocabulary rows, GPT-NeoX's, and "colwise_gather_output" inside a block with
+"rowwise_split_input" after it for OLMo 2's attention, whose q/k norms span all heads: "gathered_column" and
+"row_of_whole")."""
 
 
 def hf_tp_plan(holder: nn.Module) -> dict[str, str] | None:
@@ -104,6 +108,8 @@ def plan_from_hf(holder: nn.Module, tensor_parallel: int, expert_parallel: int =
             if next(module.parameters(), None) is None:
                 continue  # a pipeline stage's stand-in for another rank's block
             kind = _kind(name, style, module, holder)
+            if kind == "output" and index is not None:  # inside a block: gathered for the block's next layers
+                kind = "gathered_column"
             if index is None:
                 outside[name] = kind
             else:
@@ -155,7 +161,7 @@ def with_sequence_parallel_entries(holder: nn.Module, plan: ParallelPlan) -> Par
     outside = dict(plan.outside)
     for entries, block in zip(per_block, holder.blocks):
         experts = [name for name, kind in entries.items() if kind == "expert"]  # whole sequence already
-        columns = [name for name, kind in entries.items() if kind in ("column", "packed_column")
+        columns = [name for name, kind in entries.items() if kind in ("column", "packed_column", "gathered_column")
                    and not any(name.startswith(outer + ".") for outer in experts)]
         if not columns:
             continue
@@ -210,9 +216,9 @@ def _kind(name: str, style: str, module: nn.Module, holder: nn.Module) -> SplitK
     kind = HF_STYLES.get(style)
     if kind is None:
         raise ValueError(f"tensor parallelism cannot split {type(holder).__name__}'s {name} ({type(module).__name__},"
-                         f" Hugging Face style {style!r}): the package splits 'colwise', 'rowwise' and "
-                         "'colwise_gather_output' layers; use expert_parallel=1 and tensor_parallel=1 for this model "
-                         "(sharding, offload, layered accumulation and pipelines work), or declare a ParallelPlan")
+                         f" Hugging Face style {style!r}): the package splits {sorted(HF_STYLES)}; use "
+                         "expert_parallel=1 and tensor_parallel=1 for this model (sharding, offload, layered "
+                         "accumulation and pipelines work), or declare a ParallelPlan")
     check_splittable(f"{type(holder).__name__}'s {name}", module, kind)
     return kind
 
@@ -227,7 +233,8 @@ def check_splittable(what: str, module: nn.Module, kind: SplitKind, transposed: 
             raise ValueError(f"tensor parallelism cannot split {what} as a transposed {kind!r} layer: it has no 2-D "
                              "weight")
         return
-    if kind in ("column", "row", "output", "packed_column") and not isinstance(module, nn.Linear):
+    if kind in ("column", "row", "output", "packed_column", "gathered_column", "row_of_whole") and not isinstance(
+            module, nn.Linear):
         raise ValueError(f"tensor parallelism cannot split {what} as {kind!r}: it is a {type(module).__name__}, not "
                          "an nn.Linear (a Conv1D stores its weight as in x out); leave it out of the plan")
     if kind == "vocabulary" and not isinstance(module, nn.Embedding):

@@ -227,6 +227,11 @@ def styles(entries: dict[str, SplitKind], *, sequence_parallel: bool = False,
         elif kind == "row":
             whole = any(name.startswith(outer + ".") for outer in in_expert_layer)
             made[name] = RowwiseParallel(output_layouts=Replicate() if whole else sequence)
+        elif kind == "gathered_column":
+            made[name] = ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        elif kind == "row_of_whole":
+            whole = any(name.startswith(outer + ".") for outer in in_expert_layer)
+            made[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate() if whole else sequence)
         elif kind == "vocabulary":
             # Each rank looks up the ids it holds (zeros for the others); the sum (reduce-scattered by position
             # under sequence parallelism, unless the plan cuts at the first block) is the embedding.
