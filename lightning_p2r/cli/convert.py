@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..models.module_init import init_rule
+from ..models.module_init import recompute_buffers
 from ..strategy.checkpoint import (
     check_checkpoint_path,
     is_sharded_checkpoint,
@@ -60,10 +60,11 @@ def hf_model_of(state: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> to
         raise ValueError(f"the checkpoint does not hold this model: missing {missing[:5]}, unexpected "
                          f"{result.unexpected_keys[:5]}")
     model.tie_weights()
-    for name, module in model.named_modules():  # computed buffers (rotary tables): the model's own rule, on the host
+    # Computed buffers (rotary tables, Gemma's embedding scale): the model's own rule, on the host, on a twin (the
+    # rule of a module holding weights too would redraw them, a trained Gemma embedding among them).
+    for name, module in model.named_modules():
         if any(buffer.device.type == "meta" for buffer in module.buffers(recurse=False)):
-            module.to_empty(device="cpu", recurse=False)
-            init_rule(model, name)(module)
+            recompute_buffers(model, name)
     return model.eval()
 
 

@@ -12,6 +12,7 @@ values, bit for bit, and so do replicas on different ranks.
 
 from __future__ import annotations
 
+import copy
 import zlib
 from collections.abc import Callable
 
@@ -111,3 +112,59 @@ def recomputes_buffers(root: nn.Module, name: str, hook: ModuleInit | None = Non
     if is_hf_pretrained(getattr(rule, "__self__", None) or module):
         return True
     return callable(getattr(module, "reset_parameters", None))
+
+
+def _unwritten_value(tensor: torch.Tensor) -> float | int | None:
+    if tensor.is_floating_point() or tensor.is_complex():
+        return float("nan")
+    return None if tensor.dtype == torch.bool else torch.iinfo(tensor.dtype).min
+
+
+@torch.no_grad()
+def mark_unwritten(buffers: dict[str, torch.Tensor]) -> None:
+    """Fill fresh buffers with a value no initialization writes (NaN; the integer type's minimum), so that
+    :func:`check_written` can tell whether the model's rule wrote them."""
+    for tensor in buffers.values():
+        value = _unwritten_value(tensor)
+        if value is not None:
+            tensor.fill_(value)
+
+
+def check_written(module: nn.Module, name: str, buffers: dict[str, torch.Tensor]) -> None:
+    """Refuse buffers the model's rule left as :func:`mark_unwritten` filled them: allocated on the meta device's
+    say-so, they would hold no value at all, silently."""
+    unwritten = []
+    for key, tensor in buffers.items():
+        value = _unwritten_value(tensor)
+        if tensor.numel() and value is not None and (
+                bool(torch.isnan(tensor).any()) if isinstance(value, float) else bool((tensor == value).all())):
+            unwritten.append(key)
+    if unwritten:
+        raise ValueError(
+            f"the model was built on the meta device and its buffers are recomputed by its own rule, but "
+            f"the rule of {type(module).__name__} ({name or 'the model'}) did not write {unwritten}. Compute them in "
+            "forward, give the LightningModule an init_module(module) method that writes them, or build the model "
+            "in the LightningModule's __init__ instead of configure_model (it is then built whole, eagerly)")
+
+
+def recompute_buffers(root: nn.Module, name: str, hook: ModuleInit | None = None) -> None:
+    """Give module ``name``'s buffers that are on the meta device their values by the model's rule, on the host,
+    leaving its parameters as they are: the rule runs on a twin whose parameters stay on the meta device (an
+    embedding's rule would redraw its weight: Gemma's scaled embedding owns a buffer too)."""
+    module = root.get_submodule(name)
+    rule = init_rule(root, name, hook)
+    if rule is None:
+        raise ValueError(f"nothing computes the buffers of {type(module).__name__} ({name or 'the model'}), which "
+                         "were built on the meta device")
+    memo: dict[int, object] = {id(child): None for child in module.children()}
+    memo |= {id(p): torch.empty_like(p, device="meta") for p in module.parameters(recurse=False)}
+    memo |= {id(b): torch.empty_like(b, device="cpu") for b in module.buffers(recurse=False)}
+    twin = copy.deepcopy(module, memo)
+    buffers = dict(twin.named_buffers(recurse=False))
+    mark_unwritten(buffers)
+    with torch.no_grad():
+        rule(twin)
+    check_written(module, name, buffers)
+    for key, buffer in buffers.items():
+        if module._buffers[key].device.type == "meta":
+            module._buffers[key] = buffer

@@ -12,7 +12,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from ..models.module_init import init_rule, initialize_module, is_module_default, recomputes_buffers
+from ..models.module_init import (
+    check_written,
+    init_rule,
+    initialize_module,
+    is_module_default,
+    mark_unwritten,
+    recomputes_buffers,
+)
 from ..protocols import InitializesByName, InitializesModules
 from .blocks import module_name
 from .regather import meta_template
@@ -38,39 +45,6 @@ def check_no_meta_buffers(module: nn.Module) -> None:
             f"the buffers {names} were computed while it was built and cannot be recomputed there. Compute them "
             "in forward (as the package's own models compute their rotary tables), or build the model in the "
             "LightningModule's __init__ instead of configure_model (it is then built whole, eagerly)")
-
-
-def _unwritten_value(tensor: torch.Tensor) -> float | int | None:
-    if tensor.is_floating_point() or tensor.is_complex():
-        return float("nan")
-    return None if tensor.dtype == torch.bool else torch.iinfo(tensor.dtype).min
-
-
-@torch.no_grad()
-def mark_unwritten(buffers: dict[str, torch.Tensor]) -> None:
-    """Fill fresh buffers with a value no initialization writes (NaN; the integer type's minimum), so that
-    :func:`check_written` can tell whether the model's rule wrote them."""
-    for tensor in buffers.values():
-        value = _unwritten_value(tensor)
-        if value is not None:
-            tensor.fill_(value)
-
-
-def check_written(module: nn.Module, name: str, buffers: dict[str, torch.Tensor]) -> None:
-    """Refuse buffers the model's rule left as :func:`mark_unwritten` filled them: allocated on the meta device's
-    say-so, they would hold no value at all, silently."""
-    unwritten = []
-    for key, tensor in buffers.items():
-        value = _unwritten_value(tensor)
-        if tensor.numel() and value is not None and (
-                bool(torch.isnan(tensor).any()) if isinstance(value, float) else bool((tensor == value).all())):
-            unwritten.append(key)
-    if unwritten:
-        raise ValueError(
-            f"P2RStrategy builds the model on the meta device and recomputes its buffers by the model's own rule, but "
-            f"the rule of {type(module).__name__} ({name or 'the model'}) did not write {unwritten}. Compute them in "
-            "forward, give the LightningModule an init_module(module) method that writes them, or build the model "
-            "in the LightningModule's __init__ instead of configure_model (it is then built whole, eagerly)")
 
 
 def allocate(module: nn.Module, device: torch.device | str, *, skip: Iterable[nn.Module] = ()) -> list[nn.Parameter]:

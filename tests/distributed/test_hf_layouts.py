@@ -35,7 +35,7 @@ SHARED = {"module": {"num_unique_blocks": 2}, "delink_at": 2}
 ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": None}
                for family in ("qwen3_moe", "llama_tied", "llama", "gpt2", "mixtral", "litgpt", "qwen3", "qwen2_moe",
                               "mistral", "litgpt_gqa", "nanogpt", "litgpt_moe", "qwen3_sliding", "gemma3",
-                              "gpt_neox", "olmoe", "olmo2", "granite", "bloom")] + [
+                              "gpt_neox", "olmoe", "olmo2", "deepseek_v3", "granite", "bloom")] + [
     {"name": "reference_grown_qwen3_moe", "family": "qwen3_moe", "strategy": None, **GROWN},
     {"name": "reference_grown_qwen3", "family": "qwen3", "strategy": None, **GROWN},
     {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED},
@@ -163,6 +163,7 @@ FOUR_PROCESSES = [
      "reference": "reference_shared_qwen3", **SHARED},
     {"name": "pp2_tp2_sequence_parallel_gpt2", "family": "gpt2",
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True, "pipeline_parallel": 2, "micro_batches": 2}},
+    {"name": "tp2_ep2_deepseek_v3", "family": "deepseek_v3", "strategy": {"tensor_parallel": 2, "expert_parallel": 2}},
     {"name": "pp2_tp2_granite", "family": "granite",
      "strategy": {"tensor_parallel": 2, "pipeline_parallel": 2, "micro_batches": 2}},
 ]
@@ -230,6 +231,7 @@ DISCOVERED_TWO_PROCESSES = [
      "strategy": {"tensor_parallel": 2, "sequence_parallel": True}},
     {"name": "zero3_offload_layered_olmoe", "family": "olmoe",
      "strategy": {"sharding": "zero3", "offload_fraction": 0.5, "accumulation": "layered", "micro_batches": 2}},
+    {"name": "ep2_zero3_deepseek_v3", "family": "deepseek_v3", "strategy": {"expert_parallel": 2, "sharding": "zero3"}},
     # Granite scales its logits after the head: the last stage computes them with the causal LM's own forward.
     {"name": "zero2_layered_granite", "family": "granite",
      "strategy": {"sharding": "zero2", "accumulation": "layered", "micro_batches": 2}},
@@ -259,7 +261,7 @@ RESHARD_TWO = [RESHARD | {"name": "tp2_qwen3_moe_resumes_one_process", "strategy
                           "save": "tp2.ckpt"}]
 RESHARD_FOUR = [RESHARD | {"name": "tp2_ep2_qwen3_moe_resumes_tp2",
                            "strategy": {"tensor_parallel": 2, "expert_parallel": 2}, "resume": "tp2.ckpt"}]
-MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_balanced", "olmoe"}
+MOE_FAMILIES = {"qwen3_moe", "mixtral", "qwen2_moe", "qwen3_moe_balanced", "olmoe", "deepseek_v3"}
 """Families whose stacked experts pack gate and up in one tensor: tensor parallelism splits them by expert."""
 
 

@@ -67,6 +67,14 @@ CONFIGS = {
     # head.
     "bloom": {"model_type": "bloom", "vocab_size": VOCAB, "hidden_size": 32, "n_layer": 4, "n_head": 4,
               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+    # DeepSeek-V3: multi-head latent attention (low-rank q and kv), a dense first layer, then 4 routed experts (top-2,
+    # grouped routing) beside a shared expert; its plan splits only the MLPs and experts.
+    "deepseek_v3": {"model_type": "deepseek_v3", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+                    "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "q_lora_rank": 16, "kv_lora_rank": 16,
+                    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 8, "pad_token_id": 0,
+                    "bos_token_id": 1, "eos_token_id": 2},
     # Granite: its causal LM divides the logits by logits_scaling after the head, which stages would skip.
     "granite": {"model_type": "granite", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "logits_scaling": 4.0,

@@ -275,7 +275,8 @@ def test_a_hand_written_plan_naming_a_conv1d_is_refused_by_name() -> None:
         model_plan(model, tensor_parallel=2)
 
 
-@pytest.mark.parametrize(("family", "strategy"), [("llama_tied", "zero3"), ("qwen3_moe", "single_file")])
+@pytest.mark.parametrize(("family", "strategy"), [("llama_tied", "zero3"), ("qwen3_moe", "single_file"),
+                                                ("gemma3", "zero3")])
 def test_convert_to_hf_round_trips_to_identical_logits(tmp_path: Path, family: str, strategy: str) -> None:
     from lightning_p2r.cli.convert import main as convert
 

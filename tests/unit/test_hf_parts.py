@@ -18,7 +18,7 @@ from lightning_p2r.models.decoders import (  # noqa: E402
     discovered_parts,
     logits_function,
 )
-from lightning_p2r.strategy.materialize import check_written, mark_unwritten  # noqa: E402
+from lightning_p2r.models.module_init import check_written, mark_unwritten  # noqa: E402
 
 
 def _model(family: str, **overrides) -> nn.Module:
