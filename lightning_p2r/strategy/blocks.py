@@ -83,14 +83,17 @@ class DeclaredBlocks:
 
 
 def block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
-    """Every ``nn.ModuleList`` of at least two modules of one class (each once, under its first name): the candidates
-    for a model's block list."""
+    """Every ``nn.ModuleList`` of at least two modules of one class, or of classes a Hugging Face model inside names
+    in its ``_no_split_modules`` (Jamba alternates Mamba and attention layers), each once, under its first name: the
+    candidates for a model's block list."""
+    unsplit = {name for child in module.modules() for name in (getattr(child, "_no_split_modules", None) or ())}
     seen: set[int] = set()
     found = []
     for name, child in module.named_modules():
         if isinstance(child, nn.ModuleList) and len(child) > 1 and id(child) not in seen:
             seen.add(id(child))
-            if len({type(block) for block in child}) == 1:
+            if len({type(block) for block in child}) == 1 or all(
+                    unsplit.intersection(cls.__name__ for cls in type(block).__mro__) for block in child):
                 found.append((name, child))
     return found
 

@@ -133,3 +133,17 @@ def test_olmo2s_plan_gathers_q_k_v_whole_and_splits_the_output_projections_input
         "mlp.down_proj": "row"}
     # under sequence parallelism the attention gathers the sequence, as the MLP does
     assert entries["self_attn"] == "gather" and entries["mlp"] == "gather"
+
+
+def test_a_list_of_the_layer_classes_hugging_face_never_splits_is_detected_though_they_differ() -> None:
+    """Jamba alternates Mamba and attention layers: no list of one class is long enough to be its blocks, but both
+    classes are in its _no_split_modules (a user's own LightningModule relies on this detection)."""
+    from lightning_p2r.strategy.blocks import detect_block_list
+
+    config = AutoConfig.for_model("jamba", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, attn_layer_period=2,
+                                  attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1, num_experts=4,
+                                  pad_token_id=0)
+    wrapper = nn.ModuleDict({"model": AutoModelForCausalLM.from_config(config)})
+    assert len({type(layer) for layer in wrapper["model"].model.layers}) == 2
+    assert detect_block_list(wrapper)[0] == "model.model.layers"
