@@ -144,7 +144,7 @@ class CausalLMModule(L.LightningModule):
                                    "pseudo_depth": pseudo_depth, "growth_init": growth_init})
         self.model = model
         self._positional: bool | None = None
-        self._parts_found: tuple[nn.Module, DecoderParts] | None = None
+        self._parts_found: DecoderParts | None = None
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -203,10 +203,11 @@ class CausalLMModule(L.LightningModule):
         return "model"
 
     def _declared(self) -> DecoderParts:
-        # Found once, on the model as built: placement later wraps its modules (FSDP2's classes, offload's streams).
-        if self._parts_found is None or self._parts_found[0] is not self.model:
-            self._parts_found = (self.model, decoder_parts(self.model, self.parts))
-        return self._parts_found[1]
+        # Found once, on the model as built: placement later wraps its modules (FSDP2's classes, offload's streams)
+        # or stands in for another pipeline rank's, and delinking may rebuild it; the names stay.
+        if self._parts_found is None:
+            self._parts_found = decoder_parts(self.model, self.parts)
+        return self._parts_found
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of ``input_ids`` (batch, seq)."""

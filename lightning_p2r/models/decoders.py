@@ -27,7 +27,13 @@ from torch import nn
 
 from ..protocols import LayeredStages, PipelineParts
 from .hf_parts import find_parts
-from .router_loss import RoutingRecords, finish_micro_batch, router_loss_of, run_recording_routers
+from .router_loss import (
+    RoutingRecords,
+    adds_balance_loss,
+    finish_micro_batch,
+    router_loss_of,
+    run_recording_routers,
+)
 
 
 @dataclass(frozen=True)
@@ -57,8 +63,8 @@ class DecoderParts:
     after its head, such as Gemma 2's logit soft-capping or Granite's logit scaling, runs too)."""
     unstageable: str = ""
     """Why layered accumulation and pipelines cannot run this decoder as stages ("" when they can): set when the
-    parts were found from Hugging Face's conventions (:func:`discovered_parts`) and the base runs a module after its
-    final norm, which no stage would run."""
+    parts were found from Hugging Face's conventions (:func:`discovered_parts`) and the base runs a module besides
+    its embeddings, blocks and norms (OPT's ``project_in`` and ``project_out``), which no stage would run."""
 
 
 _LLAMA_LIKE = DecoderParts(blocks="model.layers", embed=("model.embed_tokens",), norm="model.norm", head="lm_head",
@@ -273,7 +279,7 @@ def check_pipeline_supported(model: nn.Module) -> None:
     """Refuse what pipeline stages cannot reproduce: a Hugging Face MoE whose load-balancing loss pools all layers'
     routing (``output_router_logits``): a stage runs a micro-batch's backward before it could know the later
     stages' routing, which that loss's gradient needs (``models.router_loss``)."""
-    if getattr(getattr(model, "config", None), "output_router_logits", False):
+    if adds_balance_loss(model):
         raise ValueError(f"{type(model).__name__} adds a load-balancing loss pooled over all its layers "
                          "(config.output_router_logits=True), which pipeline stages cannot reproduce: set "
                          "output_router_logits=False for pipeline parallelism (layered accumulation and the other "

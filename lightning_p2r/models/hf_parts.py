@@ -49,9 +49,13 @@ def block_list_name(model: nn.Module) -> str | None:
     classes = set(getattr(model, "_no_split_modules", None) or ())
     if not classes:
         return None
+    def unsplit(entry: nn.Module) -> bool:
+        return bool(classes.intersection(cls.__name__ for cls in type(entry).__mro__))
+
+    # Parameterless entries are another pipeline rank's blocks standing in.
     found = [name for name, module in model.named_modules()
-             if isinstance(module, nn.ModuleList) and len(module)
-             and all(classes.intersection(cls.__name__ for cls in type(entry).__mro__) for entry in module)]
+             if isinstance(module, nn.ModuleList) and any(unsplit(entry) for entry in module)
+             and all(unsplit(entry) or not _holds_parameters(entry) for entry in module)]
     return found[0] if len(found) == 1 else None
 
 

@@ -20,6 +20,7 @@ known there: they refuse this loss.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,12 +53,23 @@ def aux_loss_coefficient(model: nn.Module) -> float:
     return float(value)
 
 
+def adds_balance_loss(model: nn.Module) -> bool:
+    """Whether ``model`` adds a load-balancing loss to its training loss: its config sets ``output_router_logits``
+    and its forward computes one (Mixtral's and its followers' keep it in a local ``aux_loss``, from
+    ``load_balancing_loss_func``). DeepSeek-V3 returns its router logits but adds no loss (it balances by a routing
+    bias)."""
+    if not getattr(getattr(model, "config", None), "output_router_logits", False):
+        return False
+    forward = inspect.unwrap(type(model).forward)
+    code = getattr(forward, "__code__", None)
+    return code is None or "aux_loss" in code.co_varnames or "load_balancing_loss_func" in code.co_names
+
+
 def router_loss_of(model: nn.Module) -> RouterLoss | None:
     """The load-balancing loss ``model`` adds to its training loss: None unless its config sets
     ``output_router_logits=True``. A model that sets it but does not say where its router logits come from (its
     ``_can_record_outputs``) or what the loss's constants are is refused, naming what is missing."""
-    config = getattr(model, "config", None)
-    if not getattr(config, "output_router_logits", False):
+    if not adds_balance_loss(model):
         return None
     recorder = getattr(model, "_can_record_outputs", None) or {}
     recorder = recorder.get("router_logits")

@@ -41,6 +41,8 @@ ONE_PROCESS = [{"name": f"reference_{family}", "family": family, "strategy": Non
     {"name": "reference_shared_litgpt_gqa", "family": "litgpt_gqa", "strategy": None, **SHARED},
     {"name": "reference_shared_llama", "family": "llama", "strategy": None, **SHARED},
     {"name": "reference_shared_qwen3", "family": "qwen3", "strategy": None, **SHARED},
+    {"name": "reference_shared_granite", "family": "granite", "strategy": None, **SHARED},
+    {"name": "reference_grown_gemma3", "family": "gemma3", "strategy": None, **GROWN},
     # The load-balancing loss is computed over the rows of one forward: layouts whose ranks see the same rows (tensor
     # parallelism) compare with one forward over the global batch, layouts whose data ranks or micro-batches each
     # see their own rows with a plain Trainer accumulating those same rows.
@@ -238,6 +240,13 @@ DISCOVERED_TWO_PROCESSES = [
     {"name": "pp2_granite", "family": "granite", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
     # Bloom: a norm between the embedding and the first block, on the first stage (later stages pass it through).
     {"name": "pp2_bloom", "family": "bloom", "strategy": {"pipeline_parallel": 2, "micro_batches": 2}},
+    # Pseudo-to-Real: a shared Granite delinked in a pipeline (re-placing it found no parts on a rank whose layer list
+    # held the other rank's stand-ins), and a shallow Gemma 3 grown with its residual outputs (read from its plan)
+    # zeroed.
+    {"name": "pp2_shared_granite", "family": "granite", "strategy": {"pipeline_parallel": 2, "micro_batches": 2},
+     "reference": "reference_shared_granite", **SHARED},
+    {"name": "zero3_grown_gemma3", "family": "gemma3", "strategy": {"sharding": "zero3"},
+     "reference": "reference_grown_gemma3", **GROWN},
 ]
 TWO_PROCESSES += DISCOVERED_TWO_PROCESSES
 # Checkpoints resharded between layouts: saved at step 2 under one layout, resumed to step 4 under another, against

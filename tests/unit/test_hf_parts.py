@@ -57,6 +57,13 @@ def test_blocks_are_found_after_fsdp_swapped_their_class() -> None:
     assert discovered_parts(model).blocks == "model.layers"
 
 
+def test_blocks_are_found_on_a_pipeline_rank_holding_stand_ins_for_the_others() -> None:
+    model = _model("gemma3")
+    model.model.layers[2] = nn.Module()  # parameterless, as strategy/pipeline/stage.py's AbsentModule
+    model.model.layers[3] = nn.Module()
+    assert discovered_parts(model).blocks == "model.layers"
+
+
 def test_a_model_whose_conventions_do_not_show_its_blocks_is_refused_by_name() -> None:
     model = _model("gemma3")
     model._no_split_modules = []
@@ -147,3 +154,18 @@ def test_a_list_of_the_layer_classes_hugging_face_never_splits_is_detected_thoug
     wrapper = nn.ModuleDict({"model": AutoModelForCausalLM.from_config(config)})
     assert len({type(layer) for layer in wrapper["model"].model.layers}) == 2
     assert detect_block_list(wrapper)[0] == "model.model.layers"
+
+
+def test_a_model_that_returns_router_logits_but_adds_no_balance_loss_is_not_given_one() -> None:
+    """DeepSeek-V3 accepts output_router_logits=True but balances by a routing bias: its forward adds no loss, so
+    neither do layered stages, and pipelines (which refuse a pooled balance loss) take it; Qwen3-MoE adds one."""
+    from lightning_p2r.models.decoders import check_pipeline_supported
+    from lightning_p2r.models.router_loss import adds_balance_loss, router_loss_of
+
+    deepseek = _model("deepseek_v3", output_router_logits=True)
+    assert not adds_balance_loss(deepseek) and router_loss_of(deepseek) is None
+    check_pipeline_supported(deepseek)
+    qwen = _model("qwen3_moe_balanced")
+    assert adds_balance_loss(qwen) and router_loss_of(qwen) is not None
+    with pytest.raises(ValueError, match="load-balancing loss pooled over all its layers"):
+        check_pipeline_supported(qwen)
