@@ -44,15 +44,16 @@ def _is_embedding(module: nn.Module) -> bool:
 
 
 def block_list_name(model: nn.Module) -> str | None:
-    """The dotted name of the one module list whose entries are all of the model's ``_no_split_modules`` classes."""
-    # The MRO, not the class: FSDP2 swaps a sharded module's class for a subclass (FSDPGemmaDecoderLayer).
+    """The dotted name of the one module list whose entries are all of the model's ``_no_split_modules`` classes
+    (parameterless entries aside: another pipeline rank's blocks standing in)."""
     classes = set(getattr(model, "_no_split_modules", None) or ())
     if not classes:
         return None
+
     def unsplit(entry: nn.Module) -> bool:
+        # The MRO, not the class: FSDP2 swaps a sharded module's class for a subclass (FSDPGemmaDecoderLayer).
         return bool(classes.intersection(cls.__name__ for cls in type(entry).__mro__))
 
-    # Parameterless entries are another pipeline rank's blocks standing in.
     found = [name for name, module in model.named_modules()
              if isinstance(module, nn.ModuleList) and any(unsplit(entry) for entry in module)
              and all(unsplit(entry) or not _holds_parameters(entry) for entry in module)]
