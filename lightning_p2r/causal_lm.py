@@ -85,8 +85,9 @@ class CausalLMModule(L.LightningModule):
         model: A model given whole instead (built by the caller; its weights are kept as they are).
         optimizer: AdamW and its schedule (``OptimizerConfig``).
         init_seed: Seed of the initial values when built from a config (the same in every layout).
-        parts: Where the model keeps its parts, for layered accumulation; None uses the family's ready declaration
-            (``models.decoders.KNOWN_DECODERS``).
+        parts: Where the model keeps its parts, for layered accumulation and pipelines; None uses the family's
+            ready declaration (``models.decoders.KNOWN_DECODERS``), else, for any other Hugging Face decoder, the
+            parts its conventions show (``models.hf_parts``).
         vocab_size: Overrides the config's vocabulary size (``lightning-p2r fit`` links the data's here).
         num_unique_blocks: Train a Pseudo-to-Real "pseudo" model (M6-10T): the decoder's layers share this many
             blocks (``sharing.share_layers``), and ``PseudoToReal`` delinks them into the real model mid-run. None:
