@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from . import register_strategies
@@ -208,6 +209,13 @@ class CausalLMModule(L.LightningModule):
         # or stands in for another pipeline rank's, and delinking may rebuild it; the names stay.
         if self._parts_found is None:
             self._parts_found = decoder_parts(self.model, self.parts)
+            if self.parts is None and family_of(self.model) is None:  # found, not declared: say what was found
+                found = self._parts_found
+                rank_zero_info(f"CausalLMModule: {type(self.model).__name__}'s parts found from Hugging Face's "
+                               f"conventions: blocks {found.blocks}, embedding {list(found.embed)}, final norm "
+                               f"{found.norm}, head {found.head}" + (f"; layered accumulation and pipelines "
+                                                                     f"refuse it: {found.unstageable}"
+                                                                     if found.unstageable else ""))
         return self._parts_found
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -169,3 +169,16 @@ def test_a_model_that_returns_router_logits_but_adds_no_balance_loss_is_not_give
     assert adds_balance_loss(qwen) and router_loss_of(qwen) is not None
     with pytest.raises(ValueError, match="load-balancing loss pooled over all its layers"):
         check_pipeline_supported(qwen)
+
+
+def test_the_module_says_which_parts_it_found(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    from lightning_p2r.causal_lm import CausalLMModule
+
+    module = CausalLMModule(hf_config=CONFIGS["gpt_neox"])
+    module.configure_model()
+    with caplog.at_level(logging.INFO):
+        module.block_list()
+    assert "GPTNeoXForCausalLM's parts found from Hugging Face's conventions: blocks gpt_neox.layers, embedding " \
+           "['gpt_neox.embed_in'], final norm gpt_neox.final_layer_norm, head lm_head" in caplog.text
