@@ -15,8 +15,8 @@ first block), each block, then the logits. Where the parts were found here, the 
 forward with its base standing in (``DecoderParts.logits_from="forward"``), so whatever it does after its head
 (Gemma 2's soft-capping, Cohere's and Granite's logit scales) runs as in any other layout. A module the base runs
 besides its embeddings, blocks and norms (OPT's ``project_in`` and ``project_out``) has no known stage: such a model
-is ``unstageable``, and those two layouts
-refuse it in one line; every other layout runs the model's own forward and needs none of this.
+is ``unstageable``, and those two layouts refuse it in one line; every other layout runs the model's own forward and
+needs none of this.
 
 Nothing here imports torch's distributed parts or the package's decoders module (which builds the declaration).
 """
@@ -43,20 +43,21 @@ def _is_embedding(module: nn.Module) -> bool:
     return isinstance(module, nn.Embedding) or "embedding" in type(module).__name__.lower()
 
 
+def of_classes(module: nn.Module, names: set[str]) -> bool:
+    """Whether ``module``'s class, or a class it derives from, is named in ``names``: the MRO, since FSDP2 swaps a
+    sharded module's class for a subclass (FSDPGemmaDecoderLayer)."""
+    return bool(names.intersection(cls.__name__ for cls in type(module).__mro__))
+
+
 def block_list_name(model: nn.Module) -> str | None:
     """The dotted name of the one module list whose entries are all of the model's ``_no_split_modules`` classes
     (parameterless entries aside: another pipeline rank's blocks standing in)."""
     classes = set(getattr(model, "_no_split_modules", None) or ())
     if not classes:
         return None
-
-    def unsplit(entry: nn.Module) -> bool:
-        # The MRO, not the class: FSDP2 swaps a sharded module's class for a subclass (FSDPGemmaDecoderLayer).
-        return bool(classes.intersection(cls.__name__ for cls in type(entry).__mro__))
-
     found = [name for name, module in model.named_modules()
-             if isinstance(module, nn.ModuleList) and any(unsplit(entry) for entry in module)
-             and all(unsplit(entry) or not _holds_parameters(entry) for entry in module)]
+             if isinstance(module, nn.ModuleList) and any(of_classes(entry, classes) for entry in module)
+             and all(of_classes(entry, classes) or not _holds_parameters(entry) for entry in module)]
     return found[0] if len(found) == 1 else None
 
 

@@ -147,24 +147,32 @@ def check_written(module: nn.Module, name: str, buffers: dict[str, torch.Tensor]
             "in the LightningModule's __init__ instead of configure_model (it is then built whole, eagerly)")
 
 
+def buffers_by_rule(rule: ModuleInit, module: nn.Module, seed: int, name: str) -> dict[str, torch.Tensor]:
+    """``module``'s own buffers as ``rule`` computes them (seeded by ``seed`` and ``name``), on the host, checked
+    written (:func:`check_written`). The rule runs on a twin that leaves out every module the original refers to (its
+    children, an alias such as a declared ``blocks``: FSDP2's units refuse a copy) and keeps the original's
+    parameters on the meta device (an embedding's rule would redraw its weight: Gemma's scaled embedding owns a
+    buffer too)."""
+    referred = [*module.children(), *(value for value in vars(module).values() if isinstance(value, nn.Module))]
+    memo: dict[int, object] = {id(other): None for other in referred}
+    memo |= {id(p): torch.empty_like(p, device="meta") for p in module.parameters(recurse=False)}
+    memo |= {id(b): torch.empty_like(b, device="cpu") for b in module.buffers(recurse=False)}
+    twin = copy.deepcopy(module, memo)
+    mark_unwritten(dict(twin.named_buffers(recurse=False)))
+    initialize_module(rule, twin, seed, name)
+    buffers = dict(twin.named_buffers(recurse=False))  # after the rule: litgpt's rebinds cos and sin to new tensors
+    check_written(module, name, buffers)
+    return buffers
+
+
 def recompute_buffers(root: nn.Module, name: str, hook: ModuleInit | None = None) -> None:
     """Give module ``name``'s buffers that are on the meta device their values by the model's rule, on the host,
-    leaving its parameters as they are: the rule runs on a twin whose parameters stay on the meta device (an
-    embedding's rule would redraw its weight: Gemma's scaled embedding owns a buffer too)."""
+    leaving its parameters as they are (:func:`buffers_by_rule`)."""
     module = root.get_submodule(name)
     rule = init_rule(root, name, hook)
     if rule is None:
         raise ValueError(f"nothing computes the buffers of {type(module).__name__} ({name or 'the model'}), which "
                          "were built on the meta device")
-    memo: dict[int, object] = {id(child): None for child in module.children()}
-    memo |= {id(p): torch.empty_like(p, device="meta") for p in module.parameters(recurse=False)}
-    memo |= {id(b): torch.empty_like(b, device="cpu") for b in module.buffers(recurse=False)}
-    twin = copy.deepcopy(module, memo)
-    buffers = dict(twin.named_buffers(recurse=False))
-    mark_unwritten(buffers)
-    with torch.no_grad():
-        rule(twin)
-    check_written(module, name, buffers)
-    for key, buffer in buffers.items():
+    for key, buffer in buffers_by_rule(rule, module, 0, name).items():
         if module._buffers[key].device.type == "meta":
             module._buffers[key] = buffer

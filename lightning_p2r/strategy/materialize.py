@@ -5,7 +5,6 @@ its seed and the name, so independent of the placement), else the modules' ``res
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable
 
 import torch
@@ -13,6 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from ..models.module_init import (
+    buffers_by_rule,
     check_written,
     init_rule,
     initialize_module,
@@ -195,23 +195,16 @@ class Initializer:
             self._buffers_from_twin(name)
 
     def _buffers_from_twin(self, name: str) -> None:
-        """A module above the root: its rule runs on a twin holding the module's own buffers only, seeded by its
-        name from the LightningModule. The twin leaves out every module the original refers to (its children, an
-        alias such as the declared ``blocks``): nothing placed below it is copied (FSDP2's units refuse a copy)."""
+        """A module above the root: its rule runs on a twin holding the module's own buffers only
+        (:func:`buffers_by_rule`), seeded by its name from the LightningModule."""
         module = self._module.get_submodule(name)
         rule = init_rule(self._module, name, self.hook)
         if rule is None:
             return  # buffers no rule computes: check_no_meta_buffers refused them before placement
-        referred = [*module.children(), *(value for value in vars(module).values() if isinstance(value, nn.Module))]
-        memo: dict[int, object] = {id(other): None for other in referred}
-        memo |= {id(b): torch.empty_like(b, device="cpu") for b in module.buffers(recurse=False)}
-        twin = copy.deepcopy(module, memo)
-        mark_unwritten(dict(twin.named_buffers(recurse=False)))
-        initialize_module(rule, twin, self.seed, name)
-        check_written(module, name, dict(twin.named_buffers(recurse=False)))
         with torch.no_grad():
-            for key, tensor in module.named_buffers(recurse=False):
-                tensor.copy_(getattr(twin, key).to(tensor.dtype))
+            for key, value in buffers_by_rule(rule, module, self.seed, name).items():
+                tensor = module._buffers[key]
+                tensor.copy_(value.to(tensor.dtype))
 
     def _from_twin(self, name: str, params: list[tuple[str, torch.Tensor]],
                    buffers: list[tuple[str, torch.Tensor]]) -> None:
