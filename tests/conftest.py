@@ -1,4 +1,5 @@
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if here in Path(item.path).parents:
             item.add_marker(pytest.mark.distributed)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """A selection that launches processes (the ``slow`` and ``distributed`` tests) gets warm interpreters: each
+    Python process the tests start (workers, Lightning's other ranks, ``python -m lightning_p2r.cli``) is forked
+    from a server that has imported torch, Lightning and the package already, instead of spending 5-12 s importing
+    them (``tests/warm_python/``). ``P2R_FRESH_PROCESSES=1`` runs every process fresh instead."""
+    if os.environ.get("P2R_FRESH_PROCESSES") == "1" or not sys.platform.startswith("linux") or not any(
+            item.get_closest_marker("distributed") or item.get_closest_marker("slow") for item in session.items):
+        return
+    import tempfile
+
+    from warm_python import WarmPython
+
+    warm = WarmPython(Path(tempfile.mkdtemp(prefix="p2r-warm-")))
+    real_python, sys.executable = sys.executable, str(warm.executable)
+    warm.wait_listening()
+
+    def stop() -> None:
+        sys.executable = real_python
+        warm.stop()
+
+    session.config.add_cleanup(stop)
 
 
 @pytest.hookimpl(optionalhook=True)

@@ -1,10 +1,11 @@
-"""Running a recipe through the console script, as a user does, and reading what it printed."""
+"""Running a recipe through the command line, as a user does, and reading what it printed. The command runs as
+``python -m lightning_p2r.cli`` (what the ``lightning-p2r`` console script calls), so that under the suite's warm
+interpreters it starts without importing; test_cli.py runs the console script itself."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,12 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 _WARNING_LINE = re.compile(r"^\S+\.py:\d+: |Warning: |^wandb: WARNING|Tip: ", re.MULTILINE)
 
 
-def console_script() -> str:
-    script = shutil.which("lightning-p2r", path=str(Path(sys.executable).parent)) or shutil.which("lightning-p2r")
-    assert script, "the lightning-p2r console script is not installed (pip install -e .)"
-    return script
-
-
 def clean_env(tmp_path: Path) -> dict[str, str]:
     env = os.environ | {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
                         "PYTHONUNBUFFERED": "1"}
@@ -33,8 +28,8 @@ def clean_env(tmp_path: Path) -> dict[str, str]:
 
 
 def run_command(args: list[str], tmp_path: Path, timeout: int = 360) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([console_script(), *args], cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
-                          env=clean_env(tmp_path))
+    return subprocess.run([sys.executable, "-m", "lightning_p2r.cli", *args], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=timeout, env=clean_env(tmp_path))
 
 
 def unexpected_warnings(output: str) -> list[str]:

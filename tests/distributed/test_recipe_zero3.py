@@ -1,10 +1,9 @@
-"""recipes/zero3_pseudo_to_real.yaml end to end through the console script on 2 CPU processes: LightningCLI,
+"""recipes/zero3_pseudo_to_real.yaml end to end through `python -m lightning_p2r.cli` on 2 CPU processes: LightningCLI,
 Lightning's launcher, ZeRO-3 with offload and layered accumulation, a delink mid-run, a sharded checkpoint and an
 offline W&B run."""
 
 import csv
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,15 +17,14 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_zero3_pseudo_to_real_recipe_runs_on_two_processes(tmp_path: Path) -> None:
-    script = shutil.which("lightning-p2r", path=str(Path(sys.executable).parent)) or shutil.which("lightning-p2r")
-    assert script, "the lightning-p2r console script is not installed (pip install -e .)"
     env = os.environ | {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
                         "PYTHONUNBUFFERED": "1"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
         env.pop(key, None)
     result = subprocess.run(
-        [script, "fit", "--config", str(ROOT / "recipes" / "zero3_pseudo_to_real.yaml"), "--trainer.max_steps=8",
-         "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+        [sys.executable, "-m", "lightning_p2r.cli", "fit", "--config",
+         str(ROOT / "recipes" / "zero3_pseudo_to_real.yaml"), "--trainer.max_steps=8", "--trainer.val_check_interval=4",
+         "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
          "--trainer.log_every_n_steps=1", "--trainer.accelerator=cpu", "--data.tokenizer=bytes",
          "--data.vocab_size=256", "--model.optimizer.warmup_steps=1"],
         cwd=tmp_path, capture_output=True, text=True, timeout=360, env=env,

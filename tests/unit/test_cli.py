@@ -3,7 +3,7 @@
 import os
 import shutil
 import subprocess
-import sys
+import sysconfig
 from pathlib import Path
 from unittest import mock
 
@@ -108,7 +108,7 @@ def test_bad_corpus_fails_before_the_first_step(content: bytes, message: str, tm
 def test_quickstart_fit_writes_checkpoint_and_offline_wandb_run(tmp_path: Path) -> None:
     # The console script the README runs: it passes main()'s return value to sys.exit, so this also checks the
     # exit status of a successful run is 0.
-    script = shutil.which("lightning-p2r", path=str(Path(sys.executable).parent)) or shutil.which("lightning-p2r")
+    script = shutil.which("lightning-p2r", path=sysconfig.get_path("scripts")) or shutil.which("lightning-p2r")
     assert script, "the lightning-p2r console script is not installed (pip install -e .)"
     result = subprocess.run(
         [script, "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
