@@ -64,18 +64,67 @@ def is_hf_pretrained(module: nn.Module) -> bool:
                for cls in type(module).__mro__)
 
 
+def meta_template(module: nn.Module) -> nn.Module:
+    """A copy of ``module``'s structure on the meta device (no memory), parameters and buffers included."""
+    memo: dict[int, object] = {id(buffer): torch.empty_like(buffer, device="meta") for buffer in module.buffers()}
+    for param in module.parameters():
+        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    return copy.deepcopy(module, memo)
+
+
+def rule_ancestors(tree: nn.Module, name: str, rule: ModuleInit | None) -> list[nn.Module]:
+    """The modules of ``tree`` above module ``name`` that Hugging Face's rule also runs on, deepest first, up to the
+    ``PreTrainedModel`` whose ``_init_weights`` it is. Transformers initializes a model by applying ``_init_weights``
+    to every module, children before parents, and a parent's branch may write a child's tensors (Qwen3-Next's sparse
+    MoE block draws its router's weight; the router's own branch writes nothing): a module's values are what its own
+    call and then its ancestors' calls leave. Empty for any other rule (``reset_parameters()`` is the module's own;
+    a LightningModule's ``init_module`` is called on each module owning tensors, as documented)."""
+    owner = getattr(rule, "__self__", None)
+    if owner is None or getattr(rule, "__name__", "") != "_init_weights" or not is_hf_pretrained(owner):
+        return []
+    parts = name.split(".") if name else []
+    chain = [tree.get_submodule(".".join(parts[:depth])) for depth in range(len(parts) - 1, -1, -1)]
+    for index, module in enumerate(chain):
+        if type(module) is type(owner):  # the owner's own place in the tree: nothing above it belongs to its rule
+            return chain[:index + 1]
+    return chain
+
+
 @torch.no_grad()
-def initialize_module(rule: ModuleInit, module: nn.Module, seed: int, name: str) -> None:
-    """Run ``rule`` on ``module`` from the stream seeded by (``seed``, ``name``); the global stream is left as it
-    was."""
+def initialize_module(rule: ModuleInit, module: nn.Module, seed: int, name: str,
+                      ancestors: list[nn.Module] = ()) -> None:
+    """Run ``rule`` on ``module``, then on its ``ancestors`` (:func:`rule_ancestors`), from the stream seeded by
+    (``seed``, ``name``); the global stream is left as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(module_seed(seed, name))
         rule(module)
+        for ancestor in ancestors:
+            rule(ancestor)
+
+
+@torch.no_grad()
+def values_on_twin(rule: ModuleInit, template: nn.Module, name: str, seed: int, seed_name: str, keys: list[str],
+                   consume: Callable[[dict[str, torch.Tensor], list[str]], None]) -> None:
+    """Compute the values ``rule`` gives module ``name``'s own tensors ``keys`` on its twin in ``template`` (a
+    :func:`meta_template` of the tree) and pass them to ``consume`` with the keys the rule left unwritten (see
+    :func:`mark_unwritten`). Only the twin's own tensors get host storage, every other module stays on the meta
+    device, so a rule run on an ancestor writes this module's tensors only; the storage is freed after ``consume``."""
+    twin = template.get_submodule(name)
+    twin.to_empty(device="cpu", recurse=False)
+    try:
+        mark_unwritten({key: getattr(twin, key) for key in keys})
+        initialize_module(rule, twin, seed, seed_name, rule_ancestors(template, name, rule))
+        values = {key: getattr(twin, key) for key in keys}  # after the rule: litgpt's rebinds its cos and sin
+        consume(values, unwritten_keys(values))
+    finally:
+        twin.to_empty(device="meta", recurse=False)  # the template stays free (delinking copies it)
 
 
 def initialize_by_module(root: nn.Module, seed: int, hook: ModuleInit | None = None) -> None:
     """Initialize every module of ``root`` owning parameters or buffers, in place (an eager build): the values a build
-    in place gives for the same ``seed``. A module nothing can initialize is refused by name."""
+    in place gives for the same ``seed``, computed the same way (:func:`values_on_twin`). A tensor the rule does not
+    write keeps the value its constructor gave it; a module nothing can initialize is refused by name."""
+    template = meta_template(root)
     for name, module in root.named_modules():
         if not _owns_state(module):
             continue
@@ -86,7 +135,7 @@ def initialize_by_module(root: nn.Module, seed: int, hook: ModuleInit | None = N
             raise ValueError(f"{type(module).__name__} ({name or 'the model'}) has parameters that nothing can "
                              "initialize: give the LightningModule an init_module(module) method, or the module a "
                              "reset_parameters()")
-        initialize_module(rule, module, seed, name)
+        _copy_from_twin(rule, template, module, name, seed)
     # A tied parameter keeps the values of its first name's module (what a build in place gives it, whichever module
     # it materializes first): that module runs again, from the same stream, so its other values do not change.
     first_names: dict[int, str] = {}
@@ -94,7 +143,26 @@ def initialize_by_module(root: nn.Module, seed: int, hook: ModuleInit | None = N
         first_names.setdefault(id(param), name)
     tied = {first_names[id(p)] for n, p in root.named_parameters(remove_duplicate=False) if first_names[id(p)] != n}
     for owner in sorted({name.rpartition(".")[0] for name in tied}):
-        initialize_module(init_rule(root, owner, hook), root.get_submodule(owner), seed, owner)
+        _copy_from_twin(init_rule(root, owner, hook), template, root.get_submodule(owner), owner, seed)
+
+
+@torch.no_grad()
+def _copy_from_twin(rule: ModuleInit, template: nn.Module, module: nn.Module, name: str, seed: int) -> None:
+    """An eager build's module takes what its rule writes; what the rule leaves, its constructor's value."""
+    keys = [key for key, _ in module.named_parameters(recurse=False)] + [
+        key for key, _ in module.named_buffers(recurse=False)]
+
+    def copy_written(values: dict[str, torch.Tensor], unwritten: list[str]) -> None:
+        for key, value in values.items():
+            if key in unwritten:
+                continue
+            tensor = getattr(module, key)
+            if tensor.shape == value.shape:
+                tensor.copy_(value.to(tensor.dtype))
+            else:  # a buffer the rule rebuilt at another size (litgpt's cos and sin follow the block size)
+                module._buffers[key] = value.detach().clone().to(tensor.dtype)
+
+    values_on_twin(rule, template, name, seed, name, keys, copy_written)
 
 
 def recomputes_buffers(root: nn.Module, name: str, hook: ModuleInit | None = None) -> bool:
@@ -130,21 +198,28 @@ def mark_unwritten(buffers: dict[str, torch.Tensor]) -> None:
             tensor.fill_(value)
 
 
-def check_written(module: nn.Module, name: str, buffers: dict[str, torch.Tensor]) -> None:
-    """Refuse buffers the model's rule left as :func:`mark_unwritten` filled them: allocated on the meta device's
-    say-so, they would hold no value at all, silently."""
+def unwritten_keys(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The tensors still holding what :func:`mark_unwritten` filled them with."""
     unwritten = []
-    for key, tensor in buffers.items():
+    for key, tensor in tensors.items():
         value = _unwritten_value(tensor)
         if tensor.numel() and value is not None and (
                 bool(torch.isnan(tensor).any()) if isinstance(value, float) else bool((tensor == value).all())):
             unwritten.append(key)
+    return unwritten
+
+
+def check_written(module: nn.Module, name: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Refuse tensors the model's rule left as :func:`mark_unwritten` filled them: allocated on the meta device's
+    say-so, they would hold no value at all, silently."""
+    unwritten = unwritten_keys(tensors)
     if unwritten:
         raise ValueError(
-            f"the model was built on the meta device and its buffers are recomputed by its own rule, but "
-            f"the rule of {type(module).__name__} ({name or 'the model'}) did not write {unwritten}. Compute them in "
-            "forward, give the LightningModule an init_module(module) method that writes them, or build the model "
-            "in the LightningModule's __init__ instead of configure_model (it is then built whole, eagerly)")
+            f"the model was built on the meta device and its tensors are given their values by its own rule, but "
+            f"the rule of {type(module).__name__} ({name or 'the model'}) did not write {unwritten}. Give the "
+            "LightningModule an init_module(module) method that writes them (a buffer may also be computed in "
+            "forward), or build the model in the LightningModule's __init__ instead of configure_model (it is then "
+            "built whole, eagerly)")
 
 
 def buffers_by_rule(rule: ModuleInit, module: nn.Module, seed: int, name: str) -> dict[str, torch.Tensor]:

@@ -15,14 +15,13 @@ from ..models.module_init import (
     buffers_by_rule,
     check_written,
     init_rule,
-    initialize_module,
     is_module_default,
-    mark_unwritten,
+    meta_template,
     recomputes_buffers,
+    values_on_twin,
 )
 from ..protocols import InitializesByName, InitializesModules
 from .blocks import module_name
-from .regather import meta_template
 from .ties import placement_root, smallest_parameter_root
 
 
@@ -215,18 +214,16 @@ class Initializer:
                 f"{type(module).__name__} ({name or 'the model'}) was built on the meta device, but neither the "
                 f"model (initial_value(name), _init_weights) nor the module (reset_parameters()) can initialize "
                 f"{[n for n, _ in params]}: give the LightningModule an init_module(module) method")
-        twin = self.template().get_submodule(name)
-        twin.to_empty(device="cpu", recurse=False)
-        try:
-            mark_unwritten({key: getattr(twin, key) for key, _ in buffers})
-            initialize_module(rule, twin, self.seed, self._prefix + name)
-            check_written(twin, name, {key: getattr(twin, key) for key, _ in buffers})
-            with torch.no_grad():
-                for key, tensor in params + buffers:
-                    value = getattr(twin, key)
-                    if isinstance(tensor, DTensor):
-                        write(tensor, value)
-                    else:
-                        tensor.copy_(value.to(tensor.dtype))
-        finally:
-            twin.to_empty(device="meta", recurse=False)  # the template stays free (delinking copies it)
+        module = self.root.get_submodule(name)
+
+        def write_values(values: dict[str, torch.Tensor], unwritten: list[str]) -> None:
+            # Built on the meta device, a tensor the rule did not write would hold no value at all, silently.
+            check_written(module, name, {key: values[key] for key in unwritten})
+            for key, tensor in params + buffers:
+                if isinstance(tensor, DTensor):
+                    write(tensor, values[key])
+                else:
+                    tensor.copy_(values[key].to(tensor.dtype))
+
+        keys = [key for key, _ in params + buffers]
+        values_on_twin(rule, self.template(), name, self.seed, self._prefix + name, keys, write_values)

@@ -15,17 +15,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from ..models.module_init import meta_template  # noqa: F401  (placement and the tests take it from here)
 from ..sharing import OptimizerStatePolicy, Perturbation, delink, optimizer_constructor_kwargs
 from .optimizers import unwrapped
 from .ties import find_ties, retie
-
-
-def meta_template(module: nn.Module) -> nn.Module:
-    """A copy of ``module``'s structure on the meta device (no memory), parameters and buffers included."""
-    memo: dict[int, object] = {id(buffer): torch.empty_like(buffer, device="meta") for buffer in module.buffers()}
-    for param in module.parameters():
-        memo[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-    return copy.deepcopy(module, memo)
 
 
 def full_tensor_on_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,15 @@ CONFIGS = {
     "gpt_neox": {"model_type": "gpt_neox", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
                  "num_hidden_layers": 4, "num_attention_heads": 4, "rotary_pct": 0.5, "pad_token_id": 0,
                  "bos_token_id": 1, "eos_token_id": 2},
+    # Qwen3-Next: three gated-delta-net (linear attention) layers and one full attention layer, a sparse MoE with a
+    # shared expert in each; its _init_weights draws each router's weight from the MoE block's branch, not the
+    # router's own.
+    "qwen3_next": {"model_type": "qwen3_next", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64,
+                   "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+                   "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                   "shared_expert_intermediate_size": 16, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+                   "linear_key_head_dim": 8, "linear_value_head_dim": 8, "pad_token_id": 0, "bos_token_id": 1,
+                   "eos_token_id": 2},
     # OLMoE: 4 experts, top-2, in every layer, per-layer query/key norms.
     "olmoe": {"model_type": "olmoe", "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 16,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 4,

@@ -30,7 +30,8 @@ CASES = [("llama_tied", "none"), ("llama_tied", "zero3_offload"), ("llama_tied",
          ("qwen3_moe", "zero3_offload_layered"), ("qwen3_moe", "offload_layered"),
          # Families without a ready declaration (tests/unit/test_hf_parts.py): Gemma 3's embedding scale is a buffer
          # its _init_weights recomputes, Granite scales its logits after the head, Bloom normalizes its embeddings.
-         ("gemma3", "zero3_offload_layered"), ("granite", "offload_layered"), ("bloom", "zero3_offload")]
+         ("gemma3", "zero3_offload_layered"), ("granite", "offload_layered"), ("bloom", "zero3_offload"),
+         ("qwen3_next", "zero3_offload_layered")]
 
 
 def _fit(tmp_path: Path, family: str, strategy: object, steps: int = 4) -> tuple[list[float], CausalLMModule]:
@@ -61,6 +62,25 @@ def test_an_hf_model_built_in_place_trains_like_the_eager_build_on_a_plain_train
     assert names == {f"model.{name}" for name in eager.state_dict()}  # the model's own names, nothing added
     if family == "llama_tied":
         assert module.model.lm_head.weight is module.model.model.embed_tokens.weight
+
+
+def test_a_tensor_a_parent_modules_rule_writes_is_initialized_like_transformers_does_it() -> None:
+    """Transformers applies ``_init_weights`` to every module, children first, and Qwen3-Next's sparse MoE block
+    draws its router's weight in its own branch (the router's writes nothing). Initialized module by module, the
+    router kept the uninitialized memory it was allocated with: two builds from one seed differed, and a run could
+    start from NaN. Each module's rule now runs on its ancestors too (``module_init.rule_ancestors``)."""
+    builds = []
+    for _ in range(2):
+        module = CausalLMModule(hf_config=CONFIGS["qwen3_next"], init_seed=3)
+        module.configure_model()
+        builds.append(module.state_dict())
+    assert builds[0].keys() == builds[1].keys()
+    assert all(torch.equal(builds[0][key], builds[1][key]) for key in builds[0])
+    routers = [value for key, value in builds[0].items() if key.endswith("mlp.gate.weight")]
+    assert len(routers) == CONFIGS["qwen3_next"]["num_hidden_layers"]
+    std = AutoConfig.for_model(**CONFIGS["qwen3_next"]).initializer_range
+    for weight in routers:  # drawn from the block's branch: N(0, initializer_range)
+        assert torch.isfinite(weight).all() and 0.5 * std < weight.std().item() < 2 * std
 
 
 @pytest.mark.parametrize("sharing", ["sequence", "cycle"])

@@ -18,7 +18,7 @@ from lightning_p2r.models.decoders import (  # noqa: E402
     discovered_parts,
     logits_function,
 )
-from lightning_p2r.models.module_init import check_written, mark_unwritten  # noqa: E402
+from lightning_p2r.models.module_init import check_written, mark_unwritten, meta_template, values_on_twin  # noqa: E402
 
 
 def _model(family: str, **overrides) -> nn.Module:
@@ -123,6 +123,24 @@ def test_buffers_a_rule_leaves_unwritten_are_refused_by_name() -> None:
     module.scale.fill_(2.0)
     module.positions.copy_(torch.arange(3))
     check_written(module, "embed", buffers)
+
+
+def test_a_rule_that_leaves_a_parameter_unwritten_is_told_apart_and_refused_when_built_in_place() -> None:
+    """Built on the meta device, a parameter the model's rule does not write would hold whatever memory it was given;
+    ``values_on_twin`` reports it, and materializing refuses it by name (an eager build keeps its constructor value)."""
+    root = nn.Sequential(nn.Linear(2, 2))
+
+    def weight_only(module: nn.Module) -> None:  # a rule with no branch for the bias
+        if isinstance(module, nn.Linear):
+            nn.init.ones_(module.weight)
+
+    seen = {}
+    values_on_twin(weight_only, meta_template(root), "0", 0, "0", ["weight", "bias"],
+                   lambda values, unwritten: seen.update(values={k: v.clone() for k, v in values.items()},
+                                                         unwritten=unwritten))
+    assert seen["unwritten"] == ["bias"] and torch.equal(seen["values"]["weight"], torch.ones(2, 2))
+    with pytest.raises(ValueError, match=r"did not write \['bias'\]"):
+        check_written(root[0], "0", {"bias": seen["values"]["bias"]})
 
 
 def test_olmo2s_plan_gathers_q_k_v_whole_and_splits_the_output_projections_input() -> None:

@@ -5,9 +5,9 @@ Why: the suite starts a few hundred processes (workers, Lightning's other ranks,
 each spends 5-12 s importing before it does anything. A forked copy starts with those imports done.
 
 What a child gets, so that it behaves as a fresh interpreter would:
-- the client's stdin, stdout and stderr (file descriptors passed over the socket), working directory, environment
-  and arguments; ``sys.path[0]`` as Python sets it (the script's folder, or the working directory under ``-m``), the
-  client's ``PYTHONPATH`` entries after it; stdio buffered as ``PYTHONUNBUFFERED`` says;
+- the client's descriptors under their numbers (stdio and any its parent passed on; sent over the socket), working
+  directory, environment and arguments; ``sys.path[0]`` as Python sets it (the script's folder, or the working
+  directory under ``-m``), the client's ``PYTHONPATH`` entries after it; stdio buffered as ``PYTHONUNBUFFERED`` says;
 - the intra-op thread count ``OMP_NUM_THREADS`` asks for (OpenMP read the server's environment when it loaded);
 - Python's and NumPy's random generators reseeded from the OS (a fork would copy the server's state); torch's
   generator is the same as a fresh process's, since the server never draws from it;
@@ -21,7 +21,7 @@ in hash order as real processes do. A request the server cannot reproduce faithf
 a different ``PYTHON*`` variable or one that a preloaded library reads when imported) is answered "fresh", and the
 client runs the real interpreter instead.
 
-Protocol (``SOCK_SEQPACKET``, JSON): the client sends ``{"argv", "cwd", "env"}`` with its three stdio descriptors;
+Protocol (``SOCK_SEQPACKET``, JSON): the client sends ``{"argv", "cwd", "env", "fds"}`` with those descriptors;
 the server answers ``{"pid"}`` or ``{"fresh": reason}``, then ``{"status"}`` (``os.waitstatus_to_exitcode``) when
 the child exits.
 """
