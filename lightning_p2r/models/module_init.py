@@ -83,11 +83,14 @@ def rule_ancestors(tree: nn.Module, name: str, rule: ModuleInit | None) -> list[
     if owner is None or getattr(rule, "__name__", "") != "_init_weights" or not is_hf_pretrained(owner):
         return []
     parts = name.split(".") if name else []
-    chain = [tree.get_submodule(".".join(parts[:depth])) for depth in range(len(parts) - 1, -1, -1)]
-    for index, module in enumerate(chain):
-        if type(module) is type(owner):  # the owner's own place in the tree: nothing above it belongs to its rule
-            return chain[:index + 1]
-    return chain
+    if is_hf_pretrained(tree.get_submodule(name)):
+        return []  # the owner itself: nothing above it belongs to its rule
+    ancestors = []
+    for depth in range(len(parts) - 1, -1, -1):
+        ancestors.append(tree.get_submodule(".".join(parts[:depth])))
+        if is_hf_pretrained(ancestors[-1]):  # the nearest PreTrainedModel, whose rule this is (as in init_rule)
+            return ancestors
+    return []
 
 
 @torch.no_grad()
