@@ -82,9 +82,9 @@ def rule_ancestors(tree: nn.Module, name: str, rule: ModuleInit | None) -> list[
     owner = getattr(rule, "__self__", None)
     if owner is None or getattr(rule, "__name__", "") != "_init_weights" or not is_hf_pretrained(owner):
         return []
-    parts = name.split(".") if name else []
     if is_hf_pretrained(tree.get_submodule(name)):
         return []  # the owner itself: nothing above it belongs to its rule
+    parts = name.split(".") if name else []
     ancestors = []
     for depth in range(len(parts) - 1, -1, -1):
         ancestors.append(tree.get_submodule(".".join(parts[:depth])))
@@ -149,7 +149,6 @@ def initialize_by_module(root: nn.Module, seed: int, hook: ModuleInit | None = N
         _copy_from_twin(init_rule(root, owner, hook), template, root.get_submodule(owner), owner, seed)
 
 
-@torch.no_grad()
 def _copy_from_twin(rule: ModuleInit, template: nn.Module, module: nn.Module, name: str, seed: int) -> None:
     """An eager build's module takes what its rule writes; what the rule leaves, its constructor's value."""
     keys = [key for key, _ in module.named_parameters(recurse=False)] + [

@@ -37,6 +37,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
 from ..layout import fsdp_mode_for
+from ..models.module_init import meta_template
 from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
 from .blocks import block_names, module_name
 from .compile import apply_compile
@@ -47,7 +48,6 @@ from .parallel import ParallelMeshes, parallelize_model
 from .parallel.loss import VocabParallelCrossEntropy
 from .parallel.parallelize import check_sequence_parallel, model_plan
 from .pipeline.rank_stages import RankStages
-from .regather import meta_template
 from .sharding import OutsideBlocksRoot, fsdp_modules, modules_outside_blocks
 from .ties import (
     check_tensor_parallel_ties,

@@ -15,7 +15,6 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from ..models.module_init import meta_template  # noqa: F401  (placement and the tests take it from here)
 from ..sharing import OptimizerStatePolicy, Perturbation, delink, optimizer_constructor_kwargs
 from .optimizers import unwrapped
 from .ties import find_ties, retie

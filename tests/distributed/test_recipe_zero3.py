@@ -3,13 +3,10 @@ Lightning's launcher, ZeRO-3 with offload and layered accumulation, a delink mid
 offline W&B run."""
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from recipe_runs import unexpected_warnings
+from recipe_runs import run_command, unexpected_warnings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,18 +14,11 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_zero3_pseudo_to_real_recipe_runs_on_two_processes(tmp_path: Path) -> None:
-    env = os.environ | {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
-                        "PYTHONUNBUFFERED": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT"):
-        env.pop(key, None)
-    result = subprocess.run(
-        [sys.executable, "-m", "lightning_p2r.cli", "fit", "--config",
-         str(ROOT / "recipes" / "zero3_pseudo_to_real.yaml"), "--trainer.max_steps=8", "--trainer.val_check_interval=4",
-         "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
+    result = run_command(
+        ["fit", "--config", str(ROOT / "recipes" / "zero3_pseudo_to_real.yaml"), "--trainer.max_steps=8",
+         "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
          "--trainer.log_every_n_steps=1", "--trainer.accelerator=cpu", "--data.tokenizer=bytes",
-         "--data.vocab_size=256", "--model.optimizer.warmup_steps=1"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=360, env=env,
-    )
+         "--data.vocab_size=256", "--model.optimizer.warmup_steps=1"], tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "runs" / "zero3_pseudo_to_real"
     assert (run_dir / "checkpoints" / "last.ckpt" / "meta.pt").is_file()  # a sharded (DCP) checkpoint

@@ -4,10 +4,10 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_p2r.models.module_init import meta_template
 from lightning_p2r.strategy.regather import (
     gather_plain_module,
     gather_plain_optimizer,
-    meta_template,
     replace_submodule,
     shard_optimizer,
 )
