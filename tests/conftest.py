@@ -6,9 +6,14 @@ import pytest
 import torch
 import tqdm
 
-# Two cores: keep torch from oversubscribing them when pytest runs several things (under pytest-xdist, the cores
-# divided among its workers).
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+# One intra-op thread in every test process, and in every process a test starts (they inherit the variable). The
+# suite's tensors have a few thousand elements: a second OpenMP thread costs more than it saves (two test files took
+# 51 s at two threads, 39 s at one), and an idle OpenMP thread spins at its barrier, taking the core another process
+# needs. Set in the environment, not only in torch: Lightning's launcher (P2RStrategy's too) sets the threads to
+# cores / processes whenever OMP_NUM_THREADS is unset, which gave a pytest-xdist worker two spinning threads after its
+# first fit (the whole quick tier took 7 min 46 s with `-n 2` that way, against 3 min 15 s in one process).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 # No tqdm monitor thread (it only retunes slow bars): a process with a second thread prepares data through a spawned
 # helper, seconds per prepare_data call, where one thread forks litdata's workers in milliseconds
 # (lightning_p2r.data.prepared.token_writer; the helper path has its own test in test_prepared_data).
@@ -28,16 +33,6 @@ def _offline_wandb(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(name, str(tmp_path / "wandb"))
     monkeypatch.setenv("LIGHTNING_P2R_CACHE", str(tmp_path / "cache"))
-
-
-@pytest.fixture
-def one_intraop_thread():
-    """For tests on tensors of a few hundred elements: one intra-op thread, since waking a second costs more than
-    the work (0.45 s against 6 ms for three steps on a loaded 2-core machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

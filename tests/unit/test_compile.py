@@ -61,7 +61,7 @@ def _assert_close(losses: list[float], reference: list[float], tolerance: float 
     ({"sharding": "zero3", "offload_fraction": 0.5}, DENSE),
 ], ids=["standard_moe", "layered_recompute", "offload", "zero3_offload"])
 @pytest.mark.slow
-def test_compiled_blocks_give_the_eager_losses(tmp_path, one_intraop_thread, strategy: dict, model: dict) -> None:
+def test_compiled_blocks_give_the_eager_losses(tmp_path, strategy: dict, model: dict) -> None:
     eager, _ = _fit(tmp_path, strategy, model)
     fresh()
     compiled, module = _fit(tmp_path, strategy | {"compile": COUNTED}, model)
@@ -70,7 +70,7 @@ def test_compiled_blocks_give_the_eager_losses(tmp_path, one_intraop_thread, str
     _assert_close(compiled, eager)
 
 
-def test_the_blocks_a_delinked_model_gains_are_compiled_too(tmp_path, one_intraop_thread) -> None:
+def test_the_blocks_a_delinked_model_gains_are_compiled_too(tmp_path) -> None:
     """A pseudo model of one shared block, delinked into four at step 2 with half the blocks offloaded: the copies
     run compiled, and the losses are the eager run's."""
     model = DENSE | {"num_layers": 4, "num_unique_blocks": 1}
@@ -85,7 +85,7 @@ def test_the_blocks_a_delinked_model_gains_are_compiled_too(tmp_path, one_intrao
     _assert_close(compiled, eager)
 
 
-def test_inductor_is_what_compile_true_means(tmp_path, one_intraop_thread) -> None:
+def test_inductor_is_what_compile_true_means(tmp_path) -> None:
     eager, _ = _fit(tmp_path, {}, DENSE, steps=2)  # one graph to generate code for (about 15 s on 2 cores)
     compiled, module = _fit(tmp_path, {"compile": True}, DENSE, steps=2)
     assert {type(block).compile_backend for block in module.transformer.blocks} == {"inductor"}
@@ -137,7 +137,7 @@ GROUPED = MODEL | {"expert_kernel": "grouped"}
 @pytest.mark.parametrize("strategy", [{}, {"offload_fraction": 0.5}, {"sharding": "zero3", "offload_fraction": 0.5}],
                          ids=["resident", "offload", "zero3_offload"])
 @pytest.mark.slow
-def test_blocks_on_the_grouped_kernel_compile_whole(tmp_path, one_intraop_thread, strategy: dict) -> None:
+def test_blocks_on_the_grouped_kernel_compile_whole(tmp_path, strategy: dict) -> None:
     """Issue 40 item 3: a dense and an MoE block (banded attention, router, grouped experts) compile with no graph
     break, inside FSDP2 and offload too, and a 5-step run compiles each block's code a bounded number of times (a
     recompile per step would show as a growing count)."""

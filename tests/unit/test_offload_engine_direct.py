@@ -22,9 +22,6 @@ CPU = torch.device("cpu")
 DIM = 8
 
 
-pytestmark = pytest.mark.usefixtures("one_intraop_thread")  # tiny tensors (see tests/conftest.py)
-
-
 class MLPBlock(nn.Module):
     """A pre-norm residual block; returns its hidden state alone, first in a tuple, or (wrongly) nothing."""
 

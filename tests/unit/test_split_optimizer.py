@@ -34,9 +34,6 @@ CPU = torch.device("cpu")
 DIM = 8
 
 
-pytestmark = pytest.mark.usefixtures("one_intraop_thread")  # tiny tensors (see tests/conftest.py)
-
-
 class Block(nn.Module):
     """A residual block with a ``gate`` that takes part only while ``gated`` (so it can miss a step's gradient)."""
 
