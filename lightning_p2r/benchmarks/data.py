@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--batches", type=int, default=400, help="batches the loader row times")
     args = parser.parse_args(argv)
     if args.quick:
-        args.corpus_mb, args.sizes_mb, args.batches = 0.3, [8, 16], 20
+        args.corpus_mb, args.sizes_mb, args.batches = 0.3, [4, 8], 8
     apply_threads(args.threads)
     env = environment_info(args.device)
     print_environment(env)

@@ -19,17 +19,24 @@ ROOT = Path(__file__).resolve().parents[2]
 _WARNING_LINE = re.compile(r"^\S+\.py:\d+: |Warning: |^wandb: WARNING|Tip: ", re.MULTILINE)
 
 
-def clean_env(tmp_path: Path) -> dict[str, str]:
+def clean_env(tmp_path: Path, cache: Path | None = None) -> dict[str, str]:
     env = os.environ | {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "OMP_NUM_THREADS": "1",
                         "PYTHONUNBUFFERED": "1"}
+    if cache is not None:
+        env["LIGHTNING_P2R_CACHE"] = str(cache)
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT", "PYTHONWARNINGS"):
         env.pop(key, None)
     return env
 
 
-def run_command(args: list[str], tmp_path: Path, timeout: int = 360) -> subprocess.CompletedProcess[str]:
+def run_command(args: list[str], tmp_path: Path, timeout: int = 360,
+                cache: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m lightning_p2r.cli ARGS`` in ``tmp_path``. ``cache``: the package's cache folder (tokenizers and
+    prepared corpora, keyed by their inputs), shared by the recipe runs of a session (the ``recipe_cache`` fixture)
+    so that the KJV's BPE tokenizer is trained and its corpus prepared once, not by every run (about 6 s each);
+    without it, the test's own empty cache."""
     return subprocess.run([sys.executable, "-m", "lightning_p2r.cli", *args], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=timeout, env=clean_env(tmp_path))
+                          text=True, timeout=timeout, env=clean_env(tmp_path, cache))
 
 
 def unexpected_warnings(output: str) -> list[str]:

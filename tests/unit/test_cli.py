@@ -3,6 +3,7 @@
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 from unittest import mock
@@ -104,14 +105,22 @@ def test_bad_corpus_fails_before_the_first_step(content: bytes, message: str, tm
     assert not (tmp_path / "runs" / "quickstart" / "checkpoints").exists()
 
 
-@pytest.mark.slow
-def test_quickstart_fit_writes_checkpoint_and_offline_wandb_run(tmp_path: Path) -> None:
-    # The console script the README runs: it passes main()'s return value to sys.exit, so this also checks the
-    # exit status of a successful run is 0.
+def test_the_console_script_is_the_command_line() -> None:
+    """The ``lightning-p2r`` the README runs is installed and exits as ``main()`` does: 0 for help, 2 (the usage
+    error) for an unknown command. Training through it is the next test's, by ``python -m lightning_p2r.cli``
+    (the same ``main()``), which the suite's warm interpreters start without importing torch again."""
     script = shutil.which("lightning-p2r", path=sysconfig.get_path("scripts")) or shutil.which("lightning-p2r")
     assert script, "the lightning-p2r console script is not installed (pip install -e .)"
+    shown = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and "usage: lightning-p2r COMMAND" in shown.stdout
+    wrong = subprocess.run([script, "fitt"], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "did you mean 'fit'?" in wrong.stderr
+
+
+@pytest.mark.slow
+def test_quickstart_fit_writes_checkpoint_and_offline_wandb_run(tmp_path: Path) -> None:
     result = subprocess.run(
-        [script, "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
+        [sys.executable, "-m", "lightning_p2r.cli", "fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
          "--trainer.max_steps=6", "--trainer.val_check_interval=3", "--trainer.limit_val_batches=2",
          "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--data.tokenizer=bytes",
          "--data.vocab_size=256"],
@@ -125,22 +134,6 @@ def test_quickstart_fit_writes_checkpoint_and_offline_wandb_run(tmp_path: Path) 
     assert (run_dir / "config.yaml").exists()
     metrics = (next((run_dir / "csv").glob("version_*")) / "metrics.csv").read_text()
     assert "val/loss" in metrics and "train/loss" in metrics
-
-
-@pytest.mark.slow
-def test_pseudo_to_real_recipe_delinks_during_a_short_fit(tmp_path: Path, monkeypatch) -> None:
-    from lightning_p2r import PseudoToReal
-
-    monkeypatch.chdir(tmp_path)
-    cli = _cli(["--config", str(ROOT / "recipes" / "pseudo_to_real.yaml"), "--trainer.logger=false",
-                "--trainer.max_steps=41", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
-                "--data.tokenizer=bytes", "--data.vocab_size=256", f"--data.corpus={_small_corpus(tmp_path)}"])
-    callback = next(c for c in cli.trainer.callbacks if isinstance(c, PseudoToReal))
-    assert cli.model.config.num_unique_blocks == 4 and cli.model.config.sharing == "cycle"
-    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
-    assert [(e.step, e.blocks_after) for e in callback.events] == [(20, 8), (40, 16)]  # staged, as the recipe says
-    assert len(cli.model.transformer.blocks) == 16
-    assert (tmp_path / "runs" / "pseudo_to_real" / "checkpoints" / "last.ckpt").exists()
 
 
 def _small_corpus(tmp_path: Path) -> Path:
