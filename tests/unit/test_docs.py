@@ -27,7 +27,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 def test_the_readme_tier_and_cis_other_tier_together_select_every_test() -> None:
     """The README's command is the quick tier; CI's second command must be its exact complement, so no test is
     left to neither (by De Morgan, "slow or distributed" is "not (not slow and not distributed)")."""
-    assert _readme_commands()[1].endswith('python -m pytest -q -m "not slow and not distributed"')
+    assert _readme_commands()[1].endswith('python -m pytest -q -n 2 -m "not slow and not distributed"')
     assert 'python -m pytest -q -m "slow or distributed"' in ROOT.joinpath(".ci/run").read_text()
 
 
