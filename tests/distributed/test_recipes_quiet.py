@@ -31,6 +31,22 @@ def short_run_overrides(recipe: Path) -> list[str]:
             f"--data.batch_size={min(data.get('batch_size', 16), 16)}", "--trainer.accelerator=cpu", *languages]
 
 
+def _delinked_in_the_recipes_stages(run_root: Path) -> None:
+    """recipes/pseudo_to_real.yaml: 4 shared blocks delinked to 8 at step 20 and to 16 at step 40, as its schedule
+    says; the last checkpoint holds the 16-layer model."""
+    metrics = next((run_root / "csv").glob("version_*")) / "metrics.csv"
+    delinks = [(float(row["p2r/step"]), float(row["p2r/blocks_before"]), float(row["p2r/blocks_after"]))
+               for row in csv.DictReader(metrics.open()) if row.get("p2r/blocks_after")]
+    assert delinks == [(20.0, 4.0, 8.0), (40.0, 8.0, 16.0)]
+    weights = torch.load(run_root / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert {key.split(".")[2] for key in weights if key.startswith("transformer.blocks.")} == {
+        str(index) for index in range(16)}
+
+
+RUN_CHECKS = {"pseudo_to_real": _delinked_in_the_recipes_stages}
+"""Checks of what a recipe's run wrote, beyond its output (run with the run's root folder)."""
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
@@ -46,18 +62,3 @@ def test_a_recipe_prints_no_warning_outside_the_allow_list(recipe: Path, tmp_pat
         root = yaml.safe_load(recipe.read_text())["trainer"]["default_root_dir"]
         RUN_CHECKS[recipe.stem](tmp_path / root)
 
-
-def _delinked_in_the_recipes_stages(run_root: Path) -> None:
-    """recipes/pseudo_to_real.yaml: 4 shared blocks delinked to 8 at step 20 and to 16 at step 40, as its schedule
-    says; the last checkpoint holds the 16-layer model."""
-    metrics = next((run_root / "csv").glob("version_*")) / "metrics.csv"
-    delinks = [(float(row["p2r/step"]), float(row["p2r/blocks_before"]), float(row["p2r/blocks_after"]))
-               for row in csv.DictReader(metrics.open()) if row.get("p2r/blocks_after")]
-    assert delinks == [(20.0, 4.0, 8.0), (40.0, 8.0, 16.0)]
-    weights = torch.load(run_root / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    assert {key.split(".")[2] for key in weights if key.startswith("transformer.blocks.")} == {
-        str(index) for index in range(16)}
-
-
-RUN_CHECKS = {"pseudo_to_real": _delinked_in_the_recipes_stages}
-"""Checks of what a recipe's run wrote, beyond its output (run with the run's root folder)."""
