@@ -13,7 +13,8 @@ DDP / FSDP never see an unused parameter.
 
 Routing and dispatch read nothing on the host: no boolean-mask indexing, ``.item()`` or ``.tolist()``, so the
 "grouped" kernel (segment offsets on the device) runs a whole MoE layer without a device synchronization. The "loop"
-kernel reads the segment sizes on the host once per layer; expert parallelism needs them for the all-to-all's splits.
+kernel reads the segment sizes on the host once per layer (and runs outside a compiled block's graph); expert
+parallelism needs them for the all-to-all's splits.
 """
 
 from __future__ import annotations
@@ -241,6 +242,15 @@ def expert_mlps(x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out
     Rows past the counts' sum get zeros and no gradient."""
     if resolve_expert_kernel(kernel, x) == "grouped":
         return grouped_expert_mlps(x, counts, w_in, w_out)
+    return _eager_looped_expert_mlps(x, counts, w_in, w_out)
+
+
+@torch.compiler.disable
+def _eager_looped_expert_mlps(x: torch.Tensor, counts: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor
+                              ) -> torch.Tensor:
+    """The loop kernel outside any compiled graph. It reads the segment sizes on the host, which is a graph break
+    whatever is done; traced, each new set of sizes would also be a new graph (a recompile per step until dynamo
+    gives up on the sizes). Left to run eagerly, a compiled block breaks here once and compiles the rest once."""
     return looped_expert_mlps(x, counts.tolist(), w_in, w_out)
 
 

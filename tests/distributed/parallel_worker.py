@@ -9,7 +9,6 @@ each rank holds of the parameters, the bytes of each collective kind in the last
 compiled code ran (``compile``; see tests/unit/compiled_runs.py).
 """
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from compiled_runs import fresh, runs  # noqa: E402
 from helpers import TINY, tiny_data  # noqa: E402
+from rank_slices import run_configs  # noqa: E402
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, PseudoToReal  # noqa: E402
 from lightning_p2r.measure.collectives import data_parallel_parts  # noqa: E402
@@ -144,15 +144,5 @@ def run(config: dict, out: Path, devices: int) -> None:
         dist.barrier()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--devices", type=int, required=True)
-    parser.add_argument("--configs", type=str, required=True, help="JSON list of configurations")
-    args = parser.parse_args()
-    for config in json.loads(args.configs):
-        run(config, args.out, args.devices)
-
-
 if __name__ == "__main__":
-    main()
+    run_configs(run)

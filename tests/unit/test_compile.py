@@ -131,6 +131,39 @@ def test_the_collective_counter_keeps_torch_compile_from_compiling() -> None:
     assert runs["compiled"] == 1  # the control: without the counter, the same backend compiles and runs
 
 
+class GraphCounts(L.Callback):
+    """dynamo's count of compiled graphs after each step."""
+
+    def __init__(self) -> None:
+        self.values: list[int] = []
+
+    def on_train_batch_end(self, *args) -> None:
+        from torch._dynamo.utils import counters
+
+        self.values.append(counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.slow
+def test_an_moe_block_on_the_loop_kernel_stops_compiling_after_its_first_steps(tmp_path) -> None:
+    """The loop kernel reads its segment sizes on the host (a graph break) and they change every step: traced, each
+    new set of sizes was a new graph until dynamo's recompile limit (8 graphs after 3 steps, 10 after 8, and a
+    minute of warm-up per MoE model on 2 cores). It runs eagerly between the compiled graphs: the one break is
+    there, and no graph is added after the second step."""
+    from torch._dynamo.utils import counters
+
+    model = MODEL | {"expert_kernel": "loop"}
+    fresh()
+    counters.clear()
+    graphs = GraphCounts()
+    compiled, _ = _fit(tmp_path, {"compile": COUNTED}, model, steps=8, callbacks=(graphs,))
+    assert runs["compiled"] > 0, "no compiled code ran"
+    assert all("_eager_looped_expert_mlps" in reason for reason in counters["graph_break"]), dict(
+        counters["graph_break"])
+    assert graphs.values[1:] == [graphs.values[1]] * 7, graphs.values
+    eager, _ = _fit(tmp_path, {}, model, steps=8)
+    _assert_close(compiled, eager)
+
+
 GROUPED = MODEL | {"expert_kernel": "grouped"}
 
 
