@@ -32,10 +32,10 @@ RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
 ARMS = ("exact", "delayed")
 
 
-def run_arm(name: str, cli_args: list[str], result: Path) -> dict[str, Any]:
+def run_arm(name: str, cli_args: list[str], result: Path, threads: int = 2) -> dict[str, Any]:
     """One training run in its own process, by the Pseudo-to-Real benchmark's worker (no delinking): its validation
     points and its median step time after two warm-up steps."""
-    spec = {"name": name, "threads": 2, "args": cli_args, "schedule": {}, "arm": None, "moment_check": False,
+    spec = {"name": name, "threads": threads, "args": cli_args, "schedule": {}, "arm": None, "moment_check": False,
             "save_at": {}, "resume": None, "result": str(result)}
     run = launch_run(spec, timeout=3600)
     clock = run["step_clock"]
@@ -49,9 +49,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--config", type=Path, default=RECIPE)
     args = parser.parse_args(argv)
-    # --quick: the code path (both arms, their validation and table) in a few steps, not a measurement.
+    # --quick: the code path (both arms, their validation and table) in a few steps, not a measurement: one thread
+    # and the byte tokenizer (no BPE to train first).
     steps, val_every, val_batches = (8, 4, 2) if args.quick else (args.steps, max(args.steps // 6, 1), 20)
     seeds = 1 if args.quick else args.seeds
+    quick_data = ["--data.tokenizer=bytes", "--data.vocab_size=256"] if args.quick else []
     env = environment_info("cpu")
     print_environment(env)
     out = Path(args.out)
@@ -68,8 +70,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 "--trainer.enable_model_summary=false", f"--trainer.default_root_dir={out / '.runs'}",
                 f"--trainer.max_steps={steps}", f"--trainer.val_check_interval={val_every}",
                 f"--trainer.limit_val_batches={val_batches}", "--trainer.strategy=lightning_p2r.P2RStrategy",
-                "--trainer.strategy.offload_fraction=0.5", f"--trainer.strategy.host_step={arm}"],
-                out / f".delayed_{name}.json")
+                "--trainer.strategy.offload_fraction=0.5", f"--trainer.strategy.host_step={arm}", *quick_data],
+                out / f".delayed_{name}.json", threads=1 if args.quick else 2)
             finals[arm].append(result["points"][-1][1])
             step_times[arm].append(result["step_s"])
             print(f"seed {seed} {arm}: final val loss {finals[arm][-1]:.4f}, {result['step_s']:.4f} s/step",

@@ -103,8 +103,9 @@ class CheckingLauncher(_SubprocessScriptLauncher):
         finally:
             del os.environ[ERRORS_ENV]
         stopped = threading.Event()
-        threading.Thread(target=observe_ranks, args=(self.procs, errors, stopped), daemon=True,
-                         name="p2r-rank-observer").start()
+        if self.procs:  # one process has no other rank to observe, and stays one thread: prepare_data can fork
+            threading.Thread(target=observe_ranks, args=(self.procs, errors, stopped), daemon=True,
+                             name="p2r-rank-observer").start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)

@@ -37,3 +37,22 @@ def test_the_ranks_errors_are_summarized_once_per_distinct_text() -> None:
     errors = {1: "ValueError: x", 2: "ValueError: x", 3: "RuntimeError: y"}
     assert summarize(errors) == ["ranks 1, 2: ValueError: x", "rank 3: RuntimeError: y"]
     assert summarize(errors, skip="ValueError: x") == ["rank 3: RuntimeError: y"]
+
+
+def test_a_one_process_fit_runs_on_one_thread(tmp_path: Path) -> None:
+    """One process has no other rank to watch, so the launcher starts no observer thread: prepare_data then forks
+    litdata's workers directly (lightning_p2r.data.prepared.token_writer) instead of spawning a helper interpreter,
+    which costs seconds of imports."""
+    import threading
+
+    import lightning as L
+
+    seen: list[list[str]] = []
+
+    class Threads(L.Callback):
+        def on_train_start(self, *args) -> None:
+            seen.append(sorted(thread.name for thread in threading.enumerate()))
+
+    trainer = tiny_trainer(tmp_path, strategy=P2RStrategy(), callbacks=[Threads()], max_steps=1)
+    trainer.fit(M6LanguageModel(M6Config(**TINY)), datamodule=tiny_data(tmp_path))
+    assert seen and not any("p2r-rank-observer" in names for names in seen), seen
