@@ -2,7 +2,7 @@
 CPU processes (gloo); launched by test_hf_layouts.py. Every rank runs every configuration in order.
 
 Each rank reads its own slice of the same global batches (no sampler), so a run compares exactly with one process.
-Rank 0 writes ``<name>.json``: the loss of every step (averaged over the ranks that compute different ones), every
+Rank 0 writes ``<name>.pt``: the loss of every step (averaged over the ranks that compute different ones), every
 rank's whole weights after training, whether the tied head stayed tied, and each rank's parameter elements held
 (a model built in place holds only its share). A one-process reference also records the value each tensor started
 training from (``initial``), against which the test measures how far training moved it.
@@ -31,12 +31,12 @@ class StartingValues(L.Callback):
     it was grown with. A one-process run only (its full state dict is the module's own)."""
 
     def __init__(self) -> None:
-        self.values: dict[str, list[float]] = {}
+        self.values: dict[str, torch.Tensor] = {}
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args) -> None:
         for name, value in get_model_state_dict(pl_module).items():
             if name not in self.values:
-                self.values[name] = value.detach().float().flatten().tolist()
+                self.values[name] = value.detach().float().flatten().clone()
 
 
 def run(config: dict, out: Path, devices: int) -> None:

@@ -1,6 +1,6 @@
 """What the users'-model workers (tied_worker.py, hf_worker.py) share: every rank reads its own slice of the same
 global batches (so a run compares exactly with one process), the step losses and every rank's whole weights are
-gathered, and rank 0 writes one JSON per configuration."""
+gathered, and rank 0 writes one file per configuration."""
 
 import argparse
 import json
@@ -31,25 +31,31 @@ class RankSlices(L.LightningDataModule):
 
 def report(out: Path, name: str, trainer: L.Trainer, module: L.LightningModule, losses: list[float],
            local: dict) -> None:
-    """Rank 0 writes ``<name>.json``: the step losses averaged over the ranks (each data rank's are its own rows',
-    tensor-parallel and pipeline ranks repeat theirs) and every rank's ``local`` record plus its whole weights (a
-    replica that trained apart differs between ranks). Collective."""
+    """Rank 0 writes ``<name>.pt`` (:func:`read_report`): the step losses averaged over the ranks (each data rank's
+    are its own rows', tensor-parallel and pipeline ranks repeat theirs) and every rank's ``local`` record plus its
+    whole weights (a replica that trained apart differs between ranks), as flat fp32 tensors: a pickled tensor is
+    copied as bytes where a JSON list of floats costs a Python object per element. Collective."""
     step_losses = torch.tensor(losses)
     if dist.is_initialized():
         dist.all_reduce(step_losses)
         step_losses /= dist.get_world_size()
     # cpu_offload=False: with it, full state dicts reach rank 0 only, and the other ranks' replicas are not compared.
     weights = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    local = local | {"weights": {k: v.detach().float().flatten().tolist() for k, v in weights.items()}}
+    local = local | {"weights": {k: v.detach().float().flatten().clone() for k, v in weights.items()}}
     everyone = [None] * trainer.world_size
     if dist.is_initialized():
         dist.all_gather_object(everyone, local)
     else:
         everyone = [local]
     if trainer.global_rank == 0:
-        (out / f"{name}.json").write_text(json.dumps({"losses": step_losses.tolist(), "ranks": everyone}))
+        torch.save({"losses": step_losses.tolist(), "ranks": everyone}, out / f"{name}.pt")
     if dist.is_initialized():
         dist.barrier()
+
+
+def read_report(out: Path, name: str) -> dict:
+    """What :func:`report` wrote for configuration ``name``."""
+    return torch.load(out / f"{name}.pt", weights_only=True)
 
 
 def run_configs(run: Callable[[dict, Path, int], None]) -> None:

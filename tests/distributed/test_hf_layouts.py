@@ -11,12 +11,13 @@ element in 1,024 (tp2_llama, 2.0e-4 against an atol of 1e-4), and so does the la
 movement (1.5% on one element of the head). In norm the tensors differed by at most 4.6e-4 of their
 movement (that head), the other layouts' by 2.8e-4 or less."""
 
-import json
+import functools
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from rank_slices import read_report
 from worker_launch import launch_configs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -283,8 +284,8 @@ def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def _read(out: Path, name: str) -> dict:
-    return json.loads((out / f"{name}.json").read_text())
+_read = functools.lru_cache(maxsize=None)(read_report)
+"""A reference is read by every layout compared with it: once."""
 
 
 @pytest.mark.distributed
@@ -297,20 +298,18 @@ def test_an_hf_model_built_in_place_trains_on_several_processes_like_the_eager_b
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert reference["losses"][-1] < reference["losses"][0]
     expected = reference["ranks"][0]["weights"]
-    merged: dict[str, list[float]] = {}
+    merged: dict[str, torch.Tensor] = {}
     for rank in run["ranks"]:
         if rank["tied"] is not None:
             assert rank["tied"], "the head and the embedding are no longer one parameter"
         for name, values in rank["weights"].items():
             if name in merged:  # held by both ranks (a replica, a tied embedding on both pipeline ends): equal
-                assert merged[name] == values, f"{name} differs between the ranks holding it"
+                assert torch.equal(merged[name], values), f"{name} differs between the ranks holding it"
             merged[name] = values
     assert set(merged) == set(expected)
     initial = reference["ranks"][0]["initial"]
     assert set(initial) == set(expected)
-    assert_trained_alike({k: torch.tensor(v) for k, v in merged.items()},
-                         {k: torch.tensor(v) for k, v in expected.items()},
-                         {k: torch.tensor(v) for k, v in initial.items()}, name=config["name"], measure="norm")
+    assert_trained_alike(merged, expected, initial, name=config["name"], measure="norm")
     strategy = config["strategy"]
     shares = strategy.get("expert_parallel", 1) * (strategy.get("tensor_parallel", 1)
                                                    if config["family"] in MOE_FAMILIES else 1)

@@ -3,7 +3,7 @@ launched by test_tied.py. Every rank runs every configuration in order (Lightnin
 
 The model is shaped like Hugging Face's causal LMs: the head sits beside the module holding the embedding and the
 blocks (``head_outside``), or inside it (M6's shape). Each rank reads its own slice of the same global batches
-(no sampler: the comparison with one process is exact). Rank 0 writes ``<name>.json``: the loss of every step
+(no sampler: the comparison with one process is exact). Rank 0 writes ``<name>.pt``: the loss of every step
 (averaged over the data ranks), whether the tie held after setup and after training on each rank, the full trained
 weights of every rank (so the test checks that replicas agree).
 """
