@@ -16,7 +16,8 @@ os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 # No tqdm monitor thread (it only retunes slow bars): a process with a second thread prepares data through a spawned
 # helper, seconds per prepare_data call, where one thread forks litdata's workers in milliseconds
-# (lightning_p2r.data.prepared.token_writer; the helper path has its own test in test_prepared_data).
+# (lightning_p2r.data.prepared.token_writer, which counts every OS thread; the helper path has its own test in
+# test_prepared_data).
 tqdm.tqdm.monitor_interval = 0
 
 

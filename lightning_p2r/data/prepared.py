@@ -65,27 +65,38 @@ def _optimize_forked(fn: Any, inputs: list[Any], output_dir: str, num_workers: i
         multiprocessing.set_start_method(before, force=True)
 
 
+def threads_in_process() -> int:
+    """Threads this process runs: every OS thread where Linux lists them (``threading`` does not see threads started
+    through ``_thread``, as pytest-xdist's channel to its controller is), else those ``threading`` knows."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
 @contextmanager
 def token_writer() -> Iterator[Callable[..., None]]:
     """A function running ``litdata.optimize`` calls (arguments as :func:`_optimize_forked`), its workers forked
     only from a process with one thread.
 
     Forking starts workers in milliseconds but deadlocks when the parent runs other threads (a logger's event loop,
-    tqdm's monitor, a training run's data threads): a child inherits a lock another thread held, and the parent
-    waits on its queue forever (seen once in the test suite). So a one-thread process (the ``prepare-data``
-    command) forks its workers itself; any other hands the calls to one helper started with ``spawn`` (a fresh
-    interpreter, one thread: a few seconds once), which forks them. litdata's workers started by ``spawn`` or
+    tqdm's monitor, a training run's data threads, pytest-xdist's channel reading stdin): a child inherits a lock
+    another thread held, and the parent waits on its queue forever (seen in the test suite: multiprocessing's child
+    closes stdin, whose lock the reading thread held). So a one-thread process (the ``prepare-data`` command) forks
+    its workers itself; any other hands the calls to a helper started with ``spawn`` (a fresh interpreter, one
+    thread: a few seconds per call of this function), which forks them. litdata's workers started by ``spawn`` or
     ``forkserver`` directly cost 2 to 8 s per call and leave semaphores the resource tracker reports at exit.
     """
     import multiprocessing
-    import threading
     from concurrent.futures import ProcessPoolExecutor
 
     helper: ProcessPoolExecutor | None = None
 
     def write(fn: Any, inputs: list[Any], output_dir: str, num_workers: int, **options: Any) -> None:
         nonlocal helper
-        if helper is None and threading.active_count() == 1:
+        if helper is None and threads_in_process() == 1:
             _optimize_forked(fn, inputs, output_dir, num_workers, **options)
             return
         if helper is None:
@@ -95,7 +106,7 @@ def token_writer() -> Iterator[Callable[..., None]]:
     try:
         yield write
     finally:
-        if helper is not None:
+        if helper is not None:  # not kept: an idle interpreter holding torch would sit beside the training run
             helper.shutdown()
 
 

@@ -346,6 +346,38 @@ def test_a_shuffled_batch_draws_from_the_whole_split(tmp_path: Path) -> None:
     assert min(spreads) > 256, spreads
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="Linux lists a process's threads in /proc")
+def test_a_thread_the_threading_module_never_saw_counts_too() -> None:
+    """pytest-xdist's channel to its controller runs in a thread started through ``_thread``, which
+    ``threading.active_count()`` does not count: a worker forked litdata's workers beside it, and one of them hung
+    closing stdin, whose lock that thread held while reading. The count token_writer decides by sees every thread."""
+    import _thread
+    import threading
+    import time
+
+    from lightning_p2r.data.prepared import threads_in_process
+
+    before, known = threads_in_process(), threading.active_count()
+    started, release = _thread.allocate_lock(), _thread.allocate_lock()
+    started.acquire()
+    release.acquire()
+
+    def hold() -> None:
+        started.release()
+        release.acquire()
+
+    _thread.start_new_thread(hold, ())
+    started.acquire()
+    try:
+        assert threading.active_count() == known  # invisible to threading
+        assert threads_in_process() == before + 1
+    finally:
+        release.release()
+    deadline = time.monotonic() + 10
+    while threads_in_process() != before and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_a_process_running_other_threads_prepares_the_same_chunks_through_a_clean_helper(tmp_path: Path) -> None:
     """A process with live threads must not fork litdata's workers itself (a child can inherit a held lock and
