@@ -19,6 +19,9 @@ torch.set_num_threads(1)
 # (lightning_p2r.data.prepared.token_writer, which counts every OS thread; the helper path has its own test in
 # test_prepared_data).
 tqdm.tqdm.monitor_interval = 0
+# pytest-xdist's channel is a thread of every worker, so a worker prepares data through that helper: one per worker
+# process, kept (docs/data.md), instead of one per preparation (about 40 of them, seconds each).
+os.environ["LIGHTNING_P2R_KEEP_PREPARE_HELPER"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -76,6 +76,28 @@ def threads_in_process() -> int:
         return threading.active_count()
 
 
+KEEP_HELPER_ENV = "LIGHTNING_P2R_KEEP_PREPARE_HELPER"
+"""Set to 1: a process keeps its clean helper (:func:`token_writer`) once started, for its later calls, instead of
+starting one per call (a few seconds each): for a process that prepares many directories, as the test suite does."""
+
+_kept_helper: Any = None
+
+
+def _new_helper() -> Any:
+    """A one-process pool started with ``spawn``: a fresh interpreter, one thread."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+
+
+def _helper_kept_for_the_process() -> Any:
+    global _kept_helper
+    if _kept_helper is None or getattr(_kept_helper, "_broken", False):
+        _kept_helper = _new_helper()
+    return _kept_helper
+
+
 @contextmanager
 def token_writer() -> Iterator[Callable[..., None]]:
     """A function running ``litdata.optimize`` calls (arguments as :func:`_optimize_forked`), its workers forked
@@ -88,11 +110,12 @@ def token_writer() -> Iterator[Callable[..., None]]:
     its workers itself; any other hands the calls to a helper started with ``spawn`` (a fresh interpreter, one
     thread: a few seconds per call of this function), which forks them. litdata's workers started by ``spawn`` or
     ``forkserver`` directly cost 2 to 8 s per call and leave semaphores the resource tracker reports at exit.
-    """
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
 
-    helper: ProcessPoolExecutor | None = None
+    The helper is shut down when the ``with`` block ends (an idle interpreter holding torch, about 150 MB, would
+    otherwise sit beside the training run), unless ``LIGHTNING_P2R_KEEP_PREPARE_HELPER=1`` keeps one per process.
+    """
+    keep = os.environ.get(KEEP_HELPER_ENV) == "1"
+    helper: Any = None
 
     def write(fn: Any, inputs: list[Any], output_dir: str, num_workers: int, **options: Any) -> None:
         nonlocal helper
@@ -100,13 +123,13 @@ def token_writer() -> Iterator[Callable[..., None]]:
             _optimize_forked(fn, inputs, output_dir, num_workers, **options)
             return
         if helper is None:
-            helper = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+            helper = _helper_kept_for_the_process() if keep else _new_helper()
         helper.submit(_optimize_forked, fn, inputs, output_dir, num_workers, **options).result()
 
     try:
         yield write
     finally:
-        if helper is not None:  # not kept: an idle interpreter holding torch would sit beside the training run
+        if helper is not None and not keep:
             helper.shutdown()
 
 

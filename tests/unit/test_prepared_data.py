@@ -379,7 +379,9 @@ def test_a_thread_the_threading_module_never_saw_counts_too() -> None:
 
 
 @pytest.mark.slow
-def test_a_process_running_other_threads_prepares_the_same_chunks_through_a_clean_helper(tmp_path: Path) -> None:
+@pytest.mark.parametrize("keep", ["0", "1"], ids=["helper_per_call", "helper_kept"])
+def test_a_process_running_other_threads_prepares_the_same_chunks_through_a_clean_helper(tmp_path: Path,
+                                                                                         keep: str) -> None:
     """A process with live threads must not fork litdata's workers itself (a child can inherit a held lock and
     hang): it hands the work to one spawned helper, which forks them. Run in a fresh process so that the exit is
     seen too: the chunks are byte-identical to a one-thread run's, and nothing is reported at shutdown (workers
@@ -410,7 +412,8 @@ if __name__ == "__main__":
     stop.set()
     assert multiprocessing.get_start_method() == multiprocessing.get_all_start_methods()[0]  # the default still
 """)
-    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240,
+                            env=os.environ | {"LIGHTNING_P2R_KEEP_PREPARE_HELPER": keep})
     assert result.returncode == 0, result.stderr[-3000:]
     before, after = result.stdout.split("threaded\n")
     main_pid = before.split()[1]
