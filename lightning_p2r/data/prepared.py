@@ -65,6 +65,13 @@ def _optimize_forked(fn: Any, inputs: list[Any], output_dir: str, num_workers: i
         multiprocessing.set_start_method(before, force=True)
 
 
+def _optimize_forked_in(folder: str, *args: Any, **options: Any) -> None:
+    """:func:`_optimize_forked` in the helper, from the caller's working folder (a helper kept for the process
+    started in another one, and the inputs may name files relative to it)."""
+    os.chdir(folder)
+    _optimize_forked(*args, **options)
+
+
 def threads_in_process() -> int:
     """Threads this process runs: every OS thread where Linux lists them (``threading`` does not see threads started
     through ``_thread``, as pytest-xdist's channel to its controller is), else those ``threading`` knows."""
@@ -124,7 +131,7 @@ def token_writer() -> Iterator[Callable[..., None]]:
             return
         if helper is None:
             helper = _helper_kept_for_the_process() if keep else _new_helper()
-        helper.submit(_optimize_forked, fn, inputs, output_dir, num_workers, **options).result()
+        helper.submit(_optimize_forked_in, os.getcwd(), fn, inputs, output_dir, num_workers, **options).result()
 
     try:
         yield write

@@ -392,7 +392,7 @@ def test_a_process_running_other_threads_prepares_the_same_chunks_through_a_clea
 import multiprocessing, os, threading
 from lightning_p2r.data import prepared
 
-real = prepared._optimize_forked
+real, real_in = prepared._optimize_forked, prepared._optimize_forked_in
 
 
 def spy(*args, **kwargs):  # module level: the helper finds it by name
@@ -400,8 +400,13 @@ def spy(*args, **kwargs):  # module level: the helper finds it by name
     return real(*args, **kwargs)
 
 
+def spy_in(*args, **kwargs):  # what a helper is handed
+    print("optimize in", os.getpid(), flush=True)
+    return real_in(*args, **kwargs)
+
+
 if __name__ == "__main__":
-    prepared._optimize_forked = spy
+    prepared._optimize_forked, prepared._optimize_forked_in = spy, spy_in
     quiet = dict(tokenizer="bytes", piece_bytes=4096, num_workers=2, log=lambda line: None)
     print("main", os.getpid(), flush=True)
     prepared.prepare_data({str(source)!r}, {str(tmp_path / "alone")!r}, **quiet)
