@@ -98,11 +98,17 @@ def _new_helper() -> Any:
     return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
 
-def _helper_kept_for_the_process() -> Any:
+def _helper_kept_for_the_process(replace: bool = False) -> Any:
+    """The process's kept helper, started on first use; a new one when ``replace`` (the last one broke)."""
     global _kept_helper
-    if _kept_helper is None or getattr(_kept_helper, "_broken", False):
+    if _kept_helper is None or replace:
         _kept_helper = _new_helper()
     return _kept_helper
+
+
+def _forget_kept_helper() -> None:
+    global _kept_helper
+    _kept_helper = None
 
 
 @contextmanager
@@ -129,9 +135,24 @@ def token_writer() -> Iterator[Callable[..., None]]:
         if helper is None and threads_in_process() == 1:
             _optimize_forked(fn, inputs, output_dir, num_workers, **options)
             return
+        from concurrent.futures.process import BrokenProcessPool
+
         if helper is None:
             helper = _helper_kept_for_the_process() if keep else _new_helper()
-        helper.submit(_optimize_forked_in, os.getcwd(), fn, inputs, output_dir, num_workers, **options).result()
+        call = (_optimize_forked_in, os.getcwd(), fn, inputs, output_dir, num_workers)
+        try:
+            future = helper.submit(*call, **options)
+        except BrokenProcessPool:  # a kept helper died after an earlier call (killed, out of memory): nothing of
+            if not keep:           # this call ran yet, so another helper can take it
+                raise
+            helper = _helper_kept_for_the_process(replace=True)
+            future = helper.submit(*call, **options)
+        try:
+            future.result()
+        except BrokenProcessPool:  # it died during this call: report it; the next call starts another helper
+            if keep:
+                _forget_kept_helper()
+            raise
 
     try:
         yield write

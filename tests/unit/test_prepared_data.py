@@ -430,3 +430,35 @@ if __name__ == "__main__":
         alone = sorted((tmp_path / "alone" / split).glob("chunk-*.bin"))
         threaded = sorted((tmp_path / "threaded" / split).glob("chunk-*.bin"))
         assert alone and [p.read_bytes() for p in alone] == [p.read_bytes() for p in threaded]
+
+
+@pytest.mark.slow
+def test_a_kept_helper_that_died_is_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """LIGHTNING_P2R_KEEP_PREPARE_HELPER=1 (set for the suite): a kept helper killed between two preparations (out of
+    memory, say) is replaced by the next one, which still writes its directory."""
+    import signal
+    import threading
+    import time
+    from concurrent.futures.process import BrokenProcessPool
+
+    from lightning_p2r.data import prepared
+
+    monkeypatch.setenv(prepared.KEEP_HELPER_ENV, "1")
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, daemon=True).start()  # a second thread: the helper path
+    try:
+        helper = prepared._helper_kept_for_the_process()
+        os.kill(helper.submit(os.getpid).result(), signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # until the pool has seen its process die
+            try:
+                helper.submit(os.getpid).result()
+            except BrokenProcessPool:
+                break
+            time.sleep(0.05)
+        prepare_data(str(_corpus(tmp_path / "src")), tmp_path / "out", tokenizer="bytes", piece_bytes=4096,
+                     num_workers=1, log=lambda line: None)
+    finally:
+        stop.set()
+    assert read_manifest(tmp_path / "out").splits["train"]["tokens"] > 0
+    assert prepared._helper_kept_for_the_process() is not helper
