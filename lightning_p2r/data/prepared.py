@@ -118,11 +118,12 @@ def token_writer() -> Iterator[Callable[..., None]]:
 
     Forking starts workers in milliseconds but deadlocks when the parent runs other threads (a logger's event loop,
     tqdm's monitor, a training run's data threads, pytest-xdist's channel reading stdin): a child inherits a lock
-    another thread held, and the parent waits on its queue forever (seen in the test suite: multiprocessing's child
-    closes stdin, whose lock the reading thread held). So a one-thread process (the ``prepare-data`` command) forks
-    its workers itself; any other hands the calls to a helper started with ``spawn`` (a fresh interpreter, one
-    thread: a few seconds per call of this function), which forks them. litdata's workers started by ``spawn`` or
-    ``forkserver`` directly cost 2 to 8 s per call and leave semaphores the resource tracker reports at exit.
+    another thread held, and the parent waits on its queue forever (seen in the test suite beside pytest-xdist's
+    channel thread, which reads stdin: the child closing stdin is the likely lock). So a one-thread process (the
+    ``prepare-data`` command) forks its workers itself; any other hands the calls to a helper started with ``spawn``
+    (a fresh interpreter, one thread: a few seconds per call of this function), which forks them. litdata's workers
+    started by ``spawn`` or ``forkserver`` directly cost 2 to 8 s per call and leave semaphores the resource tracker
+    reports at exit.
 
     The helper is shut down when the ``with`` block ends (an idle interpreter holding torch, about 150 MB, would
     otherwise sit beside the training run), unless ``LIGHTNING_P2R_KEEP_PREPARE_HELPER=1`` keeps one per process.

@@ -350,7 +350,8 @@ def test_a_shuffled_batch_draws_from_the_whole_split(tmp_path: Path) -> None:
 def test_a_thread_the_threading_module_never_saw_counts_too() -> None:
     """pytest-xdist's channel to its controller runs in a thread started through ``_thread``, which
     ``threading.active_count()`` does not count: a worker forked litdata's workers beside it, and one of them hung
-    closing stdin, whose lock that thread held while reading. The count token_writer decides by sees every thread."""
+    (likely on stdin's lock, which that thread holds while it reads). The count token_writer decides by sees every
+    thread."""
     import _thread
     import threading
     import time
