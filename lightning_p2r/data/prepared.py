@@ -98,15 +98,16 @@ def _new_helper() -> Any:
     return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
 
 
-def _helper_kept_for_the_process(replace: bool = False) -> Any:
-    """The process's kept helper, started on first use; a new one when ``replace`` (the last one broke)."""
+def _helper_kept_for_the_process() -> Any:
+    """The process's kept helper, started on first use (again after :func:`_forget_kept_helper`)."""
     global _kept_helper
-    if _kept_helper is None or replace:
+    if _kept_helper is None:
         _kept_helper = _new_helper()
     return _kept_helper
 
 
 def _forget_kept_helper() -> None:
+    """Drop a kept helper that broke: the next call starts another."""
     global _kept_helper
     _kept_helper = None
 
@@ -128,6 +129,8 @@ def token_writer() -> Iterator[Callable[..., None]]:
     The helper is shut down when the ``with`` block ends (an idle interpreter holding torch, about 150 MB, would
     otherwise sit beside the training run), unless ``LIGHTNING_P2R_KEEP_PREPARE_HELPER=1`` keeps one per process.
     """
+    from concurrent.futures.process import BrokenProcessPool
+
     keep = os.environ.get(KEEP_HELPER_ENV) == "1"
     helper: Any = None
 
@@ -136,8 +139,6 @@ def token_writer() -> Iterator[Callable[..., None]]:
         if helper is None and threads_in_process() == 1:
             _optimize_forked(fn, inputs, output_dir, num_workers, **options)
             return
-        from concurrent.futures.process import BrokenProcessPool
-
         if helper is None:
             helper = _helper_kept_for_the_process() if keep else _new_helper()
         call = (_optimize_forked_in, os.getcwd(), fn, inputs, output_dir, num_workers)
@@ -146,7 +147,8 @@ def token_writer() -> Iterator[Callable[..., None]]:
         except BrokenProcessPool:  # a kept helper died after an earlier call (killed, out of memory): nothing of
             if not keep:           # this call ran yet, so another helper can take it
                 raise
-            helper = _helper_kept_for_the_process(replace=True)
+            _forget_kept_helper()
+            helper = _helper_kept_for_the_process()
             future = helper.submit(*call, **options)
         try:
             future.result()

@@ -1,8 +1,10 @@
 """What the users'-model workers (tied_worker.py, hf_worker.py) share: every rank reads its own slice of the same
 global batches (so a run compares exactly with one process), the step losses and every rank's whole weights are
-gathered, and rank 0 writes one file per configuration."""
+gathered, and rank 0 writes one file per configuration. parallel_worker.py reads its configurations through
+:func:`run_configs` too."""
 
 import argparse
+import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -53,8 +55,10 @@ def report(out: Path, name: str, trainer: L.Trainer, module: L.LightningModule, 
         dist.barrier()
 
 
+@functools.cache
 def read_report(out: Path, name: str) -> dict:
-    """What :func:`report` wrote for configuration ``name``."""
+    """What :func:`report` wrote for configuration ``name``; read once (a reference is compared with every layout
+    of its model), so callers must not change it."""
     return torch.load(out / f"{name}.pt", weights_only=True)
 
 

@@ -11,7 +11,6 @@ element in 1,024 (tp2_llama, 2.0e-4 against an atol of 1e-4), and so does the la
 movement (1.5% on one element of the head). In norm the tensors differed by at most 4.6e-4 of their
 movement (that head), the other layouts' by 2.8e-4 or less."""
 
-import functools
 import sys
 from pathlib import Path
 
@@ -284,17 +283,13 @@ def hf_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-_read = functools.lru_cache(maxsize=None)(read_report)
-"""A reference is read by every layout compared with it: once."""
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("config", TWO_PROCESSES + FOUR_PROCESSES, ids=lambda c: c["name"])
 def test_an_hf_model_built_in_place_trains_on_several_processes_like_the_eager_build_on_one(
         hf_runs: Path, config: dict) -> None:
-    reference = _read(hf_runs, config.get("reference", f"reference_{config['family']}"))
-    run = _read(hf_runs, config["name"])
+    reference = read_report(hf_runs, config.get("reference", f"reference_{config['family']}"))
+    run = read_report(hf_runs, config["name"])
     assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5)
     assert reference["losses"][-1] < reference["losses"][0]
     expected = reference["ranks"][0]["weights"]
@@ -331,7 +326,7 @@ def test_a_checkpoint_reshards_between_layouts(hf_runs: Path, name: str, family:
     """Saved on one process and resumed under tp2 (an MoE's experts split by expert over the tensor-parallel ranks;
     litgpt's packed qkv); saved under tp2 and resumed under tp2 x ep2 (one expert per rank): each continues with the
     uninterrupted run's losses."""
-    reference = _read(hf_runs, f"reference_one_batch_{family}")["losses"]
-    resumed = _read(hf_runs, name)["losses"]
+    reference = read_report(hf_runs, f"reference_one_batch_{family}")["losses"]
+    resumed = read_report(hf_runs, name)["losses"]
     assert len(reference) == 4 and len(resumed) == 2
     assert resumed == pytest.approx(reference[2:], rel=1e-5)

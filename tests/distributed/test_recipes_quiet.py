@@ -61,4 +61,3 @@ def test_a_recipe_prints_no_warning_outside_the_allow_list(recipe: Path, tmp_pat
     assert unexpected_warnings(result.stdout + result.stderr) == []
     if recipe.stem in RUN_CHECKS:
         RUN_CHECKS[recipe.stem](tmp_path / config["trainer"]["default_root_dir"])
-

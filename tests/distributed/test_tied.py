@@ -3,7 +3,6 @@ Hugging Face's (the head beside the module holding the embedding) and like M6 (t
 plain process, with the tie intact after setup and after training on every rank, and every rank's whole weights
 equal (a head that FSDP2 left outside its root trained apart on each rank, 6e-3 after 3 steps, before the fix)."""
 
-import functools
 from pathlib import Path
 
 import pytest
@@ -44,15 +43,12 @@ def tied_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-_read = functools.lru_cache(maxsize=None)(read_report)
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("config", ONE_PROCESS[2:] + TWO_PROCESSES, ids=lambda c: c["name"])
 def test_a_tied_model_trains_like_one_process_with_the_tie_kept_on_every_rank(tied_runs: Path, config: dict) -> None:
-    reference = _read(tied_runs, "reference" if config.get("head_outside", True) else "reference_inside")
-    run = _read(tied_runs, config["name"])
+    reference = read_report(tied_runs, "reference" if config.get("head_outside", True) else "reference_inside")
+    run = read_report(tied_runs, config["name"])
     assert reference["ranks"][0]["tied"] == [True, True]
     for rank in run["ranks"]:
         assert rank["tied"] == [True, True], "the head and the embedding are no longer one parameter"
