@@ -1,6 +1,7 @@
 """``lightning-p2r calibrate``: measure this machine's constants and write them as a cluster file.
 
     lightning-p2r calibrate --out cluster.yaml [--processes 2] [--threads N] [--quick]
+                                   [--probe-rounds R] [--no-fit]
 
 What it measures, each as the median of several timed repetitions after a warm-up:
 
@@ -47,8 +48,8 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``stage_overhead``, ``dtensor_overhead``, ``blocking_collective_overhead``, ``expert_wait_overhead`` (with
   ``--processes`` above one; ``--no-fit`` skips them): no microbenchmark isolates them, so a handful of small
   layouts that count them (pipeline, tensor, expert parallel, ZeRO) train for a few steps, as ``plan --trial`` runs
-  a layout, and the terms are fitted to their steps; ``fitted_spread`` keeps each term's range over the fits that
-  leave one layout out (:mod:`.fit_terms`).
+  a layout, each twice in turn (``--probe-rounds``), and the terms are fitted to their median steps;
+  ``fitted_spread`` keeps each term's range over the fits that leave one layout out (:mod:`.fit_terms`).
 
 While it times the device, each measuring process's share of its cores (CPU time over wall time) is watched: below
 90% other work was running, and the command says so and writes it into the file (``BusyMachineWarning``).
@@ -785,10 +786,15 @@ def main(argv: list[str]) -> None:
                              "GPUs the usable cores divided among the processes, as a run's host work uses them)")
     parser.add_argument("--name", default="this-machine")
     parser.add_argument("--quick", action="store_true", help="smaller, fewer measurements (seconds, noisier)")
+    parser.add_argument("--probe-rounds", type=int, default=None,
+                        help="times each probe layout of the fit is timed, the probes in turn; the fit reads each "
+                             "one's median (default 2; --quick: 1)")
     parser.add_argument("--no-fit", action="store_true",
                         help="skip fitting the framework waits from timed probe layouts (their terms stay 0; the "
                              "planner warns where a layout counts one)")
     args = parser.parse_args(argv)
+    if args.probe_rounds is not None and args.probe_rounds < 1:
+        parser.error(f"--probe-rounds must be at least 1, got {args.probe_rounds}")
     if args.threads is None:
         args.threads = host_threads("cuda" if torch.cuda.is_available() else "cpu", args.processes, usable_cores())
     try:
@@ -805,7 +811,8 @@ def main(argv: list[str]) -> None:
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     if args.processes > 1 and not args.no_fit:
-        cluster, _ = fit_framework_terms(cluster, quick=args.quick, threads=args.threads)
+        cluster, _ = fit_framework_terms(cluster, quick=args.quick, threads=args.threads,
+                                         rounds=args.probe_rounds)
     comment = (f"Measured by `lightning-p2r calibrate` on {time.strftime('%Y-%m-%d')} with {args.processes} "
                f"process(es) of {args.threads} thread(s).\nOne node was measured: inter-node constants repeat the "
                f"intra-node ones; edit them for a multi-node cluster.\n{describe_fit(cluster)}"

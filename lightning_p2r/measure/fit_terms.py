@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +37,10 @@ PROBES_PER_TERM = 2
 """Layouts timed per fitted term (``--quick``: 1); the same layout may serve several terms."""
 PROBE_STEPS = 8
 """Optimizer steps per probe (``--quick``: 5), two of them warm-up, as ``plan --trial`` runs a layout."""
+PROBE_ROUNDS = 2
+"""Times each probe is timed (``--quick``: 1), the probes in turn (1, 2, ..., K, then 1, 2, ... again); the fit reads
+each probe's median. On a 2-vCPU machine one probe's step moved by 10-35% between runs a few minutes apart
+(2026-11-29), and a single timing put that straight into the fitted terms."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,8 @@ class Probe:
     measured_s: float
     base_s: float
     counts: dict[str, float]
+    rounds_s: tuple[float, ...] = ()
+    """Each round's measured step, when the probe was timed more than once (``measured_s`` is their median)."""
 
 
 def probe_workload() -> tuple[M6Config, Workload]:
@@ -150,25 +157,38 @@ def fit_terms(probes: list[Probe]) -> tuple[dict[str, float], dict[str, list[flo
 
 
 def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | None = None,
-                        threads: int | None = None, log: Any = print) -> tuple[Cluster, list[Probe]]:
+                        threads: int | None = None, rounds: int | None = None,
+                        log: Any = print) -> tuple[Cluster, list[Probe]]:
     """Time the probe layouts on ``cluster.devices`` processes of this machine (``threads`` torch threads each, else
-    what ``plan --trial`` gives a process) and return ``cluster`` with the fitted terms and their spread set, and the
-    probes (``cluster`` unchanged, and no probe, on one device)."""
+    what ``plan --trial`` gives a process), ``rounds`` times in turn (``PROBE_ROUNDS``; ``quick``: once), and return
+    ``cluster`` with the fitted terms and their spread set, and the probes (``cluster`` unchanged, and no probe, on
+    one device)."""
     from .trial import run_trial, trial_spec
 
     layouts = probe_layouts(cluster, 1 if quick else PROBES_PER_TERM)
     config, workload = probe_workload()
     steps = steps or (5 if quick else PROBE_STEPS)
-    probes = []
+    rounds = rounds or (1 if quick else PROBE_ROUNDS)
+    if rounds < 1:
+        raise ValueError(f"probe rounds must be at least 1, got {rounds}")
+    timings: list[list[float]] = [[] for _ in layouts]
     with tempfile.TemporaryDirectory() as folder:
-        for index, layout in enumerate(layouts):
-            spec = trial_spec(config, layout, workload, devices=cluster.devices, steps=steps,
-                              accelerator=cluster.accelerator, out=str(Path(folder) / f"probe{index}"))
-            spec["threads"] = threads or spec["threads"]
-            probe = predicted_probe(layout, cluster, run_trial(spec))
-            log(f"probe {index + 1}/{len(layouts)}: {layout.describe()}: {probe.measured_s * 1e3:.1f} ms per step "
-                f"({probe.base_s * 1e3:.1f} ms before the fitted terms)")
-            probes.append(probe)
+        for round_ in range(rounds):
+            for index, layout in enumerate(layouts):
+                spec = trial_spec(config, layout, workload, devices=cluster.devices, steps=steps,
+                                  accelerator=cluster.accelerator, out=str(Path(folder) / f"probe{index}_{round_}"))
+                spec["threads"] = threads or spec["threads"]
+                timings[index].append(run_trial(spec))
+                of_rounds = f" (round {round_ + 1}/{rounds})" if rounds > 1 else ""
+                log(f"probe {index + 1}/{len(layouts)}{of_rounds}: {layout.describe()}: "
+                    f"{timings[index][-1] * 1e3:.1f} ms per step")
+    probes = []
+    for layout, measured in zip(layouts, timings):
+        probe = dataclasses.replace(predicted_probe(layout, cluster, statistics.median(measured)),
+                                    rounds_s=tuple(measured) if rounds > 1 else ())
+        log(f"{layout.describe()}: {probe.measured_s * 1e3:.1f} ms per step"
+            f"{' (median of its rounds)' if rounds > 1 else ''}, {probe.base_s * 1e3:.1f} ms before the fitted terms")
+        probes.append(probe)
     values, spread = fit_terms(probes)
     return dataclasses.replace(cluster, **values, fitted_spread=spread), probes
 

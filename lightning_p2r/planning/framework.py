@@ -34,6 +34,15 @@ half of a random sample of layouts, judged on the other half (docs/planning.md).
   modules (attention, the router, the experts' loop on local shards) run on plain tensors; counting every operator
   (as until 2026-11-29) made a 16-expert layer's loop look like hundreds of DTensor calls.
 
+Under a pipeline, the per-micro-batch terms (hooked modules, stage actions, DTensor passes, the waits of the
+collectives inside a stage's forward or backward: tensor parallel, pipeline sends, the balance loss, the expert
+all-to-alls) are part of a stage-time, and a stage-time is what the pipeline's fill and drain idle for: their counts
+stretch by ``1 / (1 - idle)``, as the compute does (``bubble_fraction``). Counting them once left a pipeline of two
+micro-batches 17-28% short on a 2-vCPU machine (the bubble there is a third of the step; 2026-11-29). Not on a CPU
+running more training processes than cores (``cpu_oversubscription`` above 1): there a rank idle in the fill or drain
+gives its core to the others, and stretching the counts made the stored cross-validation's 4-process pipelines worse
+(largest held-out error 31.9% -> 40.5%); without it the stored samples score as before.
+
 On a CPU-only machine running more training threads than cores the fitted counts stretch by
 ``Cluster.cpu_oversubscription`` (measured by ``calibrate``): each count is Python work of one process, which then
 gets only that share of a core. The measured terms were measured in every process at once, so their constants
@@ -44,6 +53,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from ..layout import bubble_fraction
 from ..models.config import M6Config
 from .cluster import FITTED_TERMS, Cluster
 from .layout import Layout, Workload
@@ -114,6 +124,18 @@ def blocking_collective_calls(transfers: Sequence[Transfer], overlap_collectives
     return sync_points + sum(t.calls for t in blocking if t.label != TENSOR_PARALLEL)
 
 
+IN_STAGE_LABELS = (TENSOR_PARALLEL, EXPERT_DISPATCH, "pipeline", "balance loss")
+"""Transfers made inside a stage's forward or backward, once per micro-batch (the others run once per step, after
+the pipeline's schedule: data parallel, clipping, the pipeline replicas' reductions)."""
+
+
+def pipeline_stretch(layout: Layout) -> float:
+    """How much longer a pipeline rank's step is than its own stage-times: ``1 / (1 - idle)``, with idle the
+    schedule's fill-and-drain share (1 without a pipeline)."""
+    idle = bubble_fraction(layout.pipeline_parallel, layout.stages_per_rank, layout.micro_batches)
+    return 1.0 / (1.0 - idle)
+
+
 def expert_dispatch_calls(transfers: Sequence[Transfer]) -> int:
     """The expert-parallel all-to-all calls among the rank's step ``transfers``: each waits for the rank with the
     most routed tokens."""
@@ -131,13 +153,19 @@ def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workloa
     share = share or rank_share(config, layout, cluster, workload)
     if transfers is None:
         transfers = step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
-    fitted = {"stage_overhead": pipeline_stage_actions(layout),
-              "dtensor_overhead": tensor_parallel_module_passes(config, layout, share),
-              "blocking_collective_overhead": blocking_collective_calls(transfers, cluster.overlap_collectives),
-              "expert_wait_overhead": expert_dispatch_calls(transfers)}
+    in_stage = [t for t in transfers if t.label in IN_STAGE_LABELS]
+    per_step = [t for t in transfers if t.label not in IN_STAGE_LABELS]
+    overlap = cluster.overlap_collectives
+    # The stage-time terms repeat in the pipeline's idle time, on a machine where an idle rank's core stays idle.
+    idle = pipeline_stretch(layout) if cluster.cpu_oversubscription <= 1 else 1.0
+    fitted = {"stage_overhead": idle * pipeline_stage_actions(layout),
+              "dtensor_overhead": idle * tensor_parallel_module_passes(config, layout, share),
+              "blocking_collective_overhead": (idle * blocking_collective_calls(in_stage, overlap)
+                                               + blocking_collective_calls(per_step, overlap)),
+              "expert_wait_overhead": idle * expert_dispatch_calls(transfers)}
     stretch = cluster.cpu_oversubscription
     measured = {"batch_overhead": extra_lightning_batches(layout),
-                "module_hook_overhead": hooked_module_passes(layout, share, cluster.devices)}
+                "module_hook_overhead": idle * hooked_module_passes(layout, share, cluster.devices)}
     return measured | {k: v * stretch for k, v in fitted.items()}
 
 
