@@ -20,7 +20,10 @@ held-out layouts; item 2: the same on a GPU).
    planner's estimate; ``--measured CSV`` re-predicts stored measurements without running anything, so a change to
    the cost model is judged on the same draw. The summary prints the median and largest |error| and Spearman's rank
    correlation of predicted and measured step, for all rows and per process count, and with ``--rounds`` how far
-   a row's own rounds lie apart (median and largest): the timing noise the errors are measured against.
+   a row's own rounds lie apart (median and largest): the timing noise the errors are measured against. Each row also
+   gets ``predicted_low_s`` / ``predicted_high_s``, its step with the fitted terms at the ends of their
+   leave-one-out ranges (what ``plan`` prints as ``step_low_s`` / ``step_high_s``), and the summary counts the rows
+   whose measured step lies inside it.
 
 The user's path (issue 41 item 1) is ``lightning-p2r calibrate --processes N --out FILE`` (which fits the framework
 waits on this machine) and then this draw with ``--cluster FILE``: no term is chosen or fitted on the draw.
@@ -45,11 +48,11 @@ from lightning_p2r.benchmarks.report import apply_threads, base_parser
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning.cluster import Cluster, cluster_for, load_cluster
 from lightning_p2r.planning.layout import Layout, Workload, check_layout
-from lightning_p2r.planning.step_time import estimate_step
+from lightning_p2r.planning.step_time import estimate_step, fitted_step_range
 
 COLUMNS = ("draw", "processes", "layout", "layers", "dim", "experts", "top_k", "seq_len", "global_batch", "precision",
-           "measured_s", "measured_min_s", "measured_max_s", "rounds", "predicted_s", "error_pct", "status", "model",
-           "options")
+           "measured_s", "measured_min_s", "measured_max_s", "rounds", "predicted_s", "predicted_low_s",
+           "predicted_high_s", "error_pct", "status", "model", "options")
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,18 @@ def measure_rows(items: list[Draw], timer: Callable[[Draw], float], *, rounds: i
     return rows
 
 
+def budget_note(rows: list[dict[str, Any]], rounds: int) -> str | None:
+    """What ``--budget-s`` left out of the draw (draws never measured, rows measured in fewer than ``rounds``
+    rounds), to say beside the summary; None when everything ran. The default budget stops a full draw early."""
+    skipped = [row for row in rows if str(row.get("status", "")).startswith("skipped")]
+    short = [row for row in rows if row.get("status") == "ok" and int(row.get("rounds") or rounds) < rounds]
+    if not skipped and not short:
+        return None
+    return (f"the budget ended the draw early: {len(skipped)} of {len(rows)} draws not measured, {len(short)} measured "
+            f"in fewer than {rounds} rounds; the summary covers only what was measured (raise --budget-s to measure "
+            "the whole draw)")
+
+
 def row_of(index: int, item: Draw) -> dict[str, Any]:
     config = item.config
     return {"draw": index, "processes": item.processes, "layout": item.layout.describe(),
@@ -190,6 +205,8 @@ def predict(rows: list[dict[str, Any]], clusters: list[Cluster]) -> None:
         predicted = estimate_step(item.config, item.layout, devices, item.workload).total
         measured = float(row["measured_s"])
         row["predicted_s"] = predicted
+        row["predicted_low_s"], row["predicted_high_s"] = fitted_step_range(item.config, item.layout, devices,
+                                                                            item.workload)
         row["error_pct"] = 100 * (predicted - measured) / measured
 
 
@@ -203,6 +220,13 @@ def _scores(scored: list[dict[str, Any]]) -> dict[str, Any]:
                for r in scored if int(r.get("rounds") or 1) > 1]
     if spreads:
         result |= {"median_rounds_spread_pct": statistics.median(spreads), "max_rounds_spread_pct": max(spreads)}
+    # Rows whose prediction moves with the fitted terms' leave-one-out ranges: how often the measurement lies inside.
+    ranged = [r for r in scored if r.get("predicted_low_s") not in (None, "")
+              and float(r["predicted_low_s"]) < float(r["predicted_high_s"])]
+    if ranged:
+        inside = sum(float(r["predicted_low_s"]) <= float(r["measured_s"]) <= float(r["predicted_high_s"])
+                     for r in ranged)
+        result |= {"rows_with_fitted_range": len(ranged), "measured_within_fitted_range": inside}
     return result
 
 
@@ -240,7 +264,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--steps", type=int, default=5, help="optimizer steps per draw (2 of them warm-up)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="run the whole draw this many times in turn; each row keeps its rounds' median")
-    parser.add_argument("--budget-s", type=float, default=150.0, help="stop drawing after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="stop drawing after this many seconds (a full draw of 20 rows per process count in 3 "
+                             "rounds took about 21 minutes on 2 CPU cores: raise it to measure the whole draw)")
     parser.add_argument("--cluster", nargs="+",
                         help="calibrated cluster files of this machine (one per process count, `lightning-p2r "
                              "calibrate --processes N`): predict every row with its count's file")
@@ -269,6 +295,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                   f"s{row['seq_len']}: measured {float(row['measured_s']):.4g} s, predicted "
                   f"{float(row['predicted_s']):.4g} s ({float(row['error_pct']):+.0f}%)")
     print(summary(rows))
+    if not args.measured and (note := budget_note(rows, args.rounds)):
+        print(f"warning: {note}")
     print(f"wrote {out}")
     return rows
 

@@ -168,7 +168,8 @@ def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | N
     layouts = probe_layouts(cluster, 1 if quick else PROBES_PER_TERM)
     config, workload = probe_workload()
     steps = steps or (5 if quick else PROBE_STEPS)
-    rounds = rounds or (1 if quick else PROBE_ROUNDS)
+    if rounds is None:
+        rounds = 1 if quick else PROBE_ROUNDS
     if rounds < 1:
         raise ValueError(f"probe rounds must be at least 1, got {rounds}")
     timings: list[list[float]] = [[] for _ in layouts]

@@ -23,6 +23,7 @@ from .framework import HOW_TO_GET, missing_terms
 from .layout import SCHEDULES, SHARDINGS, Layout, Workload
 from .model import parameter_count, pseudo_of
 from .search import Plan, SearchSpace, evaluate, search
+from .step_time import fitted_step_range
 
 GB = 1e9
 TRIAL_STEPS = 20
@@ -93,13 +94,18 @@ def _yaml_value(value: Any) -> str:
     return str(value)
 
 
-def plan_rows(plans: list[Plan], workload: Workload, pseudo: M6Config | None,
+def plan_rows(config: M6Config, plans: list[Plan], workload: Workload, pseudo: M6Config | None,
               cluster: Cluster) -> list[dict[str, Any]]:
+    """One printed row per plan. With a calibrated file's ``fitted_spread``, ``step_low_s`` / ``step_high_s``: the
+    step with every fitted term at the low and at the high end of its leave-one-out range
+    (:func:`fitted_step_range`)."""
     rows = []
     for rank, plan in enumerate(plans, 1):
         step, memory = plan.step, plan.memory
         row = {"rank": rank, "layout": plan.layout.describe(), "tokens_per_s": plan.tokens_per_second(workload),
                "step_s": step.total}
+        if cluster.fitted_spread:
+            row["step_low_s"], row["step_high_s"] = fitted_step_range(config, plan.layout, cluster, workload)
         row |= {f"{k}_s": v for k, v in step.as_dict().items() if k != "total"}
         row |= {"device_GB": memory.device_total / GB, "states_GB": memory.model_states / GB,
                 "activations_GB": memory.activations / GB, "host_GB": memory.host / GB}
@@ -226,8 +232,9 @@ def main(argv: list[str]) -> None:
     if not plans:
         raise SystemExit("no layout fits: add devices, memory, offload fractions up to 1, or lower the batch")
     pseudo = pseudo_of(config) if config.num_blocks == config.num_layers else None
-    rows = plan_rows(plans[: args.top], workload, pseudo, cluster)
-    columns = ["rank", "layout", "tokens_per_s", "step_s", "compute_s", "bubble_s", "tensor_parallel_s",
+    rows = plan_rows(config, plans[: args.top], workload, pseudo, cluster)
+    spread = ["step_low_s", "step_high_s"] if cluster.fitted_spread else []
+    columns = ["rank", "layout", "tokens_per_s", "step_s", *spread, "compute_s", "bubble_s", "tensor_parallel_s",
                "expert_parallel_s", "pipeline_sends_s", "data_parallel_s", "offload_copies_s", "optimizer_s",
                "device_GB", "states_GB", "activations_GB", "host_GB"] + (["pseudo_step_s"] if pseudo else [])
     print(format_rows(rows, columns))
@@ -237,7 +244,7 @@ def main(argv: list[str]) -> None:
     if args.trial is not None:
         trial(config, plans[: args.trial], workload, cluster, args.trial_steps, accelerator, args.trial_rounds)
     if args.csv:
-        every = plan_rows(plans, workload, None, cluster)
+        every = plan_rows(config, plans, workload, None, cluster)
         with open(args.csv, "w", newline="") as file:
             writer = csv.DictWriter(file, fieldnames=columns[:-1] if pseudo else columns, extrasaction="ignore")
             writer.writeheader()

@@ -32,7 +32,7 @@ Every assumption is one line here, so a mismatch with a measured step points at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from ..layout import bubble_fraction as pipeline_bubble
 from ..models.config import M6Config
@@ -213,3 +213,15 @@ def _optimizer_seconds(config: M6Config, layout: Layout, cluster: Cluster, workl
     host = stored_elements(config, layout, share, blocks=offloaded, outside_blocks=False)
     device = resident * cluster.optimizer_seconds_per_param
     return device + host * cluster.host_optimizer_seconds_per_param
+
+
+def fitted_step_range(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload) -> tuple[float, float]:
+    """The step ``estimate_step`` predicts with every fitted term at the low end, and at the high end, of its range
+    over the fits that left one probe out (``Cluster.fitted_spread``): how far the prediction moves with what the
+    calibration's own timings leave undetermined. A layout that counts no fitted term, or a file without a spread,
+    gives the prediction twice. Not a bound on the measured step: the machine's speed moves too."""
+    ends = []
+    for end in (0, 1):
+        at_end = {term: spread[end] for term, spread in cluster.fitted_spread.items()}
+        ends.append(estimate_step(config, layout, replace(cluster, **at_end), workload).total)
+    return ends[0], ends[1]

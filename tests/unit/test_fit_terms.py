@@ -150,3 +150,66 @@ def test_a_bad_spread_is_refused_naming_the_field(spread) -> None:
 
 def test_describe_fit_says_when_nothing_was_fitted() -> None:
     assert "one process" in describe_fit(_cpu_cluster(1))
+
+
+def test_each_probe_is_timed_in_rounds_and_fitted_at_its_median(monkeypatch) -> None:
+    """``calibrate`` times the probes in turn (1, 2, ..., K, then again), ``rounds`` times (two by default), and the
+    fit reads each probe's median: a probe slowed once by something else on the machine moves one round, not its
+    fitted value. ``--quick`` times each once."""
+    import lightning_p2r.measure.trial as trial
+    from lightning_p2r.measure.fit_terms import PROBE_ROUNDS, fit_framework_terms
+
+    cluster = _cpu_cluster(2)
+    layouts = probe_layouts(cluster)
+    calls: list[str] = []
+
+    def timed(spec: dict) -> float:  # probe i's rounds: (i + 1) x 10 ms x (1.0, 1.1, 0.9); its first probe slowed once
+        round_, index = divmod(len(calls), len(layouts))
+        calls.append(spec["name"])
+        return (index + 1) * 0.01 * (5.0 if (index, round_) == (0, 1) else (1.0, 1.1, 0.9)[round_])
+
+    monkeypatch.setattr(trial, "run_trial", timed)
+    fitted, probes = fit_framework_terms(cluster, threads=1, rounds=3, log=lambda _: None)
+    assert calls == [layout.describe() for layout in layouts] * 3
+    assert [p.layout for p in probes] == layouts
+    assert probes[0].rounds_s == pytest.approx((0.01, 0.05, 0.009))
+    assert [p.measured_s for p in probes] == pytest.approx([(i + 1) * 0.01 for i in range(len(layouts))])
+    assert set(fitted.fitted_spread) == set(FITTED)
+    calls.clear()
+    _, default = fit_framework_terms(cluster, threads=1, log=lambda _: None)
+    assert len(calls) == PROBE_ROUNDS * len(layouts) == 2 * len(default)
+    calls.clear()
+    _, quick = fit_framework_terms(cluster, threads=1, quick=True, log=lambda _: None)
+    assert len(calls) == len(quick) and all(p.rounds_s == () for p in quick)
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="probe rounds must be at least 1"):
+            fit_framework_terms(cluster, threads=1, rounds=bad, log=lambda _: None)
+
+
+def test_the_step_range_moves_each_fitted_term_to_the_ends_of_its_spread() -> None:
+    """``plan``'s step_low_s / step_high_s: the prediction with every fitted term at the low, then the high, end of
+    its leave-one-out range; the estimate is linear in the terms, so each end is the prediction plus each count
+    times the distance to that end. A layout that counts none, or a file without a spread, gives the prediction."""
+    from lightning_p2r.planning.step_time import estimate_step, fitted_step_range
+
+    config, workload = probe_workload()
+    values = {"stage_overhead": 600e-6, "dtensor_overhead": 400e-6, "blocking_collective_overhead": 1e-3,
+              "expert_wait_overhead": 800e-6}
+    spread = {"stage_overhead": [300e-6, 2e-3], "dtensor_overhead": [380e-6, 450e-6],
+              "blocking_collective_overhead": [0.9e-3, 1.4e-3], "expert_wait_overhead": [0.0, 1.6e-3]}
+    cluster = Cluster(accelerator="cpu", devices=2, devices_per_node=2, overlap_collectives=False, **values,
+                      fitted_spread=spread)
+    for layout in (Layout(pipeline_parallel=2, micro_batches=2), Layout(tensor_parallel=2), Layout(expert_parallel=2)):
+        counts = framework_counts(config, layout, cluster, workload)
+        step = estimate_step(config, layout, cluster, workload).total
+        low, high = fitted_step_range(config, layout, cluster, workload)
+        assert low == pytest.approx(step + sum(counts[t] * (spread[t][0] - values[t]) for t in FITTED))
+        assert high == pytest.approx(step + sum(counts[t] * (spread[t][1] - values[t]) for t in FITTED))
+        assert low < step < high
+    # One process counts no fitted term; a file without a spread has no range to move in.
+    one = Cluster(accelerator="cpu", devices=1, devices_per_node=1, **values, fitted_spread=spread)
+    step = estimate_step(config, Layout(), one, workload).total
+    assert fitted_step_range(config, Layout(), one, workload) == (pytest.approx(step), pytest.approx(step))
+    bare = _cpu_cluster(2)
+    step = estimate_step(config, Layout(tensor_parallel=2), bare, workload).total
+    assert fitted_step_range(config, Layout(tensor_parallel=2), bare, workload) == (step, step)

@@ -117,6 +117,19 @@ def test_the_summary_reports_errors_and_rank_correlation() -> None:
     assert spread["max_rounds_spread_pct"] == pytest.approx(50)
 
 
+def test_the_summary_counts_the_rows_measured_within_their_fitted_range() -> None:
+    """Rows whose prediction moves with the fitted terms (low < high) are counted, and those whose measured step
+    lies inside [low, high]; a row that counts no fitted term (low == high) is left out."""
+    rows = [{"measured_s": m, "predicted_s": p, "error_pct": 100 * (p - m) / m, "predicted_low_s": lo,
+             "predicted_high_s": hi}
+            for m, p, lo, hi in ((1.0, 1.1, 0.9, 1.3), (2.0, 1.8, 1.7, 1.9), (3.0, 3.3, 3.3, 3.3),
+                                 (4.0, 4.0, 3.5, 4.5))]
+    result = planner_draw.summary(rows)
+    assert (result["rows_with_fitted_range"], result["measured_within_fitted_range"]) == (3, 2)
+    assert "rows_with_fitted_range" not in planner_draw.summary([{k: v for k, v in r.items() if "_low" not in k}
+                                                                  for r in rows])
+
+
 def test_a_several_process_draw_takes_layouts_from_the_planners_space_and_reports_per_count(tmp_path: Path) -> None:
     from lightning_p2r.planning.search import candidate_layouts
 
@@ -174,5 +187,10 @@ def test_rounds_run_the_whole_draw_in_turn_and_each_row_keeps_its_median() -> No
     assert written == [3] * 6
     past = planner_draw.measure_rows(items[:2], lambda item: 0.2, rounds=2, budget_s=-1.0)
     assert [row["status"] for row in past] == ["skipped: past --budget-s -1.0"] * 2
+    # The run says what the budget left out, beside its summary; nothing when the whole draw ran.
+    assert "2 of 2 draws not measured, 0 measured in fewer than 2 rounds" in planner_draw.budget_note(past, 2)
+    cut = [rows[0] | {"rounds": 1}, rows[1], rows[2]]  # one row with one round of three; the failed one is not "short"
+    assert "0 of 3 draws not measured, 1 measured in fewer than 3 rounds" in planner_draw.budget_note(cut, 3)
+    assert planner_draw.budget_note(rows, 3) is None
     with pytest.raises(SystemExit):
         planner_draw.main(["--rounds", "0"])

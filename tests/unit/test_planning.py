@@ -475,6 +475,42 @@ def test_blocking_collectives_are_counted_on_the_critical_path_only() -> None:
     assert framework_counts(DENSE, Layout(), cluster(1), WORK)["blocking_collective_overhead"] == 0
 
 
+def test_a_pipelines_stage_time_terms_repeat_in_its_idle_time() -> None:
+    """Under a pipeline the per-micro-batch terms (hooked modules, stage actions, pipeline sends' waits) are part of a
+    stage-time, which the fill and drain idle for: their counts are the plain counts times 1 / (1 - idle), with
+    idle = (p - 1) / (v m + p - 1). The waits run once per step (the pipeline replicas' reduction) are not
+    stretched, and nothing is on a CPU running more processes than cores, nor without a pipeline."""
+    from lightning_p2r.planning.framework import (
+        blocking_collective_calls,
+        framework_counts,
+        hooked_module_passes,
+        pipeline_stage_actions,
+        pipeline_stretch,
+    )
+    from lightning_p2r.planning.share import rank_share
+
+    layout = Layout(sharding="zero2", pipeline_parallel=2, micro_batches=2)
+    machine = cluster(2, overlap_collectives=False)
+    stretch = 1 / (1 - 1 / 3)  # p = 2, m = 2: idle (2 - 1) / (2 + 2 - 1)
+    assert pipeline_stretch(layout) == pytest.approx(stretch)
+    counts = framework_counts(DENSE, layout, machine, WORK)
+    share = rank_share(DENSE, layout, machine, WORK)
+    assert counts["stage_overhead"] == pytest.approx(stretch * pipeline_stage_actions(layout))
+    assert counts["module_hook_overhead"] == pytest.approx(stretch * hooked_module_passes(layout, share, 2))
+    transfers = step_transfers(DENSE, layout, machine, WORK, pipeline_rank=0)
+    sends = blocking_collective_calls([t for t in transfers if t.label == "pipeline"], False)
+    once = blocking_collective_calls([t for t in transfers if t.label != "pipeline"], False)
+    assert sends == 2 and once >= 1  # one send per micro-batch; the replicas' reduction once per step
+    assert counts["blocking_collective_overhead"] == pytest.approx(stretch * sends + once)
+    # An oversubscribed CPU (4 processes on 2 cores) counts each once, stretched by the oversubscription only.
+    crowded = framework_counts(DENSE, layout, dataclasses.replace(machine, cpu_oversubscription=2.0), WORK)
+    assert crowded["stage_overhead"] == pytest.approx(2.0 * pipeline_stage_actions(layout))
+    assert crowded["module_hook_overhead"] == hooked_module_passes(layout, share, 2)
+    # More micro-batches, less idle: the stretch shrinks toward 1.
+    assert pipeline_stretch(dataclasses.replace(layout, micro_batches=16)) == pytest.approx(17 / 16)
+    assert pipeline_stretch(Layout(micro_batches=4)) == 1.0
+
+
 def test_with_one_data_parallel_rank_the_zero_stages_are_one_row() -> None:
     """One device (or all devices in one tensor-parallel group) leaves ZeRO nothing to shard: the plan lists that
     layout once, at its fastest stage, while with two data-parallel ranks the stages stay apart."""

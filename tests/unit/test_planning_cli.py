@@ -82,6 +82,30 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path) -> No
     assert "processes and threads must be >= 1" in capsys.readouterr().err
 
 
+def test_plan_shows_how_far_each_step_moves_with_the_fitted_terms_spread(capsys, tmp_path) -> None:
+    """With a calibrated file (fitted terms and their leave-one-out ranges), each row has step_low_s <= step_s <=
+    step_high_s; a file without a spread has no such columns."""
+    import csv
+
+    calibrated = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "planner_user_xeon_final_cluster-2.yaml"
+    out = tmp_path / "plan.csv"
+    main(["plan", "--cluster", str(calibrated), "--config", str(RECIPES / "quickstart.yaml"), "--csv", str(out)])
+    assert "step_low_s" in capsys.readouterr().out
+    rows = list(csv.DictReader(out.open()))
+    assert rows and all(float(r["step_low_s"]) <= float(r["step_s"]) <= float(r["step_high_s"]) for r in rows)
+    assert any(float(r["step_low_s"]) < float(r["step_high_s"]) for r in rows)
+    main(["plan", "--cluster", str(CLUSTER), "--config", str(RECIPES / "quickstart.yaml"), "--csv", str(out)])
+    assert "step_low_s" not in capsys.readouterr().out and "step_low_s" not in out.read_text()
+
+
+def test_calibrate_refuses_zero_probe_rounds_before_measuring_anything(capsys, tmp_path) -> None:
+    out = tmp_path / "here.yaml"
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--processes", "2", "--probe-rounds", "0", "--out", str(out)])
+    assert "--probe-rounds must be at least 1, got 0" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_plan_names_a_wrong_model_field_of_the_recipe(capsys, tmp_path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("model:\n  config:\n    num_layer: 4\n")
