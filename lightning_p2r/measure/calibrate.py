@@ -788,13 +788,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller, fewer measurements (seconds, noisier)")
     parser.add_argument("--probe-rounds", type=int, default=None,
                         help="times each probe layout of the fit is timed, the probes in turn; the fit reads each "
-                             "one's median (default 2; --quick: 1)")
+                             "one's median (default 2, their mean; --quick: 1)")
     parser.add_argument("--no-fit", action="store_true",
                         help="skip fitting the framework waits from timed probe layouts (their terms stay 0; the "
                              "planner warns where a layout counts one)")
     args = parser.parse_args(argv)
     if args.probe_rounds is not None and args.probe_rounds < 1:
         parser.error(f"--probe-rounds must be at least 1, got {args.probe_rounds}")
+    if args.probe_rounds is not None and (args.no_fit or args.processes < 2):
+        parser.error("--probe-rounds shapes the fit of the framework waits, which runs with --processes 2 or more "
+                     "and without --no-fit")
     if args.threads is None:
         args.threads = host_threads("cuda" if torch.cuda.is_available() else "cpu", args.processes, usable_cores())
     try:

@@ -39,9 +39,12 @@ collectives inside a stage's forward or backward: tensor parallel, pipeline send
 all-to-alls) are part of a stage-time, and a stage-time is what the pipeline's fill and drain idle for: their counts
 stretch by ``1 / (1 - idle)``, as the compute does (``bubble_fraction``). Counting them once left a pipeline of two
 micro-batches 17-28% short on a 2-vCPU machine (the bubble there is a third of the step; 2026-11-29). Not on a CPU
-running more training processes than cores (``cpu_oversubscription`` above 1): there a rank idle in the fill or drain
+running more training threads than cores (``cpu_oversubscription`` above 1): there a rank idle in the fill or drain
 gives its core to the others, and stretching the counts made the stored cross-validation's 4-process pipelines worse
-(largest held-out error 31.9% -> 40.5%); without it the stored samples score as before.
+(largest held-out error 31.9% -> 40.5%); without it the stored samples score as before. Two parts are not stretched
+yet: the in-stage collectives' own seconds (priced as transfers, not counted here), and the data-parallel gathers
+and reduce-scatters that FSDP2 repeats per micro-batch inside a pipeline's stages (labelled data parallel, so
+counted once per call, unstretched).
 
 On a CPU-only machine running more training threads than cores the fitted counts stretch by
 ``Cluster.cpu_oversubscription`` (measured by ``calibrate``): each count is Python work of one process, which then
@@ -125,8 +128,9 @@ def blocking_collective_calls(transfers: Sequence[Transfer], overlap_collectives
 
 
 IN_STAGE_LABELS = (TENSOR_PARALLEL, EXPERT_DISPATCH, "pipeline", "balance loss")
-"""Transfers made inside a stage's forward or backward, once per micro-batch (the others run once per step, after
-the pipeline's schedule: data parallel, clipping, the pipeline replicas' reductions)."""
+"""Transfers made inside a stage's forward or backward, once per micro-batch. The others are counted once per call:
+clipping and the pipeline replicas' reductions run once per step, after the schedule; so do most data-parallel
+ones, but not the gathers and reduce-scatters FSDP2 repeats per micro-batch (see the module docstring)."""
 
 
 def pipeline_stretch(layout: Layout) -> float:
@@ -149,7 +153,8 @@ def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workloa
 
     The fitted terms are Python time of one process at a core of its own: on a machine running more training
     threads than it has cores (``Cluster.cpu_oversubscription``), each process gets that share of a core, and their
-    counts stretch by it. The ``MEASURED`` terms are measured on the same processes, so they already include it."""
+    counts stretch by it. The ``MEASURED`` terms are measured on the same processes, so they already include it.
+    Under a pipeline the per-micro-batch counts also stretch by :func:`pipeline_stretch` (see the module docstring)."""
     share = share or rank_share(config, layout, cluster, workload)
     if transfers is None:
         transfers = step_transfers(config, layout, cluster, workload, pipeline_rank=share.pipeline_rank)
@@ -157,15 +162,15 @@ def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workloa
     per_step = [t for t in transfers if t.label not in IN_STAGE_LABELS]
     overlap = cluster.overlap_collectives
     # The stage-time terms repeat in the pipeline's idle time, on a machine where an idle rank's core stays idle.
-    idle = pipeline_stretch(layout) if cluster.cpu_oversubscription <= 1 else 1.0
-    fitted = {"stage_overhead": idle * pipeline_stage_actions(layout),
-              "dtensor_overhead": idle * tensor_parallel_module_passes(config, layout, share),
-              "blocking_collective_overhead": (idle * blocking_collective_calls(in_stage, overlap)
+    in_stage_stretch = pipeline_stretch(layout) if cluster.cpu_oversubscription <= 1 else 1.0
+    fitted = {"stage_overhead": in_stage_stretch * pipeline_stage_actions(layout),
+              "dtensor_overhead": in_stage_stretch * tensor_parallel_module_passes(config, layout, share),
+              "blocking_collective_overhead": (in_stage_stretch * blocking_collective_calls(in_stage, overlap)
                                                + blocking_collective_calls(per_step, overlap)),
-              "expert_wait_overhead": idle * expert_dispatch_calls(transfers)}
+              "expert_wait_overhead": in_stage_stretch * expert_dispatch_calls(transfers)}
     stretch = cluster.cpu_oversubscription
     measured = {"batch_overhead": extra_lightning_batches(layout),
-                "module_hook_overhead": idle * hooked_module_passes(layout, share, cluster.devices)}
+                "module_hook_overhead": in_stage_stretch * hooked_module_passes(layout, share, cluster.devices)}
     return measured | {k: v * stretch for k, v in fitted.items()}
 
 

@@ -206,6 +206,13 @@ def test_the_step_range_moves_each_fitted_term_to_the_ends_of_its_spread() -> No
         assert low == pytest.approx(step + sum(counts[t] * (spread[t][0] - values[t]) for t in FITTED))
         assert high == pytest.approx(step + sum(counts[t] * (spread[t][1] - values[t]) for t in FITTED))
         assert low < step < high
+    # A fitted value outside its leave-one-out range (non-negative least squares allows it): the range still holds
+    # the prediction.
+    outside = Cluster(accelerator="cpu", devices=2, devices_per_node=2, overlap_collectives=False,
+                      **(values | {"stage_overhead": 3e-3}), fitted_spread=spread)
+    layout = Layout(pipeline_parallel=2, micro_batches=2)
+    low, high = fitted_step_range(config, layout, outside, workload)
+    assert low < estimate_step(config, layout, outside, workload).total == pytest.approx(high)
     # One process counts no fitted term; a file without a spread has no range to move in.
     one = Cluster(accelerator="cpu", devices=1, devices_per_node=1, **values, fitted_spread=spread)
     step = estimate_step(config, Layout(), one, workload).total

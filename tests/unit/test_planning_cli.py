@@ -87,7 +87,8 @@ def test_plan_shows_how_far_each_step_moves_with_the_fitted_terms_spread(capsys,
     step_high_s; a file without a spread has no such columns."""
     import csv
 
-    calibrated = Path(__file__).resolve().parents[2] / "docs" / "benchmarks" / "planner_user_xeon_final_cluster-2.yaml"
+    docs = Path(__file__).resolve().parents[2] / "docs" / "benchmarks"
+    calibrated = docs / "planner_user_xeon_seed151_cluster-2.yaml"
     out = tmp_path / "plan.csv"
     main(["plan", "--cluster", str(calibrated), "--config", str(RECIPES / "quickstart.yaml"), "--csv", str(out)])
     assert "step_low_s" in capsys.readouterr().out
@@ -103,6 +104,10 @@ def test_calibrate_refuses_zero_probe_rounds_before_measuring_anything(capsys, t
     with pytest.raises(SystemExit):
         main(["calibrate", "--processes", "2", "--probe-rounds", "0", "--out", str(out)])
     assert "--probe-rounds must be at least 1, got 0" in capsys.readouterr().err
+    for ignored in (["--processes", "1"], ["--processes", "2", "--no-fit"]):
+        with pytest.raises(SystemExit):
+            main(["calibrate", *ignored, "--probe-rounds", "3", "--out", str(out)])
+        assert "--probe-rounds shapes the fit of the framework waits" in capsys.readouterr().err
     assert not out.exists()
 
 
