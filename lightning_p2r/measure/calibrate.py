@@ -48,7 +48,7 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``stage_overhead``, ``dtensor_overhead``, ``blocking_collective_overhead``, ``expert_wait_overhead`` (with
   ``--processes`` above one; ``--no-fit`` skips them): no microbenchmark isolates them, so a handful of small
   layouts that count them (pipeline, tensor, expert parallel, ZeRO) train for a few steps, as ``plan --trial`` runs
-  a layout, each twice in turn (``--probe-rounds``), and the terms are fitted to their median steps;
+  a layout, each twice in turn (``--probe-rounds``), and the terms are fitted to their median steps (of two, the mean);
   ``fitted_spread`` keeps each term's range over the fits that leave one layout out (:mod:`.fit_terms`).
 
 While it times the device, each measuring process's share of its cores (CPU time over wall time) is watched: below
