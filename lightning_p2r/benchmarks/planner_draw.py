@@ -206,7 +206,7 @@ def predict(rows: list[dict[str, Any]], clusters: list[Cluster]) -> None:
         measured = float(row["measured_s"])
         row["predicted_s"] = predicted
         row["predicted_low_s"], row["predicted_high_s"] = fitted_step_range(item.config, item.layout, devices,
-                                                                            item.workload)
+                                                                            item.workload, predicted)
         row["error_pct"] = 100 * (predicted - measured) / measured
 
 

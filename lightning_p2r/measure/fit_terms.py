@@ -165,7 +165,7 @@ def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | N
     what ``plan --trial`` gives a process), ``rounds`` times in turn (``PROBE_ROUNDS``; ``quick``: once), and return
     ``cluster`` with the fitted terms and their spread set, and the probes (``cluster`` unchanged, and no probe, on
     one device)."""
-    from .trial import run_trial, trial_spec
+    from .trial import in_turn, run_trial, trial_spec
 
     layouts = probe_layouts(cluster, 1 if quick else PROBES_PER_TERM)
     config, workload = probe_workload()
@@ -174,17 +174,18 @@ def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | N
         rounds = 1 if quick else PROBE_ROUNDS
     if rounds < 1:
         raise ValueError(f"probe rounds must be at least 1, got {rounds}")
-    timings: list[list[float]] = [[] for _ in layouts]
     with tempfile.TemporaryDirectory() as folder:
-        for round_ in range(rounds):
-            for index, layout in enumerate(layouts):
-                spec = trial_spec(config, layout, workload, devices=cluster.devices, steps=steps,
-                                  accelerator=cluster.accelerator, out=str(Path(folder) / f"probe{index}_{round_}"))
-                spec["threads"] = threads or spec["threads"]
-                timings[index].append(run_trial(spec))
-                of_rounds = f" (round {round_ + 1}/{rounds})" if rounds > 1 else ""
-                log(f"probe {index + 1}/{len(layouts)}{of_rounds}: {layout.describe()}: "
-                    f"{timings[index][-1] * 1e3:.1f} ms per step")
+        def timed(index: int, round_: int) -> float:
+            layout = layouts[index]
+            spec = trial_spec(config, layout, workload, devices=cluster.devices, steps=steps,
+                              accelerator=cluster.accelerator, out=str(Path(folder) / f"probe{index}_{round_}"))
+            spec["threads"] = threads or spec["threads"]
+            measured = run_trial(spec)
+            of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""
+            log(f"probe {index + 1}/{len(layouts)}{of_rounds}: {layout.describe()}: {measured * 1e3:.1f} ms per step")
+            return measured
+
+        timings = in_turn(len(layouts), rounds, timed)
     probes = []
     for layout, measured in zip(layouts, timings):
         probe = dataclasses.replace(predicted_probe(layout, cluster, statistics.median(measured)),

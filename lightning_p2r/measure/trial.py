@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -75,21 +76,33 @@ def run_trials(config: M6Config, layouts: list[tuple[Layout, float]], workload: 
     error relative to the measurement. With ``rounds`` above one the layouts run in turn that many times (1, 2, ...,
     K, then 1, 2, ... again), so that a machine drifting between runs slows every layout alike, and ``measured_s``
     is the median of each layout's rounds (``measured_min_s`` / ``measured_max_s`` their range)."""
-    times: list[list[float]] = [[] for _ in layouts]
     loads: list[list[float]] = [[] for _ in layouts]  # the machine's load right after each run
     with tempfile.TemporaryDirectory() as folder:
-        for round_ in range(1, rounds + 1):
-            for rank, (layout, predicted) in enumerate(layouts, 1):
-                spec = trial_spec(config, layout, workload, devices=devices, steps=steps, accelerator=accelerator,
-                                  out=str(Path(folder) / f"trial{rank}_round{round_}"))
-                measured = run_trial(spec)
-                times[rank - 1].append(measured)
-                loads[rank - 1].append(_load())
-                of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""
-                print(f"trial {rank}/{len(layouts)}{of_rounds}: {layout.describe()}: measured {measured:.4g} s, "
-                      f"predicted {predicted:.4g} s", flush=True)
+        def timed(index: int, round_: int) -> float:
+            (layout, predicted), rank = layouts[index], index + 1
+            spec = trial_spec(config, layout, workload, devices=devices, steps=steps, accelerator=accelerator,
+                              out=str(Path(folder) / f"trial{rank}_round{round_}"))
+            measured = run_trial(spec)
+            loads[index].append(_load())
+            of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""
+            print(f"trial {rank}/{len(layouts)}{of_rounds}: {layout.describe()}: measured {measured:.4g} s, "
+                  f"predicted {predicted:.4g} s", flush=True)
+            return measured
+
+        times = in_turn(len(layouts), rounds, timed)
     return [trial_row(rank, layout, predicted, measured, max(load))
             for rank, ((layout, predicted), measured, load) in enumerate(zip(layouts, times, loads), 1)]
+
+
+def in_turn(count: int, rounds: int, timed: Callable[[int, int], float]) -> list[list[float]]:
+    """``timed(index, round)`` for indices 0 to ``count`` - 1, ``rounds`` times in turn (every index once, then
+    again; rounds numbered from 1), so that a machine drifting between runs slows every index alike; each index's
+    timings in round order."""
+    times: list[list[float]] = [[] for _ in range(count)]
+    for round_ in range(1, rounds + 1):
+        for index in range(count):
+            times[index].append(timed(index, round_))
+    return times
 
 
 def trial_row(rank: int, layout: Layout, predicted: float, measured: list[float], load: float) -> dict[str, Any]:

@@ -105,7 +105,8 @@ def plan_rows(config: M6Config, plans: list[Plan], workload: Workload, pseudo: M
         row = {"rank": rank, "layout": plan.layout.describe(), "tokens_per_s": plan.tokens_per_second(workload),
                "step_s": step.total}
         if cluster.fitted_spread:
-            row["step_low_s"], row["step_high_s"] = fitted_step_range(config, plan.layout, cluster, workload)
+            row["step_low_s"], row["step_high_s"] = fitted_step_range(config, plan.layout, cluster, workload,
+                                                                            step.total)
         row |= {f"{k}_s": v for k, v in step.as_dict().items() if k != "total"}
         row |= {"device_GB": memory.device_total / GB, "states_GB": memory.model_states / GB,
                 "activations_GB": memory.activations / GB, "host_GB": memory.host / GB}

@@ -215,16 +215,17 @@ def _optimizer_seconds(config: M6Config, layout: Layout, cluster: Cluster, workl
     return device + host * cluster.host_optimizer_seconds_per_param
 
 
-def fitted_step_range(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload) -> tuple[float, float]:
+def fitted_step_range(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+                      predicted: float | None = None) -> tuple[float, float]:
     """The step ``estimate_step`` predicts with every fitted term at the low end, and at the high end, of its range
     over the fits that left one probe out (``Cluster.fitted_spread``): how far the prediction moves with what the
     calibration's own timings leave undetermined. A layout that counts no fitted term, or a file without a spread,
     gives the prediction twice. A fitted value may lie outside its leave-one-out range (the fit is non-negative least
-    squares), so the range is widened to hold the prediction itself. Not a bound on the measured step: the
-    machine's speed moves too."""
+    squares), so the range is widened to hold the prediction itself (``predicted``, when the caller has it already).
+    Not a bound on the measured step: the machine's speed moves too."""
     ends = []
     for end in (0, 1):
         at_end = {term: spread[end] for term, spread in cluster.fitted_spread.items()}
         ends.append(estimate_step(config, layout, replace(cluster, **at_end), workload).total)
-    step = estimate_step(config, layout, cluster, workload).total
+    step = estimate_step(config, layout, cluster, workload).total if predicted is None else predicted
     return min(ends[0], step), max(ends[1], step)
