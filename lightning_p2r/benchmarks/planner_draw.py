@@ -46,13 +46,14 @@ from typing import Any
 from lightning_p2r.benchmarks.planner_cv import spearman
 from lightning_p2r.benchmarks.report import apply_threads, base_parser
 from lightning_p2r.models.config import M6Config
-from lightning_p2r.planning.cluster import Cluster, cluster_for, load_cluster
+from lightning_p2r.planning.cluster import Cluster, at_speed, cluster_for, load_cluster
 from lightning_p2r.planning.layout import Layout, Workload, check_layout
 from lightning_p2r.planning.step_time import estimate_step, fitted_step_range
 
 COLUMNS = ("draw", "processes", "layout", "layers", "dim", "experts", "top_k", "seq_len", "global_batch", "precision",
            "measured_s", "measured_min_s", "measured_max_s", "rounds", "predicted_s", "predicted_low_s",
-           "predicted_high_s", "error_pct", "status", "model", "options")
+           "predicted_high_s", "error_pct", "reference_s", "speed_ratio", "predicted_file_s", "error_file_pct",
+           "status", "model", "options")
 
 
 @dataclass(frozen=True)
@@ -131,23 +132,29 @@ def measure(item: Draw, device: str, steps: int) -> float:
 
 
 def measure_rows(items: list[Draw], timer: Callable[[Draw], float], *, rounds: int = 1, budget_s: float = math.inf,
-                 after_each: Callable[[list[dict[str, Any]]], None] = lambda rows: None) -> list[dict[str, Any]]:
+                 after_each: Callable[[list[dict[str, Any]]], None] = lambda rows: None,
+                 reference: Callable[[], float] | None = None) -> list[dict[str, Any]]:
     """One row per draw, ``timer`` run on every draw ``rounds`` times in turn (all draws once, then again): each row's
     ``measured_s`` is the median of its rounds. A draw that fails is a finding: the row records the error and is not
     run again. Past ``budget_s`` seconds nothing more is run; a row measured in fewer rounds keeps the median of
     those, and one never measured says it was skipped. ``after_each`` gets the rows after every run (to write them
-    as they come)."""
+    as they come). ``reference`` (the speed check's reference step) is timed right before each run, and a row keeps
+    its median in ``reference_s``: the machine's speed when the row ran, as ``plan`` run just before it would see
+    it."""
     began = time.perf_counter()
     rows = [row_of(index, item) for index, item in enumerate(items)]
     times: list[list[float]] = [[] for _ in items]
+    references: list[list[float]] = [[] for _ in items]
     for round_ in range(1, rounds + 1):
-        for item, row, measured in zip(items, rows, times):
+        for item, row, measured, referenced in zip(items, rows, times, references):
             if row.get("status", "ok") != "ok":
                 continue
             if time.perf_counter() - began > budget_s:
                 row.setdefault("status", f"skipped: past --budget-s {budget_s}")
                 continue
             try:
+                if reference is not None:
+                    referenced.append(reference())
                 measured.append(timer(item))
             except Exception as error:
                 traceback.print_exc()
@@ -155,6 +162,8 @@ def measure_rows(items: list[Draw], timer: Callable[[Draw], float], *, rounds: i
                 continue
             row |= {"measured_s": statistics.median(measured), "measured_min_s": min(measured),
                     "measured_max_s": max(measured), "rounds": len(measured), "status": "ok"}
+            if referenced:
+                row["reference_s"] = statistics.median(referenced)
             of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""
             print(f"[{time.perf_counter() - began:6.1f} s] {row['draw']} p{row['processes']} {row['layout']} "
                   f"L{row['layers']} d{row['dim']} E{row['experts']} s{row['seq_len']} b{row['global_batch']}: "
@@ -196,14 +205,25 @@ def draw_of_row(row: dict[str, Any]) -> Draw:
 
 def predict(rows: list[dict[str, Any]], clusters: list[Cluster]) -> None:
     """Each measured row's prediction and error, with the calibration of its process count (a ``calibrate
-    --processes N`` file has ``devices: N``; the first file serves a count no file has)."""
+    --processes N`` file has ``devices: N``; the first file serves a count no file has). A row with ``reference_s``
+    (``--speed-check``) whose file has a reference step is priced at the speed measured right before it ran
+    (``planning.cluster.at_speed``), as ``plan`` prices it; ``predicted_file_s`` / ``error_file_pct`` keep the file's
+    own prediction beside it."""
     for row in rows:
         if not row.get("measured_s"):
             continue
         item = draw_of_row(row)
         devices, _ = cluster_for(clusters, item.processes)
-        predicted = estimate_step(item.config, item.layout, devices, item.workload).total
         measured = float(row["measured_s"])
+        file_predicted = estimate_step(item.config, item.layout, devices, item.workload).total
+        for key in ("speed_ratio", "predicted_file_s", "error_file_pct"):
+            row.pop(key, None)
+        if row.get("reference_s") not in (None, "") and devices.reference_step_seconds > 0:
+            ratio = float(row["reference_s"]) / devices.reference_step_seconds
+            devices = at_speed(devices, ratio)
+            row |= {"speed_ratio": ratio, "predicted_file_s": file_predicted,
+                    "error_file_pct": 100 * (file_predicted - measured) / measured}
+        predicted = estimate_step(item.config, item.layout, devices, item.workload).total
         row["predicted_s"] = predicted
         row["predicted_low_s"], row["predicted_high_s"] = fitted_step_range(item.config, item.layout, devices,
                                                                             item.workload, predicted)
@@ -233,7 +253,9 @@ def _scores(scored: list[dict[str, Any]]) -> dict[str, Any]:
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The median and largest |error| and Spearman's rank correlation of the predicted rows, for all of them and,
     when the draw holds several process counts, per process count (``by_processes``). Rows measured in several
-    rounds add how far their rounds lie apart (max - min, in % of the row's median): the median and largest."""
+    rounds add how far their rounds lie apart (max - min, in % of the row's median): the median and largest. Rows
+    priced at the speed measured when they ran (``--speed-check``) add the same figures priced at the file's own
+    speed (``at_the_files_speed``)."""
     scored = [row for row in rows if row.get("error_pct") not in (None, "")]
     if not scored:
         return {}
@@ -243,6 +265,15 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     result = _scores(scored)
     if len(by_count) > 1:
         result["by_processes"] = {n: _scores(by_count[n]) for n in sorted(by_count)}
+    at_speed_rows = [row for row in scored if row.get("predicted_file_s") not in (None, "")]
+    if at_speed_rows:
+        result["speed_ratio_range"] = [min(float(r["speed_ratio"]) for r in at_speed_rows),
+                                       max(float(r["speed_ratio"]) for r in at_speed_rows)]
+        result["at_the_files_speed"] = summary([
+            {key: value for key, value in row.items() if key not in ("predicted_file_s", "error_file_pct",
+                                                                      "predicted_low_s", "predicted_high_s")}
+            | {"predicted_s": row["predicted_file_s"], "error_pct": row["error_file_pct"]}
+            for row in at_speed_rows])
     return result
 
 
@@ -271,6 +302,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="calibrated cluster files of this machine (one per process count, `lightning-p2r "
                              "calibrate --processes N`): predict every row with its count's file")
     parser.add_argument("--measured", help="re-predict this CSV's measurements instead of running")
+    parser.add_argument("--speed-check", action="store_true",
+                        help="time the speed check's reference step right before every run and price each row at "
+                             "the speed it ran at, as `plan` run just before training prices it (the summary adds "
+                             "the figures at the cluster file's own speed)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1 (how often each draw runs), got {args.rounds}")
@@ -284,8 +319,16 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         # Each process count draws from its own seed (seed + processes - 1: one process keeps the seed's old draw).
         items = [item for processes in args.processes
                  for item in draw(args.seed + processes - 1, args.count, gpu=gpu, processes=processes)]
+        reference = None
+        if args.speed_check:
+            from functools import partial
+
+            from lightning_p2r.measure.speed import reference_step_seconds
+
+            reference = partial(reference_step_seconds, args.device)
         rows = measure_rows(items, lambda item: measure(item, args.device, args.steps), rounds=args.rounds,
-                            budget_s=args.budget_s, after_each=lambda rows: write_rows(rows, out))
+                            budget_s=args.budget_s, after_each=lambda rows: write_rows(rows, out),
+                            reference=reference)
     if args.cluster:
         predict(rows, [load_cluster(path) for path in args.cluster])
     write_rows(rows, out)

@@ -83,6 +83,7 @@ from ..planning.network import ring_terms
 from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
 from .run import host_threads, median_seconds, usable_cores, worker_env
+from .speed import machine_name, reference_step_seconds
 
 
 def matmul_flops(device: torch.device, size: int, repeats: int) -> float:
@@ -731,6 +732,22 @@ def busy_warnings(share: float) -> list[str]:
             "running"]
 
 
+SPEED_MOVED = 0.10
+"""How far the reference step may move between a calibration's start and end before the command says the machine's
+speed changed while it measured."""
+
+
+def speed_moved(before: float, after: float) -> str | None:
+    """A warning when the reference step (``lightning_p2r.measure.speed``) timed before and after the calibration
+    differs by more than ``SPEED_MOVED``: the constants then mix two speeds of the machine."""
+    change = after / before - 1
+    if abs(change) <= SPEED_MOVED:
+        return None
+    return (f"the machine's speed moved while it was measured: the reference step took {1e3 * before:.3g} ms before "
+            f"and {1e3 * after:.3g} ms after ({100 * change:+.0f}%); the constants mix both speeds: calibrate again "
+            "with nothing else running")
+
+
 def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name: str = "this-machine") -> Cluster:
     """Measure this machine (see the module docstring) and return its :class:`Cluster`."""
     if processes < 1 or threads < 1:
@@ -800,6 +817,8 @@ def main(argv: list[str]) -> None:
                      "and without --no-fit")
     if args.threads is None:
         args.threads = host_threads("cuda" if torch.cuda.is_available() else "cpu", args.processes, usable_cores())
+    reference_device = "cuda" if torch.cuda.is_available() else "cpu"
+    reference_before = reference_step_seconds(reference_device)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", BusyMachineWarning)
@@ -816,6 +835,12 @@ def main(argv: list[str]) -> None:
     if args.processes > 1 and not args.no_fit:
         cluster, _ = fit_framework_terms(cluster, quick=args.quick, threads=args.threads,
                                          rounds=args.probe_rounds)
+    reference_after = reference_step_seconds(reference_device)
+    cluster = dataclasses.replace(cluster, reference_step_seconds=(reference_before + reference_after) / 2,
+                                  calibrated_on=machine_name(cluster.accelerator))
+    if moved := speed_moved(reference_before, reference_after):
+        busy.append(f"Warning: {moved}.")
+        print(f"warning: {moved}", file=sys.stderr)
     comment = (f"Measured by `lightning-p2r calibrate` on {time.strftime('%Y-%m-%d')} with {args.processes} "
                f"process(es) of {args.threads} thread(s).\nOne node was measured: inter-node constants repeat the "
                f"intra-node ones; edit them for a multi-node cluster.\n{describe_fit(cluster)}"

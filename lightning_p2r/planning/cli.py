@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..models.config import M6Config
-from .cluster import SIZE_DEPENDENT_LAYER_COSTS, Cluster, cluster_for, load_cluster
+from .cluster import SIZE_DEPENDENT_LAYER_COSTS, Cluster, at_speed, cluster_for, load_cluster
 from .framework import HOW_TO_GET, missing_terms
 from .layout import SCHEDULES, SHARDINGS, Layout, Workload
 from .model import parameter_count, pseudo_of
@@ -179,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trial-steps", type=int,
                         help=f"optimizer steps per trial, the first 2 untimed (default {TRIAL_STEPS}: with 6, the "
                              "same layout's median step varied 1.7x between runs on a 2-core machine, with 20 by 1.2x)")
+    parser.add_argument("--no-speed-check", action="store_true",
+                        help="price with the cluster file as it is, without timing its reference step again (by "
+                             "default a file calibrated on this machine is re-timed, under a second, and every "
+                             "step priced at the machine's present speed)")
     parser.add_argument("--trial-rounds", type=int, metavar="R",
                         help="run the K layouts in turn R times and compare each one's median (default 1): a "
                              "machine that drifts between runs then slows every layout alike")
@@ -218,6 +222,8 @@ def main(argv: list[str]) -> None:
             refusal = f"--trial-rounds must be >= 1 (how often each layout runs), got {args.trial_rounds}"
         if refusal:
             parser.error(refusal)
+    if not args.no_speed_check:
+        cluster = _at_present_speed(cluster)
     space = SearchSpace()
     changes = {"shardings": _names(args.sharding, SHARDINGS, "--sharding", parser),
                "schedules": _names(args.schedules, SCHEDULES, "--schedules", parser),
@@ -250,6 +256,16 @@ def main(argv: list[str]) -> None:
             writer = csv.DictWriter(file, fieldnames=columns[:-1] if pseudo else columns, extrasaction="ignore")
             writer.writeheader()
             writer.writerows(every)
+
+
+def _at_present_speed(cluster: Cluster) -> Cluster:
+    """``cluster`` priced at this machine's present speed (``lightning_p2r.measure.speed``), saying how far it moved;
+    as it is where the file has no reference step or describes another machine."""
+    from ..measure.speed import present_speed
+
+    ratio, line = present_speed(cluster)
+    print(line)
+    return cluster if ratio is None else at_speed(cluster, ratio)
 
 
 def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:

@@ -57,7 +57,7 @@ ELEMENTWISE_SMALL_BYTES = 2**18
 fp32)."""
 ELEMENTWISE_LARGE_BYTES = 2**25
 """Bytes of the activation tensor at which ``Cluster.elementwise_bandwidth`` is measured (8192 rows of 1024 fp32)."""
-_ZERO_MEANS_UNMEASURED = ("elementwise_small_bandwidth",)
+_ZERO_MEANS_UNMEASURED = ("elementwise_small_bandwidth", "reference_step_seconds")
 FITTED_TERMS = ("stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead")
 """The framework terms fitted to measured steps rather than measured one by one (``planning.framework.FITTED``)."""
 
@@ -188,6 +188,13 @@ class Cluster:
     overlap_copies: bool = True
     """Host-device copies of offloaded blocks run while the device computes (asynchronous copies from pinned
     memory); False where a copy is synchronous (CPU-only)."""
+    reference_step_seconds: float = 0.0
+    """Seconds of a short reference step on one thread of this machine when it was calibrated
+    (``lightning_p2r.measure.speed``); ``plan`` times it again and prices the run at the machine's present speed
+    (:func:`at_speed`). 0: not measured (a hand-written file, or one from before 2026-11-30), and not re-timed."""
+    calibrated_on: str = ""
+    """The host and processor (or GPU) the file was calibrated on; ``plan`` re-times the reference step only on the
+    same machine."""
 
     def __post_init__(self) -> None:
         for field in fields(self):
@@ -205,6 +212,9 @@ class Cluster:
                                                       for k, v in value.items()):
                     raise ValueError(f"Cluster.{field.name} must map some of {list(FITTED_TERMS)} to [low, high] "
                                      f"seconds (0 <= low <= high), got {value!r}")
+            elif field.name == "calibrated_on":
+                if not isinstance(value, str):
+                    raise ValueError(f"Cluster.calibrated_on must be a string (host / processor), got {value!r}")
             elif field.name == "name":
                 if not isinstance(value, str) or not value:
                     raise ValueError(f"Cluster.name must be a non-empty string, got {value!r}")
@@ -308,9 +318,45 @@ these was written before they existed (``plan`` warns)."""
 
 _TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "dense_token_overhead",
           "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead", "moe_expert_weight_overhead",
-          "operator_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
-          "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead", "host_device_latency",
-          "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param", "host_optimizer_seconds_per_param"}
+          "operator_overhead", "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead",
+          "stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead",
+          "host_device_latency", "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param",
+          "host_optimizer_seconds_per_param", "reference_step_seconds"}
+
+
+_RATES = ("device_flops", "attention_flops", "memory_bandwidth", "elementwise_bandwidth", "elementwise_small_bandwidth",
+          "host_device_bandwidth", "intra_node_bandwidth")
+"""A CPU-only machine's rates: its cores do all of it, so all of it runs at their speed."""
+_NETWORK = ("inter_node_bandwidth", "inter_node_latency")
+"""The links between nodes, which do not run on the machine the reference step re-times."""
+HOST_TIMES = ("operator_overhead", "dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead",
+              "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
+              "dtensor_overhead", "host_optimizer_seconds_per_param")
+"""Beside GPUs, the times the host's Python, dispatcher and kernel launches set (what a small model's step on a GPU
+waits on): the ones the reference step's speed moves there."""
+
+
+def at_speed(cluster: Cluster, ratio: float) -> Cluster:
+    """``cluster`` on a machine ``ratio`` times slower (above 1) or faster (below 1) than when it was calibrated, as
+    measured by the reference step (``lightning_p2r.measure.speed``). On a CPU-only cluster every time and rate of
+    the node scales (the cores run all of it: a step's prediction scales by ``ratio`` exactly); beside GPUs only the
+    host's fixed costs (``HOST_TIMES``) do, since the reference step there waits on the host, not the GPU's math.
+    The links between nodes never scale."""
+    if not math.isfinite(ratio) or ratio <= 0:
+        raise ValueError(f"the speed ratio must be a positive number, got {ratio!r}")
+    if cluster.accelerator != "cpu":
+        times = HOST_TIMES
+        rates: tuple[str, ...] = ()
+    else:
+        times = tuple(sorted(_TIMES - set(_NETWORK)))
+        rates = _RATES
+    changes: dict[str, Any] = {name: getattr(cluster, name) * ratio for name in (*times, "reference_step_seconds")}
+    changes |= {name: getattr(cluster, name) / ratio for name in rates}
+    if cluster.accelerator == "cpu":
+        changes["attention_rates"] = [[row[0], row[1], row[2] / ratio] for row in cluster.attention_rates]
+    changes["fitted_spread"] = {name: [low * ratio, high * ratio] if name in times else [low, high]
+                                for name, (low, high) in cluster.fitted_spread.items()}
+    return dataclasses.replace(cluster, **changes)
 
 
 def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cluster:
@@ -323,7 +369,8 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
         raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
     parsed: dict[str, Any] = {}
     for key, value in values.items():
-        if key in ("name", "accelerator", "collective_factors", "fitted_spread", "attention_rates") or isinstance(
+        if key in ("name", "accelerator", "collective_factors", "fitted_spread", "attention_rates",
+                   "calibrated_on") or isinstance(
                 known[key].default, bool):
             parsed[key] = value
         elif key in ("devices", "devices_per_node"):

@@ -77,6 +77,13 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path) -> No
     assert cluster.devices == 1 and cluster.device_flops > 1e8 and cluster.memory_bandwidth > 1e7
     assert cluster.accelerator == "cpu"  # the expert kernel "auto" picks here is the loop
     assert out.read_text().startswith("# Measured by `lightning-p2r calibrate`")
+    # The reference step plan times again, and the machine it was measured on (plan re-times it only there).
+    from lightning_p2r.measure.speed import machine_name
+
+    assert 1e-4 < cluster.reference_step_seconds < 1.0 and cluster.calibrated_on == machine_name("cpu")
+    capsys.readouterr()
+    main(["plan", "--cluster", str(out), "--config", str(RECIPES / "quickstart.yaml"), "--top", "1"])
+    assert "speed check: the reference step took" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["calibrate", "--processes", "0", "--out", str(out)])
     assert "processes and threads must be >= 1" in capsys.readouterr().err
