@@ -93,11 +93,10 @@ constant alike, while a machine's constants need not all have moved alike."""
 
 def present_speed(cluster: Cluster) -> tuple[float | None, str]:
     """How many times slower (above 1) this machine runs the reference step now than when ``cluster`` was
-    calibrated, with a line saying so; None (and the reason) where it cannot be re-timed: a file without a reference
-    step, or one calibrated on another machine."""
+    calibrated, with a line saying so; None where it cannot be re-timed: with the reason for a file calibrated on
+    another machine, and no line for one without a reference step (written by hand, or before 2026-11-30)."""
     if cluster.reference_step_seconds <= 0:
-        return None, (f"speed check: {cluster.name} has no reference_step_seconds (calibrated before 2026-11-30, or "
-                      "written by hand): priced at the speed it was measured at")
+        return None, ""
     here = machine_name(cluster.accelerator)
     if cluster.calibrated_on != here:
         return None, (f"speed check: {cluster.name} was calibrated on {cluster.calibrated_on or 'an unnamed machine'}, "

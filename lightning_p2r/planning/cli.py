@@ -264,7 +264,8 @@ def _at_present_speed(cluster: Cluster) -> Cluster:
     from ..measure.speed import present_speed
 
     ratio, line = present_speed(cluster)
-    print(line)
+    if line:
+        print(line)
     return cluster if ratio is None else at_speed(cluster, ratio)
 
 
