@@ -39,7 +39,7 @@ def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"recipe {path} does not exist")
     recipe = yaml.safe_load(path.read_text()) or {}
-    model = (recipe.get("model") or {}).get("config") or {}
+    model = m6_config_of(recipe.get("model") or {}, path)
     known = {f.name for f in dataclasses.fields(M6Config)}
     for key in model:
         if key not in known:
@@ -64,6 +64,38 @@ def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
                 "precision": str(trainer.get("precision", "32-true")), "data_ranks": data_ranks,
                 "accumulate": trainer.get("accumulate_grad_batches", 1)}
     return config, settings
+
+
+M6_MODULE_OPTIONS = ("config", "optimizer")
+"""What a recipe's ``model`` section holds for ``M6LanguageModel``, written either way LightningCLI reads it."""
+
+
+def m6_config_of(model: dict[str, Any], path: Path) -> dict[str, Any]:
+    """The ``M6Config`` fields of a recipe's ``model`` section: ``model.config``, or, where the recipe names its
+    class (``class_path: lightning_p2r.M6LanguageModel``), ``model.init_args.config``. Another model class is refused:
+    the cost model counts the M6 model's layers, and pricing the M6 defaults in its place would be silently wrong."""
+    if not isinstance(model, dict):
+        raise ValueError(f"{path}: model must be a mapping, got {model!r}")
+    class_path = model.get("class_path")
+    if class_path is None:
+        options = model
+    elif str(class_path).rsplit(".", 1)[-1] == "M6LanguageModel":
+        options = model.get("init_args") or {}
+    else:
+        hf = ((model.get("init_args") or {}).get("hf_config") or {}).get("model_type")
+        described = f"{class_path} (a Hugging Face {hf})" if hf else str(class_path)
+        raise ValueError(
+            f"{path}: model.class_path is {described}, and `lightning-p2r plan` prices only the package's M6 model "
+            "(its cost model counts the M6 layers' matmuls, attention, experts and fixed costs); it has no cost model "
+            "for this model's layers, and pricing another model in its place would mislead. Time this model's "
+            "layouts with `lightning-p2r fit --config RECIPE --trainer.max_steps 20` and its logged perf/tokens_per_s "
+            "(docs/planning.md, \"Models other than M6\")")
+    unknown = sorted(set(options) - set(M6_MODULE_OPTIONS))
+    if unknown:
+        where = "model.init_args" if class_path is not None else "model"
+        raise ValueError(f"{path}: {where}.{unknown[0]} is not an option of M6LanguageModel (it takes "
+                         f"{', '.join(M6_MODULE_OPTIONS)})")
+    return options.get("config") or {}
 
 
 def workload_for(settings: dict[str, Any], args: argparse.Namespace) -> Workload:

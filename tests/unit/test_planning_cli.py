@@ -1,6 +1,7 @@
 """``lightning-p2r plan`` and ``lightning-p2r calibrate`` as a user runs them: a table, a recipe fragment that the
 strategy accepts, and clear errors for wrong inputs."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -128,6 +129,33 @@ def test_plan_names_a_wrong_model_field_of_the_recipe(capsys, tmp_path) -> None:
     with pytest.raises(SystemExit):
         main(["plan", "--cluster", str(CLUSTER), "--config", str(recipe)])
     assert "model.config: M6Config.num_heads (5) must divide dim" in capsys.readouterr().err
+
+
+def test_plan_reads_the_m6_model_either_way_a_recipe_writes_it_and_refuses_any_other_model(capsys, tmp_path) -> None:
+    """``model.config`` and ``model.class_path: lightning_p2r.M6LanguageModel`` with ``init_args.config`` are the same
+    model to plan; a recipe for another class (a Hugging Face model through CausalLMModule) was priced as M6's
+    defaults without a word, and is refused in one line before anything is priced; a misspelt option too."""
+    from lightning_p2r.planning.cli import recipe_inputs
+
+    plain = yaml.safe_load((RECIPES / "quickstart.yaml").read_text())
+    named = plain | {"model": {"class_path": "lightning_p2r.M6LanguageModel", "init_args": plain["model"]}}
+    (tmp_path / "named.yaml").write_text(yaml.safe_dump(named))
+    assert recipe_inputs(tmp_path / "named.yaml") == recipe_inputs(RECIPES / "quickstart.yaml")
+    assert recipe_inputs(RECIPES / "quickstart.yaml")[0].num_layers == plain["model"]["config"]["num_layers"]
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--cluster", str(CLUSTER), "--config", str(RECIPES / "hf_moe.yaml")])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert "model.class_path is lightning_p2r.CausalLMModule (a Hugging Face qwen3_moe)" in captured.err
+    assert "prices only the package's M6 model" in captured.err and "rank" not in captured.out
+    for model, message in (({"confg": {"num_layers": 2}}, "model.confg is not an option of M6LanguageModel"),
+                           ({"class_path": "lightning_p2r.M6LanguageModel", "init_args": {"cfg": {}}},
+                            "model.init_args.cfg is not an option"),
+                           ({"class_path": "my_package.MyModule"}, "model.class_path is my_package.MyModule")):
+        (tmp_path / "bad.yaml").write_text(yaml.safe_dump({"model": model}))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            recipe_inputs(tmp_path / "bad.yaml")
 
 
 def test_the_planned_model_takes_the_recipes_sequence_length_and_vocabulary_as_fit_does(tmp_path) -> None:
