@@ -39,6 +39,16 @@ def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
     if not path.is_file():
         raise ValueError(f"recipe {path} does not exist")
     recipe = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(recipe, dict):
+        raise ValueError(f"{path}: a recipe is a mapping of sections (trainer, model, data), got {recipe!r}")
+    unknown = sorted(set(recipe) - set(RECIPE_SECTIONS))
+    if unknown:
+        cluster_fields = {f.name for f in dataclasses.fields(Cluster)}
+        hint = ("; it looks like a cluster file: pass it to --cluster, and the recipe to --config"
+                if set(recipe) & cluster_fields and not set(recipe) & {"trainer", "model", "data"} else "")
+        named = ", ".join(unknown[:4]) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
+        raise ValueError(f"{path}: unknown recipe section(s) {named} (a recipe has {', '.join(RECIPE_SECTIONS)})"
+                         + hint)
     model = m6_config_of(recipe.get("model") or {}, path)
     known = {f.name for f in dataclasses.fields(M6Config)}
     for key in model:
@@ -66,6 +76,9 @@ def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
     return config, settings
 
 
+RECIPE_SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path", "optimizer", "lr_scheduler",
+                   "throughput")
+"""The top-level sections ``lightning-p2r fit`` reads from a recipe (LightningCLI's, and the throughput callback's)."""
 M6_MODULE_OPTIONS = ("config", "optimizer")
 """What a recipe's ``model`` section holds for ``M6LanguageModel``, written either way LightningCLI reads it."""
 

@@ -158,6 +158,21 @@ def test_plan_reads_the_m6_model_either_way_a_recipe_writes_it_and_refuses_any_o
             recipe_inputs(tmp_path / "bad.yaml")
 
 
+def test_plan_refuses_a_file_that_is_not_a_recipe_naming_what_it_looks_like(capsys, tmp_path) -> None:
+    """A cluster file given as --config was read as a recipe without a model and priced as M6's defaults."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["plan", "--cluster", str(CLUSTER), "--config", str(CLUSTER)])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe section(s) attention_flops, device_flops, device_memory, devices and" in err
+    assert "it looks like a cluster file: pass it to --cluster" in err
+    (tmp_path / "typo.yaml").write_text("trainer: {}\nmodels:\n  config: {}\n")
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", str(CLUSTER), "--config", str(tmp_path / "typo.yaml")])
+    err = capsys.readouterr().err
+    assert "unknown recipe section(s) models (a recipe has" in err and "cluster file" not in err
+
+
 def test_the_planned_model_takes_the_recipes_sequence_length_and_vocabulary_as_fit_does(tmp_path) -> None:
     """A recipe with data.seq_len above M6Config's default max_seq_len (128) was planned, and trialled, with 128:
     the trial's first step then failed on the longer sequences."""
