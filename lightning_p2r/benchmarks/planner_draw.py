@@ -215,15 +215,15 @@ def predict(rows: list[dict[str, Any]], clusters: list[Cluster]) -> None:
         item = draw_of_row(row)
         devices, _ = cluster_for(clusters, item.processes)
         measured = float(row["measured_s"])
-        file_predicted = estimate_step(item.config, item.layout, devices, item.workload).total
+        predicted = estimate_step(item.config, item.layout, devices, item.workload).total
         for key in ("speed_ratio", "predicted_file_s", "error_file_pct"):
             row.pop(key, None)
         if row.get("reference_s") not in (None, "") and devices.reference_step_seconds > 0:
             ratio = float(row["reference_s"]) / devices.reference_step_seconds
+            row |= {"speed_ratio": ratio, "predicted_file_s": predicted,
+                    "error_file_pct": 100 * (predicted - measured) / measured}
             devices = at_speed(devices, ratio)
-            row |= {"speed_ratio": ratio, "predicted_file_s": file_predicted,
-                    "error_file_pct": 100 * (file_predicted - measured) / measured}
-        predicted = estimate_step(item.config, item.layout, devices, item.workload).total
+            predicted = estimate_step(item.config, item.layout, devices, item.workload).total
         row["predicted_s"] = predicted
         row["predicted_low_s"], row["predicted_high_s"] = fitted_step_range(item.config, item.layout, devices,
                                                                             item.workload, predicted)

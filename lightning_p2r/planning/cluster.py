@@ -350,7 +350,7 @@ def at_speed(cluster: Cluster, ratio: float) -> Cluster:
     else:
         times = tuple(sorted(_TIMES - set(_NETWORK)))
         rates = _RATES
-    changes: dict[str, Any] = {name: getattr(cluster, name) * ratio for name in (*times, "reference_step_seconds")}
+    changes: dict[str, Any] = {name: getattr(cluster, name) * ratio for name in {*times, "reference_step_seconds"}}
     changes |= {name: getattr(cluster, name) / ratio for name in rates}
     if cluster.accelerator == "cpu":
         changes["attention_rates"] = [[row[0], row[1], row[2] / ratio] for row in cluster.attention_rates]

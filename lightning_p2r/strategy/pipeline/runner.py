@@ -154,27 +154,28 @@ class HostArray:
 def _to_host(value: Any) -> Any:
     """``value`` (dicts, dataclasses of tensors) with each tensor a :class:`HostArray` of its detached host copy, to
     pickle; dtypes NumPy lacks (bfloat16, float8) travel as float32, which holds them exactly."""
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach().cpu()
+    def packed(tensor: torch.Tensor) -> HostArray:
+        tensor = tensor.detach().cpu()
         try:
             return HostArray(tensor.numpy(), tensor.dtype)
         except TypeError:  # no NumPy dtype for it
             return HostArray(tensor.float().numpy(), tensor.dtype)
-    if isinstance(value, dict):
-        return {key: _to_host(item) for key, item in value.items()}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _to_host(getattr(value, f.name))
-                                             for f in dataclasses.fields(value) if f.init})
-    return value
+
+    return _map_leaves(value, torch.Tensor, packed)
 
 
 def _from_host(value: Any) -> Any:
     """``value`` as :func:`_to_host` received it, each :class:`HostArray` a host tensor of its dtype again."""
-    if isinstance(value, HostArray):
-        return torch.from_numpy(value.values).to(value.dtype)
+    return _map_leaves(value, HostArray, lambda array: torch.from_numpy(array.values).to(array.dtype))
+
+
+def _map_leaves(value: Any, leaf_type: type, leaf: Any) -> Any:
+    """``value`` with ``leaf`` applied to each ``leaf_type`` inside it, through dicts and dataclasses (rebuilt)."""
+    if isinstance(value, leaf_type):
+        return leaf(value)
     if isinstance(value, dict):
-        return {key: _from_host(item) for key, item in value.items()}
+        return {key: _map_leaves(item, leaf_type, leaf) for key, item in value.items()}
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.replace(value, **{f.name: _from_host(getattr(value, f.name))
+        return dataclasses.replace(value, **{f.name: _map_leaves(getattr(value, f.name), leaf_type, leaf)
                                              for f in dataclasses.fields(value) if f.init})
     return value
