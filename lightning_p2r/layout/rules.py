@@ -82,6 +82,18 @@ class Layout:
                               layered=self.accumulation == "layered", model_parallel=self.model_parallel,
                               pipelined=self.pipelined)
 
+    def wraps_blocks(self, devices: int) -> bool:
+        """Whether FSDP2 wraps the blocks (and the roots of the parts) on ``devices`` processes: on the "fsdp" and
+        "model_parallel" paths, and on a pipeline whose stages have data ranks to shard or replicate over, a model
+        split or an offload. A stage alone on its rank with nothing offloaded stays a plain module, as torchtitan
+        leaves a pipeline without data parallelism: FSDP2 over a mesh of one rank only adds its hooks per block and
+        micro-batch, and a second copy of each parameter while gathered (a quarter of a 2-rank pipeline's CPU step,
+        docs/benchmarks.md "Pipeline stages without FSDP2")."""
+        path = self.path(devices)
+        if path == "pipeline":
+            return self.data_parallel(devices) > 1 or self.model_parallel or self.offloading
+        return path in ("fsdp", "model_parallel")
+
     @property
     def resharding(self) -> Resharding:
         """When ZeRO-3's units reshard under this layout (see :class:`~.mesh.Resharding`)."""

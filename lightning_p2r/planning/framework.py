@@ -79,9 +79,10 @@ def extra_lightning_batches(layout: Layout) -> int:
 def hooked_module_passes(layout: Layout, share: RankShare, devices: int) -> int:
     """Hooked modules times micro-batches: the rank's blocks and one root, on every path that runs them under hooks
     (FSDP2's units, on one process too with ZeRO-2/3; the block streamer's fetches and gradient copies); none under
-    DDP's reducer, nor on one process without offload, where the layered executor is a plain loop over the blocks."""
-    path = layout.path(devices)
-    if path == "ddp" or (path == "local" and not layout.offloading):
+    DDP's reducer, on one process without offload, where the layered executor is a plain loop over the blocks, nor
+    in a pipeline stage alone on its rank (plain modules: ``Layout.wraps_blocks``)."""
+    streamed = layout.path(devices) == "local" and layout.offloading
+    if not (layout.wraps_blocks(devices) or streamed):
         return 0
     return layout.micro_batches * (len(share.blocks) + 1)
 

@@ -122,7 +122,7 @@ def estimate_memory(config: M6Config, layout: Layout, cluster: Cluster, workload
     largest = max(unsharded.values(), default=0)
     root = unsharded_elements(config, layout, share, None)
     gathered = 0.0
-    if layout.sharding in ("zero2", "zero3"):
+    if layout.sharding in ("zero2", "zero3") and layout.wraps_blocks(cluster.devices):  # else nothing gathers
         on_device = [unsharded[b] for b in resident_blocks]
         params_gathered = (min(2, len(on_device)) * largest if layout.sharding == "zero3" else sum(on_device))
         keeps_all_grads = layout.accumulation == "standard" and layout.micro_batches > 1

@@ -12,7 +12,8 @@ which skips the steps that split the model (3, 6) and streams its offloaded bloc
    (``Layout.resharding``); replicated layouts take FSDP2's replicate layout (shards of one rank, gradients
    all-reduced) with offload or layered accumulation, and otherwise (the "ddp" path) DDP's reducer, whose bucketed
    all-reduces overlap the backward: it wraps the module once materialized (7). ZeRO-1 partitions the optimizer
-   states afterwards (``replicated_zero.py``);
+   states afterwards (``replicated_zero.py``). A pipeline stage alone on its rank, nothing split or offloaded,
+   stays plain (``Layout.wraps_blocks``);
 7. **materialize** from the meta device: each rank allocates only its shards, unit by unit, and fills them
    (an offloaded block's in host memory);
 8. **streaming offload** (one process, nothing sharded: ``offload.py``): the planned blocks' host values become the
@@ -137,6 +138,12 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
     # 6. data parallelism: FSDP2's units, then roots; or DDP's reducer, around the materialized module
     if meshes is None:
         return _place_on_one_process(module, holder, placement, ctx, lazy, ties, stream)
+    if stages is not None and not ctx.layout.wraps_blocks(ctx.world_size):
+        # A stage alone on its rank (no data ranks, split or offload): plain modules, no FSDP2 (Layout.wraps_blocks).
+        if lazy:  # 7. materialize
+            _materialize_shards(module, holder, plan, ctx, placement.template)
+        check_ties_kept(root, ties)
+        return placement
     if reducer:
         if lazy:  # 7. materialize
             _materialize_shards(module, holder, plan, ctx, placement.template)

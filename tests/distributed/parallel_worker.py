@@ -17,6 +17,7 @@ import lightning as L
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
@@ -138,7 +139,8 @@ def run(config: dict, out: Path, devices: int) -> None:
                   "counted_calls": calls, "optimizer": type(trainer.strategy.optimizers[0]).__name__,
                   "block_bytes": block_bytes, "root_bytes": root_bytes, "fsdp_mode": strategy.fsdp_mode,
                   "model": MODEL | config.get("model", {}), "devices": trainer.world_size,
-                  "compiled_runs": runs["compiled"]}
+                  "compiled_runs": runs["compiled"],
+                  "fsdp_units": sum(isinstance(m, FSDPModule) for m in module.modules())}
         (out / f"{config['name']}.json").write_text(json.dumps(report))
     if dist.is_initialized():
         dist.barrier()

@@ -70,6 +70,21 @@ def test_each_rank_holds_only_its_stages(mesh_runs: Path, name: str, rank_blocks
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize(("name", "wrapped"), [
+    ("pp2_1f1b", False), ("pp2_saved", False), ("pp2_delink", False), ("pp2_zero1", False),  # a stage alone on its
+    # rank, whatever the sharding
+    ("pp2_looped_bfs_v2_zero3_offload", True),  # offloaded blocks keep their shards on the host through FSDP2
+    ("pp2_looped_bfs_zero3_on_4", True),  # two data ranks per stage
+    ("pp2_tp2", True),  # split by heads
+])
+def test_fsdp2_wraps_stages_only_where_it_has_work(mesh_runs: Path, name: str, wrapped: bool) -> None:
+    """Layout.wraps_blocks: FSDP2 over a mesh of one rank only adds its hooks, so such stages stay plain modules
+    (their losses and gradients match the one-process run in the tests above all the same)."""
+    assert (_report(mesh_runs, name)["fsdp_units"] > 0) == wrapped
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize(("name", "reference"), [("pp2_1f1b", "pp_reference"), ("pp2_tp2", "pp_reference"),
                                                  ("pp2_looped_bfs_zero3_on_4", "pp_reference_no_balance")])
 def test_validation_runs_through_the_pipeline(mesh_runs: Path, name: str, reference: str) -> None:

@@ -154,3 +154,26 @@ def test_the_sampler_splits_the_data_over_the_data_ranks_only() -> None:
     assert Layout(tensor_parallel=2).sampler_ranks(4, 3) == (2, 1)
     assert Layout(pipeline_parallel=2, micro_batches=2).sampler_ranks(4, 3) == (2, 1)
     assert Layout(sharding="zero3").sampler_ranks(4, 3) is None
+
+
+def test_fsdp2_wraps_the_blocks_where_it_has_ranks_to_shard_over_a_split_or_an_offload() -> None:
+    pp2 = Layout(pipeline_parallel=2, micro_batches=2)
+    assert not pp2.wraps_blocks(2)  # each stage alone on its rank: a mesh of one rank would only add hooks
+    assert not Layout(pipeline_parallel=2, micro_batches=2, sharding="zero3").wraps_blocks(2)
+    assert pp2.wraps_blocks(4)  # two data ranks per stage
+    assert Layout(pipeline_parallel=2, micro_batches=2, tensor_parallel=2).wraps_blocks(4)
+    assert Layout(pipeline_parallel=2, micro_batches=2, offload_fraction=0.5).wraps_blocks(2)
+    assert Layout(sharding="zero3").wraps_blocks(1) and Layout(sharding="zero2").wraps_blocks(2)
+    assert not Layout().wraps_blocks(1) and not Layout().wraps_blocks(2)  # one process; DDP's reducer
+    assert Layout(tensor_parallel=2).wraps_blocks(2)
+
+
+def test_the_planner_gathers_no_parameters_on_a_stage_fsdp2_leaves_plain() -> None:
+    from lightning_p2r.planning.memory import estimate_memory
+
+    config = M6Config(vocab_size=256, max_seq_len=32, num_layers=4, dim=64, num_heads=4, num_experts=4)
+    workload = Workload(global_batch=8, seq_len=32)
+    zero3 = Layout(pipeline_parallel=2, micro_batches=2, sharding="zero3")
+    alone = estimate_memory(config, zero3, Cluster(devices=2, devices_per_node=2), workload)
+    shared = estimate_memory(config, zero3, Cluster(devices=4, devices_per_node=4), workload)
+    assert alone.gathered == 0 and shared.gathered > 0

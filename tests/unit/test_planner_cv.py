@@ -47,7 +47,12 @@ def test_hooked_modules_are_the_blocks_and_a_root_per_micro_batch_where_blocks_r
     offloaded = Layout(accumulation="layered", micro_batches=4, offload_fraction=0.5)
     assert hooked_module_passes(offloaded, _share(offloaded, 1), 1) == 4 * 5
     pipeline = Layout(pipeline_parallel=2, micro_batches=2)
-    assert hooked_module_passes(pipeline, _share(pipeline, 2), 2) == 2 * (2 + 1)  # the rank's 2 blocks
+    assert hooked_module_passes(pipeline, _share(pipeline, 2), 2) == 0  # a stage alone on its rank: plain modules
+    assert hooked_module_passes(pipeline, _share(pipeline, 4), 4) == 2 * (2 + 1)  # two data ranks: the rank's blocks
+    for wrapped in (Layout(pipeline_parallel=2, micro_batches=2, offload_fraction=0.5),
+                    Layout(pipeline_parallel=2, micro_batches=2, tensor_parallel=2)):
+        devices = 2 * wrapped.tensor_parallel
+        assert hooked_module_passes(wrapped, _share(wrapped, devices), devices) == 2 * (2 + 1)
 
 
 def test_pipeline_actions_and_tensor_parallel_operators() -> None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from ...layout import check_delayed_host_step, check_fsdp_offload_states, fsdp_mode_for
 from ...sharing import OptimizerStatePolicy, Perturbation
@@ -175,7 +176,8 @@ class FSDP2Engine(Engine):
         reshard_all(module, self.outside_blocks_root())
         if self.stages is not None:
             for stage_module in self.stages.stage_modules:
-                stage_module.reshard()
+                if isinstance(stage_module, FSDPModule):  # a stage alone on its rank is a plain module
+                    stage_module.reshard()
 
     def grad_copies(self) -> Callable[[torch.Tensor], int] | None:
         # "fsdp" (one mesh) and "ddp" (plain tensors): torch's clipping is right

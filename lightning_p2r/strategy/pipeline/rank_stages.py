@@ -82,7 +82,8 @@ class RankStages:
         return self.cut.stages_of(self.cut.pipeline_rank(self.global_rank))
 
     def build_stage_modules(self, holder: nn.Module) -> list[PipelineStageModule]:
-        """One module per stage of this rank (each the FSDP2 root of its blocks); recompute checkpoints each layer."""
+        """One module per stage of this rank (the FSDP2 root of its blocks where FSDP2 wraps them); recompute
+        checkpoints each layer."""
         cut, last = self.cut, self.cut.num_stages - 1
         self.stage_modules = [PipelineStageModule(self.parts, holder.blocks, cut.stage_layers(s), first=s == 0,
                                                   last=s == last, embed_modules=self._embed, head_modules=self._head,

@@ -1,7 +1,9 @@
 """One pipeline stage as a module ``torch.distributed.pipelining.PipelineStage`` can run: a range of whole layers of
-the model, plus the embedding on the first stage and the head on the last; the FSDP2 root of its blocks, which stay
-registered in the model. Its forward takes the previous stage's hidden states and the micro-batch itself (every rank
-of a pipeline reads it), from which a later stage rebuilds the context the embedding would have made.
+the model, plus the embedding on the first stage and the head on the last; the FSDP2 root of its blocks where FSDP2
+wraps them (data ranks per stage, a model split or an offload: ``Layout.wraps_blocks``), a plain module otherwise;
+its blocks stay registered in the model. Its forward takes the previous stage's hidden states and the micro-batch
+itself (every rank of a pipeline reads it), from which a later stage rebuilds the context the embedding would have
+made.
 """
 
 from __future__ import annotations
