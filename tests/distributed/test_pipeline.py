@@ -131,3 +131,12 @@ def test_breadth_first_gathers_each_block_once_per_direction(mesh_runs: Path) ->
     assert [rank["all_gather"] for rank in depth] == [7] * 4
     assert [rank["reduce_scatter"] for rank in breadth] == [3] * 4  # 2 blocks + the root with parameters
     assert [rank["reduce_scatter"] for rank in depth] == [3] * 4
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_zero1_partitions_only_over_more_than_one_rank(mesh_runs: Path) -> None:
+    """Over a group of one rank ZeRO-1 would keep every state anyway and broadcast each parameter to itself after
+    every step (test_planner_counts checks that no broadcast is made): the optimizer stays the plain one."""
+    assert _report(mesh_runs, "pp2_zero1")["optimizer"] == "AdamW"
+    assert _report(mesh_runs, "pp2_zero1_on_4")["optimizer"] == "ReplicatedZeroOptimizer"

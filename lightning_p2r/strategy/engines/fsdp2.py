@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -111,7 +112,7 @@ class FSDP2Engine(Engine):
 
     def adapt_optimizers(self, optimizers: list[torch.optim.Optimizer],
                          module: nn.Module) -> list[torch.optim.Optimizer]:
-        if self.ctx.sharding.sharding == "zero1":
+        if self.ctx.sharding.sharding == "zero1" and self._zero_one_partitions():
             # Given an expert group (expert parallelism), the experts are a second partition, over that group.
             layers = [m for m in holder_of(module).modules() if expert_dispatch(m) is not None]
             optimizers = [partition_optimizer_states(optimizers, self.zero_group, expert_group=self.expert_zero_group,
@@ -121,6 +122,13 @@ class FSDP2Engine(Engine):
             if isinstance(optimizer, ZeroOneOptimizer):
                 self._whole_of |= {id(v): p for v, p in zip(optimizer.views, optimizer.whole_params)}
         return optimizers
+
+    def _zero_one_partitions(self) -> bool:
+        """Whether ZeRO-1 has ranks to partition over: over a group of one rank (a pipeline stage or a tensor-parallel
+        position alone on its data rank) it would keep every state anyway and broadcast each parameter to itself
+        after every step, so the optimizer stays the plain one."""
+        groups = [self.zero_group] + ([self.expert_zero_group] if self.expert_zero_group is not None else [])
+        return any(dist.get_world_size(g) > 1 for g in groups)  # None: the default group, every rank
 
     def module_optimizer(self, optimizer: Any) -> torch.optim.Optimizer:
         """The optimizer over the module's own parameters, as checkpoints and delinking read it (collective)."""
