@@ -46,6 +46,7 @@ class RankStages:
         self.schedule, self.micro_batches, self.recompute = p.pipeline_schedule, a.micro_batches, a.recompute
         self.group = group
         """The pipeline's process group (the "pp" dimension of the mesh)."""
+        self.sharding, self.wrapped = ctx.sharding.sharding, ctx.layout.wraps_blocks(ctx.world_size)
         self.cut: StageCut | None = None
         self.parts: PipelineParts | None = None
         self._embed: list[nn.Module] = []
@@ -187,8 +188,11 @@ class RankStages:
         return self.parts.output(logits)
 
     def describe(self) -> str:
+        plain = "" if self.wrapped else (
+            f"; each stage alone on its rank: plain modules, no FSDP2 (sharding={self.sharding!r} has no data ranks to "
+            "shard over)" if self.sharding in ("zero2", "zero3") else "; each stage alone on its rank: plain modules")
         return (f"P2RStrategy pipeline: {self.cut.describe()}, schedule {self.schedule}, {self.micro_batches} "
-                "micro-batches")
+                f"micro-batches{plain}")
 
 
 def _with_tied(holder: nn.Module, modules: list[nn.Module]) -> list[nn.Module]:
