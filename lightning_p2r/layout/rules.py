@@ -87,8 +87,8 @@ class Layout:
         "model_parallel" paths, and on a pipeline whose stages have data ranks to shard or replicate over, a model
         split or an offload. A stage alone on its rank with nothing offloaded stays a plain module, as torchtitan
         leaves a pipeline without data parallelism: FSDP2 over a mesh of one rank only adds its hooks per block and
-        micro-batch, and a second copy of each parameter while gathered (a quarter of a 2-rank pipeline's CPU step,
-        docs/benchmarks.md "Pipeline stages without FSDP2")."""
+        micro-batch, and a second copy of each parameter while gathered (15-24% of a small model's 2-rank pipeline
+        step on CPU, docs/benchmarks.md "Pipeline stages without FSDP2")."""
         path = self.path(devices)
         if path == "pipeline":
             return self.data_parallel(devices) > 1 or self.model_parallel or self.offloading
