@@ -90,7 +90,7 @@ PIPELINE_TWO_PROCESSES = [
      "strategy": PP2 | {"pipeline_schedule": "looped_bfs", "stages_per_rank": 2, "sharding": "zero3",
                         "offload_fraction": 0.5, "accumulation": "layered"}},
     {"name": "pp2_delink", "model": PIPELINE_PSEUDO, "delink_at": 2, "steps": 4, "strategy": PP2},
-    # ZeRO-1 with a stage alone on its rank: plain stage modules (no FSDP2), the optimizer partitioned over one rank.
+    # ZeRO-1 with a stage alone on its rank: plain stage modules (no FSDP2) and the plain optimizer (a one-rank group).
     {"name": "pp2_zero1", "model": PIPELINE_MODEL, "strategy": PP2 | {"sharding": "zero1"}},
     {"name": "pp2_pseudo_forgets_replica_sum", "model": PIPELINE_PSEUDO, "steps": 2, "strategy": PP2,
      "forget_replica_sum": True},
