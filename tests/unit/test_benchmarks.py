@@ -192,6 +192,19 @@ def test_accumulation_sync_benchmark_writes_its_outputs(tmp_path) -> None:
     assert all(r["step_ms"] > 0 for r in result["rows"]) and result["ratio"] > 0
 
 
+def test_fsdp_hooks_benchmark_times_calibrates_blocks_and_m6_blocks(tmp_path: Path) -> None:
+    from lightning_p2r.benchmarks import fsdp_hooks
+
+    rows = fsdp_hooks.main(["--quick", "--out", str(tmp_path)])["rows"]
+    for name in ("fsdp_hooks.csv", "fsdp_hooks.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert [r["blocks"] for r in rows] == ["calibrate's tiny blocks (width 16)", "M6 width 32, dense",
+                                           "M6 width 32, 4 experts"]
+    assert all(r["hook_ms"] >= 0 for r in rows)
+    assert rows[0]["unit_MB"] < rows[1]["unit_MB"] < rows[2]["unit_MB"]  # the experts add bytes to a block
+    assert all(r["plain_step_ms"] > 0 for r in rows[1:])
+
+
 def test_attention_benchmark_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     attention.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
     rows = _read_csv(tmp_path / "attention.csv")
