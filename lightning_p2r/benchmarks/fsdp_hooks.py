@@ -31,8 +31,14 @@ from lightning_p2r.benchmarks.report import (
     with_environment,
     write_csv,
 )
-from lightning_p2r.measure.module_hooks import HOOK_MICRO_BATCHES, HOOK_WIDTH, hook_call_overhead, module_hook_seconds
-from lightning_p2r.measure.run import median_seconds
+from lightning_p2r.measure.module_hooks import (
+    HOOK_MICRO_BATCHES,
+    HOOK_WIDTH,
+    hook_call_overhead,
+    hook_stack,
+    hooked_step_seconds,
+    module_hook_seconds,
+)
 
 BLOCKS = 3
 SEQ_LEN = 64
@@ -50,14 +56,8 @@ def _transformer(width: int, experts: int) -> torch.nn.Module:
     return module.transformer
 
 
-def _step_seconds(model: torch.nn.Module, tokens: torch.Tensor, repeats: int) -> float:
-    def step() -> None:
-        for index in range(HOOK_MICRO_BATCHES):
-            if hasattr(model, "set_requires_gradient_sync"):
-                model.set_requires_gradient_sync(index == HOOK_MICRO_BATCHES - 1)
-            model(tokens).logits.float().mean().backward()
-
-    return median_seconds(step, warmup=3, iters=repeats)
+def _logits_mean(output: Any) -> torch.Tensor:
+    return output.logits.float().mean()
 
 
 def m6_hook_row(width: int, experts: int, mesh: Any, repeats: int, rounds: int) -> dict[str, Any]:
@@ -76,7 +76,7 @@ def m6_hook_row(width: int, experts: int, mesh: Any, repeats: int, rounds: int) 
         models[reshard] = model
     per_round: dict[Any, list[float]] = {"plain": [], False: [], True: []}
     for _ in range(rounds):
-        times = {key: _step_seconds(model, tokens, repeats) for key, model in models.items()}
+        times = {key: hooked_step_seconds(model, tokens, repeats, _logits_mean) for key, model in models.items()}
         per_round["plain"].append(times["plain"])
         for reshard in (False, True):
             per_round[reshard].append(hook_call_overhead(times["plain"], times[reshard], BLOCKS + 1,
@@ -112,8 +112,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
-        # A tiny block: two norms (weight, bias) and two linear layers (weight, bias) of width HOOK_WIDTH, in fp32.
-        tiny_bytes = (2 * HOOK_WIDTH**2 + 6 * HOOK_WIDTH) * 4
+        tiny_bytes = sum(p.numel() * p.element_size() for p in hook_stack(torch.device("cpu"))[0].parameters())
         rows = [{"blocks": f"calibrate's tiny blocks (width {HOOK_WIDTH})", "unit_MB": tiny_bytes / 2**20,
                  "plain_step_ms": float("nan"), "hook_ms_kept": float("nan"), "hook_ms_resharded": float("nan"),
                  "hook_ms": module_hook_seconds(torch.device("cpu"), mesh, args.repeats) * 1e3}]

@@ -7,7 +7,6 @@ import argparse
 import csv
 import math
 import os
-import platform
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from lightning_p2r.console.text_table import format_cell, format_table
+from lightning_p2r.measure.speed import cpu_name
 
 DEFAULT_OUT = Path("runs/benchmarks")
 DOCS_OUT = Path("docs/benchmarks")
@@ -60,22 +60,10 @@ def apply_threads(threads: int | None) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ environment
-def _cpu_name() -> str:
-    # platform.processor() is empty on most Linux builds; /proc/cpuinfo has the marketing name.
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment_info(device: str | torch.device = "cpu") -> dict[str, Any]:
     """What a reader needs to compare two runs: torch version, device name, torch threads and CPU count."""
     device = torch.device(device)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     return {
         "torch": torch.__version__,
         "device": str(device),

@@ -12,6 +12,7 @@ oversubscribed CPU's share of a core is already in it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,7 +34,7 @@ def hook_call_overhead(plain_s: float, hooked_s: float, hooked_modules: int, mic
     return max(hooked_s - plain_s, 0.0) / (hooked_modules * micro_batches)
 
 
-def _stack(device: torch.device) -> nn.Sequential:
+def hook_stack(device: torch.device) -> nn.Sequential:
     def block() -> nn.Module:
         return nn.Sequential(nn.LayerNorm(HOOK_WIDTH), nn.Linear(HOOK_WIDTH, HOOK_WIDTH), nn.LayerNorm(HOOK_WIDTH),
                              nn.Linear(HOOK_WIDTH, HOOK_WIDTH))
@@ -41,14 +42,15 @@ def _stack(device: torch.device) -> nn.Sequential:
     return nn.Sequential(*[block() for _ in range(HOOK_UNITS)]).to(device)
 
 
-def _step_seconds(model: nn.Module, batch: torch.Tensor, repeats: int) -> float:
-    """The median time of one step of ``HOOK_MICRO_BATCHES`` forward and backward passes (standard accumulation:
-    the gradient is reduced after the last one only)."""
+def hooked_step_seconds(model: nn.Module, batch: torch.Tensor, repeats: int,
+                        loss: Callable[[Any], torch.Tensor] = torch.sum) -> float:
+    """The median time of one step of ``HOOK_MICRO_BATCHES`` forward and backward passes of ``loss(model(batch))``
+    (standard accumulation: the gradient is reduced after the last one only)."""
     def step() -> None:
         for index in range(HOOK_MICRO_BATCHES):
             if hasattr(model, "set_requires_gradient_sync"):
                 model.set_requires_gradient_sync(index == HOOK_MICRO_BATCHES - 1)
-            model(batch).sum().backward()
+            loss(model(batch)).backward()
 
     return median_seconds(step, warmup=3, iters=repeats, device=batch.device)
 
@@ -60,15 +62,15 @@ def module_hook_seconds(device: torch.device, mesh: Any, repeats: int) -> float:
 
     batch = torch.randn(4, HOOK_WIDTH, device=device)
     torch.manual_seed(0)
-    plain = _step_seconds(_stack(device), batch, repeats)
+    plain = hooked_step_seconds(hook_stack(device), batch, repeats)
     overheads = []
     for reshard in (False, True):
         torch.manual_seed(0)
-        model = _stack(device)
+        model = hook_stack(device)
         for block in model:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         fully_shard(model, mesh=mesh, reshard_after_forward=False)
-        hooked = _step_seconds(model, batch, repeats)
+        hooked = hooked_step_seconds(model, batch, repeats)
         overheads.append(hook_call_overhead(plain, hooked, HOOK_UNITS + 1, HOOK_MICRO_BATCHES))
     return sum(overheads) / len(overheads)
 

@@ -72,18 +72,19 @@ def machine_name(accelerator: str) -> str:
     if accelerator == "cuda" and torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
     else:
-        device = _cpu_model() or platform.processor() or platform.machine()
+        device = cpu_name()
     return f"{platform.node()} / {device}"
 
 
-def _cpu_model() -> str:
+def cpu_name() -> str:
+    """The processor's marketing name (platform.processor() is empty on most Linux builds; /proc/cpuinfo has it)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return ""
+    return platform.processor() or platform.machine()
 
 
 RECALIBRATE_BEYOND = 0.15

@@ -138,17 +138,15 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
     # 6. data parallelism: FSDP2's units, then roots; or DDP's reducer, around the materialized module
     if meshes is None:
         return _place_on_one_process(module, holder, placement, ctx, lazy, ties, stream)
-    if stages is not None and not ctx.layout.wraps_blocks(ctx.world_size):
-        # A stage alone on its rank (no data ranks, split or offload): plain modules, no FSDP2 (Layout.wraps_blocks).
+    # A pipeline stage alone on its rank (no data ranks, split or offload) stays plain (Layout.wraps_blocks).
+    plain_stages = stages is not None and not ctx.layout.wraps_blocks(ctx.world_size)
+    if reducer or plain_stages:
         if lazy:  # 7. materialize
             _materialize_shards(module, holder, plan, ctx, placement.template)
-        check_ties_kept(root, ties)
-        return placement
-    if reducer:
-        if lazy:  # 7. materialize
-            _materialize_shards(module, holder, plan, ctx, placement.template)
-        device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        placement.wrapper = DistributedDataParallel(module, device_ids=device_ids, process_group=meshes.data_group())
+        if reducer:
+            device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+            placement.wrapper = DistributedDataParallel(module, device_ids=device_ids,
+                                                        process_group=meshes.data_group())
         check_ties_kept(root, ties)
         return placement
     reshard = ctx.layout.resharding
