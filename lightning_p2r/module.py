@@ -68,7 +68,9 @@ class OptimizerConfig:
 
     nonfinite_loss: Literal["stop", "skip"] = "stop"
     """A NaN or infinite training loss: "stop" ends the run with an error naming the step (before its update, so the
-    last checkpoint holds good weights); "skip" drops that step's update, warns and goes on."""
+    last checkpoint holds good weights); "skip" drops that step's update, warns and goes on. Under gradient
+    accumulation one non-finite micro-batch stops or skips its whole step (the ranks decide once, at the step's last
+    micro-batch, as DeepSpeed and AMP's gradient scaler skip a step)."""
 
     def __post_init__(self) -> None:
         if self.lr < 0:  # 0 is legitimate: the weights stay put (measuring a run's cost, or its data)
@@ -253,6 +255,11 @@ class M6LanguageModel(L.LightningModule):
         self.val_perplexity = Perplexity()
         self._language_losses: LanguageLosses | None = None
         self._last_batch_end: float | None = None
+        self._step_losses_finite: torch.Tensor | None = None
+        """Whether every micro-batch loss of the optimizer step so far was finite (a tensor: no host sync until the
+        step's last micro-batch decides)."""
+        self._step_shown_loss: torch.Tensor | None = None
+        """The step's latest loss while all were finite, then its first non-finite one (what an error shows)."""
 
     # ------------------------------------------------------------------------------------------------ model
     def setup(self, stage: str) -> None:
@@ -458,16 +465,45 @@ class M6LanguageModel(L.LightningModule):
         result = self.losses(batch)
         self.log_train_metrics({"ce": result["ce"], "loss": result["loss"], "aux": result["aux"], "z": result["z"]}
                                | routing_metrics(result["output"].routing))
-        return result["loss"] if self.loss_is_usable(result["loss"]) else None  # None: Lightning skips the step
+        loss = result["loss"]
+        finite, shown = torch.isfinite(loss.detach()).all(), loss.detach()
+        first, last = self._accumulation_position(batch_idx)
+        if not first and self._step_losses_finite is not None:
+            # The error names the step's first non-finite loss (a selection on the device: no sync).
+            shown = torch.where(self._step_losses_finite, shown, self._step_shown_loss)
+            finite = finite & self._step_losses_finite
+        self._step_losses_finite, self._step_shown_loss = finite, shown
+        if not last:
+            # The step's earlier micro-batches run their backward whatever their loss; the step's last one decides
+            # for them all, before the update. Deciding per micro-batch cost a blocking cross-rank all-reduce (and on
+            # a GPU a host sync) every micro-batch: 2-7% of a 2-process step of 8 micro-batches on a 2-vCPU machine
+            # (docs/benchmarks.md, "The loss check once per step").
+            return loss
+        if self._step_is_usable(finite, shown):
+            return loss
+        # Skipped: Lightning skips this micro-batch's backward, but the optimizer still steps. Gradients of None make
+        # it leave every parameter alone (no NaN from an earlier micro-batch's backward, no momentum, no decay).
+        self.zero_grad(set_to_none=True)
+        return None
+
+    def _accumulation_position(self, batch_idx: int) -> tuple[bool, bool]:
+        """Whether Lightning batch ``batch_idx`` is the first, and the last, micro-batch of its optimizer step
+        (``Trainer(accumulate_grad_batches=...)``; an epoch's last batch ends a step too, as Lightning steps there)."""
+        if self._trainer is None:
+            return True, True
+        accumulate = self.trainer.accumulate_grad_batches
+        return batch_idx % accumulate == 0, (batch_idx + 1) % accumulate == 0 or bool(self.trainer.is_last_batch)
 
     def loss_is_usable(self, loss: torch.Tensor) -> bool:
         """Whether this step's loss may update the weights: True when finite. A NaN or infinite loss raises
         (``nonfinite_loss="stop"``) or returns False (``"skip"``). Every rank decides alike (the decision is reduced),
-        as a step skipped on one rank only would hang the others' gradient reduction. The layered path calls this
-        too."""
-        finite = bool(torch.isfinite(loss.detach()).all())
-        finite = self.trainer.strategy.reduce_boolean_decision(finite, all=True)
-        if finite:
+        as a step skipped on one rank only would hang the others' gradient reduction. The layered and pipeline
+        paths call this with the whole step's loss; standard accumulation decides once per step, at its last
+        micro-batch, for all of them (a non-finite micro-batch anywhere skips, or stops, the whole step)."""
+        return self._step_is_usable(torch.isfinite(loss.detach()).all(), loss)
+
+    def _step_is_usable(self, finite: torch.Tensor, loss: torch.Tensor) -> bool:
+        if self.trainer.strategy.reduce_boolean_decision(bool(finite), all=True):
             return True
         step = self.trainer.global_step
         if self.optimizer_config.nonfinite_loss == "skip":

@@ -11,8 +11,8 @@ by ``lightning-p2r calibrate`` on the user's machine (a handful of timed probe l
 half of a random sample of layouts, judged on the other half (docs/planning.md). Each term's assumption, in one line:
 
 - ``batch_overhead`` (measured): standard accumulation without a pipeline is Lightning's: every micro-batch beyond
-  the first repeats Lightning's per-batch loop (fetch, hooks, logging, the loss's cross-rank finiteness check, the
-  backward closure), which ``step_overhead`` prices once per step.
+  the first repeats Lightning's per-batch loop (fetch, hooks, logging, the backward closure; the loss's cross-rank
+  finiteness check runs once per step since 2026-11-30), which ``step_overhead`` prices once per step.
 - ``module_hook_overhead`` (measured): every FSDP2 unit (the rank's blocks and the part's root) and every block the
   block streamer drives runs Python hooks in forward and backward, once per micro-batch (the layered executor on
   one process without offload is a plain loop over the blocks: none), at the cost FSDP2's hooks have on a stack of

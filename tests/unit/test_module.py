@@ -262,6 +262,65 @@ def test_a_non_finite_loss_stops_naming_the_step_or_is_skipped(tmp_path: Path, l
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
+class _NanInFirstMicroBatch(M6LanguageModel):
+    """The loss of the first of the two micro-batches of optimizer step 2 is NaN; the second's is finite. Counts the
+    ranks' finiteness decisions."""
+
+    decisions = 0
+
+    def on_train_batch_start(self, batch, batch_idx):
+        if self.trainer.global_step == 2 and batch_idx % 2 == 0:
+            self._nan = self.transformer.norm.register_forward_hook(lambda module, args, out: out * float("nan"))
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        super().on_train_batch_end(outputs, batch, batch_idx)
+        if getattr(self, "_nan", None) is not None:
+            self._nan.remove()
+            self._nan = None
+
+    def _step_is_usable(self, finite, loss):
+        self.decisions += 1
+        return super()._step_is_usable(finite, loss)
+
+
+def test_standard_accumulation_decides_on_non_finite_losses_once_per_step(tmp_path: Path) -> None:
+    """Two micro-batches per step: the ranks agree on the losses once per step, and a NaN in the step's first
+    micro-batch stops the run before that step's update, naming it, or skips the whole step."""
+    config = M6Config(**(TINY | {"moe_layers": []}))
+    module = _NanInFirstMicroBatch(config, OptimizerConfig(warmup_steps=1))
+    trainer = _trainer(tmp_path / "stop", max_steps=4, limit_val_batches=0, accumulate_grad_batches=2)
+    with pytest.raises(FloatingPointError, match=r"training loss is nan at step 2: stopping"):
+        trainer.fit(module, datamodule=_data(tmp_path))
+    assert trainer.global_step == 2
+    assert module.decisions == 3  # steps 0, 1 and 2: one decision each, at the step's second micro-batch
+
+    module = _NanInFirstMicroBatch(config, OptimizerConfig(warmup_steps=1, nonfinite_loss="skip"))
+    trainer = _trainer(tmp_path / "skip", max_steps=4, limit_val_batches=0, accumulate_grad_batches=2)
+    before_step_2: dict[str, torch.Tensor] = {}
+
+    class Snapshot(L.Callback):
+        """The weights when step 2's first micro-batch starts, and whether they were the same after its last."""
+
+        unchanged: bool | None = None
+
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if trainer.global_step == 2 and batch_idx % 2 == 0:
+                before_step_2.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if before_step_2 and self.unchanged is None and batch_idx % 2 == 1:
+                self.unchanged = all(torch.equal(before_step_2[k], v) for k, v in pl_module.state_dict().items())
+
+    snapshot = Snapshot()
+    trainer.callbacks.append(snapshot)
+    with pytest.warns(UserWarning, match="non-finite training loss \\(nan\\) at step 2: its update is skipped"):
+        trainer.fit(module, datamodule=_data(tmp_path))
+    assert trainer.global_step == 4
+    assert module.decisions == 4  # one per step; Lightning counts the skipped step 2 as a step
+    assert snapshot.unchanged  # the skipped step left the weights alone
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+
+
 def test_a_checkpoint_from_before_the_head_major_qkv_layout_is_refused() -> None:
     """Its weights would load without error and the attention would read other heads' q, k and v."""
     module = M6LanguageModel(M6Config(**TINY))
