@@ -69,8 +69,8 @@ class OptimizerConfig:
     nonfinite_loss: Literal["stop", "skip"] = "stop"
     """A NaN or infinite training loss: "stop" ends the run with an error naming the step (before its update, so the
     last checkpoint holds good weights); "skip" drops that step's update, warns and goes on. Under gradient
-    accumulation one non-finite micro-batch stops or skips its whole step (the ranks decide once, at the step's last
-    micro-batch, as DeepSpeed and AMP's gradient scaler skip a step)."""
+    accumulation one non-finite micro-batch stops or skips its whole step (the ranks decide once per step, before
+    its update, as DeepSpeed and AMP's gradient scaler skip a step)."""
 
     def __post_init__(self) -> None:
         if self.lr < 0:  # 0 is legitimate: the weights stay put (measuring a run's cost, or its data)
@@ -448,6 +448,8 @@ class M6LanguageModel(L.LightningModule):
                              absorb=absorb, metrics=self.micro_batch_metrics)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self._step_losses_usable(optimizer):
+            return
         # Loss-free balancing (M6Config.router_balance="bias"): the routing biases move once per optimizer step, by
         # the whole step's load (every micro-batch, every process: the same update on every rank).
         if self.transformer is not None and self.config.router_balance == "bias":
@@ -466,40 +468,39 @@ class M6LanguageModel(L.LightningModule):
         self.log_train_metrics({"ce": result["ce"], "loss": result["loss"], "aux": result["aux"], "z": result["z"]}
                                | routing_metrics(result["output"].routing))
         loss = result["loss"]
+        if self._trainer is None or self.trainer.accumulate_grad_batches == 1:
+            return loss if self.loss_is_usable(loss) else None  # None: Lightning skips the backward and the update
+        # Several micro-batches per step: each runs its backward whatever its loss (the reductions and the gradients
+        # held outside .grad stay in step on every rank), and the ranks decide once, before the update
+        # (on_before_optimizer_step). Deciding here cost a blocking cross-rank all-reduce, and on a GPU a host sync,
+        # every micro-batch: 2-7% of a 2-process step of 8 micro-batches on a 2-vCPU machine (docs/benchmarks.md,
+        # "The loss check once per step").
         finite, shown = torch.isfinite(loss.detach()).all(), loss.detach()
-        first, last = self._accumulation_position(batch_idx)
-        if not first and self._step_losses_finite is not None:
+        if self._step_losses_finite is not None:
             # The error names the step's first non-finite loss (a selection on the device: no sync).
             shown = torch.where(self._step_losses_finite, shown, self._step_shown_loss)
             finite = finite & self._step_losses_finite
         self._step_losses_finite, self._step_shown_loss = finite, shown
-        if not last:
-            # The step's earlier micro-batches run their backward whatever their loss; the step's last one decides
-            # for them all, before the update. Deciding per micro-batch cost a blocking cross-rank all-reduce (and on
-            # a GPU a host sync) every micro-batch: 2-7% of a 2-process step of 8 micro-batches on a 2-vCPU machine
-            # (docs/benchmarks.md, "The loss check once per step").
-            return loss
-        if self._step_is_usable(finite, shown):
-            return loss
-        # Skipped: Lightning skips this micro-batch's backward, but the optimizer still steps. Gradients of None make
-        # it leave every parameter alone (no NaN from an earlier micro-batch's backward, no momentum, no decay).
-        self.zero_grad(set_to_none=True)
-        return None
+        return loss
 
-    def _accumulation_position(self, batch_idx: int) -> tuple[bool, bool]:
-        """Whether Lightning batch ``batch_idx`` is the first, and the last, micro-batch of its optimizer step
-        (``Trainer(accumulate_grad_batches=...)``; an epoch's last batch ends a step too, as Lightning steps there)."""
-        if self._trainer is None:
-            return True, True
-        accumulate = self.trainer.accumulate_grad_batches
-        return batch_idx % accumulate == 0, (batch_idx + 1) % accumulate == 0 or bool(self.trainer.is_last_batch)
+    def _step_losses_usable(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The once-per-step decision on the micro-batches' losses (see ``training_step``), before the update. A
+        skipped step leaves every gradient None, so the optimizer leaves every parameter alone (no decay, no moments;
+        the strategy's optimizer also forgets the gradients it holds on the host)."""
+        finite, shown = self._step_losses_finite, self._step_shown_loss
+        self._step_losses_finite = self._step_shown_loss = None
+        if finite is None or self._step_is_usable(finite, shown):
+            return True
+        optimizer.zero_grad(set_to_none=True)
+        return False
 
     def loss_is_usable(self, loss: torch.Tensor) -> bool:
         """Whether this step's loss may update the weights: True when finite. A NaN or infinite loss raises
         (``nonfinite_loss="stop"``) or returns False (``"skip"``). Every rank decides alike (the decision is reduced),
         as a step skipped on one rank only would hang the others' gradient reduction. The layered and pipeline
-        paths call this with the whole step's loss; standard accumulation decides once per step, at its last
-        micro-batch, for all of them (a non-finite micro-batch anywhere skips, or stops, the whole step)."""
+        paths call this with the whole step's loss, as ``training_step`` does with one micro-batch per step; with
+        several, the step's micro-batches are decided together before the update (``on_before_optimizer_step``):
+        a non-finite one anywhere skips, or stops, the whole step."""
         return self._step_is_usable(torch.isfinite(loss.detach()).all(), loss)
 
     def _step_is_usable(self, finite: torch.Tensor, loss: torch.Tensor) -> bool:

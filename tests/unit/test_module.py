@@ -283,19 +283,29 @@ class _NanInFirstMicroBatch(M6LanguageModel):
         return super()._step_is_usable(finite, loss)
 
 
-def test_standard_accumulation_decides_on_non_finite_losses_once_per_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("options", [None, {}, {"offload_fraction": 1.0}, {"sharding": "zero2"}],
+                         ids=["lightning", "p2r", "offloaded", "zero2"])
+def test_standard_accumulation_decides_on_non_finite_losses_once_per_step(tmp_path: Path, options) -> None:
     """Two micro-batches per step: the ranks agree on the losses once per step, and a NaN in the step's first
-    micro-batch stops the run before that step's update, naming it, or skips the whole step."""
+    micro-batch stops the run before that step's update, naming it, or skips the whole step: its gradients are
+    forgotten wherever the strategy holds them (the host for offloaded blocks; FSDP2's units)."""
+    from lightning_p2r import P2RStrategy
+
+    def strategy():
+        return "auto" if options is None else P2RStrategy(**options)
+
     config = M6Config(**(TINY | {"moe_layers": []}))
     module = _NanInFirstMicroBatch(config, OptimizerConfig(warmup_steps=1))
-    trainer = _trainer(tmp_path / "stop", max_steps=4, limit_val_batches=0, accumulate_grad_batches=2)
+    trainer = _trainer(tmp_path / "stop", strategy=strategy(), max_steps=4, limit_val_batches=0,
+                       accumulate_grad_batches=2)
     with pytest.raises(FloatingPointError, match=r"training loss is nan at step 2: stopping"):
         trainer.fit(module, datamodule=_data(tmp_path))
     assert trainer.global_step == 2
     assert module.decisions == 3  # steps 0, 1 and 2: one decision each, at the step's second micro-batch
 
     module = _NanInFirstMicroBatch(config, OptimizerConfig(warmup_steps=1, nonfinite_loss="skip"))
-    trainer = _trainer(tmp_path / "skip", max_steps=4, limit_val_batches=0, accumulate_grad_batches=2)
+    trainer = _trainer(tmp_path / "skip", strategy=strategy(), max_steps=4, limit_val_batches=0,
+                       accumulate_grad_batches=2)
     before_step_2: dict[str, torch.Tensor] = {}
 
     class Snapshot(L.Callback):
