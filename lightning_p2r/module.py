@@ -473,8 +473,8 @@ class M6LanguageModel(L.LightningModule):
         # Several micro-batches per step: each runs its backward whatever its loss (the reductions and the gradients
         # held outside .grad stay in step on every rank), and the ranks decide once, before the update
         # (on_before_optimizer_step). Deciding here cost a blocking cross-rank all-reduce, and on a GPU a host sync,
-        # every micro-batch: 2-7% of a 2-process step of 8 micro-batches on a 2-vCPU machine (docs/benchmarks.md,
-        # "The loss check once per step").
+        # every micro-batch: up to a tenth of a 2-process step of 8 micro-batches on a 2-vCPU machine
+        # (docs/benchmarks.md, "The loss check once per step").
         finite, shown = torch.isfinite(loss.detach()).all(), loss.detach()
         if self._step_losses_finite is not None:
             # The error names the step's first non-finite loss (a selection on the device: no sync).
