@@ -229,8 +229,11 @@ class _NanAtStep(M6LanguageModel):
     """The logits of the batch at optimizer step 2 are NaN (as after an overflow), on the standard and the layered
     path alike (both run the final norm)."""
 
+    def poisons(self, batch_idx: int) -> bool:
+        return self.trainer.global_step == 2
+
     def on_train_batch_start(self, batch, batch_idx):
-        if self.trainer.global_step == 2:
+        if self.poisons(batch_idx):
             self._nan = self.transformer.norm.register_forward_hook(lambda module, args, out: out * float("nan"))
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -262,21 +265,14 @@ def test_a_non_finite_loss_stops_naming_the_step_or_is_skipped(tmp_path: Path, l
     assert all(torch.isfinite(p).all() for p in module.parameters())
 
 
-class _NanInFirstMicroBatch(M6LanguageModel):
+class _NanInFirstMicroBatch(_NanAtStep):
     """The loss of the first of the two micro-batches of optimizer step 2 is NaN; the second's is finite. Counts the
     ranks' finiteness decisions."""
 
     decisions = 0
 
-    def on_train_batch_start(self, batch, batch_idx):
-        if self.trainer.global_step == 2 and batch_idx % 2 == 0:
-            self._nan = self.transformer.norm.register_forward_hook(lambda module, args, out: out * float("nan"))
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        super().on_train_batch_end(outputs, batch, batch_idx)
-        if getattr(self, "_nan", None) is not None:
-            self._nan.remove()
-            self._nan = None
+    def poisons(self, batch_idx: int) -> bool:
+        return self.trainer.global_step == 2 and batch_idx % 2 == 0
 
     def _step_is_usable(self, finite, loss):
         self.decisions += 1
