@@ -256,8 +256,8 @@ class M6LanguageModel(L.LightningModule):
         self._language_losses: LanguageLosses | None = None
         self._last_batch_end: float | None = None
         self._step_losses_finite: torch.Tensor | None = None
-        """Whether every micro-batch loss of the optimizer step so far was finite (a tensor: no host sync until the
-        step's last micro-batch decides)."""
+        """Whether every micro-batch loss of the optimizer step so far was finite, with several micro-batches per step
+        (a tensor: no host sync until the ranks decide, before the update)."""
         self._step_shown_loss: torch.Tensor | None = None
         """The step's latest loss while all were finite, then its first non-finite one (what an error shows)."""
 
@@ -448,10 +448,10 @@ class M6LanguageModel(L.LightningModule):
                              absorb=absorb, metrics=self.micro_batch_metrics)
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        if not self._step_losses_usable(optimizer):
-            return
+        self._decide_step_losses(optimizer)
         # Loss-free balancing (M6Config.router_balance="bias"): the routing biases move once per optimizer step, by
-        # the whole step's load (every micro-batch, every process: the same update on every rank).
+        # the whole step's load (every micro-batch, every process: the same update on every rank; a skipped step's
+        # routing happened too, and its load is counted and cleared as any step's).
         if self.transformer is not None and self.config.router_balance == "bias":
             world = self.trainer.world_size if self._trainer is not None else 1
             reduce = (lambda load: self.trainer.strategy.reduce(load, reduce_op="sum")) if world > 1 else None
@@ -483,16 +483,14 @@ class M6LanguageModel(L.LightningModule):
         self._step_losses_finite, self._step_shown_loss = finite, shown
         return loss
 
-    def _step_losses_usable(self, optimizer: torch.optim.Optimizer) -> bool:
+    def _decide_step_losses(self, optimizer: torch.optim.Optimizer) -> None:
         """The once-per-step decision on the micro-batches' losses (see ``training_step``), before the update. A
         skipped step leaves every gradient None, so the optimizer leaves every parameter alone (no decay, no moments;
         the strategy's optimizer also forgets the gradients it holds on the host)."""
         finite, shown = self._step_losses_finite, self._step_shown_loss
         self._step_losses_finite = self._step_shown_loss = None
-        if finite is None or self._step_is_usable(finite, shown):
-            return True
-        optimizer.zero_grad(set_to_none=True)
-        return False
+        if finite is not None and not self._step_is_usable(finite, shown):
+            optimizer.zero_grad(set_to_none=True)
 
     def loss_is_usable(self, loss: torch.Tensor) -> bool:
         """Whether this step's loss may update the weights: True when finite. A NaN or infinite loss raises
