@@ -255,11 +255,9 @@ class M6LanguageModel(L.LightningModule):
         self.val_perplexity = Perplexity()
         self._language_losses: LanguageLosses | None = None
         self._last_batch_end: float | None = None
-        self._step_losses_finite: torch.Tensor | None = None
-        """Whether every micro-batch loss of the optimizer step so far was finite, with several micro-batches per step
-        (a tensor: no host sync until the ranks decide, before the update)."""
-        self._step_shown_loss: torch.Tensor | None = None
-        """The step's latest loss while all were finite, then its first non-finite one (what an error shows)."""
+        self._step_loss: torch.Tensor | None = None
+        """With several micro-batches per step: the step's latest loss while all were finite, then its first
+        non-finite one (a tensor: no host sync until the ranks decide, before the update; what an error shows)."""
 
     # ------------------------------------------------------------------------------------------------ model
     def setup(self, stage: str) -> None:
@@ -475,21 +473,18 @@ class M6LanguageModel(L.LightningModule):
         # (on_before_optimizer_step). Deciding here cost a blocking cross-rank all-reduce, and on a GPU a host sync,
         # every micro-batch: up to a tenth of a 2-process step of 8 micro-batches on a 2-vCPU machine
         # (docs/benchmarks.md, "The loss check once per step").
-        finite, shown = torch.isfinite(loss.detach()).all(), loss.detach()
-        if self._step_losses_finite is not None:
-            # The error names the step's first non-finite loss (a selection on the device: no sync).
-            shown = torch.where(self._step_losses_finite, shown, self._step_shown_loss)
-            finite = finite & self._step_losses_finite
-        self._step_losses_finite, self._step_shown_loss = finite, shown
+        shown = loss.detach()
+        if self._step_loss is not None:  # keep the first non-finite loss (a selection on the device: no sync)
+            shown = torch.where(torch.isfinite(self._step_loss), shown, self._step_loss)
+        self._step_loss = shown
         return loss
 
     def _decide_step_losses(self, optimizer: torch.optim.Optimizer) -> None:
         """The once-per-step decision on the micro-batches' losses (see ``training_step``), before the update. A
         skipped step leaves every gradient None, so the optimizer leaves every parameter alone (no decay, no moments;
         the strategy's optimizer also forgets the gradients it holds on the host)."""
-        finite, shown = self._step_losses_finite, self._step_shown_loss
-        self._step_losses_finite = self._step_shown_loss = None
-        if finite is not None and not self._step_is_usable(finite, shown):
+        shown, self._step_loss = self._step_loss, None
+        if shown is not None and not self._step_is_usable(torch.isfinite(shown).all(), shown):
             optimizer.zero_grad(set_to_none=True)
 
     def loss_is_usable(self, loss: torch.Tensor) -> bool:
