@@ -26,7 +26,9 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the
   intercept beyond the launches and weight traffic the cost model prices, per matmul call (efficiency by shape);
 - ``host_device_bandwidth`` / ``host_device_latency``: pinned host-to-device copies on CUDA; on a CPU-only machine
-  the memory copy the block streamer does instead;
+  the memory copy the block streamer does instead, and then (without ``--no-fit``) the bandwidth those copies reach
+  inside training, read off a model trained with every block offloaded and resident, in turn (into fresh pages
+  they ran at a third to a fifth of the speed of a copy alone: :mod:`.offload_copies`);
 - ``optimizer_seconds_per_param`` / ``host_optimizer_seconds_per_param``: fused ``torch.optim.AdamW`` steps on
   device and on host tensors;
 - ``step_overhead``: the step of a ``Trainer`` with ``P2RStrategy`` on the same processes over a model too small
@@ -82,6 +84,7 @@ from ..planning.cluster import ELEMENTWISE_LARGE_BYTES, ELEMENTWISE_SMALL_BYTES,
 from ..planning.network import ring_terms
 from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
+from .offload_copies import fit_copy_bandwidth
 from .run import host_threads, median_seconds, usable_cores, worker_env
 from .speed import machine_name, reference_step_seconds
 
@@ -804,17 +807,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--name", default="this-machine")
     parser.add_argument("--quick", action="store_true", help="smaller, fewer measurements (seconds, noisier)")
     parser.add_argument("--probe-rounds", type=int, default=None,
-                        help="times each probe layout of the fit is timed, the probes in turn; the fit reads each "
-                             "one's median (default 2, their mean; --quick: 1)")
+                        help="times each probe layout of the fits is timed, the probes in turn; the fits read "
+                             "medians (default: 2 for the framework waits, their mean; 3 for the offload copies; "
+                             "--quick: 1)")
     parser.add_argument("--no-fit", action="store_true",
-                        help="skip fitting the framework waits from timed probe layouts (their terms stay 0; the "
-                             "planner warns where a layout counts one)")
+                        help="skip the fits from timed probe layouts: the framework waits (their terms stay 0; the "
+                             "planner warns where a layout counts one) and, on CPU, the offloaded copies' "
+                             "bandwidth inside training (the copy alone stands)")
     args = parser.parse_args(argv)
     if args.probe_rounds is not None and args.probe_rounds < 1:
         parser.error(f"--probe-rounds must be at least 1, got {args.probe_rounds}")
-    if args.probe_rounds is not None and (args.no_fit or args.processes < 2):
-        parser.error("--probe-rounds shapes the fit of the framework waits, which runs with --processes 2 or more "
-                     "and without --no-fit")
+    if args.probe_rounds is not None and args.no_fit:
+        parser.error("--probe-rounds shapes the fits from timed probe layouts, which --no-fit skips")
     if args.threads is None:
         args.threads = host_threads("cuda" if torch.cuda.is_available() else "cpu", args.processes, usable_cores())
     reference_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -832,6 +836,10 @@ def main(argv: list[str]) -> None:
             print(f"warning: {warning.message}", file=sys.stderr)
         else:
             warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
+    copies = ""
+    if not args.no_fit:
+        cluster, copies = fit_copy_bandwidth(cluster, quick=args.quick, threads=args.threads,
+                                             rounds=args.probe_rounds)
     if args.processes > 1 and not args.no_fit:
         cluster, _ = fit_framework_terms(cluster, quick=args.quick, threads=args.threads,
                                          rounds=args.probe_rounds)
@@ -844,7 +852,7 @@ def main(argv: list[str]) -> None:
     comment = (f"Measured by `lightning-p2r calibrate` on {time.strftime('%Y-%m-%d')} with {args.processes} "
                f"process(es) of {args.threads} thread(s).\nOne node was measured: inter-node constants repeat the "
                f"intra-node ones; edit them for a multi-node cluster.\n{describe_fit(cluster)}"
-               + "".join(f"\n{line}" for line in busy))
+               + "".join(f"\n{line}" for line in (copies, *busy) if line))
     write_cluster(cluster, args.out, comment)
     for key, value in cluster.to_dict().items():
         print(f"{key}: {value:.4g}" if isinstance(value, float) else f"{key}: {value}")

@@ -36,7 +36,7 @@ def test_the_command_prints_the_warning_and_writes_it_into_the_file(tmp_path, mo
     monkeypatch.setattr(calibrate_module, "calibrate", busy_calibrate)
     out = tmp_path / "cluster.yaml"
     with pytest.warns(UserWarning, match="unrelated"):  # other warnings still reach the user as warnings
-        calibrate_module.main(["--out", str(out), "--processes", "1"])
+        calibrate_module.main(["--out", str(out), "--processes", "1", "--no-fit"])
     assert "warning: the measuring processes got 55% of their cores" in capsys.readouterr().err
     assert "# Warning: the measuring processes got 55% of their cores." in out.read_text()
     assert load_cluster(out).devices == 1

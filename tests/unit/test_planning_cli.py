@@ -78,6 +78,9 @@ def test_calibrate_writes_a_cluster_file_of_this_machine(capsys, tmp_path) -> No
     assert cluster.devices == 1 and cluster.device_flops > 1e8 and cluster.memory_bandwidth > 1e7
     assert cluster.accelerator == "cpu"  # the expert kernel "auto" picks here is the loop
     assert out.read_text().startswith("# Measured by `lightning-p2r calibrate`")
+    # The offloaded copies' bandwidth inside training, from two timed probes (or the copy alone, when they say
+    # nothing): never above what the copy alone ran at.
+    assert "# host_device_bandwidth: " in out.read_text() and "the copy alone" in out.read_text()
     # The reference step plan times again, and the machine it was measured on (plan re-times it only there).
     from lightning_p2r.measure.speed import machine_name
 
@@ -112,10 +115,11 @@ def test_calibrate_refuses_zero_probe_rounds_before_measuring_anything(capsys, t
     with pytest.raises(SystemExit):
         main(["calibrate", "--processes", "2", "--probe-rounds", "0", "--out", str(out)])
     assert "--probe-rounds must be at least 1, got 0" in capsys.readouterr().err
-    for ignored in (["--processes", "1"], ["--processes", "2", "--no-fit"]):
+    for processes in ("1", "2"):  # one process fits the offloaded copies' bandwidth from probes too
         with pytest.raises(SystemExit):
-            main(["calibrate", *ignored, "--probe-rounds", "3", "--out", str(out)])
-        assert "--probe-rounds shapes the fit of the framework waits" in capsys.readouterr().err
+            main(["calibrate", "--processes", processes, "--no-fit", "--probe-rounds", "3", "--out", str(out)])
+        assert "--probe-rounds shapes the fits from timed probe layouts, which --no-fit skips" in (
+            capsys.readouterr().err)
     assert not out.exists()
 
 
