@@ -7,7 +7,8 @@ cross-validation does, on the user's own machine: it trains a handful of small l
 (:func:`probe_layouts`), predicts each with those terms at zero, and fits the terms by non-negative least squares on
 the relative residuals (:func:`fit_terms`). Beside each value it writes the range of the fits that leave one probe
 out (``Cluster.fitted_spread``): a wide range says the timings were noisy, and the term is known to that precision
-only. One process counts none of the four terms, so a one-process calibration fits nothing.
+only. One process counts none of the four terms, so a one-process calibration fits none of them (it fits the
+offloaded copies' bandwidth on a CPU: :mod:`.offload_copies`).
 """
 
 from __future__ import annotations

@@ -205,6 +205,21 @@ def test_fsdp_hooks_benchmark_times_calibrates_blocks_and_m6_blocks(tmp_path: Pa
     assert all(r["plain_step_ms"] > 0 for r in rows[1:])
 
 
+def test_offload_pages_benchmark_copies_and_trains_both_probe_layouts(tmp_path: Path) -> None:
+    from lightning_p2r.benchmarks import offload_pages
+
+    rows = offload_pages.main(["--quick", "--out", str(tmp_path)])["rows"]
+    for name in ("offload_pages.csv", "offload_pages.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert [(r["part"], r["case"]) for r in rows] == [
+        ("copies", "copy into a reused buffer"), ("copies", "copy into fresh pages"),
+        ("training", "none m4"), ("training", "none m4 offload1")]
+    assert all(r["GB_per_s"] > 0 and r["faults_per_MiB"] >= 0 for r in rows[:2])
+    assert all(r["step_ms"] > 0 and r["faults_per_step"] >= 0 for r in rows[2:])
+    # The planner's count: the resident layout copies nothing, the offloaded one its blocks every micro-batch.
+    assert rows[2]["copied_MB_per_step"] == 0 < rows[3]["copied_MB_per_step"]
+
+
 def test_attention_benchmark_writes_csv_and_png(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     attention.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
     rows = _read_csv(tmp_path / "attention.csv")
