@@ -28,3 +28,19 @@ def test_calibrate_fits_every_framework_term_from_two_process_probes() -> None:
         expected = probe.base_s + sum(getattr(fitted, t) * probe.counts[t] for t in FITTED)
         assert estimate_step(config, probe.layout, fitted, workload).total == pytest.approx(expected, rel=1e-9)
 
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(600)
+def test_calibrate_fits_the_offloaded_copies_bandwidth_on_two_processes() -> None:
+    """The copy probes train on two processes (data parallel, every block offloaded, and resident), and the fitted
+    bandwidth is never above the copy alone's; the header line says which figure stands."""
+    from lightning_p2r.measure.offload_copies import fit_copy_bandwidth
+
+    cluster = Cluster(accelerator="cpu", devices=2, devices_per_node=2, overlap_collectives=False,
+                      overlap_copies=False, host_device_bandwidth=20e9)
+    lines: list[str] = []
+    fitted, line = fit_copy_bandwidth(cluster, quick=True, threads=1, log=lines.append)
+    assert len(lines) == 2 and all("ms per step" in logged for logged in lines)  # one round of each probe
+    assert 0 < fitted.host_device_bandwidth <= cluster.host_device_bandwidth
+    assert line.startswith("host_device_bandwidth: ") and "20.0 GB/s" in line
