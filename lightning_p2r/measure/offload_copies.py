@@ -3,13 +3,14 @@
 On a CPU the "device" is host memory, and the block streamer's copy to it lands in storage that was freed when the
 block was released and is allocated again for the next fetch. The C allocator often hands that storage back to the
 kernel and gets fresh pages the next time: every 4 KiB of the copy then takes a page fault and the zeroing of a page.
-A copy into a buffer that is reused (what ``host_device_copy`` times) ran at 50-60 GB/s on a 2-vCPU AMD EPYC, one
-into fresh pages at 2-4 GB/s, and an offloaded 4-layer MoE of width 96 took about 9,000 more minor page faults per
-step (37 MB of pages) than the same model resident (2026-11-30). Which copies fault depends on the allocator's
-history, so no microbenchmark stands for it: ``calibrate`` trains a model with every block offloaded and the same
-model resident (:func:`copy_probe_layouts`), in turn, and reads the bandwidth the step's copies ran at from the
-difference (:func:`fitted_copy_bandwidth`). On CUDA the copies come from pinned buffers into the caching allocator's
-memory and overlap the compute: the pinned copy's own timing stands there, and nothing is fitted.
+On a 2-vCPU AMD EPYC a 64 MiB copy into a buffer that is reused (what ``host_device_copy`` times) ran at 22.7 GB/s,
+into fresh pages at 2.3 GB/s, and an offloaded 4-layer MoE of width 96 took 8,000 to 10,900 more minor page faults
+per step (33-45 MB of pages) than the same model resident, and 15-24 ms more than with the allocator told to keep
+what is freed (2026-11-30, ``python -m lightning_p2r.benchmarks.offload_pages``). Which copies fault depends on the
+allocator's history, so no microbenchmark stands for it: ``calibrate`` trains a model with every block offloaded
+and the same model resident (:func:`copy_probe_layouts`), in turn, and reads the bandwidth the step's copies ran at
+from the difference (:func:`fitted_copy_bandwidth`). On CUDA the copies come from pinned buffers into the caching
+allocator's memory and overlap the compute: the pinned copy's own timing stands there, and nothing is fitted.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ COPY_PROBE_MODEL: dict[str, Any] = {"vocab_size": 256, "max_seq_len": 64, "num_l
 have: the copies of the fit's small probe model (0.6 MB blocks) ran at 14 GB/s, of this one at 7 GB/s, of a
 6-layer model of width 64 with 16 experts (2.2 MB blocks) at 7 GB/s."""
 COPY_PROBE_BATCH = 16
-"""Sequences per step of the copy probes."""
+"""Sequences per step and data-parallel rank of the copy probes."""
 COPY_PROBE_MICRO_BATCHES = 4
 """Micro-batches per step: each fetches every offloaded block twice (forward, backward), so the copies are a share of
 the step that timing noise does not hide."""
@@ -43,9 +44,10 @@ COPY_PROBE_ROUNDS = 3
 more (one calibration's two rounds gave 8 and 42 ms)."""
 
 
-def copy_probe_workload() -> tuple[M6Config, Workload]:
+def copy_probe_workload(devices: int = 1) -> tuple[M6Config, Workload]:
+    """The copy probes' model and workload on ``devices`` data-parallel processes (each its ``COPY_PROBE_BATCH``)."""
     config = M6Config(**COPY_PROBE_MODEL)
-    return config, Workload(global_batch=COPY_PROBE_BATCH, seq_len=config.max_seq_len)
+    return config, Workload(global_batch=COPY_PROBE_BATCH * devices, seq_len=config.max_seq_len)
 
 
 def copy_probe_layouts() -> tuple[Layout, Layout]:
@@ -71,7 +73,7 @@ def fitted_copy_bandwidth(cluster: Cluster, resident_s: float, offloaded_s: floa
     overlap compute."""
     from ..planning.step_time import estimate_step
 
-    config, workload = copy_probe_workload()
+    config, workload = copy_probe_workload(cluster.devices)
     resident, offloaded = copy_probe_layouts()
     copied = copied_bytes(config, offloaded, cluster, workload)
     # On a CPU the copies do not overlap compute (Cluster.overlap_copies is False there): the priced step holds
@@ -94,7 +96,7 @@ def fit_copy_bandwidth(cluster: Cluster, *, quick: bool = False, threads: int | 
 
     if cluster.accelerator != "cpu":
         return cluster, ""
-    config, workload = copy_probe_workload()
+    config, workload = copy_probe_workload(cluster.devices)
     layouts = copy_probe_layouts()
     steps = 6 if quick else COPY_PROBE_STEPS
     rounds = rounds or (1 if quick else COPY_PROBE_ROUNDS)

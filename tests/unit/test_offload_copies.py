@@ -24,7 +24,14 @@ def _cpu(devices: int = 1, bandwidth: float = 50e9) -> Cluster:
 
 
 def test_the_probes_differ_only_in_offloading_every_block_and_the_offloaded_one_copies() -> None:
+    from lightning_p2r.planning.layout import check_layout
+
     resident, offloaded = copy_probe_layouts()
+    for devices in (1, 2, 3, 4, 8):  # every rank trains the same sequences, on any number of processes
+        config, workload = copy_probe_workload(devices)
+        assert workload.global_batch == devices * copy_probe_workload()[1].global_batch
+        for layout in (resident, offloaded):
+            check_layout(layout, config, _cpu(devices), workload)
     assert dataclasses.replace(offloaded, offload_fraction=0.0) == resident and offloaded.offload_fraction == 1.0
     config, workload = copy_probe_workload()
     cluster = _cpu()
@@ -38,7 +45,7 @@ def test_the_probes_differ_only_in_offloading_every_block_and_the_offloaded_one_
 def test_the_fit_recovers_the_bandwidth_a_probe_step_ran_at(devices, true_bandwidth) -> None:
     """Steps made by the cost model itself at a slower copy bandwidth: the fit reads that bandwidth back, whatever
     else the offloaded step costs more (host optimizer, hooks, each copy's latency)."""
-    config, workload = copy_probe_workload()
+    config, workload = copy_probe_workload(devices)
     resident, offloaded = copy_probe_layouts()
     measured_alone = _cpu(devices)
     inside = dataclasses.replace(measured_alone, host_device_bandwidth=true_bandwidth)
