@@ -92,3 +92,16 @@ def test_calibrate_fits_on_cpu_in_rounds_and_says_so_and_leaves_cuda_alone(monke
     monkeypatch.setattr(offload_copies, "fitted_copy_bandwidth", lambda *args: None)
     kept, line = fit_copy_bandwidth(cluster, rounds=1, log=lambda line: None)
     assert kept == cluster and "the copy alone (50.0 GB/s)" in line
+
+
+def test_a_failing_probe_keeps_the_calibration_and_says_why(monkeypatch) -> None:
+    def run_trial(spec):
+        raise RuntimeError(f"{spec['name']} failed: out of memory\nTraceback ...")
+
+    monkeypatch.setattr("lightning_p2r.measure.trial.run_trial", run_trial)
+    cluster = _cpu()
+    logged: list[str] = []
+    kept, line = fit_copy_bandwidth(cluster, rounds=1, log=logged.append)
+    assert kept == cluster
+    assert "the copy alone (50.0 GB/s)" in line and "none m4 failed: out of memory" in line
+    assert "Traceback" not in line and logged[-1].startswith("warning: the offload copy probes failed")
