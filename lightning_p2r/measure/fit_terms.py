@@ -16,7 +16,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import statistics
+import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -165,7 +167,8 @@ def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | N
     """Time the probe layouts on ``cluster.devices`` processes of this machine (``threads`` torch threads each, else
     what ``plan --trial`` gives a process), ``rounds`` times in turn (``PROBE_ROUNDS``; ``quick``: once), and return
     ``cluster`` with the fitted terms and their spread set, and the probes (``cluster`` unchanged, and no probe, on
-    one device)."""
+    one device). A probe that fails to run is left out, with a warning: a term no other probe counts stays unfitted
+    (outside ``fitted_spread``), and ``plan`` then warns where a layout counts it."""
     from .trial import in_turn, run_trial, trial_spec
 
     layouts = probe_layouts(cluster, 1 if quick else PROBES_PER_TERM)
@@ -175,20 +178,31 @@ def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | N
         rounds = 1 if quick else PROBE_ROUNDS
     if rounds < 1:
         raise ValueError(f"probe rounds must be at least 1, got {rounds}")
+    failed: dict[int, str] = {}
     with tempfile.TemporaryDirectory() as folder:
         def timed(index: int, round_: int) -> float:
             layout = layouts[index]
+            if index in failed:
+                return math.nan
             spec = trial_spec(config, layout, workload, devices=cluster.devices, steps=steps,
                               accelerator=cluster.accelerator, out=str(Path(folder) / f"probe{index}_{round_}"))
             spec["threads"] = threads or spec["threads"]
-            measured = run_trial(spec)
+            try:
+                measured = run_trial(spec)
+            except (RuntimeError, subprocess.TimeoutExpired) as error:
+                # One layout that cannot run here must not cost the minutes measured so far: fit on the others.
+                failed[index] = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+                log(f"warning: probe {layout.describe()} failed ({failed[index]}); the fit goes on without it")
+                return math.nan
             of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""
             log(f"probe {index + 1}/{len(layouts)}{of_rounds}: {layout.describe()}: {measured * 1e3:.1f} ms per step")
             return measured
 
         timings = in_turn(len(layouts), rounds, timed)
     probes = []
-    for layout, measured in zip(layouts, timings):
+    for index, (layout, measured) in enumerate(zip(layouts, timings)):
+        if index in failed:
+            continue
         probe = dataclasses.replace(predicted_probe(layout, cluster, statistics.median(measured)),
                                     rounds_s=tuple(measured) if rounds > 1 else ())
         log(f"{layout.describe()}: {probe.measured_s * 1e3:.1f} ms per step"

@@ -186,6 +186,44 @@ def test_each_probe_is_timed_in_rounds_and_fitted_at_its_median(monkeypatch) -> 
             fit_framework_terms(cluster, threads=1, rounds=bad, log=lambda _: None)
 
 
+def test_a_probe_that_fails_is_left_out_and_the_fit_goes_on(monkeypatch) -> None:
+    """A layout that cannot run on the user's machine costs neither the minutes already measured nor the other
+    terms: it is tried once, named in a warning, and left out of the fit; a term only it counted stays unfitted, so
+    ``plan`` warns where a layout counts it."""
+    import subprocess
+
+    import lightning_p2r.measure.trial as trial
+    from lightning_p2r.measure.fit_terms import fit_framework_terms
+
+    cluster = _cpu_cluster(2)
+    layouts = probe_layouts(cluster)  # as the fit picks them, two per term
+    config, workload = probe_workload()
+    # The probes that count the expert wait all fail (one by an error, one by a timeout, if there are two).
+    failing = [layout for layout in layouts
+               if framework_counts(config, layout, cluster, workload)["expert_wait_overhead"] > 0]
+    assert failing
+    calls: list[str] = []
+
+    def timed(spec: dict) -> float:
+        calls.append(spec["name"])
+        if spec["name"] == failing[0].describe():
+            raise RuntimeError(f"{spec['name']} failed: not enough memory\nTraceback (most recent call last): ...")
+        if spec["name"] in {layout.describe() for layout in failing[1:]}:
+            raise subprocess.TimeoutExpired("python", 1800)
+        return 0.05
+
+    monkeypatch.setattr(trial, "run_trial", timed)
+    logged: list[str] = []
+    fitted, probes = fit_framework_terms(cluster, threads=1, rounds=2, log=logged.append)
+    for layout in failing:
+        assert calls.count(layout.describe()) == 1  # not tried again in the second round
+    assert [p.layout for p in probes] == [layout for layout in layouts if layout not in failing]
+    assert "expert_wait_overhead" not in fitted.fitted_spread
+    assert {"stage_overhead", "dtensor_overhead", "blocking_collective_overhead"} <= set(fitted.fitted_spread)
+    warnings = [line for line in logged if line.startswith("warning:")]
+    assert len(warnings) == len(failing) and "not enough memory" in warnings[0] and "Traceback" not in warnings[0]
+
+
 def test_the_step_range_moves_each_fitted_term_to_the_ends_of_its_spread() -> None:
     """``plan``'s step_low_s / step_high_s: the prediction with every fitted term at the low, then the high, end of
     its leave-one-out range; the estimate is linear in the terms, so each end is the prediction plus each count
