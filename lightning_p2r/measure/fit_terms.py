@@ -18,7 +18,6 @@ import functools
 import itertools
 import math
 import statistics
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,7 +168,7 @@ def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | N
     ``cluster`` with the fitted terms and their spread set, and the probes (``cluster`` unchanged, and no probe, on
     one device). A probe that fails to run is left out, with a warning: a term no other probe counts stays unfitted
     (outside ``fitted_spread``), and ``plan`` then warns where a layout counts it."""
-    from .trial import in_turn, run_trial, trial_spec
+    from .trial import TRIAL_FAILURES, failure_reason, in_turn, run_trial, trial_spec
 
     layouts = probe_layouts(cluster, 1 if quick else PROBES_PER_TERM)
     config, workload = probe_workload()
@@ -189,9 +188,9 @@ def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | N
             spec["threads"] = threads or spec["threads"]
             try:
                 measured = run_trial(spec)
-            except (RuntimeError, subprocess.TimeoutExpired) as error:
+            except TRIAL_FAILURES as error:
                 # One layout that cannot run here must not cost the minutes measured so far: fit on the others.
-                failed[index] = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+                failed[index] = failure_reason(error)
                 log(f"warning: probe {layout.describe()} failed ({failed[index]}); the fit goes on without it")
                 return math.nan
             of_rounds = f" (round {round_}/{rounds})" if rounds > 1 else ""

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -94,7 +93,7 @@ def fit_copy_bandwidth(cluster: Cluster, *, quick: bool = False, threads: int | 
     resident probe's median and the median of the rounds' differences (on CPU only; unchanged on CUDA), and a line
     for the cluster file's header saying what was measured. A probe that fails leaves ``cluster`` as it is, with the
     reason in that line: the rest of the calibration is not lost to it."""
-    from .trial import in_turn, run_trial, trial_spec
+    from .trial import TRIAL_FAILURES, failure_reason, in_turn, run_trial, trial_spec
 
     if cluster.accelerator != "cpu":
         return cluster, ""
@@ -113,8 +112,8 @@ def fit_copy_bandwidth(cluster: Cluster, *, quick: bool = False, threads: int | 
 
         try:
             times = in_turn(len(layouts), rounds, timed)
-        except (RuntimeError, subprocess.TimeoutExpired) as error:  # keep the minutes already measured
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+        except TRIAL_FAILURES as error:  # keep the minutes already measured
+            reason = failure_reason(error)
             log(f"warning: the offload copy probes failed ({reason}); the copy alone's bandwidth stands")
             return cluster, (f"host_device_bandwidth: the copy alone ({cluster.host_device_bandwidth / 1e9:.1f} GB/s); "
                              f"the offload copy probes failed: {reason}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -68,6 +69,15 @@ def run_trial(spec: dict[str, Any], timeout: int = 1800) -> float:
     from .run import run_rank_worker
 
     return run_rank_worker("lightning_p2r.measure.trial", spec, timeout, spec["threads"])[0]["step_s"]
+
+
+TRIAL_FAILURES = (RuntimeError, subprocess.TimeoutExpired)
+"""What :func:`run_trial` raises when a layout cannot run here: its worker failed, or ran past the timeout."""
+
+
+def failure_reason(error: BaseException) -> str:
+    """The first line of a failed trial's message (its worker's traceback follows), for a one-line warning."""
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
 def run_trials(config: M6Config, layouts: list[tuple[Layout, float]], workload: Workload, *, devices: int,
