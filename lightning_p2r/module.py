@@ -484,7 +484,7 @@ class M6LanguageModel(L.LightningModule):
         skipped step leaves every gradient None, so the optimizer leaves every parameter alone (no decay, no moments;
         the strategy's optimizer also forgets the gradients it holds on the host)."""
         shown, self._step_loss = self._step_loss, None
-        if shown is not None and not self._step_is_usable(torch.isfinite(shown).all(), shown):
+        if shown is not None and not self.loss_is_usable(shown):
             optimizer.zero_grad(set_to_none=True)
 
     def loss_is_usable(self, loss: torch.Tensor) -> bool:
@@ -494,10 +494,7 @@ class M6LanguageModel(L.LightningModule):
         paths call this with the whole step's loss, as ``training_step`` does with one micro-batch per step; with
         several, the step's micro-batches are decided together before the update (``on_before_optimizer_step``):
         a non-finite one anywhere skips, or stops, the whole step."""
-        return self._step_is_usable(torch.isfinite(loss.detach()).all(), loss)
-
-    def _step_is_usable(self, finite: torch.Tensor, loss: torch.Tensor) -> bool:
-        if self.trainer.strategy.reduce_boolean_decision(bool(finite), all=True):
+        if self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(loss.detach()).all()), all=True):
             return True
         step = self.trainer.global_step
         if self.optimizer_config.nonfinite_loss == "skip":

@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 
 from lightning_p2r.benchmarks.report import (
@@ -74,25 +73,12 @@ def copy_rows(size_bytes: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-class StepFaults(L.Callback):
-    """The process's minor page faults at the end of each optimizer step."""
-
-    def __init__(self) -> None:
-        self.counts: list[int] = []
-        self._step = -1
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step != self._step:
-            self._step = trainer.global_step
-            self.counts.append(minor_faults())
-
-
 def training_rows(steps: int, rounds: int, quick: bool) -> list[dict[str, Any]]:
     """The copy probe pair trained in turn ``rounds`` times (see the module docstring)."""
     from dataclasses import asdict, replace
 
     from lightning_p2r.measure.offload_copies import copied_bytes, copy_probe_layouts, copy_probe_workload
-    from lightning_p2r.measure.run import fit_on_random_tokens
+    from lightning_p2r.measure.run import OptimizerStepTimer, fit_on_random_tokens
     from lightning_p2r.planning.cluster import Cluster
     from lightning_p2r.strategy import P2RStrategy
 
@@ -106,10 +92,10 @@ def training_rows(steps: int, rounds: int, quick: bool) -> list[dict[str, Any]]:
         for layout in layouts:
             spec = {"model": asdict(config), "devices": 1, "steps": steps, "global_batch": workload.global_batch,
                     "accumulate_grad_batches": layout.trainer_accumulation, "accelerator": "cpu"}
-            counter = StepFaults()
+            faults = OptimizerStepTimer(read=minor_faults)  # the page faults at each step's end
             _, _, step_s = fit_on_random_tokens(spec, P2RStrategy(**layout.strategy_options(), log_telemetry=False),
-                                                warmup=2, callbacks=(counter,))
-            diffs = [b - a for a, b in zip(counter.counts[1:], counter.counts[2:])]
+                                                warmup=2, callbacks=(faults,))
+            diffs = [b - a for a, b in zip(faults.ends[1:], faults.ends[2:])]  # after 2 warm-up steps, as step_s
             measured[layout.describe()]["step"].append(step_s)
             measured[layout.describe()]["faults"].append(statistics.median(diffs) if diffs else float("nan"))
     return [{"part": "training", "case": layout.describe(), "GB_per_s": float("nan"),

@@ -94,19 +94,21 @@ def median_seconds(fn: Callable[[], object], *, warmup: int = 2, iters: int = 5,
 
 
 class OptimizerStepTimer(L.Callback):
-    """``time.perf_counter()`` at the end of every batch that completed an optimizer step (after the device
-    finished it: CUDA runs asynchronously)."""
+    """``read()`` (default ``time.perf_counter()``) at the end of every batch that completed an optimizer step (after
+    the device finished it: CUDA runs asynchronously); another reading, such as the process's page faults, is taken
+    at the same points."""
 
-    def __init__(self) -> None:
+    def __init__(self, read: Callable[[], float] = time.perf_counter) -> None:
         self.ends: list[float] = []
         self._step = 0
+        self._read = read
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step != self._step:
             self._step = trainer.global_step
             if trainer.strategy.root_device.type == "cuda":
                 torch.cuda.synchronize(trainer.strategy.root_device)
-            self.ends.append(time.perf_counter())
+            self.ends.append(self._read())
 
 
 def fit_on_random_tokens(spec: dict[str, Any], strategy: P2RStrategy, *, warmup: int,

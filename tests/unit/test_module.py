@@ -274,9 +274,9 @@ class _NanInFirstMicroBatch(_NanAtStep):
     def poisons(self, batch_idx: int) -> bool:
         return self.trainer.global_step == 2 and batch_idx % 2 == 0
 
-    def _step_is_usable(self, finite, loss):
+    def loss_is_usable(self, loss):
         self.decisions += 1
-        return super()._step_is_usable(finite, loss)
+        return super().loss_is_usable(loss)
 
 
 @pytest.mark.parametrize("options", [None, {}, {"offload_fraction": 1.0}, {"sharding": "zero2"}],
