@@ -9,7 +9,7 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``attention_flops``: causal scaled-dot-product attention, forward and backward;
 - ``attention_rates``: the same attention's marginal FLOP/s on a grid of sequence lengths and head sizes
   (:func:`attention_rate`), which the planner reads by the model's shape;
-- ``memory_bandwidth``: an add of large tensors (three tensors' bytes per element): plain memory traffic;
+- ``memory_bandwidth``: an add of large tensors (three of 64 MiB): plain memory traffic beyond the caches;
 - ``elementwise_bandwidth`` / ``elementwise_small_bandwidth``: LayerNorm, GELU and a residual add, forward and
   backward, in the bytes the cost model counts for them, on activations of 32 MiB and of 256 KiB (which a CPU's
   caches hold);
@@ -24,7 +24,11 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``operator_overhead``: the fixed cost of one operator in a chain of tiny ones, forward and backward (the
   dispatcher and autograd on CPU, the launch on CUDA);
 - ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the
-  intercept beyond the launches and weight traffic the cost model prices, per matmul call (efficiency by shape);
+  intercept beyond the launches and weight traffic the cost model prices, per matmul call (efficiency by shape).
+  On a CPU the layer is timed at four widths (weights of 16 KiB to 1 MiB) and the intercepts fitted to a line in
+  the weight's bytes: its value at no weight, less the launches, is the call's cost, and its slope five passes over
+  the weight in the caches (``memory_small_bandwidth``, the rate at which the planner prices a small model's weight
+  traffic; :func:`matmul_costs`);
 - ``host_device_bandwidth`` / ``host_device_latency``: pinned host-to-device copies on CUDA; on a CPU-only machine
   the memory copy the block streamer does instead, and then (without ``--no-fit``) the bandwidth those copies reach
   inside training, read off a model trained with every block offloaded and resident, in turn (into fresh pages
@@ -80,7 +84,14 @@ from typing import Any
 import torch
 
 from ..models.config import M6Config
-from ..planning.cluster import ELEMENTWISE_LARGE_BYTES, ELEMENTWISE_SMALL_BYTES, TOKEN_COSTS, Cluster, write_cluster
+from ..planning.cluster import (
+    ELEMENTWISE_LARGE_BYTES,
+    ELEMENTWISE_SMALL_BYTES,
+    MEMORY_LARGE_BYTES,
+    TOKEN_COSTS,
+    Cluster,
+    write_cluster,
+)
 from ..planning.network import ring_terms
 from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
@@ -353,24 +364,15 @@ def operator_overhead(device: torch.device, chain: int, repeats: int) -> float:
     return median_seconds(step, iters=repeats, device=device) / (3 * chain)
 
 
-def matmul_call_overhead(rows: list[int], seconds: list[float], fixed_model_seconds: float) -> float:
-    """Seconds per matmul call that a linear layer's forward and backward (three matmuls) pay beyond what the cost
-    model already prices at any row count (``fixed_model_seconds``: its operators' launches and its weight's
-    traffic): the intercept of a least-squares line through (rows, seconds), less that, over three; never below 0."""
-    if len(rows) != len(seconds) or len(rows) < 2:
-        raise ValueError("the fit needs at least two (rows, seconds) points")
-    mean_rows, mean_seconds = sum(rows) / len(rows), sum(seconds) / len(seconds)
-    slope = (sum((r - mean_rows) * (s - mean_seconds) for r, s in zip(rows, seconds))
-             / sum((r - mean_rows) ** 2 for r in rows))
-    intercept = mean_seconds - slope * mean_rows
-    return max(intercept - fixed_model_seconds, 0.0) / 3
+MATMUL_PROBE_DIMS = (32, 64, 128, 256)
+"""Widths of the (4 dim, dim) linear layer the CPU's matmul costs are read from: weights of 16 KiB to 1 MiB, whose
+weight and gradient (``MEMORY_SMALL_BYTES`` at the widest) a CPU's caches hold."""
 
 
-def matmul_overhead(device: torch.device, repeats: int, operator_seconds: float, bandwidth: float) -> float:
-    """:func:`matmul_call_overhead` of a (dim, 4 dim) linear layer, forward and backward, at few rows (16 to 128):
-    where its cost stops scaling with the rows (the cost model's ``matmul_overhead``)."""
+def linear_intercept(device: torch.device, dim: int, repeats: int) -> tuple[float, int]:
+    """(seconds, weight bytes): the intercept in the rows of a (4 dim, dim) linear layer's forward and backward timed
+    at 16 to 128 rows (:func:`line_fit`), and its weight's bytes: what a call costs at any row count."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dim = 1024 if device.type == "cuda" else 128
     weight = torch.randn(4 * dim, dim, device=device, dtype=dtype, requires_grad=True)
     rows = [16, 32, 64, 128]
     seconds = []
@@ -384,10 +386,56 @@ def matmul_overhead(device: torch.device, repeats: int, operator_seconds: float,
     for count in rows:
         x = torch.randn(count, dim, device=device, dtype=dtype, requires_grad=True)
         seconds.append(median_seconds(lambda x=x: linear_calls(x), iters=repeats, device=device) / calls)
-    # What the cost model already charges one linear layer at any rows: three launches (forward, two gradients)
-    # and five passes over the weight (read twice, the gradient written, read and written), as step_time counts.
-    weight_bytes = weight.numel() * weight.element_size()
-    return matmul_call_overhead(rows, seconds, 3 * operator_seconds + 5 * weight_bytes / bandwidth)
+    intercept, _ = line_fit(rows, seconds)
+    return intercept, weight.numel() * weight.element_size()
+
+
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points."""
+    if len(xs) != len(ys) or len(set(xs)) < 2:
+        raise ValueError("the fit needs points at two or more different x")
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    return mean_y - slope * mean_x, slope
+
+
+WEIGHT_PASSES = 5
+"""Passes over a linear layer's weight per forward and backward that the cost model prices: read by the forward and
+by the input's gradient, its gradient written, then read and written by the accumulation."""
+
+
+def matmul_costs(weight_bytes: list[int], intercepts: list[float], operator_seconds: float,
+                 bandwidth: float) -> dict[str, float]:
+    """``matmul_overhead`` and ``memory_small_bandwidth`` from a linear layer's fixed cost per call at several weight
+    sizes, all held by the caches: a line in the weight's bytes, whose value at no weight is the call's three
+    launches and three matmul calls, and whose slope is ``WEIGHT_PASSES`` passes over the weight. The cache's
+    bandwidth is never taken below ``bandwidth`` (memory's, beyond the caches); a slope of 0 or less (noise: the
+    traffic too small to see) leaves it unmeasured (0), and the call's cost is then read as before, against the
+    weight's traffic at ``bandwidth``."""
+    fixed, per_byte = line_fit(weight_bytes, intercepts)
+    if per_byte <= 0:
+        middle = len(weight_bytes) // 2
+        return {"matmul_overhead": max(intercepts[middle] - 3 * operator_seconds
+                                       - WEIGHT_PASSES * weight_bytes[middle] / bandwidth, 0.0) / 3,
+                "memory_small_bandwidth": 0.0}
+    return {"matmul_overhead": max(fixed - 3 * operator_seconds, 0.0) / 3,
+            "memory_small_bandwidth": max(WEIGHT_PASSES / per_byte, bandwidth)}
+
+
+def matmul_overhead(device: torch.device, repeats: int, operator_seconds: float, bandwidth: float) -> dict[str, float]:
+    """``matmul_overhead``: what a linear layer's forward and backward cost per matmul call at few rows beyond their
+    launches and weight traffic (where its cost stops scaling with the rows), and on a CPU ``memory_small_bandwidth``
+    (:func:`matmul_costs` over ``MATMUL_PROBE_DIMS``). On CUDA one (4096, 1024) layer, against its weight's traffic
+    at ``bandwidth``: a small copy there is bound by its launch, which ``operator_overhead`` prices, not by a faster
+    memory."""
+    if device.type == "cuda":
+        intercept, weight_bytes = linear_intercept(device, 1024, repeats)
+        return {"matmul_overhead": max(intercept - 3 * operator_seconds
+                                       - WEIGHT_PASSES * weight_bytes / bandwidth, 0.0) / 3,
+                "memory_small_bandwidth": 0.0}
+    measured = [linear_intercept(device, dim, repeats) for dim in MATMUL_PROBE_DIMS]
+    return matmul_costs([size for _, size in measured], [seconds for seconds, _ in measured], operator_seconds,
+                        bandwidth)
 
 
 def host_device_copy(device: torch.device, elements: int, repeats: int) -> tuple[float, float]:
@@ -415,7 +463,8 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
     size = (1024 if device.type == "cuda" else 128) if quick else (4096 if device.type == "cuda" else 256)
     copy_bandwidth, copy_latency = host_device_copy(device, 2**20 if quick else 2**23, repeats)
     operator_seconds = operator_overhead(device, 50 if quick else 200, repeats)
-    bandwidth = memory_bandwidth(device, 2**20 if quick else 2**24, repeats)
+    # Always far beyond a CPU's caches (``MEMORY_LARGE_BYTES``): the planner interpolates from the caches' rate to it.
+    bandwidth = memory_bandwidth(device, MEMORY_LARGE_BYTES // 12, repeats)
     return {"device_flops": matmul_flops(device, size, repeats),
             "attention_flops": attention_flops(device, 128 if quick or device.type != "cuda" else 2048, repeats),
             "memory_bandwidth": bandwidth,
@@ -425,7 +474,7 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
             "operator_overhead": operator_seconds,
             **layer_overheads(device, repeats),
             **attention_rates(device, quick, 3 if quick else 10),
-            "matmul_overhead": matmul_overhead(device, repeats, operator_seconds, bandwidth),
+            **matmul_overhead(device, repeats, operator_seconds, bandwidth),
             "host_device_bandwidth": copy_bandwidth, "host_device_latency": copy_latency,
             "optimizer_seconds_per_param": adam_seconds_per_param(device, 2**18 if quick else 2**22, repeats),
             "host_optimizer_seconds_per_param": adam_seconds_per_param(torch.device("cpu"), 2**18 if quick

@@ -57,9 +57,26 @@ ELEMENTWISE_SMALL_BYTES = 2**18
 fp32)."""
 ELEMENTWISE_LARGE_BYTES = 2**25
 """Bytes of the activation tensor at which ``Cluster.elementwise_bandwidth`` is measured (8192 rows of 1024 fp32)."""
-_ZERO_MEANS_UNMEASURED = ("elementwise_small_bandwidth", "reference_step_seconds")
+MEMORY_SMALL_BYTES = 2 * 2**20
+"""The working set at which ``Cluster.memory_small_bandwidth`` is measured: a 1 MiB weight and its gradient, which a
+CPU's caches hold."""
+MEMORY_LARGE_BYTES = 3 * 2**26
+"""Bytes an add of three 64 MiB tensors touches, the working set at which ``Cluster.memory_bandwidth`` is measured:
+far beyond a CPU's caches."""
+_ZERO_MEANS_UNMEASURED = ("elementwise_small_bandwidth", "memory_small_bandwidth", "reference_step_seconds")
 FITTED_TERMS = ("stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead")
 """The framework terms fitted to measured steps rather than measured one by one (``planning.framework.FITTED``)."""
+
+
+def log_interpolated(size: float, small: tuple[float, float], large: tuple[float, float]) -> float:
+    """A rate at ``size`` from two measured ``(size, rate)`` points: linear in log-log between them, the nearer
+    point's rate outside them; the large point's rate alone when the small one is unmeasured (rate 0)."""
+    (small_size, small_rate), (large_size, large_rate) = small, large
+    if small_rate <= 0:
+        return large_rate
+    low, high = math.log(small_size), math.log(large_size)
+    where = min(max((math.log(max(size, 1.0)) - low) / (high - low), 0.0), 1.0)
+    return math.exp((1 - where) * math.log(small_rate) + where * math.log(large_rate))
 
 
 @dataclass(frozen=True)
@@ -92,7 +109,15 @@ class Cluster:
     log-log between the grid's points and holds the edge's rate outside it; empty: every shape at
     ``attention_flops``."""
     memory_bandwidth: float = 2e12
-    """Device memory bytes/s of plain traffic (gradient accumulation, FSDP2's buffer copies)."""
+    """Device memory bytes/s of plain traffic (gradient accumulation, FSDP2's buffer copies) over a working set far
+    larger than the caches (``MEMORY_LARGE_BYTES``)."""
+    memory_small_bandwidth: float = 0.0
+    """The same over a working set a CPU's caches hold (``MEMORY_SMALL_BYTES``); between the two sizes the planner
+    interpolates (log-log) by the traffic's working set: a small model's weights and gradients stay in the caches.
+    Measured by ``lightning-p2r calibrate`` on a CPU, where it is several times ``memory_bandwidth`` (and where
+    processes that stream memory at once share the latter but hardly the former). 0: every size at
+    ``memory_bandwidth`` (a GPU, whose small copies are bound by their launch, priced apart; a file from before
+    2026-11-30)."""
     elementwise_bandwidth: float = 1.5e12
     """Bytes/s the elementwise operators (norms, GELU, residual adds) achieve, in the bytes the cost model counts, on
     activations far larger than the caches (``ELEMENTWISE_LARGE_BYTES`` per tensor)."""
@@ -244,12 +269,15 @@ class Cluster:
         """Bytes/s of elementwise operators on activation tensors of ``tensor_bytes``: interpolated in log-log between
         the two measured sizes, clamped outside them (``elementwise_bandwidth`` alone when the small size is
         unmeasured)."""
-        if self.elementwise_small_bandwidth <= 0:
-            return self.elementwise_bandwidth
-        low, high = math.log(ELEMENTWISE_SMALL_BYTES), math.log(ELEMENTWISE_LARGE_BYTES)
-        where = min(max((math.log(max(tensor_bytes, 1.0)) - low) / (high - low), 0.0), 1.0)
-        return math.exp((1 - where) * math.log(self.elementwise_small_bandwidth)
-                        + where * math.log(self.elementwise_bandwidth))
+        return log_interpolated(tensor_bytes, (ELEMENTWISE_SMALL_BYTES, self.elementwise_small_bandwidth),
+                                (ELEMENTWISE_LARGE_BYTES, self.elementwise_bandwidth))
+
+    def memory_bandwidth_at(self, working_set_bytes: float) -> float:
+        """Bytes/s of plain memory traffic over a working set of ``working_set_bytes``: interpolated in log-log
+        between ``MEMORY_SMALL_BYTES`` and ``MEMORY_LARGE_BYTES``, clamped outside them (``memory_bandwidth`` alone
+        when the small size is unmeasured)."""
+        return log_interpolated(working_set_bytes, (MEMORY_SMALL_BYTES, self.memory_small_bandwidth),
+                                (MEMORY_LARGE_BYTES, self.memory_bandwidth))
 
     def attention_flops_at(self, seq_len: int, head_dim: int) -> float:
         """FLOP/s of the attention kernel at ``seq_len`` and ``head_dim``: bilinear in (log seq_len, log head_dim)
@@ -324,8 +352,8 @@ _TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "
           "host_optimizer_seconds_per_param", "reference_step_seconds"}
 
 
-_RATES = ("device_flops", "attention_flops", "memory_bandwidth", "elementwise_bandwidth", "elementwise_small_bandwidth",
-          "host_device_bandwidth", "intra_node_bandwidth")
+_RATES = ("device_flops", "attention_flops", "memory_bandwidth", "memory_small_bandwidth", "elementwise_bandwidth",
+          "elementwise_small_bandwidth", "host_device_bandwidth", "intra_node_bandwidth")
 """A CPU-only machine's rates: its cores do all of it, so all of it runs at their speed."""
 _NETWORK = ("inter_node_bandwidth", "inter_node_latency")
 """The links between nodes, which do not run on the machine the reference step re-times."""

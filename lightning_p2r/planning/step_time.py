@@ -24,8 +24,9 @@
   host's over offloaded ones (``host_optimizer_seconds_per_param``).
 - **weight traffic**: every micro-batch reads each local weight in its forward and input-gradient matmuls (once
   more with recompute) and writes its gradient into the running sum (write, read, write): five (six) times the
-  parameter bytes at ``memory_bandwidth``, per micro-batch; counted in compute. ``device_flops`` is measured on
-  many rows, where this traffic hides; a micro-batch of few rows pays it.
+  parameter bytes, per micro-batch, at the bandwidth of their working set (the weights and gradients:
+  ``Cluster.memory_bandwidth_at``; on a CPU the caches hold a small model's); counted in compute. ``device_flops``
+  is measured on many rows, where this traffic hides; a micro-batch of few rows pays it.
 
 Every assumption is one line here, so a mismatch with a measured step points at the part that is wrong.
 """
@@ -112,9 +113,12 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     # Per micro-batch every local weight is read by its forward and its input-gradient matmul (once more under
     # recompute), and its gradient written and added to the running sum (read and write): the matmuls' weight
     # traffic, which ``device_flops`` (measured on many rows) hides but a micro-batch of few rows pays.
+    # The weights and their gradients are the working set: a CPU's caches hold a small model's, at several times
+    # the bandwidth of memory.
     weight_passes = 2 + (1 if layout.recompute else 0) + 3
-    accumulation_seconds = (layout.micro_batches * weight_passes * local_params * workload.param_bytes /
-                            cluster.memory_bandwidth)
+    weight_bytes = local_params * workload.param_bytes
+    accumulation_seconds = (layout.micro_batches * weight_passes * weight_bytes
+                            / cluster.memory_bandwidth_at(2 * weight_bytes))
     attention_rate = cluster.attention_flops_at(workload.seq_len, config.head_dim)
     # Per-token work the traffic terms miss (measured on the model's own layers at two widths), per token a layer
     # passes (forward, backward at twice, recompute's forward); tensor parallelism leaves a rank every token.
@@ -148,14 +152,14 @@ def fixed_layer_seconds(config: M6Config, share: RankShare, cluster: Cluster, lo
 
 def transfer_seconds(transfer: Transfer, cluster: Cluster) -> float:
     """The transfer's time on its link; FSDP2's gathers and reduce-scatters also copy their whole buffer in and out
-    of the flat communication buffer once (read and write, at ``memory_bandwidth``)."""
+    of the flat communication buffer once (read and write, at ``memory_bandwidth_at`` one call's buffer)."""
     if transfer.kind in ("h2d", "d2h"):
         return transfer.payload / cluster.host_device_bandwidth + transfer.calls * cluster.host_device_latency
     link = group_link(cluster, transfer.size, transfer.stride)
     link = Link(link.bandwidth * cluster.collective_factors.get(transfer.kind, 1.0), link.latency)
     seconds = collective_seconds(transfer.kind, transfer.payload, transfer.size, link, transfer.calls)
     if transfer.label.startswith("data parallel") and transfer.kind in ("all_gather", "reduce_scatter"):
-        seconds += 2 * transfer.payload / cluster.memory_bandwidth
+        seconds += 2 * transfer.payload / cluster.memory_bandwidth_at(2 * transfer.payload / max(transfer.calls, 1))
     return seconds
 
 

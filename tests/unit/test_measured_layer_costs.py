@@ -20,7 +20,14 @@ from lightning_p2r.measure.calibrate import (
     token_overheads,
 )
 from lightning_p2r.models.config import M6Config
-from lightning_p2r.planning.cluster import ELEMENTWISE_LARGE_BYTES, ELEMENTWISE_SMALL_BYTES, Cluster
+from lightning_p2r.models.transformer import M6Transformer
+from lightning_p2r.planning.cluster import (
+    ELEMENTWISE_LARGE_BYTES,
+    ELEMENTWISE_SMALL_BYTES,
+    MEMORY_LARGE_BYTES,
+    MEMORY_SMALL_BYTES,
+    Cluster,
+)
 from lightning_p2r.planning.layout import Layout, Workload
 from lightning_p2r.planning.share import rank_share
 from lightning_p2r.planning.step_time import compute_seconds, estimate_step, fixed_layer_seconds
@@ -76,6 +83,26 @@ def test_small_activations_are_priced_faster_than_large_ones_only_when_measured(
     ratio = [estimate_step(MOE, Layout(), measured, w).compute / estimate_step(MOE, Layout(), CPU, w).compute
              for w in (small, large)]
     assert ratio[0] < ratio[1]
+
+
+def test_memory_bandwidth_moves_between_the_caches_and_memory_by_the_working_set() -> None:
+    cluster = dataclasses.replace(CPU, memory_bandwidth=20e9, memory_small_bandwidth=80e9)
+    assert cluster.memory_bandwidth_at(MEMORY_SMALL_BYTES / 4) == pytest.approx(80e9)
+    assert cluster.memory_bandwidth_at(MEMORY_LARGE_BYTES * 2) == pytest.approx(20e9)
+    assert cluster.memory_bandwidth_at(math.sqrt(MEMORY_SMALL_BYTES * MEMORY_LARGE_BYTES)) == pytest.approx(40e9)
+    assert CPU.memory_bandwidth_at(1.0) == CPU.memory_bandwidth  # unmeasured: one figure for all
+
+
+def test_a_small_models_weight_traffic_is_priced_at_the_caches_rate_per_micro_batch() -> None:
+    slow = dataclasses.replace(CPU, memory_bandwidth=10e9)
+    cached = dataclasses.replace(slow, memory_small_bandwidth=40e9)
+    layout = Layout(micro_batches=4)
+    share = rank_share(MOE, layout, slow, WORKLOAD)
+    weight_bytes = sum(p.numel() for p in M6Transformer(MOE).parameters()) * WORKLOAD.param_bytes
+    assert 2 * weight_bytes < MEMORY_SMALL_BYTES  # the caches hold this model's weights and gradients
+    saved = compute_seconds(MOE, layout, slow, WORKLOAD, share) - compute_seconds(MOE, layout, cached, WORKLOAD, share)
+    # Five passes over the weights per micro-batch, at a quarter of the time.
+    assert saved == pytest.approx(4 * 5 * weight_bytes * (1 / 10e9 - 1 / 40e9), rel=0.02)
 
 
 def test_each_token_of_each_layer_pays_its_kinds_per_token_cost_in_every_pass() -> None:
@@ -180,7 +207,8 @@ def test_the_expert_weight_cost_is_what_an_expert_grew_by_at_the_wider_width_bey
     assert expert_weight_overhead(cluster, cheaper)["moe_expert_weight_overhead"] == 0.0
 
 
-@pytest.mark.parametrize("bad", [{"elementwise_small_bandwidth": -1.0}, {"dense_layer_overhead": -1e-3},
+@pytest.mark.parametrize("bad", [{"elementwise_small_bandwidth": -1.0}, {"memory_small_bandwidth": -1.0},
+                                 {"dense_layer_overhead": -1e-3},
                                  {"moe_expert_overhead": float("nan")}, {"moe_token_overhead": -1e-6},
                                  {"moe_expert_weight_overhead": -1e-9}])
 def test_bad_measured_costs_are_refused_naming_the_field(bad) -> None:

@@ -361,15 +361,35 @@ def test_each_matmul_call_pays_the_matmul_overhead_per_micro_batch_and_pass() ->
             assert with_cost.compute - without.compute == pytest.approx(passes * matmuls * 1e-3)
 
 
-def test_the_matmul_overhead_is_the_intercept_beyond_what_the_model_prices() -> None:
-    from lightning_p2r.measure.calibrate import matmul_call_overhead
+def test_a_linear_layers_fixed_cost_is_the_intercept_of_its_time_in_the_rows() -> None:
+    from lightning_p2r.measure.calibrate import line_fit
 
     rows = [16, 32, 64, 128]
-    # 90 us fixed, 4 us per row; the model already prices 30 us of the fixed part: 20 us per matmul call.
-    assert matmul_call_overhead(rows, [(90 + 4 * r) * 1e-6 for r in rows], 30e-6) == pytest.approx(20e-6)
-    assert matmul_call_overhead(rows, [(20 + 4 * r) * 1e-6 for r in rows], 30e-6) == 0.0  # never negative
-    with pytest.raises(ValueError, match="at least two"):
-        matmul_call_overhead([16], [1.0], 0.0)
+    # 90 us at no rows, 4 us per row.
+    assert line_fit(rows, [(90 + 4 * r) * 1e-6 for r in rows]) == (pytest.approx(90e-6), pytest.approx(4e-6))
+    with pytest.raises(ValueError, match="two or more"):
+        line_fit([16, 16], [1.0, 2.0])
+
+
+def test_the_matmul_costs_split_a_calls_fixed_cost_from_its_weights_traffic_in_the_caches() -> None:
+    from lightning_p2r.measure.calibrate import WEIGHT_PASSES, matmul_costs
+
+    operator = 2e-6
+    sizes = [16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]
+    # Each call: 3 launches, 3 matmul calls of 6 us, and five passes over the weight at 80 GB/s.
+    intercepts = [3 * operator + 3 * 6e-6 + WEIGHT_PASSES * size / 80e9 for size in sizes]
+    costs = matmul_costs(sizes, intercepts, operator, bandwidth=20e9)
+    assert costs["matmul_overhead"] == pytest.approx(6e-6)
+    assert costs["memory_small_bandwidth"] == pytest.approx(80e9)
+    # The caches are never read as slower than memory beyond them.
+    assert matmul_costs(sizes, intercepts, operator, bandwidth=100e9)["memory_small_bandwidth"] == 100e9
+    # Launches priced above the intercept: no negative call cost.
+    assert matmul_costs(sizes, intercepts, 20e-6, bandwidth=20e9)["matmul_overhead"] == 0.0
+    # No growth with the weight (noise): the cache's rate stays unmeasured, the call's cost is read against memory's.
+    flat = matmul_costs(sizes, [40e-6] * 4, operator, bandwidth=100e9)
+    assert flat["memory_small_bandwidth"] == 0.0
+    assert flat["matmul_overhead"] == pytest.approx((40e-6 - 3 * operator - WEIGHT_PASSES * sizes[2] / 100e9) / 3)
+    assert flat["matmul_overhead"] > 0
 
 
 def test_the_batch_overhead_is_the_added_batches_time_beyond_their_modelled_work() -> None:
