@@ -114,8 +114,8 @@ class Cluster:
     memory_small_bandwidth: float = 0.0
     """The same over a working set a CPU's caches hold (``MEMORY_SMALL_BYTES``); between the two sizes the planner
     interpolates (log-log) by the traffic's working set: a small model's weights and gradients stay in the caches.
-    Measured by ``lightning-p2r calibrate`` on a CPU, where it is several times ``memory_bandwidth`` (and where
-    processes that stream memory at once share the latter but hardly the former). 0: every size at
+    Measured by ``lightning-p2r calibrate`` on a CPU (1.2 to 1.7 times ``memory_bandwidth`` on a 2-vCPU EPYC; two
+    processes streaming memory at once can halve the latter, hardly the former). 0: every size at
     ``memory_bandwidth`` (a GPU, whose small copies are bound by their launch, priced apart; a file from before
     2026-11-30)."""
     elementwise_bandwidth: float = 1.5e12

@@ -113,8 +113,7 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     # Per micro-batch every local weight is read by its forward and its input-gradient matmul (once more under
     # recompute), and its gradient written and added to the running sum (read and write): the matmuls' weight
     # traffic, which ``device_flops`` (measured on many rows) hides but a micro-batch of few rows pays.
-    # The weights and their gradients are the working set: a CPU's caches hold a small model's, at several times
-    # the bandwidth of memory.
+    # The weights and their gradients are the working set: a CPU's caches hold a small model's, faster than memory.
     weight_passes = 2 + (1 if layout.recompute else 0) + 3
     weight_bytes = local_params * workload.param_bytes
     accumulation_seconds = (layout.micro_batches * weight_passes * weight_bytes
