@@ -415,24 +415,28 @@ def matmul_costs(weight_bytes: list[int], intercepts: list[float], operator_seco
     fixed, per_byte = line_fit(weight_bytes, intercepts)
     if per_byte <= 0:
         middle = len(weight_bytes) // 2
-        return {"matmul_overhead": max(intercepts[middle] - 3 * operator_seconds
-                                       - WEIGHT_PASSES * weight_bytes[middle] / bandwidth, 0.0) / 3,
-                "memory_small_bandwidth": 0.0}
+        return against_memory(intercepts[middle], weight_bytes[middle], operator_seconds, bandwidth)
     return {"matmul_overhead": max(fixed - 3 * operator_seconds, 0.0) / 3,
             "memory_small_bandwidth": max(WEIGHT_PASSES / per_byte, bandwidth)}
 
 
-def matmul_overhead(device: torch.device, repeats: int, operator_seconds: float, bandwidth: float) -> dict[str, float]:
+def against_memory(intercept: float, weight_bytes: int, operator_seconds: float, bandwidth: float) -> dict[str, float]:
+    """``matmul_overhead`` from one layer's fixed cost per call, less its three launches and ``WEIGHT_PASSES`` passes
+    over its weight at ``bandwidth`` (never negative), and no cache rate."""
+    return {"matmul_overhead": max(intercept - 3 * operator_seconds - WEIGHT_PASSES * weight_bytes / bandwidth,
+                                   0.0) / 3,
+            "memory_small_bandwidth": 0.0}
+
+
+def measure_matmul_costs(device: torch.device, repeats: int, operator_seconds: float,
+                         bandwidth: float) -> dict[str, float]:
     """``matmul_overhead``: what a linear layer's forward and backward cost per matmul call at few rows beyond their
     launches and weight traffic (where its cost stops scaling with the rows), and on a CPU ``memory_small_bandwidth``
     (:func:`matmul_costs` over ``MATMUL_PROBE_DIMS``). On CUDA one (4096, 1024) layer, against its weight's traffic
     at ``bandwidth``: a small copy there is bound by its launch, which ``operator_overhead`` prices, not by a faster
     memory."""
     if device.type == "cuda":
-        intercept, weight_bytes = linear_intercept(device, 1024, repeats)
-        return {"matmul_overhead": max(intercept - 3 * operator_seconds
-                                       - WEIGHT_PASSES * weight_bytes / bandwidth, 0.0) / 3,
-                "memory_small_bandwidth": 0.0}
+        return against_memory(*linear_intercept(device, 1024, repeats), operator_seconds, bandwidth)
     measured = [linear_intercept(device, dim, repeats) for dim in MATMUL_PROBE_DIMS]
     return matmul_costs([size for _, size in measured], [seconds for seconds, _ in measured], operator_seconds,
                         bandwidth)
@@ -463,8 +467,9 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
     size = (1024 if device.type == "cuda" else 128) if quick else (4096 if device.type == "cuda" else 256)
     copy_bandwidth, copy_latency = host_device_copy(device, 2**20 if quick else 2**23, repeats)
     operator_seconds = operator_overhead(device, 50 if quick else 200, repeats)
-    # Always far beyond a CPU's caches (``MEMORY_LARGE_BYTES``): the planner interpolates from the caches' rate to it.
-    bandwidth = memory_bandwidth(device, MEMORY_LARGE_BYTES // 12, repeats)
+    # Always far beyond a CPU's caches (``MEMORY_LARGE_BYTES``: three fp32 tensors): the planner interpolates from
+    # the caches' rate to it.
+    bandwidth = memory_bandwidth(device, MEMORY_LARGE_BYTES // (3 * 4), repeats)
     return {"device_flops": matmul_flops(device, size, repeats),
             "attention_flops": attention_flops(device, 128 if quick or device.type != "cuda" else 2048, repeats),
             "memory_bandwidth": bandwidth,
@@ -474,7 +479,7 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
             "operator_overhead": operator_seconds,
             **layer_overheads(device, repeats),
             **attention_rates(device, quick, 3 if quick else 10),
-            **matmul_overhead(device, repeats, operator_seconds, bandwidth),
+            **measure_matmul_costs(device, repeats, operator_seconds, bandwidth),
             "host_device_bandwidth": copy_bandwidth, "host_device_latency": copy_latency,
             "optimizer_seconds_per_param": adam_seconds_per_param(device, 2**18 if quick else 2**22, repeats),
             "host_optimizer_seconds_per_param": adam_seconds_per_param(torch.device("cpu"), 2**18 if quick
