@@ -86,9 +86,12 @@ def _layout(rng: random.Random) -> Layout:
                   recompute=rng.random() < 0.25)
 
 
-def draw(seed: int, count: int, gpu: bool, processes: int = 1) -> list[Draw]:
-    """``count`` runnable (model, layout, workload) draws on ``processes`` devices, seeded."""
-    from lightning_p2r.planning.search import candidate_layouts
+def draw(seed: int, count: int, gpu: bool, processes: int = 1, memory_savers: float = 0.0) -> list[Draw]:
+    """``count`` runnable (model, layout, workload) draws on ``processes`` devices, seeded. On several devices a share
+    ``memory_savers`` of the layouts get recompute or offload (one of the variants ``plan`` tries when a layout does
+    not fit: a search on a roomy device never picks them); 0 draws what earlier seeds drew."""
+    from lightning_p2r.planning.search import SearchSpace, candidate_layouts
+    from lightning_p2r.planning.search import memory_savers as saver_variants
 
     rng = random.Random(seed)
     # One device keeps the cluster its earlier draws were checked against (their seeds draw the same layouts).
@@ -110,8 +113,20 @@ def draw(seed: int, count: int, gpu: bool, processes: int = 1) -> list[Draw]:
             if not pool:
                 continue
             layout = rng.choice(pool)
+            if memory_savers and rng.random() < memory_savers:
+                variants = [variant for variant in saver_variants(layout, SearchSpace())
+                            if _runs(variant, config, cluster, workload)]
+                layout = rng.choice(variants) if variants else layout
         out.append(Draw(config, layout, workload, processes))
     return out
+
+
+def _runs(layout: Layout, config: M6Config, cluster: Cluster, workload: Workload) -> bool:
+    try:
+        check_layout(layout, config, cluster, workload)
+    except ValueError:
+        return False
+    return True
 
 
 def measure(item: Draw, device: str, steps: int) -> float:
@@ -250,9 +265,17 @@ def _scores(scored: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def saves_memory(row: dict[str, Any]) -> bool:
+    """Whether the row's layout recomputes or offloads (what ``plan`` adds when a layout does not fit)."""
+    options = json.loads(row.get("options") or "{}")
+    return (bool(options.get("recompute")) or float(options.get("offload_fraction") or 0) > 0
+            or bool(options.get("offload_blocks")))
+
+
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The median and largest |error| and Spearman's rank correlation of the predicted rows, for all of them and,
-    when the draw holds several process counts, per process count (``by_processes``). Rows measured in several
+    when the draw holds several process counts, per process count (``by_processes``), and for the rows that
+    recompute or offload among others (``memory_savers``). Rows measured in several
     rounds add how far their rounds lie apart (max - min, in % of the row's median): the median and largest. Rows
     priced at the speed measured when they ran (``--speed-check``) add the same figures priced at the file's own
     speed (``at_the_files_speed``)."""
@@ -265,6 +288,9 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     result = _scores(scored)
     if len(by_count) > 1:
         result["by_processes"] = {n: _scores(by_count[n]) for n in sorted(by_count)}
+    savers = [row for row in scored if saves_memory(row)]
+    if savers and len(savers) < len(scored):
+        result["memory_savers"] = _scores(savers)
     at_speed_rows = [row for row in scored if row.get("predicted_file_s") not in (None, "")]
     if at_speed_rows:
         result["speed_ratio_range"] = [min(float(r["speed_ratio"]) for r in at_speed_rows),
@@ -306,9 +332,14 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="time the speed check's reference step right before every run and price each row at "
                              "the speed it ran at, as `plan` run just before training prices it (the summary adds "
                              "the figures at the cluster file's own speed)")
+    parser.add_argument("--memory-savers", type=float, default=0.0,
+                        help="share (0-1) of the layouts drawn for several processes given recompute or offload (the "
+                             "variants plan tries when a layout does not fit; default 0: what earlier seeds drew)")
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1 (how often each draw runs), got {args.rounds}")
+    if not 0.0 <= args.memory_savers <= 1.0:
+        parser.error(f"--memory-savers must be a share between 0 and 1, got {args.memory_savers}")
     apply_threads(args.threads)
     out = Path(args.out) / "planner_draw.csv"
     if args.measured:
@@ -318,7 +349,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         gpu = args.device == "cuda"
         # Each process count draws from its own seed (seed + processes - 1: one process keeps the seed's old draw).
         items = [item for processes in args.processes
-                 for item in draw(args.seed + processes - 1, args.count, gpu=gpu, processes=processes)]
+                 for item in draw(args.seed + processes - 1, args.count, gpu=gpu, processes=processes,
+                                  memory_savers=args.memory_savers)]
         reference = None
         if args.speed_check:
             from functools import partial

@@ -16,6 +16,9 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``dense_layer_overhead``, ``moe_layer_overhead``, ``moe_expert_overhead``: the package's own transformer at a
   negligible size with 1 and 5 layers, dense and MoE, 2 and 16 experts: a layer's fixed cost (dispatch, autograd,
   Python), which on a CPU is several times its operator count at ``operator_overhead`` (:func:`layer_overheads`);
+- ``dense_checkpoint_overhead``, ``moe_checkpoint_overhead``, ``moe_expert_checkpoint_overhead``: the same five
+  models with each layer checkpointed by the call a pipeline stage with recompute makes: what checkpointing adds to
+  each fixed cost (the forward run again, and the saved-tensor hooks on every tensor a layer saves);
 - ``dense_token_overhead``, ``moe_token_overhead`` and their ``..._width_overhead``: the same dense and MoE models
   on 16 sequences instead of one, at widths 16 and 64: what a layer's added tokens cost beyond the growth the cost
   model prices, per token, on a line in the width (:func:`token_overheads`);
@@ -243,46 +246,84 @@ def layer_overheads(device: torch.device, repeats: int) -> dict[str, float]:
     fixed cost) and with MoE layers of 2 and 16 experts (the difference over 5 x 14 is one expert's), in the precision
     training uses on the device (bf16 autocast on CUDA, fp32 on CPU) and with the expert kernel it picks there. The
     models are timed in turn, three rounds, each keeping its fastest round's median (:func:`fastest_medians`).
+    The same five models with each layer checkpointed as a pipeline stage with recompute runs it give
+    ``dense_checkpoint_overhead`` and the MoE pair: what checkpointing adds to each fixed cost.
 
     The dense and MoE models are timed again on ``TOKEN_PROBE_SEQUENCES`` sequences, and both token counts at the
     second of ``TOKEN_PROBE_WIDTHS`` too; one layer's time at each is returned under its ``LAYER_SECONDS`` name, from
     which :func:`token_overheads` takes what each token costs beyond the priced terms."""
     from ..models.transformer import M6Transformer
 
-    def step_of(layers: int, experts: int, sequences: int = 1, width: int = LAYER_PROBE["dim"]) -> Callable[[], None]:
+    def step_of(layers: int, experts: int, sequences: int = 1, width: int = LAYER_PROBE["dim"],
+                checkpointed: bool = False) -> Callable[[], None]:
         config = probe_config(layers, experts, width)
         model = M6Transformer(config).to(device)
         tokens = torch.randint(0, config.vocab_size, (sequences, config.max_seq_len), device=device)
 
         def step() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-                out = model(tokens)
+                out = checkpointed_forward(model, tokens) if checkpointed else model(tokens)
             (out.logits.float().mean() + out.aux_loss + out.z_loss).backward()
 
         return step
 
     wide = TOKEN_PROBE_WIDTHS[-1]
-    shapes: dict[str, tuple[int, ...]] = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2),
-                                          "experts": (5, 16), "moe5_wide": (5, 2, 1, wide),
-                                          "experts_wide": (5, 16, 1, wide)}
+    shapes: dict[str, tuple[int, ...]] = {**FIXED_COST_PROBES, "moe5_wide": (5, 2, 1, wide),
+                                          "experts_wide": (5, 16, 1, wide),
+                                          **{f"{name}_checkpointed": (layers, experts, 1, LAYER_PROBE["dim"], True)
+                                             for name, (layers, experts) in FIXED_COST_PROBES.items()}}
     for kind, experts in PROBE_KINDS:
         for layers in (1, 5):
             for size, sequences in PROBE_SIZES:
                 for width in TOKEN_PROBE_WIDTHS:
                     shapes[f"{kind}{layers}_{size}_{width}"] = (layers, experts, sequences, width)
     seconds = fastest_medians({name: step_of(*shape) for name, shape in shapes.items()}, device, repeats, rounds=3)
-    dense = max(seconds["dense5"] - seconds["dense1"], 0.0) / 4
-    expert = max(seconds["experts"] - seconds["moe5"], 0.0) / (5 * 14)
-    moe = max(seconds["moe5"] - seconds["moe1"], 0.0) / 4 - 2 * expert
+    dense, moe, expert = fixed_layer_costs(seconds)
+    checkpointed = fixed_layer_costs({name: seconds[f"{name}_checkpointed"] for name in FIXED_COST_PROBES})
     # A floor of one operator's cost: 0 would read as "unmeasured" and fall back to counting operators.
     floor = 1e-6
     return {"dense_layer_overhead": max(dense, floor), "moe_layer_overhead": max(moe, floor),
             "moe_expert_overhead": expert,
+            "dense_checkpoint_overhead": max(checkpointed[0] - dense, floor),
+            "moe_checkpoint_overhead": max(checkpointed[1] - moe, floor),
+            "moe_expert_checkpoint_overhead": max(checkpointed[2] - expert, 0.0),
             "expert_seconds_narrow": expert,
             "expert_seconds_wide": max(seconds["experts_wide"] - seconds["moe5_wide"], 0.0) / (5 * 14),
             **{layer_seconds_name(kind, size, width): (seconds[f"{kind}5_{size}_{width}"]
                                                        - seconds[f"{kind}1_{size}_{width}"]) / 4
                for kind, _ in PROBE_KINDS for size, _ in PROBE_SIZES for width in TOKEN_PROBE_WIDTHS}}
+
+
+FIXED_COST_PROBES = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5": (5, 2), "experts": (5, 16)}
+"""The layer probes (layers, experts) whose differences give a layer's and an expert's fixed cost
+(:func:`fixed_layer_costs`); they are timed plain and with each layer checkpointed."""
+
+
+def fixed_layer_costs(seconds: dict[str, float]) -> tuple[float, float, float]:
+    """(dense layer, MoE layer without its experts, one expert): the fixed costs in the timings of
+    ``FIXED_COST_PROBES``: 1 and 5 layers differ by 4 layers, MoE layers of 2 and 16 experts by 5 x 14 experts."""
+    dense = max(seconds["dense5"] - seconds["dense1"], 0.0) / 4
+    expert = max(seconds["experts"] - seconds["moe5"], 0.0) / (5 * 14)
+    moe = max(seconds["moe5"] - seconds["moe1"], 0.0) / 4 - 2 * expert
+    return dense, moe, expert
+
+
+def checkpointed_forward(model: torch.nn.Module, tokens: torch.Tensor) -> Any:
+    """``model(tokens)`` with each layer checkpointed by the call a pipeline stage with recompute makes
+    (``run_checkpointed``): its outputs (logits, balance and z losses) as the model's forward returns them."""
+    from types import SimpleNamespace
+
+    from ..strategy.pipeline.stage import run_checkpointed
+
+    hidden, context = model.embed(tokens)
+    aux, z = [], []
+    for layer in range(model.num_layers):
+        hidden, moe = run_checkpointed(model.run_layer, layer, hidden, context)
+        if moe is not None:
+            aux.append(moe.aux_loss)
+            z.append(moe.z_loss)
+    zero = hidden.new_zeros((), dtype=torch.float32)
+    return SimpleNamespace(logits=model.head(hidden), aux_loss=sum(aux, zero), z_loss=sum(z, zero))
 
 
 PROBE_KINDS = (("dense", 0), ("moe", 2))

@@ -316,8 +316,9 @@ def _at_present_speed(cluster: Cluster) -> Cluster:
 
 def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
     """Say which framework terms the shown layouts count but the cluster file leaves at zero (their predictions are
-    short by that time), and where each comes from; whether attention is priced by shape; and whether a CPU file has
-    the layer costs that grow with the tokens and the experts' weights."""
+    short by that time), and where each comes from; whether attention is priced by shape; whether a CPU file has
+    the layer costs that grow with the tokens and the experts' weights; and whether a pipeline's recompute is priced
+    by measured checkpoint costs."""
     for name, count in missing_terms(config, layouts, cluster, workload).items():
         print(f"warning: {cluster.name} has no {name} ({HOW_TO_GET[name]}): {count} of the {len(layouts)} layouts "
               "shown count it, and their step times leave it out")
@@ -331,6 +332,12 @@ def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluste
               "measured by `lightning-p2r calibrate` from 2026-11-28): a layer's per-token work beyond its traffic and "
               "each expert's gradient stacking are left out, and CPU steps come out short (by 20-30% on the draws in "
               "docs/benchmarks.md); calibrate again")
+    checkpointed = sum(layout.recompute and layout.pipeline_parallel > 1 for layout in layouts)
+    if checkpointed and cluster.dense_layer_overhead > 0 and cluster.dense_checkpoint_overhead <= 0:
+        print(f"warning: {cluster.name} has no checkpoint costs (dense_checkpoint_overhead, moe_checkpoint_overhead, "
+              "moe_expert_checkpoint_overhead; measured by `lightning-p2r calibrate` from 2026-11-30): "
+              f"{checkpointed} of the {len(layouts)} layouts shown recompute in a pipeline, priced as one more "
+              "forward, where checkpointing each layer costs about twice that on a CPU; calibrate again")
 
 
 

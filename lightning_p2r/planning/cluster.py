@@ -136,6 +136,16 @@ class Cluster:
     moe_expert_overhead: float = 0.0
     """Seconds each expert an MoE layer computes adds to the layer's forward and backward at a negligible size (the
     loop kernel's per-expert matmuls and activation; about 0 with the grouped kernel)."""
+    dense_checkpoint_overhead: float = 0.0
+    """Seconds activation checkpointing adds to one dense layer's forward and backward at a negligible size: the
+    forward run again in backward, with the saved-tensor hooks ``torch.utils.checkpoint`` calls on every tensor the
+    layer saves (several times the rerun forward's own fixed cost on a CPU). A pipeline stage with recompute checkpoints
+    each layer (layered accumulation's recompute runs no hooks: priced as one more forward). Measured by
+    ``lightning-p2r calibrate`` on the stage's own call; 0: priced as one more forward's fixed cost."""
+    moe_checkpoint_overhead: float = 0.0
+    """The same for an MoE layer's routing, dispatch and combine (its experts excluded)."""
+    moe_expert_checkpoint_overhead: float = 0.0
+    """The same for each expert an MoE layer computes (the loop kernel's per-expert operators save tensors too)."""
     moe_expert_weight_overhead: float = 0.0
     """Seconds per element of one expert's weights (both matrices) that each expert the loop kernel computes adds per
     micro-batch beyond the weights' priced traffic: on a CPU its backward stacks the experts' weight gradients into
@@ -344,7 +354,8 @@ SIZE_DEPENDENT_LAYER_COSTS = (*TOKEN_COSTS, "moe_expert_weight_overhead")
 these was written before they existed (``plan`` warns)."""
 
 
-_TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "dense_token_overhead",
+_TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "dense_checkpoint_overhead",
+          "moe_checkpoint_overhead", "moe_expert_checkpoint_overhead", "dense_token_overhead",
           "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead", "moe_expert_weight_overhead",
           "operator_overhead", "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead",
           "stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead",
@@ -358,6 +369,7 @@ _RATES = ("device_flops", "attention_flops", "memory_bandwidth", "memory_small_b
 _NETWORK = ("inter_node_bandwidth", "inter_node_latency")
 """The links between nodes, which do not run on the machine the reference step re-times."""
 HOST_TIMES = ("operator_overhead", "dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead",
+              "dense_checkpoint_overhead", "moe_checkpoint_overhead", "moe_expert_checkpoint_overhead",
               "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
               "dtensor_overhead", "host_optimizer_seconds_per_param")
 """Beside GPUs, the times the host's Python, dispatcher and kernel launches set (what a small model's step on a GPU

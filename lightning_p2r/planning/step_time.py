@@ -2,8 +2,10 @@
 
 - **compute**: the rank's matmul FLOPs (forward, backward at twice the forward, and one more forward of the blocks
   with recompute) at ``device_flops``; its elementwise traffic (about three times one forward's: forward, and
-  backward's read and write) at ``elementwise_bandwidth``; its operator launches at ``operator_overhead`` each;
-  and its matmul calls (forward, the two gradients, recompute's forward) at ``matmul_overhead`` each on top: the
+  backward's read and write; the blocks' once more with recompute) at ``elementwise_bandwidth``; its operator
+  launches at ``operator_overhead`` each (a pipeline's per-layer checkpointing at its measured
+  ``..._checkpoint_overhead`` instead of one more forward's); and its matmul calls (forward, the two gradients,
+  recompute's forward) at ``matmul_overhead`` each on top: the
   fixed cost that makes a matmul of few rows reach less of ``device_flops`` (matmul efficiency by shape); and
   its tokens at ``dense_token_overhead`` / ``moe_token_overhead`` per layer, plus their ``..._width_overhead``
   times the width (per-token work the traffic terms miss); and, with the loop kernel, each micro-batch's
@@ -97,7 +99,7 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
     elementwise = sum(layer_elementwise_elements(config, layer) for layer in share.layers)
     # A micro-batch's activation tensor (tokens x width) decides whether the caches hold it (on a CPU).
     activation_bytes = tokens / layout.micro_batches * config.dim * workload.activation_bytes
-    elementwise_seconds = (3 * tokens * elementwise * workload.activation_bytes
+    elementwise_seconds = (passes * tokens * elementwise * workload.activation_bytes
                            / cluster.elementwise_bandwidth_at(activation_bytes))
     if share.last_stage:  # the loss's log-softmax over the rank's share of the vocabulary (loss parallel)
         logits_bytes = tokens / layout.micro_batches * config.vocab_size / tp * workload.activation_bytes
@@ -105,7 +107,10 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
                                 / cluster.elementwise_bandwidth_at(logits_bytes))
     local_experts = config.num_experts // layout.expert_parallel
     grouped = grouped_experts(config, cluster.accelerator, workload.precision)
-    launch_seconds = passes * layout.micro_batches * fixed_layer_seconds(config, share, cluster, local_experts, grouped)
+    forward_fixed = fixed_layer_seconds(config, share, cluster, local_experts, grouped)
+    recompute_fixed = (recompute_fixed_seconds(config, layout, share, cluster, local_experts, grouped, forward_fixed)
+                       if layout.recompute else 0.0)
+    launch_seconds = layout.micro_batches * (3 * forward_fixed + recompute_fixed)
     matmuls = sum(layer_matmuls(config, layer, local_experts, grouped=grouped)
                   for layer in share.layers) + int(share.last_stage)
     matmul_seconds = passes * layout.micro_batches * matmuls * cluster.matmul_overhead
@@ -147,6 +152,19 @@ def fixed_layer_seconds(config: M6Config, share: RankShare, cluster: Cluster, lo
     layers = sum(cluster.moe_layer_overhead + experts * cluster.moe_expert_overhead if config.is_moe_layer(layer)
                  else cluster.dense_layer_overhead for layer in share.layers)
     return layers / 3 + 10 * cluster.operator_overhead
+
+
+def recompute_fixed_seconds(config: M6Config, layout: Layout, share: RankShare, cluster: Cluster, local_experts: int,
+                            grouped: bool, forward_fixed: float) -> float:
+    """Seconds of fixed cost recompute adds to one micro-batch: a pipeline stage checkpoints each layer, which with
+    the costs ``calibrate`` measures on that call (``Cluster.dense_checkpoint_overhead`` and the MoE pair) costs those
+    per layer; layered accumulation's executor (one process, no hooks), or a file without them, one more forward's
+    fixed cost (``forward_fixed``)."""
+    if layout.pipeline_parallel <= 1 or cluster.dense_checkpoint_overhead <= 0:
+        return forward_fixed
+    experts = 0 if grouped else looped_experts(config, local_experts)
+    return sum(cluster.moe_checkpoint_overhead + experts * cluster.moe_expert_checkpoint_overhead
+               if config.is_moe_layer(layer) else cluster.dense_checkpoint_overhead for layer in share.layers)
 
 
 def transfer_seconds(transfer: Transfer, cluster: Cluster) -> float:

@@ -220,8 +220,11 @@ def test_bad_measured_costs_are_refused_naming_the_field(bad) -> None:
 def test_calibrate_measures_the_layer_costs_on_the_models_own_code() -> None:
     torch.manual_seed(0)
     costs = layer_overheads(torch.device("cpu"), repeats=2)
-    assert set(costs) == {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", *LAYER_SECONDS}
+    assert set(costs) == {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead",
+                          "dense_checkpoint_overhead", "moe_checkpoint_overhead", "moe_expert_checkpoint_overhead",
+                          *LAYER_SECONDS}
     assert costs["dense_layer_overhead"] > 0 and costs["moe_layer_overhead"] > 0 and costs["moe_expert_overhead"] >= 0
+    assert costs["dense_checkpoint_overhead"] > 0 and costs["moe_checkpoint_overhead"] > 0
     # Each is a difference of two timings, so its sign is noise's on a busy machine: how the terms follow from the
     # timings is checked on a deterministic clock below; here, that the real probes run and give numbers.
     assert all(math.isfinite(value) for value in costs.values())
@@ -244,7 +247,15 @@ def test_each_layer_term_is_read_off_the_difference_of_its_two_probes(monkeypatc
         return (fixed[kind] + per_token_width[kind] * sequences * tokens * width
                 + experts * per_expert[width])
 
+    checkpointing = {"dense": 5e-4, "moe": 9e-4, "expert": 3e-5}  # what checkpointing adds to each fixed cost
+
     def probe_time(name: str) -> float:
+        if name.endswith("_checkpointed"):
+            plain = name.removesuffix("_checkpointed")
+            layers = int(plain[-1]) if plain[-1].isdigit() else 5
+            experts = {"dense1": 0, "dense5": 0, "moe1": 2, "moe5": 2, "experts": 16}[plain]
+            added = checkpointing["moe"] + experts * checkpointing["expert"] if experts else checkpointing["dense"]
+            return probe_time(plain) + layers * added
         known = {"dense1": ("dense", 1, 0, 1, 16), "dense5": ("dense", 5, 0, 1, 16), "moe1": ("moe", 1, 2, 1, 16),
                  "moe5": ("moe", 5, 2, 1, 16), "experts": ("moe", 5, 16, 1, 16),
                  "moe5_wide": ("moe", 5, 2, 1, TOKEN_PROBE_WIDTHS[-1]),
@@ -274,3 +285,63 @@ def test_each_layer_term_is_read_off_the_difference_of_its_two_probes(monkeypatc
             for width in TOKEN_PROBE_WIDTHS:
                 assert costs[layer_seconds_name(kind, size, width)] == pytest.approx(
                     layer_time(kind, experts, sequences, width))
+    assert costs["dense_checkpoint_overhead"] == pytest.approx(checkpointing["dense"])
+    assert costs["moe_checkpoint_overhead"] == pytest.approx(checkpointing["moe"])
+    assert costs["moe_expert_checkpoint_overhead"] == pytest.approx(checkpointing["expert"])
+
+
+def test_the_checkpointed_probe_runs_the_models_forward_and_backward_as_the_model_does() -> None:
+    """``checkpointed_forward`` (each layer under the pipeline stage's checkpoint call) gives the model's own logits,
+    losses and gradients: the probe times the same work, checkpointed."""
+    from lightning_p2r.measure.calibrate import checkpointed_forward
+
+    torch.manual_seed(0)
+    model = M6Transformer(MOE)
+    tokens = torch.randint(0, MOE.vocab_size, (2, MOE.max_seq_len))
+    grads = []
+    for run in (model, lambda t: checkpointed_forward(model, t)):
+        model.zero_grad()
+        out = run(tokens)
+        (out.logits.mean() + out.aux_loss + out.z_loss).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        assert out.aux_loss.item() > 0
+    for plain, checkpointed in zip(*grads):
+        torch.testing.assert_close(checkpointed, plain)
+
+
+def test_a_pipelines_recompute_is_priced_at_the_measured_checkpoint_costs_and_layered_recompute_as_a_forward() -> None:
+    """A pipeline stage checkpoints each layer: with the costs ``calibrate`` measured on that call its recompute's
+    fixed cost is theirs, per layer and micro-batch, in place of one more forward's; layered accumulation's recompute
+    (no hooks) stays one more forward; a file without them prices both as one more forward."""
+    two = dataclasses.replace(CPU, devices=2, devices_per_node=2, dense_layer_overhead=3e-4, moe_layer_overhead=6e-4,
+                              moe_expert_overhead=5e-5)
+    measured = dataclasses.replace(two, dense_checkpoint_overhead=8e-4, moe_checkpoint_overhead=1.5e-3,
+                                   moe_expert_checkpoint_overhead=7e-5)
+    workload = Workload(global_batch=8, seq_len=64)
+    pipeline = Layout(pipeline_parallel=2, micro_batches=4, recompute=True)
+    for rank in (0, 1):
+        share = rank_share(MOE, pipeline, two, workload, rank)
+        forward = fixed_layer_seconds(MOE, share, two, MOE.num_experts, grouped=False)
+        checkpointed = sum(1.5e-3 + 8 * 7e-5 if MOE.is_moe_layer(layer) else 8e-4 for layer in share.layers)
+        old = compute_seconds(MOE, pipeline, two, workload, share)
+        new = compute_seconds(MOE, pipeline, measured, workload, share)
+        assert new - old == pytest.approx(4 * (checkpointed - forward))
+        assert checkpointed > forward
+    layered = Layout(micro_batches=4, accumulation="layered", recompute=True)
+    one, one_measured = (dataclasses.replace(c, devices=1, devices_per_node=1) for c in (two, measured))
+    assert estimate_step(MOE, layered, one_measured, workload).total == pytest.approx(
+        estimate_step(MOE, layered, one, workload).total)
+
+
+def test_recompute_moves_the_layers_activations_once_more() -> None:
+    """Recompute runs the layers' forward again: their elementwise traffic (norms, activations, residuals) is four
+    forwards' worth, not three; the head's stays three (it is not recomputed)."""
+    cluster = dataclasses.replace(CPU, operator_overhead=0.0, device_flops=1e30, attention_flops=1e30,
+                                  memory_bandwidth=1e30, elementwise_bandwidth=1e9)
+    layered, recomputed = (Layout(micro_batches=2, accumulation="layered", recompute=r) for r in (False, True))
+    plain, again = (estimate_step(MOE, layout, cluster, WORKLOAD).compute for layout in (layered, recomputed))
+    from lightning_p2r.planning.model import layer_elementwise_elements
+
+    layers = sum(layer_elementwise_elements(MOE, layer) for layer in range(MOE.num_layers))
+    tokens = WORKLOAD.global_batch * WORKLOAD.seq_len
+    assert again - plain == pytest.approx(tokens * layers * 4 / 1e9)

@@ -156,6 +156,32 @@ def test_a_several_process_draw_takes_layouts_from_the_planners_space_and_report
     assert set(planner_draw.summary(out)["by_processes"]) == {1, 2}
 
 
+def test_a_several_process_draw_can_give_a_share_of_its_layouts_recompute_or_offload() -> None:
+    """``memory_savers``: the variants ``plan`` tries when a layout does not fit, drawn on a roomy machine too (where
+    the search never picks them), each runnable and otherwise one of the planner's layouts; 0 keeps the old draw."""
+    from lightning_p2r.planning.search import candidate_layouts
+
+    plain = planner_draw.draw(7, 10, gpu=False, processes=2)
+    assert planner_draw.draw(7, 10, gpu=False, processes=2, memory_savers=0.0) == plain
+    items = planner_draw.draw(7, 24, gpu=False, processes=2, memory_savers=0.5)
+    assert items == planner_draw.draw(7, 24, gpu=False, processes=2, memory_savers=0.5)
+    two = Cluster(accelerator="cpu", devices=2, devices_per_node=2)
+    saving = [item for item in items if item.layout.recompute or item.layout.offload_fraction > 0]
+    assert 4 <= len(saving) < len(items)
+    assert any(item.layout.recompute and item.layout.pipeline_parallel > 1 for item in items)
+    for item in saving:
+        check_layout(item.layout, item.config, two, item.workload)
+        bare = replace(item.layout, recompute=False, offload_fraction=0.0)
+        assert bare in set(candidate_layouts(item.config, two, item.workload))
+    rows = [planner_draw.row_of(i, item) | {"measured_s": 0.05 * (i + 1), "predicted_s": 0.055 * (i + 1),
+                                            "error_pct": 10.0} for i, item in enumerate(items)]
+    result = planner_draw.summary(rows)
+    assert result["memory_savers"]["count"] == len(saving)
+    assert "memory_savers" not in planner_draw.summary([row for row, item in zip(rows, items) if item not in saving])
+    with pytest.raises(SystemExit):
+        planner_draw.main(["--memory-savers", "1.5", "--count", "1"])
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_compute_shapes_on_cuda_runs_the_grouped_kernel(tmp_path: Path) -> None:

@@ -231,6 +231,28 @@ def test_plan_warns_when_a_cpu_file_predates_the_per_token_layer_costs(capsys, t
             assert "moe_expert_weight_overhead" in lines[0] and "calibrate again" in lines[0]
 
 
+def test_plan_warns_when_a_file_cannot_price_a_pipelines_checkpointing(capsys, tmp_path) -> None:
+    """A pipeline's recompute checkpoints each layer, which on a CPU costs about twice one more forward; a file with
+    the layer costs but not the checkpoint costs prices it as the forward: ``plan`` says so when it shows such a
+    layout, and not with a file that has them."""
+    old = {"name": "old-cpu", "accelerator": "cpu", "devices": 2, "devices_per_node": 2, "device_flops": 1e11,
+           "attention_flops": 3e10, "memory_bandwidth": 4e10, "elementwise_bandwidth": 7e9, "device_memory": 3e7,
+           "dense_layer_overhead": 3e-4, "moe_layer_overhead": 7e-4, "moe_expert_weight_overhead": 8e-10,
+           "overlap_collectives": False, "overlap_copies": False}
+    for name, extra, warned in (("old", {}, True), ("new", {"dense_checkpoint_overhead": 6e-4,
+                                                              "moe_checkpoint_overhead": 1e-3}, False)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(old | extra))
+        main(["plan", "--cluster", str(path), "--config", str(RECIPES / "quickstart.yaml"), "--devices", "2",
+              "--top", "20", "--offload-fractions", "0"])
+        out = capsys.readouterr().out
+        assert re.search(r"pp2 \S+ m\d+ recompute", out)  # a small device, no offload: pipelines recompute
+        lines = [line for line in out.splitlines() if "no checkpoint costs" in line]
+        assert bool(lines) == warned, name
+        if warned:
+            assert "dense_checkpoint_overhead" in lines[0] and "calibrate again" in lines[0]
+
+
 def test_plan_prices_a_cpu_run_with_the_file_calibrated_for_its_process_count(capsys, tmp_path) -> None:
     """Issue 41 item 1: on a CPU the constants depend on how many processes loaded the machine while they were
     measured; a one-process run priced by a two-process file came out 36% slow (median). ``plan`` takes the file of

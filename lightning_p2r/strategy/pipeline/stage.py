@@ -64,6 +64,13 @@ def attach_loss(hidden: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
     return _AttachLoss.apply(hidden, loss)
 
 
+def run_checkpointed(run_layer: Callable[..., Any], layer: int, hidden: torch.Tensor, context: Any) -> Any:
+    """``run_layer(layer, hidden, context)`` under activation checkpointing, as a stage with recompute runs each layer:
+    only the layer's input is kept; backward runs the layer again (same RNG state). ``lightning-p2r calibrate`` times
+    this same call to price it (``Cluster.dense_checkpoint_overhead``)."""
+    return checkpoint(run_layer, layer, hidden, context, use_reentrant=False)
+
+
 class PipelineStageModule(nn.Module):
     """Layers ``layers`` of the model, the embedding if ``first``, the head if ``last``. In training the last stage
     returns the micro-batch's loss (the schedule's loss function passes it on), in evaluation the logits. Each forward
@@ -116,9 +123,8 @@ class PipelineStageModule(nn.Module):
         extras: list[torch.Tensor] = []
         for layer in self.layers:
             if training and self.recompute:
-                # Activation checkpointing per layer: only the layer's input is kept; backward runs the layer again
-                # (same RNG state). A rerun layer overwrites its own router records in the context.
-                hidden, extra = checkpoint(stages.layer, layer, hidden, context, use_reentrant=False)
+                # A rerun layer overwrites its own router records in the context.
+                hidden, extra = run_checkpointed(stages.layer, layer, hidden, context)
             else:
                 hidden, extra = stages.layer(layer, hidden, context)
             if extra is not None and training:
