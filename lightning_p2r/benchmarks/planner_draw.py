@@ -90,7 +90,7 @@ def draw(seed: int, count: int, gpu: bool, processes: int = 1, memory_savers: fl
     """``count`` runnable (model, layout, workload) draws on ``processes`` devices, seeded. On several devices a share
     ``memory_savers`` of the layouts get recompute or offload (one of the variants ``plan`` tries when a layout does
     not fit: a search on a roomy device never picks them); 0 draws what earlier seeds drew."""
-    from lightning_p2r.planning.search import SearchSpace, candidate_layouts
+    from lightning_p2r.planning.search import SearchSpace, candidate_layouts, is_valid
     from lightning_p2r.planning.search import memory_savers as saver_variants
 
     rng = random.Random(seed)
@@ -115,18 +115,10 @@ def draw(seed: int, count: int, gpu: bool, processes: int = 1, memory_savers: fl
             layout = rng.choice(pool)
             if memory_savers and rng.random() < memory_savers:
                 variants = [variant for variant in saver_variants(layout, SearchSpace())
-                            if _runs(variant, config, cluster, workload)]
+                            if is_valid(variant, config, cluster, workload)]
                 layout = rng.choice(variants) if variants else layout
         out.append(Draw(config, layout, workload, processes))
     return out
-
-
-def _runs(layout: Layout, config: M6Config, cluster: Cluster, workload: Workload) -> bool:
-    try:
-        check_layout(layout, config, cluster, workload)
-    except ValueError:
-        return False
-    return True
 
 
 def measure(item: Draw, device: str, steps: int) -> float:

@@ -64,7 +64,7 @@ def candidate_layouts(config: M6Config, cluster: Cluster, workload: Workload,
                       space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
     """Every valid layout in ``space`` (``check_layout`` accepts it)."""
     return (layout for layout in _base_layouts(config, cluster, workload, space)
-            if _valid(layout, config, cluster, workload))
+            if is_valid(layout, config, cluster, workload))
 
 
 def layout_space(config: M6Config, cluster: Cluster, workload: Workload,
@@ -138,7 +138,8 @@ def evaluate(config: M6Config, layout: Layout, cluster: Cluster, workload: Workl
     return Plan(layout, memory, step, fits=not reason, reason=reason)
 
 
-def _valid(layout: Layout, config: M6Config, cluster: Cluster, workload: Workload) -> bool:
+def is_valid(layout: Layout, config: M6Config, cluster: Cluster, workload: Workload) -> bool:
+    """Whether ``check_layout`` accepts ``layout`` for this model, cluster and workload."""
     try:
         check_layout(layout, config, cluster, workload)
     except ValueError:
@@ -156,7 +157,7 @@ def search(config: M6Config, cluster: Cluster, workload: Workload, space: Search
         plan = evaluate(config, layout, cluster, workload, memory_headroom=memory_headroom)
         priced += 1
         if not plan.fits:
-            savers = [v for v in memory_savers(layout, space) if _valid(v, config, cluster, workload)]
+            savers = [v for v in memory_savers(layout, space) if is_valid(v, config, cluster, workload)]
             # The variant that saves most (recompute and the largest offload) first: if even it does not fit,
             # none of the others can.
             variants = [evaluate(config, v, cluster, workload, memory_headroom=memory_headroom)

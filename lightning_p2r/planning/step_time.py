@@ -158,8 +158,8 @@ def recompute_fixed_seconds(config: M6Config, layout: Layout, share: RankShare, 
                             grouped: bool, forward_fixed: float) -> float:
     """Seconds of fixed cost recompute adds to one micro-batch: a pipeline stage checkpoints each layer, which with
     the costs ``calibrate`` measures on that call (``Cluster.dense_checkpoint_overhead`` and the MoE pair) costs those
-    per layer; layered accumulation's executor (one process, no hooks), or a file without them, one more forward's
-    fixed cost (``forward_fixed``)."""
+    per layer; layered accumulation's executor (a first forward without a graph, no hooks), or a file without them,
+    one more forward's fixed cost (``forward_fixed``)."""
     if layout.pipeline_parallel <= 1 or cluster.dense_checkpoint_overhead <= 0:
         return forward_fixed
     experts = 0 if grouped else looped_experts(config, local_experts)
