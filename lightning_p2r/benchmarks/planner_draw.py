@@ -3,13 +3,15 @@ held-out layouts; item 2: the same on a GPU).
 
     python -m lightning_p2r.benchmarks.planner_draw [--seed 11] [--count 24] [--processes 1] [--rounds 1]
                                                     [--budget-s 150] [--cluster FILE] [--measured CSV] [--out DIR]
+                                                    [--memory-savers P] [--speed-check]
 
 1. **Draw.** A seeded random sample of models (depth, width, dense or MoE with 4-16 experts and top-1 or top-2,
    sequence length) and one-device layouts (offloaded fraction, micro-batches, standard or layered accumulation,
    recompute), sized for the device (a GPU gets models of 10-300 M parameters in bf16, a CPU small ones in fp32);
    layouts the strategy's rulebook refuses are redrawn. With ``--processes N`` above one, each model's layout is
    drawn from the planner's own search space on N devices (ZeRO stage, tensor / expert / pipeline degrees,
-   schedules, micro-batches, accumulation, offload).
+   schedules, micro-batches, accumulation), and with ``--memory-savers P`` a share P of them get recompute or an
+   offload fraction (what ``plan`` adds when a layout does not fit the device).
 2. **Measure.** Each draw trains for a few steps on random tokens (the planner's trial worker's fit: in this
    process on one device, in ``plan --trial``'s worker processes on several); the measured step is rank 0's median
    optimizer-step interval after warm-up. With ``--rounds R`` the whole draw runs R times in turn (as ``plan
