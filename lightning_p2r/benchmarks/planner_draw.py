@@ -49,7 +49,7 @@ from lightning_p2r.benchmarks.planner_cv import spearman
 from lightning_p2r.benchmarks.report import apply_threads, base_parser
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning.cluster import Cluster, at_speed, cluster_for, load_cluster
-from lightning_p2r.planning.layout import Layout, Workload, check_layout
+from lightning_p2r.planning.layout import Layout, Workload
 from lightning_p2r.planning.step_time import estimate_step, fitted_step_range
 
 COLUMNS = ("draw", "processes", "layout", "layers", "dim", "experts", "top_k", "seq_len", "global_batch", "precision",
@@ -106,9 +106,7 @@ def draw(seed: int, count: int, gpu: bool, processes: int = 1, memory_savers: fl
         workload = Workload(global_batch=batch * processes, seq_len=seq, precision=precision)
         if processes == 1:
             layout = _layout(rng)
-            try:
-                check_layout(layout, config, cluster, workload)
-            except ValueError:
+            if not is_valid(layout, config, cluster, workload):
                 continue
         else:
             pool = sorted(candidate_layouts(config, cluster, workload), key=lambda option: option.describe())
