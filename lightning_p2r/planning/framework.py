@@ -102,15 +102,17 @@ def tensor_parallel_module_passes(config: M6Config, layout: Layout, share: RankS
     experts' loop on their local shards) runs on plain tensors. Per layer: the attention's two projections and the
     FFN's two linears, or an expert layer's entry and exit; sequence parallelism adds the two norms and an expert
     layer's gather and cut. Outside the layers: the embedding and the head where the rank runs them (and the final
-    norm under sequence parallelism)."""
+    norm under sequence parallelism). Recompute runs the layers' modules forward once more (four forwards' worth)."""
     if layout.tensor_parallel == 1:
         return 0
     layers = len(share.layers)
-    modules = 4 * layers + int(share.first_stage) + int(share.last_stage)
+    in_layers = 4 * layers
+    ends = int(share.first_stage) + int(share.last_stage)
     if layout.sequence_parallel:
         moe_layers = sum(config.is_moe_layer(layer) for layer in share.layers)
-        modules += 2 * layers + 2 * moe_layers + int(share.last_stage)
-    return 3 * layout.micro_batches * modules
+        in_layers += 2 * layers + 2 * moe_layers
+        ends += int(share.last_stage)
+    return layout.micro_batches * ((4 if layout.recompute else 3) * in_layers + 3 * ends)
 
 
 def _blocking(transfer: Transfer, overlap_collectives: bool) -> bool:

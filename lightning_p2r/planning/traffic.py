@@ -3,7 +3,9 @@
 Counted the way :class:`~lightning_p2r.strategy.accounting.CollectiveCounter` counts them: an all-reduce's payload
 is the tensor reduced, a gather's the whole tensor assembled, an all-to-all's what this rank sends. (A ring
 all-reduce then puts about ``2 (n - 1) / n`` times its payload on each rank's link, an all-gather ``(n - 1) / n``.)
-One forward and one backward of ``tokens`` tokens per rank, no recompute, no sequence parallelism.
+One forward and one backward of ``tokens`` tokens per rank; with recompute (``forward_passes=2``) the layers'
+forward runs twice, and every collective a layer's forward issues moves again (the embedding, the head and the
+loss are not recomputed, and nothing of the backward repeats).
 
 Tensor parallel (Megatron-LM's f and g: one all-reduce of (tokens, dim) in forward where a row-parallel layer
 ends, one in backward where a column-parallel layer begins):
@@ -23,7 +25,8 @@ ends, one in backward where a column-parallel layer begins):
 
 Expert parallel, per MoE layer: the counts (num_experts int64), then the rows out to their experts and back, in
 forward and in backward: 2 x (tokens x k + received) x dim. Over an expert group the received rows sum to the sent
-ones, so the group's mean is 4 x tokens x k x dim + 8 x num_experts.
+ones, so the group's mean is 4 x tokens x k x dim + 8 x num_experts, in 5 all-to-alls per micro-batch (forward:
+the counts, the rows out, the rows back; backward: the two exchanges of rows reversed).
 
 Data parallel (FSDP2 over the data ranks), from the bytes of the parameter parts (after the tensor / expert split)
 that more than one data rank holds, per FSDP2 unit: the replicate mode all-reduces their gradients once; ZeRO-2
@@ -34,7 +37,8 @@ Gradient clipping (``gradient_clip_val``) under tensor / expert parallelism: one
 squares (``parallel/clipping.py``) per step.
 
 The balance loss over all data ranks, per MoE layer: the counts (int64), the token count (fp32) and the router
-probabilities' sums in forward and backward (fp32): 16 x num_experts + 4 bytes in 4 all-reduces.
+probabilities' sums (fp32) in forward, 12 x num_experts + 4 bytes in 3 all-reduces, and the sums' gradient in
+backward, 4 x num_experts bytes in 1.
 """
 
 from __future__ import annotations
@@ -63,12 +67,12 @@ class StepShape:
 
 def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *, moe_rows_per_layer: float | None = None,
                           loss_parallel: bool = True, sequence_parallel: bool = False, first_stage: bool = True,
-                          last_stage: bool = True) -> dict[str, float]:
+                          last_stage: bool = True, forward_passes: int = 1) -> dict[str, float]:
     """{"all_reduce": ..., "all_gather": ...} of tensor parallelism in one step (zero without it).
     ``moe_rows_per_layer``: the rows an MoE layer computes on this rank (default tokens x k, dropless).
     ``loss_parallel``: the loss is computed from the logits' vocabulary shards (else they are gathered).
     ``first_stage`` / ``last_stage``: this rank runs the embedding / the final norm, head and loss (a pipeline's
-    middle ranks run neither)."""
+    middle ranks run neither). ``forward_passes``: 2 under recompute (the layers' forward collectives again)."""
     if tensor_parallel == 1:
         return {"all_reduce": 0.0, "all_gather": 0.0}
     b, t, d = shape.element_bytes, shape.tokens, shape.dim
@@ -78,36 +82,44 @@ def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *, moe_rows_pe
     whole = b * t * d
     experts = b * 2 * rows * d * shape.moe_layers
     loss = 3 * 4 * t if last_stage else 0
+    # The layers' forward share (recompute repeats it): the attention's and dense FFNs' output reductions, and the
+    # experts' partial outputs (their backward reduces the input gradients: the other half).
+    repeated = (forward_passes - 1) * whole * (shape.num_layers + dense_ffn)
+    experts *= 1 + (forward_passes - 1) / 2
     if sequence_parallel:
         # Each activation all-reduce becomes a reduce-scatter and an all-gather of the same (tokens, dim); an MoE
         # layer gathers its input and cuts its output (an all-gather in forward and one in backward).
         exchanges = whole * (2 * shape.num_layers + 2 * dense_ffn + ends)
         blocks = shape.num_layers if shape.num_blocks is None else shape.num_blocks
         norms = b * (4 * d * blocks + (2 * d if last_stage else 0))  # the norms' weight and bias gradients, once
-        return {"all_reduce": float(experts + loss + norms),
-                "all_gather": float(exchanges + 2 * whole * shape.moe_layers), "reduce_scatter": float(exchanges)}
-    activations = whole * (2 * shape.num_layers + 2 * dense_ffn + ends)
+        gathers = exchanges + 2 * whole * shape.moe_layers + repeated + (forward_passes - 1) * whole * shape.moe_layers
+        return {"all_reduce": float(experts + loss + norms), "all_gather": float(gathers),
+                "reduce_scatter": float(exchanges + repeated)}
+    activations = whole * (2 * shape.num_layers + 2 * dense_ffn + ends) + repeated
     if loss_parallel:
         return {"all_reduce": float(activations + experts + loss), "all_gather": 0.0}
     return {"all_reduce": float(activations + experts),
             "all_gather": float(b * t * shape.vocab_size) if last_stage else 0.0}
 
 
-def expert_parallel_bytes(shape: StepShape, expert_parallel: int, micro_batches: int = 1) -> dict[str, float]:
+def expert_parallel_bytes(shape: StepShape, expert_parallel: int, micro_batches: int = 1,
+                          forward_passes: int = 1) -> dict[str, float]:
     """{"all_to_all": ...}: an expert group's mean per rank in one step (zero without expert parallelism); the
-    counts are exchanged once per micro-batch."""
+    counts are exchanged once per micro-batch and forward pass (``forward_passes``: 2 under recompute)."""
     if expert_parallel == 1:
         return {"all_to_all": 0.0}
-    rows = shape.tokens * shape.assignments_per_token
-    per_layer = 4 * rows * shape.dim * shape.element_bytes + 8 * shape.num_experts * micro_batches
+    row_bytes = shape.tokens * shape.assignments_per_token * shape.dim * shape.element_bytes
+    per_layer = (2 + 2 * forward_passes) * row_bytes + 8 * shape.num_experts * micro_batches * forward_passes
     return {"all_to_all": float(per_layer * shape.moe_layers)}
 
 
-def balance_loss_bytes(shape: StepShape, data_parallel: int) -> dict[str, float]:
-    """{"all_reduce": ...} of the balance loss over all data ranks in one step (zero on one data rank)."""
+def balance_loss_bytes(shape: StepShape, data_parallel: int, forward_passes: int = 1) -> dict[str, float]:
+    """{"all_reduce": ...} of the balance loss over all data ranks in one step (zero on one data rank);
+    ``forward_passes``: 2 under recompute."""
     if data_parallel == 1:
         return {"all_reduce": 0.0}
-    return {"all_reduce": float((16 * shape.num_experts + 4) * shape.moe_layers)}
+    per_layer = (12 * shape.num_experts + 4) * forward_passes + 4 * shape.num_experts
+    return {"all_reduce": float(per_layer * shape.moe_layers)}
 
 
 def data_parallel_bytes(mode: str, *, block_bytes: float, root_bytes: float) -> dict[str, float]:

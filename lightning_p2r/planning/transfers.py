@@ -100,15 +100,24 @@ def _model_parallel(config: M6Config, layout: Layout, workload: Workload, share:
                       num_layers=layers, moe_layers=moe_layers, num_experts=config.num_experts,
                       assignments_per_token=config.num_prototypes * config.moe_top_k,
                       element_bytes=workload.activation_bytes, num_blocks=len(share.blocks))
+    # Recompute runs the layers' forward twice (layered accumulation's first pass and the pipeline stage's
+    # checkpoints alike), and with it every collective a layer's forward issues.
+    forwards = 2 if layout.recompute else 1
     transfers = []
     for kind, payload in tensor_parallel_bytes(shape, tp, sequence_parallel=layout.sequence_parallel,
-                                               first_stage=share.first_stage, last_stage=share.last_stage).items():
-        transfers.append(Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, m * (4 * layers + 3), False))
-    for kind, payload in expert_parallel_bytes(shape, ep, m).items():
-        transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * 6, False))
+                                               first_stage=share.first_stage, last_stage=share.last_stage,
+                                               forward_passes=forwards).items():
+        # Per layer two sync points in forward (attention, FFN or experts) and two in backward; three at the ends.
+        transfers.append(Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, m * (2 * (forwards + 1) * layers + 3),
+                                  False))
+    for kind, payload in expert_parallel_bytes(shape, ep, m, forward_passes=forwards).items():
+        # Per layer three all-to-alls in forward (counts, rows out, rows back) and two in backward.
+        transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * (3 * forwards + 2), False))
     data = share.data_parallel
-    for kind, payload in balance_loss_bytes(shape, data).items():
-        transfers.append(Transfer("balance loss", kind, m * payload, data, tp, m * moe_layers * 4, False))
+    for kind, payload in balance_loss_bytes(shape, data, forward_passes=forwards).items():
+        # Per layer three all-reduces in forward (counts, tokens, probabilities) and one in backward.
+        transfers.append(Transfer("balance loss", kind, m * payload, data, tp, m * moe_layers * (3 * forwards + 1),
+                                  False))
     return transfers + (clipping if clip_gradients else [])
 
 

@@ -32,6 +32,13 @@ TWO_PROCESSES = [
     {"name": "ep2_zero2_layered_m2", "strategy": {"expert_parallel": 2, "sharding": "zero2",
                                                   "accumulation": "layered", "micro_batches": 2}},
     {"name": "ep2_forgets_gradient_scale", "strategy": {"expert_parallel": 2}, "forget_expert_gradient_scale": True},
+    # Recompute runs each layer's forward twice, and its collectives with it (the planner's counts follow).
+    {"name": "ep2_zero2_layered_m2_recompute", "strategy": {"expert_parallel": 2, "sharding": "zero2",
+                                                            "accumulation": "layered", "micro_batches": 2,
+                                                            "recompute": True}},
+    {"name": "tp2_sequence_parallel_layered_m2_recompute", "strategy": {
+        "tensor_parallel": 2, "sequence_parallel": True, "accumulation": "layered", "micro_batches": 2,
+        "recompute": True}},
 ]
 FOUR_PROCESSES = [
     {"name": "tp2_ep2_zero3", "strategy": {"tensor_parallel": 2, "expert_parallel": 2, "sharding": "zero3"},
@@ -60,7 +67,9 @@ REFERENCE_OF = {"tp2_delink": "reference_delink", "tp2_grown": "reference_grown"
                 "ep2_zero1_on_4": "reference_delink",
                 "tp2_ep2_delink_offload": "reference_delink",
                 "ep2_zero2_layered_m2": "reference_layered_m2", "tp2_layered_m2": "reference_layered_m2",
-                "tp2_ep2_sequence_parallel_zero3_layered": "reference_layered_m2"}
+                "tp2_ep2_sequence_parallel_zero3_layered": "reference_layered_m2",
+                "ep2_zero2_layered_m2_recompute": "reference_layered_m2",
+                "tp2_sequence_parallel_layered_m2_recompute": "reference_layered_m2"}
 
 # Pipeline parallelism: 4 layers (2 stages of 2, or 4 stages of 1 looped over 2 ranks), MoE in every layer, and
 # micro-batches. The references run layered accumulation with the same micro-batches on one process, so the balance

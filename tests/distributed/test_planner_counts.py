@@ -69,3 +69,18 @@ def test_predicted_parameter_elements_equal_what_each_rank_holds(runs: Path, nam
         share = rank_share(model, layout, cluster, workload, _pipeline_rank(layout, cluster.devices, rank))
         held = sum(local for local, _ in holdings.values())
         assert held == stored_elements(model, layout, share), (name, rank)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", [name for name in NAMES if RUNS[name][0].get("strategy", {}).get("expert_parallel")])
+def test_predicted_all_to_alls_equal_each_ranks_counted_calls(runs: Path, name: str) -> None:
+    """Each all-to-all is one expert-parallel wait the planner prices (``framework.expert_dispatch_calls``): five per
+    MoE layer and micro-batch, eight with recompute."""
+    report = json.loads((runs / f"{name}.json").read_text())
+    model, layout, cluster, workload = _inputs(name, report)
+    for rank, every in enumerate(report["counted_calls"]):
+        predicted = sum(t.calls for t in step_transfers(
+            model, layout, cluster, workload, clip_gradients=True,
+            pipeline_rank=_pipeline_rank(layout, cluster.devices, rank)) if t.kind == "all_to_all")
+        assert every.get("all_to_all", 0) == predicted, (name, rank, every, predicted)
