@@ -36,9 +36,9 @@ unit) again in backward, while the root unit (embedding, final norm, head) stays
 Gradient clipping (``gradient_clip_val``) under tensor / expert parallelism: one all-reduce of the 8-byte sum of
 squares (``parallel/clipping.py``) per step.
 
-The balance loss over all data ranks, per MoE layer: the counts (int64), the token count (fp32) and the router
-probabilities' sums (fp32) in forward, 12 x num_experts + 4 bytes in 3 all-reduces, and the sums' gradient in
-backward, 4 x num_experts bytes in 1.
+The balance loss over all data ranks, per MoE layer: the router probabilities' sums, the counts and the token count
+packed in one float64 all-reduce in forward, and its gradient in backward: 2 x 8 x (2 x num_experts + 1) bytes in 2
+all-reduces.
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def balance_loss_bytes(shape: StepShape, data_parallel: int, forward_passes: int
     ``forward_passes``: 2 under recompute."""
     if data_parallel == 1:
         return {"all_reduce": 0.0}
-    per_layer = (12 * shape.num_experts + 4) * forward_passes + 4 * shape.num_experts
+    per_layer = 8 * (2 * shape.num_experts + 1) * (forward_passes + 1)
     return {"all_reduce": float(per_layer * shape.moe_layers)}
 
 

@@ -115,9 +115,8 @@ def _model_parallel(config: M6Config, layout: Layout, workload: Workload, share:
         transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * (3 * forwards + 2), False))
     data = share.data_parallel
     for kind, payload in balance_loss_bytes(shape, data, forward_passes=forwards).items():
-        # Per layer three all-reduces in forward (counts, tokens, probabilities) and one in backward.
-        transfers.append(Transfer("balance loss", kind, m * payload, data, tp, m * moe_layers * (3 * forwards + 1),
-                                  False))
+        # Per layer one all-reduce in forward (the probabilities' sums, counts and tokens, packed) and one in backward.
+        transfers.append(Transfer("balance loss", kind, m * payload, data, tp, m * moe_layers * (forwards + 1), False))
     return transfers + (clipping if clip_gradients else [])
 
 

@@ -85,6 +85,33 @@ def test_balance_loss_grows_with_imbalance() -> None:
     assert float(skewed) > 1.0
 
 
+@pytest.mark.parametrize(("top_k", "prototypes"), [(1, 1), (2, 2)])
+def test_the_balance_loss_over_ranks_sums_once_per_call_and_counts_every_ranks_tokens(top_k: int,
+                                                                                      prototypes: int) -> None:
+    """The loss over the data ranks packs the probabilities' sums, the counts and the token count into one sum (each
+    is a latency-bound collective of a few bytes). Two ranks that saw the same tokens (the sum doubles everything)
+    give one process's loss and gradients on those tokens."""
+    torch.manual_seed(0)
+    moe = _moe(moe_top_k=top_k, num_prototypes=prototypes, capacity_factor=None)
+    with torch.no_grad():
+        moe.router.weight.normal_(std=0.5)
+    x = torch.randn(40, 16)
+    alone = moe(x).aux_loss
+    (alone_grad,) = torch.autograd.grad(alone, moe.router.weight)
+    calls = []
+
+    def two_equal_ranks(tensor: torch.Tensor) -> torch.Tensor:
+        calls.append(tensor.dtype)
+        return 2 * tensor
+
+    moe.balance_over(two_equal_ranks)
+    both = moe(x).aux_loss
+    (both_grad,) = torch.autograd.grad(both, moe.router.weight)
+    assert calls == [torch.float64]
+    torch.testing.assert_close(both, alone)
+    torch.testing.assert_close(both_grad, alone_grad)
+
+
 def test_prototypes_equal_independent_top1_routers_on_slices() -> None:
     """M6-T: k prototypes of E/k experts each == k separate top-1 MoE layers over expert slices, summed."""
     k, experts, dim = 4, 8, 16

@@ -35,7 +35,7 @@ def test_expert_parallel_bytes_by_hand() -> None:
 
 
 def test_balance_loss_and_data_parallel_bytes_by_hand() -> None:
-    assert balance_loss_bytes(SHAPE, 2) == {"all_reduce": 16 * 8 + 4}
+    assert balance_loss_bytes(SHAPE, 2) == {"all_reduce": 2 * 8 * (2 * 8 + 1)}
     assert balance_loss_bytes(SHAPE, 1) == {"all_reduce": 0}
     assert data_parallel_bytes("replicate", block_bytes=100, root_bytes=10) == {
         "all_reduce": 110, "all_gather": 0, "reduce_scatter": 0}
@@ -64,3 +64,15 @@ def test_sequence_parallel_bytes_by_hand() -> None:
         "all_reduce": 640 + 120 + 224, "all_gather": 1920 + 320, "reduce_scatter": 1920}
     two_blocks = StepShape(**{**vars(SHAPE), "num_blocks": 2})
     assert tensor_parallel_bytes(two_blocks, 2, sequence_parallel=True)["all_reduce"] == 640 + 120 + 4 * (32 + 8)
+
+
+def test_recompute_moves_the_layers_forward_collectives_again_by_hand() -> None:
+    # The forward's share once more: tensor parallel's 5 layer reductions (3 attention, 2 dense FFN) of 160 bytes
+    # and half the experts' 640; expert parallel's rows out and back (2 x 320) and the counts (64); the balance
+    # loss's forward reduction (8 x (2 x 8 + 1)). The embedding, head and loss are not recomputed.
+    assert tensor_parallel_bytes(SHAPE, 2, forward_passes=2) == {
+        "all_reduce": 1920 + 800 + 640 + 320 + 120, "all_gather": 0}
+    assert tensor_parallel_bytes(SHAPE, 2, sequence_parallel=True, forward_passes=2) == {
+        "all_reduce": 960 + 120 + 224, "all_gather": 1920 + 320 + 800 + 160, "reduce_scatter": 1920 + 800}
+    assert expert_parallel_bytes(SHAPE, 2, forward_passes=2) == {"all_to_all": 6 * 320 + 2 * 64}
+    assert balance_loss_bytes(SHAPE, 2, forward_passes=2) == {"all_reduce": 3 * 8 * (2 * 8 + 1)}
