@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         reports = run_rank_worker("lightning_p2r.benchmarks.parallel", spec, timeout=1200)
         ranks = len(reports)
         mean = {kind: sum(r["bytes"].get(kind, 0) for r in reports) / ranks for kind in KINDS}
-        predicted = predicted_bytes(model, layout["strategy"], layout["devices"], args.global_batch, reports[0])
+        predicted = predicted_bytes(model, layout["strategy"], layout["devices"], args.global_batch, reports[0],
+                                    gloo=True)  # CPU processes
         step_s = statistics.median(r["step_s"] for r in reports)
         row: dict[str, Any] = {"layout": name, "processes": layout["devices"], "engine": reports[0]["path"]}
         for kind in KINDS:

@@ -34,9 +34,10 @@ def data_parallel_parts(module: Any) -> tuple[int, int]:
 
 
 def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: int, global_batch: int,
-                    report: dict[str, Any], *, clipping: bool = False) -> dict[str, float]:
+                    report: dict[str, Any], *, clipping: bool = False, gloo: bool = False) -> dict[str, float]:
     """The formulas' bytes per kind for one rank (the mean over the ranks, as the table compares them); empty for
-    layouts without tensor or expert parallelism. ``clipping``: the run clips gradients by norm."""
+    layouts without tensor or expert parallelism. ``clipping``: the run clips gradients by norm; ``gloo``: it ran on
+    gloo (CPU processes), which gathers the balance loss's small sums."""
     from lightning_p2r.layout import ParallelDims
     from lightning_p2r.planning.traffic import (
         StepShape,
@@ -58,7 +59,7 @@ def predicted_bytes(model: dict[str, Any], strategy: dict[str, Any], devices: in
     sequence_parallel = strategy.get("sequence_parallel", False)
     parts = (tensor_parallel_bytes(shape, dims.tensor_parallel, sequence_parallel=sequence_parallel),
              expert_parallel_bytes(shape, dims.expert_parallel),
-             balance_loss_bytes(shape, dims.data_parallel), clipping_bytes(clipping),
+             balance_loss_bytes(shape, dims.data_parallel, gloo=gloo), clipping_bytes(clipping),
              data_parallel_bytes(report["fsdp_mode"], block_bytes=report["block_bytes"],
                                  root_bytes=report["root_bytes"]))
     for part in parts:

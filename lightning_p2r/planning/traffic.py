@@ -38,7 +38,8 @@ squares (``parallel/clipping.py``) per step.
 
 The balance loss over all data ranks, per MoE layer: the router probabilities' sums, the counts and the token count
 packed in one float64 all-reduce in forward, and its gradient in backward: 2 x 8 x (2 x num_experts + 1) bytes in 2
-all-reduces.
+all-reduces; on gloo (a CPU cluster) a sum of at most ``GATHERED_SUM_BYTES`` is an all-gather of every rank's
+tensor and a local sum (``strategy/parallel/differentiable.py``), whose payload is the ranks times the tensor.
 """
 
 from __future__ import annotations
@@ -113,13 +114,22 @@ def expert_parallel_bytes(shape: StepShape, expert_parallel: int, micro_batches:
     return {"all_to_all": float(per_layer * shape.moe_layers)}
 
 
-def balance_loss_bytes(shape: StepShape, data_parallel: int, forward_passes: int = 1) -> dict[str, float]:
-    """{"all_reduce": ...} of the balance loss over all data ranks in one step (zero on one data rank);
-    ``forward_passes``: 2 under recompute."""
+GATHERED_SUM_BYTES = 64 << 10
+"""The largest sum over a gloo group the strategy gathers instead of all-reducing (the strategy's own constant,
+``strategy.parallel.differentiable.GATHERED_SUM_BYTES``; a test keeps them equal)."""
+
+
+def balance_loss_bytes(shape: StepShape, data_parallel: int, forward_passes: int = 1,
+                       gloo: bool = False) -> dict[str, float]:
+    """{"all_reduce": ...} of the balance loss over all data ranks in one step (zero on one data rank), or
+    {"all_gather": ...} where ``gloo`` gathers its small sums; ``forward_passes``: 2 under recompute."""
     if data_parallel == 1:
         return {"all_reduce": 0.0}
-    per_layer = 8 * (2 * shape.num_experts + 1) * (forward_passes + 1)
-    return {"all_reduce": float(per_layer * shape.moe_layers)}
+    per_call = 8 * (2 * shape.num_experts + 1)
+    total = float(per_call * (forward_passes + 1) * shape.moe_layers)
+    if gloo and per_call <= GATHERED_SUM_BYTES:
+        return {"all_gather": data_parallel * total}
+    return {"all_reduce": total}
 
 
 def data_parallel_bytes(mode: str, *, block_bytes: float, root_bytes: float) -> dict[str, float]:

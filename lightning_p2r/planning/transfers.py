@@ -66,7 +66,7 @@ def step_transfers(config: M6Config, layout: Layout, cluster: Cluster, workload:
                    clip_gradients: bool = False, pipeline_rank: int = 0) -> list[Transfer]:
     """What a rank at ``pipeline_rank`` moves in one step (every rank of a pipeline position moves the same)."""
     share = rank_share(config, layout, cluster, workload, pipeline_rank)
-    transfers = _model_parallel(config, layout, workload, share, clip_gradients)
+    transfers = _model_parallel(config, layout, workload, share, clip_gradients, gloo=cluster.accelerator == "cpu")
     transfers += _data_parallel(config, layout, workload, share, ddp=layout.path(cluster.devices) == "ddp")
     transfers += _pipeline(config, layout, workload, share)
     transfers += _offload(config, layout, workload, share)
@@ -87,7 +87,7 @@ def bytes_by_kind(transfers: list[Transfer], kinds: tuple[str, ...] | None = Non
 
 
 def _model_parallel(config: M6Config, layout: Layout, workload: Workload, share: RankShare,
-                    clip_gradients: bool) -> list[Transfer]:
+                    clip_gradients: bool, gloo: bool) -> list[Transfer]:
     tp, ep, m = layout.tensor_parallel, layout.expert_parallel, layout.micro_batches
     # Clipping by norm sums the squares over the ranks that hold different parts: the tensor / expert ranks and the
     # pipeline ranks (one 8-byte all-reduce; its group's size only prices its latency).
@@ -114,7 +114,7 @@ def _model_parallel(config: M6Config, layout: Layout, workload: Workload, share:
         # Per layer three all-to-alls in forward (counts, rows out, rows back) and two in backward.
         transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * (3 * forwards + 2), False))
     data = share.data_parallel
-    for kind, payload in balance_loss_bytes(shape, data, forward_passes=forwards).items():
+    for kind, payload in balance_loss_bytes(shape, data, forward_passes=forwards, gloo=gloo).items():
         # Per layer one all-reduce in forward (the probabilities' sums, counts and tokens, packed) and one in backward.
         transfers.append(Transfer("balance loss", kind, m * payload, data, tp, m * moe_layers * (forwards + 1), False))
     return transfers + (clipping if clip_gradients else [])

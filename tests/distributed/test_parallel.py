@@ -170,7 +170,7 @@ def test_counted_collective_bytes_equal_the_formulas(runs: Path, name: str) -> N
     report = _report(runs, name)
     config = next(c for c in TWO_PROCESSES + FOUR_PROCESSES if c["name"] == name)
     predicted = predicted_bytes(report["model"], config["strategy"], report["devices"], GLOBAL_BATCH, report,
-                                clipping=True)
+                                clipping=True, gloo=True)
     ranks = report["counted_bytes"]
     for kind in KINDS:
         mean = sum(rank.get(kind, 0) for rank in ranks) / len(ranks)

@@ -28,7 +28,8 @@ def _inputs(name: str, report: dict):
     if "delink_at" in config:
         model = model.replace(num_unique_blocks=None)
     layout = layout_from_options(config.get("strategy", {}))
-    return model, layout, Cluster(devices=devices, devices_per_node=devices), Workload(
+    # The runs are CPU processes on gloo (whose small sums the strategy gathers).
+    return model, layout, Cluster(devices=devices, devices_per_node=devices, accelerator="cpu"), Workload(
         global_batch=GLOBAL_BATCH, seq_len=report["model"]["max_seq_len"])
 
 

@@ -36,6 +36,10 @@ def test_expert_parallel_bytes_by_hand() -> None:
 
 def test_balance_loss_and_data_parallel_bytes_by_hand() -> None:
     assert balance_loss_bytes(SHAPE, 2) == {"all_reduce": 2 * 8 * (2 * 8 + 1)}
+    # On gloo the small sums are gathered: each rank's tensor from every rank.
+    assert balance_loss_bytes(SHAPE, 4, gloo=True) == {"all_gather": 4 * 2 * 8 * (2 * 8 + 1)}
+    huge = StepShape(**{**vars(SHAPE), "num_experts": 8192})
+    assert balance_loss_bytes(huge, 4, gloo=True) == {"all_reduce": 2 * 8 * (2 * 8192 + 1)}
     assert balance_loss_bytes(SHAPE, 1) == {"all_reduce": 0}
     assert data_parallel_bytes("replicate", block_bytes=100, root_bytes=10) == {
         "all_reduce": 110, "all_gather": 0, "reduce_scatter": 0}
@@ -76,3 +80,10 @@ def test_recompute_moves_the_layers_forward_collectives_again_by_hand() -> None:
         "all_reduce": 960 + 120 + 224, "all_gather": 1920 + 320 + 800 + 160, "reduce_scatter": 1920 + 800}
     assert expert_parallel_bytes(SHAPE, 2, forward_passes=2) == {"all_to_all": 6 * 320 + 2 * 64}
     assert balance_loss_bytes(SHAPE, 2, forward_passes=2) == {"all_reduce": 3 * 8 * (2 * 8 + 1)}
+
+
+def test_the_planner_gathers_the_sums_the_strategy_gathers() -> None:
+    from lightning_p2r.planning.traffic import GATHERED_SUM_BYTES
+    from lightning_p2r.strategy.parallel.differentiable import GATHERED_SUM_BYTES as STRATEGY_GATHERED_SUM_BYTES
+
+    assert GATHERED_SUM_BYTES == STRATEGY_GATHERED_SUM_BYTES

@@ -1,6 +1,11 @@
 """The two differentiable collectives expert parallelism needs, over torch.distributed's public collectives:
 torch.distributed.nn.functional is deprecated in torch 2.13, its replacement private, and both return views, which
 FSDP2 warns about when they leave a unit.
+
+A small sum over a gloo group (the balance loss's few bytes per MoE layer and micro-batch) is an all-gather and a
+local sum: gloo's all-reduce of a few dozen elements took 1.1-2.0 ms per call on a 2-vCPU machine, its all-gather
+0.3-0.6 ms (2026-11-30, docs/benchmarks.md "Fewer and cheaper small collectives"). Every rank sums the same
+gathered rows in the same order, so the ranks agree bit for bit, and on two ranks the sum is the all-reduce's.
 """
 
 from __future__ import annotations
@@ -28,20 +33,39 @@ class _AllToAll(torch.autograd.Function):
         return grad_in, None, None, None
 
 
+GATHERED_SUM_BYTES = 64 << 10
+"""Sums over a gloo group up to this size are gathered and added locally (see the module docstring)."""
+
+
+def gathers_to_sum(tensor: torch.Tensor, group: Any) -> bool:
+    """Whether :func:`sum_over` sums ``tensor`` over ``group`` by an all-gather: a small tensor on gloo."""
+    return (tensor.numel() * tensor.element_size() <= GATHERED_SUM_BYTES
+            and dist.get_backend(group) == dist.Backend.GLOO)
+
+
+def sum_over(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    """``tensor`` summed over ``group``, in a new tensor (not differentiable: :func:`all_reduce_sum` is)."""
+    if gathers_to_sum(tensor, group):
+        ranks = dist.get_world_size(group)
+        rows = tensor.new_empty(ranks * tensor.numel())  # gloo gathers into the inputs' concatenation
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        gather(rows, tensor.reshape(-1).contiguous(), group=group)
+        return rows.view(ranks, *tensor.shape).sum(dim=0)
+    out = tensor.contiguous().clone()
+    dist.all_reduce(out, group=group)
+    return out
+
+
 class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return sum_over(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         # Every rank's output depends on every rank's input: the input's gradient sums the ranks' gradients.
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return sum_over(grad, ctx.group), None
 
 
 def all_to_all(x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any) -> torch.Tensor:
