@@ -57,7 +57,7 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``stage_overhead``, ``dtensor_overhead``, ``blocking_collective_overhead``, ``expert_wait_overhead`` (with
   ``--processes`` above one; ``--no-fit`` skips them): no microbenchmark isolates them, so a handful of small
   layouts that count them (pipeline, tensor, expert parallel, ZeRO) train for a few steps, as ``plan --trial`` runs
-  a layout, each twice in turn (``--probe-rounds``), and the terms are fitted to their median steps (of two, the mean);
+  a layout, each three times in turn (``--probe-rounds``), and the terms are fitted to their median steps;
   ``fitted_spread`` keeps each term's range over the fits that leave one layout out (:mod:`.fit_terms`).
 
 While it times the device, each measuring process's share of its cores (CPU time over wall time) is watched: below
@@ -903,7 +903,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--quick", action="store_true", help="smaller, fewer measurements (seconds, noisier)")
     parser.add_argument("--probe-rounds", type=int, default=None,
                         help="times each probe layout of the fits is timed, the probes in turn; the fits read "
-                             "medians (default: 2 for the framework waits, their mean; 3 for the offload copies; "
+                             "medians (default: 3 for the framework waits and for the offload copies; "
                              "--quick: 1)")
     parser.add_argument("--no-fit", action="store_true",
                         help="skip the fits from timed probe layouts: the framework waits (their terms stay 0; the "

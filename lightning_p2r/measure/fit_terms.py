@@ -39,12 +39,13 @@ PROBES_PER_TERM = 2
 """Layouts timed per fitted term (``--quick``: 1); the same layout may serve several terms."""
 PROBE_STEPS = 8
 """Optimizer steps per probe (``--quick``: 5), two of them warm-up, as ``plan --trial`` runs a layout."""
-PROBE_ROUNDS = 2
+PROBE_ROUNDS = 3
 """Times each probe is timed (``--quick``: 1), the probes in turn (1, 2, ..., K, then 1, 2, ... again); the fit reads
-each probe's median (of two rounds, their mean: a round slowed by something else moves the probe by half as much;
-from three rounds on, the median ignores one slow round). On a 2-vCPU machine one probe's step moved by 10-35%
-between runs a few minutes apart (2026-11-29), and a single timing put that straight into the fitted terms. Each
-round adds about 40 s per process count of 2 on such a machine."""
+each probe's median, which from three rounds on ignores one slow round. On a 2-vCPU machine one probe's step moved by
+10-35% between runs a few minutes apart (2026-11-29), and a single timing put that straight into the fitted terms;
+with two rounds (their mean, until 2026-11-30) a probe's rounds still differed by up to a third, and the fitted
+terms of two calibrations an hour apart by up to 3.7 times (a DTensor pass 73 and 269 us). Each round adds about
+45 s per process count of 2 on such a machine."""
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,7 @@ def test_describe_fit_says_when_nothing_was_fitted() -> None:
 
 
 def test_each_probe_is_timed_in_rounds_and_fitted_at_its_median(monkeypatch) -> None:
-    """``calibrate`` times the probes in turn (1, 2, ..., K, then again), ``rounds`` times (two by default), and the
+    """``calibrate`` times the probes in turn (1, 2, ..., K, then again), ``rounds`` times (three by default), and the
     fit reads each probe's median: a probe slowed once by something else on the machine moves one round, not its
     fitted value. ``--quick`` times each once."""
     import lightning_p2r.measure.trial as trial
@@ -177,7 +177,7 @@ def test_each_probe_is_timed_in_rounds_and_fitted_at_its_median(monkeypatch) -> 
     assert set(fitted.fitted_spread) == set(FITTED)
     calls.clear()
     _, default = fit_framework_terms(cluster, threads=1, log=lambda _: None)
-    assert len(calls) == PROBE_ROUNDS * len(layouts) == 2 * len(default)
+    assert len(calls) == PROBE_ROUNDS * len(layouts) == 3 * len(default)
     calls.clear()
     _, quick = fit_framework_terms(cluster, threads=1, quick=True, log=lambda _: None)
     assert len(calls) == len(quick) and all(p.rounds_s == () for p in quick)
