@@ -35,6 +35,7 @@ class _AllToAll(torch.autograd.Function):
 
 GATHERED_SUM_BYTES = 64 << 10
 """Sums over a gloo group up to this size are gathered and added locally (see the module docstring)."""
+_gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 
 
 def gathers_to_sum(tensor: torch.Tensor, group: Any) -> bool:
@@ -48,8 +49,7 @@ def sum_over(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     if gathers_to_sum(tensor, group):
         ranks = dist.get_world_size(group)
         rows = tensor.new_empty(ranks * tensor.numel())  # gloo gathers into the inputs' concatenation
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-        gather(rows, tensor.reshape(-1).contiguous(), group=group)
+        _gather_into(rows, tensor.reshape(-1).contiguous(), group=group)
         return rows.view(ranks, *tensor.shape).sum(dim=0)
     out = tensor.contiguous().clone()
     dist.all_reduce(out, group=group)
