@@ -61,7 +61,7 @@ from ..models.config import M6Config
 from .cluster import FITTED_TERMS, Cluster
 from .layout import Layout, Workload
 from .share import RankShare, rank_share
-from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, Transfer, step_transfers
+from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, ZERO1_BROADCASTS, Transfer, step_transfers
 
 MEASURED = ("batch_overhead", "module_hook_overhead")
 """The framework terms ``calibrate`` measures."""
@@ -127,7 +127,9 @@ def blocking_collective_calls(transfers: Sequence[Transfer], overlap_collectives
     parallelism's reduce-scatter and all-gather of one point wait once, see the module docstring)."""
     blocking = [t for t in transfers if _blocking(t, overlap_collectives) and t.label != EXPERT_DISPATCH]
     sync_points = max((t.calls for t in blocking if t.label == TENSOR_PARALLEL), default=0)
-    return sync_points + sum(t.calls for t in blocking if t.label != TENSOR_PARALLEL)
+    # ZeRO-1's broadcasts are issued together and waited for together: the ranks meet once.
+    zero1 = int(any(t.label == ZERO1_BROADCASTS for t in blocking))
+    return sync_points + zero1 + sum(t.calls for t in blocking if t.label not in (TENSOR_PARALLEL, ZERO1_BROADCASTS))
 
 
 IN_STAGE_LABELS = (TENSOR_PARALLEL, EXPERT_DISPATCH, "pipeline", "balance loss")

@@ -73,6 +73,11 @@ def step_transfers(config: M6Config, layout: Layout, cluster: Cluster, workload:
     return [t for t in transfers if t.payload > 0]
 
 
+ZERO1_BROADCASTS = "zero1 partitions"
+"""ZeRO-1's broadcasts of each rank's updated partition after the optimizer step (``ZeroRedundancyOptimizer``): one
+per parameter where the parameters are DTensors (FSDP2's replicate layout, tensor or expert parallelism), one per
+rank's packed buffer over DDP's plain replicas (``strategy/replicated_zero.py``); issued together, waited together."""
+
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send")
 
 
@@ -159,8 +164,8 @@ def _data_parallel(config: M6Config, layout: Layout, workload: Workload, share: 
             offloaded = block in share.offloaded
             if not sharded:
                 transfers.append(Transfer(label, "all_reduce", payload, size, stride, 1, True))
-                if layout.sharding == "zero1":
-                    transfers.append(Transfer("zero1 partitions", "broadcast", payload, size, stride, 1, True))
+                if layout.sharding == "zero1":  # one broadcast per parameter (DDP's path: see _ddp_buckets)
+                    transfers.append(Transfer(ZERO1_BROADCASTS, "broadcast", payload, size, stride, len(group), True))
                 continue
             gathers = _gathers_per_step(layout, block is not None)
             reduces = m if ((offloaded or layout.reduce_every_micro_batch) and not once) else 1
@@ -178,9 +183,15 @@ def _ddp_buckets(transfers: list[Transfer]) -> list[Transfer]:
     if not reduces:
         return transfers
     payload = sum(t.payload for t in reduces)
-    bucketed = Transfer("data parallel", "all_reduce", payload, reduces[0].size, reduces[0].stride,
-                        ddp_bucket_calls(payload), True)
-    return [bucketed] + [t for t in transfers if t.kind != "all_reduce"]
+    bucketed = [Transfer("data parallel", "all_reduce", payload, reduces[0].size, reduces[0].stride,
+                         ddp_bucket_calls(payload), True)]
+    # ZeRO-1 over DDP's plain replicas packs each rank's parameters into one buffer: a broadcast per rank.
+    broadcasts = [t for t in transfers if t.label == ZERO1_BROADCASTS]
+    if broadcasts:
+        size = broadcasts[0].size
+        bucketed.append(Transfer(ZERO1_BROADCASTS, "broadcast", sum(t.payload for t in broadcasts), size,
+                                 broadcasts[0].stride, size, True))
+    return bucketed + [t for t in transfers if t.kind != "all_reduce" and t.label != ZERO1_BROADCASTS]
 
 
 def _gathers_per_step(layout: Layout, is_block: bool) -> int:

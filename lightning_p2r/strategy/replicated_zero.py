@@ -23,14 +23,17 @@ from .regather import optimizer_subset, remap_optimizer
 
 def zero_redundancy_optimizer(optimizer: torch.optim.Optimizer,
                               cls: type[ZeroRedundancyOptimizer] = ZeroRedundancyOptimizer,
-                              process_group: Any = None) -> ZeroRedundancyOptimizer:
+                              process_group: Any = None, bucketed: bool = False) -> ZeroRedundancyOptimizer:
     """The same optimizer class, groups and settings, with its states partitioned across the ranks of
-    ``process_group`` (all of them by default; ``cls``: a subclass of ``ZeroRedundancyOptimizer`` to build)."""
+    ``process_group`` (all of them by default; ``cls``: a subclass of ``ZeroRedundancyOptimizer`` to build).
+    ``bucketed``: each rank's parameters packed into one buffer, which moves in one broadcast per rank after a step
+    (``parameters_as_bucket_view``); the parameters' ``data`` then point into those buffers."""
     groups = [{k: v for k, v in g.items() if k != "initial_lr"} for g in optimizer.param_groups]
     kwargs = optimizer_constructor_kwargs(optimizer)
     # The first group's settings become the constructor's defaults (ZeroRedundancyOptimizer takes one group).
     kwargs |= {k: v for k, v in groups[0].items() if k in kwargs}
-    zero = cls(groups[0]["params"], optimizer_class=type(optimizer), process_group=process_group, **kwargs)
+    zero = cls(groups[0]["params"], optimizer_class=type(optimizer), process_group=process_group,
+               parameters_as_bucket_view=bucketed, **kwargs)
     for group in groups[1:]:
         zero.add_param_group(group)
     if optimizer.state:
@@ -64,6 +67,14 @@ class ZeroOneOptimizer:
             view.grad = None if param.grad is None else local_tensor(param.grad)
 
 
+def can_share_buckets(params: list[torch.Tensor]) -> bool:
+    """Whether ZeRO-1 can pack ``params`` into per-rank buffers that the module's parameters then live in: plain
+    tensors of one dtype (DDP's replicas). Without buckets ``ZeroRedundancyOptimizer`` broadcasts each parameter on
+    its own after every step, a collective's latency per parameter; a DTensor's local storage belongs to its
+    DTensor (FSDP2, tensor parallelism), which no public API can re-point, so those keep one broadcast each."""
+    return bool(params) and not any(isinstance(p, DTensor) for p in params) and len({p.dtype for p in params}) == 1
+
+
 class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
     """A ``ZeroRedundancyOptimizer`` over views of replicated DTensor parameters (build it with :meth:`wrap`), whose
     ``zero_grad`` clears the DTensor gradients too."""
@@ -79,7 +90,13 @@ class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
         whole = [p for group in optimizer.param_groups for p in group["params"]]
         views = {id(p): nn.Parameter(local_tensor(p).detach(), requires_grad=p.requires_grad) for p in whole}
         plain = remap_optimizer(optimizer, lambda p: views[id(p)], lambda value, _: local_tensor(value))
-        zero = zero_redundancy_optimizer(plain, cls=cls, process_group=process_group)
+        bucketed = can_share_buckets(whole)
+        zero = zero_redundancy_optimizer(plain, cls=cls, process_group=process_group, bucketed=bucketed)
+        if bucketed:
+            # The module's parameters move into the buckets their views now live in, as ZeRO moved the views:
+            # by ``data``, which keeps each parameter's gradient accumulator (the hooks DDP's reducer fires on).
+            for param in whole:
+                param.data = views[id(param)].data
         zero.zero_group = process_group
         zero.whole_params = whole
         zero.views = [views[id(p)] for p in whole]

@@ -471,6 +471,28 @@ def test_every_cluster_field_is_documented() -> None:
     assert missing == []
 
 
+def test_zero1_broadcasts_one_buffer_per_rank_over_ddp_and_each_parameter_elsewhere() -> None:
+    """ZeRO-1's broadcasts after the step: over DDP's plain replicas each rank's partition moves packed, one call per
+    rank; on FSDP2's replicate layout (layered accumulation here) the DTensors move one by one. Both move every
+    parameter once, and the ranks wait for them once."""
+    from lightning_p2r.planning.framework import blocking_collective_calls
+    from lightning_p2r.planning.transfers import ZERO1_BROADCASTS
+
+    def broadcasts(layout):
+        transfers = step_transfers(DENSE, layout, cluster(2, overlap_collectives=False), WORK)
+        return [t for t in transfers if t.label == ZERO1_BROADCASTS], transfers
+
+    ddp, ddp_all = broadcasts(Layout(sharding="zero1"))
+    fsdp, fsdp_all = broadcasts(Layout(sharding="zero1", accumulation="layered", micro_batches=2))
+    assert Layout(sharding="zero1").path(2) == "ddp" and [t.calls for t in ddp] == [2]
+    assert sum(t.calls for t in fsdp) == len(all_params(DENSE))
+    assert sum(t.payload for t in ddp) == sum(t.payload for t in fsdp) == 4 * parameter_count(DENSE)
+    without = [t for t in ddp_all if t.label != ZERO1_BROADCASTS]
+    assert blocking_collective_calls(ddp_all, False) == blocking_collective_calls(without, False) + 1
+    without = [t for t in fsdp_all if t.label != ZERO1_BROADCASTS]
+    assert blocking_collective_calls(fsdp_all, False) == blocking_collective_calls(without, False) + 1
+
+
 def test_blocking_collectives_are_counted_on_the_critical_path_only() -> None:
     """Expert parallel 2 on 2 ranks, 2 micro-batches, MoE layers 1 and 3: 5 all-to-alls per MoE layer and
     micro-batch (counts, dispatch, combine; two more in backward), priced apart as expert waits, and 2 balance-loss

@@ -68,3 +68,30 @@ def test_module_optimizer_round_trip_keeps_groups_and_state(process_group) -> No
     assert again.param_groups[0]["lr"] == 0.1  # the checkpoint's settings, not the fresh optimizer's
     assert again.optim.param_groups[0]["lr"] == 0.1
     torch.testing.assert_close(to_module_optimizer(again, 1, 0).state[model[0].weight]["exp_avg"], exp_avg)
+
+
+def test_plain_parameters_move_into_the_packed_buffers_and_keep_their_gradient_hooks(process_group) -> None:
+    """Over plain tensors of one dtype each rank's partition is one buffer (one broadcast per rank after a step): the
+    module's parameters live in it with their views, and a hook on each parameter's gradient accumulator node,
+    taken before the move (what DDP's reducer holds), still fires after it."""
+    model = _model()
+    fired = []
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]
+    for accumulator in accumulators:
+        accumulator.register_hook(lambda *_: fired.append(1))
+    zero = ReplicatedZeroOptimizer.wrap(torch.optim.AdamW(model.parameters(), lr=0.1))
+    assert all(p.data_ptr() == v.data_ptr() for p, v in zip(zero.whole_params, zero.views))
+    ends = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()) for p in model.parameters())
+    assert all(end == start for (_, end), (start, _) in zip(ends, ends[1:]))  # one contiguous buffer
+    before = [p.detach().clone() for p in model.parameters()]
+    _step(model, zero, link=True)
+    assert len(fired) == len(before)
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_parameters_of_two_dtypes_keep_one_broadcast_each() -> None:
+    from lightning_p2r.strategy.replicated_zero import can_share_buckets
+
+    assert can_share_buckets([torch.zeros(2), torch.zeros(3)])
+    assert not can_share_buckets([torch.zeros(2), torch.zeros(3, dtype=torch.bfloat16)])
+    assert not can_share_buckets([])
