@@ -75,6 +75,24 @@ def can_share_buckets(params: list[torch.Tensor]) -> bool:
     return bool(params) and not any(isinstance(p, DTensor) for p in params) and len({p.dtype for p in params}) == 1
 
 
+def unpacked(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each tensor that is a view into a larger buffer (a parameter living in ZeRO-1's packed
+    partitions) copied into its own host storage, so a checkpoint's tensors are independent, as every other layout
+    writes them: safetensors and Hugging Face's ``save_pretrained`` refuse tensors that share a buffer. A tensor
+    under two names (a tie) stays one tensor. Host memory, not the device's: a checkpoint must not need a second copy
+    of the model where memory is tight."""
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+    result = {}
+    for name, value in state.items():
+        if isinstance(value, torch.Tensor) and value.untyped_storage().nbytes() > value.numel() * value.element_size():
+            where = (value.data_ptr(), tuple(value.shape), tuple(value.stride()), value.dtype)
+            if where not in copies:
+                copies[where] = value.detach().to("cpu", copy=True)
+            value = copies[where]
+        result[name] = value
+    return result
+
+
 class ReplicatedZeroOptimizer(ZeroOneOptimizer, ZeroRedundancyOptimizer):
     """A ``ZeroRedundancyOptimizer`` over views of replicated DTensor parameters (build it with :meth:`wrap`), whose
     ``zero_grad`` clears the DTensor gradients too."""

@@ -248,6 +248,20 @@ def test_delinked_sharded_checkpoint_resumes_on_one_rank(runs: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(900)
+def test_zero1_checkpoint_over_ddp_holds_independent_tensors_that_convert_to_safetensors(runs: Path) -> None:
+    """ZeRO-1 over DDP keeps the parameters in its packed buffers; its single-file checkpoint still stores each
+    tensor on its own (a tie stays one), so safetensors, which refuses tensors sharing a buffer, takes it."""
+    from lightning_p2r.cli.convert import to_safetensors
+
+    state = torch.load(runs / "zero1.ckpt", weights_only=True)["state_dict"]
+    distinct = {t.untyped_storage().data_ptr(): t for t in state.values()}
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in distinct.values())
+    assert len(distinct) == len(state) - 1  # the tied embedding and head: one tensor
+    assert (to_safetensors(runs / "zero1.ckpt", runs / "zero1_safetensors") / "model.safetensors").is_file()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
 def test_two_rank_sharded_checkpoint_resumes_on_one_rank(runs: Path) -> None:
     assert (runs / "zero3.ckpt" / "meta.pt").is_file()
     report = _report(runs, "zero3_resumed_on_one_rank")

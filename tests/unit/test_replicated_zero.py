@@ -95,3 +95,20 @@ def test_parameters_of_two_dtypes_keep_one_broadcast_each() -> None:
     assert can_share_buckets([torch.zeros(2), torch.zeros(3)])
     assert not can_share_buckets([torch.zeros(2), torch.zeros(3, dtype=torch.bfloat16)])
     assert not can_share_buckets([])
+
+
+def test_unpacked_copies_views_of_a_buffer_into_their_own_storage_and_keeps_ties() -> None:
+    from lightning_p2r.strategy.replicated_zero import unpacked
+
+    buffer = torch.arange(10.0)
+    own = torch.ones(3)
+    first, second = buffer[:4].view(2, 2), buffer[4:]
+    state = {"a": first, "a_tied": first, "b": second, "c": own, "step": 3}
+    out = unpacked(state)
+    assert out["c"] is own and out["step"] == 3
+    for name in ("a", "b"):
+        assert torch.equal(out[name], state[name])
+        assert out[name].untyped_storage().nbytes() == out[name].numel() * out[name].element_size()
+    assert out["a_tied"] is out["a"]
+    buffer.zero_()  # copies, not views
+    assert out["b"].sum() == sum(range(4, 10))

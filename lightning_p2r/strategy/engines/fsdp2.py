@@ -33,7 +33,7 @@ from ..parallel.experts import expert_dispatch
 from ..pipeline.rank_stages import RankStages
 from ..placement import Placement, place
 from ..regather import delinked_plain_copy, optimizer_subset, release_model_state, replace_submodule, shard_optimizer
-from ..replicated_zero import ZeroOneOptimizer, partition_optimizer_states
+from ..replicated_zero import ZeroOneOptimizer, partition_optimizer_states, unpacked
 from ..sharding import FSDPEvents, fsdp_modules, reshard_all
 from ..steps import PipelinedSteps, StepRunner
 from .base import Engine, EngineContext, Placed, holder_of
@@ -236,9 +236,10 @@ class FSDP2Engine(Engine):
         save_sharded(checkpoint, filepath, module, whole)
 
     def whole_model_state(self, module: nn.Module) -> dict[str, Any]:
-        """Every rank holds each parameter whole (a DTensor with shards of one rank): its local tensor is the value."""
+        """Every rank holds each parameter whole (a DTensor with shards of one rank): its local tensor is the value
+        (ZeRO-1's packed parameters over DDP copied out of their buffers: ``unpacked``)."""
         self.reshard(module)
-        return {name: local_tensor(value) for name, value in module.state_dict().items()}
+        return unpacked({name: local_tensor(value) for name, value in module.state_dict().items()})
 
     def whole_optimizer_state(self, optimizer: torch.optim.Optimizer, module: nn.Module) -> dict[str, Any]:
         """The whole state over the module's parameters (ZeRO-1's partitions gathered first: collective), numbered
