@@ -177,8 +177,8 @@ def _data_parallel(config: M6Config, layout: Layout, workload: Workload, share: 
 
 
 def _ddp_buckets(transfers: list[Transfer]) -> list[Transfer]:
-    """The per-unit gradient all-reduces of ``transfers`` as DDP issues them: the same bytes in one call per
-    bucket."""
+    """The per-unit gradient all-reduces of ``transfers`` as DDP issues them, the same bytes in one call per bucket;
+    and ZeRO-1's per-parameter broadcasts as it issues them over DDP's plain replicas, one packed buffer per rank."""
     reduces = [t for t in transfers if t.kind == "all_reduce"]
     if not reduces:
         return transfers
