@@ -96,6 +96,7 @@ from ..planning.cluster import (
     write_cluster,
 )
 from ..planning.network import ring_terms
+from ..strategy.host_allocator import retain_freed_host_memory
 from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
 from .offload_copies import fit_copy_bandwidth
@@ -503,7 +504,12 @@ def adam_seconds_per_param(device: torch.device, elements: int, repeats: int) ->
 
 
 def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
-    """Everything measured on one device (see the module docstring), as :class:`Cluster` fields."""
+    """Everything measured on one device (see the module docstring), as :class:`Cluster` fields. On a CPU this
+    process's malloc first keeps what it frees, as a training process's does (``P2RStrategy(host_allocator="auto")``):
+    with glibc's defaults the large probes fault in their memory again on every call (the 32 MB elementwise probe ran
+    at 12 GB/s instead of 32), a cost training no longer pays."""
+    if device.type == "cpu":
+        retain_freed_host_memory()
     repeats = 3 if quick else 20
     size = (1024 if device.type == "cuda" else 128) if quick else (4096 if device.type == "cuda" else 256)
     copy_bandwidth, copy_latency = host_device_copy(device, 2**20 if quick else 2**23, repeats)

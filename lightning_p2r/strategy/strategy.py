@@ -55,6 +55,7 @@ from .checkpoint import (
 )
 from .engines import Engine, EngineContext, Placed, engine_for
 from .engines.base import Weights, holder_of
+from .host_allocator import AllocatorChoice, HostAllocator, retain_freed_host_memory, wants_retained
 from .launch import CheckingLauncher
 from .materialize import check_no_meta_buffers, has_meta_tensors
 from .offload import BlockStreamer, OffloadStats
@@ -128,6 +129,7 @@ class P2RStrategy(ParallelStrategy):
         overlap_host_step: bool | Literal["auto"] = "auto",
         host_step: Literal["exact", "delayed"] = "exact",
         log_telemetry: bool = True,
+        host_allocator: HostAllocator = "auto",
         blocks: str | None = None,
         # ---- end of the generated options ----
         accelerator: Any = None,
@@ -278,12 +280,21 @@ class P2RStrategy(ParallelStrategy):
         self._check_path_options()  # before any process group exists; chooses the engine
         super().setup_environment()  # the accelerator's device
         self.set_world_ranks()
+        self._keep_freed_host_memory()
         if self.engine.needs_process_group:
             reset_seed()  # the seed_everything seed again on every rank, as Lightning's DDP does before joining
             backend = self._process_group_backend or default_backend(self.root_device)
             self._process_group_backend = backend
             start_process_group(self.cluster_environment, backend, self._timeout, self.root_device)
         self.engine.setup_environment(self.context())
+
+    def _keep_freed_host_memory(self) -> None:
+        """``host_allocator``: this process's malloc keeps what it frees, before the model is built (host_allocator.py).
+        A process-wide setting, made once per training process, never undone (a later fit finds it made)."""
+        self.host_allocator_choice: AllocatorChoice | None = None
+        if wants_retained(self.offload_config.host_allocator, self.root_device.type):
+            self.host_allocator_choice = retain_freed_host_memory()
+            rank_zero_info(f"P2RStrategy: host allocator {self.host_allocator_choice.reason}")
 
     def _check_path_options(self) -> None:
         """The layout's rules, then the chosen engine's, against the number of processes (before any process group)."""

@@ -11,12 +11,17 @@ import torch
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
 from lightning_p2r.measure.memory import MiB, PeakRSS, SetupMemoryProbe, parameter_bytes, reset_hwm
+from lightning_p2r.strategy.host_allocator import MMAP_THRESHOLD
 
-SPIKE_BYTES = 200 * MiB
+SPIKE_BYTES = 320 * MiB
+# Above the size from which a process whose strategy keeps freed host memory (P2RStrategy(host_allocator="auto") on a
+# CPU, strategy/host_allocator.py) still maps an allocation on its own: in a test process that trained before, a
+# smaller spike may land in heap memory an earlier test freed and kept, already resident, and not grow the RSS.
+assert SPIKE_BYTES > MMAP_THRESHOLD
 
 
 class SpikeInConfigureModel(L.LightningModule):
-    """A tiny model whose ``configure_model`` touches a 200 MiB buffer and frees it before setup ends."""
+    """A tiny model whose ``configure_model`` touches a 320 MiB buffer and frees it before setup ends."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -66,7 +71,7 @@ def test_a_transient_buffer_during_setup_shows_in_the_growth(method: str) -> Non
     trainer = _fit(module, probe, torch.randn(8, 8))
     result = probe.result
     assert trainer.global_step == 2 and result.method == method
-    assert result.setup_growth is not None and result.setup_growth >= 180 * MiB
+    assert result.setup_growth is not None and result.setup_growth >= 0.9 * SPIKE_BYTES
     assert result.param_bytes == sum(p.numel() * 4 for p in module.parameters()) == (64 + 8) * 4
     assert result.run_peak_rss >= result.setup_peak_rss >= result.rss_at_setup > 0
     assert result.cuda_setup_peak is None  # a CPU run records no device figures
