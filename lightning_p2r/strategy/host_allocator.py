@@ -5,9 +5,9 @@ same pattern every step. glibc's defaults give large freed blocks back to the ke
 (which adapts, up to 32 MiB) are unmapped when freed, and the top of the heap is trimmed once more than its trim
 threshold (twice the mmap threshold) is free. The next step maps that memory again, and the kernel faults in and
 zeroes every 4 KiB page on first touch. Measured on a 2-vCPU EPYC VM (docs/benchmarks.md, "Freed host memory kept
-for reuse"): a 4-layer width-128 MoE on 16 sequences of 64 tokens took about 6,500 page faults per step, 119 ms
-against 103 ms with both thresholds raised; `calibrate`'s elementwise probe of 32 MB ran at 12 GB/s with the defaults
-and at 32 GB/s without the faults.
+for reuse"): the quickstart recipe's model (a 4-layer width-128 MoE, 16 sequences of 64 tokens) on one process took
+about 8,000 page faults per step with the defaults and 107 ms, against about 20 faults and 97 ms with both thresholds
+raised; `calibrate`'s elementwise probe of 32 MB ran at 12 GB/s with the defaults and at 32 GB/s without the faults.
 
 Raising one threshold alone is worse than neither: setting either turns off glibc's adaptation of both, so the
 other stays at its 128 KiB default (the trim threshold alone gave 51,000 faults per step on that model). Both are set

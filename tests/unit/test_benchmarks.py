@@ -192,6 +192,20 @@ def test_accumulation_sync_benchmark_writes_its_outputs(tmp_path) -> None:
     assert all(r["step_ms"] > 0 for r in result["rows"]) and result["ratio"] > 0
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(300)
+def test_host_allocator_benchmark_writes_its_outputs(tmp_path) -> None:
+    from lightning_p2r.benchmarks import host_allocator
+
+    result = host_allocator.main(["--quick", "--processes", "1,2", "--out", str(tmp_path)])
+    for name in ("host_allocator.csv", "host_allocator.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert [(r["processes"], r["host_allocator"]) for r in result["rows"]] == [
+        (1, "system"), (1, "retain"), (2, "system"), (2, "retain")]
+    assert all(r["step_ms"] > 0 and r["faults_per_step"] >= 0 for r in result["rows"])
+    assert [s["case"] for s in result["summary"]] == ["tiny x1 m1", "tiny x2 m1"]
+
+
 def test_fsdp_hooks_benchmark_times_calibrates_blocks_and_m6_blocks(tmp_path: Path) -> None:
     from lightning_p2r.benchmarks import fsdp_hooks
 
