@@ -26,6 +26,8 @@ cpu) and ``--quick`` (tiny sizes, for smoke tests only: its numbers mean nothing
   ``max_memory_allocated``), is shared with the tests.
 - ``accumulation_sync``: standard accumulation under ZeRO-3 on 2 CPU processes, gradients reduced once per step
   (the default) against after every micro-batch (``reduce_every_micro_batch=True``): median step time.
+- ``host_allocator``: CPU training with glibc's malloc as it comes against freed host memory kept for reuse
+  (``P2RStrategy(host_allocator=...)``), on 1 and 2 processes: median step time and page faults per step.
 
 - ``parallel``: tensor, expert and sequence parallelism (and combinations, with ZeRO-3) on 2 and 4 CPU
   processes: the bytes of each collective kind per step, counted, next to the formulas of

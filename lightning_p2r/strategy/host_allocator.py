@@ -57,12 +57,17 @@ class AllocatorChoice:
     reason: str
 
 
+def check_host_allocator(host_allocator: object) -> None:
+    """A clear error for a value ``P2RStrategy(host_allocator=...)`` does not take."""
+    if host_allocator not in HOST_ALLOCATORS:
+        raise ValueError(f"P2RStrategy.host_allocator must be one of {HOST_ALLOCATORS}, got {host_allocator!r}")
+
+
 def wants_retained(host_allocator: str, device_type: str) -> bool:
     """Whether ``P2RStrategy(host_allocator=...)`` keeps freed host memory in a process training on ``device_type``:
     "retain" always, "system" never, "auto" when the device is the CPU (its activations are host memory; beside an
     accelerator the host's allocations are few and long-lived, and a host short of memory keeps glibc's giving back)."""
-    if host_allocator not in HOST_ALLOCATORS:
-        raise ValueError(f"P2RStrategy.host_allocator must be one of {HOST_ALLOCATORS}, got {host_allocator!r}")
+    check_host_allocator(host_allocator)
     if host_allocator == "auto":
         return device_type == "cpu"
     return host_allocator == "retain"

@@ -28,7 +28,7 @@ from ..layout import (
     check_offload_options,
     check_parallel_options,
 )
-from .host_allocator import HostAllocator, wants_retained
+from .host_allocator import HostAllocator, check_host_allocator
 
 
 @dataclass(frozen=True)
@@ -171,7 +171,7 @@ class OffloadConfig:
         # Stored resolved (all three by default), sorted so equal settings compare equal.
         object.__setattr__(self, "offload_states", sorted(states))
         check_bool("log_telemetry", self.log_telemetry)
-        wants_retained(self.host_allocator, "cpu")  # validates the value
+        check_host_allocator(self.host_allocator)
 
 
 @dataclass(frozen=True)
