@@ -294,7 +294,7 @@ class P2RStrategy(ParallelStrategy):
         self.host_allocator_choice: AllocatorChoice | None = None
         if wants_retained(self.offload_config.host_allocator, self.root_device.type):
             self.host_allocator_choice = retain_freed_host_memory()
-            rank_zero_info(f"P2RStrategy: host allocator {self.host_allocator_choice.reason}")
+            rank_zero_info(f"P2RStrategy host_allocator: {self.host_allocator_choice.reason}")
 
     def _check_path_options(self) -> None:
         """The layout's rules, then the chosen engine's, against the number of processes (before any process group)."""
