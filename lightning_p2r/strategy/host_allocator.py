@@ -2,9 +2,9 @@
 
 On a CPU a training step's activations, gradients and collective buffers are host memory, allocated and freed in the
 same pattern every step. glibc's defaults give large freed blocks back to the kernel: blocks above its mmap threshold
-(which adapts, up to 32 MiB) are unmapped when freed, and the top of the heap is trimmed once more than its trim
-threshold (twice the mmap threshold) is free. The next step maps that memory again, and the kernel faults in and
-zeroes every 4 KiB page on first touch. Measured on a 2-vCPU EPYC VM (docs/benchmarks.md, "Freed host memory kept
+(which adapts, from 128 KiB up to 32 MiB) are unmapped when freed, and the top of the heap is trimmed once more than
+its trim threshold (twice the mmap threshold) is free. The next step maps that memory again, and the kernel faults
+in and zeroes every 4 KiB page on first touch. Measured on a 2-vCPU EPYC VM (docs/benchmarks.md, "Freed host memory kept
 for reuse"): the quickstart recipe's model (a 4-layer width-128 MoE, 16 sequences of 64 tokens) on one process took
 about 8,000 page faults per step with the defaults and 107 ms, against about 20 faults and 97 ms with both thresholds
 raised; `calibrate`'s elementwise probe of 32 MB ran at 12 GB/s with the defaults and at 32 GB/s without the faults.
@@ -37,13 +37,12 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 """``mallopt`` parameters (glibc's malloc.h)."""
 
-MMAP_THRESHOLD = 256 * 2**20
-"""Allocations from this size on are still mapped on their own and given back when freed, so that a single huge
-transient (a checkpoint's copy, say) does not stay resident for the rest of the run."""
-FALLBACK_MMAP_THRESHOLD = 32 * 2**20
-"""Tried where glibc refuses the first: the ceiling of glibc's own adaptive threshold on 64-bit Linux, and the
-largest that glibc versions capping the threshold at half their 64 MiB heap size accept (2.36, measured here,
-accepted 256 MiB)."""
+MMAP_THRESHOLD = 32 * 2**20
+"""Allocations from this size on are still mapped on their own and given back when freed, as glibc's own adaptive
+threshold, whose ceiling on 64-bit Linux this is, makes them at most: only memory below it is kept. A higher threshold
+kept FSDP2's gathered buffers as well and raised ZeRO-3's peak: at 256 MiB, two ranks training 8 layers of width 1024
+peaked at 2,613 and 3,028 MiB against 1,692 and 1,695 with glibc's defaults, and at 1,702 and 1,842 with this one
+(docs/benchmarks.md, "Freed host memory kept for reuse")."""
 TRIM_THRESHOLD = 2**31 - 1
 """Free memory at the top of the heap kept rather than trimmed: ``mallopt`` takes an int, this is its largest."""
 
@@ -109,15 +108,12 @@ def retain_freed_host_memory(environ: Mapping[str, str] | None = None,
     mallopt = mallopt or _glibc_mallopt()
     if mallopt is None:
         return AllocatorChoice(False, "left as it is (not glibc on Linux)")
-    # The mmap threshold first: glibc refuses one it finds too large without changing anything, and accepts the
-    # trim threshold always (glibc 2.36, the version measured), so the two end up set together or not at all.
-    for threshold in (MMAP_THRESHOLD, FALLBACK_MMAP_THRESHOLD):
-        if mallopt(M_MMAP_THRESHOLD, threshold):
-            break
-    else:
+    # The mmap threshold first: a glibc that refuses it changes nothing, and glibc accepts the trim threshold always
+    # (2.36, the version measured), so the two end up set together or not at all.
+    if not mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD):
         return AllocatorChoice(False, "left as it is (glibc refused the mmap threshold)")
     if not mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD):
-        return AllocatorChoice(False, f"mmap threshold {threshold // 2**20} MiB set but glibc refused the trim "
+        return AllocatorChoice(False, f"mmap threshold {MMAP_THRESHOLD // 2**20} MiB set but glibc refused the trim "
                                       "threshold: set MALLOC_TRIM_THRESHOLD_ or host_allocator='system'")
-    return AllocatorChoice(True, f"freed host memory kept for reuse (glibc mmap threshold {threshold // 2**20} MiB, "
-                                 "no trimming)")
+    return AllocatorChoice(True, f"freed host memory kept for reuse (below glibc's mmap threshold, "
+                                 f"{MMAP_THRESHOLD // 2**20} MiB; no trimming)")
