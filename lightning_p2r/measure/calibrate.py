@@ -505,9 +505,9 @@ def adam_seconds_per_param(device: torch.device, elements: int, repeats: int) ->
 
 def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
     """Everything measured on one device (see the module docstring), as :class:`Cluster` fields. On a CPU this
-    process's malloc first keeps what it frees, as a training process's does (``P2RStrategy(host_allocator="auto")``):
-    with glibc's defaults the large probes fault in their memory again on every call (the 32 MB elementwise probe ran
-    at 12 GB/s instead of 32), a cost training no longer pays."""
+    process's malloc first keeps what it frees below 32 MiB, as a training process's does
+    (``P2RStrategy(host_allocator="auto")``), so that each probe pays for memory what training pays: nothing again
+    below that size, and a fault per page of the tensors from 32 MiB on (the large elementwise probe's)."""
     if device.type == "cpu":
         retain_freed_host_memory()
     repeats = 3 if quick else 20

@@ -120,9 +120,10 @@ class Cluster:
     2026-11-30)."""
     elementwise_bandwidth: float = 1.5e12
     """Bytes/s the elementwise operators (norms, GELU, residual adds) achieve, in the bytes the cost model counts, on
-    activations far larger than the caches (``ELEMENTWISE_LARGE_BYTES`` per tensor). ``calibrate`` times it as a
-    training process runs on a CPU, keeping freed memory (``P2RStrategy(host_allocator="auto")``): with glibc's
-    defaults each call faults its 32 MB in again, and the rate measured on a 2-vCPU EPYC fell from 33 GB/s to 7."""
+    activations far larger than the caches (``ELEMENTWISE_LARGE_BYTES`` per tensor). On a CPU that size is where a
+    training process maps a tensor on its own and faults its pages in at every step, even keeping what it frees below
+    it (``P2RStrategy(host_allocator="auto")``): measured on a 2-vCPU EPYC, 7 GB/s, against 33 GB/s for the same
+    tensor kept for reuse and 31-48 GB/s from 2 to 17 MB."""
     elementwise_small_bandwidth: float = 0.0
     """The same on activations of ``ELEMENTWISE_SMALL_BYTES`` per tensor, which a CPU's caches hold; between the two
     sizes the planner interpolates (log-log) by a micro-batch's activation tensor. 0: every size at
