@@ -14,11 +14,8 @@ width 128, 4 experts top-1 with capacity 1.25, alternating banded attention, a v
 from __future__ import annotations
 
 import json
-import resource
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -31,62 +28,30 @@ from lightning_p2r.benchmarks.report import (
     with_environment,
     write_csv,
 )
-from lightning_p2r.measure.run import worker_env
+from lightning_p2r.measure.memory import minor_faults
+from lightning_p2r.measure.run import OptimizerStepTimer, fit_on_random_tokens, run_rank_worker
 
 WARMUP = 4
 ARMS = ("system", "retain")
 MODELS: dict[str, dict[str, Any]] = {
     "moe": {"vocab_size": 2048, "max_seq_len": 64, "num_layers": 4, "dim": 128, "num_heads": 4, "num_experts": 4,
-            "moe_top_k": 1, "capacity_factor": 1.25, "attention": "alternating", "sparse_window": 32},
-    "dense": {"vocab_size": 2048, "max_seq_len": 64, "num_layers": 6, "dim": 256, "num_heads": 4, "moe_layers": []},
+            "moe_top_k": 1, "capacity_factor": 1.25, "attention": "alternating", "sparse_window": 32, "init_seed": 0},
+    "dense": {"vocab_size": 2048, "max_seq_len": 64, "num_layers": 6, "dim": 256, "num_heads": 4, "moe_layers": [],
+              "init_seed": 0},
 }
 QUICK_MODEL = {"vocab_size": 64, "max_seq_len": 16, "num_layers": 2, "dim": 16, "num_heads": 2, "moe_layers": []}
 GLOBAL_BATCH = 16
 
 
 def _worker(spec: dict[str, Any]) -> None:
-    import lightning as L
-    import torch
+    from lightning_p2r import P2RStrategy
 
-    from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy
-
-    class StepEnds(L.Callback):
-        """The time and the process's minor page faults at the end of every batch that completed a step."""
-
-        def __init__(self) -> None:
-            self.ends: list[tuple[float, int]] = []
-
-        def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-            if len(self.ends) < trainer.global_step:
-                self.ends.append((time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
-
-    L.seed_everything(0)
-    config = M6Config(**spec["model"], init_seed=0)
-    module = M6LanguageModel(config, OptimizerConfig(warmup_steps=1))
-    ends = StepEnds()
-    m, processes = spec["micro_batches"], spec["processes"]
-    trainer = L.Trainer(accelerator="cpu", devices=processes, max_steps=spec["steps"], accumulate_grad_batches=m,
-                        strategy=P2RStrategy(host_allocator=spec["arm"]), logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
-                        callbacks=[ends])
-    per_batch = spec["global_batch"] // processes // m
-    data = torch.randint(0, config.vocab_size, (spec["steps"] * spec["global_batch"], config.max_seq_len + 1),
-                         generator=torch.Generator().manual_seed(0))
-    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=per_batch))
-    if trainer.global_rank == 0:
-        kept = ends.ends[WARMUP - 1:]
-        steps = [b[0] - a[0] for a, b in zip(kept, kept[1:])]
-        faults = [b[1] - a[1] for a, b in zip(kept, kept[1:])]
-        Path(spec["out"]).write_text(json.dumps({"step_ms": 1000 * statistics.median(steps),
-                                                 "faults_per_step": statistics.median(faults)}), encoding="utf-8")
-
-
-def _run(spec: dict[str, Any]) -> dict[str, float]:
-    command = [sys.executable, "-m", "lightning_p2r.benchmarks.host_allocator", "--worker", json.dumps(spec)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=900, env=worker_env(threads=1))
-    if result.returncode != 0:
-        raise RuntimeError(f"run failed: {result.stderr[-2000:]}")
-    return json.loads(Path(spec["out"]).read_text(encoding="utf-8"))
+    faults = OptimizerStepTimer(read=minor_faults)  # the page faults at each step's end
+    trainer, _, step_s = fit_on_random_tokens(spec, P2RStrategy(host_allocator=spec["arm"]), warmup=WARMUP,
+                                              callbacks=(faults,))
+    per_step = [b - a for a, b in zip(faults.ends[WARMUP - 1:], faults.ends[WARMUP:])]  # the steps step_s times
+    report = {"step_ms": 1000 * step_s, "faults_per_step": statistics.median(per_step)}
+    Path(spec["out"]).with_suffix(f".rank{trainer.global_rank}.json").write_text(json.dumps(report), encoding="utf-8")
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -108,22 +73,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_environment(env)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    scratch = out / ".host_allocator_run.json"
     rows = []
     for name, model in models.items():
         for count in processes:
             for m in micro:
                 for repeat in range(args.repeats):
                     for arm in ARMS:
-                        spec = {"model": model, "processes": count, "micro_batches": m, "steps": args.steps,
-                                "global_batch": GLOBAL_BATCH, "arm": arm, "out": str(scratch)}
-                        measured = _run(spec)
+                        spec = {"name": f"{name} x{count} m{m} {arm}", "model": model, "devices": count,
+                                "accumulate_grad_batches": m, "steps": args.steps, "global_batch": GLOBAL_BATCH,
+                                "arm": arm, "out": str(out / ".host_allocator_run")}
+                        measured = run_rank_worker("lightning_p2r.benchmarks.host_allocator", spec, timeout=900)[0]
                         print(f"{name} x{count} m{m} {arm} (run {repeat}): {measured['step_ms']:.1f} ms, "
                               f"{measured['faults_per_step']:.0f} page faults per step", flush=True)
                         rows.append({"model": name, "processes": count, "micro_batches": m, "host_allocator": arm,
                                      "run": repeat, "step_ms": round(measured["step_ms"], 2),
                                      "faults_per_step": measured["faults_per_step"]})
-    scratch.unlink(missing_ok=True)
     print_table(rows, ["model", "processes", "micro_batches", "host_allocator", "run", "step_ms", "faults_per_step"])
     cases = sorted({(r["model"], r["processes"], r["micro_batches"]) for r in rows},
                    key=lambda case: (list(models).index(case[0]), case[1], case[2]))

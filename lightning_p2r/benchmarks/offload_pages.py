@@ -18,7 +18,6 @@ writes into fresh pages (a page fault and a zeroed page per 4 KiB). Two parts, o
 
 from __future__ import annotations
 
-import resource
 import statistics
 import sys
 import time
@@ -37,13 +36,10 @@ from lightning_p2r.benchmarks.report import (
     with_environment,
     write_csv,
 )
+from lightning_p2r.measure.memory import minor_faults
 
 COPY_BYTES = 64 * 2**20
 """Above glibc's largest dynamic mmap threshold (32 MiB): a buffer of this size is mapped fresh at each allocation."""
-
-
-def minor_faults() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def copy_rows(size_bytes: int, repeats: int) -> list[dict[str, Any]]:

@@ -96,7 +96,7 @@ from ..planning.cluster import (
     write_cluster,
 )
 from ..planning.network import ring_terms
-from ..strategy.host_allocator import retain_freed_host_memory
+from ..strategy.host_allocator import retain_freed_host_memory, wants_retained
 from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
 from .offload_copies import fit_copy_bandwidth
@@ -508,7 +508,7 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
     process's malloc first keeps what it frees below 32 MiB, as a training process's does
     (``P2RStrategy(host_allocator="auto")``), so that each probe pays for memory what training pays: nothing again
     below that size, and a fault per page of the tensors from 32 MiB on (the large elementwise probe's)."""
-    if device.type == "cpu":
+    if wants_retained("auto", device.type):  # allocate as a training process under the default does
         retain_freed_host_memory()
     repeats = 3 if quick else 20
     size = (1024 if device.type == "cuda" else 128) if quick else (4096 if device.type == "cuda" else 256)

@@ -25,6 +25,7 @@ shape over an empty storage, so neither a shard nor an emptied storage changes t
 from __future__ import annotations
 
 import math
+import resource
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
@@ -58,6 +59,11 @@ def _status_bytes(field: str) -> int:
 def rss_bytes() -> int:
     """This process's resident memory now (``VmRSS``)."""
     return _status_bytes("VmRSS")
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far: pages the kernel mapped in at first touch (fresh memory)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def hwm_bytes() -> int:

@@ -23,7 +23,7 @@ import torch
 
 from ..models.config import M6Config
 from ..planning.cluster import Cluster
-from ..strategy.host_allocator import retain_freed_host_memory
+from ..strategy.host_allocator import retain_freed_host_memory, wants_retained
 from .run import median_seconds
 
 REFERENCE_MODEL = {"vocab_size": 256, "max_seq_len": 64, "dim": 64, "num_heads": 8, "num_layers": 2,
@@ -39,7 +39,7 @@ def reference_step_seconds(device: torch.device | str = "cpu", *, rounds: int = 
     from ..models.transformer import M6Transformer
 
     device = torch.device(device)
-    if device.type == "cpu":  # allocate as a CPU training process does (see calibrate.device_constants)
+    if wants_retained("auto", device.type):  # allocate as a training process under the default does
         retain_freed_host_memory()
     previous = torch.get_num_threads()
     torch.set_num_threads(1)

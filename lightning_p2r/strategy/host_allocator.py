@@ -28,10 +28,10 @@ import platform
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 HostAllocator = Literal["auto", "retain", "system"]
-HOST_ALLOCATORS: tuple[str, ...] = ("auto", "retain", "system")
+HOST_ALLOCATORS: tuple[str, ...] = get_args(HostAllocator)
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
