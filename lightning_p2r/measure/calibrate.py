@@ -44,9 +44,6 @@ What it measures, each as the median of several timed repetitions after a warm-u
   less the model work the cost model prices for the 3 added batches, per added batch (Lightning's batch loop);
 - ``module_hook_overhead``: a stack of tiny blocks trained with and without FSDP2 over a mesh of each rank alone,
   per hooked module and micro-batch (:mod:`.module_hooks`);
-- ``fsdp_collective_overhead`` (several processes): the same stack, one micro-batch per step, over the mesh of
-  every rank and over each rank alone: what FSDP2 adds to each collective it issues beyond the call's priced link
-  time (:func:`~.module_hooks.collective_call_overhead`);
 - ``cpu_oversubscription`` (CPU only): training threads (processes x ``--threads``) per usable core, when above 1;
 - ``intra_node_bandwidth``, ``collective_factors``: each collective kind (all-reduce, all-gather, reduce-scatter,
   all-to-all, broadcast) timed at three message sizes among ``--processes`` local processes (gloo on CPU, NCCL
@@ -101,14 +98,7 @@ from ..planning.cluster import (
 from ..planning.network import ring_terms
 from ..strategy.host_allocator import retain_freed_host_memory, wants_retained
 from .fit_terms import describe_fit, fit_framework_terms
-from .module_hooks import (
-    COLLECTIVE_ARMS,
-    collective_call_overhead,
-    fsdp_collective_timings,
-    module_hook_seconds,
-    own_rank_mesh,
-    stack_unit_bytes,
-)
+from .module_hooks import module_hook_seconds, own_rank_mesh
 from .offload_copies import fit_copy_bandwidth
 from .run import host_threads, median_seconds, usable_cores, worker_env
 from .speed import machine_name, reference_step_seconds
@@ -599,7 +589,6 @@ def collective_sizes(quick: bool, processes: int) -> list[int]:
 
 def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, queue: Any) -> None:
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(threads)
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= processes
@@ -611,11 +600,7 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
     try:
         dist.barrier()
         constants, constants["core_share"] = core_share(lambda: device_constants(device, quick), threads)
-        own_mesh = own_rank_mesh(device)
-        constants["module_hook_overhead"] = module_hook_seconds(device, own_mesh, 5 if quick else 15)
-        data_mesh = init_device_mesh(device.type, (processes,))
-        extra = fsdp_collective_timings(device, own_mesh, data_mesh, 5 if quick else 15)
-        constants |= {f"{FSDP_EXTRA}{arm}": seconds for arm, seconds in extra.items()}
+        constants["module_hook_overhead"] = module_hook_seconds(device, own_rank_mesh(device), 5 if quick else 15)
         repeats = 3 if quick else 20
         rounds = LATENCY_ROUNDS_QUICK if quick else LATENCY_ROUNDS
         # The latency is timed in windows spread over the collective timings and their median kept: on a 2-core
@@ -891,7 +876,6 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
             warnings.warn(message, BusyMachineWarning, stacklevel=2)
     measured["attention_rates"] = rate_rows(measured)
     layer_seconds = {name: measured.pop(name) for name in LAYER_SECONDS}
-    fsdp_extra = {arm: measured.pop(FSDP_EXTRA + arm) for arm in COLLECTIVE_ARMS if FSDP_EXTRA + arm in measured}
     measured["step_overhead"] = step_overhead(processes, threads, quick)
     accumulated = step_overhead(processes, threads, quick, accumulate=ACCUMULATED_BATCHES)
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else host_memory_bytes() / processes
@@ -903,28 +887,9 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
                           processes, threads, usable_cores()), **measured)
     cluster = dataclasses.replace(cluster, **token_overheads(cluster, layer_seconds),
                                   **expert_weight_overhead(cluster, layer_seconds))
-    if fsdp_extra:
-        cluster = dataclasses.replace(cluster, fsdp_collective_overhead=fsdp_call_overhead(cluster, fsdp_extra))
     extra = modelled_added_batches(cluster, ACCUMULATED_BATCHES)
     return dataclasses.replace(cluster, batch_overhead=batch_call_overhead(
         measured["step_overhead"], accumulated, ACCUMULATED_BATCHES, extra))
-
-
-FSDP_EXTRA = "fsdp_extra_"
-"""Prefix of the measured keys holding :func:`~.module_hooks.fsdp_collective_timings`' seconds per arm."""
-
-
-def fsdp_call_overhead(cluster: Cluster, extra: dict[str, float]) -> float:
-    """``fsdp_collective_overhead`` from the stack's ``extra`` seconds per step (see :mod:`.module_hooks`), less one
-    unit's gather and reduce-scatter as ``cluster``'s link prices them."""
-    from ..planning.step_time import transfer_seconds
-    from ..planning.transfers import Transfer
-
-    unit = stack_unit_bytes()
-    gather, reduce = (transfer_seconds(Transfer("data parallel", kind, unit, cluster.devices, 1, 1, True), cluster)
-                      for kind in ("all_gather", "reduce_scatter"))
-    # A floor of a microsecond: 0 would read as "never measured" (the planner warns about a missing term).
-    return max(collective_call_overhead(extra, gather, reduce), 1e-6)
 
 
 def main(argv: list[str]) -> None:

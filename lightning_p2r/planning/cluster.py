@@ -180,11 +180,6 @@ class Cluster:
     module_hook_overhead: float = 0.0
     """Seconds per hooked module (FSDP2 unit, a block the block streamer drives) per micro-batch; measured by
     ``calibrate`` (tiny blocks with and without FSDP2)."""
-    fsdp_collective_overhead: float = 0.0
-    """Seconds per collective FSDP2 issues over more than one rank (a unit's gather, reduce-scatter or all-reduce)
-    beyond its priced link time: the asynchronous call and its wait, the copies and division around it; measured by
-    ``calibrate`` with several processes (tiny blocks sharded over every rank and over each rank alone); 0 in a file
-    written before it was (2026-11-30)."""
     stage_overhead: float = 0.0
     """Seconds per pipeline stage action (one stage's forward or backward of one micro-batch); fitted."""
     dtensor_overhead: float = 0.0
@@ -366,9 +361,9 @@ _TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "
           "moe_checkpoint_overhead", "moe_expert_checkpoint_overhead", "dense_token_overhead",
           "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead", "moe_expert_weight_overhead",
           "operator_overhead", "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead",
-          "fsdp_collective_overhead", "stage_overhead", "dtensor_overhead", "blocking_collective_overhead",
-          "expert_wait_overhead", "host_device_latency", "intra_node_latency", "inter_node_latency",
-          "optimizer_seconds_per_param", "host_optimizer_seconds_per_param", "reference_step_seconds"}
+          "stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead",
+          "host_device_latency", "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param",
+          "host_optimizer_seconds_per_param", "reference_step_seconds"}
 
 
 _RATES = ("device_flops", "attention_flops", "memory_bandwidth", "memory_small_bandwidth", "elementwise_bandwidth",
@@ -378,8 +373,8 @@ _NETWORK = ("inter_node_bandwidth", "inter_node_latency")
 """The links between nodes, which do not run on the machine the reference step re-times."""
 HOST_TIMES = ("operator_overhead", "dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead",
               "dense_checkpoint_overhead", "moe_checkpoint_overhead", "moe_expert_checkpoint_overhead",
-              "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead",
-              "fsdp_collective_overhead", "stage_overhead", "dtensor_overhead", "host_optimizer_seconds_per_param")
+              "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead", "stage_overhead",
+              "dtensor_overhead", "host_optimizer_seconds_per_param")
 """Beside GPUs, the times the host's Python, dispatcher and kernel launches set (what a small model's step on a GPU
 waits on): the ones the reference step's speed moves there."""
 

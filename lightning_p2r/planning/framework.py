@@ -19,12 +19,6 @@ half of a random sample of layouts, judged on the other half (docs/planning.md).
   tiny blocks.
 - ``stage_overhead``: a pipeline schedule runs each stage's forward and backward per micro-batch as a separate
   action, with its Python bookkeeping and its send and receive calls.
-- ``fsdp_collective_overhead`` (measured): every collective FSDP2 issues over more than one rank (a unit's gathers
-  and reduce-scatter, or its all-reduce when replicated) costs more than the same call timed alone: the asynchronous
-  call handed to the process group and waited for, the division and the copies around it. DDP's buckets, ZeRO-1's
-  broadcasts and the model-parallel collectives are not FSDP2's and do not count. Measured on ``calibrate``'s tiny
-  stack over every rank against each rank alone; the ZeRO-2 and ZeRO-3 layouts of ``plan --trial`` on two processes
-  of a 2-vCPU machine had been 11-22% short without it, by 8-16 ms a step on 4-layer models (2026-11-30).
 - ``blocking_collective_overhead``: every other collective the step waits for on its critical path (tensor
   parallel, the balance loss's reductions, pipeline sends, clipping, and the data-parallel ones on a cluster that
   does not overlap them with compute) also waits for the slowest rank of its group to arrive: ranks drift apart
@@ -69,7 +63,7 @@ from .layout import Layout, Workload
 from .share import RankShare, rank_share
 from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, ZERO1_BROADCASTS, Transfer, step_transfers
 
-MEASURED = ("batch_overhead", "module_hook_overhead", "fsdp_collective_overhead")
+MEASURED = ("batch_overhead", "module_hook_overhead")
 """The framework terms ``calibrate`` measures."""
 FITTED = FITTED_TERMS
 """The cluster fields fitted to measured steps rather than measured one by one."""
@@ -91,19 +85,6 @@ def hooked_module_passes(layout: Layout, share: RankShare, devices: int) -> int:
     if not (layout.wraps_blocks(devices) or streamed):
         return 0
     return layout.micro_batches * (len(share.blocks) + 1)
-
-
-FSDP_LABELS = ("data parallel", "data parallel (embedding, head)")
-"""The labels of the data-parallel transfers FSDP2 makes per unit (on every path but DDP's)."""
-
-
-def fsdp_collective_calls(transfers: Sequence[Transfer], layout: Layout, devices: int) -> int:
-    """The collective calls FSDP2 issues among the rank's step ``transfers``: its units' data-parallel gathers,
-    reduce-scatters and all-reduces over more than one rank (``step_transfers`` leaves out a group of one); none on
-    DDP's path, whose buckets are DDP's own."""
-    if layout.path(devices) == "ddp":
-        return 0
-    return sum(t.calls for t in transfers if t.label in FSDP_LABELS)
 
 
 def pipeline_stage_actions(layout: Layout) -> int:
@@ -194,8 +175,7 @@ def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workloa
               "expert_wait_overhead": in_stage_stretch * expert_dispatch_calls(transfers)}
     stretch = cluster.cpu_oversubscription
     measured = {"batch_overhead": extra_lightning_batches(layout),
-                "module_hook_overhead": in_stage_stretch * hooked_module_passes(layout, share, cluster.devices),
-                "fsdp_collective_overhead": fsdp_collective_calls(transfers, layout, cluster.devices)}
+                "module_hook_overhead": in_stage_stretch * hooked_module_passes(layout, share, cluster.devices)}
     return measured | {k: v * stretch for k, v in fitted.items()}
 
 
@@ -208,8 +188,7 @@ def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, worklo
 
 HOW_TO_GET = {**{term: "measured by `lightning-p2r calibrate`" for term in MEASURED},
               **{term: "fitted by `lightning-p2r calibrate` with --processes 2 or more (from timed probe layouts)"
-                 for term in FITTED},
-              "fsdp_collective_overhead": "measured by `lightning-p2r calibrate` with --processes 2 or more"}
+                 for term in FITTED}}
 """Where a cluster file's value of each term comes from (the planner's warning names it)."""
 
 

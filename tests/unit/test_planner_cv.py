@@ -1,7 +1,6 @@
 """The planner's cross-validation protocol (its pure parts: the draw, the fit, the scores) and the framework terms of
 the cost model."""
 
-import dataclasses
 import math
 
 import pytest
@@ -82,6 +81,8 @@ def test_pipeline_actions_and_tensor_parallel_operators() -> None:
 
 
 def test_the_fitted_counts_stretch_with_cpu_oversubscription_and_cpu_collectives_wait() -> None:
+    import dataclasses
+
     from lightning_p2r.measure.calibrate import cpu_oversubscription
 
     assert cpu_oversubscription(4, 1, 2) == 2.0
@@ -107,54 +108,13 @@ def test_framework_seconds_are_counts_times_the_clusters_constants_and_join_the_
     plain = Cluster(devices=2, devices_per_node=2)
     fitted = Cluster(devices=2, devices_per_node=2, batch_overhead=0.01, module_hook_overhead=0.001)
     counts = framework_counts(CONFIG, layout, fitted, WORKLOAD)
-    # FSDP2's calls: each of the 4 blocks gathered for the forward and the backward of both micro-batches and
-    # reduced once (5 each); the embedding and head gathered once per micro-batch and reduced once (3).
-    assert counts == {"batch_overhead": 1, "module_hook_overhead": 10, "fsdp_collective_overhead": 23,
-                      "stage_overhead": 0, "dtensor_overhead": 0, "blocking_collective_overhead": 0,
-                      "expert_wait_overhead": 0}
+    assert counts == {"batch_overhead": 1, "module_hook_overhead": 10, "stage_overhead": 0, "dtensor_overhead": 0,
+                      "blocking_collective_overhead": 0, "expert_wait_overhead": 0}
     assert framework_seconds(CONFIG, layout, plain, WORKLOAD) == 0
     assert framework_seconds(CONFIG, layout, fitted, WORKLOAD) == pytest.approx(0.02)
     difference = estimate_step(CONFIG, layout, fitted, WORKLOAD).total - estimate_step(CONFIG, layout, plain,
                                                                                         WORKLOAD).total
     assert difference == pytest.approx(0.02)
-
-
-def test_fsdp2s_collective_calls_are_counted_where_fsdp2_issues_them() -> None:
-    """Every data-parallel gather, reduce-scatter and all-reduce of an FSDP2 unit over more than one rank counts
-    (issue 41 item 1: ZeRO-2/3 on two CPU processes were priced 11-22% short without their cost); DDP's buckets, one
-    process and the model-parallel collectives do not."""
-    from lightning_p2r.planning.framework import fsdp_collective_calls
-    from lightning_p2r.planning.transfers import step_transfers
-
-    two = Cluster(devices=2, devices_per_node=2)
-    one = Cluster(devices=1, devices_per_node=1)
-
-    def calls(layout: Layout, cluster: Cluster) -> int:
-        return fsdp_collective_calls(step_transfers(CONFIG, layout, cluster, WORKLOAD), layout, cluster.devices)
-
-    assert calls(Layout(), two) == 0  # DDP's reducer, not FSDP2
-    assert calls(Layout(sharding="zero1"), two) == 0
-    assert calls(Layout(sharding="zero3"), one) == 0  # a mesh of one rank issues no collective
-    # ZeRO-2, one micro-batch: each of the 4 blocks and the embedding and head gathered and reduced once.
-    assert calls(Layout(sharding="zero2"), two) == 5 * 2
-    # Layered accumulation replicates its units through FSDP2: one all-reduce each per step.
-    assert calls(Layout(accumulation="layered", micro_batches=2), two) == 5
-    # Tensor parallelism's all-reduces are not FSDP2's: with no data ranks left, nothing counts.
-    assert calls(Layout(tensor_parallel=2), two) == 0
-    counts = framework_counts(CONFIG, Layout(sharding="zero2"), dataclasses.replace(two, cpu_oversubscription=2.0),
-                              WORKLOAD)
-    assert counts["fsdp_collective_overhead"] == 10  # measured on the crowded processes: not stretched
-
-
-def test_fsdp2s_collective_cost_is_the_stacks_extra_time_per_call_less_the_priced_link() -> None:
-    from lightning_p2r.measure.module_hooks import HOOK_UNITS, collective_call_overhead
-
-    assert "fsdp_collective_overhead" in MEASURED and "fsdp_collective_overhead" not in FITTED
-    # ZeRO-2: 12 units x (1 gather + 1 reduce-scatter); ZeRO-3: 12 x (2 + 1). 1 ms per call beyond 0.2 / 0.3 ms priced.
-    zero2 = HOOK_UNITS * (0.2e-3 + 0.3e-3 + 2e-3)
-    zero3 = HOOK_UNITS * (2 * 0.2e-3 + 0.3e-3 + 3e-3)
-    assert collective_call_overhead({"zero2": zero2, "zero3": zero3}, 0.2e-3, 0.3e-3) == pytest.approx(1e-3)
-    assert collective_call_overhead({"zero2": 0.0, "zero3": 0.0}, 0.2e-3, 0.3e-3) == 0.0  # never negative
 
 
 def test_fsdp2_hooks_are_measured_per_hooked_module_and_micro_batch() -> None:

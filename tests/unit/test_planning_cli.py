@@ -202,9 +202,8 @@ def test_plan_warns_when_the_cluster_file_lacks_a_term_its_layouts_count(capsys,
     assert any("calibrate" in line or "cross-validate" in line for line in warnings)
     assert any("has no attention_rates" in line and "heads of" in line for line in warnings)
     complete = yaml.safe_load(CLUSTER.read_text()) | {
-        term: 1e-5 for term in ("batch_overhead", "module_hook_overhead", "fsdp_collective_overhead",
-                                "stage_overhead", "dtensor_overhead", "blocking_collective_overhead",
-                                "expert_wait_overhead")} | {
+        term: 1e-5 for term in ("batch_overhead", "module_hook_overhead", "stage_overhead", "dtensor_overhead",
+                                "blocking_collective_overhead", "expert_wait_overhead")} | {
         "attention_rates": [[s, h, 1e14] for s in (256, 1024) for h in (64, 128)]}
     path = tmp_path / "complete.yaml"
     path.write_text(yaml.safe_dump(complete))
