@@ -90,8 +90,9 @@ def test_a_training_loop_stops_faulting_its_memory_in_again_once_retained() -> N
     # A fresh interpreter: the test process may have retained already (any CPU fit in it does). The loop is an M6
     # MoE's forward and backward on 16 sequences, whose freed activations glibc's defaults give back every step.
     script = textwrap.dedent("""
-        import resource, torch
+        import torch
         from lightning_p2r import M6Config, M6LanguageModel
+        from lightning_p2r.measure.memory import minor_faults
         from lightning_p2r.strategy.host_allocator import retain_freed_host_memory
 
         torch.manual_seed(0)
@@ -104,10 +105,10 @@ def test_a_training_loop_stops_faulting_its_memory_in_again_once_retained() -> N
         def step_faults(steps):
             counts = []
             for _ in range(steps):
-                start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                start = minor_faults()
                 model.losses(batch)["loss"].backward()
                 model.zero_grad(set_to_none=True)
-                counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - start)
+                counts.append(minor_faults() - start)
             return counts
 
         # glibc's defaults: the first steps after the first fault thousands of pages each (later ones may settle).
