@@ -115,9 +115,18 @@ def detect_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
 
 
 def _holder_path(path: str, module: nn.Module) -> str:
-    """The nearest ancestor of the list at ``path`` that is not a container (whose ``forward`` runs the blocks)."""
+    """The nearest ancestor of the list at ``path`` that is not a container (whose ``forward`` runs the blocks), or,
+    when that ancestor is the base model of a task model around it (a Hugging Face ``XForCausalLM`` whose
+    ``base_model`` is the ``XModel`` running the layers), the task model: it holds the head, whose tensor-parallel
+    plan entry (the class's ``_tp_plan``) and tie to the embedding belong to the same declaration as the blocks,
+    as ``CausalLMModule.block_holder`` names it."""
     parts = path.split(".")[:-1]
     while parts and isinstance(module.get_submodule(".".join(parts)), _CONTAINERS):
+        parts.pop()
+    while parts:
+        parent = module.get_submodule(".".join(parts[:-1]))
+        if getattr(parent, "base_model", None) is not module.get_submodule(".".join(parts)):
+            break
         parts.pop()
     return ".".join(parts)
 

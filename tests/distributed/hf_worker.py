@@ -43,7 +43,7 @@ def run(config: dict, out: Path, devices: int) -> None:
     L.seed_everything(0)
     family = config["family"]
     module = causal_lm(family, optimizer={"lr": 1e-2, "warmup_steps": 0} | config.get("optimizer", {}), init_seed=3,
-                       **config.get("module", {}))
+                       own_module=config.get("own_module", False), **config.get("module", {}))
     options = config.get("strategy")
     strategy = P2RStrategy(**options) if options is not None else "auto"
     losses, starting = Losses(), StartingValues()

@@ -66,6 +66,10 @@ TWO_PROCESSES = [
     # embedding by vocabulary with it.
     {"name": "tp2_llama", "family": "llama", "strategy": {"tensor_parallel": 2}},
     {"name": "tp2_zero3_llama_tied", "family": "llama_tied", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
+    # The same from a user's own LightningModule (OwnCausalLM): the strategy detects the layers in the base model and
+    # declares them on the causal LM, whose plan splits the head (on the base model the tie was refused).
+    {"name": "tp2_zero3_own_module_llama_tied", "family": "llama_tied", "own_module": True,
+     "strategy": {"tensor_parallel": 2, "sharding": "zero3"}, "reference": "reference_llama_tied"},
     # Qwen3's per-head norms (HF's "replicated_with_grad_allreduce"): whole on each rank's heads, gradients summed.
     {"name": "tp2_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2}},
     {"name": "tp2_zero3_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}},
@@ -315,6 +319,17 @@ def test_an_hf_model_built_in_place_trains_on_several_processes_like_the_eager_b
             "zero2", "zero3"):
         for rank in run["ranks"]:  # built in place: no rank holds the whole model
             assert rank["held"] < 0.75 * reference["ranks"][0]["held"]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+def test_a_users_own_module_around_an_hf_model_is_split_as_causal_lm_module_splits_it(hf_runs: Path) -> None:
+    """Under tensor parallelism each rank holds the same share of the model from a user's own LightningModule as from
+    CausalLMModule: the head too, split by vocabulary with the embedding it is tied to (left whole until the layers
+    detected in the base model were declared on the causal LM around it)."""
+    own = read_report(hf_runs, "tp2_zero3_own_module_llama_tied")
+    ours = read_report(hf_runs, "tp2_zero3_llama_tied")
+    assert [rank["held"] for rank in own["ranks"]] == [rank["held"] for rank in ours["ranks"]]
 
 
 @pytest.mark.distributed

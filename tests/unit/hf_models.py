@@ -149,6 +149,37 @@ def nano_parts():
                         head="lm_head", base="", call="positional")
 
 
+class OwnCausalLM(L.LightningModule):
+    """A user's own LightningModule around a Hugging Face causal LM built in ``configure_model``: no block list, holder
+    or plan declared (the strategy detects them), with ``CausalLMModule``'s loss, optimizer and initial values (its
+    ``init_seed``; an eager build takes them from ``initialize_by_module``), so that it compares with its runs."""
+
+    def __init__(self, hf_config: dict, optimizer: dict, init_seed: int) -> None:
+        super().__init__()
+        self.hf_config, self.optimizer_options, self.init_seed = hf_config, optimizer, init_seed
+        self.model = None
+
+    def configure_model(self) -> None:
+        from lightning_p2r.causal_lm import build_hf_model
+        from lightning_p2r.models.module_init import initialize_by_module
+
+        if self.model is None:
+            self.model = build_hf_model(self.hf_config)
+            if self.model.device.type != "meta":  # built eagerly: the values a build in place gets
+                initialize_by_module(self, self.init_seed)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        from lightning_p2r.module import next_token_batch, next_token_loss
+
+        inputs, targets = next_token_batch(batch)
+        return next_token_loss(self.model(input_ids=inputs, use_cache=False).logits, targets)
+
+    def configure_optimizers(self):
+        from lightning_p2r.module import OptimizerConfig, adamw_with_schedule
+
+        return adamw_with_schedule(self, OptimizerConfig(**self.optimizer_options))
+
+
 def causal_lm(family: str, **kwargs):
     """``CausalLMModule`` of a family of :data:`CONFIGS`, litgpt's GPT for "litgpt", or a user's own decoder given
     whole with its declaration for "nanogpt"."""
@@ -156,6 +187,8 @@ def causal_lm(family: str, **kwargs):
 
     if family in LITGPT_CONFIGS:
         return CausalLMModule(litgpt_config=LITGPT_CONFIGS[family], **kwargs)
+    if kwargs.pop("own_module", False):
+        return OwnCausalLM(CONFIGS[family], kwargs.pop("optimizer"), kwargs.pop("init_seed"))
     if family == "nanogpt":
         kwargs.pop("init_seed", None)  # a model given whole keeps its own weights
         return CausalLMModule(model=NanoGPT(), parts=nano_parts(), **kwargs)

@@ -174,6 +174,27 @@ def test_a_list_of_the_layer_classes_hugging_face_never_splits_is_detected_thoug
     assert detect_block_list(wrapper)[0] == "model.model.layers"
 
 
+def test_a_detected_hugging_face_list_is_declared_on_the_causal_lm_which_holds_the_head_and_its_plan() -> None:
+    """A user's own LightningModule around a Hugging Face causal LM: the layers run in the base model, but the head,
+    its tensor-parallel plan entry (the class's _tp_plan) and its tie to the embedding are the causal LM's, so the
+    contract goes there, as CausalLMModule declares it. On the base model, tensor parallelism left the tied head
+    whole and refused the tie (a user's own module, found by a new-user audit)."""
+    from lightning_p2r.strategy.blocks import declare_blocks
+    from lightning_p2r.strategy.parallel.hf_plan import plan_from_hf
+
+    config = AutoConfig.for_model("llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    wrapper = nn.Module()
+    wrapper.model = AutoModelForCausalLM.from_config(config)
+    declared = declare_blocks(wrapper, None)
+    assert declared.path == "model.model.layers" and declared.holder_path == "model"
+    plan = plan_from_hf(wrapper.model, tensor_parallel=2)
+    assert plan.outside["lm_head"] == "output" and plan.outside["model.embed_tokens"] == "vocabulary"
+    bare = nn.Module()  # a base model alone (the user's own head around it) stays its own holder
+    bare.decoder = AutoModelForCausalLM.from_config(config).model
+    assert declare_blocks(bare, None).holder_path == "decoder"
+
+
 def test_a_model_that_returns_router_logits_but_adds_no_balance_loss_is_not_given_one() -> None:
     """DeepSeek-V3 accepts output_router_logits=True but balances by a routing bias: its forward adds no loss, so
     neither do layered stages, and pipelines (which refuse a pooled balance loss) take it; Qwen3-MoE adds one."""
