@@ -115,9 +115,41 @@ def ambiguous_tied_inits(root: nn.Module, hook=None) -> list[str]:
             first = type(root.get_submodule(owners[0])).__name__
             notes.append(f"the tied parameter {' = '.join(tied)} is initialized by {first}.reset_parameters() (its "
                          f"first name's module; the model was built on the meta device). Built eagerly, it would "
-                         f"take the init of whichever of {sorted(kinds)} created it. To choose, give the "
-                         "LightningModule an init_module(module) method, or load weights")
+                         f"hold what the model's constructor left in it: the init of whichever of {sorted(kinds)} "
+                         "created it, or the constructor's own. To choose, give the LightningModule an "
+                         "init_module(module) method, or load weights")
     return notes
+
+
+KNOWN_INIT_PACKAGES = ("torch", "transformers", "litgpt", "lightning_p2r")
+"""Packages whose models built eagerly hold their modules' ``reset_parameters()`` values, or whose in-place build
+takes the model's rule (Hugging Face's ``_init_weights``, the package's own models' ``initial_value``): a model of
+theirs built in place gets what an eager build has. A model defined elsewhere may initialize itself in its
+constructor, which the meta device runs without writing anything."""
+
+
+def default_init_note(root: nn.Module, hook=None) -> str | None:
+    """A one-line note when a user's own model (its class defined outside :data:`KNOWN_INIT_PACKAGES`) built on the
+    meta device has modules whose values will come from their ``reset_parameters()`` (torch's per-kind defaults):
+    whatever init its constructor ran (``self.apply(my_init)``, ``nn.init.*`` calls) ran on the meta device and wrote
+    nothing, so the model would start from other values than its eager build, silently. None when the
+    LightningModule's ``init_module`` or Hugging Face's rule covers every module, or the model is a known library's."""
+    # The model's own class, not the one FSDP2 or a wrapper of torch.distributed's derives from it.
+    model_class = next(cls for cls in type(root).__mro__ if not cls.__module__.startswith("torch.distributed"))
+    if hook is not None or model_class.__module__.split(".")[0] in KNOWN_INIT_PACKAGES:
+        return None
+    kinds: dict[str, int] = {}
+    for name, module in root.named_modules():
+        if next(module.parameters(recurse=False), None) is not None and is_module_default(init_rule(root, name)):
+            kinds[type(module).__name__] = kinds.get(type(module).__name__, 0) + 1
+    if not kinds:
+        return None
+    counted = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items(), key=lambda item: -item[1]))
+    return (f"{model_class.__name__} was built on the meta device: its modules ({counted}) take the values of their "
+            "reset_parameters() (torch's defaults per module kind). An init its constructor runs (self.apply(...), "
+            "nn.init calls) ran on the meta device and wrote nothing. If the model initializes itself otherwise, give "
+            "the LightningModule an init_module(module) method that does it per module (docs/your_model.md, 'Built "
+            "in place'), or build the model in __init__ instead of configure_model")
 
 
 class Initializer:

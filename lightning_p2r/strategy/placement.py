@@ -43,7 +43,7 @@ from ..protocols import ComputesTokenLoss, HoldsWeight, ParallelPlan
 from .blocks import block_names, module_name
 from .compile import apply_compile
 from .engines.base import EngineContext, holder_of
-from .materialize import Initializer, allocate, ambiguous_tied_inits, has_meta_tensors
+from .materialize import Initializer, allocate, ambiguous_tied_inits, default_init_note, has_meta_tensors
 from .offload_plan import OffloadPlan, plan_for_model
 from .parallel import ParallelMeshes, parallelize_model
 from .parallel.loss import VocabParallelCrossEntropy
@@ -237,7 +237,8 @@ def _materialize_shards(module: nn.Module, holder: nn.Module, plan: OffloadPlan,
     initializer = Initializer(module, holder, seed=ctx.init_seed, template=template)
     fill = ctx.weights is None
     if fill and initializer.values_from is None:
-        for note in ambiguous_tied_inits(initializer.root, initializer.hook):
+        default = default_init_note(initializer.root, initializer.hook)
+        for note in ambiguous_tied_inits(initializer.root, initializer.hook) + ([default] if default else []):
             rank_zero_warn(f"P2RStrategy: {note}")
     for index, block in enumerate(holder.blocks):
         params = allocate(block, "cpu" if index in plan.offloaded else ctx.device)
