@@ -263,8 +263,13 @@ _SPECIAL_PATHS = ("last", "best", "hpc", "registry")
 
 def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
     """Raise a ``ValueError`` naming the problem and the fix if ``path`` cannot be resumed from: missing, empty or
-    corrupt, a directory that is no sharded checkpoint, or a sharded one a strategy cannot read (``loads_sharded``)."""
+    corrupt (truncated, a shard missing, bytes that fail their checksums: ``checkpoint_integrity``), a directory that
+    is no sharded checkpoint, or a sharded one a strategy cannot read (``loads_sharded``)."""
+    from .checkpoint_integrity import check_integrity
+
     if not check_checkpoint_location(path, loads_sharded):
+        if is_sharded_checkpoint(path):
+            check_integrity(path)  # every shard present and whole, every item's checksum
         return
     try:
         # mmap: only the pickled index is read here, not the tensors.
@@ -272,6 +277,7 @@ def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
     except Exception as error:  # noqa: BLE001 (every way a file fails to load gets the same clear message)
         raise unloadable(path, error) from error
     check_lightning_checkpoint(path, checkpoint)
+    check_integrity(path)  # the tensors' bytes: torch.load does not read their checksums
 
 
 def check_checkpoint_location(path: str | Path, loads_sharded: bool) -> bool:

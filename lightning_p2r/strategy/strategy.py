@@ -53,6 +53,7 @@ from .checkpoint import (
 from .checkpoint import (
     remove as remove_checkpoint_files,
 )
+from .checkpoint_integrity import check_integrity_on_ranks
 from .engines import Engine, EngineContext, Placed, engine_for
 from .engines.base import Weights, holder_of
 from .host_allocator import AllocatorChoice, HostAllocator, retain_freed_host_memory, wants_retained
@@ -564,6 +565,8 @@ class P2RStrategy(ParallelStrategy):
         self._pending_sharded_checkpoint = None
         # Checked as it is read (one load): a missing, empty, corrupt or foreign file gets a clear error.
         is_file = check_checkpoint_location(checkpoint_path, loads_sharded=True)
+        if is_file or is_sharded_checkpoint(checkpoint_path):
+            check_integrity_on_ranks(checkpoint_path)  # its bytes against their checksums, split over the ranks
         if is_sharded_checkpoint(checkpoint_path):
             self._pending_sharded_checkpoint = str(checkpoint_path)
             return load_meta(checkpoint_path)

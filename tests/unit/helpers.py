@@ -1,5 +1,6 @@
 """Small shared builders for the unit tests: a tiny model config, corpus, data module and trainer."""
 
+import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,3 +88,31 @@ class RecordBatches(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.seen.append(batch.clone())
+
+
+def flip_inside_largest_record(path: Path) -> None:
+    """Invert 16 bytes in the middle of the largest record of the zip archive ``path`` (a tensor's data)."""
+    with zipfile.ZipFile(path) as archive:
+        info = max(archive.infolist(), key=lambda record: record.compress_size)
+    with path.open("r+b") as stream:
+        stream.seek(info.header_offset + 26)
+        name_length, extra_length = (int.from_bytes(stream.read(2), "little") for _ in range(2))
+        _flip(stream, info.header_offset + 30 + name_length + extra_length + info.compress_size // 2)
+
+
+def flip_inside_largest_item(folder: Path) -> str:
+    """Invert 16 bytes in the middle of the largest item of the DCP checkpoint in ``folder``; its shard's name."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    info = max(storage.values(), key=lambda item: item.length)
+    with (folder / info.relative_path).open("r+b") as stream:
+        _flip(stream, info.offset + info.length // 2)
+    return info.relative_path
+
+
+def _flip(stream, position: int) -> None:
+    stream.seek(position)
+    data = stream.read(16)
+    stream.seek(position)
+    stream.write(bytes(255 - byte for byte in data))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from helpers import TINY, tiny_data, tiny_trainer
+from helpers import TINY, flip_inside_largest_item, flip_inside_largest_record, tiny_data, tiny_trainer
 
 from lightning_p2r import M6Config, M6LanguageModel, OptimizerConfig, P2RStrategy, TextDataModule, delink
 from lightning_p2r.cli import main
@@ -127,6 +128,13 @@ def earlier_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (root / "truncated.ckpt").write_bytes(good[: len(good) // 2])
     (root / "not_a_checkpoint").mkdir()
     torch.save([1, 2, 3], root / "a_list.ckpt")
+    # Damaged copies that load without a word: bytes flipped inside a tensor, a shard lost.
+    (root / "flipped.ckpt").write_bytes(good)
+    flip_inside_largest_record(root / "flipped.ckpt")
+    shutil.copytree(root / "sharded.ckpt", root / "sharded_flipped.ckpt")
+    flip_inside_largest_item(root / "sharded_flipped.ckpt")
+    shutil.copytree(root / "sharded.ckpt", root / "sharded_shard_lost.ckpt")
+    next((root / "sharded_shard_lost.ckpt").glob("*.distcp")).unlink()
     return root
 
 
@@ -148,6 +156,14 @@ CLI_CASES: list[tuple[str, list[str], str]] = [
     ("corrupt checkpoint", ["--ckpt_path={root}/corrupt.ckpt"], r"corrupt.ckpt cannot be loaded: it is truncated"),
     ("truncated checkpoint", ["--ckpt_path={root}/truncated.ckpt"], r"truncated.ckpt cannot be loaded"),
     ("a list saved as a checkpoint", ["--ckpt_path={root}/a_list.ckpt"], r"is not a Lightning checkpoint"),
+    ("a checkpoint with flipped bytes", ["--ckpt_path={root}/flipped.ckpt"],
+     r"flipped.ckpt is damaged: record .* fails its check \(Bad CRC-32.*resume from another checkpoint"),
+    ("a sharded checkpoint with flipped bytes", ["--trainer.strategy=lightning_p2r.P2RStrategy",
+                                                 "--ckpt_path={root}/sharded_flipped.ckpt"],
+     r"sharded_flipped.ckpt is damaged: __0_0.distcp, item .* fails its check"),
+    ("a sharded checkpoint with a shard lost", ["--trainer.strategy=lightning_p2r.P2RStrategy",
+                                                "--ckpt_path={root}/sharded_shard_lost.ckpt"],
+     r"sharded_shard_lost.ckpt is damaged: __0_0.distcp is missing"),
     ("a folder that is no checkpoint", ["--ckpt_path={root}/not_a_checkpoint"],
      r"is a directory but not a sharded checkpoint"),
     ("a sharded checkpoint without P2RStrategy", ["--ckpt_path={root}/sharded.ckpt"],
@@ -216,6 +232,8 @@ FIT_CASES: list[tuple[str, dict[str, Any], str]] = [
     ("empty checkpoint through P2RStrategy", {"ckpt_path": "empty.ckpt"}, r"empty.ckpt is empty"),
     ("checkpoint holding a custom class", {"ckpt_path": "custom.ckpt"},
      r"custom.ckpt cannot be loaded: it holds Python objects that a weights-only load refuses"),
+    ("checkpoint with flipped bytes through P2RStrategy", {"ckpt_path": "flipped.ckpt"},
+     r"flipped.ckpt is damaged: record .* fails its check"),
     ("no batch per optimizer step through the Trainer", {"trainer_options": {"accumulate_grad_batches": 0}},
      r"Trainer\(accumulate_grad_batches=...\) must be an integer >= 1 .*got 0"),
 ]
@@ -225,6 +243,8 @@ FIT_CASES: list[tuple[str, dict[str, Any], str]] = [
 def test_fit_refuses_before_the_first_batch(case: dict[str, Any], message: str, tmp_path: Path) -> None:
     (tmp_path / "empty.ckpt").write_bytes(b"")
     torch.save({"state_dict": {}, "thing": _NotAllowed()}, tmp_path / "custom.ckpt")
+    torch.save({"state_dict": {"w": torch.randn(256, 64)}}, tmp_path / "flipped.ckpt")
+    flip_inside_largest_record(tmp_path / "flipped.ckpt")
     strategy = P2RStrategy(accumulation="layered", micro_batches=3) if case.get("strategy") == "layered3" else None
     ckpt_path = tmp_path / case["ckpt_path"] if "ckpt_path" in case else None
     _fit_refused(tmp_path, message, config=case.get("config"), strategy=strategy, ckpt_path=ckpt_path,

@@ -1,0 +1,84 @@
+"""A checkpoint's bytes checked against the checksums its format carries (``strategy/checkpoint_integrity.py``):
+``torch.load`` trusts a single file's tensor bytes and DCP its shards', so a damaged copy resumed silently (a
+new-user audit found an Adam second moment of 1e6 after 400 flipped bytes)."""
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from helpers import flip_inside_largest_item, flip_inside_largest_record
+
+from lightning_p2r.strategy.checkpoint_integrity import check_integrity, integrity_problems
+
+
+def _single_file(path: Path) -> Path:
+    torch.save({"state_dict": {"w": torch.randn(256, 64), "b": torch.randn(64)}, "epoch": 0}, path)
+    return path
+
+
+def _sharded(folder: Path) -> Path:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's note that it saves without a process group
+        dcp.save({"model": {"w": torch.randn(256, 64), "b": torch.randn(64)}, "step": torch.tensor(3)},
+                 checkpoint_id=str(folder))
+    torch.save({"lightning_p2r_sharded": {"optimizers": 0}}, folder / "meta.pt")
+    return folder
+
+
+def test_an_intact_checkpoint_has_no_problem(tmp_path: Path) -> None:
+    assert integrity_problems(_single_file(tmp_path / "one.ckpt")) == []
+    assert integrity_problems(_sharded(tmp_path / "sharded")) == []
+    check_integrity(tmp_path / "one.ckpt")
+
+
+def test_flipped_bytes_in_a_single_file_fail_their_record_checksum(tmp_path: Path) -> None:
+    path = _single_file(tmp_path / "one.ckpt")
+    flip_inside_largest_record(path)
+    assert torch.load(path, weights_only=True)["epoch"] == 0  # torch loads it without a word
+    (problem,) = integrity_problems(path)
+    assert problem.startswith("record one/data/") and "Bad CRC-32" in problem
+    with pytest.raises(ValueError, match=r"one.ckpt is damaged: record one/data/\d+ fails its check .*another "
+                                         r"checkpoint"):
+        check_integrity(path)
+
+
+def test_a_legacy_file_has_no_checksum_to_read(tmp_path: Path) -> None:
+    path = tmp_path / "legacy.ckpt"
+    torch.save({"state_dict": {"w": torch.ones(4)}}, path, _use_new_zipfile_serialization=False)
+    assert integrity_problems(path) == []
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "missing", "meta"])
+def test_a_damaged_sharded_checkpoint_is_named(tmp_path: Path, damage: str) -> None:
+    folder = _sharded(tmp_path / "sharded")
+    shard = next(folder.glob("*.distcp"))
+    if damage == "flipped":
+        assert flip_inside_largest_item(folder) == shard.name
+        expected = rf"{shard.name}, item model\.w: record .* fails its check \(Bad CRC-32"
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:1000])
+        expected = rf"{shard.name} holds 1000 bytes where its items need \d+ \(truncated\)"
+    elif damage == "missing":
+        shard.unlink()
+        expected = rf"{shard.name} is missing"
+    else:
+        (folder / "meta.pt").write_bytes((folder / "meta.pt").read_bytes()[:50])
+        expected = r"meta.pt cannot be read"
+    problems = integrity_problems(folder)
+    assert problems and re.match(expected, problems[0]), problems
+    with pytest.raises(ValueError, match="sharded is damaged"):
+        check_integrity(folder)
+
+
+@pytest.mark.parametrize("parts", [2, 3])
+def test_the_reading_split_over_ranks_finds_what_one_reader_finds(tmp_path: Path, parts: int) -> None:
+    folder = _sharded(tmp_path / "sharded")
+    flip_inside_largest_item(folder)
+    single = _single_file(tmp_path / "one.ckpt")
+    flip_inside_largest_record(single)
+    for path in (folder, single):
+        split = [problem for part in range(parts) for problem in integrity_problems(path, part, parts)]
+        assert sorted(split) == sorted(integrity_problems(path)) != []
