@@ -58,7 +58,7 @@ def check_offload_options(*, offload_fraction: float | None, offload_blocks: Seq
     if offload_fraction is not None and not 0.0 <= offload_fraction <= 1.0:
         raise ValueError(f"P2RStrategy.offload_fraction must be in [0, 1], got {offload_fraction}")
     if offload_blocks is not None and any(not isinstance(i, int) or i < 0 for i in offload_blocks):
-        raise ValueError(f"P2RStrategy.offload_blocks must be block indices >= 0, got {offload_blocks}")
+        raise ValueError(f"P2RStrategy.offload_blocks must be block indices >= 0, got {offload_blocks!r}")
     if device_memory_budget is not None and not isinstance(device_memory_budget, str):
         if device_memory_budget <= 0:
             raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from .checkpoint_integrity import META_FILE, check_integrity
 from .ties import find_ties
 
-META_FILE = "meta.pt"
 SHARDED_KEY = "lightning_p2r_sharded"
 
 
@@ -265,8 +265,6 @@ def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
     """Raise a ``ValueError`` naming the problem and the fix if ``path`` cannot be resumed from: missing, empty or
     corrupt (truncated, a shard missing, bytes that fail their checksums: ``checkpoint_integrity``), a directory that
     is no sharded checkpoint, or a sharded one a strategy cannot read (``loads_sharded``)."""
-    from .checkpoint_integrity import check_integrity
-
     if not check_checkpoint_location(path, loads_sharded):
         if is_sharded_checkpoint(path):
             check_integrity(path)  # every shard present and whole, every item's checksum

@@ -23,6 +23,9 @@ import torch
 
 _CHUNK = 1 << 20
 
+META_FILE = "meta.pt"
+"""A sharded checkpoint's file of everything Lightning saves besides the states (``strategy/checkpoint.py``)."""
+
 
 def integrity_problems(path: str | Path, part: int = 0, parts: int = 1) -> list[str]:
     """What is wrong with the checkpoint at ``path`` (a file, or a sharded checkpoint's directory), among the records
@@ -75,8 +78,6 @@ def _archive_problems(archive: zipfile.ZipFile, part: int, parts: int) -> list[s
 
 def _sharded_problems(path: Path, part: int, parts: int) -> list[str]:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    from .checkpoint import META_FILE
 
     problems = []
     if part == 0:

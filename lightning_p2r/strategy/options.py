@@ -11,7 +11,10 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import numbers
 import textwrap
+import types
+import typing
 from dataclasses import InitVar, dataclass, fields
 from typing import Literal
 
@@ -214,14 +217,76 @@ OPTION_NAMES: tuple[str, ...] = tuple(f.name for cls in SECTIONS.values() for f 
 
 
 def build_sections(options: dict[str, object]) -> dict[str, object]:
-    """Each section (by its strategy attribute) built from the flat keyword values, each validated as it is built."""
+    """Each section (by its strategy attribute) built from the flat keyword values, each validated as it is built,
+    then each value against its field's type (:func:`check_field_types`: what the section's checks let through, or
+    the option whose type broke one of them)."""
     built: dict[str, object] = {}
     for attribute, cls in SECTIONS.items():
         values = {f.name: options[f.name] for f in fields(cls)}
+        given = dict(values)
         if cls is AccumulationConfig:  # micro_batches means the pipeline's when there is one
             values["pipelined"] = options["pipeline_parallel"] > 1  # type: ignore[operator]
-        built[attribute] = cls(**values)
+        try:
+            built[attribute] = cls(**values)
+        except TypeError:
+            check_field_types(cls, given)
+            raise
+        check_field_types(cls, given)
     return built
+
+
+def check_field_types(cls: type, values: dict[str, object]) -> None:
+    """Refuse a value of another type than its field's annotation, naming the option and the type: a string where a
+    number belongs used to fail inside a comparison (``offload_fraction="half"``: "'<=' not supported"), and a bool
+    passed as a number (``offload_fraction=True``) or a float as a count (``prefetch=1.5``) ran as something else.
+    A ``Literal`` field takes any value of its literals' type here; its section then names the allowed ones."""
+    hints = typing.get_type_hints(cls)
+    for name, value in values.items():
+        if name in hints and not _matches(value, hints[name]):
+            raise ValueError(f"P2RStrategy.{name} must be {_describe(hints[name])}, got {value!r} "
+                             f"({type(value).__name__})")
+
+
+def _matches(value: object, hint: object) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if hint in (str, type(None)):
+        return isinstance(value, hint)  # type: ignore[arg-type]
+    if origin is Literal:
+        return any(type(value) is type(arg) for arg in args)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in args)
+    if origin is list:
+        return isinstance(value, (list, tuple)) and all(_matches(item, args[0]) for item in value)
+    return True  # a type this check does not know: the section's own validation judges it
+
+
+def _describe(hint: object) -> str:
+    """``hint`` in words: "a number or None", "True, False or 'auto'", "one of ['none', 'zero1']"."""
+    if typing.get_origin(hint) is Literal:
+        return f"one of {list(typing.get_args(hint))}"
+    choices = _choices(hint)
+    return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
+
+
+def _choices(hint: object) -> list[str]:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    names = {bool: ["True", "False"], int: ["an integer"], float: ["a number"], str: ["a string"],
+             type(None): ["None"]}
+    if hint in names:
+        return names[hint]  # type: ignore[index]
+    if origin is Literal:
+        return [repr(arg) for arg in args]
+    if origin in (typing.Union, types.UnionType):
+        return [choice for arg in args for choice in _choices(arg)]
+    if origin is list:
+        return [f"a list of {_describe(args[0]).removeprefix('an ').removeprefix('a ')}s"]
+    return [str(hint)]
 
 
 GENERATED_BEGIN = "# ---- options: generated from strategy/options.py by `python -m lightning_p2r.cli.docs` ----"

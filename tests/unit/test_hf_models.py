@@ -201,6 +201,15 @@ def test_what_tensor_parallelism_cannot_split_is_refused_in_one_line(family: str
         model_plan(_declared(family, **overrides), tensor_parallel=2)
 
 
+def test_expert_parallelism_of_a_dense_hf_model_says_it_has_no_experts() -> None:
+    """It said the model had no Hugging Face tensor-parallel plan, which a dense Llama has (a new-user audit)."""
+    from lightning_p2r.strategy.parallel.parallelize import model_plan
+
+    with pytest.raises(ValueError, match=r"expert_parallel=2\) splits a model's experts: LlamaForCausalLM declares "
+                                         r"none .*no base_model_ep_plan.*use expert_parallel=1"):
+        model_plan(_declared("llama"), expert_parallel=2)
+
+
 def test_qwen3s_per_head_norms_run_whole_on_the_ranks_heads() -> None:
     """HF's "replicated_with_grad_allreduce" (Qwen3's q_norm and k_norm) is the "heads" kind: torch's sequence style
     over the heads dimension, the weights replicated."""

@@ -30,6 +30,12 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
         plan = plan_from_hf(holder, tensor_parallel, expert_parallel)  # a Hugging Face model: its own plans
         check_experts(holder, plan, tensor_parallel, expert_parallel)
         return plan
+    elif expert_parallel > 1 and (hf_tp_plan(holder) is not None
+                                  or hasattr(getattr(holder, "config", None), "base_model_tp_plan")):
+        # A Hugging Face model with a tensor-parallel plan but no expert plan: a dense one, nothing to split by expert.
+        raise ValueError(f"P2RStrategy(expert_parallel={expert_parallel}) splits a model's experts: "
+                         f"{type(holder).__name__} declares none (its Hugging Face config has no base_model_ep_plan, "
+                         "as a dense model's has not); use expert_parallel=1, or tensor_parallel to split its layers")
     else:
         raise ValueError(f"P2RStrategy(tensor_parallel={tensor_parallel}, expert_parallel={expert_parallel}) splits a "
                          f"model by the plan it declares: {type(holder).__name__} has no parallel_plan() "
