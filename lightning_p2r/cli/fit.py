@@ -104,6 +104,11 @@ def _same_value(typed: str, printed: str) -> bool:
         return False
 
 
+_TYPE_WORDS = {"float": "a number", "int": "an integer", "str": "a string", "bool": "true or false",
+               "NoneType": "null"}
+"""How a recipe writes a value of each type jsonargparse names."""
+
+
 def condense(message: str) -> str:
     """jsonargparse reports a bad value inside a class given by path (``--trainer.strategy.sharding=zero4``) as a
     dozen lines of union subtypes; keep the one that matters: ``trainer.strategy.sharding: expected one of [...]``."""
@@ -116,6 +121,14 @@ def condense(message: str) -> str:
         # The class's own parser already condensed its error ("sharding: expected ..."): prefix the outer key.
         return f"{names[0]}.{lines[problems[-1] + 1]}" if names else lines[problems[-1] + 1]
     if "Union subtypes" in message:
+        # A value none of an optional option's types takes ("offload_fraction: half"): every type it could have been,
+        # not only the last one tried ("Expected a <class 'NoneType'>").
+        expected = [re.fullmatch(r"- Expected a <class '(\w+)'>", line) for line in lines if line.startswith("- ")]
+        given = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Given value:")), None)
+        if expected and all(expected) and given is not None:
+            words = [_TYPE_WORDS.get(match.group(1), match.group(1)) for match in expected]  # type: ignore[union-attr]
+            detail = f"expected {' or '.join(words)}, got {given!r}"
+            return f"{names[0]}: {detail}" if names else detail
         # The reason the class itself gave (its constructor's ValueError), not "expected a str".
         reasons = [line[2:] for line in lines if line.startswith("- ")
                    and not line.startswith(("- Expected a <class 'str'>", "- Problem with given class_path"))]
