@@ -157,20 +157,44 @@ def _overrides(command_line: list[str]) -> list[tuple[str, str | None]]:
 
 
 def _suggestion(parser: LightningArgumentParser, message: str) -> str:
-    """`` (did you mean: --trainer.max_stpes -> --trainer.max_steps?)`` for an unrecognized option: an option of
+    """`` (did you mean: --trainer.max_stpes -> --trainer.max_steps?)`` for an unrecognized option (`` (did you mean
+    'trainer.max_steps'?)`` for a recipe's key): an option of
     that name in another section (``--lr`` or ``--model.lr`` -> ``--model.optimizer.lr``; ``--strategy.sharding`` ->
     ``--trainer.strategy.sharding``, the strategy's options being P2RStrategy's keywords), else the closest
     spelling."""
+    known = [option for action in parser._actions for option in action.option_strings]  # noqa: SLF001
+    # A recipe's key ("Subcommand 'fit' does not accept option 'trainer.max_step'"): named as it is written there.
+    recipe_key = re.search(r"does not accept option '([^']+)'", message)
+    if recipe_key:
+        typed = f"--{recipe_key.group(1)}"
+        close = _same_name_elsewhere(typed, known) or _closest_spelling(typed, known)
+        return f" (did you mean '{close[0][2:]}'?)" if close else ""
     if "unrecognized arguments" not in message:
         return ""
-    known = [option for action in parser._actions for option in action.option_strings]  # noqa: SLF001
     hints = []
     for word in message.split(":", 1)[-1].split():
         if word.startswith("--"):
             typed = word.split("=", 1)[0]
-            close = _same_name_elsewhere(typed, known) or difflib.get_close_matches(typed, known, n=1, cutoff=0.75)
+            close = _same_name_elsewhere(typed, known) or _closest_spelling(typed, known)
             hints += [f"{typed} -> {close[0]}"] if close else []
     return f" (did you mean: {', '.join(hints)}?)" if hints else ""
+
+
+SPELLED_ELSEWHERE = {"learning_rate": "lr", "batchsize": "batch_size", "epochs": "max_epochs"}
+"""Names other libraries give an option, and this package's (the spelling alone does not lead there)."""
+
+
+def _closest_spelling(typed: str, known: list[str]) -> list[str]:
+    """The known option spelled most like ``typed``: among its own section's options by the last name (so that a
+    shared long prefix does not make ``model.optimizer.learning_rate`` look like ``model.optimizer.min_lr_ratio``),
+    else, for a mistyped section (``trainr.accelerator``), over the whole name."""
+    section, _, name = typed.rpartition(".")
+    siblings = {option.rpartition(".")[2]: option for option in known if option.rpartition(".")[0] == section}
+    if siblings:
+        name = SPELLED_ELSEWHERE.get(name, name)
+        close = [name] if name in siblings else difflib.get_close_matches(name, list(siblings), n=1, cutoff=0.75)
+        return [siblings[close[0]]] if close else []
+    return difflib.get_close_matches(typed, known, n=1, cutoff=0.75)
 
 
 def _same_name_elsewhere(typed: str, known: list[str]) -> list[str]:

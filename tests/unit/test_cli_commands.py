@@ -62,7 +62,24 @@ def test_an_unknown_key_in_a_recipe_names_the_file_and_line(tmp_path: Path,
     recipe.write_text("trainer:\n  max_steps: 3\nmodel:\n  config:\n    num_layerz: 2\n")
     code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe)])
     assert code == 2
-    assert "model.config.num_layerz" in text and f"(in {recipe}, line 5)" in text
+    assert "model.config.num_layerz' (did you mean 'model.config.num_layers'?)" in text
+    assert f"(in {recipe}, line 5)" in text
+
+
+@pytest.mark.parametrize(("typed", "meant"), [("trainer.max_step", "trainer.max_steps"),
+                                              ("trainr.max_steps", "trainer.max_steps"),
+                                              ("model.optimizer.learning_rate", "model.optimizer.lr"),
+                                              ("data.batchsize", "data.batch_size")])
+def test_a_misspelled_recipe_key_gets_the_closest_one(typed: str, meant: str, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """Only the command line's options got a suggestion; a recipe's key now does too, within its own section
+    (learning_rate once read as min_lr_ratio, a name of the same section spelled with more of its letters)."""
+    section, _, name = typed.rpartition(".")
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text("".join(f"{'  ' * depth}{part}:\n" for depth, part in enumerate(section.split(".")))
+                      + f"{'  ' * (section.count('.') + 1)}{name}: 3\n")
+    code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe)])
+    assert code == 2 and f"'{typed}' (did you mean '{meant}'?)" in text, text
 
 
 @pytest.mark.slow
