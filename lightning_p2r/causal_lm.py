@@ -32,7 +32,7 @@ from .models.gpt2_plan import declare_gpt2_plan
 from .models.litgpt_plan import declare_litgpt_plan
 from .models.module_init import initialize_by_module
 from .models.router_loss import aux_loss_coefficient
-from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, next_token_batch
+from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, check_schedule_covers_run, next_token_batch
 from .protocols import LayeredStages, PipelineParts
 from .sharing import delink, find_block_sequence, shallow_layers, share_layers
 
@@ -270,3 +270,6 @@ class CausalLMModule(L.LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         return adamw_with_schedule(self, self.optimizer_config)
+
+    def on_train_start(self) -> None:
+        check_schedule_covers_run(self.trainer)  # a resumed schedule that ends before the run does

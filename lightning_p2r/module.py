@@ -608,6 +608,9 @@ class M6LanguageModel(L.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         return adamw_with_schedule(self, self.optimizer_config)
 
+    def on_train_start(self) -> None:
+        check_schedule_covers_run(self.trainer)  # a resumed schedule that ends before the run does
+
 
 def total_optimizer_steps(trainer: L.Trainer) -> int:
     """Steps the schedule spans: Lightning's estimate, which honours max_steps, max_epochs and batch limits."""
@@ -615,6 +618,29 @@ def total_optimizer_steps(trainer: L.Trainer) -> int:
     if not math.isfinite(total):
         raise ValueError("the warmup-cosine schedule needs a finite run: set Trainer max_steps or max_epochs")
     return int(total)
+
+
+def check_schedule_covers_run(trainer: L.Trainer) -> None:
+    """A resumed run keeps its checkpoint's LR schedule, length included (``LambdaLR`` restores the multiplier's
+    attributes): past the schedule's last step it trains at the last step's rate, ``min_lr_ratio`` times the peak.
+    Refuse a run that goes on past it at a rate of 0, which would train nothing (steps of weight decay aside),
+    silently; warn when the rate is above 0. Fresh runs are never past their schedule. Called before the first step,
+    once the checkpoint's states are restored."""
+    total = total_optimizer_steps(trainer)
+    for scheduler_config in trainer.lr_scheduler_configs:
+        for multiplier in getattr(scheduler_config.scheduler, "lr_lambdas", []):
+            if not isinstance(multiplier, (WarmupCosine, WarmupStableDecay)) or total <= multiplier.total_steps:
+                continue
+            what = (f"this run goes to step {total} (Trainer max_steps), past the end of the learning-rate schedule "
+                    f"it resumed, which spans the checkpoint's {multiplier.total_steps} steps: steps "
+                    f"{multiplier.total_steps} to {total - 1} would train at the schedule's last rate, "
+                    f"min_lr_ratio={multiplier.min_lr_ratio} times the peak")
+            if multiplier.min_lr_ratio == 0:
+                raise ValueError(f"{what}, that is at learning rate 0, training nothing. Resume with "
+                                 f"--trainer.max_steps={multiplier.total_steps}, or start a new run (a new schedule) "
+                                 "from the checkpoint's weights: M6LanguageModel.load_from_checkpoint(path, "
+                                 "weights_only=True) (or CausalLMModule's), then Trainer.fit without ckpt_path")
+            rank_zero_warn(f"{what} (docs/quickstart.md, resuming)")
 
 
 def adamw_with_schedule(module: L.LightningModule, config: OptimizerConfig) -> dict[str, Any]:

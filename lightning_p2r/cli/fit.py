@@ -25,7 +25,7 @@ from typing import IO, Any, NoReturn
 import torch
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.strategies import Strategy
 
@@ -231,6 +231,15 @@ def _strategy_option_hint(message: str) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+class _BatchesRun(Callback):
+    """Whether this command has started a training batch (a refusal before that is the user's input)."""
+
+    started = False
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        self.started = True
+
+
 class SaveConfigWhenTraining(SaveConfigCallback):
     """Writes ``config.yaml`` into ``trainer.default_root_dir`` once ``fit`` has trained its first batch,
     atomically (a temporary file renamed over the old one). Lightning's callback writes at ``setup``, before the
@@ -369,13 +378,16 @@ class P2RCLI(LightningCLI):
         """A refusal before anything trained (the strategy's checks in the launching process, a data or checkpoint
         check on the ranks) ends the command with one line, the other ranks' different errors below it; an error
         once training has started keeps its traceback."""
+        batches = _BatchesRun()
+        self.trainer.callbacks.append(batches)
         try:
             return run(**kwargs)
         except RankFailed as error:
             sys.stderr.write(f"error: a rank failed, every rank was stopped: {error}\n")
             raise SystemExit(1) from None
         except (ValueError, FileNotFoundError, MisconfigurationException) as error:
-            if self.trainer.global_step > 0:
+            # (a resumed run's global_step is the checkpoint's: what counts is a batch run by this command)
+            if batches.started:
                 raise
             notes = "".join(f"\n  {note}" for note in getattr(error, "__notes__", []))
             sys.stderr.write(f"error: {error}{notes}\n")

@@ -220,6 +220,28 @@ def test_the_cli_refuses_in_one_message_and_leaves_the_earlier_run_alone(
     assert _digest(earlier_run / "runs") == before
 
 
+@pytest.mark.slow
+def test_a_resume_past_a_schedule_ending_at_rate_zero_is_refused_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A resumed run's global_step is the checkpoint's: a refusal before this command's first batch (here the
+    schedule check at train start) is still the user's input, one line and status 2, not a traceback."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("LIGHTNING_P2R_CACHE", str(tmp_path / "cache"))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("And the evening and the morning were the first day. " * 300, encoding="utf-8")
+    args = ["fit", "--config", QUICKSTART, "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+            "--trainer.logger=false", "--data.tokenizer=bytes", "--data.vocab_size=256", f"--data.corpus={corpus}",
+            "--model.optimizer.warmup_steps=0", "--model.optimizer.min_lr_ratio=0"]
+    main(args + ["--trainer.max_steps=2"])
+    before = _digest(tmp_path / "runs")
+    with pytest.raises(SystemExit) as exit_info:
+        main(args + ["--trainer.max_steps=4", "--ckpt_path=last"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("error: this run goes to step 4") and "learning rate 0, training nothing" in error
+    assert _digest(tmp_path / "runs") == before
+
+
 # ------------------------------------------------------------------------------ checkpoints and data in fit
 def _fit_refused(tmp_path: Path, message: str, *, config: dict | None = None, data: TextDataModule | None = None,
                  strategy: P2RStrategy | None = None, ckpt_path: Any = None,

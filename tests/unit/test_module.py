@@ -3,6 +3,7 @@ the same kernels in the same order as the run that never stopped (tests/unit/equ
 may not be exact)."""
 
 import math
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -151,6 +152,38 @@ def test_resume_continues_to_the_same_weights(tmp_path: Path) -> None:
     _trainer(tmp_path / "b", max_steps=6, val_check_interval=100).fit(
         resumed, datamodule=_data(tmp_path), ckpt_path=tmp_path / "mid.ckpt", weights_only=True)
     assert_bit_identical(resumed.state_dict(), straight.state_dict())
+
+
+@pytest.mark.parametrize("min_lr_ratio", [0.0, 0.1])
+def test_a_resumed_run_longer_than_its_schedule_is_refused_at_rate_zero_and_warned_about_above(
+        tmp_path: Path, min_lr_ratio: float) -> None:
+    """The schedule's length comes back with the checkpoint: resumed with a larger max_steps, the added steps train
+    at its last rate. At min_lr_ratio 0 they trained nothing, silently (a new-user audit: val/loss at step 59 equal to
+    step 49's in every digit); now refused before the first step. Above 0, said."""
+    optimizer = OptimizerConfig(warmup_steps=1, min_lr_ratio=min_lr_ratio)
+    first = M6LanguageModel(M6Config(**TINY), optimizer)
+    trainer = _trainer(tmp_path / "a", max_steps=3, val_check_interval=100)
+    trainer.fit(first, datamodule=_data(tmp_path))
+    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    resumed = M6LanguageModel(M6Config(**TINY), optimizer)
+    steps: list[int] = []
+    resumed.on_train_batch_start = lambda *args: steps.append(1)
+    longer = _trainer(tmp_path / "b", max_steps=5, val_check_interval=100)
+    message = r"goes to step 5 .*spans the checkpoint's 3 steps: steps 3 to 4 would train at the schedule's last rate"
+    if min_lr_ratio == 0:
+        with pytest.raises(ValueError, match=message + r".*learning rate 0, training nothing.*--trainer.max_steps=3"):
+            longer.fit(resumed, datamodule=_data(tmp_path), ckpt_path=tmp_path / "end.ckpt", weights_only=True)
+        assert steps == []
+    else:
+        with pytest.warns(UserWarning, match=message + r", min_lr_ratio=0.1 times the peak"):
+            longer.fit(resumed, datamodule=_data(tmp_path), ckpt_path=tmp_path / "end.ckpt", weights_only=True)
+        assert longer.global_step == 5
+    straight = _trainer(tmp_path / "c", max_steps=3, val_check_interval=100)  # as long as its schedule: no word
+    again = M6LanguageModel(M6Config(**TINY), optimizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        straight.fit(again, datamodule=_data(tmp_path), ckpt_path=tmp_path / "end.ckpt", weights_only=True)
+    assert not [w for w in caught if "schedule" in str(w.message)]
 
 
 def test_predict_returns_next_token_ids(tmp_path: Path) -> None:
