@@ -15,7 +15,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from ..protocols import DelinksInPlace
@@ -86,12 +86,42 @@ def plan_stages(
     for index, (step, target) in enumerate(stages):
         if step < 0 or (max_steps > 0 and step >= max_steps):
             raise ValueError(
-                f"PseudoToReal: delinking at step {step} is outside the run (Trainer max_steps={max_steps}); "
-                "choose a step in [0, max_steps)"
+                f"PseudoToReal: delinking at step {step} is outside the run ({max_steps} optimizer steps: Trainer "
+                "max_steps, or its epochs and batch limits); choose a step in [0, max_steps)"
             )
         if not (upcycle_only and index == 0 and blocks == num_layers):
-            blocks = check_delink_target(num_layers, blocks, target)
+            try:
+                blocks = check_delink_target(num_layers, blocks, target)
+            except ValueError as error:
+                raise ValueError(f"PseudoToReal: the delinking planned at step {step}: {error}") from None
     return stages
+
+
+def run_steps(trainer: L.Trainer) -> int:
+    """The run's optimizer steps: ``max_steps``, or for a run bounded by epochs Lightning's estimate from its epochs
+    and batch limits (-1 when unbounded)."""
+    if trainer.max_steps > 0:
+        return trainer.max_steps
+    estimate = trainer.estimated_stepping_batches
+    return int(estimate) if math.isfinite(estimate) else -1
+
+
+def stages_left(stages: list[tuple[int, int]], events: list[DelinkEvent],
+                blocks_now: int) -> tuple[list[tuple[int, int]], str | None]:
+    """The planned stages a resumed run still has to do, and a note when the plan and what the checkpoint did differ:
+    a stage is done when the model already has its blocks, whatever step the checkpoint's run did it at (counting
+    the recorded events instead skipped a stage the checkpoint's plan never had, or repeated one on a model already
+    real). A fresh run (no events) keeps every stage."""
+    if not events:
+        return stages, None
+    left = [(step, target) for step, target in stages if target > blocks_now]
+    done = [stage for stage in stages if stage not in left]
+    note = None
+    if [target for _, target in done] != [event.blocks_after for event in events]:
+        note = (f"PseudoToReal: the checkpoint's model has {blocks_now} blocks (delinked at step(s) "
+                f"{[event.step for event in events]}); of this run's plan {stages}, "
+                + (f"it still does {left}" if left else "nothing is left to do"))
+    return left, note
 
 
 def rewarm_scale(steps_since_delink: int, rewarm_steps: int) -> float:
@@ -246,9 +276,13 @@ class PseudoToReal(L.Callback):
         # Plan from the blocks the run started with, so a resumed run validates the same whole schedule.
         initial_blocks = self.events[0].blocks_before if self.events else len(holder.blocks)
         upcycle_only = bool(shared_experts(holder)) or (bool(self.events) and self.events[0].experts_upcycled)
-        stages = plan_stages(num_layers, initial_blocks, trainer.max_steps, self.delink_at_step,
+        if self.delink_at_fraction is not None and trainer.max_steps <= 0:
+            raise ValueError("PseudoToReal.delink_at_fraction needs Trainer(max_steps=...) to be set")
+        stages = plan_stages(num_layers, initial_blocks, run_steps(trainer), self.delink_at_step,
                              self.delink_at_fraction, self.schedule, upcycle_only=upcycle_only)
-        self._stages = stages[len(self.events):]
+        self._stages, note = stages_left(stages, self.events, len(holder.blocks))
+        if note:
+            rank_zero_info(note)
 
     def _check_growth(self, trainer: L.Trainer) -> None:
         """A shallow pseudo model or shared experts: refuse what growth and upcycling do not support yet."""
@@ -272,8 +306,12 @@ class PseudoToReal(L.Callback):
             return  # never in the middle of an accumulation window
         step = trainer.global_step
         if self._stages and step >= self._stages[0][0]:
-            _, target = self._stages.pop(0)
-            self._delink(trainer, pl_module, batch, target, reason=f"planned at step {step}")
+            planned, target = self._stages.pop(0)
+            late = f", done at step {step} (resumed past it)" if step > planned else ""
+            if late:  # (the restored step is known from the first batch on, not at fit start)
+                rank_zero_warn(f"PseudoToReal: the run resumes at step {step}, past the delinking planned at step "
+                               f"{planned}: it delinks at its first step, {step}")
+            self._delink(trainer, pl_module, batch, target, reason=f"planned at step {planned}{late}")
         elif self.auto and not self.events:
             self._auto_step(trainer, pl_module, batch, step)
         self._track_moments(pl_module, step)

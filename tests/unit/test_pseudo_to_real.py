@@ -189,6 +189,67 @@ def test_resume_before_and_after_delink_reaches_the_same_weights(tmp_path: Path,
     assert_bit_identical(got, expected)
 
 
+def _checkpoint_at(tmp_path: Path, callback: PseudoToReal, step: int) -> Path:
+    """A run of 8 steps under ``callback``, checkpointed at ``step``: that checkpoint."""
+    checkpoints = tmp_path / "ckpt"
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=step, save_top_k=-1,
+                                                save_on_train_epoch_end=False)
+    tiny_trainer(tmp_path / "first", max_steps=8, val_check_interval=100,
+                 callbacks=[callback, saver]).fit(_module(), datamodule=tiny_data(tmp_path))
+    return next(checkpoints.glob(f"*step={step}.ckpt"))
+
+
+def _resume(tmp_path: Path, path: Path, callback: PseudoToReal) -> M6LanguageModel:
+    module = _module()
+    tiny_trainer(tmp_path / "second", max_steps=8, val_check_interval=100, callbacks=[callback]).fit(
+        module, datamodule=tiny_data(tmp_path), ckpt_path=path, weights_only=True)
+    return module
+
+
+def test_a_resumed_run_does_the_stages_its_model_still_needs(tmp_path: Path,
+                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """Resumed into another plan, the stages left were counted by the checkpoint's events (a new-user audit): a
+    checkpoint after a staged plan's first stage (2 of 4 blocks), resumed with one delinking to 4 at step 5, never
+    delinked; a real checkpoint resumed with a staged plan crashed at its second stage. A stage is done when the
+    model has its blocks."""
+    staged = _checkpoint_at(tmp_path / "staged", PseudoToReal(schedule={2: 2, 6: 4}), 3)
+    callback = PseudoToReal(delink_at_step=5)
+    with caplog.at_level("INFO"):
+        module = _resume(tmp_path / "staged", staged, callback)
+    assert [(event.step, event.blocks_after) for event in callback.events] == [(2, 2), (5, 4)]
+    assert len(module.transformer.blocks) == 4
+    assert "the checkpoint's model has 2 blocks (delinked at step(s) [2]); of this run's plan [(5, 4)], it still " \
+           "does [(5, 4)]" in caplog.text
+
+    real = _checkpoint_at(tmp_path / "real", PseudoToReal(delink_at_step=2), 3)
+    callback = PseudoToReal(schedule={1: 2, 5: 4})
+    module = _resume(tmp_path / "real", real, callback)  # nothing left: no "already real" at step 5
+    assert [(event.step, event.blocks_after) for event in callback.events] == [(2, 4)]
+    assert len(module.transformer.blocks) == 4
+
+
+def test_a_run_resumed_past_its_planned_delinking_says_it_delinks_late(tmp_path: Path) -> None:
+    path = _checkpoint_at(tmp_path, PseudoToReal(delink_at_step=6), 3)
+    callback = PseudoToReal(delink_at_step=2)
+    with pytest.warns(UserWarning, match=r"resumes at step 3, past the delinking planned at step 2: it delinks at "
+                                         r"its first step, 3"):
+        _resume(tmp_path, path, callback)
+    (event,) = callback.events
+    assert event.step == 3 and event.reason == "planned at step 2, done at step 3 (resumed past it)"
+
+
+def test_a_delinking_past_a_run_bounded_by_epochs_is_refused(tmp_path: Path) -> None:
+    """The range check read max_steps only: a run of one epoch of 8 batches took a delinking at step 50 and ended
+    pseudo, without a word."""
+    module = _module()
+    steps: list[int] = []
+    module.on_train_batch_start = lambda *args: steps.append(1)
+    with pytest.raises(ValueError, match=r"delinking at step 50 is outside the run \(8 optimizer steps"):
+        _fit(tmp_path, PseudoToReal(delink_at_step=50), max_steps=-1, module=module, max_epochs=1,
+             limit_train_batches=8)
+    assert steps == []
+
+
 def test_load_from_checkpoint_after_delink(tmp_path: Path) -> None:
     module, trainer, _ = _fit(tmp_path, PseudoToReal(delink_at_step=2), max_steps=3)
     trainer.save_checkpoint(tmp_path / "real.ckpt")
