@@ -195,9 +195,16 @@ def _numbers(text: str | None, kind: type, option: str, parser: argparse.Argumen
     if text is None:
         return None
     try:
-        return tuple(kind(n) for n in text.split(",") if n.strip())
+        values = tuple(kind(n) for n in text.split(",") if n.strip())
     except ValueError:
         parser.error(f"{option}: expected comma-separated numbers, got {text!r}")
+    # Offload fractions are shares of the blocks; micro-batch counts whole numbers of batches.
+    low, high = (0.0, 1.0) if kind is float else (1, None)
+    bad = [value for value in values if value < low or (high is not None and value > high)]
+    if bad or not values:
+        allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        parser.error(f"{option}: each value must be {allowed}, got {text!r}")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -237,6 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
+    for flag, value in (("--global-batch", args.global_batch), ("--seq-len", args.seq_len),
+                        ("--devices", args.devices)):
+        if value is not None and value < 1:  # (--global-batch 0 once meant "the recipe's", silently)
+            parser.error(f"{flag} must be >= 1, got {value}")
     try:
         cluster, mismatch = cluster_for([load_cluster(path) for path in args.cluster], args.devices)
         config, settings = recipe_inputs(args.config)

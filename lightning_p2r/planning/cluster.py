@@ -426,8 +426,14 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
         raise ValueError(f"{source}: {error}") from None
 
 
+REQUIRED_IN_FILES = ("devices", "device_memory", "device_flops")
+"""Fields a cluster file must give: the machine's size, memory and speed. Every field has a default (an 8 x A100
+node's, for the Python API's convenience), and a file without these was priced as that machine, silently: one giving
+only ``accelerator: cpu`` predicted 183k tokens/s where its machine ran 9k (a new-user audit)."""
+
+
 def load_cluster(path: str | Path) -> Cluster:
-    """Read a cluster YAML file (see ``docs/planning.md`` for its fields)."""
+    """Read a cluster YAML file (see ``docs/planning.md`` for its fields); :data:`REQUIRED_IN_FILES` must be there."""
     import yaml
 
     path = Path(path)
@@ -437,7 +443,13 @@ def load_cluster(path: str | Path) -> Cluster:
         values = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:
         raise ValueError(f"cluster file {path} is not valid YAML: {error}") from None
-    return cluster_from_dict(values or {}, source=str(path))
+    cluster = cluster_from_dict(values or {}, source=str(path))
+    missing = [name for name in REQUIRED_IN_FILES if name not in (values or {})]
+    if missing:
+        raise ValueError(f"cluster file {path} does not give {missing}: the planner would price the defaults' 8 x A100 "
+                         "80 GB node instead. Measure this machine with `lightning-p2r calibrate --out FILE`, or write "
+                         "them (docs/planning.md, 'The cluster file'; recipes/clusters/ has examples)")
+    return cluster
 
 
 def cluster_for(clusters: list[Cluster], devices: int | None) -> tuple[Cluster, str | None]:

@@ -90,13 +90,14 @@ def test_a_stored_draw_is_predicted_again_from_its_csv(tmp_path: Path) -> None:
     rows = [planner_draw.row_of(i, item) | {"measured_s": 0.05, "status": "ok"} for i, item in enumerate(items)]
     planner_draw.write_rows(rows, tmp_path / "in" / "planner_draw.csv")
     cluster = tmp_path / "cluster.yaml"
-    cluster.write_text("accelerator: cpu\ndevices: 1\ndevices_per_node: 1\n")
+    cluster.write_text("accelerator: cpu\ndevices: 1\ndevices_per_node: 1\ndevice_memory: 24GB\ndevice_flops: 1e11\n")
     out = planner_draw.main(["--measured", str(tmp_path / "in" / "planner_draw.csv"), "--cluster", str(cluster),
                              "--out", str(tmp_path / "out")])
     for row, item in zip(out, items):
         assert planner_draw.draw_of_row(row) == item
         expected = estimate_step(item.config, item.layout, cluster_from_dict(
-            {"accelerator": "cpu", "devices": 1, "devices_per_node": 1}), item.workload).total
+            {"accelerator": "cpu", "devices": 1, "devices_per_node": 1, "device_memory": "24GB",
+             "device_flops": 1e11}), item.workload).total
         assert float(row["predicted_s"]) == pytest.approx(expected)
         assert float(row["error_pct"]) == pytest.approx(100 * (expected - 0.05) / 0.05)
 
@@ -145,13 +146,14 @@ def test_a_several_process_draw_takes_layouts_from_the_planners_space_and_report
             for i, item in enumerate(planner_draw.draw(7, 2, gpu=False) + items[:2])]
     planner_draw.write_rows(rows, tmp_path / "in" / "planner_draw.csv")
     cluster = tmp_path / "cluster.yaml"
-    cluster.write_text("accelerator: cpu\ndevices: 1\ndevices_per_node: 1\n")
+    cluster.write_text("accelerator: cpu\ndevices: 1\ndevices_per_node: 1\ndevice_memory: 24GB\ndevice_flops: 1e11\n")
     out = planner_draw.main(["--measured", str(tmp_path / "in" / "planner_draw.csv"), "--cluster", str(cluster),
                              "--out", str(tmp_path / "out")])
     for row, item in zip(out[2:], items):
         assert planner_draw.draw_of_row(row) == item  # the process count round-trips through the CSV
         predicted = estimate_step(item.config, item.layout, cluster_from_dict(
-            {"accelerator": "cpu", "devices": 2, "devices_per_node": 1}), item.workload).total
+            {"accelerator": "cpu", "devices": 2, "devices_per_node": 1, "device_memory": "24GB",
+             "device_flops": 1e11}), item.workload).total
         assert float(row["predicted_s"]) == pytest.approx(predicted)
     assert set(planner_draw.summary(out)["by_processes"]) == {1, 2}
 

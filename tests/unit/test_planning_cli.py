@@ -63,9 +63,35 @@ def test_plan_refuses_a_missing_or_wrong_cluster_file(capsys, tmp_path) -> None:
     assert "device_memory" in capsys.readouterr().err
 
 
+def test_plan_refuses_a_cluster_file_without_the_machines_size_and_speed(capsys, tmp_path) -> None:
+    """Every field has a default (an 8 x A100 node's): a file giving only ``accelerator: cpu`` was priced as one,
+    183k tokens/s predicted where its machine ran 9k (a new-user audit)."""
+    sparse = tmp_path / "sparse.yaml"
+    sparse.write_text("accelerator: cpu\ndevices: 1\n")
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", str(sparse), "--config", str(RECIPES / "quickstart.yaml")])
+    assert "sparse.yaml does not give ['device_memory', 'device_flops']: the planner would price the defaults' 8 x " \
+           "A100" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--global-batch", "0"], "--global-batch must be >= 1, got 0"),
+    (["--devices", "0"], "--devices must be >= 1, got 0"),
+    (["--offload-fractions", "0,1.5"], "--offload-fractions: each value must be in [0.0, 1.0], got '0,1.5'"),
+    (["--micro-batches", "0,2"], "--micro-batches: each value must be >= 1, got '0,2'"),
+])
+def test_plan_refuses_search_options_out_of_range(flags: list[str], message: str, capsys) -> None:
+    """``--global-batch 0`` was taken as "the recipe's", and offload fractions outside [0, 1] were priced."""
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", str(RECIPES / "clusters" / "a100_80gb_x8.yaml"), "--config",
+              str(RECIPES / "quickstart.yaml"), *flags])
+    assert message in capsys.readouterr().err
+
+
 def test_plan_says_when_nothing_fits(capsys, tmp_path) -> None:
     tiny = tmp_path / "tiny.yaml"
-    tiny.write_text("devices: 1\ndevices_per_node: 1\ndevice_memory: 1MB\nhost_memory_per_node: 1MB\n")
+    tiny.write_text("devices: 1\ndevices_per_node: 1\ndevice_memory: 1MB\nhost_memory_per_node: 1MB\n"
+                    "device_flops: 1T\n")
     with pytest.raises(SystemExit, match="no layout fits"):
         main(["plan", "--cluster", str(tiny), "--config", str(RECIPES / "quickstart.yaml")])
 
@@ -215,7 +241,8 @@ def test_plan_warns_when_the_cluster_file_lacks_a_term_its_layouts_count(capsys,
 def test_plan_warns_when_a_cpu_file_predates_the_per_token_layer_costs(capsys, tmp_path) -> None:
     """Issue 41 item 1: a CPU file calibrated before the per-token and expert-stacking costs existed prices CPU steps
     20-30% short; ``plan`` names the missing fields and says to calibrate again. A file that has them does not warn."""
-    old = {"name": "old-cpu", "accelerator": "cpu", "devices": 1, "devices_per_node": 1, "device_flops": 1e11,
+    old = {"name": "old-cpu", "accelerator": "cpu", "devices": 1, "devices_per_node": 1, "device_memory": "24GB",
+           "device_flops": 1e11,
            "attention_flops": 3e10, "memory_bandwidth": 4e10, "elementwise_bandwidth": 7e9,
            "dense_layer_overhead": 3e-4, "moe_layer_overhead": 7e-4, "overlap_collectives": False,
            "overlap_copies": False}
