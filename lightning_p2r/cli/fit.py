@@ -132,8 +132,12 @@ def condense(message: str) -> str:
         # The reason the class itself gave (its constructor's ValueError), not "expected a str".
         reasons = [line[2:] for line in lines if line.startswith("- ")
                    and not line.startswith(("- Expected a <class 'str'>", "- Problem with given class_path"))]
+        # Of the subtypes' errors, the class's own sentence (a callback's ValueError among a list of callbacks),
+        # not that the value is no None or no subclass of the other subtypes.
+        own = [reason for reason in reasons if not reason.startswith(("Expected a ", "Not a valid subclass", "a "))]
         if reasons:
-            return f"{names[0]}: {reasons[-1]}" if names else reasons[-1]
+            reason = (own or reasons)[-1]
+            return f"{names[0]}: {reason}" if names else reason
     keyed = [i for i, line in enumerate(lines) if line.startswith("Parser key")]
     if not keyed:
         return message

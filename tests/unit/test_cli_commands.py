@@ -143,3 +143,31 @@ def test_a_command_builds_the_parser_of_its_own_subcommand_only(monkeypatch: pyt
     cli = P2RCLI.__new__(P2RCLI)
     cli._command_line = ["--config", "recipe.yaml"]
     assert set(cli.subcommands()) == set(LightningCLI.subcommands())
+
+
+def test_a_callbacks_own_refusal_is_the_line_the_cli_prints() -> None:
+    """jsonargparse lists each subtype's error for a list of callbacks; the line kept was the last ("Expected a
+    <class 'NoneType'>"), which hid PseudoToReal's own sentence (a new-user audit)."""
+    from lightning_p2r.cli.fit import condense
+
+    raw = """Does not validate against any of the Union subtypes
+Subtypes: [list[lightning.pytorch.callbacks.callback.Callback], <class 'NoneType'>]
+Errors:
+  - PseudoToReal.delink_at_fraction must be in [0, 1), got 1.5
+  - Not a valid subclass of Callback
+    Subclass types expect one of:
+    - a class path (str)
+    - a dict with class_path entry
+  - Expected a <class 'NoneType'>
+Given value type: <class 'list'>
+Given value: [Namespace(class_path='lightning_p2r.PseudoToReal')]"""
+    assert condense(raw) == "PseudoToReal.delink_at_fraction must be in [0, 1), got 1.5"
+    optional = """Parser key "offload_fraction":
+  Does not validate against any of the Union subtypes
+  Subtypes: [<class 'float'>, <class 'NoneType'>]
+  Errors:
+    - Expected a <class 'float'>
+    - Expected a <class 'NoneType'>
+  Given value type: <class 'str'>
+  Given value: half"""
+    assert condense(optional) == "offload_fraction: expected a number or null, got 'half'"
