@@ -7,6 +7,7 @@ before any planning starts, and a wrong one names the field and the file.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
 from dataclasses import dataclass, fields
@@ -409,7 +410,15 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
     known = {f.name: f for f in fields(Cluster)}
     unknown = sorted(set(values) - set(known))
     if unknown:
-        raise ValueError(f"{source}: unknown field(s) {unknown}; known: {sorted(known)}")
+        sections = sorted({"model", "trainer", "data"} & set(unknown))
+        if sections:
+            raise ValueError(f"{source}: this looks like a recipe (its {sections} sections), not a cluster file: pass "
+                             "the recipe to --config, and a cluster file (`lightning-p2r calibrate --out FILE` writes "
+                             "one) to --cluster")
+        close = {name: difflib.get_close_matches(name, list(known), n=1, cutoff=0.75) for name in unknown}
+        meant = [f"{name} -> {match[0]}" for name, match in close.items() if match]
+        hint = f" (did you mean: {', '.join(meant)}?)" if meant else ""
+        raise ValueError(f"{source}: unknown field(s) {unknown}{hint}; known: {sorted(known)}")
     parsed: dict[str, Any] = {}
     for key, value in values.items():
         if key in ("name", "accelerator", "collective_factors", "fitted_spread", "attention_rates",

@@ -88,6 +88,19 @@ def test_plan_refuses_search_options_out_of_range(flags: list[str], message: str
     assert message in capsys.readouterr().err
 
 
+def test_a_mistyped_cluster_field_and_a_recipe_given_as_cluster_are_named(capsys, tmp_path) -> None:
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("devices: 1\ndevice_memroy: 24GB\ndevice_flops: 1e11\n")
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", str(typo), "--config", str(RECIPES / "quickstart.yaml")])
+    assert "unknown field(s) ['device_memroy'] (did you mean: device_memroy -> device_memory?)" in \
+        capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", str(RECIPES / "quickstart.yaml"), "--config", str(RECIPES / "quickstart.yaml")])
+    assert "this looks like a recipe (its ['data', 'model', 'trainer'] sections), not a cluster file" in \
+        capsys.readouterr().err
+
+
 def test_plan_says_when_nothing_fits(capsys, tmp_path) -> None:
     tiny = tmp_path / "tiny.yaml"
     tiny.write_text("devices: 1\ndevices_per_node: 1\ndevice_memory: 1MB\nhost_memory_per_node: 1MB\n"
