@@ -185,10 +185,10 @@ def causal_lm(family: str, **kwargs):
     whole with its declaration for "nanogpt"."""
     from lightning_p2r.causal_lm import CausalLMModule
 
-    if family in LITGPT_CONFIGS:
-        return CausalLMModule(litgpt_config=LITGPT_CONFIGS[family], **kwargs)
     if kwargs.pop("own_module", False):
         return OwnCausalLM(CONFIGS[family], kwargs.pop("optimizer"), kwargs.pop("init_seed"))
+    if family in LITGPT_CONFIGS:
+        return CausalLMModule(litgpt_config=LITGPT_CONFIGS[family], **kwargs)
     if family == "nanogpt":
         kwargs.pop("init_seed", None)  # a model given whole keeps its own weights
         return CausalLMModule(model=NanoGPT(), parts=nano_parts(), **kwargs)
