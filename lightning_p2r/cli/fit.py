@@ -18,7 +18,6 @@ import inspect
 import os
 import re
 import sys
-import tempfile
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -30,6 +29,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.strategies import Strategy
 
 from .. import register_strategies
+from ..atomic_files import write_atomically
 from ..callbacks.throughput import Throughput
 from ..console.known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
 from ..data import TextDataModule
@@ -258,12 +258,7 @@ class SaveConfigWhenTraining(SaveConfigCallback):
             return
         if trainer.is_global_zero:
             root = str(trainer.default_root_dir)
-            os.makedirs(root, exist_ok=True)
-            text = self.parser.dump(self.config, skip_none=False)
-            with tempfile.NamedTemporaryFile("w", dir=root, prefix=".config-", suffix=".yaml", delete=False,
-                                             encoding="utf-8") as f:
-                f.write(text)
-            os.replace(f.name, os.path.join(root, self.config_filename))
+            write_atomically(os.path.join(root, self.config_filename), self.parser.dump(self.config, skip_none=False))
             self.save_config(trainer, pl_module, "fit")
         self.already_saved = True
 

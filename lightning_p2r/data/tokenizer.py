@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import io
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from ..atomic_files import write_atomically
 from .corpus import load_corpus
 
 if TYPE_CHECKING:
@@ -115,7 +115,7 @@ class BPETokenizer:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the tokenizer as JSON atomically, so a concurrent reader never sees a half-written file."""
-        _atomic_write(Path(path), self.to_json().encode("utf-8"))
+        write_atomically(Path(path), self.to_json().encode("utf-8"))
 
     def to_json(self) -> str:
         """The tokenizer's full serialization (also used to fingerprint cached token ids)."""
@@ -141,20 +141,6 @@ def _sha256(*parts: str) -> str:
         h.update(part.encode("utf-8"))
         h.update(b"\0")
     return h.hexdigest()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same folder and ``os.replace`` (atomic on one filesystem)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; a shared cache must stay readable by other users
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def build_tokenizer(kind: TokenizerKind, vocab_size: int, text: str, cache_dir: Path) -> TextTokenizer:
@@ -219,5 +205,5 @@ def _tokenize_cached(
         ids = _encode_corpus(tokenizer, text)
         buf = io.BytesIO()
         np.save(buf, ids, allow_pickle=False)
-        _atomic_write(path, buf.getvalue())
+        write_atomically(path, buf.getvalue())
     return tokenizer, torch.from_numpy(ids.astype(np.int64))

@@ -482,16 +482,10 @@ def cluster_for(clusters: list[Cluster], devices: int | None) -> tuple[Cluster, 
 
 def write_cluster(cluster: Cluster, path: str | Path, comment: str = "") -> None:
     """Write ``cluster`` as YAML, atomically (a failed write leaves an earlier file whole)."""
-    import os
-    import tempfile
-
     import yaml
 
-    path = Path(path)
+    from ..atomic_files import write_atomically
+
     text = "".join(f"# {line}\n" for line in comment.splitlines()) + yaml.safe_dump(cluster.to_dict(),
                                                                                       sort_keys=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
+    write_atomically(path, text)
