@@ -29,11 +29,11 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveCon
 from lightning.pytorch.strategies import Strategy
 
 from .. import register_strategies
-from ..atomic_files import write_atomically
 from ..callbacks.throughput import Throughput
 from ..console.known_warnings import drop_unset_wandb_anonymous, silence_cli_notices
 from ..data import TextDataModule
 from ..data.language_eval import language_table
+from ..files import write_atomically
 from ..module import M6LanguageModel
 from ..strategy.checkpoint import META_FILE, check_checkpoint_path
 from ..strategy.launch import RankFailed

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
+from ..files import write_atomically
 from .corpus import load_corpus
-from .tokenizer import BPETokenizer, ByteTokenizer, TextTokenizer, TokenizerKind, _atomic_write
+from .tokenizer import BPETokenizer, ByteTokenizer, TextTokenizer, TokenizerKind
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -623,7 +624,7 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
               for split in next(iter(counts.values()))}
     manifest = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, totals,
                         {code: c for code, c in counts.items() if code}, tokenizer_borrowed=borrowed is not None)
-    _atomic_write(partial / MANIFEST, (json.dumps(asdict(manifest), indent=2) + "\n").encode())
+    write_atomically(partial / MANIFEST, (json.dumps(asdict(manifest), indent=2) + "\n").encode())
     if out.exists():  # only reached with overwrite: the new copy is complete before the old one goes
         os.replace(out, _sibling(out, ".previous"))
     os.replace(partial, out)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from ..atomic_files import write_atomically
+from ..files import write_atomically
 from .corpus import load_corpus
 
 if TYPE_CHECKING:

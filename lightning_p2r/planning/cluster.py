@@ -484,7 +484,7 @@ def write_cluster(cluster: Cluster, path: str | Path, comment: str = "") -> None
     """Write ``cluster`` as YAML, atomically (a failed write leaves an earlier file whole)."""
     import yaml
 
-    from ..atomic_files import write_atomically
+    from ..files import write_atomically
 
     text = "".join(f"# {line}\n" for line in comment.splitlines()) + yaml.safe_dump(cluster.to_dict(),
                                                                                       sort_keys=False)

@@ -1,4 +1,4 @@
-"""Files written whole: the permissions a plain open gives, no temporary file left (``lightning_p2r.atomic_files``)."""
+"""Files written whole: the permissions a plain open gives, no temporary file left (``lightning_p2r.files``)."""
 
 import os
 import stat
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_p2r.atomic_files import write_atomically
+from lightning_p2r.files import write_atomically
 from lightning_p2r.planning.cluster import Cluster, load_cluster, write_cluster
 
 
