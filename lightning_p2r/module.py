@@ -631,7 +631,8 @@ def check_schedule_covers_run(trainer: L.Trainer) -> None:
         for multiplier in getattr(scheduler_config.scheduler, "lr_lambdas", []):
             if not isinstance(multiplier, (WarmupCosine, WarmupStableDecay)) or total <= multiplier.total_steps:
                 continue
-            what = (f"this run goes to step {total} (Trainer max_steps), past the end of the learning-rate schedule "
+            what = (f"this run goes to step {total} (Trainer max_steps, or its epochs and batch limits), past the "
+                    "end of the learning-rate schedule "
                     f"it resumed, which spans the checkpoint's {multiplier.total_steps} steps: steps "
                     f"{multiplier.total_steps} to {total - 1} would train at the schedule's last rate, "
                     f"min_lr_ratio={multiplier.min_lr_ratio} times the peak")

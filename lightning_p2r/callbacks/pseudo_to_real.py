@@ -98,10 +98,8 @@ def plan_stages(
 
 
 def run_steps(trainer: L.Trainer) -> int:
-    """The run's optimizer steps: ``max_steps``, or for a run bounded by epochs Lightning's estimate from its epochs
-    and batch limits (-1 when unbounded)."""
-    if trainer.max_steps > 0:
-        return trainer.max_steps
+    """The run's optimizer steps: Lightning's estimate, the fewest that ``max_steps``, the epochs and the batch
+    limits allow (-1 when unbounded)."""
     estimate = trainer.estimated_stepping_batches
     return int(estimate) if math.isfinite(estimate) else -1
 

@@ -236,11 +236,21 @@ def _strategy_option_hint(message: str) -> str:
 
 
 class _BatchesRun(Callback):
-    """Whether this command has started a training batch (a refusal before that is the user's input)."""
+    """Whether this command has started a batch of its own (training, or the evaluation ``validate``, ``test`` and
+    ``predict`` run; not the sanity check): a refusal before that is the user's input."""
 
     started = False
 
     def on_train_batch_start(self, *args: Any) -> None:
+        self.started = True
+
+    def on_validation_batch_start(self, trainer: Trainer, *args: Any) -> None:
+        self.started = self.started or not trainer.sanity_checking
+
+    def on_test_batch_start(self, *args: Any) -> None:
+        self.started = True
+
+    def on_predict_batch_start(self, *args: Any) -> None:
         self.started = True
 
 
@@ -309,7 +319,10 @@ class P2RCLI(LightningCLI):
         ckpt_path = section.get("ckpt_path")
         if ckpt_path:
             try:
-                check_checkpoint_path(ckpt_path, loads_sharded=_is_p2r_strategy(section.trainer.get("strategy")))
+                p2r = _is_p2r_strategy(section.trainer.get("strategy"))
+                # P2RStrategy reads the bytes against their checksums as it resumes, the ranks sharing the reading;
+                # under another strategy this is the only check (in each process the launcher starts).
+                check_checkpoint_path(ckpt_path, loads_sharded=p2r, integrity=not p2r)
             except ValueError as error:
                 self.parser.error(f"--ckpt_path: {error}")
 

@@ -230,7 +230,8 @@ def run(args: argparse.Namespace) -> None:
                             f"data.vocab_size of {recipe.path}): choose 1 to {config.vocab_size}")
     ckpt_path = resolve_checkpoint(args.ckpt_path, recipe)
     try:
-        check_checkpoint_path(ckpt_path, loads_sharded=True)  # before the tokenizer: a typo fails at once
+        # Before the tokenizer, so that a typo fails at once; the bytes are checked as the checkpoint is read.
+        check_checkpoint_path(ckpt_path, loads_sharded=True, integrity=False)
     except ValueError as error:
         raise GenerateError(f"--ckpt_path: {error}") from error
     tokenizer = recipe_tokenizer(recipe.data)

@@ -200,8 +200,10 @@ def _numbers(text: str | None, kind: type, option: str, parser: argparse.Argumen
         parser.error(f"{option}: expected comma-separated numbers, got {text!r}")
     # Offload fractions are shares of the blocks; micro-batch counts whole numbers of batches.
     low, high = (0.0, 1.0) if kind is float else (1, None)
+    if not values:
+        parser.error(f"{option}: expected comma-separated numbers, got {text!r}")
     bad = [value for value in values if value < low or (high is not None and value > high)]
-    if bad or not values:
+    if bad:
         allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
         parser.error(f"{option}: each value must be {allowed}, got {text!r}")
     return values

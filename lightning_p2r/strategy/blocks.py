@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from ..models.module_init import is_hf_pretrained
+
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
 
@@ -125,7 +127,9 @@ def _holder_path(path: str, module: nn.Module) -> str:
         parts.pop()
     while parts:
         parent = module.get_submodule(".".join(parts[:-1]))
-        if getattr(parent, "base_model", None) is not module.get_submodule(".".join(parts)):
+        # Only a Hugging Face task model's base_model: a user's module may name an attribute so for another reason.
+        if not is_hf_pretrained(parent) or getattr(parent, "base_model", None) is not module.get_submodule(
+                ".".join(parts)):
             break
         parts.pop()
     return ".".join(parts)

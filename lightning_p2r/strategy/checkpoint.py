@@ -261,12 +261,13 @@ def optimizer_state_by_number(state: dict[str, Any]) -> dict[str, Any]:
 _SPECIAL_PATHS = ("last", "best", "hpc", "registry")
 
 
-def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
+def check_checkpoint_path(path: str | Path, loads_sharded: bool, integrity: bool = True) -> None:
     """Raise a ``ValueError`` naming the problem and the fix if ``path`` cannot be resumed from: missing, empty or
     corrupt (truncated, a shard missing, bytes that fail their checksums: ``checkpoint_integrity``), a directory that
-    is no sharded checkpoint, or a sharded one a strategy cannot read (``loads_sharded``)."""
+    is no sharded checkpoint, or a sharded one a strategy cannot read (``loads_sharded``). ``integrity``: read every
+    byte against its checksum (False where a later step does, as ``P2RStrategy.load_checkpoint`` with its ranks)."""
     if not check_checkpoint_location(path, loads_sharded):
-        if is_sharded_checkpoint(path):
+        if integrity and is_sharded_checkpoint(path):
             check_integrity(path)  # every shard present and whole, every item's checksum
         return
     try:
@@ -275,7 +276,8 @@ def check_checkpoint_path(path: str | Path, loads_sharded: bool) -> None:
     except Exception as error:  # noqa: BLE001 (every way a file fails to load gets the same clear message)
         raise unloadable(path, error) from error
     check_lightning_checkpoint(path, checkpoint)
-    check_integrity(path)  # the tensors' bytes: torch.load does not read their checksums
+    if integrity:
+        check_integrity(path)  # the tensors' bytes: torch.load does not read their checksums
 
 
 def check_checkpoint_location(path: str | Path, loads_sharded: bool) -> bool:

@@ -18,10 +18,13 @@ import io
 import zipfile
 import zlib
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
 _CHUNK = 1 << 20
+_ZIP_MAGIC = b"PK\x03\x04"
+"""The first bytes of a zip archive's first record: torch.save's files and DCP's items begin with them."""
 
 META_FILE = "meta.pt"
 """A sharded checkpoint's file of everything Lightning saves besides the states (``strategy/checkpoint.py``)."""
@@ -33,10 +36,10 @@ def integrity_problems(path: str | Path, part: int = 0, parts: int = 1) -> list[
     path = Path(path)
     if path.is_dir():
         return _sharded_problems(path, part, parts)
-    if not zipfile.is_zipfile(path):
-        return []  # torch's legacy format (no checksums), or not a checkpoint at all: loading it says which
-    with zipfile.ZipFile(path) as archive:
-        return _archive_problems(archive, part, parts)
+    with path.open("rb") as stream:
+        if stream.read(4) != _ZIP_MAGIC:
+            return []  # torch's legacy format (no checksums), or not a checkpoint at all: loading it says which
+        return _archive_problems(stream, part, parts)
 
 
 def check_integrity(path: str | Path) -> None:
@@ -52,8 +55,12 @@ def check_integrity_on_ranks(path: str | Path) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return check_integrity(path)
     rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        problems = integrity_problems(path, rank, world)
+    except Exception as error:  # noqa: BLE001 (a rank that raised would leave the others waiting in the gather)
+        problems = [f"reading it failed ({type(error).__name__}: {_first_line(error)})"]
     gathered: list[list[str] | None] = [None] * world
-    dist.all_gather_object(gathered, integrity_problems(path, rank, world))
+    dist.all_gather_object(gathered, problems)
     raise_for(path, [problem for problems in gathered for problem in problems or []])
 
 
@@ -64,16 +71,57 @@ def raise_for(path: str | Path, problems: list[str]) -> None:
                          "written (an interrupted or failed copy?): resume from another checkpoint")
 
 
-def _archive_problems(archive: zipfile.ZipFile, part: int, parts: int) -> list[str]:
+def _archive_problems(stream: BinaryIO, part: int, parts: int) -> list[str]:
+    """The records of the zip archive in ``stream`` (this part's share) whose bytes fail their CRC-32, or the
+    archive's own damage (its index unreadable). A record stored with a CRC of 0 carries none (torch's
+    ``set_crc32_options(False)``): not read."""
+    try:
+        archive = zipfile.ZipFile(stream)
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as error:
+        return [f"its archive's index cannot be read ({_first_line(error)})"] if part == 0 else []
     problems = []
-    for info in archive.infolist()[part::parts]:
-        try:
-            with archive.open(info) as record:
-                while record.read(_CHUNK):  # the CRC is compared at the record's end
-                    pass
-        except (zipfile.BadZipFile, zlib.error, EOFError, OSError) as error:
-            problems.append(f"record {info.filename} fails its check ({error})")
+    with archive:
+        for info in [info for info in archive.infolist() if info.CRC != 0][part::parts]:
+            try:
+                with archive.open(info) as record:
+                    while record.read(_CHUNK):  # the CRC is compared at the record's end
+                        pass
+            except (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError) as error:
+                problems.append(f"record {info.filename} fails its check ({_first_line(error)})")
     return problems
+
+
+class _Window(io.RawIOBase):
+    """The bytes [offset, offset + length) of an open file, as a seekable file of their own (a DCP item, read by
+    zipfile without copying it into memory)."""
+
+    def __init__(self, stream: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self._stream, self._offset, self._length, self._position = stream, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        self._position = min(max(base + position, 0), self._length)
+        return self._position
+
+    def readinto(self, buffer) -> int:  # noqa: ANN001 (a writable buffer)
+        count = min(len(buffer), self._length - self._position)
+        if count <= 0:
+            return 0
+        self._stream.seek(self._offset + self._position)
+        data = self._stream.read(count)
+        buffer[:len(data)] = data
+        self._position += len(data)
+        return len(data)
 
 
 def _sharded_problems(path: Path, part: int, parts: int) -> list[str]:
@@ -105,12 +153,11 @@ def _sharded_problems(path: Path, part: int, parts: int) -> list[str]:
             readable += [(name, offset, length, fqn) for offset, length, fqn in sorted(items)]
     for name, offset, length, fqn in readable[part::parts]:
         with (path / name).open("rb") as stream:
-            stream.seek(offset)
-            item = io.BytesIO(stream.read(length))
-        if not zipfile.is_zipfile(item):
-            continue  # an item stored otherwise (a transform of a later torch): no checksum to read
-        with zipfile.ZipFile(item) as archive:
-            problems += [f"{name}, item {fqn}: {problem}" for problem in _archive_problems(archive, 0, 1)]
+            item = _Window(stream, offset, length)
+            if item.read(4) != _ZIP_MAGIC:
+                continue  # an item stored otherwise (a transform of a later torch): no checksum to read
+            item.seek(0)
+            problems += [f"{name}, item {fqn}: {problem}" for problem in _archive_problems(item, 0, 1)]
     return problems
 
 

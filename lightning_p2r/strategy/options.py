@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import collections.abc
 import inspect
 import numbers
 import textwrap
@@ -127,10 +128,10 @@ class OffloadConfig:
     offload_blocks: list[int] | None = None
     """Explicit block indices to keep in host memory."""
 
-    device_memory_budget: int | str | None = None
+    device_memory_budget: int | float | str | None = None
     """Device bytes for model states ("12GB", "512MiB", "80%" of the device); as many blocks as fit stay resident."""
 
-    activation_allowance: int | str = 0
+    activation_allowance: int | float | str = 0
     """Bytes (or a size string) the budget reserves for activations."""
 
     offload_states: list[OffloadState] | None = None
@@ -261,8 +262,9 @@ def _matches(value: object, hint: object) -> bool:
         return any(type(value) is type(arg) for arg in args)
     if origin in (typing.Union, types.UnionType):
         return any(_matches(value, arg) for arg in args)
-    if origin is list:
-        return isinstance(value, (list, tuple)) and all(_matches(item, args[0]) for item in value)
+    if origin is list:  # any sequence of such items (a tuple, a range) but a string
+        return (isinstance(value, collections.abc.Sequence) and not isinstance(value, (str, bytes))
+                and all(_matches(item, args[0]) for item in value))
     return True  # a type this check does not know: the section's own validation judges it
 
 

@@ -122,8 +122,8 @@ class P2RStrategy(ParallelStrategy):
         reduce_every_micro_batch: bool = False,
         offload_fraction: float | None = None,
         offload_blocks: list[int] | None = None,
-        device_memory_budget: int | str | None = None,
-        activation_allowance: int | str = 0,
+        device_memory_budget: int | float | str | None = None,
+        activation_allowance: int | float | str = 0,
         offload_states: list[OffloadState] | None = None,
         prefetch: int = 1,
         pin_memory: bool | Literal["auto"] = "auto",
@@ -565,9 +565,8 @@ class P2RStrategy(ParallelStrategy):
         self._pending_sharded_checkpoint = None
         # Checked as it is read (one load): a missing, empty, corrupt or foreign file gets a clear error.
         is_file = check_checkpoint_location(checkpoint_path, loads_sharded=True)
-        if is_file or is_sharded_checkpoint(checkpoint_path):
-            check_integrity_on_ranks(checkpoint_path)  # its bytes against their checksums, split over the ranks
         if is_sharded_checkpoint(checkpoint_path):
+            check_integrity_on_ranks(checkpoint_path)  # its bytes against their checksums, split over the ranks
             self._pending_sharded_checkpoint = str(checkpoint_path)
             return load_meta(checkpoint_path)
         try:
@@ -579,6 +578,8 @@ class P2RStrategy(ParallelStrategy):
                 raise
             raise unloadable(checkpoint_path, error) from error
         check_lightning_checkpoint(checkpoint_path, checkpoint)
+        if is_file:  # (after the load, which names a truncated or foreign file; every rank got this far alike)
+            check_integrity_on_ranks(checkpoint_path)  # torch.load read no checksum
         return checkpoint
 
     @override

@@ -102,6 +102,14 @@ API_CASES: list[tuple[str, Callable[[], Any], str]] = [
 ]
 
 
+def test_the_type_check_takes_what_the_options_took_before_it() -> None:
+    """Byte sizes as floats (``parse_bytes`` reads 12e9) and block indices as any sequence of integers."""
+    strategy = P2RStrategy(device_memory_budget=40e9, activation_allowance=2e9, offload_states=("grads", "optimizer"))
+    assert strategy.offload_config.device_memory_budget == 40e9
+    assert P2RStrategy(offload_blocks=range(2)).offload_config.offload_blocks == range(2)
+    assert P2RStrategy(offload_blocks=(0, 1)).offload_config.offload_blocks == (0, 1)
+
+
 @pytest.mark.parametrize(("build", "message"), [case[1:] for case in API_CASES], ids=[case[0] for case in API_CASES])
 def test_python_api_refuses_with_a_message_naming_the_option(build: Callable[[], Any], message: str) -> None:
     with pytest.raises((ValueError, FileNotFoundError), match=message):

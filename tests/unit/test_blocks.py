@@ -74,6 +74,20 @@ def test_the_longest_list_of_one_class_is_detected_and_declared_on_the_module_th
     assert declare_blocks(module, None) == declared  # idempotent
 
 
+def test_a_users_attribute_called_base_model_does_not_move_the_holder() -> None:
+    """Only a Hugging Face task model hands the declaration up from its base model (strategy/blocks.py): a user's
+    LightningModule holding its transformer as ``self.base_model`` keeps the transformer as the holder (its own
+    forward never runs the blocks)."""
+
+    class Named(Wrapper):
+        @property
+        def base_model(self) -> nn.Module:
+            return self.net
+
+    declared = declare_blocks(Named(LitStyle()), None)
+    assert declared.holder_path == "net"
+
+
 def test_a_dotted_path_chooses_the_list_and_bad_paths_are_refused_by_name() -> None:
     module = Wrapper(LitStyle())
     declared = declare_blocks(module, "net.experts")

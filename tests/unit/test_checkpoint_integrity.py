@@ -82,3 +82,22 @@ def test_the_reading_split_over_ranks_finds_what_one_reader_finds(tmp_path: Path
     for path in (folder, single):
         split = [problem for part in range(parts) for problem in integrity_problems(path, part, parts)]
         assert sorted(split) == sorted(integrity_problems(path)) != []
+
+
+def test_a_damaged_index_is_named_and_a_file_without_checksums_is_not_refused(tmp_path: Path) -> None:
+    """Bytes flipped in an archive's index made zipfile raise (and on one rank only, with the reading split); a
+    file torch wrote without CRCs (``set_crc32_options(False)``, CRC 0) was reported as failing every one."""
+    path = _single_file(tmp_path / "one.ckpt")
+    data = bytearray(path.read_bytes())
+    index = data.rindex(b"PK\x01\x02")  # the central directory's first entry
+    data[index:index + 4] = b"XXXX"
+    path.write_bytes(bytes(data))
+    (problem,) = integrity_problems(path)
+    assert problem.startswith("its archive's index cannot be read")
+    assert integrity_problems(path, 1, 2) == []  # said once, by the first part
+    torch.serialization.set_crc32_options(False)
+    try:
+        unchecked = _single_file(tmp_path / "unchecked.ckpt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert integrity_problems(unchecked) == []

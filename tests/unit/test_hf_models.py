@@ -205,8 +205,9 @@ def test_expert_parallelism_of_a_dense_hf_model_says_it_has_no_experts() -> None
     """It said the model had no Hugging Face tensor-parallel plan, which a dense Llama has (a new-user audit)."""
     from lightning_p2r.strategy.parallel.parallelize import model_plan
 
-    with pytest.raises(ValueError, match=r"expert_parallel=2\) splits a model's experts: LlamaForCausalLM declares "
-                                         r"none .*no base_model_ep_plan.*use expert_parallel=1"):
+    with pytest.raises(ValueError, match=r"expert_parallel=2\) splits the experts a model's plan names: "
+                                         r"LlamaForCausalLM has no Hugging Face expert-parallel plan "
+                                         r"\(base_model_ep_plan\) naming any; use expert_parallel=1"):
         model_plan(_declared("llama"), expert_parallel=2)
 
 

@@ -162,9 +162,13 @@ def test_a_resumed_run_longer_than_its_schedule_is_refused_at_rate_zero_and_warn
     step 49's in every digit); now refused before the first step. Above 0, said."""
     optimizer = OptimizerConfig(warmup_steps=1, min_lr_ratio=min_lr_ratio)
     first = M6LanguageModel(M6Config(**TINY), optimizer)
-    trainer = _trainer(tmp_path / "a", max_steps=3, val_check_interval=100)
-    trainer.fit(first, datamodule=_data(tmp_path))
-    trainer.save_checkpoint(tmp_path / "end.ckpt")
+    # A schedule of 3 steps, saved after 2: every resume below has a step left to train (a run resumed at its end
+    # would skip the fit loop, and with it the check).
+    saver = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1,
+                                                save_on_train_epoch_end=False)
+    _trainer(tmp_path / "a", max_steps=3, val_check_interval=100, callbacks=[saver]).fit(
+        first, datamodule=_data(tmp_path))
+    (tmp_path / "ckpt" / "epoch=0-step=2.ckpt").rename(tmp_path / "end.ckpt")
     resumed = M6LanguageModel(M6Config(**TINY), optimizer)
     steps: list[int] = []
     resumed.on_train_batch_start = lambda *args: steps.append(1)
@@ -180,10 +184,13 @@ def test_a_resumed_run_longer_than_its_schedule_is_refused_at_rate_zero_and_warn
         assert longer.global_step == 5
     straight = _trainer(tmp_path / "c", max_steps=3, val_check_interval=100)  # as long as its schedule: no word
     again = M6LanguageModel(M6Config(**TINY), optimizer)
+    again_steps: list[int] = []
+    again.on_train_batch_start = lambda *args: again_steps.append(1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         straight.fit(again, datamodule=_data(tmp_path), ckpt_path=tmp_path / "end.ckpt", weights_only=True)
     assert not [w for w in caught if "schedule" in str(w.message)]
+    assert again_steps == [1] and straight.global_step == 3  # it trained its last step: the check ran
 
 
 def test_predict_returns_next_token_ids(tmp_path: Path) -> None:

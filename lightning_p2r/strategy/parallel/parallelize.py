@@ -15,6 +15,11 @@ from .mesh import ParallelMeshes
 from .tensor import apply_tensor_parallel
 
 
+def _is_hf_planned(holder: nn.Module) -> bool:
+    """Whether ``holder`` is a Hugging Face model with a tensor-parallel plan (its own, or its config class's)."""
+    return hf_tp_plan(holder) is not None or hasattr(getattr(holder, "config", None), "base_model_tp_plan")
+
+
 def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int = 1,
                pipeline_parallel: int = 1) -> ParallelPlan:
     """The plan ``holder`` declares (``parallel_plan()``), else its Hugging Face plans (``hf_plan.py``), checked
@@ -24,18 +29,17 @@ def model_plan(holder: nn.Module, tensor_parallel: int = 1, expert_parallel: int
         plan = declared.plan_of(holder)
     elif isinstance(holder, DeclaresParallelPlan):
         plan = holder.parallel_plan()
-    elif (tensor_parallel > 1 and (hf_tp_plan(holder) is not None
-                                   or hasattr(getattr(holder, "config", None), "base_model_tp_plan"))) or (
-            expert_parallel > 1 and hf_ep_plan(holder) is not None):
+    elif (tensor_parallel > 1 and _is_hf_planned(holder)) or (expert_parallel > 1 and hf_ep_plan(holder) is not None):
         plan = plan_from_hf(holder, tensor_parallel, expert_parallel)  # a Hugging Face model: its own plans
         check_experts(holder, plan, tensor_parallel, expert_parallel)
         return plan
-    elif expert_parallel > 1 and (hf_tp_plan(holder) is not None
-                                  or hasattr(getattr(holder, "config", None), "base_model_tp_plan")):
-        # A Hugging Face model with a tensor-parallel plan but no expert plan: a dense one, nothing to split by expert.
-        raise ValueError(f"P2RStrategy(expert_parallel={expert_parallel}) splits a model's experts: "
-                         f"{type(holder).__name__} declares none (its Hugging Face config has no base_model_ep_plan, "
-                         "as a dense model's has not); use expert_parallel=1, or tensor_parallel to split its layers")
+    elif expert_parallel > 1 and _is_hf_planned(holder):
+        # A Hugging Face model without an expert plan: a dense one, or an MoE whose experts transformers cannot
+        # split either.
+        raise ValueError(f"P2RStrategy(expert_parallel={expert_parallel}) splits the experts a model's plan names: "
+                         f"{type(holder).__name__} has no Hugging Face expert-parallel plan (base_model_ep_plan) "
+                         "naming any; use expert_parallel=1 (tensor_parallel splits its layers by its tensor-parallel "
+                         "plan)")
     else:
         raise ValueError(f"P2RStrategy(tensor_parallel={tensor_parallel}, expert_parallel={expert_parallel}) splits a "
                          f"model by the plan it declares: {type(holder).__name__} has no parallel_plan() "
