@@ -294,6 +294,10 @@ def main(argv: list[str]) -> None:
           f"global batch {workload.global_batch} x {workload.seq_len} tokens, {workload.precision}")
     print(f"{priced} valid layouts priced, {len(plans)} fit (ZeRO stages listed once where one data-parallel rank "
           "leaves them nothing to shard)")
+    if not priced:  # nothing to fit: the options leave no layout the strategy runs (micro-batches 3 of a batch of 16)
+        raise SystemExit(f"no valid layout: each --micro-batches count must divide a data rank's share of the batch of "
+                         f"{workload.global_batch}, and the parallel degrees the devices and the model; widen "
+                         "--micro-batches, --sharding or --schedules")
     if not plans:
         raise SystemExit("no layout fits: add devices, memory, offload fractions up to 1, or lower the batch")
     pseudo = pseudo_of(config) if config.num_blocks == config.num_layers else None

@@ -101,6 +101,13 @@ def test_a_mistyped_cluster_field_and_a_recipe_given_as_cluster_are_named(capsys
         capsys.readouterr().err
 
 
+def test_plan_says_when_its_options_leave_no_valid_layout(capsys) -> None:
+    """Three micro-batches of a batch of 16 run nowhere: that was "no layout fits: add devices, memory..."."""
+    with pytest.raises(SystemExit, match=r"no valid layout: each --micro-batches count must divide"):
+        main(["plan", "--cluster", str(RECIPES / "clusters" / "a100_80gb_x8.yaml"), "--config",
+              str(RECIPES / "quickstart.yaml"), "--devices", "1", "--micro-batches", "3", "--global-batch", "16"])
+
+
 def test_plan_says_when_nothing_fits(capsys, tmp_path) -> None:
     tiny = tmp_path / "tiny.yaml"
     tiny.write_text("devices: 1\ndevices_per_node: 1\ndevice_memory: 1MB\nhost_memory_per_node: 1MB\n"
