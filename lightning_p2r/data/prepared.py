@@ -429,16 +429,49 @@ def _sibling(directory: Path, suffix: str) -> Path:
     return directory.with_name(directory.name + suffix)
 
 
+def _check_out(out: Path, source: str | Iterable[str], overwrite: bool) -> None:
+    """Refuse an ``out`` whose replacement would destroy what prepare-data did not write: a file, a folder that is
+    not empty and holds no manifest (``--overwrite`` replaces prepared directories only: it once replaced a run
+    folder, and the corpus itself when ``--out`` named it), a folder holding the corpus read, or, where a rebuild
+    may replace ``out``, a folder of the user's in the way of the copy it keeps meanwhile (``OUT.previous``).
+    Documents handed from Python (an iterable) are no path: not looked at here."""
+    if isinstance(source, (str, Path)):
+        path = Path(source).expanduser()
+        if path.exists() and (path.resolve() == out or out in path.resolve().parents):
+            raise PreparedDataError(f"--out {out} holds the corpus it would read ({source}): preparing it would "
+                                    "replace its own source; choose an --out outside the source")
+    if out.is_file() or out.is_symlink() and not out.is_dir():
+        raise PreparedDataError(f"--out {out} is a file: prepare-data writes a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
+        raise PreparedDataError(f"--out {out} is a folder prepare-data did not write (no {MANIFEST}), and not empty: "
+                                "it replaces only prepared directories, even with --overwrite; choose another --out, "
+                                "or empty that folder yourself")
+    previous = _sibling(out, ".previous")
+    if overwrite and previous.exists() and not (previous / MANIFEST).is_file():
+        raise PreparedDataError(f"{previous} is in the way: prepare-data keeps the old {out.name} there while it "
+                                "replaces it; move or rename that folder")
+
+
 def _recover(out: Path) -> None:
     """Undo what a prepare-data killed while replacing ``out`` left: the old copy is put back if the new one never
-    arrived, and deleted if it did."""
+    arrived, and deleted if it did. Only a prepared directory (its manifest) is taken for that copy: a folder of
+    that name the user keeps is left alone."""
     previous = _sibling(out, ".previous")
-    if not previous.exists():
+    if not (previous / MANIFEST).is_file():
         return
     if out.exists():
-        shutil.rmtree(previous)
+        _remove_prepared(previous)
     else:
         os.replace(previous, out)
+
+
+def _remove_prepared(directory: Path) -> None:
+    """Delete a prepared directory, its manifest last: one stopped half way still says it is prepare-data's."""
+    for child in directory.iterdir():
+        if child.name != MANIFEST:
+            shutil.rmtree(child) if child.is_dir() and not child.is_symlink() else child.unlink()
+    (directory / MANIFEST).unlink(missing_ok=True)
+    directory.rmdir()
 
 
 def load_prepared_tokenizer(directory: str | Path, manifest: Manifest) -> TextTokenizer:
@@ -558,7 +591,8 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
     vocab_size = vocab_size if vocab_size is not None else (4096 if tokenizer == "bpe" else 256)
     _check_options(tokenizer, vocab_size, val_fraction, num_workers, piece_bytes)
     require_litdata()  # refused before any work when missing
-    out = Path(out).expanduser()
+    out = Path(out).expanduser().resolve()  # ("." has no name to put a sibling beside)
+    _check_out(out, source, overwrite)
     _recover(out)
     if source == "bible-multi":
         from .bible_multi import TRANSLATIONS
@@ -578,13 +612,13 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
                                     f"val_fraction={val_fraction} ({held_out} bytes, under {MIN_SPLIT_BYTES}): use "
                                     "a larger corpus or a larger val_fraction")
     existing = None
-    if out.exists():
+    if out.exists() and any(out.iterdir()):  # (an empty folder is taken as none)
         try:
             existing = read_manifest(out)
         except PreparedDataError:
-            if not overwrite:
-                raise PreparedDataError(f"{out} exists but is not a complete prepared directory: remove it or pass "
-                                        "--overwrite") from None
+            if not overwrite:  # (a folder prepare-data did not write was refused by _check_out, overwrite or not)
+                raise PreparedDataError(f"{out} is a prepared directory that is not complete: pass --overwrite to "
+                                        "rebuild it, or choose another --out") from None
     wanted = Manifest(tokenizer, vocab_size, borrowed.sha256 if borrowed else "", corpus.name, source_sha,
                       val_fraction, {}, tokenizer_borrowed=borrowed is not None)
     if existing is not None:
@@ -625,6 +659,8 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
     manifest = Manifest(tokenizer, vocab_size, tokenizer_sha, corpus.name, source_sha, val_fraction, totals,
                         {code: c for code, c in counts.items() if code}, tokenizer_borrowed=borrowed is not None)
     write_atomically(partial / MANIFEST, (json.dumps(asdict(manifest), indent=2) + "\n").encode())
+    if out.is_dir() and not any(out.iterdir()):
+        out.rmdir()  # an empty folder the user made for it
     if out.exists():  # only reached with overwrite: the new copy is complete before the old one goes
         os.replace(out, _sibling(out, ".previous"))
     os.replace(partial, out)

@@ -101,7 +101,8 @@ def test_a_prepare_stopped_between_its_two_renames_gets_the_old_copy_back(tmp_pa
     lines: list[str] = []
     prepare_data(str(source), out, tokenizer="bytes", log=lines.append)  # the old copy is back, and it is current
     assert "nothing to do" in lines[0] and _files(out) == before and not previous.exists()
-    previous.mkdir()  # stopped while deleting the old copy, after the new one was in place
+    previous.mkdir()  # stopped while deleting the old copy, after the new one was in place (its manifest goes last)
     (previous / "chunk-0-0.bin").write_bytes(b"stale")
+    (previous / "manifest.json").write_bytes((out / "manifest.json").read_bytes())
     prepare_data(str(source), out, tokenizer="bytes", **QUIET)
     assert not previous.exists() and _files(out) == before

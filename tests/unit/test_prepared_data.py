@@ -139,13 +139,59 @@ def test_half_written_and_foreign_directories_are_refused(tmp_path: Path) -> Non
     (half / "train").mkdir(parents=True)
     with pytest.raises(PreparedDataError, match="no manifest.json"):
         read_manifest(half)
-    with pytest.raises(PreparedDataError, match="not a complete prepared directory"):
+    with pytest.raises(PreparedDataError, match="is a folder prepare-data did not write"):
         prepare_data(str(_corpus(tmp_path / "src")), half, tokenizer="bytes", **QUIET)
     tmp_path.joinpath("gone.partial").mkdir()
     with pytest.raises(PreparedDataError, match="half-written"):
         read_manifest(tmp_path / "gone")
     with pytest.raises(ValueError, match="prepare-data"):
         TextDataModule(prepared=str(half))
+
+
+def _digest(folder: Path) -> dict[str, bytes]:
+    return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
+
+
+def test_overwrite_replaces_only_what_prepare_data_wrote(tmp_path: Path) -> None:
+    """A new-user audit: ``--out`` naming the source folder with ``--overwrite`` replaced the corpus with its own
+    prepared output; a run folder given as ``--out`` went the same way; a no-op run deleted a user's folder named
+    ``OUT.previous``; a file as ``--out``, and ``--out .``, ended in tracebacks."""
+    source = _corpus(tmp_path / "src")
+    before = _digest(source.parent)
+    with pytest.raises(PreparedDataError, match=r"holds the corpus it would read .*choose an --out outside"):
+        prepare_data(str(source.parent), source.parent, tokenizer="bytes", overwrite=True, **QUIET)
+    with pytest.raises(PreparedDataError, match=r"holds the corpus it would read"):
+        prepare_data(str(source), source.parent, tokenizer="bytes", overwrite=True, **QUIET)
+    assert _digest(source.parent) == before
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"weights")
+    with pytest.raises(PreparedDataError, match=r"is a folder prepare-data did not write \(no manifest.json\), and "
+                                                r"not empty: it replaces only prepared directories, even with"):
+        prepare_data(str(source), run, tokenizer="bytes", overwrite=True, **QUIET)
+    assert (run / "checkpoints" / "last.ckpt").read_bytes() == b"weights"
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(PreparedDataError, match=r"notes.txt is a file: prepare-data writes a directory"):
+        prepare_data(str(source), tmp_path / "notes.txt", tokenizer="bytes", overwrite=True, **QUIET)
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+    out = tmp_path / "prepared"
+    prepare_data(str(source), out, tokenizer="bytes", **QUIET)
+    kept = tmp_path / "prepared.previous"
+    kept.mkdir()
+    (kept / "keep.txt").write_text("precious")
+    prepare_data(str(source), out, tokenizer="bytes", **QUIET)  # already prepared: nothing to do
+    assert (kept / "keep.txt").read_text() == "precious"
+    with pytest.raises(PreparedDataError, match=r"prepared.previous is in the way: prepare-data keeps the old"):
+        prepare_data(str(source), out, tokenizer="bytes", val_fraction=0.2, overwrite=True, **QUIET)
+    assert (kept / "keep.txt").read_text() == "precious" and read_manifest(out).val_fraction == 0.05
+    kept.rename(tmp_path / "mine")
+    prepare_data(str(source), out, tokenizer="bytes", val_fraction=0.2, overwrite=True, **QUIET)  # a real rebuild
+    assert read_manifest(out).val_fraction == 0.2 and not kept.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    prepare_data(str(source), empty, tokenizer="bytes", **QUIET)  # an empty folder is taken
+    assert read_manifest(empty).tokenizer == "bytes"
 
 
 def test_bad_sources_are_refused_before_anything_is_written(tmp_path: Path) -> None:
