@@ -133,6 +133,7 @@ def main(argv: list[str]) -> None:
                              "config.json; checkpoint: one Lightning file from a sharded directory")
     args = _parse_source_and_destination(parser, argv, "a checkpoint file or sharded checkpoint directory",
                                          "the directory (hf, safetensors) or file (checkpoint) to write")
+    _check_destination(parser, args.source, args.destination, directory=args.to != "checkpoint")
     try:
         if args.to == "hf":
             written = to_hf(args.source, args.destination)
@@ -152,6 +153,7 @@ def convert_checkpoint(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="lightning-p2r convert-checkpoint", description=convert_checkpoint.__doc__)
     args = _parse_source_and_destination(parser, argv, "a sharded checkpoint directory written by P2RStrategy",
                                          "the single checkpoint file to write")
+    _check_destination(parser, args.source, args.destination, directory=False)
     try:
         checkpoint = to_single_file(args.source, args.destination)
     except ValueError as error:
@@ -171,3 +173,22 @@ def _parse_source_and_destination(parser: argparse.ArgumentParser, argv: list[st
     if os.path.exists(args.destination) and not args.overwrite:
         parser.error(f"{args.destination} exists: pass --overwrite to replace it, or choose another name")
     return args
+
+
+def _check_destination(parser: argparse.ArgumentParser, source: str, destination: str, directory: bool) -> None:
+    """Refuse a destination whose writing would destroy what no conversion wrote, ``--overwrite`` or not (a new-user
+    audit: ``convert --to safetensors SRC SRC --overwrite`` deleted the checkpoint it converted, and a prepared-data
+    folder given as destination went too): the source itself, a folder holding it or inside it, and an existing
+    destination of the other kind (a folder for a file, or a folder without the ``config.json`` every folder this
+    command writes has)."""
+    source_path, target = Path(source).resolve(), Path(destination).resolve()
+    if target == source_path or target in source_path.parents or source_path in target.parents:
+        parser.error(f"{destination} would replace or sit inside the checkpoint it converts ({source}): choose a "
+                     "destination outside it")
+    if not target.exists():
+        return
+    if directory and not (target.is_dir() and (target / "config.json").is_file()):
+        parser.error(f"{destination} exists and is not a folder this command wrote (no config.json): it replaces "
+                     "only its own output, even with --overwrite; choose another destination")
+    if not directory and target.is_dir():
+        parser.error(f"{destination} is a folder: this conversion writes one checkpoint file; choose a file name")

@@ -329,7 +329,7 @@ def test_convert_to_hf_round_trips_to_identical_logits(tmp_path: Path, family: s
         convert(["--to", "hf", str(tmp_path / "trained.ckpt"), str(tmp_path / "hf")])
 
 
-def test_convert_to_safetensors_writes_an_m6_checkpoint_once_per_tensor(tmp_path: Path) -> None:
+def test_convert_to_safetensors_writes_an_m6_checkpoint_once_per_tensor(tmp_path: Path, capsys) -> None:
     from safetensors.torch import load_file
 
     from lightning_p2r import M6Config, M6LanguageModel
@@ -350,6 +350,26 @@ def test_convert_to_safetensors_writes_an_m6_checkpoint_once_per_tensor(tmp_path
     for name, tensor in tensors.items():
         assert torch.equal(tensor, state[name])
     assert config["hyper_parameters"]["config"]["num_layers"] == 2
+
+    # --overwrite replaces only this command's own output (a new-user audit: SRC SRC --overwrite deleted the source,
+    # and an unrelated folder as destination went too); a folder where a file goes is refused before writing.
+    convert(["--to", "safetensors", str(tmp_path / "m6.ckpt"), str(tmp_path / "out"), "--overwrite"])
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("kept")
+    refusals = [(["--to", "safetensors", str(tmp_path / "m6.ckpt"), str(tmp_path / "m6.ckpt"), "--overwrite"],
+                 "would replace or sit inside the checkpoint it converts"),
+                (["--to", "safetensors", str(tmp_path / "m6.ckpt"), str(mine), "--overwrite"],
+                 "is not a folder this command wrote"),
+                (["--to", "checkpoint", str(tmp_path / "m6.ckpt"), str(mine), "--overwrite"],
+                 "is a folder: this conversion writes one checkpoint file")]
+    for argv, message in refusals:
+        with pytest.raises(SystemExit):
+            convert(argv)
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "m6.ckpt").is_file() and (mine / "notes.txt").read_text() == "kept"
+    assert [path.name for path in tmp_path.iterdir() if path.name.endswith(".partial")] == []
 
 
 @pytest.mark.parametrize("layout", ["zero3_offload_layered", "offload_layered"])
