@@ -130,8 +130,15 @@ def _one_line(error: BaseException) -> str:
 
 def recipe_tokenizer(data: TextDataModule) -> TextTokenizer:
     """The tokenizer training used: the prepared directory's, or the same corpus, kind and size give the same
-    (cached) tokenizer."""
-    return data.load_tokenizer()
+    (cached) tokenizer. A recipe whose prepared corpus is not on this machine (``data.prepared: auto`` before its
+    first fit here) is refused in one line, not a traceback."""
+    from ..data.prepared import PreparedDataError
+
+    try:
+        return data.load_tokenizer()
+    except PreparedDataError as error:
+        raise GenerateError(f"--config: the recipe's tokenizer comes from its prepared corpus, which is not ready "
+                            f"here: {_one_line(error)} (a fit of the recipe on this machine prepares it)") from error
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -260,6 +260,8 @@ def _bad_recipes(root: Path) -> None:
     del recipe["model"]["config"]["num_expert"]
     recipe["trainer"]["default_root_dir"] = str(root / "no_run")
     (root / "untrained.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    recipe["data"] |= {"prepared": "auto", "cache_dir": str(root / "empty_cache")}
+    (root / "unprepared.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
     (root / "broken.yaml").write_text("model:\n  config: {dim: 48\ndata: {}\n", encoding="utf-8")
     (root / "corrupt.ckpt").write_bytes(b"PK\x03\x04 not a checkpoint" * 20)
 
@@ -299,6 +301,9 @@ BAD_INPUTS = {
                                        r"--ckpt_path: 'best' is resolved by a running Trainer"),
     "sharded checkpoint, another model's recipe": (["--prompt", "In", "--config", "{root}/wider.yaml", "--ckpt_path",
                                                     "{root}/" + SHARDED], r"last.ckpt holds another model than recipe"),
+    "a recipe whose prepared corpus is not here": (["--prompt", "In", "--config", "{root}/unprepared.yaml"],
+                                                   r"--config: the recipe's tokenizer comes from its prepared corpus, "
+                                                   r"which is not ready here: .*a fit of the recipe on this machine"),
     "missing recipe": (["--prompt", "In", "--config", "{root}/none.yaml"], r"--config: recipe .*none.yaml does not "
                                                                           r"exist"),
 }
