@@ -7,7 +7,8 @@ that looks complete, and a re-run over an existing directory either finds the sa
 An ``--overwrite`` run moves the old copy aside to ``<out>.previous`` just before the new one is renamed in, and
 deletes it after: a crash between the two renames leaves no ``<out>``, and the next run puts the old copy back.
 
-The corpus is one byte stream (a file, the sorted ``*.txt`` files of a folder joined by a blank line, the bundled
+The corpus is one byte stream (a file, the sorted ``*.txt`` files of a folder one after another as they are, with no
+separator added, unlike the in-memory path's blank line; the bundled
 KJV, or documents handed in from Python); its last ``val_fraction`` of bytes, cut at a line end, is validation, as
 in the in-memory path. The stream is cut into pieces of about ``piece_bytes`` at line ends, and litdata's
 ``optimize`` encodes the pieces in parallel workers; each worker reads its own byte range, so a large corpus is
