@@ -18,6 +18,8 @@ import inspect
 import os
 import re
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any, NoReturn
 
@@ -260,6 +262,9 @@ class SaveConfigWhenTraining(SaveConfigCallback):
     strategy, the checkpoint and the first batch were accepted, and for every subcommand: a failing call or an
     evaluation would replace the config of the run whose checkpoints sit beside it."""
 
+    filled: list[tuple[Namespace, str, Any]] = []
+    """The output options the CLI filled from ``default_root_dir`` (:func:`place_outputs_under_root`)."""
+
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         pass  # deferred to the end of the first training batch
 
@@ -268,7 +273,9 @@ class SaveConfigWhenTraining(SaveConfigCallback):
             return
         if trainer.is_global_zero:
             root = str(trainer.default_root_dir)
-            write_atomically(os.path.join(root, self.config_filename), self.parser.dump(self.config, skip_none=False))
+            with as_given(self.filled):  # the output folders as the recipe gave them (from default_root_dir)
+                text = self.parser.dump(self.config, skip_none=False)
+            write_atomically(os.path.join(root, self.config_filename), text)
             self.save_config(trainer, pl_module, "fit")
         self.already_saved = True
 
@@ -332,7 +339,7 @@ class P2RCLI(LightningCLI):
         if problem:
             self.parser.error(problem)
         section.trainer.strategy = strategy_from_class_path(section.trainer.get("strategy"))
-        place_outputs_under_root(section.trainer)
+        SaveConfigWhenTraining.filled = place_outputs_under_root(section.trainer)
         resumed = _as_dict(section.get("model"))  # a checkpoint file's options, merged in by LightningCLI
         if section.get("ckpt_path") == "last":
             # Lightning resolves "last" only once fit starts, after the model was built: compare with it now.
@@ -443,18 +450,37 @@ def _as_dict(value: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def place_outputs_under_root(trainer: Namespace) -> None:
+def place_outputs_under_root(trainer: Namespace) -> list[tuple[Namespace, str, Any]]:
     """Point loggers without a ``save_dir`` at ``trainer.default_root_dir`` and ``ModelCheckpoint`` callbacks without
-    a ``dirpath`` at ``<root>/checkpoints``, in the parsed config (before anything is instantiated)."""
+    a ``dirpath`` at ``<root>/checkpoints``, in the parsed config (before anything is instantiated). Returns each
+    ``(init_args, option, value as given)`` it filled: the run's saved ``config.yaml`` keeps the values as given, so
+    that reused with another ``default_root_dir`` it writes there (it wrote into the first run's folders)."""
     root = str(trainer.get("default_root_dir") or ".")
+    filled: list[tuple[Namespace, str, Any]] = []
     loggers = trainer.get("logger")
     for logger in loggers if isinstance(loggers, list) else [loggers]:
         if _is_class(logger, _LOGGERS_WITH_SAVE_DIR) and logger.init_args.get("save_dir") in (None, "."):
+            filled.append((logger.init_args, "save_dir", logger.init_args.get("save_dir")))
             logger.init_args.save_dir = root
     callbacks = trainer.get("callbacks")
     for callback in callbacks if isinstance(callbacks, list) else [callbacks]:
         if _is_class(callback, ("ModelCheckpoint",)) and callback.init_args.get("dirpath") is None:
+            filled.append((callback.init_args, "dirpath", None))
             callback.init_args.dirpath = os.path.join(root, "checkpoints")
+    return filled
+
+
+@contextmanager
+def as_given(filled: list[tuple[Namespace, str, Any]]) -> Iterator[None]:
+    """The options :func:`place_outputs_under_root` filled, back at their given values for a while."""
+    placed = [getattr(args, option) for args, option, _ in filled]
+    for args, option, given in filled:
+        setattr(args, option, given)
+    try:
+        yield
+    finally:
+        for (args, option, _), value in zip(filled, placed):
+            setattr(args, option, value)
 
 
 def newest_last_hyperparameters(trainer: Namespace) -> dict[str, Any] | None:

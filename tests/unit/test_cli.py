@@ -150,6 +150,27 @@ def _fit_args(tmp_path: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
+def test_a_runs_config_reused_under_another_root_writes_there(tmp_path: Path, monkeypatch) -> None:
+    """The saved config.yaml held the checkpoint folder the CLI filled from the first run's root: reused with
+    another --trainer.default_root_dir (as docs/generation.md suggests reusing it), the new run's checkpoints went
+    into the first run's folder (a new-user audit). It keeps the folders as the recipe gave them."""
+    from lightning_p2r.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    with mock.patch.dict(os.environ):
+        main(_fit_args(tmp_path, "--trainer.default_root_dir=first", "--trainer.logger=false"))
+        saved = yaml.safe_load((tmp_path / "first" / "config.yaml").read_text())
+        dirpaths = [callback["init_args"].get("dirpath") for callback in saved["trainer"]["callbacks"]
+                    if callback["class_path"].endswith("ModelCheckpoint")]
+        assert dirpaths == [None]
+        main(["fit", "--config", str(tmp_path / "first" / "config.yaml"), "--trainer.default_root_dir=second",
+              "--trainer.max_steps=1"])
+    assert (tmp_path / "second" / "checkpoints" / "last.ckpt").is_file()
+    assert sorted(p.name for p in (tmp_path / "first" / "checkpoints").iterdir()) == ["last.ckpt"]
+
+
+@pytest.mark.slow
 def test_outputs_follow_the_root_dir_and_a_failing_call_leaves_the_run_alone(tmp_path: Path, monkeypatch,
                                                                              capsys) -> None:
     from lightning_p2r.cli import main
