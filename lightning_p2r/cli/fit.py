@@ -172,8 +172,7 @@ def _suggestion(parser: LightningArgumentParser, message: str) -> str:
     # A recipe's key ("Subcommand 'fit' does not accept option 'trainer.max_step'"): named as it is written there.
     recipe_key = re.search(r"does not accept option '([^']+)'", message)
     if recipe_key:
-        typed = f"--{recipe_key.group(1)}"
-        close = _same_name_elsewhere(typed, known) or _closest_spelling(typed, known)
+        close = _meant(f"--{recipe_key.group(1)}", known)
         return f" (did you mean '{close[0][2:]}'?)" if close else ""
     if "unrecognized arguments" not in message:
         return ""
@@ -181,13 +180,19 @@ def _suggestion(parser: LightningArgumentParser, message: str) -> str:
     for word in message.split(":", 1)[-1].split():
         if word.startswith("--"):
             typed = word.split("=", 1)[0]
-            close = _same_name_elsewhere(typed, known) or _closest_spelling(typed, known)
+            close = _meant(typed, known)
             hints += [f"{typed} -> {close[0]}"] if close else []
     return f" (did you mean: {', '.join(hints)}?)" if hints else ""
 
 
 SPELLED_ELSEWHERE = {"learning_rate": "lr", "batchsize": "batch_size", "epochs": "max_epochs"}
 """Names other libraries give an option, and this package's (the spelling alone does not lead there)."""
+
+
+def _meant(typed: str, known: list[str]) -> list[str]:
+    """The option a mistyped ``typed`` most likely means: the same name in another section, else the closest
+    spelling (one at most)."""
+    return _same_name_elsewhere(typed, known) or _closest_spelling(typed, known)
 
 
 def _closest_spelling(typed: str, known: list[str]) -> list[str]:
@@ -263,7 +268,8 @@ class SaveConfigWhenTraining(SaveConfigCallback):
     evaluation would replace the config of the run whose checkpoints sit beside it."""
 
     filled: list[tuple[Namespace, str, Any]] = []
-    """The output options the CLI filled from ``default_root_dir`` (:func:`place_outputs_under_root`)."""
+    """The output options the CLI filled from ``default_root_dir`` (:func:`place_outputs_under_root`; set on the
+    instance by :class:`P2RCLI` once the trainer holds it)."""
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         pass  # deferred to the end of the first training batch
@@ -288,6 +294,7 @@ class P2RCLI(LightningCLI):
         arguments = kwargs.get("args")
         self._command_line = [str(a) for a in arguments] if isinstance(arguments, list) else sys.argv[1:]
         self._recipe_files = recipe_paths(self._command_line)
+        self._filled_outputs: list[tuple[Namespace, str, Any]] = []  # what place_outputs_under_root filled
         kwargs.setdefault("parser_class", P2RArgumentParser)
         kwargs.setdefault("save_config_callback", SaveConfigWhenTraining)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
@@ -339,7 +346,7 @@ class P2RCLI(LightningCLI):
         if problem:
             self.parser.error(problem)
         section.trainer.strategy = strategy_from_class_path(section.trainer.get("strategy"))
-        SaveConfigWhenTraining.filled = place_outputs_under_root(section.trainer)
+        self._filled_outputs = place_outputs_under_root(section.trainer)
         resumed = _as_dict(section.get("model"))  # a checkpoint file's options, merged in by LightningCLI
         if section.get("ckpt_path") == "last":
             # Lightning resolves "last" only once fit starts, after the model was built: compare with it now.
@@ -347,6 +354,9 @@ class P2RCLI(LightningCLI):
         self._refuse_dropped_overrides(resumed)
 
     def after_instantiate_classes(self) -> None:
+        for callback in getattr(self.trainer, "callbacks", []):
+            if isinstance(callback, SaveConfigWhenTraining):
+                callback.filled = self._filled_outputs
         # Before W&B starts (at the first log): its service writes debug logs under $WANDB_DIR (default: the
         # working directory), and it warns "git root ... does not exist" when its folder is not there yet. Done only
         # now that every option was accepted, so a refused call leaves no folder behind.

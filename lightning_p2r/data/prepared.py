@@ -441,7 +441,7 @@ def _check_out(out: Path, source: str | Iterable[str], overwrite: bool) -> None:
         if path.exists() and (path.resolve() == out or out in path.resolve().parents):
             raise PreparedDataError(f"--out {out} holds the corpus it would read ({source}): preparing it would "
                                     "replace its own source; choose an --out outside the source")
-    if out.is_file() or out.is_symlink() and not out.is_dir():
+    if out.exists() and not out.is_dir():  # (out is resolved: a link is its target)
         raise PreparedDataError(f"--out {out} is a file: prepare-data writes a directory; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise PreparedDataError(f"--out {out} is a folder prepare-data did not write (no {MANIFEST}), and not empty: "
