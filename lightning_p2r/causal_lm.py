@@ -56,8 +56,10 @@ def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:
         raise ValueError(f"CausalLMModule.hf_config needs a 'model_type' (such as 'qwen3_moe'), got {hf_config!r}")
     try:
         config = AutoConfig.for_model(model_type, **fields)
-    except ValueError as error:
-        raise ValueError(f"CausalLMModule.hf_config: {error}") from None
+    except Exception as error:  # transformers' own checks raise ValueError, TypeError or huggingface_hub's errors
+        from .planning.hf_decoder import config_error_text
+
+        raise ValueError(f"CausalLMModule.hf_config: {config_error_text(error)}") from None
     return AutoModelForCausalLM.from_config(config)
 
 

@@ -3,15 +3,16 @@ held-out layouts; item 2: the same on a GPU).
 
     python -m lightning_p2r.benchmarks.planner_draw [--seed 11] [--count 24] [--processes 1] [--rounds 1]
                                                     [--budget-s 150] [--cluster FILE] [--measured CSV] [--out DIR]
-                                                    [--memory-savers P] [--speed-check]
+                                                    [--memory-savers P] [--speed-check] [--models m6|hf]
 
 1. **Draw.** A seeded random sample of models (depth, width, dense or MoE with 4-16 experts and top-1 or top-2,
-   sequence length) and one-device layouts (offloaded fraction, micro-batches, standard or layered accumulation,
-   recompute), sized for the device (a GPU gets models of 10-300 M parameters in bf16, a CPU small ones in fp32);
-   layouts the strategy's rulebook refuses are redrawn. With ``--processes N`` above one, each model's layout is
-   drawn from the planner's own search space on N devices (ZeRO stage, tensor / expert / pipeline degrees,
-   schedules, micro-batches, accumulation), and with ``--memory-savers P`` a share P of them get recompute or an
-   offload fraction (what ``plan`` adds when a layout does not fit the device).
+   sequence length; the package's M6, or with ``--models hf`` Hugging Face decoders of the families ``plan`` prices,
+   family, grouped-query heads, FFN width and tied head drawn too) and one-device layouts (offloaded fraction, micro-
+   batches, standard or layered accumulation, recompute), sized for the device (a GPU gets models of 10-300 M
+   parameters in bf16, a CPU small ones in fp32); layouts the strategy's rulebook refuses are redrawn. With
+   ``--processes N`` above one, each model's layout is drawn from the planner's own search space on N devices (ZeRO
+   stage, tensor / expert / pipeline degrees, schedules, micro-batches, accumulation), and with ``--memory-savers P``
+   a share P of them get recompute or an offload fraction (what ``plan`` adds when a layout does not fit the device).
 2. **Measure.** Each draw trains for a few steps on random tokens (the planner's trial worker's fit: in this
    process on one device, in ``plan --trial``'s worker processes on several); the measured step is rank 0's median
    optimizer-step interval after warm-up. With ``--rounds R`` the whole draw runs R times in turn (as ``plan
@@ -49,7 +50,9 @@ from lightning_p2r.benchmarks.planner_cv import spearman
 from lightning_p2r.benchmarks.report import apply_threads, base_parser
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning.cluster import Cluster, at_speed, cluster_for, load_cluster
+from lightning_p2r.planning.hf_decoder import HFDecoder, hf_decoder_of
 from lightning_p2r.planning.layout import Layout, Workload
+from lightning_p2r.planning.model import PricedModel
 from lightning_p2r.planning.step_time import estimate_step, fitted_step_range
 
 COLUMNS = ("draw", "processes", "layout", "layers", "dim", "experts", "top_k", "seq_len", "global_batch", "precision",
@@ -60,7 +63,7 @@ COLUMNS = ("draw", "processes", "layout", "layers", "dim", "experts", "top_k", "
 
 @dataclass(frozen=True)
 class Draw:
-    config: M6Config
+    config: PricedModel
     layout: Layout
     workload: Workload
     processes: int = 1
@@ -81,6 +84,44 @@ def _model(rng: random.Random, gpu: bool) -> tuple[M6Config, int, int]:
     return config, max(1, tokens // seq), seq
 
 
+HF_FAMILIES = ("llama", "qwen3", "mistral", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe")
+"""The Hugging Face families ``--models hf`` draws from (the priced ones; Qwen2 is Llama with biases)."""
+
+
+def _hf_model(rng: random.Random, gpu: bool) -> tuple[PricedModel, int, int]:
+    """(decoder, global batch, seq_len) of one drawn Hugging Face model: family, depth, width, grouped-query heads,
+    FFN width, experts and top-k, sequence length and tokens per step drawn (tiny on a CPU, as ``_model``)."""
+    from lightning_p2r.planning.hf_decoder import hf_decoder_of
+
+    family = rng.choice(HF_FAMILIES)
+    layers = rng.choice((2, 4, 6))
+    dim = rng.choice((256, 512, 1024) if gpu else (32, 64, 96, 128))
+    seq = rng.choice((256, 512, 1024) if gpu else (32, 64, 128))
+    tokens = rng.choice((8192, 16384) if gpu else (256, 512, 1024))
+    heads = dim // 64 if gpu else 4
+    ffn = dim * rng.choice((2, 3, 4))
+    vocab = rng.choice((8192, 32768)) if gpu else 256
+    if family == "gpt2":
+        config = {"n_embd": dim, "n_layer": layers, "n_head": heads, "n_positions": seq, "n_inner": ffn}
+    else:
+        config = {"hidden_size": dim, "num_hidden_layers": layers, "num_attention_heads": heads,
+                  "num_key_value_heads": rng.choice((heads, heads // 2)), "intermediate_size": ffn,
+                  "max_position_embeddings": seq, "tie_word_embeddings": rng.random() < 0.5}
+        if family == "mistral":
+            config["sliding_window"] = rng.choice((seq // 4, seq // 2))
+    if family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        experts, top_k = rng.choice((4, 8, 16)), rng.choice((1, 2))
+        config |= {"num_experts_per_tok": top_k}
+        if family == "mixtral":
+            config |= {"num_local_experts": experts, "intermediate_size": dim}
+        else:
+            config |= {"num_experts": experts, "moe_intermediate_size": dim // 2}
+        if family == "qwen2_moe":
+            config["shared_expert_intermediate_size"] = dim
+    decoder = hf_decoder_of({"model_type": family, "vocab_size": vocab, **config})
+    return decoder, max(1, tokens // seq), seq
+
+
 def _layout(rng: random.Random) -> Layout:
     micro = rng.choice((1, 1, 2, 4))
     return Layout(offload_fraction=rng.choice((0.0, 0.0, 0.5, 1.0)), micro_batches=micro,
@@ -88,10 +129,12 @@ def _layout(rng: random.Random) -> Layout:
                   recompute=rng.random() < 0.25)
 
 
-def draw(seed: int, count: int, gpu: bool, processes: int = 1, memory_savers: float = 0.0) -> list[Draw]:
+def draw(seed: int, count: int, gpu: bool, processes: int = 1, memory_savers: float = 0.0,
+         models: str = "m6") -> list[Draw]:
     """``count`` runnable (model, layout, workload) draws on ``processes`` devices, seeded. On several devices a share
     ``memory_savers`` of the layouts get recompute or offload (one of the variants ``plan`` tries when a layout does
-    not fit: a search on a roomy device never picks them); 0 draws what earlier seeds drew."""
+    not fit: a search on a roomy device never picks them); 0 draws what earlier seeds drew. ``models`` "hf" draws
+    Hugging Face decoders (``_hf_model``) instead of M6 models."""
     from lightning_p2r.planning.search import SearchSpace, candidate_layouts, is_valid
     from lightning_p2r.planning.search import memory_savers as saver_variants
 
@@ -101,7 +144,7 @@ def draw(seed: int, count: int, gpu: bool, processes: int = 1, memory_savers: fl
         accelerator="cuda" if gpu else "cpu", devices=processes, devices_per_node=processes)
     out: list[Draw] = []
     while len(out) < count:
-        config, batch, seq = _model(rng, gpu)
+        config, batch, seq = (_hf_model if models == "hf" else _model)(rng, gpu)
         precision = "bf16-mixed" if gpu else "32-true"
         workload = Workload(global_batch=batch * processes, seq_len=seq, precision=precision)
         if processes == 1:
@@ -193,11 +236,12 @@ def budget_note(rows: list[dict[str, Any]], rounds: int) -> str | None:
 
 def row_of(index: int, item: Draw) -> dict[str, Any]:
     config = item.config
+    model = ({"hf_config": config.hf_config()} if isinstance(config, HFDecoder) else asdict(config))
     return {"draw": index, "processes": item.processes, "layout": item.layout.describe(),
             "layers": config.num_layers, "dim": config.dim,
             "experts": config.num_experts if config.moe_layers != [] else 0, "top_k": config.moe_top_k,
             "seq_len": item.workload.seq_len, "global_batch": item.workload.global_batch,
-            "precision": item.workload.precision, "model": json.dumps(asdict(config)),
+            "precision": item.workload.precision, "model": json.dumps(model),
             "options": json.dumps(asdict(item.layout))}
 
 
@@ -205,7 +249,9 @@ def draw_of_row(row: dict[str, Any]) -> Draw:
     options = json.loads(row["options"])
     if options.get("offload_blocks") is not None:
         options["offload_blocks"] = tuple(options["offload_blocks"])
-    return Draw(M6Config(**json.loads(row["model"])), Layout(**options),
+    model = json.loads(row["model"])
+    config = hf_decoder_of(model["hf_config"]) if "hf_config" in model else M6Config(**model)
+    return Draw(config, Layout(**options),
                 Workload(global_batch=int(row["global_batch"]), seq_len=int(row["seq_len"]),
                          precision=row["precision"]), int(row.get("processes") or 1))
 
@@ -324,6 +370,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                         help="time the speed check's reference step right before every run and price each row at "
                              "the speed it ran at, as `plan` run just before training prices it (the summary adds "
                              "the figures at the cluster file's own speed)")
+    parser.add_argument("--models", choices=("m6", "hf"), default="m6",
+                        help="the models drawn: the package's M6 (default) or Hugging Face decoders of the families "
+                             "plan prices (docs/planning.md, \"Hugging Face decoders\")")
     parser.add_argument("--memory-savers", type=float, default=0.0,
                         help="share (0-1) of the layouts drawn for several processes given recompute or offload (the "
                              "variants plan tries when a layout does not fit; default 0: what earlier seeds drew)")
@@ -342,7 +391,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         # Each process count draws from its own seed (seed + processes - 1: one process keeps the seed's old draw).
         items = [item for processes in args.processes
                  for item in draw(args.seed + processes - 1, args.count, gpu=gpu, processes=processes,
-                                  memory_savers=args.memory_savers)]
+                                  memory_savers=args.memory_savers, models=args.models)]
         reference = None
         if args.speed_check:
             from functools import partial

@@ -16,6 +16,8 @@ What it measures, each as the median of several timed repetitions after a warm-u
 - ``dense_layer_overhead``, ``moe_layer_overhead``, ``moe_expert_overhead``: the package's own transformer at a
   negligible size with 1 and 5 layers, dense and MoE, 2 and 16 experts: a layer's fixed cost (dispatch, autograd,
   Python), which on a CPU is several times its operator count at ``operator_overhead`` (:func:`layer_overheads`);
+- ``hf_layer_overheads``: the same for one layer of each Hugging Face family the planner prices, dense and MoE (with
+  ``transformers`` installed; :func:`hf_layer_overheads`);
 - ``dense_checkpoint_overhead``, ``moe_checkpoint_overhead``, ``moe_expert_checkpoint_overhead``: the same five
   models with each layer checkpointed by the call a pipeline stage with recompute makes: what checkpointing adds to
   each fixed cost (the forward run again, and the saved-tensor hooks on every tensor a layer saves);
@@ -300,6 +302,38 @@ FIXED_COST_PROBES = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5":
 (:func:`fixed_layer_costs`); they are timed plain and with each layer checkpointed."""
 
 
+def hf_layer_overheads(device: torch.device, repeats: int) -> dict[str, dict[str, float]]:
+    """``hf_layer_overheads``: one layer of each Hugging Face family the planner prices, dense and MoE
+    (``planning.hf_decoder.layer_kinds``), at the size of the M6 layer probe, forward and backward, from models of 1
+    and 5 layers timed as :func:`layer_overheads` times M6's (about 5 s on a CPU). Nothing without ``transformers``
+    (the ``[hf]`` extra): the planner then prices Hugging Face layers from M6's by their operators."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return {}
+    from ..planning.hf_decoder import build_probe, layer_kind_key, layer_kinds, probe_hf_config
+
+    def step_of(family: str, moe: bool, layers: int) -> Callable[[], None]:
+        torch.manual_seed(0)
+        config = probe_hf_config(family, layers, moe=moe, shared_expert=family == "qwen2_moe")
+        model = build_probe(config).to(device)
+        tokens = torch.randint(0, 64, (1, LAYER_PROBE["max_seq_len"]), device=device)
+
+        def step() -> None:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                logits = model(input_ids=tokens, use_cache=False).logits
+            logits.float().mean().backward()
+
+        return step
+
+    steps = {f"{layer_kind_key(family, moe)}/{layers}": step_of(family, moe, layers) for family, moe in layer_kinds()
+             for layers in (1, 5)}
+    seconds = fastest_medians(steps, device, repeats, rounds=3)
+    floor = 1e-6  # the planner reads a missing kind as "price it from M6's layer"
+    return {"hf_layer_overheads": {key: max((seconds[f"{key}/5"] - seconds[f"{key}/1"]) / 4, floor)
+                                   for key in (layer_kind_key(family, moe) for family, moe in layer_kinds())}}
+
+
 def fixed_layer_costs(seconds: dict[str, float]) -> tuple[float, float, float]:
     """(dense layer, MoE layer without its experts, one expert): the fixed costs in the timings of
     ``FIXED_COST_PROBES``: 1 and 5 layers differ by 4 layers, MoE layers of 2 and 16 experts by 5 x 14 experts."""
@@ -525,6 +559,7 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
                                                                  repeats * 5),
             "operator_overhead": operator_seconds,
             **layer_overheads(device, repeats),
+            **hf_layer_overheads(device, repeats),
             **attention_rates(device, quick, 3 if quick else 10),
             **measure_matmul_costs(device, repeats, operator_seconds, bandwidth),
             "host_device_bandwidth": copy_bandwidth, "host_device_latency": copy_latency,

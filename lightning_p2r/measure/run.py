@@ -111,17 +111,29 @@ class OptimizerStepTimer(L.Callback):
             self.ends.append(self._read())
 
 
-def fit_on_random_tokens(spec: dict[str, Any], strategy: P2RStrategy, *, warmup: int,
-                         callbacks: tuple[L.Callback, ...] = ()) -> tuple[L.Trainer, M6LanguageModel, float]:
-    """Train ``spec["model"]`` (an M6Config's fields) with ``strategy`` on ``spec["devices"]`` processes (on
-    ``spec["accelerator"]``, CPU by default) for ``spec["steps"]`` steps of ``spec["global_batch"]`` random sequences,
-    split over the data ranks; returns the trainer, the module and the median optimizer-step interval after
-    ``warmup`` steps (the benchmark workers' and the calibration's). Optional keys: ``seq_len`` (default the model's
-    ``max_seq_len``), ``precision`` (default "32-true") and ``accumulate_grad_batches`` (the Trainer's micro-batches
-    of standard accumulation: each batch is then that share of a data rank's sequences)."""
-    L.seed_everything(0)
+def _module_of(spec: dict[str, Any]) -> tuple[L.LightningModule, int, int]:
+    """The module a spec trains (an M6 model from ``spec["model"]``, or a Hugging Face decoder from
+    ``spec["hf_config"]`` through ``CausalLMModule``), its vocabulary and its longest sequence."""
+    if "hf_config" in spec:
+        from ..causal_lm import CausalLMModule
+
+        module = CausalLMModule(hf_config=spec["hf_config"], optimizer=OptimizerConfig(warmup_steps=1))
+        return module, spec["hf_config"]["vocab_size"], spec["seq_len"]
     config = M6Config(**spec["model"])
-    module = M6LanguageModel(config, OptimizerConfig(warmup_steps=1))
+    return M6LanguageModel(config, OptimizerConfig(warmup_steps=1)), config.vocab_size, config.max_seq_len
+
+
+def fit_on_random_tokens(spec: dict[str, Any], strategy: P2RStrategy, *, warmup: int,
+                         callbacks: tuple[L.Callback, ...] = ()) -> tuple[L.Trainer, L.LightningModule, float]:
+    """Train ``spec["model"]`` (an M6Config's fields; ``spec["hf_config"]``: a Hugging Face decoder's) with
+    ``strategy`` on ``spec["devices"]`` processes (on ``spec["accelerator"]``, CPU by default) for ``spec["steps"]``
+    steps of ``spec["global_batch"]`` random sequences, split over the data ranks; returns the trainer, the module and
+    the median optimizer-step interval after ``warmup`` steps (the benchmark workers' and the calibration's). Optional
+    keys: ``seq_len`` (default the model's ``max_seq_len``), ``precision`` (default "32-true") and
+    ``accumulate_grad_batches`` (the Trainer's micro-batches of standard accumulation: each batch is then that share
+    of a data rank's sequences)."""
+    L.seed_everything(0)
+    module, vocab_size, max_seq_len = _module_of(spec)
     ends = OptimizerStepTimer()
     accumulate = spec.get("accumulate_grad_batches", 1)
     trainer = L.Trainer(accelerator=spec.get("accelerator", "cpu"), devices=spec["devices"], max_steps=spec["steps"],
@@ -129,8 +141,8 @@ def fit_on_random_tokens(spec: dict[str, Any], strategy: P2RStrategy, *, warmup:
                         enable_model_summary=False, limit_val_batches=0, callbacks=[ends, *callbacks],
                         precision=spec.get("precision", "32-true"), accumulate_grad_batches=accumulate)
     data_ranks = spec["devices"] // (strategy.tensor_parallel * strategy.pipeline_parallel)
-    seq_len = spec.get("seq_len", config.max_seq_len)
-    data = torch.randint(0, config.vocab_size, (spec["steps"] * spec["global_batch"], seq_len + 1),
+    seq_len = spec.get("seq_len", max_seq_len)
+    data = torch.randint(0, vocab_size, (spec["steps"] * spec["global_batch"], seq_len + 1),
                          generator=torch.Generator().manual_seed(0))
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=spec["global_batch"] // data_ranks // accumulate))
     steps = [b - a for a, b in zip(ends.ends[warmup - 1:], ends.ends[warmup:])]

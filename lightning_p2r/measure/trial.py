@@ -23,8 +23,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..models.config import M6Config
+from ..planning.hf_decoder import HFDecoder
 from ..planning.layout import Layout, Workload
+from ..planning.model import PricedModel
 
 WARMUP = 2
 """Optimizer steps a trial runs before it starts timing (first-step allocations, lazy initialization)."""
@@ -50,14 +51,15 @@ def trial_refusal(trials: int, devices: int, accelerator: str, available: int) -
     return None
 
 
-def trial_spec(config: M6Config, layout: Layout, workload: Workload, *, devices: int, steps: int,
+def trial_spec(config: PricedModel, layout: Layout, workload: Workload, *, devices: int, steps: int,
                accelerator: str, out: str) -> dict[str, Any]:
     """The worker spec that trains ``config`` with ``layout`` on ``devices`` processes (see
     :func:`~lightning_p2r.measure.run.fit_on_random_tokens`): the Trainer accumulates the micro-batches of standard
     accumulation without a pipeline (``Layout.trainer_accumulation``), the strategy everything else."""
     from .run import host_threads, usable_cores
 
-    return {"name": layout.describe(), "model": asdict(config), "devices": devices, "steps": steps,
+    model = {"hf_config": config.hf_config()} if isinstance(config, HFDecoder) else {"model": asdict(config)}
+    return {"name": layout.describe(), **model, "devices": devices, "steps": steps,
             "threads": host_threads(accelerator, devices, usable_cores()),
             "global_batch": workload.global_batch, "seq_len": workload.seq_len, "precision": workload.precision,
             "accumulate_grad_batches": layout.trainer_accumulation, "strategy": layout.strategy_options(),
@@ -80,7 +82,7 @@ def failure_reason(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
 
 
-def run_trials(config: M6Config, layouts: list[tuple[Layout, float]], workload: Workload, *, devices: int,
+def run_trials(config: PricedModel, layouts: list[tuple[Layout, float]], workload: Workload, *, devices: int,
                steps: int, accelerator: str, rounds: int = 1) -> list[dict[str, Any]]:
     """Measure each (layout, predicted seconds); rows in the given order with ``measured_s`` and the prediction's
     error relative to the measurement. With ``rounds`` above one the layouts run in turn that many times (1, 2, ...,

@@ -20,8 +20,9 @@ from typing import Any
 from ..models.config import M6Config
 from .cluster import SIZE_DEPENDENT_LAYER_COSTS, Cluster, at_speed, cluster_for, load_cluster
 from .framework import HOW_TO_GET, missing_terms
+from .hf_decoder import HFDecoder, hf_decoder_of
 from .layout import SCHEDULES, SHARDINGS, Layout, Workload
-from .model import parameter_count, pseudo_of
+from .model import PricedModel, parameter_count, pseudo_of
 from .search import Plan, SearchSpace, evaluate, search
 from .step_time import fitted_step_range
 
@@ -30,7 +31,7 @@ TRIAL_STEPS = 20
 """Optimizer steps per trial unless ``--trial-steps`` says otherwise (the first 2 untimed)."""
 
 
-def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
+def recipe_inputs(path: str | Path) -> tuple[PricedModel, dict[str, Any]]:
     """The model config and the run settings (batch_size, seq_len, precision, the recipe's data ranks) of a
     recipe."""
     import yaml
@@ -49,6 +50,17 @@ def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
         named = ", ".join(unknown[:4]) + (f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
         raise ValueError(f"{path}: unknown recipe section(s) {named} (a recipe has {', '.join(RECIPE_SECTIONS)})"
                          + hint)
+    trainer = recipe.get("trainer") or {}
+    data = recipe.get("data") or {}
+    # Linked as `lightning-p2r fit` links them: the data's sequence length and vocabulary size are the model's.
+    vocab_size = data.get("vocab_size") or (256 if data.get("tokenizer") == "bytes" else None)
+    hf_config = hf_config_of(recipe.get("model") or {}, path)
+    if hf_config is not None:
+        try:
+            config: PricedModel = hf_decoder_of(hf_config | ({"vocab_size": vocab_size} if vocab_size else {}))
+        except ValueError as error:
+            raise ValueError(f"{path}: model.init_args.{error}") from None
+        return config, _settings(trainer, data)
     model = m6_config_of(recipe.get("model") or {}, path)
     known = {f.name for f in dataclasses.fields(M6Config)}
     for key in model:
@@ -56,15 +68,17 @@ def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             raise ValueError(f"{path}: model.config.{key} is not an M6Config field"
                              + (f"; did you mean {close[0]}?" if close else ""))
-    trainer = recipe.get("trainer") or {}
-    data = recipe.get("data") or {}
-    # Linked as `lightning-p2r fit` links them: the data's sequence length and vocabulary size are the model's.
-    vocab_size = data.get("vocab_size") or (256 if data.get("tokenizer") == "bytes" else None)
     linked = {"max_seq_len": data.get("seq_len", 128)} | ({"vocab_size": vocab_size} if vocab_size else {})
     try:
         config = M6Config(**(model | linked))
     except ValueError as error:
         raise ValueError(f"{path}: model.config: {error}") from None
+    return config, _settings(trainer, data)
+
+
+def _settings(trainer: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """The run settings the workload is priced at: the batch per data rank, the sequence length, the precision, the
+    recipe's data ranks and its Trainer's accumulation."""
     strategy = ((trainer.get("strategy") or {}).get("init_args") or {}) if isinstance(trainer.get("strategy"),
                                                                                       dict) else {}
     devices = trainer.get("devices", 1)
@@ -73,7 +87,7 @@ def recipe_inputs(path: str | Path) -> tuple[M6Config, dict[str, Any]]:
     settings = {"batch_size": data.get("batch_size", 16), "seq_len": data.get("seq_len", 128),
                 "precision": str(trainer.get("precision", "32-true")), "data_ranks": data_ranks,
                 "accumulate": trainer.get("accumulate_grad_batches", 1)}
-    return config, settings
+    return settings
 
 
 RECIPE_SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path", "optimizer", "lr_scheduler",
@@ -81,6 +95,30 @@ RECIPE_SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path", "
 """The top-level sections ``lightning-p2r fit`` reads from a recipe (LightningCLI's, and the throughput callback's)."""
 M6_MODULE_OPTIONS = ("config", "optimizer")
 """What a recipe's ``model`` section holds for ``M6LanguageModel``, written either way LightningCLI reads it."""
+
+
+CAUSAL_LM_PRICED = ("hf_config", "optimizer", "init_seed", "vocab_size")
+"""``CausalLMModule`` options a priced recipe may set (its sharing options and a model given whole are not priced)."""
+
+
+def hf_config_of(model: dict[str, Any], path: Path) -> dict[str, Any] | None:
+    """The ``hf_config`` of a recipe whose model is ``CausalLMModule`` built from a Hugging Face config (None for
+    any other model). A pseudo model (``num_unique_blocks``) or a litgpt or whole model is refused: the cost model
+    prices the Hugging Face families of ``hf_decoder.PRICED_FAMILIES``, every layer its own block."""
+    if not isinstance(model, dict) or str(model.get("class_path", "")).rsplit(".", 1)[-1] != "CausalLMModule":
+        return None
+    options = model.get("init_args") or {}
+    hf_config = options.get("hf_config")
+    unpriced = sorted(set(options) - set(CAUSAL_LM_PRICED))
+    if not isinstance(hf_config, dict) or unpriced:
+        what = (f"model.init_args.{unpriced[0]}" if unpriced and isinstance(hf_config, dict)
+                else "a model without hf_config")
+        raise ValueError(
+            f"{path}: `lightning-p2r plan` prices CausalLMModule built from a Hugging Face hf_config whose layers are "
+            f"each their own block; {what} is not priced. Time such a model's layouts with `lightning-p2r fit "
+            "--config RECIPE --trainer.max_steps 20` and its logged perf/tokens_per_s (docs/planning.md, \"Hugging "
+            "Face decoders\")")
+    return dict(hf_config) | ({"vocab_size": options["vocab_size"]} if options.get("vocab_size") else {})
 
 
 def m6_config_of(model: dict[str, Any], path: Path) -> dict[str, Any]:
@@ -98,11 +136,11 @@ def m6_config_of(model: dict[str, Any], path: Path) -> dict[str, Any]:
         hf = ((model.get("init_args") or {}).get("hf_config") or {}).get("model_type")
         described = f"{class_path} (a Hugging Face {hf})" if hf else str(class_path)
         raise ValueError(
-            f"{path}: model.class_path is {described}, and `lightning-p2r plan` prices only the package's M6 model "
-            "(its cost model counts the M6 layers' matmuls, attention, experts and fixed costs); it has no cost model "
-            "for this model's layers, and pricing another model in its place would mislead. Time this model's "
-            "layouts with `lightning-p2r fit --config RECIPE --trainer.max_steps 20` and its logged perf/tokens_per_s "
-            "(docs/planning.md, \"Models other than M6\")")
+            f"{path}: model.class_path is {described}, and `lightning-p2r plan` prices the package's M6 model and "
+            "CausalLMModule built from a Hugging Face hf_config (docs/planning.md, \"Hugging Face decoders\"); it has "
+            "no cost model for this model's layers, and pricing another model in its place would mislead. Time this "
+            "model's layouts with `lightning-p2r fit --config RECIPE --trainer.max_steps 20` and its logged "
+            "perf/tokens_per_s (docs/planning.md, \"Hugging Face decoders\")")
     unknown = sorted(set(options) - set(M6_MODULE_OPTIONS))
     if unknown:
         where = "model.init_args" if class_path is not None else "model"
@@ -139,7 +177,7 @@ def _yaml_value(value: Any) -> str:
     return str(value)
 
 
-def plan_rows(config: M6Config, plans: list[Plan], workload: Workload, pseudo: M6Config | None,
+def plan_rows(config: PricedModel, plans: list[Plan], workload: Workload, pseudo: PricedModel | None,
               cluster: Cluster) -> list[dict[str, Any]]:
     """One printed row per plan. With a calibrated file's ``fitted_spread``, ``step_low_s`` / ``step_high_s``: the
     step with every fitted term at the low and at the high end of its leave-one-out range
@@ -256,7 +294,12 @@ def main(argv: list[str]) -> None:
         if mismatch:
             print(f"warning: {mismatch}")
         workload = workload_for(settings, args)
-        config = dataclasses.replace(config, max_seq_len=workload.seq_len)  # --seq-len, linked as fit links it
+        if isinstance(config, HFDecoder):
+            if config.position_embedding == "learned" and workload.seq_len > config.max_seq_len:
+                raise ValueError(f"sequences of {workload.seq_len} tokens exceed the {config.max_seq_len} learned "
+                                 f"positions of this {config.model_type} (its n_positions)")
+        else:
+            config = dataclasses.replace(config, max_seq_len=workload.seq_len)  # --seq-len, linked as fit links it
     except ValueError as error:
         parser.error(str(error))
     if args.top < 1 or not 0 < args.memory_headroom <= 1:
@@ -300,7 +343,7 @@ def main(argv: list[str]) -> None:
                          "--micro-batches, --sharding or --schedules")
     if not plans:
         raise SystemExit("no layout fits: add devices, memory, offload fractions up to 1, or lower the batch")
-    pseudo = pseudo_of(config) if config.num_blocks == config.num_layers else None
+    pseudo = pseudo_of(config) if config.num_blocks == config.num_layers and isinstance(config, M6Config) else None
     rows = plan_rows(config, plans[: args.top], workload, pseudo, cluster)
     spread = ["step_low_s", "step_high_s"] if cluster.fitted_spread else []
     columns = ["rank", "layout", "tokens_per_s", "step_s", *spread, "compute_s", "bubble_s", "tensor_parallel_s",
@@ -331,7 +374,7 @@ def _at_present_speed(cluster: Cluster) -> Cluster:
     return cluster if ratio is None else at_speed(cluster, ratio)
 
 
-def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
+def _warn_missing_terms(config: PricedModel, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
     """Say which framework terms the shown layouts count but the cluster file leaves at zero (their predictions are
     short by that time), and where each comes from; whether attention is priced by shape; whether a CPU file has
     the layer costs that grow with the tokens and the experts' weights; and whether a pipeline's recompute is priced
@@ -358,7 +401,7 @@ def _warn_missing_terms(config: M6Config, layouts: list[Layout], cluster: Cluste
 
 
 
-def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Cluster, steps: int,
+def trial(config: PricedModel, plans: list[Plan], workload: Workload, cluster: Cluster, steps: int,
           accelerator: str, rounds: int = 1) -> list[dict[str, Any]]:
     """Run ``plans`` on this machine (``lightning_p2r.measure.trial``), print measured beside predicted and the
     measured best as a recipe fragment; returns the rows."""
@@ -378,8 +421,9 @@ def trial(config: M6Config, plans: list[Plan], workload: Workload, cluster: Clus
     return rows
 
 
-def _describe_model(config: M6Config) -> str:
-    kind = "pseudo" if config.num_blocks < config.num_layers else "real"
+def _describe_model(config: PricedModel) -> str:
+    kind = config.describe() if isinstance(config, HFDecoder) else (
+        "pseudo" if config.num_blocks < config.num_layers else "real")
     moe = sum(config.is_moe_layer(layer) for layer in range(config.num_layers))
     experts = f"{config.num_experts} experts in {moe} MoE layers" if moe else "dense"
     return (f"{parameter_count(config) / 1e6:,.1f}M parameters ({kind}), {config.num_layers} layers, dim "

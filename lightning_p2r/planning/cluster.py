@@ -137,6 +137,12 @@ class Cluster:
     ``lightning-p2r calibrate``; 0: the planner prices a layer's fixed cost as operators times ``operator_overhead``."""
     moe_layer_overhead: float = 0.0
     """The same for an MoE layer's routing, dispatch and combine (its experts excluded: ``moe_expert_overhead``)."""
+    hf_layer_overheads: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``dense_layer_overhead`` of each Hugging Face family's layer on ``transformers``' code, which launches more and
+    smaller operators than M6's at a cost per operator that differs by family (6 to 8.5 us on a 2-vCPU EPYC): keyed
+    by ``model_type`` for a dense layer and ``model_type:moe`` for an MoE one
+    (``planning.hf_decoder.layer_cost_scales``). Measured by ``lightning-p2r calibrate`` where ``transformers`` is
+    installed; a family absent is priced from M6's layer by its operator count."""
     moe_expert_overhead: float = 0.0
     """Seconds each expert an MoE layer computes adds to the layer's forward and backward at a negligible size (the
     loop kernel's per-expert matmuls and activation; about 0 with the grouped kernel)."""
@@ -246,6 +252,11 @@ class Cluster:
                                      f"numbers, got {value!r}")
             elif field.name == "attention_rates":
                 _check_rate_grid(value)
+            elif field.name == "hf_layer_overheads":
+                if not isinstance(value, dict) or any(not isinstance(k, str) or isinstance(v, bool) or not isinstance(
+                        v, (int, float)) or not 0 < v < math.inf for k, v in value.items()):
+                    raise ValueError(f"Cluster.{field.name} must map model types (\"llama\", \"qwen3_moe:moe\") to "
+                                     f"positive seconds, got {value!r}")
             elif field.name == "fitted_spread":
                 if not isinstance(value, dict) or any(k not in FITTED_TERMS or not _is_range(v)
                                                       for k, v in value.items()):
@@ -398,6 +409,7 @@ def at_speed(cluster: Cluster, ratio: float) -> Cluster:
     changes |= {name: getattr(cluster, name) / ratio for name in rates}
     if cluster.accelerator == "cpu":
         changes["attention_rates"] = [[row[0], row[1], row[2] / ratio] for row in cluster.attention_rates]
+    changes["hf_layer_overheads"] = {kind: seconds * ratio for kind, seconds in cluster.hf_layer_overheads.items()}
     changes["fitted_spread"] = {name: [low * ratio, high * ratio] if name in times else [low, high]
                                 for name, (low, high) in cluster.fitted_spread.items()}
     return dataclasses.replace(cluster, **changes)
@@ -422,7 +434,7 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
     parsed: dict[str, Any] = {}
     for key, value in values.items():
         if key in ("name", "accelerator", "collective_factors", "fitted_spread", "attention_rates",
-                   "calibrated_on") or isinstance(
+                   "hf_layer_overheads", "calibrated_on") or isinstance(
                 known[key].default, bool):
             parsed[key] = value
         elif key in ("devices", "devices_per_node"):

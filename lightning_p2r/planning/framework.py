@@ -57,9 +57,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..layout import bubble_fraction
-from ..models.config import M6Config
 from .cluster import FITTED_TERMS, Cluster
 from .layout import Layout, Workload
+from .model import PricedModel
 from .share import RankShare, rank_share
 from .transfers import EXPERT_DISPATCH, TENSOR_PARALLEL, ZERO1_BROADCASTS, Transfer, step_transfers
 
@@ -94,7 +94,7 @@ def pipeline_stage_actions(layout: Layout) -> int:
     return 2 * layout.stages_per_rank * layout.micro_batches
 
 
-def tensor_parallel_module_passes(config: M6Config, layout: Layout, share: RankShare) -> int:
+def tensor_parallel_module_passes(config: PricedModel, layout: Layout, share: RankShare) -> int:
     """Calls through DTensor per step under tensor parallelism (none without it): forward and backward (three
     forwards' worth) of every micro-batch through each module the model's parallel plan splits. The parallel styles
     wrap a module's input and output (``from_local`` / ``to_local``, a redistribution) and dispatch its weight's
@@ -151,7 +151,7 @@ def expert_dispatch_calls(transfers: Sequence[Transfer]) -> int:
     return sum(t.calls for t in transfers if _blocking(t, True) and t.label == EXPERT_DISPATCH)
 
 
-def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+def framework_counts(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload,
                      share: RankShare | None = None, transfers: Sequence[Transfer] | None = None) -> dict[str, float]:
     """Each ``TERMS`` constant's count for one step of the rank (pipeline rank 0 when ``share`` is not given);
     ``transfers``: the rank's step transfers when the caller has them (``estimate_step`` prices them anyway).
@@ -179,7 +179,7 @@ def framework_counts(config: M6Config, layout: Layout, cluster: Cluster, workloa
     return measured | {k: v * stretch for k, v in fitted.items()}
 
 
-def framework_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+def framework_seconds(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload,
                       share: RankShare | None = None, transfers: Sequence[Transfer] | None = None) -> float:
     """Seconds of framework time per step: each count times its cluster constant (zero in a file that has none)."""
     counts = framework_counts(config, layout, cluster, workload, share, transfers)
@@ -192,7 +192,7 @@ HOW_TO_GET = {**{term: "measured by `lightning-p2r calibrate`" for term in MEASU
 """Where a cluster file's value of each term comes from (the planner's warning names it)."""
 
 
-def missing_terms(config: M6Config, layouts: Sequence[Layout], cluster: Cluster,
+def missing_terms(config: PricedModel, layouts: Sequence[Layout], cluster: Cluster,
                   workload: Workload) -> dict[str, int]:
     """The terms ``cluster`` leaves at zero that ``layouts`` count, with how many of them count each: their
     predictions leave that time out (a file from before ``calibrate`` measured it, or a fitted term never fitted

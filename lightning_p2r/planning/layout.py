@@ -10,9 +10,8 @@ from typing import Literal
 from .. import layout as rules
 from ..layout import BREADTH_FIRST, SHARDINGS, Layout, ModelShape
 from ..layout import PIPELINE_SCHEDULES as SCHEDULES
-from ..models.config import M6Config
 from .cluster import Cluster
-from .model import as_run
+from .model import PricedModel, as_run
 
 Precision = Literal["32-true", "bf16-mixed"]
 __all__ = ["BREADTH_FIRST", "SCHEDULES", "SHARDINGS", "Layout", "Precision", "Workload", "check_layout"]
@@ -56,7 +55,7 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
-def check_layout(layout: Layout, config: M6Config, cluster: Cluster, workload: Workload) -> None:
+def check_layout(layout: Layout, config: PricedModel, cluster: Cluster, workload: Workload) -> None:
     """Raise ValueError naming the first reason ``layout`` cannot run ``config`` on ``cluster``: the strategy's own
     rules (``lightning_p2r.layout.check_layout``), then the workload's global batch over the data ranks."""
     rules.check_layout(layout, cluster.devices, ModelShape.of(as_run(config)))

@@ -26,10 +26,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
-from .model import as_run, layer_activation_elements
+from .model import PricedModel, as_run, layer_activation_elements
 from .share import (
     RankShare,
     block_params_of,
@@ -70,7 +69,7 @@ class MemoryEstimate:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"device_total": self.device_total}
 
 
-def stored_elements(config: M6Config, layout: Layout, share: RankShare, *, blocks: set[int] | None = None,
+def stored_elements(config: PricedModel, layout: Layout, share: RankShare, *, blocks: set[int] | None = None,
                     outside_blocks: bool = True, optimizer: bool = False) -> float:
     """Elements this rank stores of its parameters between steps (after the tensor/expert split and the ZeRO-2/3
     shard); ``blocks`` limits it to those blocks, ``outside_blocks`` includes the root parameters. ``optimizer``:
@@ -90,7 +89,7 @@ def stored_elements(config: M6Config, layout: Layout, share: RankShare, *, block
     return total
 
 
-def unsharded_elements(config: M6Config, layout: Layout, share: RankShare, block: int | None) -> float:
+def unsharded_elements(config: PricedModel, layout: Layout, share: RankShare, block: int | None) -> float:
     """Elements of one block's (or, for None, the root's) tensor-/expert-parallel part, as FSDP2 gathers it."""
     params = block_params_of(config, share, block) if block is not None else [
         p for p in held_params(config, share) if p.block is None]
@@ -102,7 +101,7 @@ def unsharded_elements(config: M6Config, layout: Layout, share: RankShare, block
     return total
 
 
-def estimate_memory(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+def estimate_memory(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload,
                     pipeline_rank: int | None = None) -> MemoryEstimate:
     """One rank's memory; ``pipeline_rank`` None: the pipeline rank with the largest device total."""
     config = as_run(config)  # a shallow pseudo model is priced as the layers it runs (issue 30)
@@ -153,7 +152,7 @@ def micro_batches_in_flight(layout: Layout) -> float:
     return min(m, p)
 
 
-def _activation_bytes(config: M6Config, layout: Layout, workload: Workload, share: RankShare) -> float:
+def _activation_bytes(config: PricedModel, layout: Layout, workload: Workload, share: RankShare) -> float:
     micro_tokens = share.micro_sequences * workload.seq_len
     if layout.sequence_parallel:
         micro_tokens_replicated = micro_tokens / layout.tensor_parallel

@@ -18,29 +18,13 @@ Conventions, chosen to match what the package runs:
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 from ..models.config import M6Config
+from . import hf_decoder as hf
+from .hf_decoder import HFDecoder
+from .param_spec import ParamSpec
 
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter tensor of the model and how the strategy splits it."""
-
-    name: str
-    shape: tuple[int, ...]
-    owner: str
-    """"block" (a transformer block's dense parameters), "expert" (an MoE layer's experts) or "root" (embedding,
-    positions, final norm, head)."""
-    block: int | None = None
-    """The unique block it belongs to (None outside the blocks)."""
-    tensor_dim: int | None = None
-    """The dimension tensor parallelism splits (None: replicated over the tensor-parallel ranks)."""
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
+PricedModel = M6Config | HFDecoder
+"""What the planner prices: the package's M6 model, or a Hugging Face decoder of a family it counts."""
 
 
 def block_params(config: M6Config, block: int) -> list[ParamSpec]:
@@ -80,8 +64,10 @@ def root_params(config: M6Config) -> list[ParamSpec]:
     return specs
 
 
-def all_params(config: M6Config) -> tuple[ParamSpec, ...]:
+def all_params(config: PricedModel) -> tuple[ParamSpec, ...]:
     """Every parameter, the root's first (memoized: the search prices thousands of layouts of one model)."""
+    if isinstance(config, HFDecoder):
+        return config.params
     key = repr(config)
     if key not in _PARAMS:
         _PARAMS[key] = tuple(root_params(config)) + tuple(p for block in range(config.num_blocks)
@@ -92,16 +78,16 @@ def all_params(config: M6Config) -> tuple[ParamSpec, ...]:
 _PARAMS: dict[str, tuple[ParamSpec, ...]] = {}
 
 
-def is_moe_block(config: M6Config, block: int) -> bool:
+def is_moe_block(config: PricedModel, block: int) -> bool:
     return config.is_moe_layer(config.layers_of_block(block)[0])
 
 
-def parameter_count(config: M6Config) -> int:
+def parameter_count(config: PricedModel) -> int:
     """Unique parameters (a shared block counted once, a tied head not at all)."""
     return sum(p.numel for p in all_params(config))
 
 
-def attended_keys(config: M6Config, layer: int, seq_len: int) -> float:
+def attended_keys(config: PricedModel, layer: int, seq_len: int) -> float:
     """Mean number of keys a query attends to in ``layer`` (causal, or banded)."""
     window = config.attention_window(layer)
     if window is None or window >= seq_len:
@@ -111,20 +97,23 @@ def attended_keys(config: M6Config, layer: int, seq_len: int) -> float:
     return (ramp * (ramp + 1) / 2 + (seq_len - ramp) * window) / seq_len
 
 
-def layer_attention_flops(config: M6Config, layer: int, seq_len: int) -> float:
+def layer_attention_flops(config: PricedModel, layer: int, seq_len: int) -> float:
     """FLOPs of one token's attention scores and weighted sum in one layer's forward (the attention kernel's)."""
-    return 2 * 2 * attended_keys(config, layer, seq_len) * config.dim
+    width = config.attention_width if isinstance(config, HFDecoder) else config.dim
+    return 2 * 2 * attended_keys(config, layer, seq_len) * width
 
 
-def routed_ffn_runs(config: M6Config) -> int:
+def routed_ffn_runs(config: PricedModel) -> int:
     """Routed FFNs an MoE layer runs per token: one per assignment (``num_prototypes x moe_top_k``), or one when a
     single FFN is shared by every expert before upcycling (the layer weighs it by the token's gates; with tensor or
     expert parallelism it runs per assignment, which this count does not follow)."""
     return 1 if config.num_unique_experts == 1 else config.num_prototypes * config.moe_top_k
 
 
-def layer_forward_flops(config: M6Config, layer: int, seq_len: int) -> float:
+def layer_forward_flops(config: PricedModel, layer: int, seq_len: int) -> float:
     """FLOPs of one token through one layer's forward pass (matmuls, the attention kernel's included)."""
+    if isinstance(config, HFDecoder):
+        return hf.layer_forward_flops(config, layer, seq_len, layer_attention_flops(config, layer, seq_len))
     d, h = config.dim, config.hidden_dim
     attention = 2 * 4 * d * d + layer_attention_flops(config, layer, seq_len)
     if config.is_moe_layer(layer):
@@ -135,31 +124,34 @@ def layer_forward_flops(config: M6Config, layer: int, seq_len: int) -> float:
     return attention + ffn
 
 
-def head_forward_flops(config: M6Config) -> float:
+def head_forward_flops(config: PricedModel) -> float:
     """FLOPs of one token through the LM head (the embedding lookup is a gather, not a matmul)."""
     return 2 * config.dim * config.vocab_size
 
 
-def head_elementwise_elements(config: M6Config) -> float:
+def head_elementwise_elements(config: PricedModel) -> float:
     """Elements the loss's forward reads and writes per token beyond the head's matmul: the log-softmax reads the
     logits and writes the log-probabilities, one row of the vocabulary each (backward moves about twice as much, as
     for a layer). On a CPU this was 7 ms of the quickstart's 103 ms step (2,048 words, 1,024 tokens), unpriced."""
     return 2 * config.vocab_size
 
 
-def model_forward_flops(config: M6Config, seq_len: int) -> float:
+def model_forward_flops(config: PricedModel, seq_len: int) -> float:
     """FLOPs of one token's forward pass through the whole model: the layers a forward runs (``run_depth``: a shallow
     pseudo model runs one layer per block until it grows) and the head."""
     return sum(layer_forward_flops(config, layer, seq_len) for layer in range(config.run_depth)) + \
         head_forward_flops(config)
 
 
-def layer_activation_elements(config: M6Config, layer: int, *, tensor_parallel: int = 1,
+def layer_activation_elements(config: PricedModel, layer: int, *, tensor_parallel: int = 1,
                               sequence_parallel: bool = False) -> float:
     """Elements one token's pass through ``layer`` saves for backward (no recompute): the norms' inputs and
     outputs, q, k, v and the attention output, then the FFN's input and hidden activations (an MoE layer: the router
     probabilities and, per assignment, the gathered row, the hidden pre- and post-activation and the output row).
     Tensor parallelism splits what lives per head or per hidden unit; sequence parallelism splits the rest too."""
+    if isinstance(config, HFDecoder):
+        return hf.layer_activation_elements(config, layer, tensor_parallel=tensor_parallel,
+                                            sequence_parallel=sequence_parallel)
     d, h, t = config.dim, config.hidden_dim, tensor_parallel
     replicated = 4 * d  # two norms' inputs and outputs
     split = 4 * d  # q, k, v, attention output
@@ -172,10 +164,12 @@ def layer_activation_elements(config: M6Config, layer: int, *, tensor_parallel: 
     return (replicated / (t if sequence_parallel else 1)) + split / t
 
 
-def layer_elementwise_elements(config: M6Config, layer: int) -> float:
+def layer_elementwise_elements(config: PricedModel, layer: int) -> float:
     """Elements the non-matmul operators of one token's forward through ``layer`` read and write (norms, residual
     adds, rotary, softmax outputs, GELU, routing gathers and scatters): the memory traffic priced at the device's
     memory bandwidth. Backward moves about twice as much."""
+    if isinstance(config, HFDecoder):
+        return hf.layer_elementwise_elements(config, layer)
     d, h = config.dim, config.hidden_dim
     elements = 2 * 3 * d + 2 * 3 * d + 4 * d + 4 * d  # two norms, two residual adds, rotary on q and k, attention io
     if config.is_moe_layer(layer):
@@ -188,48 +182,60 @@ def layer_elementwise_elements(config: M6Config, layer: int) -> float:
     return elements
 
 
-def grouped_experts(config: M6Config, accelerator: str, precision: str) -> bool:
+def grouped_experts(config: PricedModel, accelerator: str, precision: str) -> bool:
     """Whether the MoE layers run their experts as two grouped GEMMs (else a loop of two matmuls per expert): the
     model's ``expert_kernel``, where "auto" picks grouped on a CUDA device computing in bf16, as the layer does
-    (``lightning_p2r.models.moe.resolve_expert_kernel``)."""
+    (``lightning_p2r.models.moe.resolve_expert_kernel``); a Hugging Face model's experts run as its family's code
+    runs them."""
+    if isinstance(config, HFDecoder):
+        return config.grouped
     if config.expert_kernel != "auto":
         return config.expert_kernel == "grouped"
     return accelerator == "cuda" and precision == "bf16-mixed"
 
 
-def looped_experts(config: M6Config, local_experts: int | None) -> int:
+def looped_experts(config: PricedModel, local_experts: int | None) -> int:
     """Expert FFNs the loop kernel runs in one MoE layer: each expert the rank holds (``local_experts`` on an
     expert-parallel rank), or the one FFN they all share before upcycling."""
     experts = 1 if config.num_unique_experts == 1 else config.num_experts
     return experts if local_experts is None else min(local_experts, experts)
 
 
-def layer_operator_launches(config: M6Config, layer: int, local_experts: int | None = None, *,
+def layer_operator_launches(config: PricedModel, layer: int, local_experts: int | None = None, *,
                             grouped: bool = False) -> int:
     """Operators one layer's forward launches on any batch (the fixed per-call cost the device or the host's
     dispatcher pays); backward about twice as many. An MoE layer pays its routing bookkeeping and, with the loop
     kernel, two matmuls and a GELU per expert (``local_experts`` of them on an expert-parallel rank); the grouped
-    kernel's launches do not grow with the experts."""
+    kernel's launches do not grow with the experts. A Hugging Face layer: a third of the operators its forward and
+    backward were counted to launch."""
+    if isinstance(config, HFDecoder):
+        dense, moe = hf.hf_operators(config)
+        return round((moe if config.is_moe_layer(layer) else dense) / 3)
     launches = 30
     if config.is_moe_layer(layer):
         launches += 40 + (6 if grouped else 4 * looped_experts(config, local_experts))
     return launches
 
 
-def layer_matmuls(config: M6Config, layer: int, local_experts: int | None = None, *, grouped: bool = False) -> int:
+def layer_matmuls(config: PricedModel, layer: int, local_experts: int | None = None, *, grouped: bool = False) -> int:
     """Matmul calls of one layer's forward (backward runs two per forward matmul: the input's and the weight's
     gradient): attention's qkv and output projections, then a dense FFN's two, or the router's one and two per
     expert the rank computes (``local_experts`` on an expert-parallel rank; two in all with the grouped kernel)."""
+    if isinstance(config, HFDecoder):
+        return hf.layer_matmuls(config, layer)
     if config.is_moe_layer(layer):
         return 2 + 1 + (2 if grouped else 2 * looped_experts(config, local_experts))
     return 4
 
 
-def pseudo_of(config: M6Config, depth: str | None = None) -> M6Config:
+def pseudo_of(config: PricedModel, depth: str | None = None) -> PricedModel:
     """The pseudo model of ``config`` (M6-10T): the fewest shared blocks it allows. One block, unless MoE and dense
     layers alternate, which then share one block of each kind in a cycle. ``depth`` (default: the config's
     ``pseudo_depth``) "shallow" gives the shallow pseudo model of issue 30, which runs only its blocks, one layer
-    each (so the planner CLI and the projections price it when the config asks for it)."""
+    each (so the planner CLI and the projections price it when the config asks for it). A Hugging Face model is
+    priced as given (``CausalLMModule``'s sharing is not priced)."""
+    if isinstance(config, HFDecoder):
+        return config
     depth = config.pseudo_depth if depth is None else depth
     layouts = ("cycle",) if depth == "shallow" else ("sequence", "cycle")
     for blocks in (b for b in range(1, config.num_layers + 1) if config.num_layers % b == 0):
@@ -241,12 +247,12 @@ def pseudo_of(config: M6Config, depth: str | None = None) -> M6Config:
     return config
 
 
-def as_run(config: M6Config) -> M6Config:
+def as_run(config: PricedModel) -> PricedModel:
     """The model a forward pass runs. A shallow pseudo model (``pseudo_depth="shallow"``) of U blocks runs U layers,
     block i at layer i: it is priced as the real model of depth U (about U / num_layers of the real step's layer
     compute and activations, and the U blocks' parameters). Any other config is returned as it is: a shared-depth
     pseudo model runs every layer."""
-    if config.pseudo_depth != "shallow" or config.num_blocks == config.num_layers:
+    if isinstance(config, HFDecoder) or config.pseudo_depth != "shallow" or config.num_blocks == config.num_layers:
         return config
     blocks = config.num_blocks
     moe_layers = None if config.moe_layers is None else [layer for layer in range(blocks) if config.is_moe_layer(layer)]

@@ -15,10 +15,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from ..layout import SINGLE_STAGE_SCHEDULES, divisors
-from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import BREADTH_FIRST, SCHEDULES, Layout, Workload, check_layout
 from .memory import MemoryEstimate, estimate_memory
+from .model import PricedModel
 from .step_time import StepEstimate, estimate_step
 
 
@@ -60,14 +60,14 @@ def powers_of_two_dividing(value: int, limit: int) -> list[int]:
     return [2**i for i in range(0, 64) if 2**i <= limit and value % 2**i == 0]
 
 
-def candidate_layouts(config: M6Config, cluster: Cluster, workload: Workload,
+def candidate_layouts(config: PricedModel, cluster: Cluster, workload: Workload,
                       space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
     """Every valid layout in ``space`` (``check_layout`` accepts it)."""
     return (layout for layout in _base_layouts(config, cluster, workload, space)
             if is_valid(layout, config, cluster, workload))
 
 
-def layout_space(config: M6Config, cluster: Cluster, workload: Workload,
+def layout_space(config: PricedModel, cluster: Cluster, workload: Workload,
                  space: SearchSpace = SearchSpace()) -> Iterator[Layout]:
     """Every layout the search may consider, valid or not: the base layouts and their memory savers (the rulebook's
     consistency test runs the strategy's checks over exactly these)."""
@@ -76,7 +76,7 @@ def layout_space(config: M6Config, cluster: Cluster, workload: Workload,
         yield from memory_savers(layout, space)
 
 
-def _base_layouts(config: M6Config, cluster: Cluster, workload: Workload, space: SearchSpace) -> Iterator[Layout]:
+def _base_layouts(config: PricedModel, cluster: Cluster, workload: Workload, space: SearchSpace) -> Iterator[Layout]:
     n = cluster.devices
     tp_limit = space.max_tensor_parallel or cluster.devices_per_node
     for tp in powers_of_two_dividing(n, tp_limit):
@@ -88,7 +88,7 @@ def _base_layouts(config: M6Config, cluster: Cluster, workload: Workload, space:
                 yield from _variants(config, cluster, workload, space, tp, ep, pp, dp)
 
 
-def _variants(config: M6Config, cluster: Cluster, workload: Workload, space: SearchSpace, tp: int, ep: int, pp: int,
+def _variants(config: PricedModel, cluster: Cluster, workload: Workload, space: SearchSpace, tp: int, ep: int, pp: int,
               dp: int) -> Iterator[Layout]:
     if workload.global_batch % dp:
         return
@@ -117,7 +117,7 @@ def memory_savers(layout: Layout, space: SearchSpace) -> Iterator[Layout]:
                 yield dataclasses.replace(layout, offload_fraction=offload, recompute=recompute)
 
 
-def evaluate(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload, *,
+def evaluate(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload, *,
              memory_headroom: float = 0.9) -> Plan:
     """Price one layout (it must be valid: see ``check_layout``)."""
     check_layout(layout, config, cluster, workload)
@@ -138,7 +138,7 @@ def evaluate(config: M6Config, layout: Layout, cluster: Cluster, workload: Workl
     return Plan(layout, memory, step, fits=not reason, reason=reason)
 
 
-def is_valid(layout: Layout, config: M6Config, cluster: Cluster, workload: Workload) -> bool:
+def is_valid(layout: Layout, config: PricedModel, cluster: Cluster, workload: Workload) -> bool:
     """Whether ``check_layout`` accepts ``layout`` for this model, cluster and workload."""
     try:
         check_layout(layout, config, cluster, workload)
@@ -147,7 +147,7 @@ def is_valid(layout: Layout, config: M6Config, cluster: Cluster, workload: Workl
     return True
 
 
-def search(config: M6Config, cluster: Cluster, workload: Workload, space: SearchSpace = SearchSpace(), *,
+def search(config: PricedModel, cluster: Cluster, workload: Workload, space: SearchSpace = SearchSpace(), *,
            memory_headroom: float = 0.9) -> tuple[list[Plan], int]:
     """The layouts that fit, fastest first, equivalent ones merged (:func:`merge_equivalent`), and how many valid
     layouts were priced. A layout that does not fit is priced again with recompute and offload (``memory_savers``);

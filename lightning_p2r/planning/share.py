@@ -10,10 +10,9 @@ import math
 from dataclasses import dataclass
 
 from ..layout import offload_count, spread
-from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
-from .model import ParamSpec, all_params
+from .model import ParamSpec, PricedModel, all_params
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,7 @@ class RankShare:
     """Sequences per micro-batch."""
 
 
-def rank_share(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+def rank_share(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload,
                pipeline_rank: int = 0) -> RankShare:
     pp, v = layout.pipeline_parallel, layout.stages_per_rank
     if not 0 <= pipeline_rank < pp:
@@ -83,14 +82,14 @@ def padded_numel(shape: tuple[int, ...], ranks: int) -> int:
     return sharded_numel(shape, ranks) * ranks
 
 
-def held_params(config: M6Config, share: RankShare) -> list[ParamSpec]:
+def held_params(config: PricedModel, share: RankShare) -> list[ParamSpec]:
     """The parameters this rank holds: its blocks', and those of the end stages it runs."""
     blocks = set(share.blocks)
     return [p for p in all_params(config) if (p.block in blocks if p.block is not None else holds_root(config, share,
                                                                                                          p.name))]
 
 
-def holds_root(config: M6Config, share: RankShare, name: str) -> bool:
+def holds_root(config: PricedModel, share: RankShare, name: str) -> bool:
     """Whether this rank holds the parameter ``name`` from outside the blocks: the embedding (and learned positions)
     on the first stage, the final norm and head on the last; a tied head keeps the embedding on both."""
     if name.startswith(("tok_embeddings", "pos_embeddings")):
@@ -98,7 +97,7 @@ def holds_root(config: M6Config, share: RankShare, name: str) -> bool:
     return share.last_stage
 
 
-def block_params_of(config: M6Config, share: RankShare, block: int) -> list[ParamSpec]:
+def block_params_of(config: PricedModel, share: RankShare, block: int) -> list[ParamSpec]:
     key = repr(config)
     if key not in _BY_BLOCK:
         grouped: dict[int | None, list[ParamSpec]] = {}
@@ -111,7 +110,7 @@ def block_params_of(config: M6Config, share: RankShare, block: int) -> list[Para
 _BY_BLOCK: dict[str, dict[int | None, list[ParamSpec]]] = {}
 
 
-def rank_layers(config: M6Config, layout: Layout, pipeline_rank: int) -> tuple[int, ...]:
+def rank_layers(config: PricedModel, layout: Layout, pipeline_rank: int) -> tuple[int, ...]:
     """The layers of the stages a pipeline rank holds (looped: stages r, r + p, ...), in model order."""
     pp, v = layout.pipeline_parallel, layout.stages_per_rank
     per_stage = config.num_layers // (pp * v)
@@ -119,7 +118,7 @@ def rank_layers(config: M6Config, layout: Layout, pipeline_rank: int) -> tuple[i
                  for layer in range(stage * per_stage, (stage + 1) * per_stage))
 
 
-def distinct_pipeline_ranks(config: M6Config, layout: Layout) -> list[int]:
+def distinct_pipeline_ranks(config: PricedModel, layout: Layout) -> list[int]:
     """One pipeline rank per kind: ranks whose layers have the same kinds (MoE or dense, banded or not), the same
     end-stage roles and the same block sharing cost the same, so a layout is priced once per kind."""
     pp, v = layout.pipeline_parallel, layout.stages_per_rank

@@ -38,12 +38,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 from ..layout import bubble_fraction as pipeline_bubble
-from ..models.config import M6Config
 from .cluster import Cluster
 from .framework import framework_seconds
+from .hf_decoder import HFDecoder, layer_cost_scales
 from .layout import Layout, Workload
 from .memory import stored_elements, unsharded_elements
 from .model import (
+    PricedModel,
     as_run,
     grouped_experts,
     head_elementwise_elements,
@@ -86,7 +87,7 @@ class StepEstimate:
         return {f.name: getattr(self, f.name) for f in fields(self)} | {"total": self.total}
 
 
-def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+def compute_seconds(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload,
                     share: RankShare) -> float:
     tokens = share.sequences * workload.seq_len
     tp = layout.tensor_parallel
@@ -140,21 +141,31 @@ def compute_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload
             launch_seconds + matmul_seconds + accumulation_seconds + row_seconds + stacking_seconds)
 
 
-def fixed_layer_seconds(config: M6Config, share: RankShare, cluster: Cluster, local_experts: int,
+def fixed_layer_seconds(config: PricedModel, share: RankShare, cluster: Cluster, local_experts: int,
                         grouped: bool) -> float:
     """Seconds of fixed cost of one forward pass (a third of a forward and backward) of the rank's layers and the
     embedding and head, at any size. With the layer costs ``calibrate`` measures on the model's own code, those;
-    otherwise each layer's operators times ``operator_overhead``. The embedding and head count 10 operators."""
+    otherwise each layer's operators times ``operator_overhead``. The embedding and head count 10 operators. A Hugging
+    Face layer costs the measured M6 layer's cost times the ratio of their operators (:func:`operator_scales`)."""
     if cluster.dense_layer_overhead <= 0:
         launches = sum(layer_operator_launches(config, layer, local_experts, grouped=grouped) for layer in share.layers)
         return (launches + 10) * cluster.operator_overhead
     experts = 0 if grouped else looped_experts(config, local_experts)
-    layers = sum(cluster.moe_layer_overhead + experts * cluster.moe_expert_overhead if config.is_moe_layer(layer)
-                 else cluster.dense_layer_overhead for layer in share.layers)
+    dense, moe = operator_scales(config, cluster)
+    layers = sum(moe * cluster.moe_layer_overhead + experts * cluster.moe_expert_overhead if config.is_moe_layer(layer)
+                 else dense * cluster.dense_layer_overhead for layer in share.layers)
     return layers / 3 + 10 * cluster.operator_overhead
 
 
-def recompute_fixed_seconds(config: M6Config, layout: Layout, share: RankShare, cluster: Cluster, local_experts: int,
+def operator_scales(config: PricedModel, cluster: Cluster) -> tuple[float, float]:
+    """Factors on the measured fixed costs of a dense and an MoE layer: 1 for the M6 layers ``calibrate`` timed; for a
+    Hugging Face layer, what ``hf_decoder.layer_cost_scales`` finds from its operators and the timed families."""
+    if isinstance(config, HFDecoder):
+        return layer_cost_scales(config, cluster)
+    return 1.0, 1.0
+
+
+def recompute_fixed_seconds(config: PricedModel, layout: Layout, share: RankShare, cluster: Cluster, local_experts: int,
                             grouped: bool, forward_fixed: float) -> float:
     """Seconds of fixed cost recompute adds to one micro-batch: a pipeline stage checkpoints each layer, which with
     the costs ``calibrate`` measures on that call (``Cluster.dense_checkpoint_overhead`` and the MoE pair) costs those
@@ -163,8 +174,9 @@ def recompute_fixed_seconds(config: M6Config, layout: Layout, share: RankShare, 
     if layout.pipeline_parallel <= 1 or cluster.dense_checkpoint_overhead <= 0:
         return forward_fixed
     experts = 0 if grouped else looped_experts(config, local_experts)
-    return sum(cluster.moe_checkpoint_overhead + experts * cluster.moe_expert_checkpoint_overhead
-               if config.is_moe_layer(layer) else cluster.dense_checkpoint_overhead for layer in share.layers)
+    dense, moe = operator_scales(config, cluster)
+    return sum(moe * cluster.moe_checkpoint_overhead + experts * cluster.moe_expert_checkpoint_overhead
+               if config.is_moe_layer(layer) else dense * cluster.dense_checkpoint_overhead for layer in share.layers)
 
 
 def transfer_seconds(transfer: Transfer, cluster: Cluster) -> float:
@@ -184,7 +196,7 @@ def bubble_fraction(layout: Layout) -> float:
     return pipeline_bubble(layout.pipeline_parallel, layout.stages_per_rank, layout.micro_batches)
 
 
-def estimate_step(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload, *,
+def estimate_step(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload, *,
                   clip_gradients: bool = False, pipeline_rank: int | None = None) -> StepEstimate:
     """One rank's step; ``pipeline_rank`` None: the slowest pipeline rank (a pipeline steps at its pace)."""
     config = as_run(config)  # a shallow pseudo model is priced as the layers it runs (issue 30)
@@ -227,7 +239,7 @@ def estimate_step(config: M6Config, layout: Layout, cluster: Cluster, workload: 
                         framework=framework_seconds(config, layout, cluster, workload, share, transfers))
 
 
-def _optimizer_seconds(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+def _optimizer_seconds(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload,
                        share: RankShare) -> float:
     offloaded = set(share.offloaded)
     resident = stored_elements(config, layout, share, blocks=set(share.blocks) - offloaded, optimizer=True)
@@ -236,7 +248,7 @@ def _optimizer_seconds(config: M6Config, layout: Layout, cluster: Cluster, workl
     return device + host * cluster.host_optimizer_seconds_per_param
 
 
-def fitted_step_range(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload,
+def fitted_step_range(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload,
                       predicted: float | None = None) -> tuple[float, float]:
     """The step ``estimate_step`` predicts with every fitted term at the low end, and at the high end, of its range
     over the fits that left one probe out (``Cluster.fitted_spread``): how far the prediction moves with what the

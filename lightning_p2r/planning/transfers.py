@@ -24,10 +24,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..models.config import M6Config
 from .cluster import Cluster
 from .layout import Layout, Workload
-from .model import ParamSpec
+from .model import ParamSpec, PricedModel
 from .share import (
     RankShare,
     block_params_of,
@@ -62,7 +61,7 @@ class Transfer:
     """Whether the engine runs it alongside compute (data parallel, offload copies), or on the critical path."""
 
 
-def step_transfers(config: M6Config, layout: Layout, cluster: Cluster, workload: Workload, *,
+def step_transfers(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload, *,
                    clip_gradients: bool = False, pipeline_rank: int = 0) -> list[Transfer]:
     """What a rank at ``pipeline_rank`` moves in one step (every rank of a pipeline position moves the same)."""
     share = rank_share(config, layout, cluster, workload, pipeline_rank)
@@ -91,7 +90,7 @@ def bytes_by_kind(transfers: list[Transfer], kinds: tuple[str, ...] | None = Non
     return totals
 
 
-def _model_parallel(config: M6Config, layout: Layout, workload: Workload, share: RankShare,
+def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, share: RankShare,
                     clip_gradients: bool, gloo: bool) -> list[Transfer]:
     tp, ep, m = layout.tensor_parallel, layout.expert_parallel, layout.micro_batches
     # Clipping by norm sums the squares over the ranks that hold different parts: the tensor / expert ranks and the
@@ -140,7 +139,7 @@ def ddp_bucket_calls(gradient_bytes: float) -> int:
     return 1 + math.ceil(max(0.0, gradient_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
 
 
-def _data_parallel(config: M6Config, layout: Layout, workload: Workload, share: RankShare,
+def _data_parallel(config: PricedModel, layout: Layout, workload: Workload, share: RankShare,
                    ddp: bool = False) -> list[Transfer]:
     m = layout.micro_batches
     once = layout.accumulation == "layered"
@@ -209,7 +208,7 @@ def _gathers_per_step(layout: Layout, is_block: bool) -> int:
     return passes * (2 if zero3 and is_block else 1)
 
 
-def _replica_sums(config: M6Config, layout: Layout, workload: Workload, share: RankShare) -> list[Transfer]:
+def _replica_sums(config: PricedModel, layout: Layout, workload: Workload, share: RankShare) -> list[Transfer]:
     """Parameters several pipeline ranks hold (a tied embedding on the end stages, a pseudo model's shared blocks):
     their gradients (a rank's ZeRO-2/3 shard of them) are all-reduced over those ranks once per step."""
     pp = layout.pipeline_parallel
@@ -236,12 +235,12 @@ def _replica_sums(config: M6Config, layout: Layout, workload: Workload, share: R
     return transfers
 
 
-def _stage_rank(config: M6Config, layout: Layout, layer: int) -> int:
+def _stage_rank(config: PricedModel, layout: Layout, layer: int) -> int:
     per_stage = config.num_layers // (layout.pipeline_parallel * layout.stages_per_rank)
     return (layer // per_stage) % layout.pipeline_parallel
 
 
-def _pipeline(config: M6Config, layout: Layout, workload: Workload, share: RankShare) -> list[Transfer]:
+def _pipeline(config: PricedModel, layout: Layout, workload: Workload, share: RankShare) -> list[Transfer]:
     """Each of the rank's stages sends every micro-batch's hidden states forward (unless it is the last stage) and
     their gradient back (unless it is stage 0). The residual stream has the parameters' precision (autocast keeps it
     fp32 over fp32 parameters)."""
@@ -258,7 +257,7 @@ def _pipeline(config: M6Config, layout: Layout, workload: Workload, share: RankS
                      False)]
 
 
-def _offload(config: M6Config, layout: Layout, workload: Workload, share: RankShare) -> list[Transfer]:
+def _offload(config: PricedModel, layout: Layout, workload: Workload, share: RankShare) -> list[Transfer]:
     """Each offloaded block visits the device in forward and again in backward, per micro-batch (layered
     accumulation: once per step); its gradient goes back after each micro-batch's backward (layered: once)."""
     if not share.offloaded:

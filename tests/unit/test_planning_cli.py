@@ -183,8 +183,9 @@ def test_plan_names_a_wrong_model_field_of_the_recipe(capsys, tmp_path) -> None:
 
 def test_plan_reads_the_m6_model_either_way_a_recipe_writes_it_and_refuses_any_other_model(capsys, tmp_path) -> None:
     """``model.config`` and ``model.class_path: lightning_p2r.M6LanguageModel`` with ``init_args.config`` are the same
-    model to plan; a recipe for another class (a Hugging Face model through CausalLMModule) was priced as M6's
-    defaults without a word, and is refused in one line before anything is priced; a misspelt option too."""
+    model to plan; a recipe for another class (a litgpt model through CausalLMModule, a user's module) was priced as
+    M6's defaults without a word, and is refused in one line before anything is priced; a misspelt option too (a
+    Hugging Face decoder is priced: test_hf_planning)."""
     from lightning_p2r.planning.cli import recipe_inputs
 
     plain = yaml.safe_load((RECIPES / "quickstart.yaml").read_text())
@@ -193,12 +194,15 @@ def test_plan_reads_the_m6_model_either_way_a_recipe_writes_it_and_refuses_any_o
     assert recipe_inputs(tmp_path / "named.yaml") == recipe_inputs(RECIPES / "quickstart.yaml")
     assert recipe_inputs(RECIPES / "quickstart.yaml")[0].num_layers == plain["model"]["config"]["num_layers"]
 
+    litgpt = yaml.safe_load((RECIPES / "hf_moe.yaml").read_text())
+    litgpt["model"]["init_args"] = {"litgpt_config": {"n_layer": 2, "n_embd": 32, "n_head": 4}}
+    (tmp_path / "litgpt.yaml").write_text(yaml.safe_dump(litgpt))
     with pytest.raises(SystemExit) as exit_:
-        main(["plan", "--cluster", str(CLUSTER), "--config", str(RECIPES / "hf_moe.yaml")])
+        main(["plan", "--cluster", str(CLUSTER), "--config", str(tmp_path / "litgpt.yaml")])
     assert exit_.value.code == 2
     captured = capsys.readouterr()
-    assert "model.class_path is lightning_p2r.CausalLMModule (a Hugging Face qwen3_moe)" in captured.err
-    assert "prices only the package's M6 model" in captured.err and "rank" not in captured.out
+    assert "prices CausalLMModule built from a Hugging Face hf_config" in captured.err
+    assert "a model without hf_config is not priced" in captured.err and "rank" not in captured.out
     for model, message in (({"confg": {"num_layers": 2}}, "model.confg is not an option of M6LanguageModel"),
                            ({"class_path": "lightning_p2r.M6LanguageModel", "init_args": {"cfg": {}}},
                             "model.init_args.cfg is not an option"),
