@@ -29,6 +29,7 @@ from .models.decoders import (
     next_token_loss,
 )
 from .models.gpt2_plan import declare_gpt2_plan
+from .models.hf_configs import read_hf_config
 from .models.litgpt_plan import declare_litgpt_plan
 from .models.module_init import initialize_by_module
 from .models.router_loss import aux_loss_coefficient
@@ -46,7 +47,7 @@ def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:
     """A Hugging Face causal LM from a config dict (``model_type`` plus the family's fields), randomly initialized,
     nothing downloaded. ``transformers`` is the ``[hf]`` extra."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError as error:
         raise ImportError("CausalLMModule(hf_config=...) builds Hugging Face models: pip install "
                           "'lightning-p2r[hf]' (transformers)") from error
@@ -54,12 +55,7 @@ def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:
     model_type = fields.pop("model_type", None)
     if not isinstance(model_type, str):
         raise ValueError(f"CausalLMModule.hf_config needs a 'model_type' (such as 'qwen3_moe'), got {hf_config!r}")
-    try:
-        config = AutoConfig.for_model(model_type, **fields)
-    except Exception as error:  # transformers' own checks raise ValueError, TypeError or huggingface_hub's errors
-        from .planning.hf_decoder import config_error_text
-
-        raise ValueError(f"CausalLMModule.hf_config: {config_error_text(error)}") from None
+    config = read_hf_config(model_type, fields, "CausalLMModule.hf_config")
     return AutoModelForCausalLM.from_config(config)
 
 

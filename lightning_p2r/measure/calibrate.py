@@ -98,6 +98,7 @@ from ..planning.cluster import (
     write_cluster,
 )
 from ..planning.network import ring_terms
+from ..planning.probes import LAYER_PROBE, probe_config
 from ..strategy.host_allocator import retain_freed_host_memory, wants_retained
 from .fit_terms import describe_fit, fit_framework_terms
 from .module_hooks import module_hook_seconds, own_rank_mesh
@@ -199,11 +200,6 @@ def elementwise_bandwidth(device: torch.device, rows: int, repeats: int) -> floa
     return 3 * 8 * rows * 1024 * 4 / seconds
 
 
-LAYER_PROBE = {"vocab_size": 64, "max_seq_len": 32, "dim": 16, "num_heads": 2, "moe_top_k": 1,
-               "capacity_factor": None, "init_seed": 0}
-"""The model whose layers ``layer_overheads`` times: small enough that FLOPs and traffic are negligible."""
-
-
 def fastest_medians(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int,
                     rounds: int) -> dict[str, float]:
     """Each step's median time, the steps timed in turn ``rounds`` times, keeping each one's fastest round: a
@@ -221,13 +217,6 @@ come from the growth between the two."""
 TOKEN_PROBE_WIDTHS = (16, 64)
 """Widths at which the per-token terms are measured (heads of 8 at both): the first is ``LAYER_PROBE``'s; a token's
 unpriced work grows with the width, and the planner prices it on the line through the two."""
-
-
-def probe_config(layers: int, experts: int, width: int = LAYER_PROBE["dim"]) -> M6Config:
-    """``LAYER_PROBE`` with ``layers`` layers, all MoE with ``experts`` experts (0: dense), at ``width`` (heads
-    of 8)."""
-    moe = {"num_experts": experts, "moe_layers": None} if experts else {"moe_layers": []}
-    return M6Config(**LAYER_PROBE | {"dim": width, "num_heads": width // 8}, num_layers=layers, **moe)
 
 
 def priced_probe(config: M6Config, cluster: Cluster, sequences: int) -> float:
@@ -302,22 +291,25 @@ FIXED_COST_PROBES = {"dense1": (1, 0), "dense5": (5, 0), "moe1": (1, 2), "moe5":
 (:func:`fixed_layer_costs`); they are timed plain and with each layer checkpointed."""
 
 
-def hf_layer_overheads(device: torch.device, repeats: int) -> dict[str, dict[str, float]]:
+def hf_layer_overheads(device: torch.device, repeats: int) -> dict[str, Any]:
     """``hf_layer_overheads``: one layer of each Hugging Face family the planner prices, dense and MoE
     (``planning.hf_decoder.layer_kinds``), at the size of the M6 layer probe, forward and backward, from models of 1
-    and 5 layers timed as :func:`layer_overheads` times M6's (about 5 s on a CPU). Nothing without ``transformers``
-    (the ``[hf]`` extra): the planner then prices Hugging Face layers from M6's by their operators."""
+    and 5 layers timed as :func:`layer_overheads` times M6's. The kinds of ``TOKEN_PROBES`` are timed again on
+    ``TOKEN_PROBE_SEQUENCES`` sequences and at the wider of ``TOKEN_PROBE_WIDTHS``: one layer's time at each
+    (``HF_LAYER_SECONDS``), from which :func:`hf_token_overheads` takes what a token costs. About 30 s on a CPU.
+    Nothing without ``transformers`` (the ``[hf]`` extra): the planner then prices Hugging Face layers from M6's."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         return {}
-    from ..planning.hf_decoder import build_probe, layer_kind_key, layer_kinds, probe_hf_config
+    from ..planning.hf_decoder import TOKEN_PROBES, build_probe, layer_kind_key, layer_kinds, probe_hf_config
 
-    def step_of(family: str, moe: bool, layers: int) -> Callable[[], None]:
+    def step_of(family: str, moe: bool, layers: int, sequences: int = 1,
+                width: int = LAYER_PROBE["dim"]) -> Callable[[], None]:
         torch.manual_seed(0)
-        config = probe_hf_config(family, layers, moe=moe, shared_expert=family == "qwen2_moe")
+        config = probe_hf_config(family, layers, moe=moe, shared_expert=family == "qwen2_moe", width=width)
         model = build_probe(config).to(device)
-        tokens = torch.randint(0, 64, (1, LAYER_PROBE["max_seq_len"]), device=device)
+        tokens = torch.randint(0, 64, (sequences, LAYER_PROBE["max_seq_len"]), device=device)
 
         def step() -> None:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
@@ -328,10 +320,53 @@ def hf_layer_overheads(device: torch.device, repeats: int) -> dict[str, dict[str
 
     steps = {f"{layer_kind_key(family, moe)}/{layers}": step_of(family, moe, layers) for family, moe in layer_kinds()
              for layers in (1, 5)}
+    for kind, family in TOKEN_PROBES.items():
+        for size, sequences in PROBE_SIZES:
+            for width in TOKEN_PROBE_WIDTHS:
+                for layers in (1, 5):
+                    steps[f"{kind}/{size}/{width}/{layers}"] = step_of(family, kind == "moe", layers, sequences,
+                                                                       width)
     seconds = fastest_medians(steps, device, repeats, rounds=3)
     floor = 1e-6  # the planner reads a missing kind as "price it from M6's layer"
-    return {"hf_layer_overheads": {key: max((seconds[f"{key}/5"] - seconds[f"{key}/1"]) / 4, floor)
-                                   for key in (layer_kind_key(family, moe) for family, moe in layer_kinds())}}
+    overheads = {key: max((seconds[f"{key}/5"] - seconds[f"{key}/1"]) / 4, floor)
+                 for key in (layer_kind_key(family, moe) for family, moe in layer_kinds())}
+    return {"hf_layer_overheads": overheads, **{
+        f"hf_{layer_seconds_name(kind, size, width)}": (seconds[f"{kind}/{size}/{width}/5"]
+                                                       - seconds[f"{kind}/{size}/{width}/1"]) / 4
+        for kind in TOKEN_PROBES for size, _ in PROBE_SIZES for width in TOKEN_PROBE_WIDTHS}}
+
+
+def hf_token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[str, float]:
+    """``hf_dense_token_overhead`` and the rest: :func:`token_overheads` on the Hugging Face probe layers'
+    timings (``HF_LAYER_SECONDS``, present when ``transformers`` is), priced as the planner prices their models."""
+    from ..planning.cluster import HF_TOKEN_COSTS
+    from ..planning.hf_decoder import TOKEN_PROBES, hf_decoder_of, probe_hf_config
+
+    if not all(name in layer_seconds for name in HF_LAYER_SECONDS):
+        return {}
+    unpriced = dataclasses.replace(cluster, **dict.fromkeys(HF_TOKEN_COSTS, 0.0))
+
+    def priced_layer(kind: str, sequences: int, width: int) -> float:
+        def probe(layers: int) -> float:
+            config = probe_hf_config(TOKEN_PROBES[kind], layers, moe=kind == "moe", width=width)
+            return priced_probe(hf_decoder_of(config), unpriced, sequences)
+
+        return (probe(5) - probe(1)) / 4
+
+    added_tokens = (TOKEN_PROBE_SEQUENCES - 1) * LAYER_PROBE["max_seq_len"]
+    out = {}
+    for kind in TOKEN_PROBES:
+        per_token = []
+        for width in TOKEN_PROBE_WIDTHS:
+            measured = (layer_seconds[f"hf_{layer_seconds_name(kind, 'many', width)}"]
+                        - layer_seconds[f"hf_{layer_seconds_name(kind, 'one', width)}"])
+            priced = priced_layer(kind, TOKEN_PROBE_SEQUENCES, width) - priced_layer(kind, 1, width)
+            per_token.append(max(measured - priced, 0.0) / added_tokens)
+        (narrow, wide), (low, high) = per_token, TOKEN_PROBE_WIDTHS
+        slope = max(wide - narrow, 0.0) / (high - low)
+        out[f"hf_{kind}_token_overhead"] = max(narrow - slope * low, 0.0)
+        out[f"hf_{kind}_token_width_overhead"] = slope
+    return out
 
 
 def fixed_layer_costs(seconds: dict[str, float]) -> tuple[float, float, float]:
@@ -374,6 +409,9 @@ def layer_seconds_name(kind: str, size: str, width: int) -> str:
 LAYER_SECONDS = (*(layer_seconds_name(kind, size, width) for kind, _ in PROBE_KINDS for size, _ in PROBE_SIZES
                     for width in TOKEN_PROBE_WIDTHS), "expert_seconds_narrow", "expert_seconds_wide")
 """The raw layer timings :func:`layer_overheads` passes to :func:`token_overheads` (not cluster fields)."""
+HF_LAYER_SECONDS = tuple(f"hf_{layer_seconds_name(kind, size, width)}" for kind, _ in PROBE_KINDS
+                         for size, _ in PROBE_SIZES for width in TOKEN_PROBE_WIDTHS)
+"""The same for the Hugging Face probe layers (:func:`hf_layer_overheads`, :func:`hf_token_overheads`)."""
 
 
 def token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[str, float]:
@@ -648,13 +686,37 @@ def _worker(rank: int, processes: int, port: int, threads: int, quick: bool, que
             constants |= {f"{kind}@{index}": seconds for kind, seconds in times.items()}
             windows.append(small_all_reduce_mean(device, rounds))
         constants["small_all_reduce_mean"] = statistics.median(windows)
-        names = sorted(constants)
-        values = torch.tensor([constants[name] for name in names], dtype=torch.float64, device=device)
+        flat = flat_constants(constants)  # the ranks' values are averaged as one tensor
+        names = sorted(flat)
+        values = torch.tensor([flat[name] for name in names], dtype=torch.float64, device=device)
         dist.all_reduce(values)
         if rank == 0:
-            queue.put({name: float(value) / processes for name, value in zip(names, values.tolist())})
+            queue.put(nested_constants({name: float(value) / processes for name, value in zip(names, values.tolist())}))
     finally:
         dist.destroy_process_group()
+
+
+def flat_constants(constants: dict[str, Any]) -> dict[str, float]:
+    """``constants`` with each mapping of timings (``hf_layer_overheads``) spread into ``name/key`` entries."""
+    flat: dict[str, float] = {}
+    for name, value in constants.items():
+        if isinstance(value, dict):
+            flat |= {f"{name}/{key}": seconds for key, seconds in value.items()}
+        else:
+            flat[name] = value
+    return flat
+
+
+def nested_constants(flat: dict[str, float]) -> dict[str, Any]:
+    """The inverse of :func:`flat_constants`."""
+    nested: dict[str, Any] = {}
+    for name, value in flat.items():
+        outer, _, key = name.partition("/")
+        if key:
+            nested.setdefault(outer, {})[key] = value
+        else:
+            nested[name] = value
+    return nested
 
 
 def small_all_reduce_mean(device: torch.device, rounds: int) -> float:
@@ -910,7 +972,7 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
         for message in busy_warnings(share):
             warnings.warn(message, BusyMachineWarning, stacklevel=2)
     measured["attention_rates"] = rate_rows(measured)
-    layer_seconds = {name: measured.pop(name) for name in LAYER_SECONDS}
+    layer_seconds = {name: measured.pop(name) for name in (*LAYER_SECONDS, *HF_LAYER_SECONDS) if name in measured}
     measured["step_overhead"] = step_overhead(processes, threads, quick)
     accumulated = step_overhead(processes, threads, quick, accumulate=ACCUMULATED_BATCHES)
     memory = torch.cuda.get_device_properties(0).total_memory if cuda else host_memory_bytes() / processes
@@ -922,6 +984,7 @@ def calibrate(*, processes: int = 2, threads: int = 1, quick: bool = False, name
                           processes, threads, usable_cores()), **measured)
     cluster = dataclasses.replace(cluster, **token_overheads(cluster, layer_seconds),
                                   **expert_weight_overhead(cluster, layer_seconds))
+    cluster = dataclasses.replace(cluster, **hf_token_overheads(cluster, layer_seconds))
     extra = modelled_added_batches(cluster, ACCUMULATED_BATCHES)
     return dataclasses.replace(cluster, batch_overhead=batch_call_overhead(
         measured["step_overhead"], accumulated, ACCUMULATED_BATCHES, extra))

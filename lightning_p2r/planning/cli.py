@@ -374,6 +374,21 @@ def _at_present_speed(cluster: Cluster) -> Cluster:
     return cluster if ratio is None else at_speed(cluster, ratio)
 
 
+def _warn_hugging_face_terms(config: HFDecoder, layouts: list[Layout], cluster: Cluster) -> None:
+    """What a Hugging Face model's prices lack: its family's layers timed (an older file prices them from M6's by
+    their operators), and tensor parallelism's costs on its layers, which are M6's counts (short on a CPU)."""
+    if cluster.dense_layer_overhead > 0 and not cluster.hf_layer_overheads:
+        print(f"warning: {cluster.name} has no hf_layer_overheads (measured by `lightning-p2r calibrate` with "
+              f"transformers installed, from 2026-12-01): this {config.model_type}'s layers are priced from the M6 "
+              "layer's costs by their operators, which came out 11-38% long on one CPU process; calibrate again")
+    split = sum(layout.tensor_parallel > 1 for layout in layouts)
+    if split:
+        print(f"warning: {split} of the {len(layouts)} layouts shown split this {config.model_type} by tensor "
+              "parallelism, whose dispatch and collectives are priced as for M6's layers: on 2 CPU processes such "
+              "layouts of Hugging Face models measured 12-43% slower than priced (docs/planning.md, \"Hugging Face "
+              "decoders\"); trial them (--trial)")
+
+
 def _warn_missing_terms(config: PricedModel, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
     """Say which framework terms the shown layouts count but the cluster file leaves at zero (their predictions are
     short by that time), and where each comes from; whether attention is priced by shape; whether a CPU file has
@@ -382,6 +397,8 @@ def _warn_missing_terms(config: PricedModel, layouts: list[Layout], cluster: Clu
     for name, count in missing_terms(config, layouts, cluster, workload).items():
         print(f"warning: {cluster.name} has no {name} ({HOW_TO_GET[name]}): {count} of the {len(layouts)} layouts "
               "shown count it, and their step times leave it out")
+    if isinstance(config, HFDecoder):
+        _warn_hugging_face_terms(config, layouts, cluster)
     if not cluster.attention_rates:
         print(f"warning: {cluster.name} has no attention_rates (measured by `lightning-p2r calibrate`): attention is "
               f"priced at attention_flops, measured at one shape, for this model's heads of {config.head_dim} and "

@@ -174,6 +174,17 @@ class Cluster:
     per-token work of their own)."""
     moe_token_width_overhead: float = 0.0
     """The same as ``dense_token_width_overhead`` for an MoE layer."""
+    hf_dense_token_overhead: float = 0.0
+    """``dense_token_overhead`` on a Hugging Face layer's code (a Llama layer, ``planning.hf_decoder.TOKEN_PROBES``),
+    for every Hugging Face dense layer. Measured by ``lightning-p2r calibrate`` with ``transformers`` installed; where
+    ``hf_layer_overheads`` is empty the planner uses M6's (``dense_token_overhead``)."""
+    hf_dense_token_width_overhead: float = 0.0
+    """The same as ``dense_token_width_overhead`` for a Hugging Face dense layer."""
+    hf_moe_token_overhead: float = 0.0
+    """The same as ``moe_token_overhead`` for a Hugging Face MoE layer (a Qwen3-MoE layer, grouped experts: per token
+    it pays routing's sort and gathers, not M6's per-expert loop)."""
+    hf_moe_token_width_overhead: float = 0.0
+    """The same as ``moe_token_width_overhead`` for a Hugging Face MoE layer."""
     matmul_overhead: float = 0.0
     """Seconds of fixed cost per matmul call beyond ``operator_overhead`` and the weight's memory traffic: on a CPU
     the BLAS call's setup, which a matmul of few rows cannot amortize (matmul efficiency by shape). Measured by
@@ -363,6 +374,8 @@ def _is_range(value: Any) -> bool:
 
 
 TOKEN_COSTS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead", "moe_token_width_overhead")
+HF_TOKEN_COSTS = tuple(f"hf_{name}" for name in TOKEN_COSTS)
+"""The per-token costs of Hugging Face layers (``lightning_p2r.measure.calibrate.hf_token_overheads``)."""
 """The per-token layer costs (``lightning_p2r.measure.calibrate.token_overheads``)."""
 SIZE_DEPENDENT_LAYER_COSTS = (*TOKEN_COSTS, "moe_expert_weight_overhead")
 """The layer costs ``calibrate`` measures at more than one size; a CPU file with the fixed layer costs but none of
@@ -372,6 +385,8 @@ these was written before they existed (``plan`` warns)."""
 _TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "dense_checkpoint_overhead",
           "moe_checkpoint_overhead", "moe_expert_checkpoint_overhead", "dense_token_overhead",
           "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead", "moe_expert_weight_overhead",
+          "hf_dense_token_overhead", "hf_dense_token_width_overhead", "hf_moe_token_overhead",
+          "hf_moe_token_width_overhead",
           "operator_overhead", "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead",
           "stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead",
           "host_device_latency", "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param",
@@ -433,8 +448,11 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
         raise ValueError(f"{source}: unknown field(s) {unknown}{hint}; known: {sorted(known)}")
     parsed: dict[str, Any] = {}
     for key, value in values.items():
-        if key in ("name", "accelerator", "collective_factors", "fitted_spread", "attention_rates",
-                   "hf_layer_overheads", "calibrated_on") or isinstance(
+        if key == "hf_layer_overheads" and isinstance(value, dict):  # seconds, written as any other time field
+            parsed[key] = {kind: parse_quantity(seconds, f"{source}: {key}.{kind}", unit="s")
+                           for kind, seconds in value.items()}
+        elif key in ("name", "accelerator", "collective_factors", "fitted_spread", "attention_rates",
+                     "hf_layer_overheads", "calibrated_on") or isinstance(
                 known[key].default, bool):
             parsed[key] = value
         elif key in ("devices", "devices_per_node"):

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from ..models.hf_configs import read_hf_config
 from .param_spec import ParamSpec
 
 PRICED_FAMILIES = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "gpt2")
@@ -146,18 +147,7 @@ def _thawed(value: Any) -> Any:
 
 
 def _hf_config(model_type: str, fields: dict[str, Any]) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.for_model(model_type, **fields)
-    except Exception as error:  # transformers' own checks raise ValueError, TypeError or huggingface_hub's errors
-        raise ValueError(f"hf_config: {config_error_text(error)}") from None
-
-
-def config_error_text(error: BaseException) -> str:
-    """One line of what ``transformers`` found wrong in a config (its validators wrap the reason in another error)."""
-    reason = error.__cause__ or error
-    return " ".join(str(reason).split())
+    return read_hf_config(model_type, fields, "hf_config")
 
 
 @lru_cache(maxsize=16)
@@ -335,6 +325,11 @@ def layer_matmuls(config: HFDecoder, layer: int) -> int:
 
 # --- fixed costs: operators counted on the model's own code ----------------------------------------------------------
 
+TOKEN_PROBES = {"dense": "llama", "moe": "qwen3_moe"}
+"""The families whose layers ``calibrate`` times at more tokens and a wider width for the per-token costs of every
+Hugging Face layer of their kind (``Cluster.hf_dense_token_overhead`` and the rest)."""
+
+
 def layer_kinds() -> list[tuple[str, bool]]:
     """(family, MoE) of every layer kind the planner prices: each family's dense layer (Mixtral has none) and the
     MoE families' MoE layer; ``calibrate`` times each (``Cluster.hf_layer_overheads``)."""
@@ -351,22 +346,27 @@ def layer_kind_key(family: str, moe: bool) -> str:
 
 
 def probe_hf_config(model_type: str, layers: int, *, moe: bool = True, shared_expert: bool = False,
-                    experts: int = 4) -> dict[str, Any]:
-    """A tiny ``hf_config`` of ``model_type`` (width 16, two heads of 8 sharing one key/value head, 64 words, the
-    size of ``calibrate``'s M6 layer probe): for counting a layer's operators and timing its fixed cost. ``moe``
-    False makes a Qwen-MoE's layers dense (``mlp_only_layers``); ``shared_expert`` gives Qwen2-MoE's layers one."""
+                    experts: int = 4, width: int = 16) -> dict[str, Any]:
+    """A tiny ``hf_config`` of ``model_type`` (by default width 16, two heads of 8 sharing one key/value head, 64
+    words: the size of ``calibrate``'s M6 layer probe; ``width`` adds heads of 8): for counting a layer's operators
+    and timing its costs. ``moe`` False makes a Qwen-MoE's layers dense (``mlp_only_layers``); ``shared_expert``
+    gives Qwen2-MoE's layers one."""
+    heads = width // 8
     config: dict[str, Any] = {"model_type": model_type, "vocab_size": 64}
     if model_type == "gpt2":
-        return config | {"n_embd": 16, "n_layer": layers, "n_head": 2, "n_positions": 32}
-    config |= {"hidden_size": 16, "num_hidden_layers": layers, "num_attention_heads": 2, "num_key_value_heads": 1,
-               "head_dim": 8, "intermediate_size": 16, "max_position_embeddings": 32}
+        # Its special tokens default to 50256, outside the probe's words (transformers warns of it).
+        return config | {"n_embd": width, "n_layer": layers, "n_head": heads, "n_positions": 32, "bos_token_id": 0,
+                         "eos_token_id": 0}
+    config |= {"hidden_size": width, "num_hidden_layers": layers, "num_attention_heads": heads,
+               "num_key_value_heads": max(heads // 2, 1), "head_dim": 8, "intermediate_size": width,
+               "max_position_embeddings": 32}
     if model_type == "mixtral":
         config |= {"num_local_experts": min(experts, 4), "num_experts_per_tok": 2}
     elif model_type in ("qwen2_moe", "qwen3_moe"):
-        config |= {"num_experts": min(experts, 4), "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        config |= {"num_experts": min(experts, 4), "num_experts_per_tok": 2, "moe_intermediate_size": width // 2,
                    "decoder_sparse_step": 1, "mlp_only_layers": [] if moe else list(range(layers))}
         if model_type == "qwen2_moe":
-            config["shared_expert_intermediate_size"] = 16 if shared_expert else 0
+            config["shared_expert_intermediate_size"] = width if shared_expert else 0
     return config
 
 
@@ -425,8 +425,8 @@ def build_probe(hf_config: dict[str, Any], grouped: bool = True) -> Any:
 def _m6_operators(kernel: str) -> tuple[int, float]:
     """Operators of ``calibrate``'s probe layers: a dense one, and an MoE one less its experts' (the per-expert part
     found from 2 and 4 experts, as ``calibrate`` fits ``moe_expert_overhead`` apart)."""
-    from ..measure.calibrate import probe_config
     from ..models.transformer import M6Transformer
+    from .probes import probe_config
 
     def builder(experts: int) -> Any:
         return lambda layers: M6Transformer(probe_config(layers, experts).replace(expert_kernel=kernel))

@@ -19,8 +19,11 @@ Conventions, chosen to match what the package runs:
 from __future__ import annotations
 
 from ..models.config import M6Config
-from . import hf_decoder as hf
-from .hf_decoder import HFDecoder
+from .hf_decoder import HFDecoder, hf_operators
+from .hf_decoder import layer_activation_elements as hf_activation_elements
+from .hf_decoder import layer_elementwise_elements as hf_elementwise_elements
+from .hf_decoder import layer_forward_flops as hf_forward_flops
+from .hf_decoder import layer_matmuls as hf_matmuls
 from .param_spec import ParamSpec
 
 PricedModel = M6Config | HFDecoder
@@ -113,7 +116,7 @@ def routed_ffn_runs(config: PricedModel) -> int:
 def layer_forward_flops(config: PricedModel, layer: int, seq_len: int) -> float:
     """FLOPs of one token through one layer's forward pass (matmuls, the attention kernel's included)."""
     if isinstance(config, HFDecoder):
-        return hf.layer_forward_flops(config, layer, seq_len, layer_attention_flops(config, layer, seq_len))
+        return hf_forward_flops(config, layer, seq_len, layer_attention_flops(config, layer, seq_len))
     d, h = config.dim, config.hidden_dim
     attention = 2 * 4 * d * d + layer_attention_flops(config, layer, seq_len)
     if config.is_moe_layer(layer):
@@ -150,8 +153,8 @@ def layer_activation_elements(config: PricedModel, layer: int, *, tensor_paralle
     probabilities and, per assignment, the gathered row, the hidden pre- and post-activation and the output row).
     Tensor parallelism splits what lives per head or per hidden unit; sequence parallelism splits the rest too."""
     if isinstance(config, HFDecoder):
-        return hf.layer_activation_elements(config, layer, tensor_parallel=tensor_parallel,
-                                            sequence_parallel=sequence_parallel)
+        return hf_activation_elements(config, layer, tensor_parallel=tensor_parallel,
+                                      sequence_parallel=sequence_parallel)
     d, h, t = config.dim, config.hidden_dim, tensor_parallel
     replicated = 4 * d  # two norms' inputs and outputs
     split = 4 * d  # q, k, v, attention output
@@ -169,7 +172,7 @@ def layer_elementwise_elements(config: PricedModel, layer: int) -> float:
     adds, rotary, softmax outputs, GELU, routing gathers and scatters): the memory traffic priced at the device's
     memory bandwidth. Backward moves about twice as much."""
     if isinstance(config, HFDecoder):
-        return hf.layer_elementwise_elements(config, layer)
+        return hf_elementwise_elements(config, layer)
     d, h = config.dim, config.hidden_dim
     elements = 2 * 3 * d + 2 * 3 * d + 4 * d + 4 * d  # two norms, two residual adds, rotary on q and k, attention io
     if config.is_moe_layer(layer):
@@ -209,7 +212,7 @@ def layer_operator_launches(config: PricedModel, layer: int, local_experts: int 
     kernel's launches do not grow with the experts. A Hugging Face layer: a third of the operators its forward and
     backward were counted to launch."""
     if isinstance(config, HFDecoder):
-        dense, moe = hf.hf_operators(config)
+        dense, moe = hf_operators(config)
         return round((moe if config.is_moe_layer(layer) else dense) / 3)
     launches = 30
     if config.is_moe_layer(layer):
@@ -222,7 +225,7 @@ def layer_matmuls(config: PricedModel, layer: int, local_experts: int | None = N
     gradient): attention's qkv and output projections, then a dense FFN's two, or the router's one and two per
     expert the rank computes (``local_experts`` on an expert-parallel rank; two in all with the grouped kernel)."""
     if isinstance(config, HFDecoder):
-        return hf.layer_matmuls(config, layer)
+        return hf_matmuls(config, layer)
     if config.is_moe_layer(layer):
         return 2 + 1 + (2 if grouped else 2 * looped_experts(config, local_experts))
     return 4

@@ -127,8 +127,7 @@ def compute_seconds(config: PricedModel, layout: Layout, cluster: Cluster, workl
     attention_rate = cluster.attention_flops_at(workload.seq_len, config.head_dim)
     # Per-token work the traffic terms miss (measured on the model's own layers at two widths), per token a layer
     # passes (forward, backward at twice, recompute's forward); tensor parallelism leaves a rank every token.
-    dense_token = cluster.dense_token_overhead + cluster.dense_token_width_overhead * config.dim
-    moe_token = cluster.moe_token_overhead + cluster.moe_token_width_overhead * config.dim
+    dense_token, moe_token = token_costs(config, cluster)
     row_seconds = tokens * passes / 3 * sum(moe_token if config.is_moe_layer(layer) else dense_token
                                             for layer in share.layers)
     # The loop kernel's backward stacks each expert's weight gradients, per micro-batch (tensor parallelism splits
@@ -139,6 +138,19 @@ def compute_seconds(config: PricedModel, layout: Layout, cluster: Cluster, workl
     stacking_seconds = layout.micro_batches * expert_weights * cluster.moe_expert_weight_overhead
     return (flops / cluster.device_flops + attention_flops / attention_rate + elementwise_seconds +
             launch_seconds + matmul_seconds + accumulation_seconds + row_seconds + stacking_seconds)
+
+
+def token_costs(config: PricedModel, cluster: Cluster) -> tuple[float, float]:
+    """Seconds per token a dense and an MoE layer pay beyond their priced traffic, at the model's width: measured on
+    M6's layers, or on Hugging Face's for a Hugging Face model where the file has them (``hf_layer_overheads`` marks
+    a calibration that timed them)."""
+    prefix = "hf_" if isinstance(config, HFDecoder) and cluster.hf_layer_overheads else ""
+
+    def at_width(kind: str) -> float:
+        return (getattr(cluster, f"{prefix}{kind}_token_overhead")
+                + getattr(cluster, f"{prefix}{kind}_token_width_overhead") * config.dim)
+
+    return at_width("dense"), at_width("moe")
 
 
 def fixed_layer_seconds(config: PricedModel, share: RankShare, cluster: Cluster, local_experts: int,

@@ -164,3 +164,88 @@ def test_a_trial_trains_the_hugging_face_model_the_recipe_names() -> None:
     assert spec["hf_config"] == CONFIGS["qwen3_moe"] and "model" not in spec
     trainer, module, step_s = fit_on_random_tokens(spec, P2RStrategy(**spec["strategy"]), warmup=1)
     assert isinstance(module, CausalLMModule) and trainer.global_step == 3 and step_s > 0
+
+
+def test_a_layer_costs_what_calibrate_timed_for_its_family_and_falls_back_to_m6s_by_operators() -> None:
+    """With ``hf_layer_overheads`` a Llama layer's fixed cost is its timed value (the probe's operators are the
+    model's); without it, M6's measured layer scaled by the operator ratio. A bad value is refused, and the machine's
+    present speed scales the timings."""
+    from lightning_p2r.planning.cluster import Cluster, at_speed
+    from lightning_p2r.planning.hf_decoder import _m6_operators
+    from lightning_p2r.planning.step_time import operator_scales
+
+    llama = hf_decoder_of(CONFIGS["llama"])
+    measured = Cluster(accelerator="cpu", devices=1, dense_layer_overhead=5e-4, moe_layer_overhead=1e-3,
+                       hf_layer_overheads={"llama": 7e-4})
+    dense, _ = operator_scales(llama, measured)
+    assert dense * measured.dense_layer_overhead == pytest.approx(7e-4)
+    unmeasured = Cluster(accelerator="cpu", devices=1, dense_layer_overhead=5e-4, moe_layer_overhead=1e-3)
+    assert operator_scales(llama, unmeasured)[0] == pytest.approx(hf_operators(llama)[0] / _m6_operators("loop")[0])
+    assert at_speed(measured, 2.0).hf_layer_overheads == {"llama": pytest.approx(1.4e-3)}
+    with pytest.raises(ValueError, match="hf_layer_overheads must map model types"):
+        Cluster(hf_layer_overheads={"llama": -1.0})
+
+
+def test_the_calibration_processes_average_the_family_timings_as_one_flat_tensor() -> None:
+    from lightning_p2r.measure.calibrate import flat_constants, nested_constants
+
+    constants = {"step_overhead": 1e-3, "hf_layer_overheads": {"llama": 7e-4, "qwen3_moe:moe": 1.4e-3}}
+    flat = flat_constants(constants)
+    assert all(isinstance(value, float) for value in flat.values())
+    assert nested_constants(flat) == constants
+
+
+def test_a_hugging_face_layer_pays_the_per_token_costs_timed_on_hugging_face_code() -> None:
+    """A calibration that timed the Hugging Face layers prices their tokens at their own per-token costs (a Qwen3-MoE
+    layer's grouped experts pay routing's sort and gathers per token, not M6's expert loop); a file without them, at
+    M6's. M6 models keep M6's either way."""
+    from lightning_p2r.models import M6Config
+    from lightning_p2r.planning.cluster import Cluster
+    from lightning_p2r.planning.step_time import token_costs
+
+    m6_costs = {"dense_token_overhead": 4e-7, "dense_token_width_overhead": 2e-8, "moe_token_overhead": 7e-7,
+                "moe_token_width_overhead": 3e-8}
+    hf_costs = {"hf_dense_token_overhead": 5e-7, "hf_dense_token_width_overhead": 0.0, "hf_moe_token_overhead": 1e-6,
+                "hf_moe_token_width_overhead": 2e-8}
+    timed = Cluster(hf_layer_overheads={"qwen3_moe:moe": 1e-3}, **m6_costs, **hf_costs)
+    older = Cluster(**m6_costs, **hf_costs)
+    moe = hf_decoder_of(CONFIGS["qwen3_moe"])  # width 32
+    assert token_costs(moe, timed) == pytest.approx((5e-7, 1e-6 + 2e-8 * 32))
+    assert token_costs(moe, older) == pytest.approx((4e-7 + 2e-8 * 32, 7e-7 + 3e-8 * 32))
+    assert token_costs(M6Config(dim=32), timed) == token_costs(moe, older)
+
+
+def test_the_per_token_costs_of_hugging_face_layers_come_from_their_timings_less_what_is_priced() -> None:
+    """More time at 16 sequences than the priced growth is the per-token cost; a timing below the priced growth is
+    noise and gives 0, never a negative cost; timings absent (no transformers) give nothing."""
+    from lightning_p2r.measure.calibrate import HF_LAYER_SECONDS, hf_token_overheads
+    from lightning_p2r.planning.cluster import Cluster
+
+    cluster = Cluster(accelerator="cpu", devices=1, hf_layer_overheads={"llama": 7e-4})
+    assert hf_token_overheads(cluster, {}) == {}
+    slow = {name: (0.05 if "_many_" in name else 0.001) for name in HF_LAYER_SECONDS}
+    costs = hf_token_overheads(cluster, slow)
+    assert set(costs) == {"hf_dense_token_overhead", "hf_dense_token_width_overhead", "hf_moe_token_overhead",
+                          "hf_moe_token_width_overhead"}
+    assert costs["hf_dense_token_overhead"] > 0 and costs["hf_moe_token_overhead"] > 0
+    flat = {name: 0.001 for name in HF_LAYER_SECONDS}
+    assert all(value == 0.0 for value in hf_token_overheads(cluster, flat).values())
+
+
+def test_plan_warns_what_a_hugging_face_models_prices_lack(capsys, tmp_path) -> None:
+    """A calibration without the Hugging Face layers' timings prices them from M6's (said, with what to do); a shown
+    tensor-parallel layout of a Hugging Face model is priced with M6's counts, short on a CPU (said)."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("accelerator: cpu\ndevices: 2\ndevice_memory: 8e9\ndevice_flops: 5e10\n"
+                       "dense_layer_overhead: 5e-4\nmoe_layer_overhead: 1e-3\n")
+    main(["plan", "--cluster", str(cluster), "--config", str(RECIPES / "hf_moe.yaml"), "--no-speed-check",
+          "--top", "200"])
+    out = capsys.readouterr().out
+    assert "has no hf_layer_overheads" in out and "calibrate again" in out
+    assert re.search(r"warning: \d+ of the \d+ layouts shown split this qwen3_moe by tensor parallelism", out)
+    measured = tmp_path / "measured.yaml"
+    measured.write_text(cluster.read_text() + "hf_layer_overheads: {qwen3_moe:moe: 1.2e-3, qwen3_moe: 8e-4}\n")
+    main(["plan", "--cluster", str(measured), "--config", str(RECIPES / "hf_moe.yaml"), "--no-speed-check",
+          "--top", "1", "--sharding", "zero3"])
+    out = capsys.readouterr().out
+    assert "has no hf_layer_overheads" not in out
