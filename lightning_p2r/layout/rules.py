@@ -155,6 +155,8 @@ class ModelShape:
     layer_to_block: tuple[int, ...] | None = None
     """Which block each layer runs (sharing: several layers, one block)."""
     num_heads: int | None = None
+    num_kv_heads: int | None = None
+    """Key/value heads where they are fewer than the query heads (grouped-query attention): split by heads too."""
     vocab_size: int | None = None
     hidden_dim: int | None = None
     """The feed-forward (and expert) hidden size tensor parallelism splits."""
@@ -297,6 +299,10 @@ def check_model(layout: Layout, model: ModelShape, devices: int | None = None) -
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: the model's "
                          f"num_heads={model.num_heads} must be divisible by it (use tensor_parallel in "
                          f"{divisors(model.num_heads)})")
+    if model.num_kv_heads is not None and model.num_kv_heads % tp:
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: the model's "
+                         f"num_key_value_heads={model.num_kv_heads} must be divisible by it (use tensor_parallel in "
+                         f"{divisors(model.num_kv_heads)})")
     if model.vocab_size is not None and model.vocab_size % tp:
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the embedding and output by vocabulary: "
                          f"the model's vocab_size={model.vocab_size} must be divisible by it")

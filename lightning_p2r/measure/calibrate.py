@@ -296,7 +296,7 @@ def hf_layer_overheads(device: torch.device, repeats: int) -> dict[str, Any]:
     (``planning.hf_decoder.layer_kinds``), at the size of the M6 layer probe, forward and backward, from models of 1
     and 5 layers timed as :func:`layer_overheads` times M6's. The kinds of ``TOKEN_PROBES`` are timed again on
     ``TOKEN_PROBE_SEQUENCES`` sequences and at the wider of ``TOKEN_PROBE_WIDTHS``: one layer's time at each
-    (``HF_LAYER_SECONDS``), from which :func:`hf_token_overheads` takes what a token costs. About 30 s on a CPU.
+    (``HF_LAYER_SECONDS``), from which :func:`hf_token_overheads` takes what a token costs. About 15 s on a CPU.
     Nothing without ``transformers`` (the ``[hf]`` extra): the planner then prices Hugging Face layers from M6's."""
     try:
         import transformers  # noqa: F401

@@ -58,7 +58,8 @@ def trial_spec(config: PricedModel, layout: Layout, workload: Workload, *, devic
     accumulation without a pipeline (``Layout.trainer_accumulation``), the strategy everything else."""
     from .run import host_threads, usable_cores
 
-    model = {"hf_config": config.hf_config()} if isinstance(config, HFDecoder) else {"model": asdict(config)}
+    model = ({"hf_config": config.hf_config() | {"vocab_size": config.vocab_size}} if isinstance(config, HFDecoder)
+             else {"model": asdict(config)})
     return {"name": layout.describe(), **model, "devices": devices, "steps": steps,
             "threads": host_threads(accelerator, devices, usable_cores()),
             "global_batch": workload.global_batch, "seq_len": workload.seq_len, "precision": workload.precision,

@@ -56,8 +56,11 @@ def recipe_inputs(path: str | Path) -> tuple[PricedModel, dict[str, Any]]:
     vocab_size = data.get("vocab_size") or (256 if data.get("tokenizer") == "bytes" else None)
     hf_config = hf_config_of(recipe.get("model") or {}, path)
     if hf_config is not None:
+        # A recipe naming no vocabulary trains on the data module's default one (``fit`` links it into the model),
+        # not on the family's (Llama's 32,000, Qwen's 151,936).
+        linked_vocab = vocab_size or hf_config.get("vocab_size") or _data_default_vocab(data)
         try:
-            config: PricedModel = hf_decoder_of(hf_config | ({"vocab_size": vocab_size} if vocab_size else {}))
+            config: PricedModel = hf_decoder_of(hf_config | {"vocab_size": linked_vocab})
         except ValueError as error:
             raise ValueError(f"{path}: model.init_args.{error}") from None
         return config, _settings(trainer, data)
@@ -74,6 +77,26 @@ def recipe_inputs(path: str | Path) -> tuple[PricedModel, dict[str, Any]]:
     except ValueError as error:
         raise ValueError(f"{path}: model.config: {error}") from None
     return config, _settings(trainer, data)
+
+
+def _data_default_vocab(data: dict[str, Any]) -> int:
+    """The vocabulary the data module gives a recipe that names none: a prepared corpus's (its manifest), else the
+    tokenizer's default."""
+    from ..data.tokenizer import BYTE_VOCAB, DEFAULT_BPE_VOCAB
+
+    prepared = data.get("prepared")
+    if isinstance(prepared, str) and prepared != "auto":
+        from ..data.prepared import MANIFEST
+
+        manifest = Path(prepared).expanduser() / MANIFEST
+        if manifest.is_file():
+            import json
+
+            try:
+                return int(json.loads(manifest.read_text())["vocab_size"])
+            except (ValueError, KeyError, TypeError):
+                pass  # the data module names what is wrong with it when the run starts
+    return BYTE_VOCAB if data.get("tokenizer") == "bytes" else DEFAULT_BPE_VOCAB
 
 
 def _settings(trainer: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -99,6 +122,9 @@ M6_MODULE_OPTIONS = ("config", "optimizer")
 
 CAUSAL_LM_PRICED = ("hf_config", "optimizer", "init_seed", "vocab_size")
 """``CausalLMModule`` options a priced recipe may set (its sharing options and a model given whole are not priced)."""
+CAUSAL_LM_DEFAULTS = {"litgpt_config": None, "model": None, "parts": None, "num_unique_blocks": None,
+                      "sharing": "sequence", "pseudo_depth": "shared", "growth_init": "copy"}
+"""The other options at the values that change nothing priced (a run's saved config.yaml spells them all out)."""
 
 
 def hf_config_of(model: dict[str, Any], path: Path) -> dict[str, Any] | None:
@@ -109,7 +135,8 @@ def hf_config_of(model: dict[str, Any], path: Path) -> dict[str, Any] | None:
         return None
     options = model.get("init_args") or {}
     hf_config = options.get("hf_config")
-    unpriced = sorted(set(options) - set(CAUSAL_LM_PRICED))
+    unpriced = sorted(name for name, value in options.items()
+                      if name not in CAUSAL_LM_PRICED and CAUSAL_LM_DEFAULTS.get(name, object()) != value)
     if not isinstance(hf_config, dict) or unpriced:
         what = (f"model.init_args.{unpriced[0]}" if unpriced and isinstance(hf_config, dict)
                 else "a model without hf_config")
@@ -381,12 +408,12 @@ def _warn_hugging_face_terms(config: HFDecoder, layouts: list[Layout], cluster: 
         print(f"warning: {cluster.name} has no hf_layer_overheads (measured by `lightning-p2r calibrate` with "
               f"transformers installed, from 2026-12-01): this {config.model_type}'s layers are priced from the M6 "
               "layer's costs by their operators, which came out 11-38% long on one CPU process; calibrate again")
-    split = sum(layout.tensor_parallel > 1 for layout in layouts)
+    split = sum(layout.tensor_parallel > 1 or layout.pipeline_parallel > 1 for layout in layouts)
     if split:
         print(f"warning: {split} of the {len(layouts)} layouts shown split this {config.model_type} by tensor "
-              "parallelism, whose dispatch and collectives are priced as for M6's layers: on 2 CPU processes such "
-              "layouts of Hugging Face models measured 12-43% slower than priced (docs/planning.md, \"Hugging Face "
-              "decoders\"); trial them (--trial)")
+              "parallelism or a pipeline, whose dispatch, collectives and stages are priced as for M6's layers: on 2 "
+              "CPU processes such layouts of Hugging Face models measured 12-43% slower than priced (docs/planning.md, "
+              "\"Hugging Face decoders\"); trial them (--trial)")
 
 
 def _warn_missing_terms(config: PricedModel, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:

@@ -139,7 +139,7 @@ class Cluster:
     """The same for an MoE layer's routing, dispatch and combine (its experts excluded: ``moe_expert_overhead``)."""
     hf_layer_overheads: dict[str, float] = dataclasses.field(default_factory=dict)
     """``dense_layer_overhead`` of each Hugging Face family's layer on ``transformers``' code, which launches more and
-    smaller operators than M6's at a cost per operator that differs by family (6 to 8.5 us on a 2-vCPU EPYC): keyed
+    smaller operators than M6's at a cost per operator that differs by family (6.2 to 8.4 us on a 2-vCPU EPYC): keyed
     by ``model_type`` for a dense layer and ``model_type:moe`` for an MoE one
     (``planning.hf_decoder.layer_cost_scales``). Measured by ``lightning-p2r calibrate`` where ``transformers`` is
     installed; a family absent is priced from M6's layer by its operator count."""
@@ -374,9 +374,9 @@ def _is_range(value: Any) -> bool:
 
 
 TOKEN_COSTS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead", "moe_token_width_overhead")
+"""The per-token layer costs (``lightning_p2r.measure.calibrate.token_overheads``)."""
 HF_TOKEN_COSTS = tuple(f"hf_{name}" for name in TOKEN_COSTS)
 """The per-token costs of Hugging Face layers (``lightning_p2r.measure.calibrate.hf_token_overheads``)."""
-"""The per-token layer costs (``lightning_p2r.measure.calibrate.token_overheads``)."""
 SIZE_DEPENDENT_LAYER_COSTS = (*TOKEN_COSTS, "moe_expert_weight_overhead")
 """The layer costs ``calibrate`` measures at more than one size; a CPU file with the fixed layer costs but none of
 these was written before they existed (``plan`` warns)."""

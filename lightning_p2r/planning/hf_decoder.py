@@ -14,9 +14,10 @@ without them prices a layer from M6's by the operators its own code launches (:f
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 from ..models.hf_configs import read_hf_config
@@ -34,8 +35,9 @@ class HFDecoder:
     """The sizes of a Hugging Face decoder the cost model reads (every layer its own block)."""
 
     model_type: str
-    fields: tuple[tuple[str, Any], ...]
-    """The recipe's ``hf_config`` without ``model_type`` (sorted items): what a trial builds."""
+    fields: str
+    """The recipe's ``hf_config`` without ``model_type``, as sorted JSON (hashable, nested values kept): what a trial
+    builds."""
     vocab_size: int
     max_seq_len: int
     num_layers: int
@@ -108,12 +110,20 @@ class HFDecoder:
     def kv_width(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @cached_property
+    def params_by_block(self) -> dict[int | None, list[ParamSpec]]:
+        """``params`` by block (the search prices each layer of thousands of layouts)."""
+        grouped: dict[int | None, list[ParamSpec]] = {}
+        for spec in self.params:
+            grouped.setdefault(spec.block, []).append(spec)
+        return grouped
+
     def replace(self, **changes: Any) -> HFDecoder:
         return dataclasses.replace(self, **changes)
 
     def hf_config(self) -> dict[str, Any]:
         """The ``hf_config`` a ``CausalLMModule`` builds this model from."""
-        return {"model_type": self.model_type, **{key: _thawed(value) for key, value in self.fields}}
+        return {"model_type": self.model_type, **json.loads(self.fields)}
 
     def describe(self) -> str:
         return f"Hugging Face {self.model_type}"
@@ -125,11 +135,16 @@ def hf_decoder_of(hf_config: dict[str, Any]) -> HFDecoder:
     ``transformers`` refuses."""
     fields = dict(hf_config)
     model_type = fields.pop("model_type", None)
+    if model_type is None:
+        raise ValueError("hf_config.model_type is missing (such as 'qwen3_moe')")
     if model_type not in PRICED_FAMILIES:
-        raise ValueError(f"`lightning-p2r plan` prices the Hugging Face families {', '.join(PRICED_FAMILIES)} "
-                         f"(model_type), got {model_type!r}")
-    config = _hf_config(model_type, fields)
-    items = tuple(sorted((key, _frozen(value)) for key, value in fields.items()))
+        raise ValueError(f"hf_config.model_type: `lightning-p2r plan` prices the Hugging Face families "
+                         f"{', '.join(PRICED_FAMILIES)}, got {model_type!r}")
+    try:
+        items = json.dumps(fields, sort_keys=True)
+    except TypeError as error:
+        raise ValueError(f"hf_config: {error}") from None
+    config = _hf_config(model_type, json.loads(items))  # a copy: transformers fills nested fields in place
     model = _meta_model(model_type, items)
     sizes = _sizes(model_type, config)
     grouped = getattr(model.config, "_experts_implementation", None) not in (None, "eager")
@@ -137,27 +152,18 @@ def hf_decoder_of(hf_config: dict[str, Any]) -> HFDecoder:
                      grouped=grouped and sizes["num_experts"] > 0, params=_param_specs(model, model_type), **sizes)
 
 
-def _frozen(value: Any) -> Any:
-    """Lists as tuples (an ``HFDecoder`` is hashable)."""
-    return tuple(_frozen(v) for v in value) if isinstance(value, list) else value
-
-
-def _thawed(value: Any) -> Any:
-    return [_thawed(v) for v in value] if isinstance(value, tuple) else value
-
-
 def _hf_config(model_type: str, fields: dict[str, Any]) -> Any:
     return read_hf_config(model_type, fields, "hf_config")
 
 
 @lru_cache(maxsize=16)
-def _meta_model(model_type: str, items: tuple[tuple[str, Any], ...]) -> Any:
+def _meta_model(model_type: str, items: str) -> Any:
     """The causal LM built on the meta device (shapes only: no memory, any size)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(_hf_config(model_type, {k: _thawed(v) for k, v in items}))
+        return AutoModelForCausalLM.from_config(_hf_config(model_type, json.loads(items)))
 
 
 def _sizes(model_type: str, config: Any) -> dict[str, Any]:
@@ -270,7 +276,7 @@ def layer_matmul_weights(config: HFDecoder, layer: int) -> tuple[int, int, int]:
 
 
 def _layer_params(config: HFDecoder, layer: int) -> list[ParamSpec]:
-    return [spec for spec in config.params if spec.block == layer]
+    return config.params_by_block.get(layer, [])
 
 
 def layer_forward_flops(config: HFDecoder, layer: int, seq_len: int, attention_flops: float) -> float:

@@ -4,6 +4,7 @@ refuses), plus what only a planned workload has (its global batch over the data 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
@@ -11,6 +12,7 @@ from .. import layout as rules
 from ..layout import BREADTH_FIRST, SHARDINGS, Layout, ModelShape
 from ..layout import PIPELINE_SCHEDULES as SCHEDULES
 from .cluster import Cluster
+from .hf_decoder import HFDecoder
 from .model import PricedModel, as_run
 
 Precision = Literal["32-true", "bf16-mixed"]
@@ -55,10 +57,20 @@ class Workload:
         return self.global_batch * self.seq_len
 
 
+def model_shape(config: PricedModel) -> ModelShape:
+    """The sizes the strategy's rules read. A Hugging Face model's key/value heads are split by tensor parallelism
+    too (``strategy/parallel/hf_plan.py`` checks them); its sequences are not bound to ``max_position_embeddings``
+    and every family runs sequence parallelism (the workload's length is checked below)."""
+    shape = ModelShape.of(as_run(config))
+    if isinstance(config, HFDecoder):
+        return dataclasses.replace(shape, num_kv_heads=config.num_kv_heads, max_seq_len=None, rotary_positions=None)
+    return shape
+
+
 def check_layout(layout: Layout, config: PricedModel, cluster: Cluster, workload: Workload) -> None:
     """Raise ValueError naming the first reason ``layout`` cannot run ``config`` on ``cluster``: the strategy's own
     rules (``lightning_p2r.layout.check_layout``), then the workload's global batch over the data ranks."""
-    rules.check_layout(layout, cluster.devices, ModelShape.of(as_run(config)))
+    rules.check_layout(layout, cluster.devices, model_shape(config))
     dp = layout.data_parallel(cluster.devices)
     if workload.global_batch % dp:
         raise ValueError(f"the global batch ({workload.global_batch}) must split evenly over the {dp} data-parallel "

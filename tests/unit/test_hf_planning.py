@@ -242,10 +242,40 @@ def test_plan_warns_what_a_hugging_face_models_prices_lack(capsys, tmp_path) -> 
           "--top", "200"])
     out = capsys.readouterr().out
     assert "has no hf_layer_overheads" in out and "calibrate again" in out
-    assert re.search(r"warning: \d+ of the \d+ layouts shown split this qwen3_moe by tensor parallelism", out)
+    assert re.search(r"warning: \d+ of the \d+ layouts shown split this qwen3_moe by tensor parallelism or a "
+                     r"pipeline", out)
     measured = tmp_path / "measured.yaml"
     measured.write_text(cluster.read_text() + "hf_layer_overheads: {qwen3_moe:moe: 1.2e-3, qwen3_moe: 8e-4}\n")
     main(["plan", "--cluster", str(measured), "--config", str(RECIPES / "hf_moe.yaml"), "--no-speed-check",
           "--top", "1", "--sharding", "zero3"])
     out = capsys.readouterr().out
     assert "has no hf_layer_overheads" not in out
+
+
+def test_plan_reads_hugging_face_recipes_as_fit_runs_them(capsys, tmp_path) -> None:
+    """Review findings: tensor parallelism must divide the key/value heads too (the strategy refuses it otherwise);
+    nested config fields (rope_scaling) are priced; a recipe naming no vocabulary trains on the data module's default
+    (4,096), not the family's (Llama's 32,000); a run's saved config.yaml, every option spelled out at its default,
+    is priced like the recipe."""
+    from lightning_p2r.planning.cli import recipe_inputs
+
+    main(["plan", "--cluster", str(CLUSTER), "--config", str(RECIPES / "hf_moe.yaml"), "--devices", "4",
+          "--csv", str(tmp_path / "plans.csv")])
+    rows = (tmp_path / "plans.csv").read_text().splitlines()[1:]
+    assert rows and not any(" tp4" in row for row in rows)  # 4 heads, 2 key/value heads
+    capsys.readouterr()
+    recipe = yaml.safe_load((RECIPES / "hf_moe.yaml").read_text())
+    recipe["data"].pop("vocab_size")
+    recipe["model"]["init_args"]["hf_config"] = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                                 "num_attention_heads": 4, "intermediate_size": 128,
+                                                 "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    recipe["model"]["init_args"] |= {"litgpt_config": None, "model": None, "parts": None, "num_unique_blocks": None,
+                                     "sharing": "sequence", "pseudo_depth": "shared", "growth_init": "copy"}
+    path = tmp_path / "saved.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    config, _ = recipe_inputs(path)
+    assert config.vocab_size == 4096 and config.hf_config()["rope_scaling"]["factor"] == 2.0
+    recipe["model"]["init_args"]["pseudo_depth"] = "shallow"
+    path.write_text(yaml.safe_dump(recipe))
+    with pytest.raises(ValueError, match="model.init_args.pseudo_depth is not priced"):
+        recipe_inputs(path)
