@@ -353,19 +353,13 @@ def hf_token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dic
 
         return (probe(5) - probe(1)) / 4
 
-    added_tokens = (TOKEN_PROBE_SEQUENCES - 1) * LAYER_PROBE["max_seq_len"]
     out = {}
     for kind in TOKEN_PROBES:
-        per_token = []
-        for width in TOKEN_PROBE_WIDTHS:
-            measured = (layer_seconds[f"hf_{layer_seconds_name(kind, 'many', width)}"]
-                        - layer_seconds[f"hf_{layer_seconds_name(kind, 'one', width)}"])
-            priced = priced_layer(kind, TOKEN_PROBE_SEQUENCES, width) - priced_layer(kind, 1, width)
-            per_token.append(max(measured - priced, 0.0) / added_tokens)
-        (narrow, wide), (low, high) = per_token, TOKEN_PROBE_WIDTHS
-        slope = max(wide - narrow, 0.0) / (high - low)
-        out[f"hf_{kind}_token_overhead"] = max(narrow - slope * low, 0.0)
-        out[f"hf_{kind}_token_width_overhead"] = slope
+        out[f"hf_{kind}_token_overhead"], out[f"hf_{kind}_token_width_overhead"] = per_token_line(
+            lambda width, kind=kind: (layer_seconds[f"hf_{layer_seconds_name(kind, 'many', width)}"]
+                                      - layer_seconds[f"hf_{layer_seconds_name(kind, 'one', width)}"]),
+            lambda width, kind=kind: (priced_layer(kind, TOKEN_PROBE_SEQUENCES, width)
+                                      - priced_layer(kind, 1, width)))
     return out
 
 
@@ -426,20 +420,28 @@ def token_overheads(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[s
         return (priced_probe(probe_config(5, experts, width), unpriced, sequences)
                 - priced_probe(probe_config(1, experts, width), unpriced, sequences)) / 4
 
-    added_tokens = (TOKEN_PROBE_SEQUENCES - 1) * LAYER_PROBE["max_seq_len"]
     out = {}
     for kind, experts in PROBE_KINDS:
-        per_token = []
-        for width in TOKEN_PROBE_WIDTHS:
-            measured = (layer_seconds[layer_seconds_name(kind, "many", width)]
-                        - layer_seconds[layer_seconds_name(kind, "one", width)])
-            priced = priced_layer(experts, TOKEN_PROBE_SEQUENCES, width) - priced_layer(experts, 1, width)
-            per_token.append(max(measured - priced, 0.0) / added_tokens)
-        (narrow, wide), (low, high) = per_token, TOKEN_PROBE_WIDTHS
-        slope = max(wide - narrow, 0.0) / (high - low)
-        out[f"{kind}_token_overhead"] = max(narrow - slope * low, 0.0)
-        out[f"{kind}_token_width_overhead"] = slope
+        out[f"{kind}_token_overhead"], out[f"{kind}_token_width_overhead"] = per_token_line(
+            lambda width, kind=kind: (layer_seconds[layer_seconds_name(kind, "many", width)]
+                                      - layer_seconds[layer_seconds_name(kind, "one", width)]),
+            lambda width, experts=experts: (priced_layer(experts, TOKEN_PROBE_SEQUENCES, width)
+                                            - priced_layer(experts, 1, width)))
     return out
+
+
+def per_token_line(measured_growth: Callable[[int], float], priced_growth: Callable[[int], float]
+                   ) -> tuple[float, float]:
+    """(seconds per token at width 0, seconds per token and unit of width): how much more a probe layer took on
+    ``TOKEN_PROBE_SEQUENCES`` sequences than on one (``measured_growth(width)``) beyond the growth the cost model
+    prices (``priced_growth(width)``), per added token, at each of ``TOKEN_PROBE_WIDTHS``, on the line through the two
+    (never below 0: timing noise)."""
+    added_tokens = (TOKEN_PROBE_SEQUENCES - 1) * LAYER_PROBE["max_seq_len"]
+    narrow, wide = (max(measured_growth(width) - priced_growth(width), 0.0) / added_tokens
+                    for width in TOKEN_PROBE_WIDTHS)
+    low, high = TOKEN_PROBE_WIDTHS
+    slope = max(wide - narrow, 0.0) / (high - low)
+    return max(narrow - slope * low, 0.0), slope
 
 
 def expert_weight_overhead(cluster: Cluster, layer_seconds: dict[str, float]) -> dict[str, float]:
