@@ -86,16 +86,12 @@ def _data_default_vocab(data: dict[str, Any]) -> int:
 
     prepared = data.get("prepared")
     if isinstance(prepared, str) and prepared != "auto":
-        from ..data.prepared import MANIFEST
+        from ..data.prepared import PreparedDataError, read_manifest
 
-        manifest = Path(prepared).expanduser() / MANIFEST
-        if manifest.is_file():
-            import json
-
-            try:
-                return int(json.loads(manifest.read_text())["vocab_size"])
-            except (ValueError, KeyError, TypeError):
-                pass  # the data module names what is wrong with it when the run starts
+        try:
+            return read_manifest(prepared).vocab_size
+        except PreparedDataError:
+            pass  # the data module names what is wrong with it when the run starts
     return BYTE_VOCAB if data.get("tokenizer") == "bytes" else DEFAULT_BPE_VOCAB
 
 

@@ -13,7 +13,6 @@ without them prices a layer from M6's by the operators its own code launches (:f
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -65,9 +64,6 @@ class HFDecoder:
 
     # The M6Config questions the planner asks, answered for a model whose layers are each their own block.
     num_prototypes = 1
-    always_on_experts = 0
-    pseudo_depth = "shared"
-    router_balance = "aux_loss"
 
     @property
     def num_blocks(self) -> int:
@@ -99,10 +95,6 @@ class HFDecoder:
         return self.num_experts
 
     @property
-    def expert_kernel(self) -> str:
-        return "grouped" if self.grouped else "loop"
-
-    @property
     def attention_width(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -117,9 +109,6 @@ class HFDecoder:
         for spec in self.params:
             grouped.setdefault(spec.block, []).append(spec)
         return grouped
-
-    def replace(self, **changes: Any) -> HFDecoder:
-        return dataclasses.replace(self, **changes)
 
     def hf_config(self) -> dict[str, Any]:
         """The ``hf_config`` a ``CausalLMModule`` builds this model from."""
@@ -144,9 +133,8 @@ def hf_decoder_of(hf_config: dict[str, Any]) -> HFDecoder:
         items = json.dumps(fields, sort_keys=True)
     except TypeError as error:
         raise ValueError(f"hf_config: {error}") from None
-    config = _hf_config(model_type, json.loads(items))  # a copy: transformers fills nested fields in place
     model = _meta_model(model_type, items)
-    sizes = _sizes(model_type, config)
+    sizes = _sizes(model_type, model.config)
     grouped = getattr(model.config, "_experts_implementation", None) not in (None, "eager")
     return HFDecoder(model_type=model_type, fields=items,
                      grouped=grouped and sizes["num_experts"] > 0, params=_param_specs(model, model_type), **sizes)
