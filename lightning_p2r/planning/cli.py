@@ -56,9 +56,9 @@ def recipe_inputs(path: str | Path) -> tuple[PricedModel, dict[str, Any]]:
     vocab_size = data.get("vocab_size") or (256 if data.get("tokenizer") == "bytes" else None)
     hf_config = hf_config_of(recipe.get("model") or {}, path)
     if hf_config is not None:
-        # A recipe naming no vocabulary trains on the data module's default one (``fit`` links it into the model),
-        # not on the family's (Llama's 32,000, Qwen's 151,936).
-        linked_vocab = vocab_size or hf_config.get("vocab_size") or _data_default_vocab(data)
+        # ``fit`` links the data module's vocabulary into the model over any the hf_config names: its default where
+        # the recipe names none, not the family's (Llama's 32,000, Qwen's 151,936).
+        linked_vocab = vocab_size or _data_default_vocab(data)
         try:
             config: PricedModel = hf_decoder_of(hf_config | {"vocab_size": linked_vocab})
         except ValueError as error:
@@ -141,7 +141,7 @@ def hf_config_of(model: dict[str, Any], path: Path) -> dict[str, Any] | None:
             f"each their own block; {what} is not priced. Time such a model's layouts with `lightning-p2r fit "
             "--config RECIPE --trainer.max_steps 20` and its logged perf/tokens_per_s (docs/planning.md, \"Hugging "
             "Face decoders\")")
-    return dict(hf_config) | ({"vocab_size": options["vocab_size"]} if options.get("vocab_size") else {})
+    return dict(hf_config)
 
 
 def m6_config_of(model: dict[str, Any], path: Path) -> dict[str, Any]:

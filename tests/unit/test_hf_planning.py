@@ -275,6 +275,9 @@ def test_plan_reads_hugging_face_recipes_as_fit_runs_them(capsys, tmp_path) -> N
     path.write_text(yaml.safe_dump(recipe))
     config, _ = recipe_inputs(path)
     assert config.vocab_size == 4096 and config.hf_config()["rope_scaling"]["factor"] == 2.0
+    recipe["model"]["init_args"]["hf_config"]["vocab_size"] = 1000  # fit links the data's over it
+    path.write_text(yaml.safe_dump(recipe))
+    assert recipe_inputs(path)[0].vocab_size == 4096
     recipe["model"]["init_args"]["pseudo_depth"] = "shallow"
     path.write_text(yaml.safe_dump(recipe))
     with pytest.raises(ValueError, match="model.init_args.pseudo_depth is not priced"):
