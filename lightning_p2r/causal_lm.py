@@ -10,6 +10,7 @@ initialized by the same rule and seed, so both builds hold the same values.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -145,6 +146,10 @@ class CausalLMModule(L.LightningModule):
         self.model = model
         self._positional: bool | None = None
         self._parts_found: DecoderParts | None = None
+        self.token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss
+        """The training cross-entropy of logits against targets (``protocols.ComputesTokenLoss``): under tensor
+        parallelism the strategy puts a vocabulary-parallel one here, and the head leaves each rank its vocabulary
+        shard of the logits in training (never the whole logits, as Megatron-LM and torchtitan)."""
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -234,7 +239,7 @@ class CausalLMModule(L.LightningModule):
         inputs, targets = next_token_batch(batch)
         output = self._model_output(inputs)
         logits = output if isinstance(output, torch.Tensor) else output.logits
-        loss = next_token_loss(logits, targets)
+        loss = self.token_loss(logits, targets)
         aux = getattr(output, "aux_loss", None)
         if isinstance(aux, torch.Tensor):
             ce, loss = loss, loss + aux_loss_coefficient(self.model) * aux.to(loss.device)
@@ -253,7 +258,8 @@ class CausalLMModule(L.LightningModule):
         """The model in stages for layered accumulation, from its declaration (``models.decoders``)."""
         holder = find_block_sequence(self)  # the strategy declared the block list (strategy/blocks.py)
         return decoder_stages(self.model, self._declared(), list(holder.layer_to_block), next_token_batch,
-                              log_metrics=self._log_stage_metrics)
+                              log_metrics=self._log_stage_metrics,
+                              token_loss=lambda logits, targets: self.token_loss(logits, targets))
 
     def pipeline_parts(self) -> PipelineParts:
         """The model as pipeline parallelism cuts it, from its declaration (``models.decoders``)."""

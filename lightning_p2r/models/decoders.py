@@ -293,10 +293,13 @@ def next_token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 
 def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[int],
                    split: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-                   log_metrics: Callable[[dict[str, torch.Tensor]], None] | None = None) -> LayeredStages:
+                   log_metrics: Callable[[dict[str, torch.Tensor]], None] | None = None,
+                   token_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> LayeredStages:
     """Layered accumulation's stages of a decoder ``model`` declared by ``parts``: ``split`` turns a micro-batch into
     (input ids, target ids); the head's loss is the next-token cross-entropy, as the model's training step computes
-    it. The stages read the blocks at call time (placement may wrap them).
+    it: ``token_loss`` where given (a module's, which tensor parallelism may replace by a vocabulary-parallel one),
+    else :func:`next_token_loss`. The stages read the blocks at call time
+    (placement may wrap them).
 
     A Hugging Face MoE with ``output_router_logits=True`` adds its load-balancing loss, as its own forward does: each
     layer records its routing, the head adds the loss (``models.router_loss``), and the metrics carry "ce" and
@@ -325,7 +328,7 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
         return block_output(output), term
 
     def head_stage(hidden: torch.Tensor, call: BlockCall) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss = next_token_loss(logits_of(hidden), call.targets)
+        loss = (token_loss or next_token_loss)(logits_of(hidden), call.targets)
         aux = finish_micro_batch(balance, call.routing) if balance is not None else None
         if aux is None:
             return loss, {"loss": loss.detach()}
