@@ -26,6 +26,9 @@ What it measures, each as the median of several timed repetitions after a warm-u
   model prices, per token, on a line in the width (:func:`token_overheads`);
 - ``moe_expert_weight_overhead``: the 16- and 2-expert MoE models at widths 16 and 64: what each expert costs more at
   the wider width beyond the priced difference, per element of its weights (:func:`expert_weight_overhead`);
+- ``dropout_element_overhead``: a dropout (p = 0.1) over 1M elements, forward and backward, less a multiply of the
+  same, per element; ``attention_dropout_element_overhead``: causal attention with dropout less without, per
+  probability (sequences x heads x length squared) (:func:`dropout_overheads`);
 - ``operator_overhead``: the fixed cost of one operator in a chain of tiny ones, forward and backward (the
   dispatcher and autograd on CPU, the launch on CUDA);
 - ``matmul_overhead``: a linear layer's forward and backward at 16 to 128 rows, fitted to a line in the rows: the
@@ -198,6 +201,27 @@ def elementwise_bandwidth(device: torch.device, rows: int, repeats: int) -> floa
 
     seconds = median_seconds(step, iters=repeats, device=device)
     return 3 * 8 * rows * 1024 * 4 / seconds
+
+
+def dropout_overheads(device: torch.device, repeats: int) -> dict[str, float]:
+    """Seconds per element of a dropout in training (forward and backward, beyond a multiply of the same tensor:
+    the random mask), and per attention probability of causal attention with dropout beyond the same without (the
+    kernel that can drop probabilities materializes them)."""
+    x = torch.randn(2**20, device=device, requires_grad=True)
+    dropped = median_seconds(lambda: torch.nn.functional.dropout(x, 0.1, training=True).sum().backward(),
+                             iters=repeats, device=device)
+    scaled = median_seconds(lambda: (x * 1.1).sum().backward(), iters=repeats, device=device)
+    sequences, heads, length = 16, 4, 64
+    q = torch.randn(sequences, heads, length, 16, device=device, requires_grad=True)
+
+    def attention(p: float) -> Callable[[], None]:
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True,
+                                                                       dropout_p=p).sum().backward()
+
+    added = (median_seconds(attention(0.1), iters=repeats, device=device)
+             - median_seconds(attention(0.0), iters=repeats, device=device))
+    return {"dropout_element_overhead": max(dropped - scaled, 0.0) / x.numel(),
+            "attention_dropout_element_overhead": max(added, 0.0) / (sequences * heads * length * length)}
 
 
 def fastest_medians(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int,
@@ -600,6 +624,7 @@ def device_constants(device: torch.device, quick: bool) -> dict[str, float]:
             "operator_overhead": operator_seconds,
             **layer_overheads(device, repeats),
             **hf_layer_overheads(device, repeats),
+            **dropout_overheads(device, repeats),
             **attention_rates(device, quick, 3 if quick else 10),
             **measure_matmul_costs(device, repeats, operator_seconds, bandwidth),
             "host_device_bandwidth": copy_bandwidth, "host_device_latency": copy_latency,

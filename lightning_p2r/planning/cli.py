@@ -22,7 +22,7 @@ from .cluster import SIZE_DEPENDENT_LAYER_COSTS, Cluster, at_speed, cluster_for,
 from .framework import HOW_TO_GET, missing_terms
 from .hf_decoder import HFDecoder, hf_decoder_of
 from .layout import SCHEDULES, SHARDINGS, Layout, Workload
-from .model import PricedModel, parameter_count, pseudo_of
+from .model import PricedModel, embedding_dropout_elements, layer_dropout_elements, parameter_count, pseudo_of
 from .search import Plan, SearchSpace, evaluate, search
 from .step_time import fitted_step_range
 
@@ -432,6 +432,12 @@ def _warn_missing_terms(config: PricedModel, layouts: list[Layout], cluster: Clu
               "measured by `lightning-p2r calibrate` from 2026-11-28): a layer's per-token work beyond its traffic and "
               "each expert's gradient stacking are left out, and CPU steps come out short (by 20-30% on the draws in "
               "docs/benchmarks.md); calibrate again")
+    drops = any(layer_dropout_elements(config, workload.seq_len)) or embedding_dropout_elements(config) > 0
+    if drops and not (cluster.dropout_element_overhead or cluster.attention_dropout_element_overhead):
+        print(f"warning: {cluster.name} has no dropout costs (dropout_element_overhead, "
+              "attention_dropout_element_overhead; measured by `lightning-p2r calibrate` from 2026-12-01) and this "
+              "model drops in training: its masks are left out (GPT-2's default dropout made its layers about twice "
+              "their price on a CPU); calibrate again")
     checkpointed = sum(layout.recompute and layout.pipeline_parallel > 1 for layout in layouts)
     if checkpointed and cluster.dense_layer_overhead > 0 and cluster.dense_checkpoint_overhead <= 0:
         print(f"warning: {cluster.name} has no checkpoint costs (dense_checkpoint_overhead, moe_checkpoint_overhead, "

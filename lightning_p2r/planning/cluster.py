@@ -185,6 +185,14 @@ class Cluster:
     it pays routing's sort and gathers, not M6's per-expert loop)."""
     hf_moe_token_width_overhead: float = 0.0
     """The same as ``moe_token_width_overhead`` for a Hugging Face MoE layer."""
+    dropout_element_overhead: float = 0.0
+    """Seconds per element of a dropout in training, forward and backward: drawing the random mask and applying it
+    (on a CPU several times the traffic of a plain elementwise operator). Measured by ``lightning-p2r calibrate``;
+    0: dropout not priced."""
+    attention_dropout_element_overhead: float = 0.0
+    """Seconds per attention probability (one per head, query and key of the causal square) that attention with
+    dropout adds, forward and backward: the fused kernels cannot drop probabilities, so the attention runs a kernel
+    that materializes them and draws a mask over them. Measured by ``lightning-p2r calibrate``; 0: not priced."""
     matmul_overhead: float = 0.0
     """Seconds of fixed cost per matmul call beyond ``operator_overhead`` and the weight's memory traffic: on a CPU
     the BLAS call's setup, which a matmul of few rows cannot amortize (matmul efficiency by shape). Measured by
@@ -386,7 +394,7 @@ _TIMES = {"dense_layer_overhead", "moe_layer_overhead", "moe_expert_overhead", "
           "moe_checkpoint_overhead", "moe_expert_checkpoint_overhead", "dense_token_overhead",
           "moe_token_overhead", "dense_token_width_overhead", "moe_token_width_overhead", "moe_expert_weight_overhead",
           "hf_dense_token_overhead", "hf_dense_token_width_overhead", "hf_moe_token_overhead",
-          "hf_moe_token_width_overhead",
+          "hf_moe_token_width_overhead", "dropout_element_overhead", "attention_dropout_element_overhead",
           "operator_overhead", "matmul_overhead", "step_overhead", "batch_overhead", "module_hook_overhead",
           "stage_overhead", "dtensor_overhead", "blocking_collective_overhead", "expert_wait_overhead",
           "host_device_latency", "intra_node_latency", "inter_node_latency", "optimizer_seconds_per_param",

@@ -58,6 +58,8 @@ from collections.abc import Sequence
 
 from ..layout import bubble_fraction
 from .cluster import FITTED_TERMS, Cluster
+from .hf_decoder import HFDecoder
+from .hf_tensor_parallel import module_passes as hf_module_passes
 from .layout import Layout, Workload
 from .model import PricedModel
 from .share import RankShare, rank_share
@@ -105,6 +107,10 @@ def tensor_parallel_module_passes(config: PricedModel, layout: Layout, share: Ra
     norm under sequence parallelism). Recompute runs the layers' modules forward once more (four forwards' worth)."""
     if layout.tensor_parallel == 1:
         return 0
+    if isinstance(config, HFDecoder):  # each projection its own module (planning.hf_tensor_parallel)
+        in_layers, ends = hf_module_passes(config, list(share.layers), sequence_parallel=layout.sequence_parallel,
+                                           first_stage=share.first_stage, last_stage=share.last_stage)
+        return layout.micro_batches * ((4 if layout.recompute else 3) * in_layers + 3 * ends)
     layers = len(share.layers)
     in_layers = 4 * layers
     ends = int(share.first_stage) + int(share.last_stage)
@@ -126,7 +132,10 @@ def blocking_collective_calls(transfers: Sequence[Transfer], overlap_collectives
     tensor-parallel collectives wait once per sync point (``TENSOR_PARALLEL``'s calls of one kind; sequence
     parallelism's reduce-scatter and all-gather of one point wait once, see the module docstring)."""
     blocking = [t for t in transfers if _blocking(t, overlap_collectives) and t.label != EXPERT_DISPATCH]
-    sync_points = max((t.calls for t in blocking if t.label == TENSOR_PARALLEL), default=0)
+    tensor_parallel = [t for t in blocking if t.label == TENSOR_PARALLEL]
+    # A Hugging Face decoder's collectives say their waits (``Transfer.waits``); M6's kinds each carry the sync points.
+    sync_points = (max((t.calls for t in tensor_parallel if t.waits is None), default=0)
+                   + sum(t.waits for t in tensor_parallel if t.waits is not None))
     # ZeRO-1's broadcasts are issued together and waited for together: the ranks meet once.
     zero1 = int(any(t.label == ZERO1_BROADCASTS for t in blocking))
     return sync_points + zero1 + sum(t.calls for t in blocking if t.label not in (TENSOR_PARALLEL, ZERO1_BROADCASTS))

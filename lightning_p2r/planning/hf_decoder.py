@@ -60,6 +60,13 @@ class HFDecoder:
     position_embedding: str
     grouped: bool
     """Whether the experts run as grouped matmuls (``transformers``' ``grouped_mm`` experts), else a loop."""
+    residual_dropouts: int = 0
+    """Dropouts in training on a layer's hidden states (GPT-2's two, ``resid_pdrop``; none in the Llama family)."""
+    attention_dropout: float = 0.0
+    """The probability with which the attention drops its probabilities in training (``attention_dropout``,
+    GPT-2's ``attn_pdrop``)."""
+    embedding_dropout: float = 0.0
+    """GPT-2's dropout of the embeddings (``embd_pdrop``)."""
     params: tuple[ParamSpec, ...] = field(repr=False, compare=False, default=())
 
     # The M6Config questions the planner asks, answered for a model whose layers are each their own block.
@@ -133,11 +140,30 @@ def hf_decoder_of(hf_config: dict[str, Any]) -> HFDecoder:
         items = json.dumps(fields, sort_keys=True)
     except TypeError as error:
         raise ValueError(f"hf_config: {error}") from None
-    model = _meta_model(model_type, items)
+    model = meta_model(model_type, items)
     sizes = _sizes(model_type, model.config)
     grouped = getattr(model.config, "_experts_implementation", None) not in (None, "eager")
     return HFDecoder(model_type=model_type, fields=items,
-                     grouped=grouped and sizes["num_experts"] > 0, params=_param_specs(model, model_type), **sizes)
+                     grouped=grouped and sizes["num_experts"] > 0, params=_param_specs(model, model_type),
+                     **_dropouts(model, model_type), **sizes)
+
+
+def _dropouts(model: Any, model_type: str) -> dict[str, Any]:
+    """The dropouts training runs, from the built model: each layer's ``nn.Dropout`` modules with p > 0 on its hidden
+    states (GPT-2's attention keeps its own, ``attn_dropout``, for the probabilities: the attention's rate, as the
+    Llama family's ``attention_dropout``), and the embeddings' (GPT-2's ``drop``)."""
+    from torch import nn
+
+    from ..models.decoders import KNOWN_DECODERS
+
+    parts = KNOWN_DECODERS[model_type]
+    layer = model.get_submodule(parts.blocks)[0]
+    residual = sum(isinstance(m, nn.Dropout) and m.p > 0 and not name.endswith("attn_dropout")
+                   for name, m in layer.named_modules())
+    config = model.config
+    attention = float(getattr(config, "attn_pdrop" if model_type == "gpt2" else "attention_dropout", 0.0) or 0.0)
+    embedding = float(getattr(config, "embd_pdrop", 0.0) or 0.0) if model_type == "gpt2" else 0.0
+    return {"residual_dropouts": residual, "attention_dropout": attention, "embedding_dropout": embedding}
 
 
 def _hf_config(model_type: str, fields: dict[str, Any]) -> Any:
@@ -145,7 +171,7 @@ def _hf_config(model_type: str, fields: dict[str, Any]) -> Any:
 
 
 @lru_cache(maxsize=16)
-def _meta_model(model_type: str, items: str) -> Any:
+def meta_model(model_type: str, items: str) -> Any:
     """The causal LM built on the meta device (shapes only: no memory, any size)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -214,7 +240,7 @@ def _param_specs(model: Any, model_type: str) -> tuple[ParamSpec, ...]:
                                             else name)
         split = 0 if renamed in ("tok_embeddings.weight", "lm_head.weight") else None
         root.append(ParamSpec(renamed, tuple(param.shape), "root", tensor_dim=split))
-    plan = _block_plan(model, model_type)
+    plan = hf_block_plan(model, model_type)
     specs: list[ParamSpec] = []
     for block, layer in enumerate(blocks):
         for name, param in layer.named_parameters():
@@ -243,7 +269,8 @@ def _split_dim(name: str, dims: int, model_type: str, plan: dict[str, str]) -> i
     return None
 
 
-def _block_plan(model: Any, model_type: str) -> dict[str, str]:
+def hf_block_plan(model: Any, model_type: str) -> dict[str, str]:
+    """The family's tensor-parallel styles of a layer's modules, by name inside the layer."""
     if model_type == "gpt2":
         return _GPT2_PLAN
     plan = getattr(model.config, "base_model_tp_plan", None) or {}

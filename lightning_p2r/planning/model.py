@@ -185,6 +185,23 @@ def layer_elementwise_elements(config: PricedModel, layer: int) -> float:
     return elements
 
 
+def layer_dropout_elements(config: PricedModel, seq_len: int) -> tuple[float, float]:
+    """Per token of one layer's forward in training: the elements its dropouts on the hidden states draw a mask for
+    (one per unit of the width each), and the attention probabilities a dropping attention materializes and draws one
+    for (one per head and key of the causal square: the fused kernels cannot drop probabilities). M6 drops both at
+    ``dropout`` (two on the hidden states); a Hugging Face model where its config says (``HFDecoder``)."""
+    if isinstance(config, HFDecoder):
+        residual, attention = config.residual_dropouts, config.attention_dropout
+    else:
+        residual, attention = (2 if config.dropout > 0 else 0), config.dropout
+    return float(residual * config.dim), float(config.num_heads * seq_len if attention > 0 else 0)
+
+
+def embedding_dropout_elements(config: PricedModel) -> float:
+    """Elements per token the embeddings' dropout draws in training (GPT-2's ``embd_pdrop``; none in M6)."""
+    return float(config.dim) if isinstance(config, HFDecoder) and config.embedding_dropout > 0 else 0.0
+
+
 def grouped_experts(config: PricedModel, accelerator: str, precision: str) -> bool:
     """Whether the MoE layers run their experts as two grouped GEMMs (else a loop of two matmuls per expert): the
     model's ``expert_kernel``, where "auto" picks grouped on a CUDA device computing in bf16, as the layer does

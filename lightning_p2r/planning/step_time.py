@@ -9,7 +9,8 @@
   fixed cost that makes a matmul of few rows reach less of ``device_flops`` (matmul efficiency by shape); and
   its tokens at ``dense_token_overhead`` / ``moe_token_overhead`` per layer, plus their ``..._width_overhead``
   times the width (per-token work the traffic terms miss); and, with the loop kernel, each micro-batch's
-  stacking of the experts' weight gradients at ``moe_expert_weight_overhead`` per weight element.
+  stacking of the experts' weight gradients at ``moe_expert_weight_overhead`` per weight element; and in a model
+  that drops, its dropouts' masks and a dropping attention's probabilities (``dropout_seconds``).
   Tensor parallelism divides the matmuls of attention, dense FFNs, experts and head; expert parallelism changes
   which rows a rank computes but not how many (balanced routing assumed).
 - **bubble**: a pipeline idles ``(p - 1) / (v m + p - 1)`` of the step (every schedule offered here), so the
@@ -46,10 +47,12 @@ from .memory import stored_elements, unsharded_elements
 from .model import (
     PricedModel,
     as_run,
+    embedding_dropout_elements,
     grouped_experts,
     head_elementwise_elements,
     head_forward_flops,
     layer_attention_flops,
+    layer_dropout_elements,
     layer_elementwise_elements,
     layer_forward_flops,
     layer_matmuls,
@@ -137,7 +140,25 @@ def compute_seconds(config: PricedModel, layout: Layout, cluster: Cluster, workl
     expert_weights = looped * 2 * config.dim * config.routed_hidden_dim / tp
     stacking_seconds = layout.micro_batches * expert_weights * cluster.moe_expert_weight_overhead
     return (flops / cluster.device_flops + attention_flops / attention_rate + elementwise_seconds +
-            launch_seconds + matmul_seconds + accumulation_seconds + row_seconds + stacking_seconds)
+            launch_seconds + matmul_seconds + accumulation_seconds + row_seconds + stacking_seconds +
+            dropout_seconds(config, layout, cluster, workload, share))
+
+
+def dropout_seconds(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload,
+                    share: RankShare) -> float:
+    """The rank's dropouts in training (their random masks: ``Cluster.dropout_element_overhead`` per element, forward
+    and backward, a third more under recompute's second forward), and a dropping attention's materialized
+    probabilities (``attention_dropout_element_overhead``). Tensor parallelism leaves each rank the whole hidden
+    states (split by position under sequence parallelism) and its share of the heads."""
+    tokens = share.sequences * workload.seq_len
+    passes = (4 if layout.recompute else 3) / 3
+    tp = layout.tensor_parallel
+    hidden, probabilities = layer_dropout_elements(config, workload.seq_len)
+    layers = len(share.layers)
+    hidden = hidden * layers + (embedding_dropout_elements(config) if share.first_stage else 0.0)
+    hidden /= tp if layout.sequence_parallel else 1
+    return tokens * passes * (hidden * cluster.dropout_element_overhead
+                              + layers * probabilities / tp * cluster.attention_dropout_element_overhead)
 
 
 def token_costs(config: PricedModel, cluster: Cluster) -> tuple[float, float]:

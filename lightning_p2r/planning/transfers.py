@@ -25,6 +25,8 @@ import math
 from dataclasses import dataclass
 
 from .cluster import Cluster
+from .hf_decoder import HFDecoder
+from .hf_tensor_parallel import step_collectives
 from .layout import Layout, Workload
 from .model import ParamSpec, PricedModel
 from .share import (
@@ -59,6 +61,9 @@ class Transfer:
     calls: int
     overlaps_compute: bool
     """Whether the engine runs it alongside compute (data parallel, offload copies), or on the critical path."""
+    waits: int | None = None
+    """Tensor-parallel collectives counted call by call (a Hugging Face decoder's): how many times the ranks wait for
+    the slowest among these calls. None: M6's, whose every kind carries the layers' sync points as its calls."""
 
 
 def step_transfers(config: PricedModel, layout: Layout, cluster: Cluster, workload: Workload, *,
@@ -108,17 +113,30 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
     # checkpoints alike), and with it every collective a layer's forward issues.
     forwards = 2 if layout.recompute else 1
     transfers = []
-    for kind, payload in tensor_parallel_bytes(shape, tp, sequence_parallel=layout.sequence_parallel,
-                                               first_stage=share.first_stage, last_stage=share.last_stage,
-                                               forward_passes=forwards).items():
-        # Per layer two sync points in forward (attention, FFN or experts) and two in backward; three at the ends.
-        transfers.append(Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, m * (2 * (forwards + 1) * layers + 3),
-                                  False))
+    if tp > 1 and isinstance(config, HFDecoder):
+        # Each projection split apart, each collective counted (planning.hf_tensor_parallel).
+        issued = step_collectives(config, list(share.layers), tokens=shape.tokens, micro_batches=m,
+                                  element_bytes=shape.element_bytes, sequence_parallel=layout.sequence_parallel,
+                                  forward_passes=forwards, first_stage=share.first_stage,
+                                  last_stage=share.last_stage)
+        transfers += [Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, issued.calls[kind], False,
+                               waits=issued.waits[kind]) for kind, payload in issued.payload.items()]
+    else:
+        for kind, payload in tensor_parallel_bytes(shape, tp, sequence_parallel=layout.sequence_parallel,
+                                                   first_stage=share.first_stage, last_stage=share.last_stage,
+                                                   forward_passes=forwards).items():
+            # Per layer two sync points in forward (attention, FFN or experts) and two in backward; three at the
+            # ends.
+            transfers.append(Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, m * (2 * (forwards + 1) * layers + 3),
+                                      False))
     for kind, payload in expert_parallel_bytes(shape, ep, m, forward_passes=forwards).items():
         # Per layer three all-to-alls in forward (counts, rows out, rows back) and two in backward.
         transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * (3 * forwards + 2), False))
     data = share.data_parallel
-    for kind, payload in balance_loss_bytes(shape, data, forward_passes=forwards, gloo=gloo).items():
+    # M6's balance loss pools the routing of every data rank; a Hugging Face MoE's is each rank's own (none moves).
+    pooled = {} if isinstance(config, HFDecoder) else balance_loss_bytes(shape, data, forward_passes=forwards,
+                                                                        gloo=gloo)
+    for kind, payload in pooled.items():
         # Per layer one all-reduce in forward (the probabilities' sums, counts and tokens, packed) and one in backward.
         transfers.append(Transfer("balance loss", kind, m * payload, data, tp, m * moe_layers * (forwards + 1), False))
     return transfers + (clipping if clip_gradients else [])

@@ -45,7 +45,9 @@ def run(config: dict, out: Path, devices: int) -> None:
     module = causal_lm(family, optimizer={"lr": 1e-2, "warmup_steps": 0} | config.get("optimizer", {}), init_seed=3,
                        own_module=config.get("own_module", False), **config.get("module", {}))
     options = config.get("strategy")
-    strategy = P2RStrategy(**options) if options is not None else "auto"
+    # Tensor-parallel runs count their collectives, for the planner's count (test_hf_layouts).
+    counting = options is not None and options.get("tensor_parallel", 1) > 1
+    strategy = P2RStrategy(count_collectives=counting, **options) if options is not None else "auto"
     losses, starting = Losses(), StartingValues()
     steps = config.get("steps", STEPS)
     # "accumulate": n plain micro-batches per step, each 1/n of the global batch (a reference for layouts whose
@@ -76,7 +78,11 @@ def run(config: dict, out: Path, devices: int) -> None:
     experts_held = [expert_dispatch(m).local_experts if expert_dispatch(m) else
                     len(m) if isinstance(m, torch.nn.ModuleList) else m.num_experts  # (litgpt's: a list)
                     for name, m in model.named_modules() if name.endswith("mlp.experts")]
-    local = {"tied": tied, "held": held, "experts_held": experts_held}
+    local = {"tied": tied, "held": held, "experts_held": experts_held,
+             "token_loss": type(getattr(module, "token_loss", None)).__name__}
+    if counting and strategy.collectives_history:  # the last step's collectives, by kind
+        last = strategy.collectives_history[-1]
+        local["collective_bytes"], local["collective_calls"] = dict(last.bytes), dict(last.calls)
     # A plain Trainer reports each micro-batch's loss divided by their count: a step's loss is their sum.
     step_losses = [sum(losses.losses[i:i + accumulate]) for i in range(0, len(losses.losses), accumulate)]
     report(out, config["name"], trainer, module, step_losses, local | ({"initial": starting.values}

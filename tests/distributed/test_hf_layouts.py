@@ -21,11 +21,17 @@ from worker_launch import launch_configs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "unit"))
 from equivalence import assert_trained_alike  # noqa: E402
+from hf_models import CONFIGS  # noqa: E402
+
+from lightning_p2r.planning.hf_decoder import PRICED_FAMILIES  # noqa: E402
+from lightning_p2r.planning.transfers import bytes_by_kind  # noqa: E402
 
 pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
 pytest.importorskip("litgpt", reason="litgpt is not installed (pip install --no-deps litgpt)")
 
 WORKER = Path(__file__).with_name("hf_worker.py")
+GLOBAL_BATCH, SEQ_LEN = 4, 16
+"""The worker's batch of token windows and the tokens the model reads from each (``hf_models.windows``)."""
 
 GROWN = {"module": {"num_unique_blocks": 2, "pseudo_depth": "shallow", "growth_init": "zero_outputs"}, "delink_at": 2}
 """A shallow pseudo model of 2 layers grown to the real 4 by PseudoToReal at step 2 (issue 38 item 6)."""
@@ -345,3 +351,46 @@ def test_a_checkpoint_reshards_between_layouts(hf_runs: Path, name: str, family:
     resumed = read_report(hf_runs, name)["losses"]
     assert len(reference) == 4 and len(resumed) == 2
     assert resumed == pytest.approx(reference[2:], rel=1e-5)
+
+
+PRICED_RUNS = [c for c in TWO_PROCESSES + FOUR_PROCESSES
+               if c["strategy"].get("tensor_parallel", 1) > 1 and not {"module", "delink_at", "own_module"} & set(c)
+               and CONFIGS.get(c["family"], {}).get("model_type") in PRICED_FAMILIES
+               and c["strategy"].get("expert_parallel", 1) == 1]
+"""The tensor-parallel runs of the families `lightning-p2r plan` prices (a pseudo model's it refuses). Not with
+expert parallelism: a dropless router sends each rank as many rows as it routes there, which the planner prices at
+the balanced mean, so its all-to-all bytes cannot equal a rank's count."""
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("config", PRICED_RUNS, ids=lambda c: c["name"])
+def test_the_planner_predicts_each_collective_of_a_tensor_parallel_hf_model(hf_runs: Path, config: dict) -> None:
+    """Every collective a rank issued in the last step (bytes and calls, by kind), as the planner lists them from the
+    family's plan and the layout alone (``planning.hf_tensor_parallel``): each projection split apart, each column
+    layer's input gradient summed, the per-head norms', the experts split by expert, sequence parallelism's gathers,
+    the vocabulary-parallel loss. (Counted before: seven all-reduces per Llama layer where the planner priced M6's
+    four.) The training loss reads the logits' vocabulary shards, never the whole logits."""
+    from lightning_p2r.planning import Cluster, Workload, step_transfers
+    from lightning_p2r.planning.cli import layout_from_options
+    from lightning_p2r.planning.hf_decoder import hf_decoder_of
+    from lightning_p2r.planning.transfers import COLLECTIVES
+
+    run = read_report(hf_runs, config["name"])
+    devices = len(run["ranks"])
+    layout = layout_from_options(config["strategy"])
+    model = hf_decoder_of(CONFIGS[config["family"]])
+    cluster = Cluster(devices=devices, devices_per_node=devices, accelerator="cpu")
+    for rank, record in enumerate(run["ranks"]):
+        pipeline_rank = rank // (devices // layout.pipeline_parallel)
+        if pipeline_rank == layout.pipeline_parallel - 1:  # the stage that computes the loss
+            assert record["token_loss"] == "VocabParallelCrossEntropy"
+        transfers = step_transfers(model, layout, cluster, Workload(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN),
+                                   pipeline_rank=pipeline_rank)
+        counted = {kind: value for kind, value in record["collective_bytes"].items() if kind in COLLECTIVES}
+        assert counted == bytes_by_kind(transfers, COLLECTIVES), (config["name"], rank)
+        calls: dict[str, int] = {}
+        for transfer in transfers:
+            calls[transfer.kind] = calls.get(transfer.kind, 0) + transfer.calls
+        counted_calls = {kind: value for kind, value in record["collective_calls"].items() if kind in COLLECTIVES}
+        assert counted_calls == calls, (config["name"], rank)

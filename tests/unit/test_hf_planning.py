@@ -282,3 +282,84 @@ def test_plan_reads_hugging_face_recipes_as_fit_runs_them(capsys, tmp_path) -> N
     path.write_text(yaml.safe_dump(recipe))
     with pytest.raises(ValueError, match="model.init_args.pseudo_depth is not priced"):
         recipe_inputs(path)
+
+
+@pytest.mark.parametrize(("name", "columns", "rows", "groups", "head_norms", "experts", "packed"), [
+    ("llama", 5, 2, 2, 0, False, 0),  # q, k, v; gate, up | o, down
+    ("qwen3", 5, 2, 2, 2, False, 0),  # and the per-head q_norm, k_norm
+    ("qwen3_moe", 3, 1, 1, 2, True, 0),  # the MoE layer's experts split by expert, not by column and row
+    ("gpt2", 2, 2, 2, 0, False, 2),  # the packed c_attn (weight and bias), c_fc | the two c_proj
+])
+def test_tensor_parallelism_splits_each_projection_of_a_hugging_face_layer_apart(
+        name: str, columns: int, rows: int, groups: int, head_norms: int, experts: bool, packed: int) -> None:
+    from lightning_p2r.planning.hf_tensor_parallel import split_model
+
+    layer = split_model(hf_decoder_of(CONFIGS[name])).layers[-1]
+    assert (layer.columns, layer.rows, layer.column_groups, len(layer.head_norms), layer.experts,
+            layer.packed_params) == (columns, rows, groups, head_norms, experts, packed)
+
+
+def test_a_llama_layer_waits_as_often_as_an_m6_layer_though_it_sums_seven_times() -> None:
+    """Per micro-batch a Llama layer sums seven activations over the tensor-parallel ranks (the five column layers'
+    input gradients, the two row layers' outputs); its ranks wait four times, as an M6 layer's (q, k and v's sums a
+    matmul apart wait once, gate and up's once): the planner's waits count compute between collectives."""
+    from lightning_p2r import M6Config
+    from lightning_p2r.planning import Cluster, Workload, step_transfers
+    from lightning_p2r.planning.framework import blocking_collective_calls
+    from lightning_p2r.planning.layout import Layout
+
+    cluster = Cluster(devices=2, devices_per_node=2, accelerator="cpu")
+    layout = Layout(tensor_parallel=2, micro_batches=2)
+    workload = Workload(global_batch=4, seq_len=16)
+
+    def per_layer(model, deeper) -> tuple[int, int]:
+        counts = []
+        for config in (model, deeper):
+            transfers = step_transfers(config, layout, cluster, workload)
+            counts.append((sum(t.calls for t in transfers if t.kind == "all_reduce"),
+                           blocking_collective_calls(transfers)))
+        return tuple((b - a) // 2 // layout.micro_batches for a, b in zip(*counts))  # two layers more, per mb
+
+    llama = CONFIGS["llama"]
+    hf = per_layer(hf_decoder_of(llama), hf_decoder_of(llama | {"num_hidden_layers": 6}))
+    m6 = M6Config(num_layers=4, dim=32, num_heads=4, vocab_size=64, max_seq_len=16)
+    assert hf == (7, 4)
+    assert per_layer(m6, m6.replace(num_layers=6)) == (4, 4)
+
+
+def test_dropout_in_training_is_priced_where_the_model_drops() -> None:
+    """GPT-2 drops its hidden states twice per layer, its attention's probabilities and its embeddings (0.1 each by
+    default), which on a CPU made its layers about twice the priced cost (18 ms measured, 9.9 ms priced, per layer of
+    2,048 tokens at width 32; Llama's 10.9 and 11.1): each mask is priced per element, and a dropping attention per
+    probability of the causal square, at what ``calibrate`` measures. A model that does not drop pays nothing."""
+    from dataclasses import replace
+
+    from lightning_p2r import M6Config
+    from lightning_p2r.measure.calibrate import dropout_overheads
+    from lightning_p2r.planning import Cluster, Workload
+    from lightning_p2r.planning.layout import Layout
+    from lightning_p2r.planning.share import rank_share
+    from lightning_p2r.planning.step_time import dropout_seconds
+
+    measured = dropout_overheads(torch.device("cpu"), 2)
+    assert set(measured) == {"dropout_element_overhead", "attention_dropout_element_overhead"}
+    assert all(value > 0 for value in measured.values())
+    defaults = {k: v for k, v in CONFIGS["gpt2"].items() if not k.endswith("pdrop")}  # (the tests' GPT-2: none)
+    gpt2 = hf_decoder_of(defaults)
+    assert (gpt2.residual_dropouts, gpt2.attention_dropout, gpt2.embedding_dropout) == (2, 0.1, 0.1)
+    undropped = hf_decoder_of(CONFIGS["gpt2"])
+    llama = hf_decoder_of(CONFIGS["llama"])
+    assert (llama.residual_dropouts, llama.attention_dropout, llama.embedding_dropout) == (0, 0.0, 0.0)
+    cluster = replace(Cluster(devices=1, accelerator="cpu"), dropout_element_overhead=1e-9,
+                      attention_dropout_element_overhead=1e-8)
+    workload, layout = Workload(global_batch=4, seq_len=16), Layout()
+
+    def seconds(config) -> float:
+        return dropout_seconds(config, layout, cluster, workload, rank_share(config, layout, cluster, workload, 0))
+
+    tokens, layers, width, heads = 4 * 16, gpt2.num_layers, gpt2.dim, gpt2.num_heads
+    expected = tokens * ((2 * layers + 1) * width * 1e-9 + layers * heads * 16 * 1e-8)
+    assert seconds(gpt2) == pytest.approx(expected)
+    assert seconds(llama) == 0.0 and seconds(undropped) == 0.0
+    m6 = M6Config(num_layers=2, dim=32, num_heads=4, vocab_size=64, max_seq_len=16)
+    assert seconds(m6) == 0.0 and seconds(m6.replace(dropout=0.1)) > 0
