@@ -298,8 +298,7 @@ def decoder_stages(model: nn.Module, parts: DecoderParts, layer_to_block: list[i
     """Layered accumulation's stages of a decoder ``model`` declared by ``parts``: ``split`` turns a micro-batch into
     (input ids, target ids); the head's loss is the next-token cross-entropy, as the model's training step computes
     it: ``token_loss`` where given (a module's, which tensor parallelism may replace by a vocabulary-parallel one),
-    else :func:`next_token_loss`. The stages read the blocks at call time
-    (placement may wrap them).
+    else :func:`next_token_loss`. The stages read the blocks at call time (placement may wrap them).
 
     A Hugging Face MoE with ``output_router_logits=True`` adds its load-balancing loss, as its own forward does: each
     layer records its routing, the head adds the loss (``models.router_loss``), and the metrics carry "ce" and

@@ -399,24 +399,20 @@ def _at_present_speed(cluster: Cluster) -> Cluster:
 
 def _warn_hugging_face_terms(config: HFDecoder, layouts: list[Layout], cluster: Cluster) -> None:
     """What a Hugging Face model's prices lack: its family's layers timed (an older file prices them from M6's by
-    their operators), and tensor parallelism's costs on its layers, which are M6's counts (short on a CPU)."""
+    their operators). (Until 2026-12-01 it also warned of tensor-parallel and pipeline layouts, priced then with
+    M6's counts and 12-43% short on 2 CPU processes; counted from the family's plan, a held-out draw's came within
+    19%.)"""
     if cluster.dense_layer_overhead > 0 and not cluster.hf_layer_overheads:
         print(f"warning: {cluster.name} has no hf_layer_overheads (measured by `lightning-p2r calibrate` with "
               f"transformers installed, from 2026-12-01): this {config.model_type}'s layers are priced from the M6 "
               "layer's costs by their operators, which came out 11-38% long on one CPU process; calibrate again")
-    split = sum(layout.tensor_parallel > 1 or layout.pipeline_parallel > 1 for layout in layouts)
-    if split:
-        print(f"warning: {split} of the {len(layouts)} layouts shown split this {config.model_type} by tensor "
-              "parallelism or a pipeline, whose dispatch, collectives and stages are priced as for M6's layers: on 2 "
-              "CPU processes such layouts of Hugging Face models measured 12-43% slower than priced (docs/planning.md, "
-              "\"Hugging Face decoders\"); trial them (--trial)")
 
 
 def _warn_missing_terms(config: PricedModel, layouts: list[Layout], cluster: Cluster, workload: Workload) -> None:
     """Say which framework terms the shown layouts count but the cluster file leaves at zero (their predictions are
     short by that time), and where each comes from; whether attention is priced by shape; whether a CPU file has
-    the layer costs that grow with the tokens and the experts' weights; and whether a pipeline's recompute is priced
-    by measured checkpoint costs."""
+    the layer costs that grow with the tokens and the experts' weights; whether it prices the dropout of a model that
+    drops; and whether a pipeline's recompute is priced by measured checkpoint costs."""
     for name, count in missing_terms(config, layouts, cluster, workload).items():
         print(f"warning: {cluster.name} has no {name} ({HOW_TO_GET[name]}): {count} of the {len(layouts)} layouts "
               "shown count it, and their step times leave it out")

@@ -191,8 +191,9 @@ class Cluster:
     0: dropout not priced."""
     attention_dropout_element_overhead: float = 0.0
     """Seconds per attention probability (one per head, query and key of the causal square) that attention with
-    dropout adds, forward and backward: the fused kernels cannot drop probabilities, so the attention runs a kernel
-    that materializes them and draws a mask over them. Measured by ``lightning-p2r calibrate``; 0: not priced."""
+    dropout adds, forward and backward: on a CPU the fused kernel cannot drop probabilities, so the attention runs one
+    that materializes them and draws a mask over them (a GPU's fused kernels drop inside: there it measures small).
+    Measured by ``lightning-p2r calibrate``; 0: not priced."""
     matmul_overhead: float = 0.0
     """Seconds of fixed cost per matmul call beyond ``operator_overhead`` and the weight's memory traffic: on a CPU
     the BLAS call's setup, which a matmul of few rows cannot amortize (matmul efficiency by shape). Measured by

@@ -101,10 +101,12 @@ def tensor_parallel_module_passes(config: PricedModel, layout: Layout, share: Ra
     forwards' worth) of every micro-batch through each module the model's parallel plan splits. The parallel styles
     wrap a module's input and output (``from_local`` / ``to_local``, a redistribution) and dispatch its weight's
     operator through DTensor; everything between them (attention, norms without sequence parallelism, the router, the
-    experts' loop on their local shards) runs on plain tensors. Per layer: the attention's two projections and the
+    experts' loop on their local shards) runs on plain tensors. Per M6 layer: the attention's two projections and the
     FFN's two linears, or an expert layer's entry and exit; sequence parallelism adds the two norms and an expert
-    layer's gather and cut. Outside the layers: the embedding and the head where the rank runs them (and the final
-    norm under sequence parallelism). Recompute runs the layers' modules forward once more (four forwards' worth)."""
+    layer's gather and cut. A Hugging Face layer: each module its family's plan splits (q, k, v and o apart),
+    counted by ``planning.hf_tensor_parallel.module_passes``. Outside the layers: the embedding and the head where
+    the rank runs them (and the final norm under sequence parallelism). Recompute runs the layers' modules forward
+    once more (four forwards' worth)."""
     if layout.tensor_parallel == 1:
         return 0
     if isinstance(config, HFDecoder):  # each projection its own module (planning.hf_tensor_parallel)

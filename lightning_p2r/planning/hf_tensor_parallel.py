@@ -5,8 +5,8 @@ device.
 
 An M6 layer splits fused projections: one column and one row layer in each half. A Hugging Face layer splits each
 projection apart (q, k and v; gate and up), and torch's column style sums the input gradient of each column layer on
-its own, so a Llama layer issues seven all-reduces per micro-batch where M6's issues four, and a Qwen3 layer nine
-(its per-head norms' gradients too). What each style issues per micro-batch of T tokens of width d, in one line:
+its own, so a Llama layer issues seven all-reduces per micro-batch where M6's issues four (a Qwen3 layer adds two
+per step: its per-head norms' gradients). What each style issues per micro-batch of T tokens of width d, in one line:
 
 - column layer (its input whole): an all-reduce of the input gradient (T d) in backward;
 - row layer: an all-reduce of its partial output (T d) in forward; under sequence parallelism a reduce-scatter in
@@ -17,8 +17,9 @@ its own, so a Llama layer issues seven all-reduces per micro-batch where M6's is
 - packed column layer (GPT-2's ``c_attn``): its weight and bias gathered whole in forward, their gradients
   reduce-scattered in backward, and the input gradient all-reduced;
 - MoE layer, its experts split by expert over the tensor-parallel ranks: the output all-reduced in forward, the
-  input gradient (T d) and the gate weights' (T k) in backward; under sequence parallelism its input gathered in
-  forward and its output cut (an all-gather of the gradient in backward);
+  input gradient (T d) and the gate weights' (T k) in backward (under expert parallelism the experts' rows, T k of
+  width d, as the all-to-all brought them); under sequence parallelism its input gathered in forward and its output
+  cut (an all-gather of the gradient in backward);
 - sequence parallelism: each module holding column layers gathers the sequence at its entry (an all-gather in
   forward; its backward keeps the rank's positions, no collective), and each parameter of the block's norms has its
   gradient all-reduced.
@@ -28,7 +29,8 @@ under sequence parallelism the first block cuts the sequence (an all-gather in b
 parameters' gradients are all-reduced (GPT-2's final norm gathers the sequence instead); the head's input gradient is
 all-reduced, or, after a final norm on the rank's positions, its input gathered in forward and its gradient
 reduce-scattered in backward; the vocabulary-parallel loss adds three all-reduces of one fp32 number per token.
-Recompute repeats every collective a layer issues in forward.
+Recompute repeats every collective a layer issues in forward. Parameters and their gradients (the packed weights,
+the norms', the biases') move at the parameters' width (fp32 under mixed precision), activations at theirs.
 
 Waits (``Transfer.waits``, priced by ``framework.blocking_collective_calls``): a collective waits for the slowest rank
 when compute ran since the last one (ranks drift apart over compute, not over a call). So each row layer's sum, an
@@ -67,6 +69,8 @@ class SplitLayer:
     """The biases of transposed row layers (their gradients summed under sequence parallelism)."""
     norm_params: tuple[int, ...]
     """Elements of each parameter of the block's own norms."""
+    norms: int
+    """The block's own norms (modules)."""
     column_groups: int
     """Modules that hold column layers (the attention, the MLP): the column layers of one take the same input, so the
     sums of their input gradients come a matmul apart and wait once; under sequence parallelism each such module
@@ -82,7 +86,7 @@ class SplitLayer:
 
     def sequence_parallel_modules(self) -> int:
         """Modules sequence parallelism adds: the norms, the gathering modules, an MoE layer's gather and cut."""
-        return len(self.norm_params) + self.column_groups + (2 if self.experts else 0)
+        return self.norms + self.column_groups + (2 if self.experts else 0)
 
 
 @dataclass(frozen=True)
@@ -132,12 +136,12 @@ def _split_layer(layer: object, plan: dict[str, str], *, transposed: bool) -> Sp
               for p in layer.get_submodule(name).parameters()]
     row_biases = tuple(layer.get_submodule(name).bias.numel() for name in rows
                        if transposed and getattr(layer.get_submodule(name), "bias", None) is not None)
-    norms = tuple(p.numel() for _, child in layer.named_children() if type(child).__name__.endswith("Norm")
-                  for p in child.parameters())
+    norm_modules = [child for _, child in layer.named_children() if type(child).__name__.endswith("Norm")]
+    norms = tuple(p.numel() for child in norm_modules for p in child.parameters())
     return SplitLayer(columns=len(columns), rows=len(rows), packed_elements=sum(packed), packed_params=len(packed),
                       head_norms=tuple(layer.get_submodule(name).weight.numel() for name, kind in split.items()
                                        if kind == "heads"),
-                      row_bias_elements=row_biases, norm_params=norms,
+                      row_bias_elements=row_biases, norm_params=norms, norms=len(norm_modules),
                       column_groups=len({name.rpartition(".")[0] for name in columns} - {""}), experts=experts)
 
 
@@ -164,13 +168,17 @@ class Collectives:
 
 
 def step_collectives(config: HFDecoder, layers: list[int], *, tokens: int, micro_batches: int, element_bytes: int,
-                     sequence_parallel: bool, forward_passes: int, first_stage: bool, last_stage: bool) -> Collectives:
+                     param_bytes: int, sequence_parallel: bool, forward_passes: int, first_stage: bool,
+                     last_stage: bool, expert_parallel: int = 1) -> Collectives:
     """The tensor-parallel collectives one rank issues in one step over its ``layers`` (``tokens``: the rank's tokens
-    in the step, over ``micro_batches``); see the module docstring for each."""
+    in the step, over ``micro_batches``; activations of ``element_bytes``, parameters and their gradients of
+    ``param_bytes``); see the module docstring for each. Under expert parallelism an MoE layer's experts run on the
+    rows the all-to-all brought (``tokens x top_k`` on average, balanced), and its sums carry those."""
     model = split_model(config)
     out = Collectives({}, {}, {})
-    m, f, e = micro_batches, forward_passes, element_bytes
+    m, f, e, p = micro_batches, forward_passes, element_bytes, param_bytes
     hidden = tokens * config.dim * e  # (T, d) over the step
+    expert_rows = tokens * (config.moe_top_k if expert_parallel > 1 else 1)
     for index in layers:
         layer = model.layers[index]
         out.add("all_reduce", layer.columns * hidden, m * layer.columns, waits=m * layer.column_groups)
@@ -181,17 +189,17 @@ def step_collectives(config: HFDecoder, layers: list[int], *, tokens: int, micro
                     waits=f * m * max(layer.column_groups - layer.rows, 0))
             out.add("all_gather", layer.rows * hidden, m * layer.rows)  # the rows' backward
             norms = layer.norm_params + layer.row_bias_elements
-            out.add("all_reduce", sum(norms) * e, len(norms), waits=0)
+            out.add("all_reduce", sum(norms) * p, len(norms), waits=0)
         else:
             out.add("all_reduce", f * layer.rows * hidden, f * m * layer.rows)
         if layer.head_norms:
-            out.add("all_reduce", sum(layer.head_norms) * e, len(layer.head_norms), waits=0)
+            out.add("all_reduce", sum(layer.head_norms) * p, len(layer.head_norms), waits=0)
         if layer.packed_params:
-            out.add("all_gather", f * layer.packed_elements * e * m, f * m * layer.packed_params, waits=0)
-            out.add("reduce_scatter", layer.packed_elements * e * m, m * layer.packed_params, waits=0)
+            out.add("all_gather", f * layer.packed_elements * p * m, f * m * layer.packed_params, waits=0)
+            out.add("reduce_scatter", layer.packed_elements * p * m, m * layer.packed_params, waits=0)
         if layer.experts:
             gates = tokens * config.moe_top_k * e
-            out.add("all_reduce", (f + 1) * hidden + gates, m * (f + 2))
+            out.add("all_reduce", (f + 1) * expert_rows * config.dim * e + gates, m * (f + 2))
             if sequence_parallel:  # gathered after the attention's reduce-scatter (one wait); cut back
                 out.add("all_gather", f * hidden, f * m, waits=0)
                 out.add("all_gather", hidden, m)
@@ -201,7 +209,7 @@ def step_collectives(config: HFDecoder, layers: list[int], *, tokens: int, micro
         if sequence_parallel and model.final_norm_gathers:
             out.add("all_gather", hidden, m)
         elif sequence_parallel:
-            out.add("all_reduce", sum(model.final_norm_params) * e, len(model.final_norm_params), waits=0)
+            out.add("all_reduce", sum(model.final_norm_params) * p, len(model.final_norm_params), waits=0)
         if sequence_parallel and not model.final_norm_gathers:
             out.add("all_gather", hidden, m)
             out.add("reduce_scatter", hidden, m)
@@ -220,5 +228,8 @@ def module_passes(config: HFDecoder, layers: list[int], *, sequence_parallel: bo
     model = split_model(config)
     inside = sum(model.layers[index].modules + (model.layers[index].sequence_parallel_modules()
                                                 if sequence_parallel else 0) for index in layers)
-    ends = int(first_stage and model.embedding_split) + int(last_stage) * (2 if sequence_parallel else 1)
+    # The embedding split by vocabulary; the head, and under sequence parallelism the final norm and the first block's
+    # cut of the sequence.
+    ends = (int(first_stage and model.embedding_split) + int(last_stage) * (2 if sequence_parallel else 1)
+            + int(first_stage and sequence_parallel))
     return inside, ends

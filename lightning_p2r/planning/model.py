@@ -188,7 +188,7 @@ def layer_elementwise_elements(config: PricedModel, layer: int) -> float:
 def layer_dropout_elements(config: PricedModel, seq_len: int) -> tuple[float, float]:
     """Per token of one layer's forward in training: the elements its dropouts on the hidden states draw a mask for
     (one per unit of the width each), and the attention probabilities a dropping attention materializes and draws one
-    for (one per head and key of the causal square: the fused kernels cannot drop probabilities). M6 drops both at
+    for (one per head and key of the causal square: on a CPU the fused kernel cannot drop them). M6 drops both at
     ``dropout`` (two on the hidden states); a Hugging Face model where its config says (``HFDecoder``)."""
     if isinstance(config, HFDecoder):
         residual, attention = config.residual_dropouts, config.attention_dropout

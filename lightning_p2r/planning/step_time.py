@@ -151,14 +151,16 @@ def dropout_seconds(config: PricedModel, layout: Layout, cluster: Cluster, workl
     probabilities (``attention_dropout_element_overhead``). Tensor parallelism leaves each rank the whole hidden
     states (split by position under sequence parallelism) and its share of the heads."""
     tokens = share.sequences * workload.seq_len
-    passes = (4 if layout.recompute else 3) / 3
+    passes = (4 if layout.recompute else 3) / 3  # the layers' forward again under recompute
     tp = layout.tensor_parallel
     hidden, probabilities = layer_dropout_elements(config, workload.seq_len)
     layers = len(share.layers)
-    hidden = hidden * layers + (embedding_dropout_elements(config) if share.first_stage else 0.0)
-    hidden /= tp if layout.sequence_parallel else 1
-    return tokens * passes * (hidden * cluster.dropout_element_overhead
-                              + layers * probabilities / tp * cluster.attention_dropout_element_overhead)
+    in_layers = tokens * passes * layers * (hidden / (tp if layout.sequence_parallel else 1)
+                                            * cluster.dropout_element_overhead
+                                            + probabilities / tp * cluster.attention_dropout_element_overhead)
+    # The embeddings' dropout runs once, on the whole sequence (cut to the rank's positions at the first block).
+    embedding = tokens * embedding_dropout_elements(config) * cluster.dropout_element_overhead
+    return in_layers + (embedding if share.first_stage else 0.0)
 
 
 def token_costs(config: PricedModel, cluster: Cluster) -> tuple[float, float]:

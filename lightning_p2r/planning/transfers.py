@@ -44,7 +44,8 @@ from .traffic import StepShape, balance_loss_bytes, expert_parallel_bytes, tenso
 EXPERT_DISPATCH = "expert parallel"
 """The label of the expert-parallel all-to-alls (their wait is priced apart: ``planning.framework``)."""
 TENSOR_PARALLEL = "tensor parallel"
-"""The label of the tensor-parallel collectives of the layers (one per kind, each with the sync points' calls)."""
+"""The label of the tensor-parallel collectives of the layers, one per kind: M6's each with the layers' sync points as
+its calls; a Hugging Face decoder's with its calls and, apart, its waits (``Transfer.waits``)."""
 
 
 @dataclass(frozen=True)
@@ -116,9 +117,9 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
     if tp > 1 and isinstance(config, HFDecoder):
         # Each projection split apart, each collective counted (planning.hf_tensor_parallel).
         issued = step_collectives(config, list(share.layers), tokens=shape.tokens, micro_batches=m,
-                                  element_bytes=shape.element_bytes, sequence_parallel=layout.sequence_parallel,
-                                  forward_passes=forwards, first_stage=share.first_stage,
-                                  last_stage=share.last_stage)
+                                  element_bytes=shape.element_bytes, param_bytes=workload.param_bytes,
+                                  sequence_parallel=layout.sequence_parallel, forward_passes=forwards,
+                                  first_stage=share.first_stage, last_stage=share.last_stage, expert_parallel=ep)
         transfers += [Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, issued.calls[kind], False,
                                waits=issued.waits[kind]) for kind, payload in issued.payload.items()]
     else:

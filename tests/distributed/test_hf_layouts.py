@@ -108,6 +108,9 @@ TWO_PROCESSES = [
         "pipeline_parallel": 2, "micro_batches": 2, "pipeline_schedule": "interleaved_1f1b", "stages_per_rank": 2}},
     {"name": "tp2_layered_qwen3", "family": "qwen3", "strategy": {"tensor_parallel": 2, "accumulation": "layered",
                                                                   "micro_batches": 2}},
+    # Recompute under tensor parallelism: every collective a layer's forward issues, issued again.
+    {"name": "tp2_layered_recompute_qwen3_moe", "family": "qwen3_moe",
+     "strategy": {"tensor_parallel": 2, "accumulation": "layered", "micro_batches": 2, "recompute": True}},
     # Stacked experts with gate and up packed in one tensor (HF's "packed_colwise"), under tensor parallelism: each rank
     # runs whole experts, half of them, on the tokens routed there; the MoE block sees the whole sequence under
     # sequence parallelism.

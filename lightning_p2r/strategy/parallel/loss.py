@@ -28,6 +28,10 @@ class VocabParallelCrossEntropy:
         # This rank's vocabulary shard: collective over the tensor-parallel ranks, which hold the same tokens' shards.
         group = self.tp_mesh.get_group()
         shard = logits.shape[-1]
+        if shard * dist.get_world_size(group) != self.vocab_size:
+            raise ValueError(f"the vocabulary-parallel loss got logits {shard} wide: neither the vocabulary "
+                             f"({self.vocab_size}) nor one tensor-parallel rank's share of it; a model whose forward "
+                             "changes the logits' width after its head cannot train with tensor_parallel > 1")
         start = dist.get_rank(group) * shard
         logits = logits.float().reshape(-1, shard)  # (tokens, shard)
         targets = targets.reshape(-1)
