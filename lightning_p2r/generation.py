@@ -9,15 +9,18 @@ to be recomputed at every step once the window slides.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .models import M6Transformer
 
 
 def check_sampling(temperature: float, top_k: int | None, vocab_size: int) -> None:
-    """Refuse sampling settings that mean nothing: a negative temperature, or a top_k outside [1, vocab_size]."""
-    if not temperature >= 0:  # also NaN
-        raise ValueError(f"temperature must be >= 0 (0 is greedy decoding), got {temperature}")
+    """Refuse sampling settings that mean nothing: a negative or infinite temperature (infinity draws every token
+    alike, whatever the model says), or a top_k outside [1, vocab_size]."""
+    if not 0 <= temperature < math.inf:  # also NaN
+        raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy decoding), got {temperature}")
     if top_k is not None and not 1 <= top_k <= vocab_size:
         raise ValueError(f"top_k must be between 1 and the vocabulary size {vocab_size} (or unset: no top-k "
                          f"truncation), got {top_k}")

@@ -11,6 +11,7 @@ ends the command with one line that names it.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 import time
@@ -274,8 +275,9 @@ def _check_options(args: argparse.Namespace) -> torch.device:
     """The checks that need nothing but the options; returns the device to run on."""
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise GenerateError(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.temperature >= 0:
-        raise GenerateError(f"--temperature must be >= 0 (0 is greedy decoding), got {args.temperature}")
+    if not 0 <= args.temperature < math.inf:
+        raise GenerateError(f"--temperature must be a finite number >= 0 (0 is greedy decoding), got "
+                            f"{args.temperature}")
     if args.top_k < 1:
         raise GenerateError(f"--top_k must be >= 1 (1 is greedy decoding), got {args.top_k}")
     return _device(args.device)

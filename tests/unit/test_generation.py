@@ -149,8 +149,10 @@ def test_generate_refuses_requests_that_do_not_fit() -> None:
         module.generate([1, 2, 3, 4], 13)
     with pytest.raises(ValueError, match="top_k must be between 1 and the vocabulary size 256"):
         module.generate([1, 2], 3, top_k=257)
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         module.generate([1, 2], 3, temperature=-1.0)
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        module.generate([1, 2], 3, temperature=float("inf"))
     with pytest.raises(ValueError, match="the prompt is empty"):
         check_request(0, 3, 16)
     with pytest.raises(ValueError, match="the prompt is 16 tokens .* shorten it to at most 15 tokens"):
@@ -276,7 +278,8 @@ BAD_INPUTS = {
     "top_k above the vocabulary": (["--prompt", "In", "--top_k", "300"],
                                    r"--top_k 300 is larger than the vocabulary \(256 tokens"),
     "top_k below one": (["--prompt", "In", "--top_k", "0"], r"--top_k must be >= 1"),
-    "negative temperature": (["--prompt", "In", "--temperature", "-0.5"], r"--temperature must be >= 0"),
+    "negative temperature": (["--prompt", "In", "--temperature", "-0.5"], r"--temperature must be a finite number"),
+    "infinite temperature": (["--prompt", "In", "--temperature", "inf"], r"--temperature must be a finite number"),
     "another model's recipe (shape)": (["--prompt", "In", "--config", "{root}/wider.yaml"],
                                        r"--ckpt_path: .*single.ckpt holds another model than recipe .*wider.yaml: "
                                        r"tensor transformer.tok_embeddings.weight is \[256, 48\] in the checkpoint "
