@@ -231,6 +231,7 @@ def _param_specs(model: Any, model_type: str) -> tuple[ParamSpec, ...]:
     embed_names = {f"{parts.embed[0]}.weight": "tok_embeddings.weight"}
     if len(parts.embed) > 1:
         embed_names[f"{parts.embed[1]}.weight"] = "pos_embeddings.weight"
+    embedding_split = model_type == "gpt2" or bool(getattr(model.config, "tie_word_embeddings", False))
     root: list[ParamSpec] = []
     for name, param in model.named_parameters():  # a tied head is the embedding's tensor: listed once
         if name.startswith(parts.blocks + "."):
@@ -238,7 +239,9 @@ def _param_specs(model: Any, model_type: str) -> tuple[ParamSpec, ...]:
         renamed = embed_names.get(name) or (f"lm_head.{name.rsplit('.', 1)[-1]}" if name.startswith(parts.head)
                                             else f"norm.{name.rsplit('.', 1)[-1]}" if name.startswith(parts.norm)
                                             else name)
-        split = 0 if renamed in ("tok_embeddings.weight", "lm_head.weight") else None
+        # The head splits by vocabulary; the embedding only where it is split with it (tied) or by the plan (GPT-2's):
+        # a Llama's own embedding stays whole on every tensor-parallel rank.
+        split = 0 if renamed == "lm_head.weight" or (renamed == "tok_embeddings.weight" and embedding_split) else None
         root.append(ParamSpec(renamed, tuple(param.shape), "root", tensor_dim=split))
     plan = hf_block_plan(model, model_type)
     specs: list[ParamSpec] = []

@@ -373,10 +373,14 @@ def test_the_planner_predicts_each_collective_of_a_tensor_parallel_hf_model(hf_r
     family's plan and the layout alone (``planning.hf_tensor_parallel``): each projection split apart, each column
     layer's input gradient summed, the per-head norms', the experts split by expert, sequence parallelism's gathers,
     the vocabulary-parallel loss. (Counted before: seven all-reduces per Llama layer where the planner priced M6's
-    four.) The training loss reads the logits' vocabulary shards, never the whole logits."""
+    four.) The parameter elements each rank holds, as the planner prices its memory (an untied embedding whole on
+    every rank: the planner split it until 2026-12-01, short of a tp2 x ep2 Qwen3-MoE's data-parallel sums by a
+    third). The training loss reads the logits' vocabulary shards, never the whole logits."""
     from lightning_p2r.planning import Cluster, Workload, step_transfers
     from lightning_p2r.planning.cli import layout_from_options
     from lightning_p2r.planning.hf_decoder import hf_decoder_of
+    from lightning_p2r.planning.memory import stored_elements
+    from lightning_p2r.planning.share import rank_share
     from lightning_p2r.planning.transfers import COLLECTIVES
 
     run = read_report(hf_runs, config["name"])
@@ -388,8 +392,8 @@ def test_the_planner_predicts_each_collective_of_a_tensor_parallel_hf_model(hf_r
         pipeline_rank = rank // (devices // layout.pipeline_parallel)
         if pipeline_rank == layout.pipeline_parallel - 1:  # the stage that computes the loss
             assert record["token_loss"] == "VocabParallelCrossEntropy"
-        transfers = step_transfers(model, layout, cluster, Workload(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN),
-                                   pipeline_rank=pipeline_rank)
+        workload = Workload(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
+        transfers = step_transfers(model, layout, cluster, workload, pipeline_rank=pipeline_rank)
         counted = {kind: value for kind, value in record["collective_bytes"].items() if kind in COLLECTIVES}
         assert counted == bytes_by_kind(transfers, COLLECTIVES), (config["name"], rank)
         calls: dict[str, int] = {}
@@ -397,3 +401,6 @@ def test_the_planner_predicts_each_collective_of_a_tensor_parallel_hf_model(hf_r
             calls[transfer.kind] = calls.get(transfer.kind, 0) + transfer.calls
         counted_calls = {kind: value for kind, value in record["collective_calls"].items() if kind in COLLECTIVES}
         assert counted_calls == calls, (config["name"], rank)
+        # What the rank holds, as the planner prices its memory (an untied embedding whole on every rank).
+        share = rank_share(model, layout, cluster, workload, pipeline_rank)
+        assert record["held"] == stored_elements(model, layout, share), (config["name"], rank)
