@@ -29,8 +29,11 @@ under sequence parallelism the first block cuts the sequence (an all-gather in b
 parameters' gradients are all-reduced (GPT-2's final norm gathers the sequence instead); the head's input gradient is
 all-reduced, or, after a final norm on the rank's positions, its input gathered in forward and its gradient
 reduce-scattered in backward; the vocabulary-parallel loss adds three all-reduces of one fp32 number per token.
-Recompute repeats every collective a layer issues in forward. Parameters and their gradients (the packed weights,
-the norms', the biases') move at the parameters' width (fp32 under mixed precision), activations at theirs.
+Recompute repeats every collective a layer issues in forward. Under mixed precision the residual stream stays at the
+parameters' width (fp32): the sums of a column layer's input gradient, an MoE layer's input and output, the gathers
+of the sequence, the embedding's and the head's move 4 bytes an element; a row layer's output and its gradient, and
+the gate weights, the activations' 2; parameters and their gradients (the packed weights, the norms', the biases')
+the parameters'. Counted with ``bf16-mixed`` on 2 gloo processes, as in fp32 (``tests/distributed``).
 
 Waits (``Transfer.waits``, priced by ``framework.blocking_collective_calls``): a collective waits for the slowest rank
 when compute ran since the last one (ranks drift apart over compute, not over a call). So each row layer's sum, an
@@ -177,15 +180,17 @@ def step_collectives(config: HFDecoder, layers: list[int], *, tokens: int, micro
     model = split_model(config)
     out = Collectives({}, {}, {})
     m, f, e, p = micro_batches, forward_passes, element_bytes, param_bytes
-    hidden = tokens * config.dim * e  # (T, d) over the step
+    # (T, d) over the step: a linear layer's output (and its gradient) at the activations' width; the residual stream
+    # (and a norm's output, and their gradients) at the parameters' (mixed precision casts only inside the matmuls).
+    hidden, residual = tokens * config.dim * e, tokens * config.dim * p
     expert_rows = tokens * (config.moe_top_k if expert_parallel > 1 else 1)
     for index in layers:
         layer = model.layers[index]
-        out.add("all_reduce", layer.columns * hidden, m * layer.columns, waits=m * layer.column_groups)
+        out.add("all_reduce", layer.columns * residual, m * layer.columns, waits=m * layer.column_groups)
         if sequence_parallel:
             # Forward: each row layer's reduce-scatter meets the next module's gather (one wait for the pair).
             out.add("reduce_scatter", f * layer.rows * hidden, f * m * layer.rows)
-            out.add("all_gather", f * layer.column_groups * hidden, f * m * layer.column_groups,
+            out.add("all_gather", f * layer.column_groups * residual, f * m * layer.column_groups,
                     waits=f * m * max(layer.column_groups - layer.rows, 0))
             out.add("all_gather", layer.rows * hidden, m * layer.rows)  # the rows' backward
             norms = layer.norm_params + layer.row_bias_elements
@@ -197,28 +202,28 @@ def step_collectives(config: HFDecoder, layers: list[int], *, tokens: int, micro
         if layer.packed_params:
             out.add("all_gather", f * layer.packed_elements * p * m, f * m * layer.packed_params, waits=0)
             out.add("reduce_scatter", layer.packed_elements * p * m, m * layer.packed_params, waits=0)
-        if layer.experts:
+        if layer.experts:  # the input and the combined output at the residual's width, the gate weights at theirs
             gates = tokens * config.moe_top_k * e
-            out.add("all_reduce", (f + 1) * expert_rows * config.dim * e + gates, m * (f + 2))
+            out.add("all_reduce", (f + 1) * expert_rows * config.dim * p + gates, m * (f + 2))
             if sequence_parallel:  # gathered after the attention's reduce-scatter (one wait); cut back
-                out.add("all_gather", f * hidden, f * m, waits=0)
-                out.add("all_gather", hidden, m)
+                out.add("all_gather", f * residual, f * m, waits=0)
+                out.add("all_gather", residual, m)
     if sequence_parallel and first_stage:
-        out.add("all_gather", hidden, m)  # the first block's cut, in backward
+        out.add("all_gather", residual, m)  # the first block's cut, in backward
     if last_stage:
         if sequence_parallel and model.final_norm_gathers:
-            out.add("all_gather", hidden, m)
+            out.add("all_gather", residual, m)
         elif sequence_parallel:
             out.add("all_reduce", sum(model.final_norm_params) * p, len(model.final_norm_params), waits=0)
         if sequence_parallel and not model.final_norm_gathers:
-            out.add("all_gather", hidden, m)
-            out.add("reduce_scatter", hidden, m)
+            out.add("all_gather", residual, m)
+            out.add("reduce_scatter", residual, m)
         else:
-            out.add("all_reduce", hidden, m)
+            out.add("all_reduce", residual, m)
         # The vocabulary-parallel loss (fp32), its three sums a few operators apart: one wait.
         out.add("all_reduce", 3 * 4 * tokens, 3 * m, waits=m)
     if first_stage and model.embedding_split:
-        out.add("all_reduce", hidden, m)
+        out.add("all_reduce", residual, m)
     return out
 
 

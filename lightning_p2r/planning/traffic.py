@@ -7,6 +7,13 @@ One forward and one backward of ``tokens`` tokens per rank; with recompute (``fo
 forward runs twice, and every collective a layer's forward issues moves again (the embedding, the head and the
 loss are not recomputed, and nothing of the backward repeats).
 
+Under mixed precision a row-parallel layer's output and its gradient are bf16 (``element_bytes``), while the residual
+stream, a norm's output and their gradients stay at the parameters' width (``residual_bytes``, fp32): the sums of a
+column-parallel layer's input gradient, the embedding's output, the head's input, the sequence parallel gathers of a
+norm's output, an MoE layer's input and its experts' input gradients move 4 bytes an element (counted on gloo runs
+under ``bf16-mixed``: tests/distributed/test_mixed_precision_counts.py). Below, ``x dim`` counts elements at the
+width of what moves.
+
 Tensor parallel (Megatron-LM's f and g: one all-reduce of (tokens, dim) in forward where a row-parallel layer
 ends, one in backward where a column-parallel layer begins):
 
@@ -64,6 +71,14 @@ class StepShape:
     element_bytes: int = 4
     num_blocks: int | None = None
     """Unique blocks (the norms' weights are per block); None: one per layer."""
+    residual_bytes: int | None = None
+    """Bytes per element of the residual stream, a norm's output and parameter gradients: the parameters' (fp32
+    under mixed precision, where only a linear layer's output and its gradient are at ``element_bytes``); None: the
+    same as ``element_bytes``."""
+
+    @property
+    def stream_bytes(self) -> int:
+        return self.element_bytes if self.residual_bytes is None else self.residual_bytes
 
 
 def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *, moe_rows_per_layer: float | None = None,
@@ -76,27 +91,29 @@ def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *, moe_rows_pe
     middle ranks run neither). ``forward_passes``: 2 under recompute (the layers' forward collectives again)."""
     if tensor_parallel == 1:
         return {"all_reduce": 0.0, "all_gather": 0.0}
-    b, t, d = shape.element_bytes, shape.tokens, shape.dim
+    b, p, t, d, f = shape.element_bytes, shape.stream_bytes, shape.tokens, shape.dim, forward_passes
     rows = shape.tokens * shape.assignments_per_token if moe_rows_per_layer is None else moe_rows_per_layer
     dense_ffn = shape.num_layers - shape.moe_layers
     ends = int(first_stage) + int(last_stage)  # the embedding's output, the head's input
-    whole = b * t * d
-    experts = b * 2 * rows * d * shape.moe_layers
+    split = t * d * (shape.num_layers + dense_ffn)  # elements: one per row layer's output, one per column's input
+    # A row layer's output (recompute sums it again) at the activations' width; a column layer's input gradient, the
+    # embedding's output and the head's input at the residual stream's. An MoE layer's experts: their partial outputs
+    # (forward, again under recompute) and their input gradients (backward), over the rows they compute.
+    row_sums, column_sums, end_sums = f * split * b, split * p, ends * t * d * p
+    experts = rows * d * shape.moe_layers * (f * b + p)
     loss = 3 * 4 * t if last_stage else 0
-    # The layers' forward share (recompute repeats it): the attention's and dense FFNs' output reductions, and the
-    # experts' partial outputs (their backward reduces the input gradients: the other half).
-    repeated = (forward_passes - 1) * whole * (shape.num_layers + dense_ffn)
-    experts *= 1 + (forward_passes - 1) / 2
     if sequence_parallel:
-        # Each activation all-reduce becomes a reduce-scatter and an all-gather of the same (tokens, dim); an MoE
-        # layer gathers its input and cuts its output (an all-gather in forward and one in backward).
-        exchanges = whole * (2 * shape.num_layers + 2 * dense_ffn + ends)
+        # Each activation all-reduce becomes a reduce-scatter and an all-gather of the same (tokens, dim): a row
+        # layer's output reduce-scattered and its gradient gathered, a column layer's input (a norm's output)
+        # gathered and its gradient reduce-scattered; an MoE layer gathers its input (forward, again under recompute)
+        # and cuts its output (its gradient gathered in backward), both at the residual stream's width.
         blocks = shape.num_layers if shape.num_blocks is None else shape.num_blocks
-        norms = b * (4 * d * blocks + (2 * d if last_stage else 0))  # the norms' weight and bias gradients, once
-        gathers = exchanges + 2 * whole * shape.moe_layers + repeated + (forward_passes - 1) * whole * shape.moe_layers
+        norms = p * (4 * d * blocks + (2 * d if last_stage else 0))  # the norms' weight and bias gradients, once
+        moe_gathers = t * d * shape.moe_layers * (f + 1) * p
+        gathers = f * split * p + split * b + end_sums + moe_gathers
         return {"all_reduce": float(experts + loss + norms), "all_gather": float(gathers),
-                "reduce_scatter": float(exchanges + repeated)}
-    activations = whole * (2 * shape.num_layers + 2 * dense_ffn + ends) + repeated
+                "reduce_scatter": float(row_sums + column_sums + end_sums)}
+    activations = row_sums + column_sums + end_sums
     if loss_parallel:
         return {"all_reduce": float(activations + experts + loss), "all_gather": 0.0}
     return {"all_reduce": float(activations + experts),
@@ -109,8 +126,11 @@ def expert_parallel_bytes(shape: StepShape, expert_parallel: int, micro_batches:
     counts are exchanged once per micro-batch and forward pass (``forward_passes``: 2 under recompute)."""
     if expert_parallel == 1:
         return {"all_to_all": 0.0}
-    row_bytes = shape.tokens * shape.assignments_per_token * shape.dim * shape.element_bytes
-    per_layer = (2 + 2 * forward_passes) * row_bytes + 8 * shape.num_experts * micro_batches * forward_passes
+    # Rows out (a norm's output: the residual stream's width) and back (the experts' output: the activations'), in
+    # each forward, and their gradients the other way in backward.
+    row_elements = shape.tokens * shape.assignments_per_token * shape.dim
+    per_layer = ((1 + forward_passes) * row_elements * (shape.stream_bytes + shape.element_bytes)
+                 + 8 * shape.num_experts * micro_batches * forward_passes)
     return {"all_to_all": float(per_layer * shape.moe_layers)}
 
 

@@ -109,7 +109,8 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
     shape = StepShape(tokens=share.sequences * workload.seq_len, dim=config.dim, vocab_size=config.vocab_size,
                       num_layers=layers, moe_layers=moe_layers, num_experts=config.num_experts,
                       assignments_per_token=config.num_prototypes * config.moe_top_k,
-                      element_bytes=workload.activation_bytes, num_blocks=len(share.blocks))
+                      element_bytes=workload.activation_bytes, num_blocks=len(share.blocks),
+                      residual_bytes=workload.param_bytes)
     # Recompute runs the layers' forward twice (layered accumulation's first pass and the pipeline stage's
     # checkpoints alike), and with it every collective a layer's forward issues.
     forwards = 2 if layout.recompute else 1
