@@ -60,9 +60,11 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None = No
     the ``top_k`` largest masked out (ties at the k-th value are kept), and one token drawn from their softmax
     with ``generator`` (the same seed draws the same tokens).
     """
-    if temperature == 0:
+    if temperature < torch.finfo(torch.float32).tiny:  # 0, or so small that float32 cannot divide by it: greedy
         return logits.argmax(dim=-1)
-    scaled = logits.float() / temperature
+    # Shifted to a maximum of 0 first: a tiny temperature then sends the others to -inf, never the maximum to inf.
+    logits = logits.float()
+    scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < scaled.shape[-1]:
         kth = scaled.topk(top_k, dim=-1).values[..., -1:]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

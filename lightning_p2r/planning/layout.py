@@ -28,8 +28,9 @@ class Workload:
     seq_len: int
     """Tokens per sequence."""
     precision: Precision = "32-true"
-    """"32-true": fp32 everywhere. "bf16-mixed": bf16 activations and matmuls under autocast; parameters, gradients
-    and what the collectives move stay fp32, as the package runs it."""
+    """"32-true": fp32 everywhere. "bf16-mixed": matmuls and their outputs bf16 under autocast; parameters,
+    gradients, the residual stream and a norm's output stay fp32, and so do the collectives that move them (a row
+    layer's output sums, and M6's experts' output rows, move bf16), as the package runs it."""
     optimizer_bytes_per_param: int = 8
     """Optimizer state per parameter (Adam: two fp32 moments)."""
     param_bytes: int = 4

@@ -121,15 +121,21 @@ def tensor_parallel_bytes(shape: StepShape, tensor_parallel: int, *, moe_rows_pe
 
 
 def expert_parallel_bytes(shape: StepShape, expert_parallel: int, micro_batches: int = 1,
-                          forward_passes: int = 1) -> dict[str, float]:
+                          forward_passes: int = 1, *, rows_back_bytes: int | None = None,
+                          sent_columns: int = 0) -> dict[str, float]:
     """{"all_to_all": ...}: an expert group's mean per rank in one step (zero without expert parallelism); the
-    counts are exchanged once per micro-batch and forward pass (``forward_passes``: 2 under recompute)."""
+    counts are exchanged once per micro-batch and forward pass (``forward_passes``: 2 under recompute).
+    ``rows_back_bytes``: the width of the experts' output rows (default the activations': M6's experts compute in
+    bf16 under mixed precision; a Hugging Face MoE's write into an fp32 buffer of the hidden states' dtype);
+    ``sent_columns``: elements each row carries out beyond the width (a Hugging Face MoE's gate weight)."""
     if expert_parallel == 1:
         return {"all_to_all": 0.0}
-    # Rows out (a norm's output: the residual stream's width) and back (the experts' output: the activations'), in
-    # each forward, and their gradients the other way in backward.
-    row_elements = shape.tokens * shape.assignments_per_token * shape.dim
-    per_layer = ((1 + forward_passes) * row_elements * (shape.stream_bytes + shape.element_bytes)
+    # Rows out (a norm's output: the residual stream's width) and back, in each forward, and their gradients the
+    # other way in backward.
+    rows = shape.tokens * shape.assignments_per_token
+    back = shape.element_bytes if rows_back_bytes is None else rows_back_bytes
+    per_row = (shape.dim + sent_columns) * shape.stream_bytes + shape.dim * back
+    per_layer = ((1 + forward_passes) * rows * per_row
                  + 8 * shape.num_experts * micro_batches * forward_passes)
     return {"all_to_all": float(per_layer * shape.moe_layers)}
 

@@ -110,7 +110,7 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
                       num_layers=layers, moe_layers=moe_layers, num_experts=config.num_experts,
                       assignments_per_token=config.num_prototypes * config.moe_top_k,
                       element_bytes=workload.activation_bytes, num_blocks=len(share.blocks),
-                      residual_bytes=workload.param_bytes)
+                      residual_bytes=max(workload.param_bytes, workload.activation_bytes))
     # Recompute runs the layers' forward twice (layered accumulation's first pass and the pipeline stage's
     # checkpoints alike), and with it every collective a layer's forward issues.
     forwards = 2 if layout.recompute else 1
@@ -118,7 +118,7 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
     if tp > 1 and isinstance(config, HFDecoder):
         # Each projection split apart, each collective counted (planning.hf_tensor_parallel).
         issued = step_collectives(config, list(share.layers), tokens=shape.tokens, micro_batches=m,
-                                  element_bytes=shape.element_bytes, param_bytes=workload.param_bytes,
+                                  element_bytes=shape.element_bytes, param_bytes=shape.stream_bytes,
                                   sequence_parallel=layout.sequence_parallel, forward_passes=forwards,
                                   first_stage=share.first_stage, last_stage=share.last_stage, expert_parallel=ep)
         transfers += [Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, issued.calls[kind], False,
@@ -131,7 +131,12 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
             # ends.
             transfers.append(Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, m * (2 * (forwards + 1) * layers + 3),
                                       False))
-    for kind, payload in expert_parallel_bytes(shape, ep, m, forward_passes=forwards).items():
+    # A Hugging Face MoE's rows go out with their gate weight and come back at the hidden states' width
+    # (strategy/parallel/experts.py); M6's come back from experts computed in the activations' dtype.
+    hf = isinstance(config, HFDecoder)
+    for kind, payload in expert_parallel_bytes(shape, ep, m, forward_passes=forwards,
+                                               rows_back_bytes=shape.stream_bytes if hf else None,
+                                               sent_columns=1 if hf else 0).items():
         # Per layer three all-to-alls in forward (counts, rows out, rows back) and two in backward.
         transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * (3 * forwards + 2), False))
     data = share.data_parallel

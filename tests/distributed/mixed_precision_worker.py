@@ -17,7 +17,7 @@ def run(config: dict, out: Path, devices: int) -> None:
             "seq_len": config["seq_len"]} | ({"hf_config": config["hf_config"]} if "hf_config" in config
                                               else {"model": config["model"]})
     strategy = P2RStrategy(count_collectives=True, log_telemetry=False, **config["strategy"])
-    trainer, _, _ = fit_on_random_tokens(spec, strategy, warmup=0)
+    trainer, _, _ = fit_on_random_tokens(spec, strategy, warmup=1)
     last = strategy.collectives_history[-1]
     counted = [None] * trainer.world_size
     dist.all_gather_object(counted, {"bytes": dict(last.bytes), "calls": dict(last.calls)})

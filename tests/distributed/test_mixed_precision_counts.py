@@ -1,9 +1,9 @@
 """The planner's tensor-parallel traffic under mixed precision, against the runs' own counters: autocast computes a
 linear layer's output in bf16, but the residual stream, a norm's output and their gradients stay fp32, so a row
 layer's sums move 2 bytes an element while a column layer's input-gradient sums, the sequence's gathers, the
-embedding's and the head's move 4 (the planner priced them all at 2 until 2026-12-01: an M6 tp2 step's all-reduces
-at 83 KB where the ranks moved 133 KB). For M6 and for Hugging Face decoders, with sequence parallelism, MoE layers,
-layered accumulation and recompute."""
+embedding's and the head's move 4 (the planner priced them all at 2 until 2026-12-01: for a two-layer dense M6 at
+tp2, 83 KB of all-reduces where the ranks moved 133 KB). For M6 and for Hugging Face decoders, with sequence
+parallelism, MoE layers, layered accumulation and recompute."""
 
 import json
 from pathlib import Path

@@ -121,6 +121,15 @@ def test_greedy_is_the_argmax_and_top_k_one_is_greedy_at_any_temperature() -> No
     assert torch.equal(sample_next(logits, 5.0, top_k=1, generator=generator), logits.argmax(-1))
 
 
+def test_a_tiny_temperature_draws_the_argmax_instead_of_failing() -> None:
+    """Logits divided by 1e-40 overflowed to inf (softmax NaN: torch.multinomial raised); below float32's smallest
+    normal number the division itself was by zero. Both now draw the largest logit."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4)) * 10
+    for temperature in (1e-40, 1e-46):
+        assert torch.equal(sample_next(logits, temperature, generator=torch.Generator().manual_seed(5)),
+                           logits.argmax(-1))
+
+
 def test_top_k_samples_only_among_the_k_largest() -> None:
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(2)).expand(400, 50)
     drawn = sample_next(logits, 10.0, top_k=3, generator=torch.Generator().manual_seed(3))
