@@ -19,6 +19,18 @@ BREADTH_FIRST: tuple[str, ...] = ("gpipe", "looped_bfs")
 """Schedules that run every micro-batch through a stage before the next stage (layered accumulation's order)."""
 SINGLE_STAGE_SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
 
+HF_STYLES: dict[str, str] = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "output",
+                             "colwise_rep": "column", "rowwise_rep": "row",
+                             "replicated_with_grad_allreduce": "heads", "embedding_rowwise": "vocabulary",
+                             "rowwise_split_input": "row_of_whole"}
+"""Hugging Face's tensor-parallel style names -> the package's split kinds (``protocols.SplitKind``), read by the
+strategy (``strategy.parallel.hf_plan``) and by the planner (``planning.hf_tensor_parallel``). (The "_rep" variants
+differ only in output layouts HF's own tensor parallel needs, which the package's styles already give; HF uses
+"replicated_with_grad_allreduce" for the per-head norms of Qwen3's attention, which the "heads" kind runs on the
+rank's heads, "embedding_rowwise" for an input embedding split by vocabulary rows, GPT-NeoX's, and
+"colwise_gather_output" inside a block with "rowwise_split_input" after it for OLMo 2's attention, whose q/k norms
+span all heads: "gathered_column" and "row_of_whole")."""
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

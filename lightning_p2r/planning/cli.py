@@ -397,11 +397,9 @@ def _at_present_speed(cluster: Cluster) -> Cluster:
     return cluster if ratio is None else at_speed(cluster, ratio)
 
 
-def _warn_hugging_face_terms(config: HFDecoder, layouts: list[Layout], cluster: Cluster) -> None:
+def _warn_hugging_face_terms(config: HFDecoder, cluster: Cluster) -> None:
     """What a Hugging Face model's prices lack: its family's layers timed (an older file prices them from M6's by
-    their operators). (Until 2026-12-01 it also warned of tensor-parallel and pipeline layouts, priced then with
-    M6's counts and 12-43% short on 2 CPU processes; counted from the family's plan, a held-out draw's came within
-    19%.)"""
+    their operators)."""
     if cluster.dense_layer_overhead > 0 and not cluster.hf_layer_overheads:
         print(f"warning: {cluster.name} has no hf_layer_overheads (measured by `lightning-p2r calibrate` with "
               f"transformers installed, from 2026-12-01): this {config.model_type}'s layers are priced from the M6 "
@@ -417,7 +415,7 @@ def _warn_missing_terms(config: PricedModel, layouts: list[Layout], cluster: Clu
         print(f"warning: {cluster.name} has no {name} ({HOW_TO_GET[name]}): {count} of the {len(layouts)} layouts "
               "shown count it, and their step times leave it out")
     if isinstance(config, HFDecoder):
-        _warn_hugging_face_terms(config, layouts, cluster)
+        _warn_hugging_face_terms(config, cluster)
     if not cluster.attention_rates:
         print(f"warning: {cluster.name} has no attention_rates (measured by `lightning-p2r calibrate`): attention is "
               f"priced at attention_flops, measured at one shape, for this model's heads of {config.head_dim} and "

@@ -112,14 +112,14 @@ def tensor_parallel_module_passes(config: PricedModel, layout: Layout, share: Ra
     if isinstance(config, HFDecoder):  # each projection its own module (planning.hf_tensor_parallel)
         in_layers, ends = hf_module_passes(config, list(share.layers), sequence_parallel=layout.sequence_parallel,
                                            first_stage=share.first_stage, last_stage=share.last_stage)
-        return layout.micro_batches * ((4 if layout.recompute else 3) * in_layers + 3 * ends)
-    layers = len(share.layers)
-    in_layers = 4 * layers
-    ends = int(share.first_stage) + int(share.last_stage)
-    if layout.sequence_parallel:
-        moe_layers = sum(config.is_moe_layer(layer) for layer in share.layers)
-        in_layers += 2 * layers + 2 * moe_layers
-        ends += int(share.last_stage)
+    else:
+        layers = len(share.layers)
+        in_layers = 4 * layers
+        ends = int(share.first_stage) + int(share.last_stage)
+        if layout.sequence_parallel:
+            moe_layers = sum(config.is_moe_layer(layer) for layer in share.layers)
+            in_layers += 2 * layers + 2 * moe_layers
+            ends += int(share.last_stage)
     return layout.micro_batches * ((4 if layout.recompute else 3) * in_layers + 3 * ends)
 
 

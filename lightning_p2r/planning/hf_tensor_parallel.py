@@ -49,11 +49,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+from ..layout.names import HF_STYLES
 from .hf_decoder import HFDecoder, hf_block_plan, meta_model
-
-HF_KINDS = {"colwise": "column", "rowwise": "row", "replicated_with_grad_allreduce": "heads"}
-"""The styles of the priced families' plans, as the strategy's split kinds (``strategy.parallel.hf_plan.HF_STYLES``);
-their experts ("moe_tp_experts" and their stacked weights) split by expert."""
 
 
 @dataclass(frozen=True)
@@ -120,7 +117,9 @@ def _split_model(model_type: str, fields: str) -> SplitModel:
     if model_type == "gpt2":
         plan = dict(BLOCK_PLAN)
     else:
-        plan = {name: HF_KINDS.get(style, style) for name, style in hf_block_plan(model, model_type).items()}
+        # As the strategy reads the family's plan; the experts ("moe_tp_experts" and their stacked weights) split by
+        # expert, whatever their styles.
+        plan = {name: HF_STYLES.get(style, style) for name, style in hf_block_plan(model, model_type).items()}
     layers = tuple(_split_layer(layer, plan, transposed=model_type == "gpt2")
                    for layer in model.get_submodule(parts.blocks))
     norm = model.get_submodule(parts.norm)
@@ -172,15 +171,16 @@ class Collectives:
 
 
 def step_collectives(config: HFDecoder, layers: list[int], *, tokens: int, micro_batches: int, element_bytes: int,
-                     param_bytes: int, sequence_parallel: bool, forward_passes: int, first_stage: bool,
+                     residual_bytes: int, sequence_parallel: bool, forward_passes: int, first_stage: bool,
                      last_stage: bool, expert_parallel: int = 1) -> Collectives:
     """The tensor-parallel collectives one rank issues in one step over its ``layers`` (``tokens``: the rank's tokens
-    in the step, over ``micro_batches``; activations of ``element_bytes``, parameters and their gradients of
-    ``param_bytes``); see the module docstring for each. Under expert parallelism an MoE layer's experts run on the
-    rows the all-to-all brought (``tokens x top_k`` on average, balanced), and its sums carry those."""
+    in the step, over ``micro_batches``; a linear layer's output at ``element_bytes``, the residual stream and the
+    parameters' gradients at ``residual_bytes``); see the module docstring for each. Under expert parallelism an
+    MoE layer's experts run on the rows the all-to-all brought (``tokens x top_k`` on average, balanced), and its
+    sums carry those."""
     model = split_model(config)
     out = Collectives({}, {}, {})
-    m, f, e, p = micro_batches, forward_passes, element_bytes, param_bytes
+    m, f, e, p = micro_batches, forward_passes, element_bytes, residual_bytes
     # (T, d) over the step: a linear layer's output (and its gradient) at the activations' width; the residual stream
     # (and a norm's output, and their gradients) at the parameters' (mixed precision casts only inside the matmuls).
     hidden, residual = tokens * config.dim * e, tokens * config.dim * p

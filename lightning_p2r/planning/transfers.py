@@ -115,10 +115,11 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
     # checkpoints alike), and with it every collective a layer's forward issues.
     forwards = 2 if layout.recompute else 1
     transfers = []
-    if tp > 1 and isinstance(config, HFDecoder):
+    hf = isinstance(config, HFDecoder)
+    if tp > 1 and hf:
         # Each projection split apart, each collective counted (planning.hf_tensor_parallel).
         issued = step_collectives(config, list(share.layers), tokens=shape.tokens, micro_batches=m,
-                                  element_bytes=shape.element_bytes, param_bytes=shape.stream_bytes,
+                                  element_bytes=shape.element_bytes, residual_bytes=shape.stream_bytes,
                                   sequence_parallel=layout.sequence_parallel, forward_passes=forwards,
                                   first_stage=share.first_stage, last_stage=share.last_stage, expert_parallel=ep)
         transfers += [Transfer(TENSOR_PARALLEL, kind, payload, tp, 1, issued.calls[kind], False,
@@ -133,7 +134,6 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
                                       False))
     # A Hugging Face MoE's rows go out with their gate weight and come back at the hidden states' width
     # (strategy/parallel/experts.py); M6's come back from experts computed in the activations' dtype.
-    hf = isinstance(config, HFDecoder)
     for kind, payload in expert_parallel_bytes(shape, ep, m, forward_passes=forwards,
                                                rows_back_bytes=shape.stream_bytes if hf else None,
                                                sent_columns=1 if hf else 0).items():
@@ -141,8 +141,7 @@ def _model_parallel(config: PricedModel, layout: Layout, workload: Workload, sha
         transfers.append(Transfer(EXPERT_DISPATCH, kind, payload, ep, tp, m * moe_layers * (3 * forwards + 2), False))
     data = share.data_parallel
     # M6's balance loss pools the routing of every data rank; a Hugging Face MoE's is each rank's own (none moves).
-    pooled = {} if isinstance(config, HFDecoder) else balance_loss_bytes(shape, data, forward_passes=forwards,
-                                                                        gloo=gloo)
+    pooled = {} if hf else balance_loss_bytes(shape, data, forward_passes=forwards, gloo=gloo)
     for kind, payload in pooled.items():
         # Per layer one all-reduce in forward (the probabilities' sums, counts and tokens, packed) and one in backward.
         transfers.append(Transfer("balance loss", kind, m * payload, data, tp, m * moe_layers * (forwards + 1), False))

@@ -20,19 +20,9 @@ from typing import Any
 
 from torch import nn
 
+from ...layout.names import HF_STYLES
 from ...protocols import ParallelPlan, SplitKind, StackedExperts
 from ..blocks import block_list_name, block_names, module_name
-
-HF_STYLES: dict[str, SplitKind] = {"colwise": "column", "rowwise": "row", "colwise_gather_output": "output",
-                                   "colwise_rep": "column", "rowwise_rep": "row",
-                                   "replicated_with_grad_allreduce": "heads", "embedding_rowwise": "vocabulary",
-                                   "rowwise_split_input": "row_of_whole"}
-"""HF's style names -> the package's split kinds (the "_rep" variants differ only in output layouts HF's own
-tensor parallel needs, which the package's styles already give; HF uses "replicated_with_grad_allreduce" for the
-per-head norms of Qwen3's attention, which the "heads" kind runs on the rank's heads, "embedding_rowwise" for an
-input embedding split by vocabulary rows, GPT-NeoX's, and "colwise_gather_output" inside a block with
-"rowwise_split_input" after it for OLMo 2's attention, whose q/k norms span all heads: "gathered_column" and
-"row_of_whole")."""
 
 
 def hf_tp_plan(holder: nn.Module) -> dict[str, str] | None:
