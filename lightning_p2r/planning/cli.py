@@ -21,7 +21,7 @@ from ..models.config import M6Config
 from .cluster import SIZE_DEPENDENT_LAYER_COSTS, Cluster, at_speed, cluster_for, load_cluster
 from .framework import HOW_TO_GET, missing_terms
 from .hf_decoder import HFDecoder, hf_decoder_of
-from .layout import SCHEDULES, SHARDINGS, Layout, Workload
+from .layout import PRECISIONS, SCHEDULES, SHARDINGS, Layout, Workload
 from .model import PricedModel, embedding_dropout_elements, layer_dropout_elements, parameter_count, pseudo_of
 from .search import Plan, SearchSpace, evaluate, search
 from .step_time import fitted_step_range
@@ -172,8 +172,26 @@ def m6_config_of(model: dict[str, Any], path: Path) -> dict[str, Any]:
     return options.get("config") or {}
 
 
-def workload_for(settings: dict[str, Any], args: argparse.Namespace) -> Workload:
-    precision = args.precision or ("bf16-mixed" if "bf16" in settings["precision"] else "32-true")
+PRICED_PRECISIONS = {"32-true": "32-true", "32": "32-true", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed",
+                     "16-mixed": "bf16-mixed", "16": "bf16-mixed", "bf16-true": "bf16-true", "16-true": "bf16-true"}
+"""Lightning's ``trainer.precision`` values and the precision each is priced at: fp16 moves and stores as many bytes
+as bf16 (its loss scaling is not priced)."""
+
+
+def priced_precision(value: str, path: Path | None = None) -> str:
+    """The ``Workload.precision`` a recipe's ``trainer.precision`` is priced at; one the cost model has no widths
+    for (64-true, transformer-engine, ...) is refused, naming ``--precision``."""
+    priced = PRICED_PRECISIONS.get(str(value))
+    if priced is None:
+        where = f"{path}: " if path is not None else ""
+        raise ValueError(f"{where}trainer.precision={value!r} is not priced (the planner knows "
+                         f"{', '.join(sorted(PRICED_PRECISIONS))}); pass --precision 32-true, bf16-mixed or bf16-true "
+                         "to price the run at one of those")
+    return priced
+
+
+def workload_for(settings: dict[str, Any], args: argparse.Namespace, path: Path | None = None) -> Workload:
+    precision = args.precision or priced_precision(settings["precision"], path)
     global_batch = args.global_batch or settings["batch_size"] * settings["data_ranks"] * settings["accumulate"]
     return Workload(global_batch=global_batch, seq_len=args.seq_len or settings["seq_len"], precision=precision)
 
@@ -279,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, help="devices in the run (default: the cluster file's)")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the recipe's)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the recipe's data.seq_len)")
-    parser.add_argument("--precision", choices=("32-true", "bf16-mixed"), help="default: the recipe's")
+    parser.add_argument("--precision", choices=PRECISIONS, help="default: the recipe's trainer.precision (16-mixed "
+                        "priced as bf16-mixed, 16-true as bf16-true)")
     parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     parser.add_argument("--sharding", help=f"comma-separated subset of {list(SHARDINGS)}")
     parser.add_argument("--schedules", help=f"comma-separated subset of {list(SCHEDULES)}")
@@ -316,7 +335,7 @@ def main(argv: list[str]) -> None:
         config, settings = recipe_inputs(args.config)
         if mismatch:
             print(f"warning: {mismatch}")
-        workload = workload_for(settings, args)
+        workload = workload_for(settings, args, args.config)
         if isinstance(config, HFDecoder):
             if config.position_embedding == "learned" and workload.seq_len > config.max_seq_len:
                 raise ValueError(f"sequences of {workload.seq_len} tokens exceed the {config.max_seq_len} learned "

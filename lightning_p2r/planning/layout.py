@@ -15,8 +15,9 @@ from .cluster import Cluster
 from .hf_decoder import HFDecoder
 from .model import PricedModel, as_run
 
-Precision = Literal["32-true", "bf16-mixed"]
-__all__ = ["BREADTH_FIRST", "SCHEDULES", "SHARDINGS", "Layout", "Precision", "Workload", "check_layout"]
+Precision = Literal["32-true", "bf16-mixed", "bf16-true"]
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+__all__ = ["BREADTH_FIRST", "PRECISIONS", "SCHEDULES", "SHARDINGS", "Layout", "Precision", "Workload", "check_layout"]
 
 
 @dataclass(frozen=True)
@@ -30,28 +31,40 @@ class Workload:
     precision: Precision = "32-true"
     """"32-true": fp32 everywhere. "bf16-mixed": matmuls and their outputs bf16 under autocast; parameters,
     gradients, the residual stream and a norm's output stay fp32, and so do the collectives that move them (a row
-    layer's output sums, and M6's experts' output rows, move bf16), as the package runs it."""
-    optimizer_bytes_per_param: int = 8
-    """Optimizer state per parameter (Adam: two fp32 moments)."""
-    param_bytes: int = 4
-    """Bytes of a stored parameter, of its gradient, and of what FSDP2 / DDP move per element (the package keeps
-    fp32 parameters; a projection of another framework's bf16 parameters sets 2)."""
+    layer's output sums, and M6's experts' output rows, move bf16), as the package runs it. "bf16-true": Lightning
+    casts the module to bf16, so parameters, gradients, AdamW's moments and every activation are bf16 and everything
+    moves 2 bytes an element."""
+    optimizer_bytes_per_param: int | None = None
+    """Optimizer state per parameter. None: AdamW's two moments at the parameters' width (8 bytes, 4 under
+    "bf16-true")."""
+    param_bytes: int | None = None
+    """Bytes of a stored parameter, of its gradient, and of what FSDP2 / DDP move per element. None: the
+    precision's (4: the package keeps fp32 parameters under "bf16-mixed"; 2 under "bf16-true"). A projection of
+    another framework's bf16 parameters under mixed precision sets 2."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Workload.{name} must be a positive integer, got {value!r}")
-        if self.precision not in ("32-true", "bf16-mixed"):
-            raise ValueError(f"Workload.precision must be '32-true' or 'bf16-mixed', got {self.precision!r}")
-        if self.optimizer_bytes_per_param < 0:
-            raise ValueError(f"Workload.optimizer_bytes_per_param must be >= 0, got {self.optimizer_bytes_per_param}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"Workload.precision must be one of {', '.join(map(repr, PRECISIONS))}, got "
+                             f"{self.precision!r}")
+        if self.param_bytes is None:  # a frozen dataclass: the derived defaults are written once, here
+            object.__setattr__(self, "param_bytes", 2 if self.precision == "bf16-true" else 4)
         if self.param_bytes not in (2, 4):
             raise ValueError(f"Workload.param_bytes must be 2 or 4, got {self.param_bytes}")
+        if self.precision == "bf16-true" and self.param_bytes != 2:
+            raise ValueError(f"Workload.param_bytes={self.param_bytes} under 'bf16-true', whose parameters are bf16 "
+                             "(2 bytes)")
+        if self.optimizer_bytes_per_param is None:
+            object.__setattr__(self, "optimizer_bytes_per_param", 2 * self.param_bytes)
+        if self.optimizer_bytes_per_param < 0:
+            raise ValueError(f"Workload.optimizer_bytes_per_param must be >= 0, got {self.optimizer_bytes_per_param}")
 
     @property
     def activation_bytes(self) -> int:
-        return 2 if self.precision == "bf16-mixed" else 4
+        return 4 if self.precision == "32-true" else 2
 
     @property
     def tokens(self) -> int:

@@ -211,7 +211,7 @@ def grouped_experts(config: PricedModel, accelerator: str, precision: str) -> bo
         return config.grouped
     if config.expert_kernel != "auto":
         return config.expert_kernel == "grouped"
-    return accelerator == "cuda" and precision == "bf16-mixed"
+    return accelerator == "cuda" and precision in ("bf16-mixed", "bf16-true")
 
 
 def looped_experts(config: PricedModel, local_experts: int | None) -> int:

@@ -13,23 +13,26 @@ from torch import nn
 from ..layout import BlockFootprint, OffloadPlan, parse_bytes, plan_offload
 from .options import OffloadConfig
 
+OPTIMIZER_MOMENTS = 2
+"""AdamW keeps two moments per parameter, each of the parameter's dtype (8 bytes for an fp32 parameter, 4 for a
+bf16 one under ``precision="bf16-true"``)."""
 
-def parameter_footprint(params: list[nn.Parameter], optimizer_bytes_per_param: int) -> BlockFootprint:
-    numel = sum(p.numel() for p in params)
+
+def parameter_footprint(params: list[nn.Parameter], optimizer_moments: int = OPTIMIZER_MOMENTS) -> BlockFootprint:
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    return BlockFootprint(param_bytes, param_bytes, numel * optimizer_bytes_per_param)
+    return BlockFootprint(param_bytes, param_bytes, optimizer_moments * param_bytes)
 
 
-def block_footprints(blocks: nn.ModuleList, optimizer_bytes_per_param: int = 8) -> list[BlockFootprint]:
-    """Footprint per block; AdamW keeps two fp32 moments, 8 bytes per parameter."""
-    return [parameter_footprint([p for p in block.parameters() if p.requires_grad], optimizer_bytes_per_param)
+def block_footprints(blocks: nn.ModuleList, optimizer_moments: int = OPTIMIZER_MOMENTS) -> list[BlockFootprint]:
+    """Footprint per block: its trainable parameters, their gradients and the optimizer's moments."""
+    return [parameter_footprint([p for p in block.parameters() if p.requires_grad], optimizer_moments)
             for block in blocks]
 
 
 def outside_blocks_bytes(model: nn.Module, blocks: nn.ModuleList) -> int:
     """Model-state bytes of the trainable parameters outside the blocks (they always stay on the device)."""
     in_blocks = {id(p) for p in blocks.parameters()}
-    return parameter_footprint([p for p in model.parameters() if id(p) not in in_blocks and p.requires_grad], 8).total
+    return parameter_footprint([p for p in model.parameters() if id(p) not in in_blocks and p.requires_grad]).total
 
 
 def device_total_memory(device: torch.device) -> int:

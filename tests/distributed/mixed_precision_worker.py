@@ -1,6 +1,6 @@
-"""Models trained a few steps under ``bf16-mixed`` with tensor parallelism on 2 CPU processes (gloo), counting the
-last step's collectives (``P2RStrategy(count_collectives=True)``); launched by test_mixed_precision_counts.py. Rank 0
-writes ``<name>.json``: each rank's bytes and calls by kind."""
+"""Models trained a few steps under ``bf16-mixed`` or ``bf16-true`` with tensor parallelism or ZeRO on 2 CPU
+processes (gloo), counting the last step's collectives (``P2RStrategy(count_collectives=True)``); launched by
+test_mixed_precision_counts.py. Rank 0 writes ``<name>.json``: each rank's bytes and calls by kind."""
 
 import json
 from pathlib import Path
@@ -13,7 +13,7 @@ from lightning_p2r.measure.run import fit_on_random_tokens
 
 
 def run(config: dict, out: Path, devices: int) -> None:
-    spec = {"devices": devices, "steps": 2, "global_batch": config["global_batch"], "precision": "bf16-mixed",
+    spec = {"devices": devices, "steps": 2, "global_batch": config["global_batch"], "precision": config["precision"],
             "seq_len": config["seq_len"]} | ({"hf_config": config["hf_config"]} if "hf_config" in config
                                               else {"model": config["model"]})
     strategy = P2RStrategy(count_collectives=True, log_telemetry=False, **config["strategy"])

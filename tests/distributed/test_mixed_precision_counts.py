@@ -3,7 +3,9 @@ linear layer's output in bf16, but the residual stream, a norm's output and thei
 layer's sums move 2 bytes an element while a column layer's input-gradient sums, the sequence's gathers, the
 embedding's and the head's move 4 (the planner priced them all at 2 until 2026-12-01: for a two-layer dense M6 at
 tp2, 83 KB of all-reduces where the ranks moved 133 KB). For M6 and for Hugging Face decoders, with sequence
-parallelism, MoE layers, layered accumulation and recompute."""
+parallelism, MoE layers, layered accumulation and recompute; and under ``bf16-true``, where Lightning casts the
+module and everything, ZeRO's parameters and gradients included, moves 2 bytes an element (priced as bf16-mixed's
+fp32 parameters until 2026-12-01: 1.3 to 2 times the bytes counted)."""
 
 import json
 from pathlib import Path
@@ -34,7 +36,16 @@ CONFIGS = [
                    "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 256,
                    "max_position_embeddings": 64}},
 ]
-CONFIGS = [config | {"global_batch": 4, "seq_len": 32} for config in CONFIGS]
+LLAMA = CONFIGS[-1]["hf_config"]
+CONFIGS += [  # bf16-true: Lightning casts the module, so everything moves bf16, ZeRO's parameters and gradients too
+    {"name": "m6_moe_tp2_sp_recompute_bf16_true", "model": CONFIGS[0]["model"], "strategy": SEQUENCE_RECOMPUTE,
+     "precision": "bf16-true"},
+    {"name": "llama_tp2_zero3_bf16_true", "strategy": {"tensor_parallel": 2, "sharding": "zero3"}, "hf_config": LLAMA,
+     "precision": "bf16-true"},
+    {"name": "m6_zero2_layered_bf16_true", "model": CONFIGS[0]["model"] | {"num_experts": 1, "moe_top_k": 1},
+     "strategy": {"sharding": "zero2", "accumulation": "layered", "micro_batches": 2}, "precision": "bf16-true"},
+]
+CONFIGS = [{"precision": "bf16-mixed", "global_batch": 4, "seq_len": 32} | config for config in CONFIGS]
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +65,7 @@ def test_mixed_precision_tensor_parallel_bytes_are_what_the_ranks_move(runs: Pat
     transfers = step_transfers(model, layout_from_options(config["strategy"]),
                                Cluster(devices=2, devices_per_node=2, accelerator="cpu"),
                                Workload(global_batch=config["global_batch"], seq_len=config["seq_len"],
-                                        precision="bf16-mixed"))
+                                        precision=config["precision"]))
     predicted = bytes_by_kind(transfers, COLLECTIVES)
     for rank in json.loads((runs / f"{config['name']}.json").read_text()):
         assert {kind: value for kind, value in rank["bytes"].items() if kind in COLLECTIVES} == predicted

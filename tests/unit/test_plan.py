@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from lightning_p2r import M6Config, M6Transformer
 from lightning_p2r.layout import BlockFootprint, device_bytes_needed, parse_bytes, plan_offload, spread
@@ -34,6 +35,8 @@ def test_footprints_count_params_grads_and_adam_state() -> None:
     numel = sum(p.numel() for p in model.blocks[0].parameters())
     assert footprint == BlockFootprint(4 * numel, 4 * numel, 8 * numel)
     assert footprint.total == 16 * numel
+    # precision="bf16-true" casts the module: its gradients and AdamW's two moments are bf16 too (4 bytes, not 8)
+    assert block_footprints(model.blocks.to(torch.bfloat16))[0] == BlockFootprint(2 * numel, 2 * numel, 4 * numel)
 
 
 def _blocks(n: int, size: int = 100) -> list[BlockFootprint]:

@@ -330,3 +330,37 @@ def test_plan_prices_a_cpu_run_with_the_file_calibrated_for_its_process_count(ca
     main(["plan", "--cluster", str(files[2]), str(files[1]), "--config", recipe, "--devices", "1", "--top", "1"])
     out = capsys.readouterr().out
     assert "calibrated with" not in out and "cluster cpu1: 1 devices" in out
+
+
+@pytest.mark.parametrize(("trainer_precision", "priced", "param_bytes", "optimizer_bytes"), [
+    ("bf16-true", "bf16-true", 2, 4), ("16-true", "bf16-true", 2, 4), ("bf16-mixed", "bf16-mixed", 4, 8),
+    ("16-mixed", "bf16-mixed", 4, 8), ("bf16", "bf16-mixed", 4, 8), ("32", "32-true", 4, 8), (32, "32-true", 4, 8)])
+def test_the_recipes_precision_is_priced_as_the_run_keeps_its_parameters(trainer_precision, priced, param_bytes,
+                                                                          optimizer_bytes, capsys, tmp_path) -> None:
+    """``bf16-true`` was priced as bf16-mixed until 2026-12-01: fp32 parameters, gradients and moments, twice the
+    bytes such a run keeps and ZeRO moves (counted: tests/distributed/test_mixed_precision_counts.py)."""
+    import argparse
+
+    from lightning_p2r.planning.cli import recipe_inputs, workload_for
+
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({"trainer": {"precision": trainer_precision},
+                                      "model": {"config": {"num_layers": 2, "dim": 64, "num_heads": 2}}}))
+    _, settings = recipe_inputs(recipe)
+    workload = workload_for(settings, argparse.Namespace(precision=None, global_batch=None, seq_len=None), recipe)
+    assert (workload.precision, workload.param_bytes, workload.optimizer_bytes_per_param) == (
+        priced, param_bytes, optimizer_bytes)
+    assert workload.activation_bytes == (4 if priced == "32-true" else 2)
+    main(["plan", "--cluster", str(CLUSTER), "--config", str(recipe), "--top", "1", "--devices", "1"])
+    assert f"tokens, {priced}" in capsys.readouterr().out
+
+
+def test_a_precision_the_planner_has_no_widths_for_is_refused_naming_the_flag(capsys, tmp_path) -> None:
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("trainer:\n  precision: 64-true\nmodel:\n  config:\n    num_layers: 2\n")
+    with pytest.raises(SystemExit):
+        main(["plan", "--cluster", str(CLUSTER), "--config", str(recipe)])
+    assert "trainer.precision='64-true' is not priced" in capsys.readouterr().err
+    main(["plan", "--cluster", str(CLUSTER), "--config", str(recipe), "--precision", "32-true", "--top", "1",
+          "--devices", "1"])
+    assert "tokens, 32-true" in capsys.readouterr().out
