@@ -37,6 +37,15 @@ CONFIGS = [
                    "max_position_embeddings": 64}},
 ]
 LLAMA = CONFIGS[-1]["hf_config"]
+CONFIGS += [  # a tied head (GPT-2's and a tied Llama's embedding split by vocabulary with it), GPT-2's packed c_attn
+    # (its weight and bias gathered per forward at the parameters' width), a dense Qwen2 (biases on q, k, v)
+    {"name": "gpt2_tp2_sp", "strategy": {"tensor_parallel": 2, "sequence_parallel": True},
+     "hf_config": {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+                   "vocab_size": 256, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}},
+    {"name": "llama_tied_tp2_sp", "strategy": {"tensor_parallel": 2, "sequence_parallel": True},
+     "hf_config": LLAMA | {"tie_word_embeddings": True}},
+    {"name": "qwen2_tp2", "strategy": {"tensor_parallel": 2}, "hf_config": LLAMA | {"model_type": "qwen2"}},
+]
 CONFIGS += [  # bf16-true: Lightning casts the module, so everything moves bf16, ZeRO's parameters and gradients too
     {"name": "m6_moe_tp2_sp_recompute_bf16_true", "model": CONFIGS[0]["model"], "strategy": SEQUENCE_RECOMPUTE,
      "precision": "bf16-true"},
