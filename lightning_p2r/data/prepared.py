@@ -104,7 +104,12 @@ def _helper_kept_for_the_process() -> Any:
     """The process's kept helper, started on first use (again after :func:`_forget_kept_helper`)."""
     global _kept_helper
     if _kept_helper is None:
+        import atexit
+
         _kept_helper = _new_helper()
+        # Shut down while the interpreter is whole: left to its weakref callback at exit, the pool's manager thread
+        # finds its modules torn down and prints "Exception ignored ... 'NoneType' object has no attribute 'util'".
+        atexit.register(_kept_helper.shutdown)
     return _kept_helper
 
 
