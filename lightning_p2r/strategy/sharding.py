@@ -3,6 +3,7 @@ events, and resharding."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +76,18 @@ class FSDPEvents(BlockEvents):
 
 def fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def recover_from_error(module: nn.Module, outside_root: nn.Module | None) -> None:
+    """FSDP2's state as before the step, after a forward or backward raised mid-way: the root left gathered and
+    in its forward, which ``reshard`` leaves as it is. ``FSDPModule.reset_iter_state`` (torch >= 2.12) resets it
+    and every unit the root forwards; the other units refuse it ("must be called on the root FSDP module"), and
+    older torch has none (the blocks are resharded all the same)."""
+    for unit in [m for m in (outside_root, *fsdp_modules(module)) if m is not None]:
+        if hasattr(unit, "reset_iter_state"):
+            with contextlib.suppress(RuntimeError):
+                unit.reset_iter_state()
+    reshard_all(module, outside_root)
 
 
 def reshard_all(module: nn.Module, outside_root: nn.Module | None) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
+import warnings
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -617,7 +619,15 @@ class P2RStrategy(ParallelStrategy):
             self.accelerator.teardown()
             self.checkpoint_io.teardown()
             return
-        super().teardown()  # the environment, then the model and optimizer states to the host
+        handling = sys.exc_info()[1]  # Lightning tears down inside its ``except`` when a step raised
+        try:
+            super().teardown()  # the environment, then the model and optimizer states to the host
+        except Exception as error:
+            if handling is None:
+                raise
+            # Raised here, this error would be what the user reads, not the one that stopped the run.
+            warnings.warn(f"P2RStrategy: after the run stopped on {type(handling).__name__}, teardown could not move "
+                          f"the model to the host ({type(error).__name__}: {error})", stacklevel=2)
 
 
 def _read_option(section: str, name: str) -> property:

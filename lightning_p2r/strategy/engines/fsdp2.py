@@ -34,7 +34,7 @@ from ..pipeline.rank_stages import RankStages
 from ..placement import Placement, place
 from ..regather import delinked_plain_copy, optimizer_subset, release_model_state, replace_submodule, shard_optimizer
 from ..replicated_zero import ZeroOneOptimizer, partition_optimizer_states, unpacked
-from ..sharding import FSDPEvents, fsdp_modules, reshard_all
+from ..sharding import FSDPEvents, fsdp_modules, recover_from_error, reshard_all
 from ..steps import PipelinedSteps, StepRunner
 from .base import Engine, EngineContext, Placed, holder_of
 
@@ -106,6 +106,11 @@ class FSDP2Engine(Engine):
                       self.placement.wrapper)
 
     def teardown(self, module: nn.Module | None) -> None:
+        if module is not None:
+            # A forward or backward that raised leaves the root gathered (plain parameters where the shards were):
+            # Lightning's teardown then moves the module to the host, FSDP2 fails on them, and that error hid the
+            # user's own.
+            recover_from_error(module, self.outside_blocks_root())
         if self.stages is not None and module is not None:
             with contextlib.suppress(ValueError):
                 vars(holder_of(module)).pop("forward", None)
