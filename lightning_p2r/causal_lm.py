@@ -44,11 +44,12 @@ STRUCTURE_KEY = "causal_lm_structure"
 register_strategies()  # Trainer(strategy="p2r") resolves once the model code is loaded
 
 
-def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:
-    """A Hugging Face causal LM from a config dict (``model_type`` plus the family's fields), randomly initialized,
-    nothing downloaded. ``transformers`` is the ``[hf]`` extra."""
+def read_causal_lm_config(hf_config: dict[str, Any]) -> Any:
+    """The Hugging Face config object of ``hf_config`` (``model_type`` plus the family's fields), read by
+    ``transformers``; a wrong type, a misspelled field or a value ``transformers`` refuses is a one-line ValueError.
+    ``transformers`` is the ``[hf]`` extra."""
     try:
-        from transformers import AutoModelForCausalLM
+        import transformers  # noqa: F401
     except ImportError as error:
         raise ImportError("CausalLMModule(hf_config=...) builds Hugging Face models: pip install "
                           "'lightning-p2r[hf]' (transformers)") from error
@@ -56,7 +57,15 @@ def build_hf_model(hf_config: dict[str, Any]) -> nn.Module:
     model_type = fields.pop("model_type", None)
     if not isinstance(model_type, str):
         raise ValueError(f"CausalLMModule.hf_config needs a 'model_type' (such as 'qwen3_moe'), got {hf_config!r}")
-    config = read_hf_config(model_type, fields, "CausalLMModule.hf_config")
+    return read_hf_config(model_type, fields, "CausalLMModule.hf_config")
+
+
+def build_hf_model(hf_config: dict[str, Any] | Any) -> nn.Module:
+    """A Hugging Face causal LM from a config dict (or the config object :func:`read_causal_lm_config` read),
+    randomly initialized, nothing downloaded."""
+    from transformers import AutoModelForCausalLM
+
+    config = read_causal_lm_config(hf_config) if isinstance(hf_config, dict) else hf_config
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -117,6 +126,9 @@ class CausalLMModule(L.LightningModule):
                 self.hf_config["vocab_size"] = int(vocab_size)
             if self.litgpt_config is not None:
                 self.litgpt_config["vocab_size"] = self.litgpt_config["padded_vocab_size"] = int(vocab_size)
+        # Read here, when the module is made (LightningCLI makes it before the Trainer starts anything): a wrong
+        # model_type or a misspelled field stops the run before processes, data or loggers start.
+        self._hf_config_read = read_causal_lm_config(self.hf_config) if self.hf_config is not None else None
         self.optimizer_config = _as_dataclass(OptimizerConfig, optimizer)
         self.init_seed = int(init_seed)
         self.parts = DecoderParts(**{k: tuple(v) if k == "embed" else v for k, v in parts.items()}) \
@@ -155,7 +167,7 @@ class CausalLMModule(L.LightningModule):
         if self.model is not None:
             self._declare_plan()
             return
-        self.model = build_hf_model(self.hf_config) if self.hf_config is not None else build_litgpt_model(
+        self.model = build_hf_model(self._hf_config_read) if self.hf_config is not None else build_litgpt_model(
             self.litgpt_config)
         self._declare_plan()
         if not _is_meta(self.model):  # built eagerly: the values a build in place gets (module_init.py)

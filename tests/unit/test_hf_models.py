@@ -162,9 +162,28 @@ def test_declarations_are_checked_by_name() -> None:
 
 def test_hf_config_needs_a_model_type() -> None:
     with pytest.raises(ValueError, match="needs a 'model_type'"):
-        CausalLMModule(hf_config={"vocab_size": VOCAB}).configure_model()
+        CausalLMModule(hf_config={"vocab_size": VOCAB})
     with pytest.raises(ValueError, match="exactly one of hf_config"):
         CausalLMModule()
+
+
+def test_a_misspelled_model_type_or_field_is_refused_when_the_module_is_made() -> None:
+    """A misspelled field trained silently with the field's default (``num_experts_per_tokk``: every token to all 4
+    experts), and an unknown model_type stopped the run only after processes, data and loggers had started, in a
+    12 kB line listing every type (a new user's audit, 2026-12-01)."""
+    with pytest.raises(ValueError, match=r"^CausalLMModule.hf_config: 'num_experts_per_tokk' is not a field of "
+                                         r"Qwen3MoeConfig; did you mean 'num_experts_per_tok'\?"):
+        CausalLMModule(hf_config={k: v for k, v in CONFIGS["qwen3_moe"].items() if k != "num_experts_per_tok"}
+                       | {"num_experts_per_tokk": 2})
+    with pytest.raises(ValueError, match=r"model_type 'qwen3moe' is not a model type of transformers \(did you mean "
+                                         r"'qwen3_moe'") as raised:
+        CausalLMModule(hf_config=CONFIGS["qwen3_moe"] | {"model_type": "qwen3moe"})
+    assert len(str(raised.value)) < 200
+    # Keys a config converts or a family's code reads by name pass as before: a legacy rope_theta, torch_dtype,
+    # Qwen3-MoE's head_dim, GPT-NeoX's rotary_pct
+    CausalLMModule(hf_config=CONFIGS["llama"] | {"rope_theta": 5e5, "torch_dtype": "float32"})
+    CausalLMModule(hf_config=CONFIGS["qwen3_moe"])
+    CausalLMModule(hf_config=CONFIGS["gpt_neox"])
 
 
 def _declared(family: str, **overrides) -> nn.Module:
