@@ -111,6 +111,26 @@ _TYPE_WORDS = {"float": "a number", "int": "an integer", "str": "a string", "boo
 """How a recipe writes a value of each type jsonargparse names."""
 
 
+def _expected_one_of(expected: list[re.Match[str]], given: str) -> str:
+    """``expected a number or null, got 'half'``, or for a union of literals (``trainer.precision``) their values,
+    with the nearest one: ``expected one of 64, 32, ..., 'bf16-mixed', ... or null, got 'bf17-mixed' (did you mean
+    'bf16-mixed'?)`` (jsonargparse named only the last type it tried: "Expected a <class 'NoneType'>")."""
+    import ast
+
+    words, values = [], []
+    for match in expected:
+        if match.group(1) is not None:
+            words.append(_TYPE_WORDS.get(match.group(1), match.group(1)))
+        else:
+            values += ast.literal_eval(f"[{match.group(2)}]")
+    if not values:
+        return f"expected {' or '.join(words)}, got {given!r}"
+    close = difflib.get_close_matches(given, [str(v) for v in values], n=1)
+    listed = ", ".join(repr(v) for v in dict.fromkeys(values))
+    return (f"expected one of {listed}{' or ' + ' or '.join(words) if words else ''}, got {given!r}"
+            + (f" (did you mean {close[0]!r}?)" if close else ""))
+
+
 def condense(message: str) -> str:
     """jsonargparse reports a bad value inside a class given by path (``--trainer.strategy.sharding=zero4``) as a
     dozen lines of union subtypes; keep the one that matters: ``trainer.strategy.sharding: expected one of [...]``."""
@@ -121,15 +141,19 @@ def condense(message: str) -> str:
     problems = [i for i, line in enumerate(lines) if line.startswith("- Problem with given class_path")]
     if problems and problems[-1] + 1 < len(lines):
         # The class's own parser already condensed its error ("sharding: expected ..."): prefix the outer key.
-        return f"{names[0]}.{lines[problems[-1] + 1]}" if names else lines[problems[-1] + 1]
+        inner = lines[problems[-1] + 1]
+        unknown = re.fullmatch(r"Option '([^']+)' is not accepted", inner)
+        if unknown and names:  # not "trainer.strategy.Option 'x' ..."
+            return f"{names[0]}: option {unknown.group(1)!r} is not accepted"
+        return f"{names[0]}.{inner}" if names else inner
     if "Union subtypes" in message:
         # A value none of an optional option's types takes ("offload_fraction: half"): every type it could have been,
         # not only the last one tried ("Expected a <class 'NoneType'>").
-        expected = [re.fullmatch(r"- Expected a <class '(\w+)'>", line) for line in lines if line.startswith("- ")]
+        expected = [re.fullmatch(r"- Expected a (?:<class '(\w+)'>|typing\.Literal\[(.*)\])", line)
+                    for line in lines if line.startswith("- ")]
         given = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("Given value:")), None)
         if expected and all(expected) and given is not None:
-            words = [_TYPE_WORDS.get(match.group(1), match.group(1)) for match in expected]  # type: ignore[union-attr]
-            detail = f"expected {' or '.join(words)}, got {given!r}"
+            detail = _expected_one_of(expected, given)  # type: ignore[arg-type]
             return f"{names[0]}: {detail}" if names else detail
         # The reason the class itself gave (its constructor's ValueError), not "expected a str".
         reasons = [line[2:] for line in lines if line.startswith("- ")
@@ -232,7 +256,7 @@ def _strategy_option_hint(message: str) -> str:
         # An init_args override on a recipe that names no strategy class (Lightning's "auto").
         return (" (the recipe names no strategy class: pass --trainer.strategy=lightning_p2r.P2RStrategy before "
                 "--trainer.strategy.init_args.*)")
-    match = re.search(r"strategy\.Option '([^']+)' is not accepted", message)
+    match = re.search(r"strategy: option '([^']+)' is not accepted", message)
     if match is None:
         return ""
     from ..strategy import P2RStrategy

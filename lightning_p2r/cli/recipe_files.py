@@ -97,10 +97,10 @@ def _through_init_args(node: yaml.Node) -> yaml.Node:
 
 
 def keys_named_in(message: str) -> list[str]:
-    """The dotted keys a (condensed) parser error names, most specific first: ``trainer.strategy.Option 'x' is not
+    """The dotted keys a (condensed) parser error names, most specific first: ``trainer.strategy: option 'x' is not
     accepted`` -> ``trainer.strategy.x``; ``trainer.strategy.sharding: expected ...`` -> that key; ``does not accept
     option 'model.config.x'`` -> that key; then any ``Parser key "..."``."""
-    keys = [f"{prefix}.{name}" for prefix, name in re.findall(r"([\w.]+)\.Option '(\w+)'", message)]
+    keys = [f"{prefix}.{name}" for prefix, name in re.findall(r"([\w.]+): option '(\w+)' is not accepted", message)]
     keys += re.findall(r"^([\w.]+):\s", message)
     keys += re.findall(r"option '([\w.]+)'", message)
     keys += re.findall(r'Parser key "([\w.]+)"', message)

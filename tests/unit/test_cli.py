@@ -291,7 +291,20 @@ def test_a_mistyped_strategy_option_is_named_with_the_closest_one(tmp_path: Path
               "--trainer.strategy.init_args.shardng=zero3"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert "Option 'shardng' is not accepted (did you mean 'sharding'?)" in err
+    assert "error: trainer.strategy: option 'shardng' is not accepted (did you mean 'sharding'?)" in err
+
+
+def test_a_mistyped_precision_lists_the_values_and_the_nearest(tmp_path: Path, monkeypatch, capsys) -> None:
+    """jsonargparse named only the last of the option's types it tried: "Expected a <class 'NoneType'>"."""
+    from lightning_p2r.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(ROOT / "recipes" / "zero3_pseudo_to_real.yaml"), "--trainer.precision=bf17-mixed"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: trainer.precision: expected one of ") and "'bf16-true', 'bf16-mixed'" in err
+    assert err.endswith("got 'bf17-mixed' (did you mean 'bf16-mixed'?)")
 
 
 def test_strategy_options_on_a_recipe_without_a_strategy_class_say_what_to_add(tmp_path: Path, monkeypatch,

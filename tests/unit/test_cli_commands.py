@@ -118,7 +118,7 @@ def test_a_key_is_found_through_init_args_in_the_last_recipe_that_sets_it(tmp_pa
     assert locate_key([str(first), str(second)], "trainer.strategy.sharding") == f"{first}, line 5"
     assert locate_key([str(first), str(second)], "trainer.max_steps") == f"{second}, line 2"
     assert locate_key([str(first)], "model.config") is None
-    assert keys_named_in("trainer.strategy.Option 'shardin' is not accepted")[0] == "trainer.strategy.shardin"
+    assert keys_named_in("trainer.strategy: option 'shardin' is not accepted")[0] == "trainer.strategy.shardin"
 
 
 def test_a_command_builds_the_parser_of_its_own_subcommand_only(monkeypatch: pytest.MonkeyPatch) -> None:
