@@ -18,6 +18,7 @@ import inspect
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -403,7 +404,12 @@ class P2RCLI(LightningCLI):
 
     # LightningCLI runs a method of the CLI named like the subcommand when there is one (else the Trainer's).
     def fit(self, **kwargs: Any) -> None:
-        self._run_refusing_bad_input(self.trainer.fit, kwargs)
+        with warnings.catch_warnings():
+            if kwargs.get("ckpt_path"):
+                # Resuming writes into the run's own checkpoint folder, which is not empty by design: Lightning's
+                # notice that it is asks nothing of the user here (a new run into a used folder keeps it).
+                warnings.filterwarnings("ignore", message=r"Checkpoint directory .* exists and is not empty")
+            self._run_refusing_bad_input(self.trainer.fit, kwargs)
 
     def validate(self, **kwargs: Any) -> None:
         self._evaluate("val", self.trainer.validate, kwargs)

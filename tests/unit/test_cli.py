@@ -219,6 +219,12 @@ def test_ckpt_path_last_resumes_the_newest_run_and_overrides_are_refused(tmp_pat
         tmp_path, "--trainer.logger=false", "--trainer.max_steps=5")[1:])
     cli.trainer.fit(cli.model, datamodule=cli.datamodule, ckpt_path="last")
     assert cli.trainer.global_step == 5  # resumed at 3 (the newest), not at 2
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:  # resuming writes into its own, non-empty folder
+        warnings.simplefilter("always")
+        main(_fit_args(tmp_path, "--trainer.logger=false", "--trainer.max_steps=6", "--ckpt_path=last"))
+    assert not [w for w in caught if "exists and is not empty" in str(w.message)]
 
     with pytest.raises(SystemExit):
         main(_fit_args(tmp_path, "--trainer.logger=false", "--model.config.num_layers=6",
