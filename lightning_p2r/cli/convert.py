@@ -144,6 +144,8 @@ def main(argv: list[str]) -> None:
             written = Path(args.destination)
     except (ValueError, ImportError) as error:
         parser.error(str(error))
+    except OSError as error:
+        parser.error(os_error_line(error, args.source, args.destination))
     print(f"wrote {written}")
 
 
@@ -158,8 +160,22 @@ def convert_checkpoint(argv: list[str]) -> None:
         checkpoint = to_single_file(args.source, args.destination)
     except ValueError as error:
         parser.error(str(error))
+    except OSError as error:
+        parser.error(os_error_line(error, args.source, args.destination))
     print(f"wrote {args.destination}: {len(checkpoint['state_dict'])} tensors, "
           f"{len(checkpoint['optimizer_states'])} optimizer state(s), step {checkpoint.get('global_step')}")
+
+
+def os_error_line(error: OSError, source: str, destination: str) -> str:
+    """One line for a file a conversion could not read or write, naming it (a destination in a folder that cannot
+    be made, as ``/proc/x/out.ckpt``, ended in a FileNotFoundError traceback)."""
+    where = Path(error.filename or destination).resolve()
+    reason = error.strerror or str(error)
+    source_path = Path(source).resolve()
+    if where == source_path or source_path in where.parents:
+        return f"cannot read {error.filename} ({reason}): check the checkpoint's files and their permissions"
+    return (f"cannot write {destination} ({reason}: {error.filename or destination}): choose a destination in a "
+            "folder you can create and write")
 
 
 def _parse_source_and_destination(parser: argparse.ArgumentParser, argv: list[str], source: str,

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..files import replaced_atomically
 from .checkpoint_integrity import META_FILE, check_integrity
 from .ties import find_ties
 
@@ -229,8 +230,9 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any]:
-    """Write the sharded checkpoint ``source`` as one Lightning checkpoint file (any strategy loads it), renamed into
-    place once written, and return it; the optimizer states are numbered as torch numbers them."""
+    """Write the sharded checkpoint ``source`` as one Lightning checkpoint file (any strategy loads it), its folder
+    created and the file renamed into place once written, and return it; the optimizer states are numbered as torch
+    numbers them."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     source, destination = Path(source), Path(destination)
@@ -238,14 +240,15 @@ def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any
         raise ValueError(f"{source} is not a sharded checkpoint (a directory with {META_FILE} and DCP files)")
     checkpoint = {k: v for k, v in torch.load(source / META_FILE, map_location="cpu", weights_only=True).items()
                   if k != SHARDED_KEY}
-    partial = destination.with_name(destination.name + ".partial")
-    dcp_to_torch_save(source, partial)
-    states = torch.load(partial, map_location="cpu", weights_only=True)
-    checkpoint["state_dict"] = with_aliases(states["model"], stored_ties(source))
-    optimizers = sorted((k for k in states if k.startswith("optimizer")), key=lambda k: int(k[len("optimizer"):]))
-    checkpoint["optimizer_states"] = [optimizer_state_by_number(states[k]) for k in optimizers]
-    torch.save(checkpoint, partial)
-    partial.replace(destination)
+    # The temporary file is claimed before the shards are read: a folder that cannot be made or written fails at
+    # once, as an OSError naming it (torch.save's own error for a missing folder was a RuntimeError).
+    with replaced_atomically(destination) as partial:
+        dcp_to_torch_save(source, partial)
+        states = torch.load(partial, map_location="cpu", weights_only=True)
+        checkpoint["state_dict"] = with_aliases(states["model"], stored_ties(source))
+        optimizers = sorted((k for k in states if k.startswith("optimizer")), key=lambda k: int(k[len("optimizer"):]))
+        checkpoint["optimizer_states"] = [optimizer_state_by_number(states[k]) for k in optimizers]
+        torch.save(checkpoint, partial)
     return checkpoint
 
 

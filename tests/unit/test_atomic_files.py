@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_p2r.files import write_atomically
+from lightning_p2r.files import replaced_atomically, write_atomically
 from lightning_p2r.planning.cluster import Cluster, load_cluster, write_cluster
 
 
@@ -32,6 +32,18 @@ def test_a_failed_write_leaves_the_earlier_file_and_no_temporary(tmp_path: Path)
     with pytest.raises(TypeError):
         write_atomically(path, 3)  # type: ignore[arg-type]
     assert path.read_text() == "kept" and [p.name for p in tmp_path.iterdir()] == ["file.txt"]
+
+
+def test_a_writer_taking_a_path_gets_a_temporary_file_renamed_in_place(tmp_path: Path, umask_022) -> None:
+    """``replaced_atomically``: for ``torch.save``-like writers (the checkpoint conversions), the same rule."""
+    path = tmp_path / "missing" / "out.ckpt"
+    with replaced_atomically(path) as temporary:
+        temporary.write_text("whole")
+    assert path.read_text() == "whole" and stat.S_IMODE(path.stat().st_mode) == 0o644
+    with pytest.raises(RuntimeError), replaced_atomically(path) as temporary:
+        temporary.write_text("half")
+        raise RuntimeError("interrupted")
+    assert path.read_text() == "whole" and [p.name for p in path.parent.iterdir()] == ["out.ckpt"]
 
 
 def test_a_cluster_file_calibrate_writes_is_readable_by_others(tmp_path: Path, umask_022) -> None:

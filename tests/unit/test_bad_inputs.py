@@ -323,6 +323,25 @@ def test_a_sharded_checkpoint_converts_to_a_file_any_strategy_resumes(earlier_ru
     assert len(loaded["optimizer_states"][0]["state"]) == len(list(module.parameters()))
 
 
+@pytest.mark.parametrize("command", [["convert-checkpoint"], ["convert", "--to", "checkpoint"]],
+                         ids=["convert-checkpoint", "convert --to checkpoint"])
+def test_a_checkpoint_conversion_makes_missing_folders_and_names_an_unwritable_one(
+        command: list[str], earlier_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A new-user audit: a destination in a missing folder ended in torch's ``RuntimeError: Parent directory ...
+    does not exist`` traceback (``--to hf``/``safetensors`` made the folder), one that cannot be made in a
+    FileNotFoundError traceback."""
+    single = tmp_path / "no3" / "x" / "out.ckpt"
+    main([*command, str(earlier_run / "sharded.ckpt"), str(single)])
+    assert "wrote" in capsys.readouterr().out
+    check_checkpoint_path(single, loads_sharded=False)
+    assert [p.name for p in single.parent.iterdir()] == ["out.ckpt"]  # the temporary file renamed, none left
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, str(earlier_run / "sharded.ckpt"), "/proc/x/out.ckpt"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"error: cannot write /proc/x/out.ckpt \(.*/proc/x\): choose a destination", error), error
+
+
 def test_more_cpu_processes_than_cores_is_warned_about() -> None:
     from lightning_p2r.layout import oversubscription_warning
 
