@@ -38,6 +38,9 @@ PREFIX = "model."
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(model state dict, hyperparameters)`` of a single-file or sharded checkpoint, on the CPU, loaded safely."""
+    if not Path(path).exists():  # before check_checkpoint_path, whose hint is fit's --ckpt_path
+        raise ValueError(f"checkpoint {path} does not exist: pass a checkpoint file (a run's newest is "
+                         "checkpoints/last.ckpt in its default_root_dir) or a sharded checkpoint directory")
     check_checkpoint_path(path, loads_sharded=True)
     if is_sharded_checkpoint(path):
         return read_model_state(path), load_meta(path).get("hyper_parameters") or {}

@@ -236,6 +236,9 @@ def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     source, destination = Path(source), Path(destination)
+    if not source.exists():
+        raise ValueError(f"{source} does not exist: pass a sharded checkpoint directory (a P2RStrategy run's "
+                         "checkpoints/last.ckpt with sharding zero2 or zero3)")
     if not is_sharded_checkpoint(source):
         raise ValueError(f"{source} is not a sharded checkpoint (a directory with {META_FILE} and DCP files)")
     checkpoint = {k: v for k, v in torch.load(source / META_FILE, map_location="cpu", weights_only=True).items()

@@ -342,6 +342,24 @@ def test_a_checkpoint_conversion_makes_missing_folders_and_names_an_unwritable_o
     assert re.search(r"error: cannot write /proc/x/out.ckpt \(.*/proc/x\): choose a destination", error), error
 
 
+@pytest.mark.parametrize("command", [["convert-checkpoint"], ["convert", "--to", "checkpoint"],
+                                     ["convert", "--to", "hf"], ["convert", "--to", "safetensors"]],
+                         ids=["convert-checkpoint", "to checkpoint", "to hf", "to safetensors"])
+def test_a_conversion_of_a_missing_source_says_it_does_not_exist(
+        command: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """It said the path "is not a sharded checkpoint", or hinted at ``--ckpt_path last``, an option fit takes and
+    convert does not (a new-user audit)."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "nope.ckpt", "out"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.search(r"error: (checkpoint )?nope.ckpt does not exist: pass a .*checkpoint", error), error
+    assert "--ckpt_path" not in error and "not a sharded" not in error
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_more_cpu_processes_than_cores_is_warned_about() -> None:
     from lightning_p2r.layout import oversubscription_warning
 
