@@ -52,7 +52,8 @@ def top_level_help() -> str:
     lines = [f"  {name:<{width}}{text}" for name, text in COMMANDS.items()]
     return ("usage: lightning-p2r COMMAND [options]\n\nTrain, evaluate and sample M6 mixture-of-experts language "
             "models with P2RStrategy.\n\ncommands:\n" + "\n".join(lines)
-            + "\n\n`lightning-p2r COMMAND --help` lists a command's options. Docs: docs/recipes.md.\n")
+            + "\n\n`lightning-p2r COMMAND --help` lists a command's options. Docs: docs/quickstart.md (commands, "
+            "recipes, runs), docs/configuration.md (every recipe option).\n")
 
 
 def main(args: list[str] | None = None) -> None:

@@ -1,6 +1,7 @@
 """The command as a newcomer meets it (issue 27): every command listed in ``--help`` with its own ``--help``, an
 unknown command with a suggestion, and recipe file errors that name the file and line."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,14 @@ def test_the_top_level_help_lists_every_command(capsys: pytest.CaptureFixture[st
     for name in ("fit", "validate", "test", "predict", "generate", "plan", "calibrate", "convert-checkpoint"):
         assert f"\n  {name} " in text
     assert set(COMMANDS) <= {line.split()[0] for line in text.splitlines() if line.startswith("  ")}
+
+
+def test_the_docs_the_top_level_help_names_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    """It named docs/recipes.md, a file that does not exist (a new-user audit)."""
+    main(["--help"])
+    named = re.findall(r"docs/[\w/.-]+\.md", capsys.readouterr().out)
+    assert "docs/quickstart.md" in named
+    assert [name for name in named if not (ROOT / name).is_file()] == []
 
 
 @pytest.mark.slow
