@@ -21,7 +21,7 @@ from ..models.config import M6Config
 from .cluster import SIZE_DEPENDENT_LAYER_COSTS, Cluster, at_speed, cluster_for, load_cluster
 from .framework import HOW_TO_GET, missing_terms
 from .hf_decoder import HFDecoder, hf_decoder_of
-from .layout import PRECISIONS, SCHEDULES, SHARDINGS, Layout, Workload
+from .layout import SCHEDULES, SHARDINGS, Layout, Workload
 from .model import PricedModel, embedding_dropout_elements, layer_dropout_elements, parameter_count, pseudo_of
 from .search import Plan, SearchSpace, evaluate, search
 from .step_time import fitted_step_range
@@ -191,7 +191,8 @@ def priced_precision(value: str, path: Path | None = None) -> str:
 
 
 def workload_for(settings: dict[str, Any], args: argparse.Namespace, path: Path | None = None) -> Workload:
-    precision = args.precision or priced_precision(settings["precision"], path)
+    # --precision takes the recipe's spellings (choices: PRICED_PRECISIONS), priced the same way.
+    precision = priced_precision(args.precision or settings["precision"], path)
     global_batch = args.global_batch or settings["batch_size"] * settings["data_ranks"] * settings["accumulate"]
     return Workload(global_batch=global_batch, seq_len=args.seq_len or settings["seq_len"], precision=precision)
 
@@ -297,8 +298,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--devices", type=int, help="devices in the run (default: the cluster file's)")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the recipe's)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the recipe's data.seq_len)")
-    parser.add_argument("--precision", choices=PRECISIONS, help="default: the recipe's trainer.precision (16-mixed "
-                        "priced as bf16-mixed, 16-true as bf16-true)")
+    parser.add_argument("--precision", choices=list(PRICED_PRECISIONS), metavar="PRECISION",
+                        help=f"one of {', '.join(PRICED_PRECISIONS)}, as trainer.precision takes them (default: the "
+                             "recipe's); 16-mixed, 16 and bf16 are priced as bf16-mixed, 16-true as bf16-true, 32 as "
+                             "32-true")
     parser.add_argument("--top", type=int, default=5, help="layouts to print (default 5)")
     parser.add_argument("--sharding", help=f"comma-separated subset of {list(SHARDINGS)}")
     parser.add_argument("--schedules", help=f"comma-separated subset of {list(SCHEDULES)}")

@@ -355,6 +355,18 @@ def test_the_recipes_precision_is_priced_as_the_run_keeps_its_parameters(trainer
     assert f"tokens, {priced}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("flag", "priced"), [("16-mixed", "bf16-mixed"), ("16", "bf16-mixed"),
+                                               ("bf16", "bf16-mixed"), ("16-true", "bf16-true"), ("32", "32-true")])
+def test_the_precision_flag_takes_the_recipes_spellings(flag: str, priced: str, capsys) -> None:
+    """``--precision 16-mixed`` was refused by argparse while ``trainer.precision: 16-mixed`` was priced as
+    bf16-mixed (a new-user audit)."""
+    out = plan(capsys, "--precision", flag, "--top", "1", "--devices", "1")
+    assert f"tokens, {priced}" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert "16-mixed" in re.sub(r"\s+", " ", capsys.readouterr().out.split("--precision PRECISION")[-1])
+
+
 def test_a_precision_the_planner_has_no_widths_for_is_refused_naming_the_flag(capsys, tmp_path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("trainer:\n  precision: 64-true\nmodel:\n  config:\n    num_layers: 2\n")
