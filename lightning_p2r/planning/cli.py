@@ -52,6 +52,7 @@ def recipe_inputs(path: str | Path) -> tuple[PricedModel, dict[str, Any]]:
                          + hint)
     trainer = recipe.get("trainer") or {}
     data = recipe.get("data") or {}
+    check_strategy_options(trainer, path)
     # Linked as `lightning-p2r fit` links them: the data's sequence length and vocabulary size are the model's.
     vocab_size = data.get("vocab_size") or (256 if data.get("tokenizer") == "bytes" else None)
     hf_config = hf_config_of(recipe.get("model") or {}, path)
@@ -107,6 +108,31 @@ def _settings(trainer: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
                 "precision": str(trainer.get("precision", "32-true")), "data_ranks": data_ranks,
                 "accumulate": trainer.get("accumulate_grad_batches", 1)}
     return settings
+
+
+P2R_STRATEGY_OPTIONS = (
+    "sharding", "count_collectives", "tensor_parallel", "expert_parallel", "sequence_parallel", "pipeline_parallel",
+    "pipeline_schedule", "stages_per_rank", "accumulation", "micro_batches", "recompute", "compile",
+    "reduce_every_micro_batch", "offload_fraction", "offload_blocks", "device_memory_budget", "activation_allowance",
+    "offload_states", "prefetch", "pin_memory", "overlap_host_step", "host_step", "log_telemetry", "host_allocator",
+    "blocks", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin",
+    "process_group_backend", "timeout")
+"""``P2RStrategy``'s keywords, spelled out so the planner checks a recipe's without importing the strategy (and
+torch); tests/unit/test_planning_cli.py keeps this equal to the signature."""
+
+
+def check_strategy_options(trainer: dict[str, Any], path: Path) -> None:
+    """Refuse a ``trainer.strategy.init_args`` name P2RStrategy does not take (``offload_fracton``): unchecked, the
+    plan priced the run without it, where ``lightning-p2r fit`` refuses the recipe."""
+    strategy = trainer.get("strategy") if isinstance(trainer, dict) else None
+    if not isinstance(strategy, dict) or str(strategy.get("class_path", "")).rsplit(".", 1)[-1] != "P2RStrategy":
+        return  # a strategy name, or another class: fit's parser judges its options
+    options = strategy.get("init_args") or {}
+    for key in options if isinstance(options, dict) else ():
+        if key not in P2R_STRATEGY_OPTIONS:
+            close = difflib.get_close_matches(str(key), P2R_STRATEGY_OPTIONS, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else "docs/configuration.md lists its options"
+            raise ValueError(f"{path}: trainer.strategy.init_args.{key} is not an option of P2RStrategy ({hint})")
 
 
 RECIPE_SECTIONS = ("seed_everything", "trainer", "model", "data", "ckpt_path", "optimizer", "lr_scheduler",

@@ -367,6 +367,30 @@ def test_the_precision_flag_takes_the_recipes_spellings(flag: str, priced: str, 
     assert "16-mixed" in re.sub(r"\s+", " ", capsys.readouterr().out.split("--precision PRECISION")[-1])
 
 
+def test_a_misspelled_strategy_option_in_the_recipe_is_refused_with_the_closest_name(capsys, tmp_path) -> None:
+    """``offload_fracton: 0.5`` was ignored: the plan priced the run without it, where fit refuses the recipe (a
+    new-user audit)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("trainer:\n  strategy:\n    class_path: lightning_p2r.P2RStrategy\n    init_args:\n"
+                      "      offload_fracton: 0.5\nmodel:\n  config:\n    num_layers: 2\n")
+    with pytest.raises(SystemExit) as stop:
+        main(["plan", "--cluster", str(CLUSTER), "--config", str(recipe)])
+    assert stop.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.endswith("trainer.strategy.init_args.offload_fracton is not an option of P2RStrategy (did you "
+                          "mean 'offload_fraction'?)"), error
+
+
+def test_the_planners_list_of_strategy_options_is_the_strategys_signature() -> None:
+    """The planner spells the names out to stay torch-free (tests/unit/test_imports.py)."""
+    import inspect
+
+    from lightning_p2r.planning.cli import P2R_STRATEGY_OPTIONS
+
+    signature = [name for name in inspect.signature(P2RStrategy.__init__).parameters if name != "self"]
+    assert list(P2R_STRATEGY_OPTIONS) == signature, "copy P2RStrategy's keywords into planning/cli.py"
+
+
 def test_a_precision_the_planner_has_no_widths_for_is_refused_naming_the_flag(capsys, tmp_path) -> None:
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text("trainer:\n  precision: 64-true\nmodel:\n  config:\n    num_layers: 2\n")
