@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from .corpus import load_corpus
 from .mixture import check_directory_list, chosen_languages, read_mixture
-from .prepared import MANIFEST, load_prepared_tokenizer, prepare_data
+from .prepared import MANIFEST, PreparedDataError, PreparedFromOtherInputs, load_prepared_tokenizer, prepare_data
 from .streaming import check_windows, streaming_loader
 from .tokenizer import (
     BYTE_VOCAB,
@@ -58,6 +58,14 @@ def _auto_prepared_dir(corpus: str, tokenizer: str | None, vocab_size: int | Non
 
 
 SEED_MAX = 2**32 - 1
+
+
+def other_inputs_in_fit(error: PreparedFromOtherInputs, corpus: Any) -> str:
+    """The refusal of a ``data.prepared`` directory prepared from other inputs than ``data.corpus``, with the fixes a
+    training run has: train on the directory as it is, or prepare the corpus into another folder."""
+    return (f"{error.out} was prepared from other inputs than data.corpus={corpus!r} ({', '.join(error.changed)} "
+            "differ): pass --data.corpus null to train on it as it is, or another --data.prepared folder to prepare "
+            "the corpus into")
 
 
 def _check_integer(name: str, value: Any, low: int, high: int | None = None) -> None:
@@ -227,10 +235,14 @@ class TextDataModule(pl.LightningDataModule):
             self.tokenizer, _ = self._load()
         elif self.corpus is not None:
 
-            prepare_data(self.corpus, self.prepared, tokenizer=self.tokenizer_kind, vocab_size=self._vocab_size,
-                         val_fraction=self.val_fraction, num_workers=max(1, self.num_workers),
-                         languages=self._languages if self.corpus == "bible-multi" else None,
-                         overwrite=self._rebuild_prepared, log=rank_zero_info)
+            try:
+                prepare_data(self.corpus, self.prepared, tokenizer=self.tokenizer_kind, vocab_size=self._vocab_size,
+                             val_fraction=self.val_fraction, num_workers=max(1, self.num_workers),
+                             languages=self._languages if self.corpus == "bible-multi" else None,
+                             overwrite=self._rebuild_prepared, log=rank_zero_info)
+            except PreparedFromOtherInputs as error:
+                # prepare-data's fix (--overwrite, --out) names flags fit does not have.
+                raise PreparedDataError(other_inputs_in_fit(error, self.corpus)) from None
 
     def _data_parallel_ranks(self) -> tuple[int, int]:
         """(replicas, rank) of this process's data-parallel group: tensor-parallel ranks share their batches."""

@@ -45,6 +45,16 @@ class PreparedDataError(ValueError):
     """A refused ``prepare-data`` input or prepared directory, reported as one line naming it."""
 
 
+class PreparedFromOtherInputs(PreparedDataError):
+    """``out`` holds a prepared directory of other inputs (``changed``, the manifest's names): worded for
+    prepare-data (``--overwrite``, ``--out``); the data module words the fix for fit instead."""
+
+    def __init__(self, out: Path, changed: list[str]) -> None:
+        super().__init__(f"{out} was prepared from other inputs ({', '.join(changed)} differ): pass --overwrite to "
+                         "rebuild it, or choose another --out")
+        self.out, self.changed = out, changed
+
+
 def require_litdata() -> Any:
     try:
         import litdata
@@ -634,8 +644,7 @@ def prepare_data(source: str | Iterable[str], out: str | Path, tokenizer: Tokeni
         if not overwrite:
             before, now = existing.inputs(), wanted.inputs()
             changed = sorted(k for k in before.keys() | now.keys() if before.get(k) != now.get(k))
-            raise PreparedDataError(f"{out} was prepared from other inputs ({', '.join(changed)} differ): pass "
-                                    "--overwrite to rebuild it, or choose another --out")
+            raise PreparedFromOtherInputs(out, changed)
     tok = borrowed.tokenizer if borrowed else _train_tokenizer(corpus, sample, tokenizer, vocab_size, sample_bytes)
     tokenizer_sha = _tokenizer_sha(tok)
     partial = _sibling(out, ".partial")

@@ -280,8 +280,9 @@ def test_a_run_prepares_its_directory_once_and_refuses_another_corpus(tmp_path: 
     source, other = _corpus(tmp_path / "a"), _corpus(tmp_path / "b", lines=300)
     out = tmp_path / "prepared"
 
-    def fit(corpus: Path) -> L.Trainer:
-        data = TextDataModule(corpus=str(corpus), prepared=str(out), tokenizer="bytes", seq_len=16, batch_size=4)
+    def fit(corpus: Path | None) -> L.Trainer:
+        data = TextDataModule(corpus=corpus and str(corpus), prepared=str(out), tokenizer="bytes", seq_len=16,
+                              batch_size=4)
         model = M6LanguageModel(M6Config(**TINY))
         trainer = _trainer(tmp_path / "run", 2)
         trainer.fit(model, datamodule=data)
@@ -291,9 +292,13 @@ def test_a_run_prepares_its_directory_once_and_refuses_another_corpus(tmp_path: 
     assert read_manifest(out).source == str(source)
     stamp = (out / "manifest.json").stat().st_mtime_ns
     assert fit(source).global_step == 2 and (out / "manifest.json").stat().st_mtime_ns == stamp  # prepared once
-    with pytest.raises(PreparedDataError, match="prepared from other inputs .*source_sha256"):
+    with pytest.raises(PreparedDataError, match="prepared from other inputs .*source_sha256") as refused:
         fit(other)
     assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    # Worded for fit (a new-user audit: it said to pass --overwrite or choose another --out, prepare-data's flags).
+    assert "--data.corpus null" in str(refused.value) and "--data.prepared" in str(refused.value)
+    assert "--overwrite" not in str(refused.value) and "--out" not in str(refused.value)
+    assert fit(None).global_step == 2  # the first fix it names: the directory as it is
     with pytest.raises(ValueError, match="does not exist.*prepare-data"):
         TextDataModule(prepared=str(tmp_path / "never-prepared"))
     with pytest.raises(ValueError, match="bible-multi' is streamed"):
