@@ -19,6 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from . import register_strategies
+from .generation import generate_tokens_uncached, prompt_batch
 from .models.decoders import (
     KNOWN_DECODERS,
     DecoderParts,
@@ -53,6 +54,12 @@ def read_causal_lm_config(hf_config: dict[str, Any]) -> Any:
     except ImportError as error:
         raise ImportError("CausalLMModule(hf_config=...) builds Hugging Face models: pip install "
                           "'lightning-p2r[hf]' (transformers)") from error
+    return hf_config_object(hf_config)
+
+
+def hf_config_object(hf_config: dict[str, Any]) -> Any:
+    """The ``transformers`` config of a config dict (``model_type`` plus the family's fields); a ValueError naming
+    ``CausalLMModule.hf_config`` when it has no ``model_type`` or Hugging Face refuses a field."""
     fields = dict(hf_config)
     model_type = fields.pop("model_type", None)
     if not isinstance(model_type, str):
@@ -237,6 +244,37 @@ class CausalLMModule(L.LightningModule):
         """Logits (batch, seq, vocab) of ``input_ids`` (batch, seq)."""
         output = self._model_output(input_ids)
         return output if isinstance(output, torch.Tensor) else output.logits
+
+    def generate(self, prompt_ids: torch.Tensor | list[int], max_new_tokens: int, *, max_seq_len: int,
+                 temperature: float = 1.0, top_k: int | None = None, seed: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample a continuation of ``prompt_ids`` with the sampling of ``M6LanguageModel.generate``
+        (``generation.sample_next``); each step runs the model on the whole sequence so far, without a key/value
+        cache (``generation.generate_tokens_uncached``).
+
+        Args:
+            prompt_ids: token ids, (prompt,) or (batch, prompt).
+            max_new_tokens: tokens to add; prompt and continuation must fit ``max_seq_len``.
+            max_seq_len: the longest sequence the model was trained on (``data.seq_len``): the model's own limit
+                (``max_position_embeddings``) may be longer, but it never saw positions past its windows; a request
+                that does not fit is refused (the window does not slide).
+            temperature: 0 is greedy decoding (deterministic); higher flattens the distribution.
+            top_k: sample among the k most likely tokens only (None: all).
+            seed: seeds a generator for the draws (the same seed draws the same text); ignored with ``generator``.
+            generator: the random generator to draw with, on the model's device.
+
+        Returns:
+            the prompt followed by the new tokens, shaped like ``prompt_ids`` with ``max_new_tokens`` more.
+        """
+        if self.model is None:
+            self.configure_model()
+        device = next(self.model.parameters()).device
+        prompt, one_sequence = prompt_batch(prompt_ids, device)
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        tokens = generate_tokens_uncached(self, prompt, max_new_tokens, max_seq_len, temperature=temperature,
+                                          top_k=top_k, generator=generator)
+        return tokens[0] if one_sequence else tokens
 
     def _model_output(self, input_ids: torch.Tensor) -> Any:
         if self._positional is None:  # the model's call style, from its declaration (read once: not per step)

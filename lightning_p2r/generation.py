@@ -1,10 +1,13 @@
-"""Autoregressive sampling from an :class:`M6Transformer`: the checks, one sampling step, and the decoding loop.
+"""Autoregressive sampling: the checks, one sampling step, and two decoding loops.
 
-The loop runs the prompt once (prefill), then one position per new token through the model's key/value cache, with
-MoE layers routing every token (no capacity drops; see ``MoEFeedForward``). A sequence never grows past the
-model's ``max_seq_len``: a request that would is refused before anything runs (:func:`check_request`), rather
-than sliding the window, because the model was trained on windows that start at position 0 and the cache would have
-to be recomputed at every step once the window slides.
+:func:`generate_tokens` decodes an :class:`M6Transformer`: the prompt runs once (prefill), then one position per new
+token through the model's key/value cache, with MoE layers routing every token (no capacity drops; see
+``MoEFeedForward``). :func:`generate_tokens_uncached` decodes any model that maps token ids to logits (a
+``CausalLMModule``'s Hugging Face or litgpt decoder) by running the whole sequence so far at every step. Both draw
+each token with :func:`sample_next`. A sequence never grows past the model's ``max_seq_len``: a request that would
+is refused before anything runs (:func:`check_request`), rather than sliding the window, because the model was
+trained on windows that start at position 0 and the cache would have to be recomputed at every step once the window
+slides.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch import nn
 
 from .models import M6Transformer
 
@@ -50,6 +54,15 @@ def check_request(prompt_length: int, max_new_tokens: int, max_seq_len: int) -> 
 def prompt_too_long(prompt_length: int, max_seq_len: int) -> str:
     return (f"the prompt is {prompt_length} tokens and the model's context is max_seq_len={max_seq_len}: no new token "
             f"fits after it; shorten it to at most {max_seq_len - 1} tokens")
+
+
+def prompt_batch(prompt_ids: torch.Tensor | list[int], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """``prompt_ids`` as a (batch, prompt) LongTensor on ``device``, and whether it was one sequence (prompt,) (a
+    batch of one here, whose result goes back in the caller's shape)."""
+    prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
+    if prompt.dim() not in (1, 2):
+        raise ValueError(f"prompt_ids must be (prompt,) or (batch, prompt), got shape {tuple(prompt.shape)}")
+    return prompt.reshape(-1, prompt.shape[-1]), prompt.dim() == 1
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int | None = None,
@@ -95,6 +108,37 @@ def generate_tokens(model: M6Transformer, prompt_ids: torch.Tensor, max_new_toke
             tokens.append(token)
             if step + 1 < max_new_tokens:
                 logits = model(token, cache=cache, dropless=True).logits[:, -1]
+    finally:
+        model.train(was_training)
+    return torch.cat(tokens, dim=1)
+
+
+@torch.no_grad()
+def generate_tokens_uncached(model: nn.Module, prompt_ids: torch.Tensor, max_new_tokens: int, max_seq_len: int,
+                             temperature: float = 1.0, top_k: int | None = None,
+                             generator: torch.Generator | None = None) -> torch.Tensor:
+    """Continue ``prompt_ids`` (batch, prompt) by ``max_new_tokens`` tokens -> (batch, prompt + max_new_tokens), with
+    a ``model`` called on (batch, length) token ids that returns (batch, length, vocab) logits.
+
+    No key/value cache: each step runs the whole sequence so far, so a step costs a forward over up to
+    ``max_seq_len`` positions. It works for any such model as it is, layers sharing a block included (a Hugging
+    Face cache is indexed by each attention's ``layer_idx``, which the layers of a pseudo model share). Sampling is
+    :func:`sample_next`'s, as for :func:`generate_tokens`; ``top_k`` is checked against the logits' width (the
+    vocabulary) once the prompt has run, before anything is drawn. The model is put in eval mode for the call and
+    returned to its mode afterwards.
+    """
+    check_request(prompt_ids.shape[1], max_new_tokens, max_seq_len)
+    check_sampling(temperature, None, 1)  # the temperature now; top_k once the vocabulary is known
+    was_training = model.training
+    model.eval()
+    try:
+        logits = model(prompt_ids)[:, -1]
+        check_sampling(temperature, top_k, logits.shape[-1])
+        tokens = [prompt_ids]
+        for step in range(max_new_tokens):
+            tokens.append(sample_next(logits, temperature, top_k, generator)[:, None])
+            if step + 1 < max_new_tokens:  # the last new token is never fed back
+                logits = model(torch.cat(tokens, dim=1))[:, -1]
     finally:
         model.train(was_training)
     return torch.cat(tokens, dim=1)

@@ -20,7 +20,7 @@ from . import register_strategies
 from .cli.options_diff import describe_differences, differing_options
 from .console.known_warnings import silence_known_noise
 from .data.language_eval import LanguageLosses
-from .generation import generate_tokens
+from .generation import generate_tokens, prompt_batch
 from .models import M6Config, M6Output, M6Transformer, RoutingStats
 from .models.moe import update_routing_biases
 from .models.transformer import LayerContext
@@ -351,14 +351,12 @@ class M6LanguageModel(L.LightningModule):
         if self.transformer is None:
             self.configure_model()
         device = self.transformer.tok_embeddings.weight.device
-        prompt = torch.as_tensor(prompt_ids, dtype=torch.long, device=device)
-        if prompt.dim() not in (1, 2):
-            raise ValueError(f"prompt_ids must be (prompt,) or (batch, prompt), got shape {tuple(prompt.shape)}")
+        prompt, one_sequence = prompt_batch(prompt_ids, device)
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
-        tokens = generate_tokens(self.transformer, prompt.reshape(-1, prompt.shape[-1]), max_new_tokens,
-                                 temperature=temperature, top_k=top_k, generator=generator)
-        return tokens if prompt.dim() == 2 else tokens[0]
+        tokens = generate_tokens(self.transformer, prompt, max_new_tokens, temperature=temperature, top_k=top_k,
+                                 generator=generator)
+        return tokens[0] if one_sequence else tokens
 
     def losses(self, batch: torch.Tensor) -> dict[str, torch.Tensor]:
         inputs, targets = next_token_batch(batch)

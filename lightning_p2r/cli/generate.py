@@ -1,16 +1,18 @@
 """``lightning-p2r generate``: sample text from a trained checkpoint with the recipe's model and tokenizer.
 
-The recipe (the YAML ``lightning-p2r fit --config`` took, or the ``config.yaml`` a run wrote) gives the model
-(``model.config``) and the tokenizer (``data``), linked as the training CLI links them: the model's vocabulary
-size is the tokenizer's, its ``max_seq_len`` is ``data.seq_len``. The checkpoint is a single file, or a sharded
-directory written by P2RStrategy, read whole into one process as it is (no converted file is written first),
-whatever layout saved it. Every check on the inputs runs before the first token is generated, and a refused input
-ends the command with one line that names it.
+The recipe (the YAML ``lightning-p2r fit --config`` took, or the ``config.yaml`` a run wrote) gives the model and
+the tokenizer (``data``), linked as the training CLI links them: the model's vocabulary size is the tokenizer's, and
+a sequence is at most ``data.seq_len`` tokens. The model is an ``M6LanguageModel`` (``model.config``) or a
+``CausalLMModule`` (``model.class_path``, built from its ``init_args``' ``hf_config`` or ``litgpt_config``). The
+checkpoint is a single file, or a sharded directory written by P2RStrategy, read whole into one process as it is
+(no converted file is written first), whatever layout saved it. Every check on the inputs runs before the first
+token is generated, and a refused input ends the command with one line that names it.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import math
 import re
 import sys
@@ -21,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ..causal_lm import CausalLMModule, hf_config_object
 from ..data import TextDataModule, TextTokenizer
 from ..generation import check_request, largest_new_tokens, prompt_too_long
 from ..models import M6Config
@@ -35,6 +38,14 @@ from .recipe_files import check_recipe_files, locate_key
 _INFERENCE_NEUTRAL = {"capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "router_jitter", "dropout",
                       "init_seed", "init_std", "residual_init", "vocab_size", "max_seq_len", "num_unique_blocks"}
 
+# The same for a CausalLMModule: its arguments that only shape training or the initial values, and fields of its
+# Hugging Face or litgpt config that act only in training (dropouts, router losses and noise), at init, or that the
+# tensors' shapes check (the vocabulary, linked from the data).
+_CAUSAL_LM_INFERENCE_NEUTRAL = {"optimizer", "init_seed", "parts", "vocab_size", "num_unique_blocks", "growth_init"}
+_CONFIG_INFERENCE_NEUTRAL = {"vocab_size", "padded_vocab_size", "initializer_range", "use_cache",
+                             "output_router_logits", "router_aux_loss_coef", "router_jitter_noise", "attention_dropout",
+                             "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop"}
+
 
 class GenerateError(ValueError):
     """A refused input, reported as one line naming it."""
@@ -42,19 +53,33 @@ class GenerateError(ValueError):
 
 @dataclass(frozen=True)
 class Recipe:
-    """What generation reads from a recipe: the model's config and the data module (for its tokenizer)."""
+    """What generation reads from a recipe: the model (an M6 config, or a CausalLMModule's arguments) and the data
+    module (for its tokenizer)."""
 
     path: Path
-    config: M6Config
+    config: M6Config | None
+    """The M6 model's config (``model.config``); None when the recipe's model is a ``CausalLMModule``."""
     data: TextDataModule
     checkpoint_folders: tuple[Path, ...] = ()
     """Where the recipe's fit writes checkpoints: ``<trainer.default_root_dir>/checkpoints`` and the ``dirpath`` of
     each ``ModelCheckpoint`` (``--ckpt_path last`` takes the newest ``last*.ckpt`` among them)."""
+    causal_lm: dict[str, Any] | None = None
+    """``CausalLMModule``'s arguments (``model.init_args``, with the data's vocabulary size as ``fit`` links it);
+    None for an M6 recipe."""
+
+    @property
+    def vocab_size(self) -> int:
+        return self.data.vocab_size
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest sequence the model trained on: prompt and continuation must fit it."""
+        return self.data.seq_len
 
 
 def read_recipe(path: str | Path) -> Recipe:
-    """The model config and data module of recipe ``path``, linked as ``P2RCLI`` links them (vocabulary size from
-    the data, ``max_seq_len`` from ``data.seq_len``)."""
+    """The model and data module of recipe ``path``, linked as ``P2RCLI`` links them (vocabulary size from the
+    data, an M6 model's ``max_seq_len`` from ``data.seq_len``)."""
     import yaml
 
     path = Path(path)
@@ -65,12 +90,12 @@ def read_recipe(path: str | Path) -> Recipe:
         raise GenerateError(f"--config: {problem}")
     recipe = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     model = _section(recipe, "model", path)
+    if "class_path" in model:  # a recipe naming its model's class, as fit reads it (names_model_class)
+        data = _data_module(recipe, path)
+        return Recipe(path=path, config=None, data=data, checkpoint_folders=checkpoint_folders(recipe),
+                      causal_lm=causal_lm_arguments(model, data, path))
     config_options = dict(_section(model, "config", path, "model.config"))
-    data_options = dict(_section(recipe, "data", path))
-    try:
-        data = TextDataModule(**data_options)
-    except (TypeError, ValueError, FileNotFoundError) as error:
-        raise GenerateError(f"--config: {path}: data: {_one_line(error)}") from error
+    data = _data_module(recipe, path)
     config_options |= {"vocab_size": data.vocab_size, "max_seq_len": data.seq_len}
     unknown = sorted(set(config_options) - {f.name for f in fields(M6Config)})
     if unknown:
@@ -82,6 +107,43 @@ def read_recipe(path: str | Path) -> Recipe:
     except (TypeError, ValueError) as error:
         raise GenerateError(f"--config: {path}: {_one_line(error)}") from error
     return Recipe(path=path, config=config, data=data, checkpoint_folders=checkpoint_folders(recipe))
+
+
+def _data_module(recipe: dict[str, Any], path: Path) -> TextDataModule:
+    try:
+        return TextDataModule(**_section(recipe, "data", path))
+    except (TypeError, ValueError, FileNotFoundError) as error:
+        raise GenerateError(f"--config: {path}: data: {_one_line(error)}") from error
+
+
+def causal_lm_arguments(model: dict[str, Any], data: TextDataModule, path: Path) -> dict[str, Any]:
+    """``CausalLMModule``'s arguments from a recipe's ``model`` section (``class_path`` and ``init_args``), with the
+    data's vocabulary size as ``fit`` links it. Refused in one line: another class, an argument ``CausalLMModule``
+    has not, a model given whole (its code is the caller's: generate rebuilds a model from its config only), and
+    arguments the module or the Hugging Face config refuses."""
+    class_path = str(model["class_path"])
+    if class_path.rsplit(".", 1)[-1] != "CausalLMModule":
+        raise GenerateError(f"--config: {path}: model.class_path {class_path}: generate builds only "
+                            "lightning_p2r.CausalLMModule (from hf_config or litgpt_config) and the M6 model "
+                            "(model.config, no class_path)")
+    arguments = dict(_section(model, "init_args", path, "model.init_args"))
+    unknown = sorted(set(arguments) - set(inspect.signature(CausalLMModule).parameters))
+    if unknown:
+        where = locate_key([str(path)], f"model.{unknown[0]}")  # init_args is looked through
+        raise GenerateError(f"--config: {path}: CausalLMModule has no argument {unknown[0]!r} (model.init_args"
+                            + (f", in {where})" if where else ")"))
+    if arguments.get("model") is not None:
+        raise GenerateError(f"--config: {path}: model.init_args.model gives the model whole, which generate cannot "
+                            "rebuild: give the recipe hf_config or litgpt_config, or load the checkpoint's state "
+                            "into your model in Python and call CausalLMModule.generate (docs/generation.md)")
+    arguments["vocab_size"] = data.vocab_size  # as fit links data.vocab_size (the recipe's own value is replaced)
+    try:
+        CausalLMModule(**arguments)  # its own checks, now: the model itself is built once the checkpoint is read
+        if isinstance(arguments.get("hf_config"), dict):
+            hf_config_object(arguments["hf_config"])  # a missing model_type, a field Hugging Face refuses
+    except (TypeError, ValueError, ImportError) as error:
+        raise GenerateError(f"--config: {path}: model.init_args: {_one_line(error)}") from error
+    return arguments
 
 
 def checkpoint_folders(recipe: dict[str, Any]) -> tuple[Path, ...]:
@@ -155,26 +217,73 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 def load_model(recipe: Recipe, state: dict[str, torch.Tensor], saved: dict[str, Any],
-               ckpt_path: str | Path) -> M6LanguageModel:
-    """A one-process :class:`M6LanguageModel` of the recipe's config holding the checkpoint's weights; refuses a
-    checkpoint of another model (its options, its saved structure or a tensor's shape) naming the difference."""
-    module = M6LanguageModel(recipe.config)
-    trained = (saved.get("hyper_parameters") or {}).get("config")
-    differences = [(f"config.{name}", mine, theirs) for name, mine, theirs in
-                   differing_options(recipe.config.to_dict(), trained if isinstance(trained, dict) else {})
-                   if name not in _INFERENCE_NEUTRAL]
+               ckpt_path: str | Path) -> M6LanguageModel | CausalLMModule:
+    """A one-process module of the recipe's model (:class:`M6LanguageModel`, or :class:`CausalLMModule`) holding
+    the checkpoint's weights; refuses a checkpoint of another model (its options, its saved structure or a tensor's
+    shape) naming the difference."""
+    hyper_parameters = saved.get("hyper_parameters") or {}
+    if recipe.causal_lm is not None:
+        module = CausalLMModule(**recipe.causal_lm)
+        try:
+            # Built eagerly with random values, which the checkpoint's then replace: a build on the meta device
+            # would need each family's computed buffers (rotary tables) recomputed apart.
+            module.configure_model()
+        except (ValueError, ImportError) as error:  # litgpt not installed, layers that cannot share a block
+            raise GenerateError(f"--config: {recipe.path}: model.init_args: {_one_line(error)}") from error
+        differences = [(name, mine, theirs) for name, mine, theirs in
+                       differing_options(_filled_in(recipe.causal_lm), _filled_in(hyper_parameters))
+                       if not _causal_lm_neutral(name)]
+        prefix = "model.init_args."
+    else:
+        module = M6LanguageModel(recipe.config)
+        trained = hyper_parameters.get("config")
+        differences = [(f"config.{name}", mine, theirs) for name, mine, theirs in
+                       differing_options(recipe.config.to_dict(), trained if isinstance(trained, dict) else {})
+                       if name not in _INFERENCE_NEUTRAL]
+        prefix = "model."
     try:
         module.on_load_checkpoint(saved)  # rebuilds a delinked model's blocks before the weights arrive
         mismatch = first_mismatch(module.state_dict(), state)
     except ValueError as error:  # a saved structure this config cannot take
         mismatch = _one_line(error)
+    writer, builder = _module_class(hyper_parameters), type(module).__name__
     problems = [problem for problem in (mismatch, differences and "the recipe's options differ: "
-                                        + describe_differences(differences)) if problem]
+                                        + describe_differences(differences, prefix),
+                                        writer not in (None, builder) and f"{writer} wrote it, the recipe builds "
+                                        f"{builder}") if problem]
     if problems:
         raise GenerateError(f"--ckpt_path: {ckpt_path} holds another model than recipe {recipe.path}: "
                             f"{'; '.join(problems)}. Pass the recipe the checkpoint was trained with")
     module.load_state_dict(state)
     return module.eval()
+
+
+def _module_class(hyper_parameters: dict[str, Any]) -> str | None:
+    """Which of the two modules wrote a checkpoint, from the hyperparameters it saved (None: neither says)."""
+    if "config" in hyper_parameters:
+        return "M6LanguageModel"
+    if {"hf_config", "litgpt_config"} & hyper_parameters.keys():
+        return "CausalLMModule"
+    return None
+
+
+def _filled_in(arguments: dict[str, Any]) -> dict[str, Any]:
+    """``CausalLMModule``'s arguments with ``hf_config`` as Hugging Face fills it in (every field, defaults
+    included): a field one side sets and the other leaves at its default is then compared too."""
+    hf_config = arguments.get("hf_config")
+    if not isinstance(hf_config, dict):
+        return arguments
+    try:
+        return arguments | {"hf_config": hf_config_object(hf_config).to_dict()}
+    except ValueError:  # a config this transformers cannot read: compared as written
+        return arguments
+
+
+def _causal_lm_neutral(name: str) -> bool:
+    """Whether the ``CausalLMModule`` option ``name`` (dotted: ``hf_config.hidden_size``) may differ between a
+    recipe and its checkpoint."""
+    top, _, field = name.partition(".")
+    return top in _CAUSAL_LM_INFERENCE_NEUTRAL or field in _CONFIG_INFERENCE_NEUTRAL
 
 
 def first_mismatch(expected: dict[str, torch.Tensor], found: dict[str, torch.Tensor]) -> str | None:
@@ -232,10 +341,9 @@ def run(args: argparse.Namespace) -> None:
     """Check every input, then generate and print the text, and the speed on stderr."""
     device = _check_options(args)
     recipe = read_recipe(args.config)
-    config = recipe.config
-    if args.top_k > config.vocab_size:
-        raise GenerateError(f"--top_k {args.top_k} is larger than the vocabulary ({config.vocab_size} tokens, "
-                            f"data.vocab_size of {recipe.path}): choose 1 to {config.vocab_size}")
+    if args.top_k > recipe.vocab_size:
+        raise GenerateError(f"--top_k {args.top_k} is larger than the vocabulary ({recipe.vocab_size} tokens, "
+                            f"data.vocab_size of {recipe.path}): choose 1 to {recipe.vocab_size}")
     ckpt_path = resolve_checkpoint(args.ckpt_path, recipe)
     try:
         # Before the tokenizer, so that a typo fails at once; the bytes are checked as the checkpoint is read.
@@ -246,13 +354,13 @@ def run(args: argparse.Namespace) -> None:
     prompt = tokenizer.encode(args.prompt)
     if not prompt:
         raise GenerateError(f"--prompt: {args.prompt!r} tokenizes to no token: give at least one character of text")
-    if len(prompt) >= config.max_seq_len:
-        raise GenerateError(f"--prompt: {prompt_too_long(len(prompt), config.max_seq_len)}")
+    if len(prompt) >= recipe.max_seq_len:
+        raise GenerateError(f"--prompt: {prompt_too_long(len(prompt), recipe.max_seq_len)}")
     max_new_tokens = args.max_new_tokens
     if max_new_tokens is None:
-        max_new_tokens = largest_new_tokens(len(prompt), config.max_seq_len)
+        max_new_tokens = largest_new_tokens(len(prompt), recipe.max_seq_len)
     try:
-        check_request(len(prompt), max_new_tokens, config.max_seq_len)
+        check_request(len(prompt), max_new_tokens, recipe.max_seq_len)
     except ValueError as error:
         raise GenerateError(f"--max_new_tokens: {error}") from error
     state, saved = read_checkpoint(ckpt_path)
@@ -261,8 +369,11 @@ def run(args: argparse.Namespace) -> None:
     module.to(device)
 
     start = time.perf_counter()
-    tokens = module.generate(prompt, max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k if args.temperature > 0 else None, seed=args.seed)
+    sampling = {"temperature": args.temperature, "top_k": args.top_k if args.temperature > 0 else None,
+                "seed": args.seed}
+    if isinstance(module, CausalLMModule):  # its decoder does not know the windows it trained on: data.seq_len
+        sampling["max_seq_len"] = recipe.max_seq_len
+    tokens = module.generate(prompt, max_new_tokens, **sampling)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start

@@ -19,7 +19,7 @@ from lightning_p2r.cli import main as cli_main
 from lightning_p2r.cli.generate import main
 from lightning_p2r.generation import check_request, sample_next
 from lightning_p2r.models import M6Transformer, MoEFeedForward, MoEOutput
-from lightning_p2r.strategy.checkpoint import is_sharded_checkpoint, read_model_state, to_single_file
+from lightning_p2r.strategy.checkpoint import is_sharded_checkpoint, load_meta, read_model_state, to_single_file
 
 SENTENCE = "In the beginning God created the heaven and the earth. "
 SEQ_LEN = 32
@@ -347,3 +347,194 @@ def test_the_lightning_p2r_command_refuses_with_exit_status_two(memorized: Path,
     cli_main(["generate", "--config", str(memorized / "recipe.yaml"), "--ckpt_path", "last", "--prompt", "In the",
               "--temperature", "0", "--max_new_tokens", "5"])
     assert capsys.readouterr().out == SENTENCE[:11] + "\n"
+
+
+# ------------------------------------------------------------------- CausalLMModule recipes (Hugging Face, litgpt)
+# `generate` built only M6 models: a checkpoint of any CausalLMModule recipe (recipes/hf_moe.yaml among them) was
+# refused as "another model" (a new-user audit). Each recipe below is trained for two steps by `lightning-p2r fit`.
+HF_SEQ_LEN = 16
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "moe_intermediate_size": 16,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+             "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 64}
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+         "max_position_embeddings": 64}
+ZERO3 = {"class_path": "lightning_p2r.P2RStrategy", "init_args": {"sharding": "zero3"}}
+DELINK_AT_STEP_1 = {"callbacks": [{"class_path": "lightning_p2r.PseudoToReal", "init_args": {"delink_at_step": 1}}]}
+CAUSAL_LM_RECIPES = {
+    # As recipes/hf_moe.yaml: a Qwen3-MoE under ZeRO-3, so `last` is a sharded checkpoint directory.
+    "qwen3_moe, sharded": ({"hf_config": QWEN3_MOE}, {"strategy": ZERO3}),
+    # A pseudo model: two blocks shared by four layers, its checkpoint holding them shared.
+    "llama pseudo": ({"hf_config": LLAMA, "num_unique_blocks": 2}, {}),
+    # The same delinked after step 1, and a shallow one (two layers) grown to four: the recipe says pseudo, the
+    # checkpoint holds the real model, rebuilt from its saved structure before the weights load.
+    "llama pseudo, delinked": ({"hf_config": LLAMA, "num_unique_blocks": 2}, DELINK_AT_STEP_1),
+    "llama shallow, grown": ({"hf_config": LLAMA, "num_unique_blocks": 2, "pseudo_depth": "shallow",
+                              "growth_init": "zero_outputs"}, DELINK_AT_STEP_1),
+    "litgpt": ({"litgpt_config": {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 64, "bias": False}}, {}),
+}
+
+
+def _causal_lm_recipe(root: Path, name: str, init_args: dict, trainer: dict) -> Path:
+    data = {"corpus": str(root / "corpus.txt"), "tokenizer": "bytes", "seq_len": HF_SEQ_LEN, "batch_size": 4,
+            "cache_dir": str(root / "cache")}
+    callbacks = [{"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": {"save_last": True}}]
+    recipe = {"seed_everything": 0,
+              "trainer": {"default_root_dir": str(root / name), "max_steps": 2, "logger": False,
+                          "limit_val_batches": 0, "enable_progress_bar": False, "enable_model_summary": False,
+                          "accelerator": "cpu", "devices": 1, **trainer,
+                          "callbacks": callbacks + trainer.get("callbacks", [])},
+              "model": {"class_path": "lightning_p2r.CausalLMModule",
+                        "init_args": {**init_args, "optimizer": {"lr": 0.01, "warmup_steps": 0}}},
+              "data": data}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def causal_lm_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each of CAUSAL_LM_RECIPES trained two steps by `lightning-p2r fit` (its `last` checkpoint), and a one-step M6
+    checkpoint (m6.ckpt) on the same data."""
+    import os
+    from unittest import mock
+
+    root = tmp_path_factory.mktemp("causal_lm")
+    (root / "corpus.txt").write_text(SENTENCE * 20, encoding="utf-8")
+    with mock.patch.dict(os.environ):  # fit sets the process group's variables
+        for name, (init_args, trainer) in CAUSAL_LM_RECIPES.items():
+            cli_main(["fit", "--config", str(_causal_lm_recipe(root, name, init_args, trainer))])
+    data = {"corpus": str(root / "corpus.txt"), "tokenizer": "bytes", "seq_len": HF_SEQ_LEN, "batch_size": 4,
+            "cache_dir": str(root / "cache")}
+    m6 = M6LanguageModel(M6Config(num_layers=1, dim=32, num_heads=4, vocab_size=256, max_seq_len=HF_SEQ_LEN,
+                                  init_seed=0), OptimizerConfig(warmup_steps=0))
+    trainer = tiny_trainer(root / "m6", max_steps=1, limit_val_batches=0)
+    trainer.fit(m6, datamodule=TextDataModule(**data))
+    trainer.save_checkpoint(root / "m6.ckpt")
+    return root
+
+
+def _greedy_by_argmax(root: Path, name: str, prompt: str, new_tokens: int) -> tuple[str, int]:
+    """The recipe's trained model continuing ``prompt`` by the argmax of its own forward, step by step (the text
+    `generate --temperature 0` must print), and how many distinct layers it runs."""
+    from lightning_p2r import CausalLMModule
+    from lightning_p2r.cli.generate import read_recipe, recipe_tokenizer
+
+    init_args = yaml.safe_load((root / f"{name}.yaml").read_text())["model"]["init_args"]
+    module = CausalLMModule(**init_args, vocab_size=256)
+    checkpoint = root / name / "checkpoints" / "last.ckpt"
+    if is_sharded_checkpoint(checkpoint):
+        state, saved = read_model_state(checkpoint), load_meta(checkpoint)
+    else:
+        saved = torch.load(checkpoint, weights_only=True)
+        state = saved["state_dict"]
+    module.configure_model()
+    module.on_load_checkpoint(saved)  # as a resumed run: a delinked pseudo model gets its real layers back
+    module.load_state_dict(state)
+    module.eval()
+    distinct_layers = len({id(layer) for layer in module._layers()})
+    tokenizer = recipe_tokenizer(read_recipe(root / f"{name}.yaml").data)
+    ids = tokenizer.encode(prompt)
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            ids.append(int(module(torch.tensor([ids]))[0, -1].argmax()))
+    return tokenizer.decode(ids), distinct_layers
+
+
+@pytest.mark.parametrize("name", CAUSAL_LM_RECIPES)
+def test_a_causal_lm_recipes_checkpoint_generates_its_models_greedy_text(
+        name: str, causal_lm_runs: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(causal_lm_runs)
+    recipe = str(causal_lm_runs / f"{name}.yaml")
+    if name.endswith("sharded"):
+        assert is_sharded_checkpoint(causal_lm_runs / name / "checkpoints" / "last.ckpt")
+    main(["--config", recipe, "--ckpt_path", "last", "--prompt", "In the", "--temperature", "0",
+          "--max_new_tokens", "8"])
+    out, err = capsys.readouterr()
+    expected, distinct_layers = _greedy_by_argmax(causal_lm_runs, name, "In the", 8)
+    assert out == expected + "\n"
+    # The pseudo model runs its two shared blocks; the delinked and grown ones four layers of their own.
+    assert distinct_layers == {"llama pseudo, delinked": 4, "llama shallow, grown": 4}.get(name, 2)
+    assert re.fullmatch(r"8 tokens in \d+\.\d+ s: \d+\.\d tokens/s \(prompt 6 tokens, (cpu|cuda)\)\n", err), err
+    # Sampled: the same seed draws the same text; without --max_new_tokens the continuation fills data.seq_len.
+    sampled = ["--config", recipe, "--ckpt_path", "last", "--prompt", "In the", "--temperature", "2", "--top_k",
+               "256", "--device", "cpu"]
+    main([*sampled, "--seed", "3"])
+    first = capsys.readouterr()
+    assert re.match(r"10 tokens in ", first.err) and first.out.startswith("In the")
+    main([*sampled, "--seed", "3"])
+    assert capsys.readouterr().out == first.out
+    main([*sampled, "--seed", "4"])
+    assert capsys.readouterr().out != first.out
+
+
+def _edited_recipe(root: Path, source: str, target: str, edit) -> str:
+    recipe = yaml.safe_load((root / f"{source}.yaml").read_text())
+    edit(recipe["model"])
+    (root / f"{target}.yaml").write_text(yaml.safe_dump(recipe), encoding="utf-8")
+    return str(root / f"{target}.yaml")
+
+
+CAUSAL_LM_BAD_INPUTS = {
+    "an M6 checkpoint, a Hugging Face recipe": (
+        "qwen3_moe, sharded", "{root}/m6.ckpt", None,
+        r"--ckpt_path: .*m6.ckpt holds another model than recipe .*: it has no tensor model.model.embed_tokens.weight"
+        r", which the recipe's model has \(shape \[256, 32\]\); M6LanguageModel wrote it, the recipe builds "
+        r"CausalLMModule. Pass the recipe the checkpoint was trained with"),
+    "a Hugging Face checkpoint, an M6 recipe": (
+        "qwen3_moe, sharded", "last", lambda model: model.clear() or model.update(config={"dim": 32}),
+        r"holds another model than recipe .*: it holds tensor model.model.embed_tokens.weight \(shape \[256, 32\]\), "
+        r"which the recipe's model has not; CausalLMModule wrote it, the recipe builds M6LanguageModel"),
+    "another width": ("qwen3_moe, sharded", "last", lambda model: model["init_args"]["hf_config"].update(
+        hidden_size=64), r"holds another model than recipe .*: tensor model.model.embed_tokens.weight is \[256, 32\] "
+                         r"in the checkpoint but \[256, 64\] .*model.init_args.hf_config.hidden_size=64 \(the "
+                         r"checkpoint has 32\)"),
+    "the same shapes, other options": (
+        "llama pseudo, delinked", "last", lambda model: model["init_args"]["hf_config"].update(rope_theta=500.0),
+        r"holds another model than recipe .*: the recipe's options differ: model.init_args.hf_config\.(rope_parameters"
+        r"\.)?rope_theta=500.0 \(the checkpoint has 10000.0\)"),
+    "another module class": ("litgpt", "last", lambda model: model.update(class_path="my_package.MyModule"),
+                             r"--config: .*: model.class_path my_package.MyModule: generate builds only "
+                             r"lightning_p2r.CausalLMModule"),
+    "an unknown argument": ("litgpt", "last", lambda model: model["init_args"].update(hf_confg={}),
+                            r"--config: .*: CausalLMModule has no argument 'hf_confg' \(model.init_args, in .*line"),
+    "a model given whole": ("litgpt", "last",
+                            lambda model: model["init_args"].update(litgpt_config=None,
+                                                                    model={"class_path": "my_package.Decoder"}),
+                            r"--config: .*: model.init_args.model gives the model whole, which generate cannot "
+                            r"rebuild"),
+    "an hf_config without model_type": ("qwen3_moe, sharded", "last",
+                                        lambda model: model["init_args"]["hf_config"].pop("model_type"),
+                                        r"--config: .*: model.init_args: CausalLMModule.hf_config needs a "
+                                        r"'model_type'"),
+}
+
+
+@pytest.mark.parametrize(("source", "ckpt", "edit", "message"), CAUSAL_LM_BAD_INPUTS.values(),
+                         ids=CAUSAL_LM_BAD_INPUTS.keys())
+def test_a_causal_lm_recipe_refuses_another_models_checkpoint_in_one_line(
+        source: str, ckpt: str, edit, message: str, causal_lm_runs: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(causal_lm_runs)
+    recipe = _edited_recipe(causal_lm_runs, source, "edited", edit) if edit else str(causal_lm_runs / f"{source}.yaml")
+    # The edited recipe keeps the source's run folder, where `last` is.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", recipe, "--ckpt_path", ckpt.format(root=causal_lm_runs), "--prompt", "In",
+              "--temperature", "0"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 2 and lines[1].startswith("lightning-p2r generate: error: "), captured.err
+    assert re.search(message, lines[1]), lines[1]
+
+
+def test_a_causal_lm_recipe_refuses_a_request_past_data_seq_len(causal_lm_runs: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The decoder allows 64 positions (max_position_embeddings) but trained on windows of data.seq_len=16."""
+    with pytest.raises(SystemExit):
+        main(["--config", str(causal_lm_runs / "litgpt.yaml"), "--ckpt_path",
+              str(causal_lm_runs / "litgpt" / "checkpoints" / "last.ckpt"), "--prompt", "In the", "--max_new_tokens",
+              "11"])
+    assert re.search(r"--max_new_tokens: max_new_tokens=11 runs past the model's context \(max_seq_len=16 .*at most "
+                     r"10 new tokens", capsys.readouterr().err)
