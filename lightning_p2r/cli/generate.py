@@ -138,9 +138,9 @@ def causal_lm_arguments(model: dict[str, Any], data: TextDataModule, path: Path)
                             "into your model in Python and call CausalLMModule.generate (docs/generation.md)")
     arguments["vocab_size"] = data.vocab_size  # as fit links data.vocab_size (the recipe's own value is replaced)
     try:
-        CausalLMModule(**arguments)  # its own checks, now: the model itself is built once the checkpoint is read
-        if isinstance(arguments.get("hf_config"), dict):
-            hf_config_object(arguments["hf_config"])  # a missing model_type, a field Hugging Face refuses
+        # Its own checks, the hf_config read by transformers among them (a missing model_type, a misspelled or
+        # refused field): the model itself is built once the checkpoint is read.
+        CausalLMModule(**arguments)
     except (TypeError, ValueError, ImportError) as error:
         raise GenerateError(f"--config: {path}: model.init_args: {_one_line(error)}") from error
     return arguments
