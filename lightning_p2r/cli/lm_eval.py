@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from pathlib import Path
 from typing import Any
 
-import yaml
-
 from ..console.text_table import format_table
-from ..data import TextDataModule
 from ..data.bible_multi import TRANSLATIONS
 from .generate import GenerateError, load_model, read_checkpoint, read_recipe, recipe_tokenizer, resolve_checkpoint
 
@@ -28,25 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _module_and_tokenizer(config: str, ckpt_path: str) -> tuple[Any, Any, int]:
-    """The trained model (logits of token ids), its tokenizer and context length, from an M6 recipe or one whose model
-    is a ``CausalLMModule`` (``class_path``)."""
-    recipe = yaml.safe_load(Path(config).read_text(encoding="utf-8")) or {}
-    model_section = recipe.get("model") or {}
-    if isinstance(model_section, dict) and "class_path" in model_section:
-        from .convert import hf_model_of
-
-        data = TextDataModule(**(recipe.get("data") or {}))
-        state, saved = read_checkpoint(ckpt_path)
-        hf_config = (saved.get("hyper_parameters") or {}).get("hf_config")
-        if not isinstance(hf_config, dict):
-            raise GenerateError(f"--ckpt_path: {ckpt_path} records no Hugging Face config")
-        model = hf_model_of(state, hf_config | {"vocab_size": data.vocab_size})
-        model.config.use_cache = False  # scoring one window at a time: no key/value cache to keep
-        return model, recipe_tokenizer(data), data.seq_len
-    parsed = read_recipe(config)
-    path = resolve_checkpoint(ckpt_path, parsed)
+    """The trained model (logits of token ids), its tokenizer and context length. The model is built and checked as
+    ``generate`` builds it: an M6 recipe, or one whose model is a ``CausalLMModule`` (Hugging Face or litgpt config,
+    shared or grown blocks), from a single-file or sharded checkpoint; a checkpoint of another model than the
+    recipe's is refused naming the difference (``generate.load_model``)."""
+    recipe = read_recipe(config)
+    path = resolve_checkpoint(ckpt_path, recipe)
     state, saved = read_checkpoint(path)
-    return load_model(parsed, state, saved, path), recipe_tokenizer(parsed.data), parsed.config.max_seq_len
+    # The recipe's data.seq_len is the longest window the model trained on, whatever its family's own limit.
+    return load_model(recipe, state, saved, path), recipe_tokenizer(recipe.data), recipe.max_seq_len
 
 
 def main(argv: list[str]) -> None:

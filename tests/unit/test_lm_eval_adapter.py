@@ -101,31 +101,62 @@ def test_the_command_scores_a_sharded_checkpoint_and_prints_one_row_per_language
     assert [line.split()[0] for line in out.splitlines()[-2:]] == ["en", "de"]
 
 
-def test_the_command_scores_a_hugging_face_checkpoint_from_a_recipe_naming_its_model_class(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+_LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+_LITGPT = {"n_layer": 2, "n_head": 4, "n_embd": 32, "block_size": 128, "bias": False}
+
+
+def _fit_causal_lm(tmp_path: Path, model_arguments: dict) -> tuple[Path, Path]:
+    """A recipe naming CausalLMModule with ``model_arguments`` and a one-step checkpoint of it."""
     import lightning as L
     import yaml
 
     from lightning_p2r import CausalLMModule, TextDataModule
-    from lightning_p2r.cli.lm_eval import main
 
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("In the beginning God created the heaven and the earth.\n" * 120, encoding="utf-8")
-    hf_config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
     data = {"corpus": str(corpus), "tokenizer": "bytes", "seq_len": 128, "batch_size": 4,
             "cache_dir": str(tmp_path / "cache")}
-    recipe = {"model": {"class_path": "lightning_p2r.CausalLMModule", "init_args": {"hf_config": hf_config}},
-              "data": data}
+    recipe = {"model": {"class_path": "lightning_p2r.CausalLMModule", "init_args": model_arguments}, "data": data}
     (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
-    module = CausalLMModule(hf_config=hf_config, vocab_size=256, optimizer={"warmup_steps": 0})
+    module = CausalLMModule(**model_arguments, vocab_size=256, optimizer={"warmup_steps": 0})
     trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=1, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False, limit_val_batches=0,
                         default_root_dir=tmp_path)
     trainer.fit(module, datamodule=TextDataModule(**data))
-    trainer.save_checkpoint(tmp_path / "hf.ckpt")
-    main(["--config", str(tmp_path / "recipe.yaml"), "--ckpt_path", str(tmp_path / "hf.ckpt"),
-          "--languages", "en", "--per-language", "4"])
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    return tmp_path / "recipe.yaml", tmp_path / "model.ckpt"
+
+
+@pytest.mark.parametrize("family", ["hugging_face", "litgpt"])
+def test_the_command_scores_a_causal_lm_checkpoint_from_a_recipe_naming_its_model_class(
+        family: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    if family == "litgpt":
+        pytest.importorskip("litgpt", reason="litgpt is not installed")
+        arguments = {"litgpt_config": _LITGPT}
+    else:
+        pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+        arguments = {"hf_config": _LLAMA}
+    from lightning_p2r.cli.lm_eval import main
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    recipe, checkpoint = _fit_causal_lm(tmp_path, arguments)
+    main(["--config", str(recipe), "--ckpt_path", str(checkpoint), "--languages", "en", "--per-language", "4"])
     assert capsys.readouterr().out.splitlines()[-1].split()[0] == "en"
+
+
+def test_the_command_refuses_a_checkpoint_of_another_model_than_the_recipes_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers", reason="the [hf] extra (transformers) is not installed")
+    import yaml
+
+    from lightning_p2r.cli.lm_eval import main
+
+    recipe, checkpoint = _fit_causal_lm(tmp_path, {"hf_config": _LLAMA})
+    wider = yaml.safe_load(recipe.read_text())
+    wider["model"]["init_args"]["hf_config"] |= {"intermediate_size": 96}
+    recipe.write_text(yaml.safe_dump(wider))
+    with pytest.raises(SystemExit):
+        main(["--config", str(recipe), "--ckpt_path", str(checkpoint), "--languages", "en", "--per-language", "4"])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "holds another model than recipe" in error and "intermediate_size" in error
