@@ -72,6 +72,7 @@ from .rules import (
     check_options,
     check_parallel_options,
     check_trainer,
+    half_precision_warning,
     oversubscription_warning,
 )
 from .stages import StageCut, block_holders, bubble_fraction, check_local_sharing
@@ -120,6 +121,7 @@ __all__ = [
     "format_bytes",
     "fsdp_mode_for",
     "offload_count",
+    "half_precision_warning",
     "oversubscription_warning",
     "parse_bytes",
     "pin_memory_for",

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -36,6 +36,7 @@ from ..layout import (
     check_micro_batches,
     check_trainer,
     fsdp_mode_for,
+    half_precision_warning,
     oversubscription_warning,
     pin_memory_for,
     plan_summary,
@@ -321,6 +322,10 @@ class P2RStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: L.Trainer) -> None:
         warning = oversubscription_warning(self.root_device.type, self.num_processes, os.cpu_count() or 1)
+        if warning:
+            rank_zero_warn(warning)
+        plugin = self.precision_plugin
+        warning = isinstance(plugin, HalfPrecision) and half_precision_warning(plugin.precision)
         if warning:
             rank_zero_warn(warning)
         # A data module that declares its batch size is checked now, before any work; other data at its first batch.

@@ -369,6 +369,19 @@ def test_more_cpu_processes_than_cores_is_warned_about() -> None:
     assert oversubscription_warning("cuda", 8, 2) is None
 
 
+def test_fp16_weights_without_loss_scaling_are_warned_about(tmp_path: Path) -> None:
+    from lightning_p2r.layout import half_precision_warning
+
+    for trains in ("bf16-true", "16-mixed", "bf16-mixed", "32-true"):
+        assert half_precision_warning(trains) is None
+    module = M6LanguageModel(M6Config(**DENSE), OptimizerConfig(warmup_steps=1))
+    trainer = tiny_trainer(tmp_path, max_steps=1, limit_val_batches=0, precision="16-true", strategy=P2RStrategy())
+    with pytest.warns(UserWarning, match=r"precision='16-true' keeps weights, gradients and AdamW's moments in fp16 "
+                                         r"with no loss scaling.*Use 'bf16-true'"):
+        trainer.fit(module, datamodule=tiny_data(tmp_path))
+    assert trainer.global_step == 1  # a warning: Lightning runs the precision it was asked for
+
+
 def test_a_warmup_as_long_as_the_run_is_warned_about(tmp_path: Path) -> None:
     module = M6LanguageModel(M6Config(**DENSE), OptimizerConfig(warmup_steps=50))
     trainer = tiny_trainer(tmp_path, max_steps=3, limit_val_batches=0)
