@@ -30,7 +30,8 @@ COMMANDS: dict[str, str] = {
     "plan": "price parallel layouts of a recipe's model on a cluster and rank them",
     "calibrate": "measure this machine's compute, memory and collective speeds for the planner",
     "convert-checkpoint": "write a sharded checkpoint as one file any strategy loads",
-    "convert": "write a checkpoint as a Hugging Face directory (--to hf) or safetensors (--to safetensors)",
+    "convert": "write a checkpoint as a Hugging Face directory (--to hf), safetensors (--to safetensors) "
+                "or one checkpoint file (--to checkpoint)",
     "lm-eval": "score a checkpoint with lm-evaluation-harness on per-language verse continuations (offline)",
 }
 _LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")

@@ -1,4 +1,6 @@
-"""``lightning-p2r convert``: results in the formats users load elsewhere (issue 38, item 8).
+"""``lightning-p2r convert``: a checkpoint in the formats users load elsewhere: Hugging Face, safetensors, one file.
+
+Issue 38, item 8.
 
 - ``--to hf``: a ``CausalLMModule`` checkpoint (a single file, or a sharded directory of any layout) as a Hugging
   Face directory (``config.json`` + ``model.safetensors``) that ``AutoModelForCausalLM.from_pretrained`` loads with
@@ -130,7 +132,8 @@ def _write_dir(destination: str | Path, write: Any) -> Path:
 
 def main(argv: list[str]) -> None:
     """``lightning-p2r convert --to {hf,safetensors,checkpoint} SOURCE DESTINATION``."""
-    parser = argparse.ArgumentParser(prog="lightning-p2r convert", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="lightning-p2r convert",
+                                     description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--to", choices=("hf", "safetensors", "checkpoint"), required=True,
                         help="hf: a Hugging Face directory (CausalLMModule checkpoints); safetensors: weights + "
                              "config.json; checkpoint: one Lightning file from a sharded directory")
@@ -155,7 +158,8 @@ def main(argv: list[str]) -> None:
 def convert_checkpoint(argv: list[str]) -> None:
     """``lightning-p2r convert-checkpoint SHARDED_DIR OUT.ckpt``: a sharded checkpoint as one file any strategy
     loads (plain Lightning, DDP, one device)."""
-    parser = argparse.ArgumentParser(prog="lightning-p2r convert-checkpoint", description=convert_checkpoint.__doc__)
+    parser = argparse.ArgumentParser(prog="lightning-p2r convert-checkpoint",
+                                     description=(convert_checkpoint.__doc__ or "").replace("``", ""))
     args = _parse_source_and_destination(parser, argv, "a sharded checkpoint directory written by P2RStrategy",
                                          "the single checkpoint file to write")
     _check_destination(parser, args.source, args.destination, directory=False)

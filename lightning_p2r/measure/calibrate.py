@@ -1023,7 +1023,8 @@ def main(argv: list[str]) -> None:
 
         _overhead_worker(json.loads(argv[1]))
         return
-    parser = argparse.ArgumentParser(prog="lightning-p2r calibrate", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-p2r calibrate",
+                                     description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--out", required=True, help="the cluster YAML to write (replaced atomically)")
     parser.add_argument("--processes", type=int, default=2,
                         help="training processes (devices) on this machine; collectives are timed among them")

@@ -316,7 +316,7 @@ def _numbers(text: str | None, kind: type, option: str, parser: argparse.Argumen
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="lightning-p2r plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="lightning-p2r plan", description=__doc__.split("\n\n")[0].replace("``", ""))
     parser.add_argument("--cluster", required=True, nargs="+",
                         help="cluster YAML (lightning-p2r calibrate writes one); several: the one calibrated for "
                              "--devices processes prices the run")

@@ -42,6 +42,15 @@ def test_each_command_has_its_own_help(command: str, capsys: pytest.CaptureFixtu
     assert code == 0
     assert f"lightning-p2r {command}" in text or (command in ("fit", "validate", "test", "predict")
                                                    and "--config" in text)
+    if command not in ("fit", "validate", "test", "predict"):  # LightningCLI's help quotes every class's docstring
+        assert "``" not in text.split("options:")[0]  # the module docstrings' reST markup stays out of the usage line
+
+
+def test_the_quickstart_command_table_lists_every_command() -> None:
+    table = (Path(__file__).parents[2] / "docs" / "quickstart.md").read_text(encoding="utf-8").split("## Commands")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| `")]
+    listed = {name for row in rows for name in re.findall(r"`([a-z-]+)`", row.split("|")[1])}
+    assert set(COMMANDS) <= listed, sorted(set(COMMANDS) - listed)
 
 
 def test_no_command_prints_the_commands_and_fails(capsys: pytest.CaptureFixture[str]) -> None:
