@@ -243,6 +243,10 @@ class TextDataModule(pl.LightningDataModule):
             except PreparedFromOtherInputs as error:
                 # prepare-data's fix (--overwrite, --out) names flags fit does not have.
                 raise PreparedDataError(other_inputs_in_fit(error, self.corpus)) from None
+            except PreparedDataError as error:
+                if error.in_fit is None:
+                    raise
+                raise PreparedDataError(error.in_fit) from None
 
     def _data_parallel_ranks(self) -> tuple[int, int]:
         """(replicas, rank) of this process's data-parallel group: tensor-parallel ranks share their batches."""

@@ -42,7 +42,13 @@ _LITDATA_HINT = ("litdata is not installed: run `pip install -c constraints.txt 
 
 
 class PreparedDataError(ValueError):
-    """A refused ``prepare-data`` input or prepared directory, reported as one line naming it."""
+    """A refused ``prepare-data`` input or prepared directory, reported as one line naming it. ``in_fit``: the same
+    refusal worded for a training run (``data.prepared``, ``data.corpus``), where the message names prepare-data's
+    own flags (``--out``, ``--overwrite``), which ``fit`` does not have."""
+
+    def __init__(self, message: str, *, in_fit: str | None = None) -> None:
+        super().__init__(message)
+        self.in_fit = in_fit
 
 
 class PreparedFromOtherInputs(PreparedDataError):
@@ -418,6 +424,8 @@ def read_manifest(directory: str | Path) -> Manifest:
     """The manifest of a prepared directory, refusing one that is missing, half-written or of another format."""
     directory = Path(directory).expanduser()
     hint = f"run `lightning-p2r prepare-data --source SOURCE --out {directory}`"
+    # A directory that exists but is damaged is rebuilt only with --overwrite (prepare-data refuses it otherwise).
+    again = f"run `lightning-p2r prepare-data --source SOURCE --out {directory} --overwrite`"
     if not directory.is_dir():
         partial, previous = _sibling(directory, ".partial"), _sibling(directory, ".previous")
         state = (" (an earlier prepare-data --overwrite stopped while replacing it; its old copy is in "
@@ -431,13 +439,13 @@ def read_manifest(directory: str | Path) -> Manifest:
         raw = json.loads(path.read_text())
         manifest = Manifest(**raw)
     except (ValueError, TypeError) as exc:
-        raise PreparedDataError(f"{path} is not a manifest this version reads ({exc}): {hint} again") from exc
+        raise PreparedDataError(f"{path} is not a manifest this version reads ({exc}): {again}") from exc
     if manifest.format != FORMAT:
-        raise PreparedDataError(f"{path} has format {manifest.format}, this version reads {FORMAT}: {hint} again")
+        raise PreparedDataError(f"{path} has format {manifest.format}, this version reads {FORMAT}: {again}")
     for split in manifest.splits:
         for where in manifest.split_dirs(split).values():
             if not (directory / where / "index.json").is_file():
-                raise PreparedDataError(f"{directory / where} has no index.json: {hint} again")
+                raise PreparedDataError(f"{directory / where} has no index.json: {again}")
     return manifest
 
 
@@ -455,13 +463,20 @@ def _check_out(out: Path, source: str | Iterable[str], overwrite: bool) -> None:
         path = Path(source).expanduser()
         if path.exists() and (path.resolve() == out or out in path.resolve().parents):
             raise PreparedDataError(f"--out {out} holds the corpus it would read ({source}): preparing it would "
-                                    "replace its own source; choose an --out outside the source")
+                                    "replace its own source; choose an --out outside the source",
+                                    in_fit=f"data.prepared {out} holds data.corpus ({source}): preparing into it "
+                                    "would replace the corpus; choose a --data.prepared folder outside it")
     if out.exists() and not out.is_dir():  # (out is resolved: a link is its target)
-        raise PreparedDataError(f"--out {out} is a file: prepare-data writes a directory; choose another --out")
+        raise PreparedDataError(f"--out {out} is a file: prepare-data writes a directory; choose another --out",
+                                in_fit=f"data.prepared {out} is a file: a prepared corpus is a directory; choose "
+                                "another --data.prepared folder")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST).is_file():
         raise PreparedDataError(f"--out {out} is a folder prepare-data did not write (no {MANIFEST}), and not empty: "
                                 "it replaces only prepared directories, even with --overwrite; choose another --out, "
-                                "or empty that folder yourself")
+                                "or empty that folder yourself",
+                                in_fit=f"data.prepared {out} is a folder prepare-data did not write (no {MANIFEST}) "
+                                "and not empty: choose another --data.prepared folder (fit prepares data.corpus into "
+                                "it), or empty that folder yourself")
     previous = _sibling(out, ".previous")
     if overwrite and previous.exists() and not (previous / MANIFEST).is_file():
         raise PreparedDataError(f"{previous} is in the way: prepare-data keeps the old {out.name} there while it "

@@ -148,6 +148,39 @@ def test_half_written_and_foreign_directories_are_refused(tmp_path: Path) -> Non
         TextDataModule(prepared=str(half))
 
 
+def test_fit_words_a_refused_prepared_folder_with_its_own_options(tmp_path: Path) -> None:
+    """A new-user audit: fit with ``data.prepared`` naming a folder of the user's, a file, or the corpus's own folder
+    was refused naming prepare-data's ``--out`` and ``--overwrite``, which fit does not take."""
+    source = _corpus(tmp_path / "src")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "todo.txt").write_text("mine")
+    (tmp_path / "file.txt").write_text("mine")
+    for prepared, refusal in ((notes, r"data.prepared .*notes is a folder prepare-data did not write"),
+                              (tmp_path / "file.txt", r"data.prepared .*file.txt is a file"),
+                              (source.parent, r"data.prepared .*src holds data.corpus")):
+        data = TextDataModule(corpus=str(source), prepared=str(prepared), tokenizer="bytes", seq_len=16, batch_size=4)
+        with pytest.raises(PreparedDataError, match=refusal) as refused:
+            data.prepare_data()
+        assert "--data.prepared" in str(refused.value)
+        assert "--out" not in str(refused.value) and "--overwrite" not in str(refused.value)
+    assert (notes / "todo.txt").read_text() == "mine" and (tmp_path / "file.txt").read_text() == "mine"
+
+
+def test_a_damaged_prepared_directory_names_the_command_that_rebuilds_it(tmp_path: Path) -> None:
+    out = tmp_path / "prepared"
+    prepare_data(str(_corpus(tmp_path / "src")), out, tokenizer="bytes", **QUIET)
+    (out / "train" / "index.json").unlink()
+    with pytest.raises(PreparedDataError, match=r"has no index.json: run .*prepare-data .*--overwrite`") as refused:
+        read_manifest(out)
+    # The command it names runs: a damaged directory is rebuilt only with --overwrite.
+    with pytest.raises(PreparedDataError, match="not complete: pass --overwrite"):
+        prepare_data(str(_corpus(tmp_path / "src")), out, tokenizer="bytes", **QUIET)
+    assert "--overwrite" in str(refused.value)
+    prepare_data(str(_corpus(tmp_path / "src")), out, tokenizer="bytes", overwrite=True, **QUIET)
+    assert read_manifest(out).tokenizer == "bytes"
+
+
 def _digest(folder: Path) -> dict[str, bytes]:
     return {str(path.relative_to(folder)): path.read_bytes() for path in sorted(folder.rglob("*")) if path.is_file()}
 
