@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from lightning_p2r.measure.calibrate import _free_port
+    from lightning_p2r.measure.run import free_port
 
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--widths", type=int, nargs="+", default=[80, 160])
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     owned = not dist.is_initialized()
     if owned:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         tiny_bytes = sum(p.numel() * p.element_size() for p in hook_stack(torch.device("cpu"))[0].parameters())

@@ -4,6 +4,7 @@ and a short fit on random tokens (the benchmarks, the calibration and the tests 
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -147,3 +148,33 @@ def fit_on_random_tokens(spec: dict[str, Any], strategy: P2RStrategy, *, warmup:
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=spec["global_batch"] // data_ranks // accumulate))
     steps = [b - a for a, b in zip(ends.ends[warmup - 1:], ends.ends[warmup:])]
     return trainer, module, statistics.median(steps)
+
+
+def fastest_medians(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int,
+                    rounds: int) -> dict[str, float]:
+    """Each step's median time, the steps timed in turn ``rounds`` times, keeping each one's fastest round: a
+    difference of two timings is otherwise at the mercy of one slow moment on a shared machine."""
+    seconds = dict.fromkeys(steps, math.inf)
+    for _ in range(rounds):
+        for name, step in steps.items():
+            seconds[name] = min(seconds[name], median_seconds(step, iters=repeats, device=device))
+    return seconds
+
+
+def core_share(fn: Callable[[], Any], threads: int) -> tuple[Any, float]:
+    """``fn()``'s result and the share of its ``threads`` cores the process got while it ran: its CPU time over the
+    wall time and the threads (1 when nothing else ran on the machine and every thread stayed busy)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = fn()
+    return result, (time.process_time() - cpu) / max(time.perf_counter() - wall, 1e-9) / threads
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now, for a process group of this machine's own."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+

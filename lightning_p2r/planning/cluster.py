@@ -383,9 +383,9 @@ def _is_range(value: Any) -> bool:
 
 
 TOKEN_COSTS = ("dense_token_overhead", "dense_token_width_overhead", "moe_token_overhead", "moe_token_width_overhead")
-"""The per-token layer costs (``lightning_p2r.measure.calibrate.token_overheads``)."""
+"""The per-token layer costs (``lightning_p2r.measure.layer_probes.token_overheads``)."""
 HF_TOKEN_COSTS = tuple(f"hf_{name}" for name in TOKEN_COSTS)
-"""The per-token costs of Hugging Face layers (``lightning_p2r.measure.calibrate.hf_token_overheads``)."""
+"""The per-token costs of Hugging Face layers (``lightning_p2r.measure.layer_probes.hf_token_overheads``)."""
 SIZE_DEPENDENT_LAYER_COSTS = (*TOKEN_COSTS, "moe_expert_weight_overhead")
 """The layer costs ``calibrate`` measures at more than one size; a CPU file with the fixed layer costs but none of
 these was written before they existed (``plan`` warns)."""

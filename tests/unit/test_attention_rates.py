@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from lightning_p2r.measure.calibrate import ATTENTION_GRID_QUICK, attention_rates, rate_rows
+from lightning_p2r.measure.device_probes import ATTENTION_GRID_QUICK, attention_rates, rate_rows
 from lightning_p2r.models.config import M6Config
 from lightning_p2r.planning.cluster import Cluster, cluster_from_dict, load_cluster, write_cluster
 from lightning_p2r.planning.layout import Layout, Workload

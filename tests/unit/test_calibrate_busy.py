@@ -8,7 +8,8 @@ import warnings
 import pytest
 
 from lightning_p2r.measure import calibrate as calibrate_module
-from lightning_p2r.measure.calibrate import BUSY_SHARE, BusyMachineWarning, busy_warnings, core_share
+from lightning_p2r.measure.calibrate import BUSY_SHARE, BusyMachineWarning, busy_warnings
+from lightning_p2r.measure.run import core_share
 from lightning_p2r.planning.cluster import Cluster, load_cluster
 
 

@@ -188,7 +188,7 @@ def test_a_layer_costs_what_calibrate_timed_for_its_family_and_falls_back_to_m6s
 
 
 def test_the_calibration_processes_average_the_family_timings_as_one_flat_tensor() -> None:
-    from lightning_p2r.measure.calibrate import flat_constants, nested_constants
+    from lightning_p2r.measure.collective_probes import flat_constants, nested_constants
 
     constants = {"step_overhead": 1e-3, "hf_layer_overheads": {"llama": 7e-4, "qwen3_moe:moe": 1.4e-3}}
     flat = flat_constants(constants)
@@ -219,7 +219,7 @@ def test_a_hugging_face_layer_pays_the_per_token_costs_timed_on_hugging_face_cod
 def test_the_per_token_costs_of_hugging_face_layers_come_from_their_timings_less_what_is_priced() -> None:
     """More time at 16 sequences than the priced growth is the per-token cost; a timing below the priced growth is
     noise and gives 0, never a negative cost; timings absent (no transformers) give nothing."""
-    from lightning_p2r.measure.calibrate import HF_LAYER_SECONDS, hf_token_overheads
+    from lightning_p2r.measure.layer_probes import HF_LAYER_SECONDS, hf_token_overheads
     from lightning_p2r.planning.cluster import Cluster
 
     cluster = Cluster(accelerator="cpu", devices=1, hf_layer_overheads={"llama": 7e-4})
@@ -347,7 +347,7 @@ def test_dropout_in_training_is_priced_where_the_model_drops() -> None:
     from dataclasses import replace
 
     from lightning_p2r import M6Config
-    from lightning_p2r.measure.calibrate import dropout_overheads
+    from lightning_p2r.measure.device_probes import dropout_overheads
     from lightning_p2r.planning import Cluster, Workload
     from lightning_p2r.planning.layout import Layout
     from lightning_p2r.planning.share import rank_share

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from lightning_p2r.measure.calibrate import (
+from lightning_p2r.measure.layer_probes import (
     LAYER_PROBE,
     LAYER_SECONDS,
     TOKEN_PROBE_SEQUENCES,
@@ -236,7 +236,7 @@ def test_each_layer_term_is_read_off_the_difference_of_its_two_probes(monkeypatc
     """``layer_overheads`` on a clock whose probe times follow a known law (a fixed cost per layer and kind, a cost
     per token and width unit, a cost per expert): every term it returns is that law's, the experts' cost taken out
     of the MoE layer's fixed cost."""
-    from lightning_p2r.measure import calibrate
+    from lightning_p2r.measure import layer_probes
 
     fixed = {"dense": 3e-4, "moe": 7e-4}
     per_token_width = {"dense": 2e-8, "moe": 5e-8}
@@ -271,7 +271,7 @@ def test_each_layer_term_is_read_off_the_difference_of_its_two_probes(monkeypatc
     def fake_fastest_medians(steps, device, repeats, rounds):
         return {name: probe_time(name) for name in steps}
 
-    monkeypatch.setattr(calibrate, "fastest_medians", fake_fastest_medians)
+    monkeypatch.setattr(layer_probes, "fastest_medians", fake_fastest_medians)
     costs = layer_overheads(torch.device("cpu"), repeats=1)
     narrow = TOKEN_PROBE_WIDTHS[0]
     assert narrow == LAYER_PROBE["dim"] == 16  # the law above prices the fixed probes at this width
@@ -293,7 +293,7 @@ def test_each_layer_term_is_read_off_the_difference_of_its_two_probes(monkeypatc
 def test_the_checkpointed_probe_runs_the_models_forward_and_backward_as_the_model_does() -> None:
     """``checkpointed_forward`` (each layer under the pipeline stage's checkpoint call) gives the model's own logits,
     losses and gradients: the probe times the same work, checkpointed."""
-    from lightning_p2r.measure.calibrate import checkpointed_forward
+    from lightning_p2r.measure.layer_probes import checkpointed_forward
 
     torch.manual_seed(0)
     model = M6Transformer(MOE)

@@ -120,7 +120,7 @@ def test_framework_seconds_are_counts_times_the_clusters_constants_and_join_the_
 def test_fsdp2_hooks_are_measured_per_hooked_module_and_micro_batch() -> None:
     import torch
 
-    from lightning_p2r.measure.calibrate import _one_process_hooks
+    from lightning_p2r.measure.collective_probes import one_process_hooks
     from lightning_p2r.measure.module_hooks import hook_call_overhead
 
     assert "module_hook_overhead" in MEASURED and "module_hook_overhead" not in FITTED
@@ -131,7 +131,7 @@ def test_fsdp2_hooks_are_measured_per_hooked_module_and_micro_batch() -> None:
         hook_call_overhead(0.01, 0.02, 0, 4)
     # The microbenchmark itself, on one process (a process group of its own for the while): a cost per module, far
     # less than a second (it is a difference of two timings floored at 0, so a busy machine may read it as 0).
-    seconds = _one_process_hooks(torch.device("cpu"), quick=True)
+    seconds = one_process_hooks(torch.device("cpu"), quick=True)
     assert 0 <= seconds < 0.05
 
 

@@ -205,7 +205,7 @@ def test_ring_formulas_by_hand() -> None:
 
 
 def test_each_collective_kind_gets_its_latency_and_bandwidth_from_several_sizes() -> None:
-    from lightning_p2r.measure.calibrate import collective_fit, collective_sizes
+    from lightning_p2r.measure.collective_probes import collective_fit, collective_sizes
 
     payloads = [256.0, 65536.0, 4194304.0]
     # All-to-all over 4 ranks at 1 GB/s bus bandwidth and 50 us per ring step: (3/4) p / 1e9 + 3 * 50e-6.
@@ -221,7 +221,7 @@ def test_each_collective_kind_gets_its_latency_and_bandwidth_from_several_sizes(
 
 
 def test_the_latency_is_the_mean_small_call_over_its_ring_steps() -> None:
-    from lightning_p2r.measure.calibrate import latency_per_step
+    from lightning_p2r.measure.collective_probes import latency_per_step
 
     # A 4-rank all-reduce has 2 (4 - 1) = 6 latency steps, a 2-rank one 2; a broadcast over 4 has 3.
     assert latency_per_step(6e-3, "all_reduce", 4) == pytest.approx(1e-3)
@@ -362,7 +362,7 @@ def test_each_matmul_call_pays_the_matmul_overhead_per_micro_batch_and_pass() ->
 
 
 def test_a_linear_layers_fixed_cost_is_the_intercept_of_its_time_in_the_rows() -> None:
-    from lightning_p2r.measure.calibrate import line_fit
+    from lightning_p2r.measure.device_probes import line_fit
 
     rows = [16, 32, 64, 128]
     # 90 us at no rows, 4 us per row.
@@ -372,7 +372,7 @@ def test_a_linear_layers_fixed_cost_is_the_intercept_of_its_time_in_the_rows() -
 
 
 def test_the_matmul_costs_split_a_calls_fixed_cost_from_its_weights_traffic_in_the_caches() -> None:
-    from lightning_p2r.measure.calibrate import WEIGHT_PASSES, matmul_costs
+    from lightning_p2r.measure.device_probes import WEIGHT_PASSES, matmul_costs
 
     operator = 2e-6
     sizes = [16 * 1024, 64 * 1024, 256 * 1024, 1024 * 1024]
@@ -393,7 +393,7 @@ def test_the_matmul_costs_split_a_calls_fixed_cost_from_its_weights_traffic_in_t
 
 
 def test_the_batch_overhead_is_the_added_batches_time_beyond_their_modelled_work() -> None:
-    from lightning_p2r.measure.calibrate import STEP_OVERHEAD_MODEL, batch_call_overhead, modelled_added_batches
+    from lightning_p2r.measure.step_overhead import STEP_OVERHEAD_MODEL, batch_call_overhead, modelled_added_batches
 
     # 10 ms for one batch, 31 ms for four, of which the model prices 6 ms of work: 5 ms per added batch.
     assert batch_call_overhead(0.010, 0.031, 4, 0.006) == pytest.approx(0.005)
