@@ -42,13 +42,15 @@ def parse_bytes(value: int | str, total: int | None = None, name: str = "device_
         return int(total * share / 100)
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:e[0-9]+)?)([kmgt]i?b|b)?", text)
     if not match:
-        raise ValueError(f"{name} {value!r} is not a size: use bytes, '12GB', '512MiB' or '80%'")
+        sizes = "bytes, '12GB', '512MiB' or '80%'" if total is not None else "bytes, '12GB' or '512MiB'"
+        raise ValueError(f"{name} {value!r} is not a size: use {sizes}")
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 def check_offload_options(*, offload_fraction: float | None, offload_blocks: Sequence[int] | None,
                           device_memory_budget: int | str | None, offload_states: Sequence[str] | None, prefetch: int,
-                          pin_memory: object, overlap_host_step: object, host_step: object = "exact") -> set[str]:
+                          pin_memory: object, overlap_host_step: object, host_step: object = "exact",
+                          activation_allowance: object = 0) -> set[str]:
     """Validate ``P2RStrategy``'s offload options; returns the offload states to use (all three by default)."""
     given = [n for n, v in (("offload_fraction", offload_fraction), ("offload_blocks", offload_blocks),
                             ("device_memory_budget", device_memory_budget)) if v is not None]
@@ -62,8 +64,10 @@ def check_offload_options(*, offload_fraction: float | None, offload_blocks: Seq
     if device_memory_budget is not None and not isinstance(device_memory_budget, str):
         if device_memory_budget <= 0:
             raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")
-    if isinstance(device_memory_budget, str):
-        parse_bytes(device_memory_budget, total=1)  # syntax check now; the percentage base comes at setup
+    # A syntax check now, a percentage of a large stand-in: its base, the device's memory, comes at setup.
+    if isinstance(device_memory_budget, str) and parse_bytes(device_memory_budget, total=2**50) <= 0:
+        raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget!r}")
+    _check_activation_allowance(activation_allowance, budget_given=device_memory_budget is not None)
     states = set(offload_states or OFFLOAD_STATES)
     unknown = states - set(OFFLOAD_STATES)
     if unknown or not {"grads", "optimizer"} <= states:
@@ -83,6 +87,22 @@ def check_offload_options(*, offload_fraction: float | None, offload_blocks: Seq
         raise ValueError("P2RStrategy(host_step='delayed') delays offloaded blocks' host optimizer steps, but nothing "
                          "is offloaded: add offload_fraction, offload_blocks or device_memory_budget")
     return states
+
+
+def _check_activation_allowance(value: object, *, budget_given: bool) -> None:
+    """Bytes (or a size, not a percentage: of what?) that ``device_memory_budget`` keeps for activations; without a
+    budget it would be ignored, so it is refused instead."""
+    name = "P2RStrategy.activation_allowance"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{name} must be bytes or a size string such as '2GB', got {value!r}")
+    if isinstance(value, str) and value.strip().endswith("%"):
+        raise ValueError(f"{name} is bytes or a size such as '2GB', not a percentage, got {value!r}")
+    allowance = parse_bytes(value, name=name)
+    if allowance < 0:
+        raise ValueError(f"{name} must be >= 0, got {value!r}")
+    if allowance and not budget_given:
+        raise ValueError(f"{name}={value!r} reserves part of device_memory_budget for activations, but no "
+                         "device_memory_budget is given: add one, or leave activation_allowance at 0")
 
 
 HOST_STEPS = ("exact", "delayed")

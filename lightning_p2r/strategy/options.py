@@ -132,7 +132,8 @@ class OffloadConfig:
     """Device bytes for model states ("12GB", "512MiB", "80%" of the device); as many blocks as fit stay resident."""
 
     activation_allowance: int | float | str = 0
-    """Bytes (or a size string) the budget reserves for activations."""
+    """Bytes (or a size string such as "2GB", not a percentage) that device_memory_budget reserves for activations;
+    refused without a budget, where it would do nothing."""
 
     offload_states: list[OffloadState] | None = None
     """What offloaded blocks keep on the host: always "grads" and "optimizer" (their optimizer step runs on the
@@ -171,7 +172,7 @@ class OffloadConfig:
             offload_fraction=self.offload_fraction, offload_blocks=self.offload_blocks,
             device_memory_budget=self.device_memory_budget, offload_states=self.offload_states,
             prefetch=self.prefetch, pin_memory=self.pin_memory, overlap_host_step=self.overlap_host_step,
-            host_step=self.host_step)
+            host_step=self.host_step, activation_allowance=self.activation_allowance)
         # Stored resolved (all three by default), sorted so equal settings compare equal.
         object.__setattr__(self, "offload_states", sorted(states))
         check_bool("log_telemetry", self.log_telemetry)
