@@ -1,7 +1,8 @@
 """A cluster described by the constants the cost model needs, read from (and written to) a small YAML file.
 
-Sizes take numbers or strings with units ("32GB", "12.5GB/s", "125T" FLOP/s, "5us"); every value is checked
-before any planning starts, and a wrong one names the field and the file.
+Sizes take numbers or strings with units ("32GB", "12.5GB/s", "200Gbit/s", "125T" FLOP/s, "5us"); every value is
+checked before any planning starts, and a wrong one names the field and the file. Bits are divided by 8; a spelling
+that reads as bits or bytes ("200Gb/s") is refused.
 """
 
 from __future__ import annotations
@@ -19,9 +20,33 @@ _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15,
 _TIME = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
 
+_PREFIX = re.compile(r"([kmgtp]i?)?(.*)", re.IGNORECASE)
+_UNITS_HINT = ("B or B/s for bytes, bit/s or bps for bits (divided by 8), FLOP/s; prefixes k, M, G, T, P (powers of "
+               "1000) or Ki, Mi, Gi, Ti, Pi (powers of 1024)")
+
+
+def _unit_factor(unit: str, value: Any, name: str, number: float, prefix: str) -> float:
+    """The factor a unit (after its prefix) turns the number into: 1 for bytes, FLOP/s and plain rates, 1/8 for
+    bits. A lowercase ``b`` alone (``Gb/s``, ``Gb``) and ``Bps`` are refused: readers take them for bits or bytes."""
+    lowered = unit.lower()
+    rate = "/s" if lowered.endswith("/s") or lowered.endswith("ps") else ""
+    if unit in ("b", "b/s") or (lowered == "bps" and unit != "bps"):  # GBps is a letter's case away from Gbps
+        bits, as_bytes, in_bytes = (f"{number:g}{prefix}bit{rate}", f"{number / 8:g}{prefix}B{rate}",
+                                    f"{number:g}{prefix}B{rate}")
+        raise ValueError(f"{name}: {value!r} is ambiguous, bits to some readers and bytes to others: write {bits} for "
+                         f"bits (read as {as_bytes}) or {in_bytes} for bytes")
+    if lowered in ("", "/s", "b", "b/s", "byte", "bytes", "byte/s", "bytes/s", "flop", "flops", "flop/s"):
+        return 1.0
+    if lowered in ("bit", "bits", "bit/s", "bits/s", "bps"):
+        return 1 / 8
+    raise ValueError(f"{name}: unknown unit in {value!r} (use {_UNITS_HINT})")
+
+
 def parse_quantity(value: Any, name: str, *, unit: str = "") -> float:
     """A number, or a string of a number with an SI or binary prefix and an optional unit: "32GB", "24GiB",
-    "12.5GB/s", "125T", "125TFLOP/s", "1e12". ``unit="s"`` reads times instead ("5us", "2ms")."""
+    "12.5GB/s", "125T", "125TFLOP/s", "1e12". Bits convert exactly: "200Gbit/s" and "200Gbps" are 25e9 bytes/s;
+    a lowercase ``b`` alone ("200Gb/s") and "GBps" are refused as ambiguous, naming both readings. ``unit="s"`` reads
+    times instead ("5us", "2ms")."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if isinstance(value, (int, float)):
@@ -31,7 +56,8 @@ def parse_quantity(value: Any, name: str, *, unit: str = "") -> float:
     text = value.strip().replace(" ", "")
     match = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)([A-Za-zµ/]*)", text)
     if match is None:
-        raise ValueError(f"{name}: cannot read {value!r} as a quantity (examples: 32GB, 12.5GB/s, 125T, 5us)")
+        raise ValueError(f"{name}: cannot read {value!r} as a quantity (examples: 32GB, 12.5GB/s, 200Gbit/s, 125T, "
+                         "5us)")
     number, suffix = float(match.group(1)), match.group(2)
     if unit == "s":
         if suffix == "":  # YAML reads 1e-9 (no dot) as a string
@@ -39,15 +65,10 @@ def parse_quantity(value: Any, name: str, *, unit: str = "") -> float:
         if suffix not in _TIME:
             raise ValueError(f"{name}: cannot read {value!r} as a time (examples: 5us, 2ms, 0.001s)")
         return number * _TIME[suffix]
-    lowered = suffix.lower()
-    for tail in ("flop/s", "flops", "b/s", "bps", "/s", "b", "flop"):
-        if lowered.endswith(tail):
-            lowered = lowered[: -len(tail)]
-            break
-    if lowered not in _SCALE:
-        raise ValueError(f"{name}: unknown unit in {value!r} (use k, M, G, T, P or Ki, Mi, Gi, Ti with B, B/s or "
-                         "FLOP/s)")
-    return number * _SCALE[lowered]
+    prefix, rest = _PREFIX.fullmatch(suffix).groups()  # type: ignore[union-attr]  # (.*) always matches
+    prefix = (prefix or "").lower()
+    shown = (prefix[:1].upper() if prefix[:1] != "k" else "k") + prefix[1:]  # the hint's spelling: G, Gi, k
+    return number * _SCALE[prefix] * _unit_factor(rest, value, name, number, shown)
 
 
 ACCELERATORS = ("cuda", "cpu")

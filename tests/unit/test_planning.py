@@ -58,6 +58,36 @@ def test_quantities_read_with_their_units(text, unit, value) -> None:
     assert parse_quantity(text, "x", unit=unit) == pytest.approx(value)
 
 
+@pytest.mark.parametrize(("text", "value"), [
+    ("200Gbit/s", 25e9), ("400 Gbit/s", 50e9), ("100Gbps", 12.5e9), ("100gbps", 12.5e9), ("8Mbits/s", 1e6),
+    ("64kbit", 8e3), ("1Gibit/s", 2**30 / 8), ("25GB/s", 25e9), ("25 GB/s", 25e9), ("2bytes/s", 2.0),
+])
+def test_bit_rates_convert_exactly_to_bytes(text, value) -> None:
+    # a network's datasheet speed is in bits; read as bytes it priced every inter-node collective 8x too fast
+    assert parse_quantity(text, "inter_node_bandwidth") == value
+
+
+@pytest.mark.parametrize(("text", "hint"), [
+    ("200Gb/s", "write 200Gbit/s for bits (read as 25GB/s) or 200GB/s for bytes"),
+    ("200gb/s", "write 200Gbit/s for bits (read as 25GB/s) or 200GB/s for bytes"),
+    ("80Gb", "write 80Gbit for bits (read as 10GB) or 80GB for bytes"),
+    ("12.5GBps", "write 12.5Gbit/s for bits (read as 1.5625GB/s) or 12.5GB/s for bytes"),
+    ("10GBPS", "write 10Gbit/s for bits (read as 1.25GB/s) or 10GB/s for bytes"),
+])
+def test_ambiguous_bit_or_byte_units_are_refused_with_both_readings(text, hint) -> None:
+    with pytest.raises(ValueError, match="ambiguous") as error:
+        cluster_from_dict({"inter_node_bandwidth": text}, source="my.yaml")
+    assert str(error.value).startswith(f"my.yaml: inter_node_bandwidth: {text!r} is ambiguous")
+    assert hint in str(error.value)
+
+
+def test_an_unknown_unit_names_the_field_value_and_the_accepted_units() -> None:
+    with pytest.raises(ValueError) as error:
+        cluster_from_dict({"inter_node_bandwidth": "25GB/min"}, source="my.yaml")
+    assert str(error.value).startswith("my.yaml: inter_node_bandwidth: unknown unit in '25GB/min' (use B or B/s for "
+                                       "bytes, bit/s or bps for bits (divided by 8)")
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"device_memory": "-1GB"}, "cannot read"),
     ({"device_memory": -5}, "device_memory must be > 0"),
