@@ -21,6 +21,8 @@ from typing import Any
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
+from ..files import write_atomically
+
 ERRORS_ENV = "P2R_RANK_ERRORS"
 """The folder where each rank started by the launcher writes its error (set by the launching process)."""
 
@@ -35,8 +37,15 @@ def describe(error: BaseException) -> str:
     return text if isinstance(error, ValueError) else f"{type(error).__name__}: {text}"
 
 
+def write_rank_error(folder: str | Path, rank: int, text: str) -> None:
+    """A launched rank's error, for the launching process: written whole or not at all, since the launching process
+    stops the other ranks as soon as its own error (often the same) is raised, which can cut a plain write short and
+    left it an empty ``rank 1:`` line to report."""
+    write_atomically(Path(folder, f"rank-{rank}.txt"), text)
+
+
 def read_rank_errors(folder: Path) -> dict[int, str]:
-    """The errors the ranks wrote, by rank."""
+    """The errors the ranks wrote, by rank (a rank stopped while writing left none: its temporary file is skipped)."""
     return {int(path.stem.split("-", 1)[1]): path.read_text(encoding="utf-8")
             for path in sorted(folder.glob("rank-*.txt"))}
 
@@ -130,7 +139,6 @@ class CheckingLauncher(_SubprocessScriptLauncher):
             return function(*args, **kwargs)
         except BaseException as error:
             if folder and os.path.isdir(folder) and not isinstance(error, KeyboardInterrupt):
-                rank = self.cluster_environment.global_rank()
-                Path(folder, f"rank-{rank}.txt").write_text(describe(error), encoding="utf-8")
+                write_rank_error(folder, self.cluster_environment.global_rank(), describe(error))
                 sys.excepthook = _quiet_excepthook
             raise

@@ -7,7 +7,7 @@ import pytest
 from helpers import TINY, tiny_data, tiny_trainer
 
 from lightning_p2r import M6Config, M6LanguageModel, P2RStrategy
-from lightning_p2r.strategy.launch import summarize
+from lightning_p2r.strategy.launch import read_rank_errors, summarize, write_rank_error
 
 CASES = {
     "tensor degree": ({"tensor_parallel": 2}, {}, 3, r"tensor_parallel=2\) must divide the number of processes \(3\)"),
@@ -37,6 +37,23 @@ def test_the_ranks_errors_are_summarized_once_per_distinct_text() -> None:
     errors = {1: "ValueError: x", 2: "ValueError: x", 3: "RuntimeError: y"}
     assert summarize(errors) == ["ranks 1, 2: ValueError: x", "rank 3: RuntimeError: y"]
     assert summarize(errors, skip="ValueError: x") == ["rank 3: RuntimeError: y"]
+
+
+def test_a_rank_error_is_read_whole_or_not_at_all(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launching process stops the other ranks as soon as its own error is raised; a rank stopped mid-write used
+    to leave an empty file, reported as a bare ``rank 1:`` line under the error (a damaged checkpoint resumed on 2
+    processes)."""
+    write_rank_error(tmp_path, 1, "ValueError: rank 1's refusal")
+    assert read_rank_errors(tmp_path) == {1: "ValueError: rank 1's refusal"}
+
+    def stopped(*args: object) -> None:
+        raise KeyboardInterrupt  # the rank terminated between writing and renaming
+
+    monkeypatch.setattr("os.replace", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        write_rank_error(tmp_path, 2, "ValueError: rank 2's refusal")
+    assert read_rank_errors(tmp_path) == {1: "ValueError: rank 1's refusal"}
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["rank-1.txt"]
 
 
 def test_a_one_process_fit_runs_on_one_thread(tmp_path: Path) -> None:
