@@ -20,6 +20,7 @@ from torch import nn
 
 from . import register_strategies
 from .generation import generate_tokens_uncached, prompt_batch
+from .layout import ModelShape
 from .models.decoders import (
     KNOWN_DECODERS,
     DecoderParts,
@@ -186,6 +187,23 @@ class CausalLMModule(L.LightningModule):
                                self._declared().residual_outputs)
             else:
                 share_layers(self.model, layers, self.num_unique_blocks, self.sharing)
+
+    def model_shape(self) -> ModelShape | None:
+        """The sizes the layout rules check, from the config, before the model is built (``protocols.StatesShape``):
+        a tensor or expert degree that does not divide them is refused before any other rank starts. None for a
+        model given whole without a Hugging Face or litgpt config (placement checks it)."""
+        if self._hf_config_read is not None:
+            return ModelShape.of_hf_config(self._hf_config_read, "CausalLMModule.hf_config")
+        if self.litgpt_config is not None:
+            from litgpt import Config  # installed where litgpt_config is used (build_litgpt_model says how)
+
+            return ModelShape.of_litgpt_config(Config(**self.litgpt_config), "CausalLMModule.litgpt_config")
+        config = getattr(self.model, "config", None)
+        if family_of(self.model) == "litgpt":
+            return ModelShape.of_litgpt_config(config, f"{type(self.model).__name__}.config")
+        if isinstance(getattr(config, "model_type", None), str):
+            return ModelShape.of_hf_config(config, f"{type(self.model).__name__}.config")
+        return None
 
     def _declare_plan(self) -> None:
         """litgpt's GPT and Hugging Face's GPT-2 declare no parallel plan (other Hugging Face models carry theirs in

@@ -350,3 +350,16 @@ class StatesSizes(Protocol):
     checks the layout against them before placing anything; another model is checked by what placement reads."""
 
     config: ModelSizes
+
+
+@runtime_checkable
+class StatesShape(Protocol):
+    """A LightningModule that states its model's sizes before the model exists (``CausalLMModule`` reads them from
+    its Hugging Face or litgpt config), so the strategy checks the layout against them in the launching process,
+    before any other rank starts, as it does for a :class:`StatesSizes` model."""
+
+    def model_shape(self) -> Any:
+        """A ``lightning_p2r.layout.ModelShape`` naming the config's own fields, or None where the sizes are not
+        known before the model is built."""
+        ...
+

@@ -172,6 +172,17 @@ class ModelShape:
     """Experts every token runs beside the routed ones (``M6Config.always_on_experts``)."""
     loss_free_balancing: bool = False
     """Whether routing biases move with the observed load (``M6Config.router_balance="bias"``)."""
+    owner: str = "the model"
+    """Who states the sizes, for messages (``"CausalLMModule.hf_config"``)."""
+    fields: tuple[tuple[str, str], ...] = ()
+    """(size, the config's own field) where the config names a size otherwise (a Hugging Face config's
+    ``num_attention_heads`` for ``num_heads``), so a refusal names the field the user wrote; ``moe_layers``: why it
+    has no MoE layers."""
+
+    def field(self, size: str) -> str:
+        """The config's name of ``size`` (one of this class's fields)."""
+        defaults = {"num_kv_heads": "num_key_value_heads", "moe_layers": "its moe_layers are empty"}
+        return dict(self.fields).get(size, defaults.get(size, size))
 
     @classmethod
     def of(cls, config: Any) -> ModelShape:
@@ -186,6 +197,50 @@ class ModelShape:
                    shared_experts=getattr(config, "unique_experts", config.num_experts) < config.num_experts,
                    always_on_experts=getattr(config, "always_on_experts", 0),
                    loss_free_balancing=getattr(config, "router_balance", "aux_loss") == "bias")
+
+    @classmethod
+    def of_hf_config(cls, config: Any, owner: str) -> ModelShape:
+        """From a Hugging Face config object (its fields read by name, nothing imported): the sizes the strategy
+        checks again when it splits the built model (``strategy.parallel.hf_plan``), named as the config names them
+        (a GPT-2 config's ``n_head``)."""
+        aliases = dict(getattr(config, "attribute_map", {}))  # an alias -> the family's own field
+
+        def label(field: str) -> str:  # the family's field, and the aliases a config dict may give it by
+            own = aliases.get(field, field)
+            other = sorted(alias for alias, target in aliases.items() if target == own)
+            return own + (f" (or {', '.join(other)})" if other else "")
+
+        named = {"num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads",
+                 "vocab_size": "vocab_size", "hidden_dim": "intermediate_size", "num_layers": "num_hidden_layers"}
+        sizes = {size: getattr(config, field, None) for size, field in named.items()}
+        fields = {size: label(field) for size, field in named.items()}
+        if sizes["hidden_dim"] is None and getattr(config, "model_type", None) == "gpt2":  # GPT-2's plan splits n_inner
+            inner, width = getattr(config, "n_inner", None), getattr(config, "n_embd", None)
+            sizes["hidden_dim"], fields["hidden_dim"] = inner or (4 * width if width else None), "n_inner"
+        # The routed experts, by the families' names (Mixtral, Qwen-MoE and OLMoE, DeepSeek).
+        counted = next(((field, count) for field in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if isinstance(count := getattr(config, field, None), int) and count > 0), None)
+        if counted is not None:
+            fields["num_experts"] = label(counted[0])
+        else:
+            fields["moe_layers"] = "it sets no num_experts, num_local_experts or n_routed_experts"
+        return cls._stated(sizes, fields, counted[1] if counted else 0, owner)
+
+    @classmethod
+    def of_litgpt_config(cls, config: Any, owner: str) -> ModelShape:
+        """From a litgpt ``Config`` (what ``models.litgpt_plan`` checks again when it splits the built model)."""
+        named = {"num_heads": "n_head", "num_kv_heads": "n_query_groups", "vocab_size": "padded_vocab_size",
+                 "hidden_dim": "intermediate_size", "num_layers": "n_layer"}
+        sizes = {size: getattr(config, field, None) for size, field in named.items()}
+        experts = getattr(config, "n_expert", 0) if getattr(config, "mlp_class_name", None) == "LLaMAMoE" else 0
+        fields = named | {"num_experts": "n_expert", "moe_layers": "its mlp_class_name is not 'LLaMAMoE'"}
+        return cls._stated(sizes, fields, experts or 0, owner)
+
+    @classmethod
+    def _stated(cls, sizes: dict[str, Any], fields: dict[str, str], num_experts: int, owner: str) -> ModelShape:
+        known = {size: value for size, value in sizes.items() if isinstance(value, int) and not isinstance(value, bool)}
+        return cls(num_layers=known.pop("num_layers", 0), **known, num_experts=num_experts, moe=num_experts > 0,
+                   owner=owner, fields=tuple(sorted(fields.items())))
 
 
 def check_parallel_options(layout: Layout) -> None:
@@ -293,29 +348,35 @@ def check_devices(layout: Layout, devices: int, *, accelerator: bool = True) -> 
 
 
 def check_model(layout: Layout, model: ModelShape, devices: int | None = None) -> None:
-    """Refuse a model these degrees cannot split, naming the numbers."""
+    """Refuse a model these degrees cannot split, naming the numbers (and the config fields that hold them)."""
     tp, ep = layout.tensor_parallel, layout.expert_parallel
+    owner = model.owner
+
+    def size(name: str, value: int) -> str:  # "num_local_experts=3 (or num_experts)"
+        field, _, aliases = model.field(name).partition(" (")
+        return f"{owner}'s {field}={value}" + (f" ({aliases}" if aliases else "")
+
     if model.num_heads is not None and model.num_heads % tp:
-        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: the model's "
-                         f"num_heads={model.num_heads} must be divisible by it (use tensor_parallel in "
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: "
+                         f"{size('num_heads', model.num_heads)} must be divisible by it (use tensor_parallel in "
                          f"{divisors(model.num_heads)})")
     if model.num_kv_heads is not None and model.num_kv_heads % tp:
-        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: the model's "
-                         f"num_key_value_heads={model.num_kv_heads} must be divisible by it (use tensor_parallel in "
-                         f"{divisors(model.num_kv_heads)})")
+        raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits attention by heads: "
+                         f"{size('num_kv_heads', model.num_kv_heads)} must be divisible by it (use tensor_parallel "
+                         f"in {divisors(model.num_kv_heads)})")
     if model.vocab_size is not None and model.vocab_size % tp:
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the embedding and output by vocabulary: "
-                         f"the model's vocab_size={model.vocab_size} must be divisible by it")
+                         f"{size('vocab_size', model.vocab_size)} must be divisible by it")
     if model.hidden_dim is not None and model.hidden_dim % tp:
         raise ValueError(f"P2RStrategy(tensor_parallel={tp}) splits the feed-forward layers and experts by hidden "
-                         f"units: the model's hidden_dim={model.hidden_dim} must be divisible by it (use "
+                         f"units: {size('hidden_dim', model.hidden_dim)} must be divisible by it (use "
                          f"tensor_parallel in {divisors(model.hidden_dim)})")
     if ep > 1 and not model.moe:
-        raise ValueError(f"P2RStrategy(expert_parallel={ep}) needs MoE layers, and the model has none "
-                         "(its moe_layers are empty)")
+        raise ValueError(f"P2RStrategy(expert_parallel={ep}) needs MoE layers, and {owner} has none "
+                         f"({model.field('moe_layers')})")
     if ep > 1 and model.num_experts % ep:
         raise ValueError(f"P2RStrategy(expert_parallel={ep}) gives each expert-parallel rank num_experts / "
-                         f"expert_parallel experts: the model's num_experts={model.num_experts} must be divisible "
+                         f"expert_parallel experts: {size('num_experts', model.num_experts)} must be divisible "
                          f"by it (use expert_parallel in {divisors(model.num_experts)})")
     if layout.pipeline_parallel > 1 and model.moe and model.loss_free_balancing:
         raise ValueError(f"P2RStrategy(pipeline_parallel={layout.pipeline_parallel}) with the model's "

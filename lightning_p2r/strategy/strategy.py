@@ -41,7 +41,7 @@ from ..layout import (
     pin_memory_for,
     plan_summary,
 )
-from ..protocols import InitializesByName, ModelSizes, NamesBlockList, StatesSizes
+from ..protocols import InitializesByName, ModelSizes, NamesBlockList, StatesShape, StatesSizes
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
 from .accounting import CollectiveCounter, CollectiveStats, counting
 from .blocks import BlockCallCheck, DeclaredBlocks, declare_blocks
@@ -368,10 +368,15 @@ class P2RStrategy(ParallelStrategy):
         self._log_setup(placed)
 
     def check_model_sizes(self, holder: nn.Module | None) -> None:
-        """The layout's rules against the sizes a model states (``StatesSizes``), before it is placed."""
+        """The layout's rules against the sizes a model states (``StatesSizes``, or a module's ``StatesShape``),
+        before it is placed."""
+        shape = None
         if isinstance(holder, StatesSizes) and isinstance(holder.config, ModelSizes):
-            check_layout(self.layout, self.world_size, ModelShape.of(holder.config),
-                         accelerator=self.context().device.type != "cpu")
+            shape = ModelShape.of(holder.config)
+        elif isinstance(holder, StatesShape):
+            shape = holder.model_shape()
+        if shape is not None:
+            check_layout(self.layout, self.world_size, shape, accelerator=self.context().device.type != "cpu")
 
     def _use_layout_clipping(self) -> None:
         """Lightning clips through the precision plugin with torch's clip_grad_norm_, which cannot combine norms on

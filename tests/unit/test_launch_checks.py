@@ -73,3 +73,68 @@ def test_a_one_process_fit_runs_on_one_thread(tmp_path: Path) -> None:
     trainer = tiny_trainer(tmp_path, strategy=P2RStrategy(), callbacks=[Threads()], max_steps=1)
     trainer.fit(M6LanguageModel(M6Config(**TINY)), datamodule=tiny_data(tmp_path))
     assert seen and not any("p2r-rank-observer" in names for names in seen), seen
+
+
+def _two_processes(strategy: P2RStrategy) -> P2RStrategy:
+    """The strategy as a Trainer on two CPU devices hands it to the launcher."""
+    import torch
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.parallel_devices = [torch.device("cpu")] * 2
+    strategy.num_nodes = 1
+    return strategy
+
+
+QWEN3_MOE = {"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+             "moe_intermediate_size": 16, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 8}
+LLAMA = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2}
+CAUSAL_LM_CASES = {
+    "heads": ({"tensor_parallel": 2}, QWEN3_MOE | {"num_attention_heads": 3, "num_key_value_heads": 3},
+              r"tensor_parallel=2\) splits attention by heads: CausalLMModule.hf_config's num_attention_heads=3 "),
+    "key/value heads": ({"tensor_parallel": 2}, QWEN3_MOE | {"num_key_value_heads": 1},
+                        r"tensor_parallel=2\) .* CausalLMModule.hf_config's num_key_value_heads=1 must be divisible"),
+    "experts": ({"expert_parallel": 2}, QWEN3_MOE | {"num_experts": 3},
+                r"expert_parallel=2\) .* CausalLMModule.hf_config's num_local_experts=3 \(or num_experts\) must be "),
+    "dense": ({"expert_parallel": 2}, LLAMA,
+              r"expert_parallel=2\) needs MoE layers, and CausalLMModule.hf_config has none \(it sets no num_experts"),
+    "gpt2": ({"tensor_parallel": 2}, {"model_type": "gpt2", "vocab_size": 64, "n_head": 3, "n_embd": 48, "n_layer": 2},
+             r"CausalLMModule.hf_config's n_head=3 \(or num_attention_heads\) must be divisible"),
+    "llama width": ({"tensor_parallel": 2}, LLAMA | {"intermediate_size": 63},
+                    r"CausalLMModule.hf_config's intermediate_size=63 must be divisible"),
+}
+
+
+@pytest.mark.parametrize("case", CAUSAL_LM_CASES, ids=list(CAUSAL_LM_CASES))
+def test_a_causal_lm_config_the_degrees_cannot_split_is_refused_before_launch(case: str) -> None:
+    """CausalLMModule states its config's sizes (protocols.StatesShape): the launching process refuses them by the
+    config's own field names, as it does an M6 model's, instead of every rank failing once it has built the model."""
+    from lightning_p2r import CausalLMModule
+
+    options, hf_config, message = CAUSAL_LM_CASES[case]
+    module = CausalLMModule(hf_config=hf_config)
+    with pytest.raises(ValueError, match=message):
+        _two_processes(P2RStrategy(**options)).check_before_launch(None, module)
+
+
+def test_the_tests_hugging_face_configs_pass_the_check_before_launch() -> None:
+    """The stated sizes refuse nothing placement runs: each test family (Hugging Face's, litgpt's) with
+    tensor_parallel=2 (and
+    expert_parallel=2 where it has experts) passes, a model given whole is stated from its own config, and a model
+    without one states nothing (placement checks it)."""
+    import torch
+    from hf_models import CONFIGS, LITGPT_CONFIGS
+
+    from lightning_p2r import CausalLMModule
+    from lightning_p2r.layout import ModelShape
+
+    modules = {name: CausalLMModule(hf_config=config) for name, config in CONFIGS.items()}
+    modules |= {name: CausalLMModule(litgpt_config=config) for name, config in LITGPT_CONFIGS.items()}
+    for name, module in modules.items():
+        shape = module.model_shape()
+        assert isinstance(shape, ModelShape) and shape.num_heads == 4 and shape.num_layers == 4, name
+        for options in [{"tensor_parallel": 2}] + ([{"expert_parallel": 2}] if shape.moe else []):
+            _two_processes(P2RStrategy(**options)).check_before_launch(None, module)
+    assert CausalLMModule(model=torch.nn.Linear(2, 2)).model_shape() is None
