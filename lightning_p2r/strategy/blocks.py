@@ -100,6 +100,52 @@ def block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     return found
 
 
+HOW_TO_DECLARE = ("hold the blocks in one nn.ModuleList that a module's forward runs in order, and name it if the "
+                  "strategy does not take it: P2RStrategy(blocks='<dotted path>'), or the LightningModule's "
+                  "block_list() returning that path and block_holder() the module whose forward runs it "
+                  "(protocols.NamesBlockList; docs/your_model.md, 'Which modules are the blocks')")
+
+
+def _contents(container: nn.Module) -> str:
+    counts: dict[str, int] = {}
+    for child in container.children():
+        counts[type(child).__name__] = counts.get(type(child).__name__, 0) + 1
+    return ", ".join(f"{count} x {kind}" for kind, count in counts.items()) or "nothing"
+
+
+def why_not_blocks(module: nn.Module, limit: int = 8) -> list[str]:
+    """Each container (``nn.ModuleList``, ``nn.Sequential``, ``nn.ModuleDict``) in ``module``, under its first name,
+    with why :func:`detect_block_list` does not take it as the block list (the first ``limit``, then a count)."""
+    unsplit = {name for child in module.modules() for name in (getattr(child, "_no_split_modules", None) or ())}
+    seen: set[int] = set()
+    reasons = []
+    for name, child in module.named_modules():
+        if not isinstance(child, _CONTAINERS) or id(child) in seen:
+            continue
+        seen.add(id(child))
+        what = f"{name or type(module).__name__} ({type(child).__name__} of {_contents(child)})"
+        if not isinstance(child, nn.ModuleList):
+            reasons.append(f"{what}: not an nn.ModuleList")
+        elif len(child) < 2:
+            reasons.append(f"{what}: fewer than two modules")
+        elif len({type(block) for block in child}) > 1 and not all(
+                unsplit.intersection(cls.__name__ for cls in type(block).__mro__) for block in child):
+            reasons.append(f"{what}: modules of different classes")
+    if len(reasons) > limit:
+        reasons = reasons[:limit] + [f"and {len(reasons) - limit} more"]
+    return reasons
+
+
+def no_block_list_message(module: nn.Module) -> str:
+    """Why no block list was found in ``module`` (a LightningModule): the containers looked at, each with why it was
+    not taken, and how to declare one."""
+    reasons = why_not_blocks(module)
+    looked = ("it looked at " + "; ".join(reasons)) if reasons else \
+        "it has no nn.ModuleList, nn.Sequential or nn.ModuleDict"
+    return (f"P2RStrategy places a model block by block and found no block list in {type(module).__name__}: "
+            f"{looked}. To train it, {HOW_TO_DECLARE}")
+
+
 def detect_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """The longest candidate list (a transformer's layers outnumber any other list of equal modules, such as experts),
     the outermost on a tie of length; None when the model has no candidate. Two outermost lists of the longest length
@@ -112,7 +158,10 @@ def detect_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
     outer = [(name, blocks) for name, blocks in best if not any(name.startswith(other + ".") for other, _ in best)]
     if len(outer) > 1:
         raise ValueError(f"P2RStrategy cannot tell which list holds {type(module).__name__}'s blocks: "
-                         f"{[name for name, _ in outer]} are equally long; pass blocks='<dotted path>'")
+                         f"{[name for name, _ in outer]} are equally long; name one with P2RStrategy(blocks='<dotted "
+                         "path>') or the LightningModule's block_list() and block_holder() (protocols.NamesBlockList; "
+                         "the other list's modules then stay outside the blocks: not offloaded, sharded or staged "
+                         "per block), or hold all the blocks in one nn.ModuleList")
     return outer[0]
 
 
@@ -166,7 +215,7 @@ def declare_blocks(module: nn.Module, path: str | None, holder_path: str | None 
                              f"its lists of equal modules are {names}") from None
         if not isinstance(blocks, nn.ModuleList):
             raise ValueError(f"P2RStrategy(blocks={path!r}) names a {type(blocks).__name__}; it must name the "
-                             "nn.ModuleList holding the blocks")
+                             "nn.ModuleList holding the blocks, run in order by a module's forward")
     if holder_path is None:
         holder_path = _holder_path(path, module)
     elif not (holder_path == "" or path.startswith(holder_path + ".")):

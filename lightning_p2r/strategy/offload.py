@@ -87,6 +87,21 @@ def _hidden_state(output: object) -> torch.Tensor | None:
     return first if isinstance(first, torch.Tensor) else None
 
 
+def out_of_order_message(holder: nn.Module, block: nn.Module, layer: int) -> str:
+    """Why an offloaded model cannot run ``block`` as call ``layer`` since ``holder``'s forward last started."""
+    name, layers = type(holder).__name__, list(holder.layer_to_block)
+    ran = next((f"block {i}" for i, candidate in enumerate(holder.blocks) if candidate is block), "a block")
+    if layer < len(layers):
+        what = f"{ran} ran as call {layer + 1}, where layer_to_block {layers} runs block {layers[layer]}"
+    else:
+        what = f"{ran} ran as call {layer + 1}, past the {len(layers)} layers of layer_to_block"
+    return (f"P2RStrategy offloading streams the blocks in the order {name}.forward (the block holder) runs them, "
+            f"counted from its start: {what}. {name}.forward must run the blocks, once each, in order: a "
+            "training_step or validation_step that calls the blocks without it, or activation checkpointing that "
+            "re-runs a block, does not (declare the blocks on the module whose forward runs them: "
+            "P2RStrategy(blocks=...) or block_holder())")
+
+
 class BlockStreamer:
     """Streams the offloaded blocks of a block sequence (see the module docstring)."""
 
@@ -268,10 +283,7 @@ class BlockStreamer:
         layer = self._layer
         index = self.holder.layer_to_block[layer] if layer < len(self.holder.layer_to_block) else None
         if index is None or self.holder.blocks[index] is not block:
-            raise RuntimeError(
-                "P2RStrategy offloading follows the model's layers in order from the block sequence's forward; a "
-                "block was called out of that order (activation checkpointing, or a block called outside the "
-                "model's forward), which is not supported with offloaded blocks")
+            raise RuntimeError(out_of_order_message(self.holder, block, layer))
         self._layer += 1
         if index in self.blocks:
             self.fetch(index, wait=True)

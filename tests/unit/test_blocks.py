@@ -104,8 +104,40 @@ def test_two_equally_long_lists_are_ambiguous() -> None:
     twins = nn.Module()
     twins.encoder = nn.ModuleList(Block() for _ in range(2))
     twins.decoder = nn.ModuleList(Block() for _ in range(2))
-    with pytest.raises(ValueError, match=r"\['encoder', 'decoder'\] are equally long; pass blocks="):
+    with pytest.raises(ValueError, match=r"\['encoder', 'decoder'\] are equally long; name one with "
+                                         r"P2RStrategy\(blocks='<dotted path>'\) or the LightningModule's "
+                                         r"block_list\(\) .*NamesBlockList.*or hold all the blocks in one"):
         detect_block_list(twins)
+
+
+class Mixed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def test_no_block_list_names_each_container_looked_at_and_why_it_was_not_taken() -> None:
+    """A model the strategy finds no block list in: the error names every container with why it was not taken and
+    how to declare one, instead of "has no block sequence" and a hint about configure_model."""
+    from lightning_p2r.strategy.engines.base import holder_of
+
+    module = Wrapper(nn.Module())
+    module.net.trunk = nn.Sequential(Block(), Block())
+    module.net.single = nn.ModuleList([Block()])
+    module.net.mixed = nn.ModuleList([Block(), Mixed(), Block()])
+    module.net.named = nn.ModuleDict({"a": Block(), "b": Block()})
+    assert detect_block_list(module) is None
+    with pytest.raises(ValueError) as refused:
+        holder_of(module)
+    message = str(refused.value)
+    for looked in ("net.trunk (Sequential of 2 x Block): not an nn.ModuleList",
+                   "net.single (ModuleList of 1 x Block): fewer than two modules",
+                   "net.mixed (ModuleList of 2 x Block, 1 x Mixed): modules of different classes",
+                   "net.named (ModuleDict of 2 x Block): not an nn.ModuleList",
+                   "P2RStrategy(blocks='<dotted path>')", "block_list()", "protocols.NamesBlockList"):
+        assert looked in message, (looked, message)
+    assert "configure_model" not in message and "\n" not in message
+    with pytest.raises(ValueError, match="found no block list in Wrapper: it has no nn.ModuleList, nn.Sequential"):
+        holder_of(Wrapper(nn.Linear(2, 2)))
 
 
 def test_a_model_that_declares_its_own_blocks_is_left_alone() -> None:

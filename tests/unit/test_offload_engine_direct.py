@@ -324,7 +324,9 @@ def test_m6_transformer_with_shared_moe_blocks_matches_the_plain_model() -> None
 
 def test_blocks_called_out_of_layer_order_or_without_a_hidden_state_are_refused() -> None:
     _, model, engine = build((1,))
-    with pytest.raises(RuntimeError, match="out of that order"):
+    # Named by block and call, with what the holder's forward must do (not only "out of order").
+    with pytest.raises(RuntimeError, match=r"block 2 ran as call 1, where layer_to_block \[0, .*\] runs block 0\. "
+                                           r"\w+\.forward must run the blocks, once each, in order"):
         model.model.blocks[2](torch.zeros(1, DIM))
     torch.manual_seed(0)
     silent = Outer(output="none")

@@ -16,6 +16,7 @@ from torch import nn
 
 from ...layout import Layout
 from ...sharing import OptimizerStatePolicy, Perturbation, find_block_sequence
+from ..blocks import no_block_list_message
 from ..checkpoint import load_model_into, load_optimizer_into
 from ..compile import check_compile
 from ..layered import BlockEvents
@@ -83,8 +84,8 @@ def holder_of(module: nn.Module) -> nn.Module:
     """The module that holds the block sequence (``blocks`` and ``layer_to_block``)."""
     try:
         return find_block_sequence(module)
-    except ValueError as error:
-        raise ValueError(f"P2RStrategy needs a model made of a block sequence: {error}") from None
+    except ValueError:
+        raise ValueError(no_block_list_message(module)) from None
 
 
 class Engine:
