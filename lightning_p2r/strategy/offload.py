@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .layered import BlockEvents
+from .ties import check_offloaded_blocks_untied
 
 
 @dataclass
@@ -134,7 +135,7 @@ class BlockStreamer:
         self._compute_stream = torch.cuda.current_stream(device) if is_cuda else None
         # Release events of streamed blocks: the host waits on old ones before allocating more (see fetch).
         self._releases: deque = deque()
-        self._check_no_tied_parameters(offloaded)
+        check_offloaded_blocks_untied(holder, offloaded)  # before any parameter moves
         # Host masters are named as the module's state dict names them: ``block_prefixes`` (each block's own name),
         # else the list's ``param_prefix`` and the block's index.
         prefixes = block_prefixes or {}
@@ -146,24 +147,6 @@ class BlockStreamer:
         self._install_hooks()
 
     # ------------------------------------------------------------------------------------------ placement
-    def _check_no_tied_parameters(self, offloaded: tuple[int, ...]) -> None:
-        """Refuse parameters an offloaded block shares with another block or with a module outside the blocks:
-        they would get two host masters, or be read from an empty storage by the other module."""
-        owners: dict[int, int] = {}
-        for index, block in enumerate(self.holder.blocks):
-            for param in block.parameters():
-                first = owners.setdefault(id(param), index)
-                if first != index and (index in offloaded or first in offloaded):
-                    raise ValueError(f"blocks {first} and {index} share a parameter; P2RStrategy cannot "
-                                     "offload a block whose parameters are tied to another block")
-        offloaded_ids = {id(p) for i in offloaded for p in self.holder.blocks[i].parameters()}
-        inside_blocks = {id(m) for m in self.holder.blocks.modules()}
-        for name, module in self.holder.named_modules():
-            tied = any(id(p) in offloaded_ids for p in module.parameters(recurse=False))
-            if tied and id(module) not in inside_blocks:
-                raise ValueError(f"module {name!r} shares a parameter with an offloaded block; P2RStrategy cannot "
-                                 "offload a block whose parameters are tied to a module outside the blocks")
-
     def _offload(self, index: int, block_prefix: str) -> _OffloadedBlock:
         block = self.holder.blocks[index]
         names, params, host = [], [], []

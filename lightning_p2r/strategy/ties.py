@@ -113,6 +113,48 @@ def check_tensor_parallel_ties(root: nn.Module, planned: Mapping[str, str]) -> N
                 "or none of them")
 
 
+def check_offloaded_blocks_untied(holder: nn.Module, offloaded: Iterable[int]) -> None:
+    """Refuse an offloaded block whose parameters another block or a module outside the blocks also holds: between
+    the block's layers its parameters are empty placeholders (their values in host memory), so the other holder would
+    read no data, and the block's host masters would miss that holder's gradients. ``holder``: the block sequence's
+    holder; a registration is seen under every name (``named_modules(remove_duplicate=False)``), so a block's
+    submodule registered again outside the blocks (``model.final_norm = model.layers[-1].norm``) is found too. A
+    whole block registered under a second name (``model.final_layer = model.layers[-1]``) is still that block: its
+    forward streams it wherever it is called (and calls out of layer order are refused when they happen)."""
+    offloaded = set(offloaded)
+    owners: dict[int, int] = {}
+    for index, block in enumerate(holder.blocks):
+        for param in block.parameters():
+            first = owners.setdefault(id(param), index)
+            if first != index and (index in offloaded or first in offloaded):
+                raise ValueError(f"blocks {first} and {index} share a parameter; P2RStrategy cannot offload a block "
+                                 "whose parameters are tied to another block (offload neither, with offload_blocks, "
+                                 "or give each block its own module)")
+    # Every name under which each offloaded block is registered (a pseudo model's block at several layers, an alias).
+    by_id = {id(holder.blocks[index]): index for index in offloaded}
+    block_names: dict[int, list[str]] = {}
+    for name, module in holder.named_modules(remove_duplicate=False):
+        if id(module) in by_id:
+            block_names.setdefault(by_id[id(module)], []).append(name)
+    for name, module in holder.named_modules(remove_duplicate=False):
+        for param_name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            index = owners.get(id(param))
+            if index is None or index not in offloaded:
+                continue
+            names = block_names.get(index, [])
+            if any(name == home or name.startswith(home + ".") for home in names):
+                continue
+            inside = next((f"{home}.{inner}" if inner else home for home in names
+                           for inner, m in holder.blocks[index].named_modules() if m is module), None)
+            what = f"module {name!r} is {inside!r} of offloaded block {index}, registered again outside the blocks" \
+                if inside else f"module {name!r} holds {param_name!r}, a parameter of offloaded block {index}"
+            raise ValueError(
+                f"P2RStrategy cannot offload a block whose parameters a module outside the blocks also holds: {what} "
+                f"(between the block's layers its parameters are empty placeholders, their values in host memory). "
+                f"Reach it through the block only (not as {type(holder).__name__}.{name}), or keep block {index} on "
+                f"the device: offload_blocks without {index}")
+
+
 def retie(root: nn.Module, ties: Iterable[Tie]) -> None:
     """Point every name of each tie at the parameter its first name holds now (after a step that swapped it)."""
     for first, *others in ties:

@@ -13,6 +13,7 @@ from torch import nn
 from lightning_p2r import P2RStrategy
 from lightning_p2r.strategy.checkpoint import read_model_state, to_single_file
 from lightning_p2r.strategy.ties import (
+    check_offloaded_blocks_untied,
     check_tensor_parallel_ties,
     check_ties_kept,
     check_ties_within_units,
@@ -79,6 +80,47 @@ def test_a_tie_across_a_block_and_the_root_is_refused_naming_both_names() -> Non
     with pytest.raises(ValueError, match=r"model\.blocks\.0\.weight \(in model\.blocks\.0\).*model\.blocks\.1\.weight"):
         check_ties_within_units(net, list(net.model.blocks), "sharding='zero3'")
     check_ties_within_units(net, [], "sharding='zero3'")  # no units: the root holds both, fine
+
+
+class NormedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.fc = nn.Linear(D, D)
+
+
+def _stack(layers: int = 3) -> nn.Module:
+    stack = nn.Module()
+    stack.layers = nn.ModuleList(NormedBlock() for _ in range(layers))
+    vars(stack)["blocks"] = stack.layers  # the strategy's unregistered alias (strategy/blocks.py)
+    stack.layer_to_block = list(range(layers))
+    return stack
+
+
+def test_offload_refuses_a_block_submodule_registered_outside_the_blocks_and_keeps_an_aliased_block() -> None:
+    """A block's module registered again outside the blocks (``final_norm = layers[-1].norm``) would run on empty
+    placeholders once the block is offloaded: it used to fail mid-forward with "its data is not allocated yet";
+    now it is refused when offload is placed, naming both names and the fix. A whole block under a second name
+    (``final_layer = layers[-1]``) is the block itself, and stays accepted."""
+    stack = _stack()
+    stack.final_norm = stack.layers[2].norm
+    with pytest.raises(ValueError, match=r"module 'final_norm' is 'layers\.2\.norm' of offloaded block 2, registered "
+                                         r"again outside the blocks.*keep block 2 on the device"):
+        check_offloaded_blocks_untied(stack, (2,))
+    check_offloaded_blocks_untied(stack, (0, 1))  # block 2 stays on the device: nothing to refuse
+    stack = _stack()
+    stack.head = nn.Linear(D, D)
+    stack.head.weight = stack.layers[0].fc.weight  # one parameter, not a module, tied outside
+    with pytest.raises(ValueError, match=r"module 'head' holds 'weight', a parameter of offloaded block 0"):
+        check_offloaded_blocks_untied(stack, (0,))
+    stack = _stack()
+    stack.layers[1].norm = stack.layers[0].norm
+    with pytest.raises(ValueError, match="blocks 0 and 1 share a parameter"):
+        check_offloaded_blocks_untied(stack, (1,))
+    check_offloaded_blocks_untied(stack, (2,))
+    stack = _stack()
+    stack.final_layer = stack.layers[2]
+    check_offloaded_blocks_untied(stack, (0, 1, 2))
 
 
 def test_tensor_parallel_refuses_a_tie_split_under_one_name_only() -> None:
