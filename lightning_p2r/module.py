@@ -30,6 +30,23 @@ from .sharing import delink, shared_experts
 
 STRUCTURE_KEY = "lightning_p2r_structure"
 
+
+def config_as_held(config: dict[str, Any], structure: dict[str, Any] | None) -> dict[str, Any]:
+    """The model config (``M6Config`` as a dict) of the model a checkpoint's tensors hold. Its hyperparameters
+    describe the model as created, maybe a pseudo one; the structure ``on_save_checkpoint`` records says what it is
+    now: after delinking or growth its blocks are its layers' own (or fewer shared ones, staged), after upcycling
+    every expert has its own FFN. Without a record (a checkpoint of an older version) the config is as saved."""
+    held = dict(config)
+    blocks = (structure or {}).get("num_unique_blocks")
+    if blocks is not None and blocks != config.get("num_unique_blocks"):
+        if blocks >= config["num_layers"]:
+            held.update(num_unique_blocks=None, pseudo_depth="shared", growth_init="copy")
+        else:
+            held["num_unique_blocks"] = blocks
+    if (structure or {}).get("experts_shared") is False:
+        held["num_unique_experts"] = None
+    return held
+
 register_strategies()  # Trainer(strategy="p2r") resolves once the model code is loaded
 
 

@@ -7,7 +7,11 @@ Issue 38, item 8.
   the same logits. The model is rebuilt from the config the checkpoint records, on the meta device, and given the
   checkpoint's tensors; Hugging Face's own ``save_pretrained`` writes it (a tied head stored once).
 - ``--to safetensors``: any checkpoint of this package (M6 included) as ``model.safetensors`` (each tensor once, the
-  model's own names) and ``config.json`` (its saved hyperparameters).
+  model's own names) and ``config.json`` (its saved hyperparameters, with the structure a pseudo model has now:
+  delinked, grown, upcycled).
+
+Both describe the model the tensors hold: a pseudo model's Hugging Face form is the model it runs (shared blocks
+copied into each layer; a shallow one as deep as its layers).
 - ``--to checkpoint``: a sharded checkpoint as one Lightning file (as ``convert-checkpoint``).
 
 Every output is written to a hidden sibling and renamed into place: an interrupted conversion leaves no half file.
@@ -38,28 +42,78 @@ PREFIX = "model."
 """Where ``CausalLMModule`` keeps the model: its state-dict keys start with this."""
 
 
-def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """``(model state dict, hyperparameters)`` of a single-file or sharded checkpoint, on the CPU, loaded safely."""
+M6_STRUCTURE = "lightning_p2r_structure"
+CAUSAL_LM_STRUCTURE = "causal_lm_structure"
+"""The structure records of ``M6LanguageModel`` and ``CausalLMModule`` (their ``STRUCTURE_KEY``): what a pseudo model
+became (delinked, grown, upcycled), which the hyperparameters, written when the module was made, do not say."""
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
+    """``(model state dict, hyperparameters, structure records)`` of a single-file or sharded checkpoint, on the
+    CPU, loaded safely."""
     if not Path(path).exists():  # before check_checkpoint_path, whose hint is fit's --ckpt_path
         raise ValueError(f"checkpoint {path} does not exist: pass a checkpoint file (a run's newest is "
                          "checkpoints/last.ckpt in its default_root_dir) or a sharded checkpoint directory")
     check_checkpoint_path(path, loads_sharded=True)
     if is_sharded_checkpoint(path):
-        return read_model_state(path), load_meta(path).get("hyper_parameters") or {}
-    checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    return checkpoint["state_dict"], checkpoint.get("hyper_parameters") or {}
+        state, record = read_model_state(path), load_meta(path)
+    else:
+        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = record["state_dict"]
+    structure = {key: record[key] for key in (M6_STRUCTURE, CAUSAL_LM_STRUCTURE) if record.get(key)}
+    return state, record.get("hyper_parameters") or {}, structure
+
+
+def held_hf_config(hyper: dict[str, Any], structure: dict[str, Any]) -> dict[str, Any]:
+    """The Hugging Face config of the model a ``CausalLMModule`` checkpoint holds (a shallow pseudo model not yet
+    grown is fewer layers deep than its recorded config)."""
+    from ..causal_lm import hf_config_as_held, read_causal_lm_config, structure_as_held
+
+    hf_config = hyper["hf_config"]
+    config = read_causal_lm_config(hf_config)
+    depth = int(config.num_hidden_layers)
+    depth_key = (getattr(config, "attribute_map", None) or {}).get("num_hidden_layers", "num_hidden_layers")
+    held = structure_as_held(hyper, structure.get(CAUSAL_LM_STRUCTURE), depth)
+    return hf_config_as_held(hf_config, held, depth, depth_key)
+
+
+def held_hyperparameters(hyper: dict[str, Any], structure: dict[str, Any]) -> dict[str, Any]:
+    """The hyperparameters that build the model the checkpoint's tensors hold: the module's own, with the structure
+    a pseudo model has now (delinked, grown, upcycled) in place of the one it was created with."""
+    from ..causal_lm import read_causal_lm_config, structure_as_held
+    from ..module import config_as_held
+
+    if isinstance(hyper.get("config"), dict) and M6_STRUCTURE in structure:
+        return {**hyper, "config": config_as_held(hyper["config"], structure[M6_STRUCTURE])}
+    if CAUSAL_LM_STRUCTURE in structure:
+        if isinstance(hyper.get("hf_config"), dict):
+            depth = int(read_causal_lm_config(hyper["hf_config"]).num_hidden_layers)
+        elif isinstance(hyper.get("litgpt_config"), dict) and "n_layer" in hyper["litgpt_config"]:
+            depth = int(hyper["litgpt_config"]["n_layer"])
+        else:  # a model given whole: its depth is not recorded
+            return dict(hyper)
+        return {**hyper, **structure_as_held(hyper, structure[CAUSAL_LM_STRUCTURE], depth)}
+    return dict(hyper)
 
 
 def hf_model_of(state: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> torch.nn.Module:
     """The Hugging Face model of ``hf_config`` holding ``state`` (the ``CausalLMModule`` keys), built on the meta
-    device and given the tensors as they are (each allocated once); refuses a missing or unexpected tensor."""
+    device and given the tensors as they are (each allocated once; a pseudo model's layers sharing a block each get
+    their own copy, as the model has no tie between them); refuses a missing or unexpected tensor."""
     from ..causal_lm import build_hf_model
 
     with torch.device("meta"):
         model = build_hf_model(hf_config)
-    own = {key[len(PREFIX):]: value for key, value in state.items() if key.startswith(PREFIX)}
-    result = model.load_state_dict(own, strict=False, assign=True)
     tied = {name for names in find_ties(model) for name in names[1:]}
+    own: dict[str, torch.Tensor] = {}
+    seen: set[tuple[Any, ...]] = set()
+    for key, value in state.items():
+        if not key.startswith(PREFIX):
+            continue
+        where = (value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape), tuple(value.stride()))
+        own[key[len(PREFIX):]] = value.clone() if where in seen and key[len(PREFIX):] not in tied else value
+        seen.add(where)
+    result = model.load_state_dict(own, strict=False, assign=True)
     missing = [name for name in result.missing_keys if name not in tied]
     if missing or result.unexpected_keys:
         raise ValueError(f"the checkpoint does not hold this model: missing {missing[:5]}, unexpected "
@@ -75,12 +129,14 @@ def hf_model_of(state: dict[str, torch.Tensor], hf_config: dict[str, Any]) -> to
 
 def to_hf(source: str | Path, destination: str | Path) -> Path:
     """Write ``source`` (a ``CausalLMModule`` checkpoint) as a Hugging Face directory at ``destination``."""
-    state, hyper = read_checkpoint(source)
-    hf_config = hyper.get("hf_config")
-    if not isinstance(hf_config, dict):
-        raise ValueError(f"{source} was not written by CausalLMModule(hf_config=...): it records no Hugging Face "
-                         "config (use --to safetensors for other models)")
-    model = hf_model_of(state, hf_config)
+    state, hyper, structure = read_checkpoint(source)
+    if not isinstance(hyper.get("hf_config"), dict):
+        kind = ("a CausalLMModule(litgpt_config=...) checkpoint: a litgpt model" if hyper.get("litgpt_config")
+                else "an M6LanguageModel checkpoint" if isinstance(hyper.get("config"), dict)
+                else "not a CausalLMModule(hf_config=...) checkpoint")
+        raise ValueError(f"{source} is {kind}, which records no Hugging Face config: --to hf writes Hugging Face "
+                         "models only; use --to safetensors")
+    model = hf_model_of(state, held_hf_config(hyper, structure))
     return _write_dir(destination, lambda tmp: model.save_pretrained(tmp, safe_serialization=True))
 
 
@@ -88,7 +144,8 @@ def to_safetensors(source: str | Path, destination: str | Path) -> Path:
     """Write ``source`` (any checkpoint of this package) as ``model.safetensors`` + ``config.json``."""
     from safetensors.torch import save_file
 
-    state, hyper = read_checkpoint(source)
+    state, hyper, structure = read_checkpoint(source)
+    hyper = held_hyperparameters(hyper, structure)
     unique: dict[str, torch.Tensor] = {}
     seen: dict[tuple[Any, ...], str] = {}
     aliases: dict[str, str] = {}
@@ -123,7 +180,11 @@ def _write_dir(destination: str | Path, write: Any) -> Path:
     partial = destination.with_name(f".{destination.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    write(partial)
+    try:
+        write(partial)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)  # a failed conversion leaves no hidden half directory
+        raise
     if destination.exists():
         shutil.rmtree(destination)
     os.replace(partial, destination)

@@ -348,6 +348,117 @@ def test_convert_to_hf_round_trips_to_identical_logits(tmp_path: Path, family: s
         convert(["--to", "hf", str(tmp_path / "trained.ckpt"), str(tmp_path / "hf")])
 
 
+def _saved(module: L.LightningModule, path: Path) -> Path:
+    """A checkpoint as Lightning writes it (its state, hyperparameters and the module's own records), no Trainer."""
+    checkpoint = {"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams),
+                  "pytorch-lightning_version": L.__version__, "global_step": 0, "epoch": 0}
+    module.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, path)
+    return path
+
+
+@pytest.mark.parametrize("pseudo", ["shared", "shallow", "qwen3_shallow"])
+def test_convert_to_hf_writes_a_pseudo_model_as_the_model_it_runs(tmp_path: Path, pseudo: str) -> None:
+    """A pseudo model's checkpoint (taken before PseudoToReal delinks it): its layers sharing a block failed in
+    save_pretrained with a RuntimeError traceback about shared tensors, and a shallow one was refused as missing the
+    layers it does not have yet. Now each layer gets its own copy of its block, and a shallow model is as deep as the
+    layers it runs (Qwen3's per-layer attention types cut to them)."""
+    from lightning_p2r.cli.convert import main as convert
+
+    config = {**CONFIGS["qwen3_sliding"], "max_window_layers": 0} if pseudo == "qwen3_shallow" else \
+        CONFIGS["llama_tied"]
+    module = CausalLMModule(hf_config=config, num_unique_blocks=2,
+                            pseudo_depth="shared" if pseudo == "shared" else "shallow")
+    module.configure_model()
+    ids = windows(rows=2)[:, :-1]
+    with torch.no_grad():
+        expected = module.eval()(ids)
+    convert(["--to", "hf", str(_saved(module, tmp_path / "pseudo.ckpt")), str(tmp_path / "hf")])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert loaded.config.num_hidden_layers == (4 if pseudo == "shared" else 2)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, expected)
+
+
+@pytest.mark.parametrize(("hyper", "blocks", "held", "layers"), [
+    ({"num_unique_blocks": 2}, 2, {"num_unique_blocks": 2, "pseudo_depth": "shared"}, 4),
+    ({"num_unique_blocks": 1}, 4, {"num_unique_blocks": None, "pseudo_depth": "shared"}, 4),
+    ({"num_unique_blocks": 1}, 2, {"num_unique_blocks": 2, "pseudo_depth": "shared"}, 4),
+    ({"num_unique_blocks": 1, "pseudo_depth": "shallow"}, 1, {"num_unique_blocks": 1, "pseudo_depth": "shallow"}, 1),
+    ({"num_unique_blocks": 1, "pseudo_depth": "shallow", "growth_init": "zero_outputs"}, 2,
+     {"num_unique_blocks": 2, "pseudo_depth": "shallow", "growth_init": "zero_outputs"}, 2),
+    ({"num_unique_blocks": 2, "pseudo_depth": "shallow", "growth_init": "zero_outputs"}, 4,
+     {"num_unique_blocks": None, "pseudo_depth": "shared", "growth_init": "copy"}, 4),
+], ids=["pseudo", "delinked", "staged", "shallow", "partly grown", "grown"])
+def test_a_causal_lm_checkpoint_is_described_as_the_model_it_holds(hyper, blocks, held, layers) -> None:
+    from lightning_p2r.causal_lm import hf_config_as_held, structure_as_held
+
+    result = structure_as_held(hyper, {"num_unique_blocks": blocks}, depth=4)
+    assert result == {"growth_init": "copy", **held}
+    config = {"model_type": "qwen3", "num_hidden_layers": 4, "layer_types": ["full_attention"] * 4}
+    assert hf_config_as_held(config, result, 4, "num_hidden_layers") == {
+        **config, "num_hidden_layers": layers, "layer_types": ["full_attention"] * layers}
+    assert hf_config_as_held({"model_type": "gpt2", "n_layer": 4}, result, 4, "n_layer")["n_layer"] == layers
+
+
+def test_convert_to_safetensors_describes_a_grown_and_upcycled_m6_model(tmp_path: Path) -> None:
+    """The config.json of `--to safetensors` held the hyperparameters as the module was created: after growth and
+    upcycling it described a 2-block model with one shared FFN per layer, which the 4 blocks of 4 experts each in
+    model.safetensors do not fit. Now it describes the model the tensors hold, which loads them and gives the same
+    logits."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from lightning_p2r import M6Config, M6LanguageModel
+    from lightning_p2r.cli.convert import main as convert
+    from lightning_p2r.sharing import delink
+
+    module = M6LanguageModel(M6Config(vocab_size=VOCAB, max_seq_len=16, num_layers=4, dim=16, num_heads=2,
+                                      num_experts=4, num_unique_experts=1, num_unique_blocks=2,
+                                      pseudo_depth="shallow", sharing="cycle"))
+    module.configure_model()
+    delink(module.transformer)  # grows 2 layers into 4 and upcycles the shared FFN into 4 experts
+    ids = windows(rows=2)[:, :-1]
+    with torch.no_grad():
+        expected = module.eval()(ids).logits
+    convert(["--to", "safetensors", str(_saved(module, tmp_path / "grown.ckpt")), str(tmp_path / "out")])
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    held = written["hyper_parameters"]["config"]
+    assert (held["num_unique_blocks"], held["num_unique_experts"], held["pseudo_depth"]) == (None, None, "shared")
+    rebuilt = M6LanguageModel(**written["hyper_parameters"])
+    rebuilt.configure_model()
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    rebuilt.load_state_dict({**tensors, **{alias: tensors[name] for alias, name in written["tied"].items()}})
+    with torch.no_grad():
+        assert torch.equal(rebuilt.eval()(ids).logits, expected)
+
+
+def test_a_failed_conversion_leaves_no_hidden_partial_directory(tmp_path: Path) -> None:
+    from lightning_p2r.cli.convert import _write_dir
+
+    def fails(folder: Path) -> None:
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise RuntimeError("the writer failed")
+
+    with pytest.raises(RuntimeError, match="the writer failed"):
+        _write_dir(tmp_path / "out", fails)
+    assert list(tmp_path.iterdir()) == []  # was: .out.partial with half a model in it
+
+
+def test_convert_names_why_a_checkpoint_has_no_hugging_face_form(tmp_path: Path, capsys) -> None:
+    from lightning_p2r import M6Config, M6LanguageModel
+    from lightning_p2r.cli.convert import main as convert
+
+    module = M6LanguageModel(M6Config(vocab_size=VOCAB, max_seq_len=16, num_layers=2, dim=16, num_heads=2))
+    module.configure_model()
+    with pytest.raises(SystemExit):
+        convert(["--to", "hf", str(_saved(module, tmp_path / "m6.ckpt")), str(tmp_path / "hf")])
+    assert "m6.ckpt is an M6LanguageModel checkpoint, which records no Hugging Face config: --to hf writes " \
+           "Hugging Face models only; use --to safetensors" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
 def test_convert_to_safetensors_writes_an_m6_checkpoint_once_per_tensor(tmp_path: Path, capsys) -> None:
     from safetensors.torch import load_file
 

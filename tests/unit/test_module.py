@@ -377,3 +377,25 @@ def test_a_checkpoint_from_before_the_head_major_qkv_layout_is_refused() -> None
     del checkpoint["lightning_p2r_structure"]["qkv_layout"]
     with pytest.raises(ValueError, match="before the attention's qkv rows became head-major"):
         M6LanguageModel(M6Config(**TINY)).on_load_checkpoint(checkpoint)
+
+
+@pytest.mark.parametrize(("changes", "structure", "held"), [
+    ({"num_unique_blocks": 2}, {"num_unique_blocks": 2, "experts_shared": False}, {"num_unique_blocks": 2}),
+    ({"num_unique_blocks": 1}, {"num_unique_blocks": 4, "experts_shared": False}, {"num_unique_blocks": None}),
+    ({"num_unique_blocks": 1}, {"num_unique_blocks": 2, "experts_shared": False}, {"num_unique_blocks": 2}),
+    ({"num_unique_blocks": 2, "pseudo_depth": "shallow", "sharing": "cycle", "growth_init": "zero_outputs"},
+     {"num_unique_blocks": 4, "experts_shared": False},
+     {"num_unique_blocks": None, "pseudo_depth": "shared", "growth_init": "copy"}),
+    ({"num_unique_experts": 1}, {"num_unique_blocks": 4, "experts_shared": True}, {"num_unique_experts": 1}),
+    ({"num_unique_experts": 1}, {"num_unique_blocks": 4, "experts_shared": False}, {"num_unique_experts": None}),
+    ({"num_unique_blocks": 2}, None, {"num_unique_blocks": 2}),
+], ids=["pseudo", "delinked", "staged", "grown", "shared experts", "upcycled", "no record"])
+def test_the_config_of_a_checkpoint_describes_the_model_its_tensors_hold(changes, structure, held) -> None:
+    """`convert --to safetensors` wrote the hyperparameters as the module was created: a delinked, grown or
+    upcycled model's config.json described the pseudo model, whose shapes its tensors do not have."""
+    from lightning_p2r.module import config_as_held
+
+    config = M6Config(**{**TINY, "num_layers": 4, **changes}).to_dict()
+    result = config_as_held(config, structure)
+    assert result == {**config, **held}
+    M6Config(**result)  # a valid config
