@@ -271,7 +271,8 @@ class CausalLMModule(L.LightningModule):
         return f"model.{self._declared().blocks}"
 
     def block_holder(self) -> str:
-        """The causal LM itself holds the block contract: its forward returns the logits (a pipeline replaces it)."""
+        """The causal LM itself holds the block contract: its forward returns the logits (a pipeline replaces it;
+        ``protocols.NamesBlockHolder``)."""
         return "model"
 
     def _declared(self) -> DecoderParts:

@@ -38,11 +38,18 @@ class InitializesByName(Protocol):
 @runtime_checkable
 class NamesBlockList(Protocol):
     """A LightningModule that says where its model's block list is, for a model whose blocks are not called
-    ``blocks`` (``CausalLMModule`` reads its model's declaration): dotted paths from the module."""
+    ``blocks`` (``CausalLMModule`` reads its model's declaration): a dotted path from the module. The module whose
+    forward runs them is, unless it also :class:`NamesBlockHolder`, the list's nearest ancestor that is not a
+    container (as for ``P2RStrategy(blocks=...)``)."""
 
     def block_list(self) -> str:
         """The ``nn.ModuleList`` of blocks."""
         ...
+
+
+@runtime_checkable
+class NamesBlockHolder(Protocol):
+    """A :class:`NamesBlockList` module that also names the module whose forward runs the blocks."""
 
     def block_holder(self) -> str:
         """The module whose forward runs the blocks and returns what the LightningModule reads (the logits)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..models.module_init import is_hf_pretrained
+from ..protocols import NamesBlockHolder, NamesBlockList
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 
@@ -102,8 +103,9 @@ def block_lists(module: nn.Module) -> list[tuple[str, nn.ModuleList]]:
 
 HOW_TO_DECLARE = ("hold the blocks in one nn.ModuleList that a module's forward runs in order, and name it if the "
                   "strategy does not take it: P2RStrategy(blocks='<dotted path>'), or the LightningModule's "
-                  "block_list() returning that path and block_holder() the module whose forward runs it "
-                  "(protocols.NamesBlockList; docs/your_model.md, 'Which modules are the blocks')")
+                  "block_list() returning that path (protocols.NamesBlockList; block_holder() names the module whose "
+                  "forward runs it where that is not the list's parent; docs/your_model.md, 'Which modules are the "
+                  "blocks')")
 
 
 def _contents(container: nn.Module) -> str:
@@ -159,7 +161,7 @@ def detect_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
     if len(outer) > 1:
         raise ValueError(f"P2RStrategy cannot tell which list holds {type(module).__name__}'s blocks: "
                          f"{[name for name, _ in outer]} are equally long; name one with P2RStrategy(blocks='<dotted "
-                         "path>') or the LightningModule's block_list() and block_holder() (protocols.NamesBlockList; "
+                         "path>') or the LightningModule's block_list() (protocols.NamesBlockList; "
                          "the other list's modules then stay outside the blocks: not offloaded, sharded or staged "
                          "per block), or hold all the blocks in one nn.ModuleList")
     return outer[0]
@@ -182,6 +184,17 @@ def _holder_path(path: str, module: nn.Module) -> str:
             break
         parts.pop()
     return ".".join(parts)
+
+
+def named_block_list(module: nn.Module, option: str | None) -> tuple[str | None, str | None]:
+    """(block list, holder) as dotted paths from ``module`` (a LightningModule): ``P2RStrategy(blocks=...)``'s
+    ``option``, else the module's ``block_list()`` (``protocols.NamesBlockList``) with its ``block_holder()`` if it
+    has one (None: the list's nearest ancestor that is not a container), else (None, None): detected. A
+    ``block_list()`` without ``block_holder()`` once went unseen (the protocol required both) and detection took
+    another list."""
+    if option is not None or not isinstance(module, NamesBlockList):
+        return option, None
+    return module.block_list(), module.block_holder() if isinstance(module, NamesBlockHolder) else None
 
 
 def declares_own_blocks(module: nn.Module) -> bool:

@@ -41,10 +41,10 @@ from ..layout import (
     pin_memory_for,
     plan_summary,
 )
-from ..protocols import InitializesByName, ModelSizes, NamesBlockList, StatesShape, StatesSizes
+from ..protocols import InitializesByName, ModelSizes, StatesShape, StatesSizes
 from ..sharing import OptimizerStatePolicy, Perturbation, find_block_sequence, rebind_scheduler
 from .accounting import CollectiveCounter, CollectiveStats, counting
-from .blocks import BlockCallCheck, DeclaredBlocks, declare_blocks
+from .blocks import BlockCallCheck, DeclaredBlocks, declare_blocks, named_block_list
 from .checkpoint import (
     AtomicCheckpointIO,
     check_checkpoint_location,
@@ -334,10 +334,7 @@ class P2RStrategy(ParallelStrategy):
             # Trainer(sync_batchnorm=True): BatchNorm layers synchronized across ranks, as Lightning's DDP does.
             self.model = self._layer_sync.apply(self.model)
         module = self.lightning_module
-        path, holder_path = self.model_config.blocks, None
-        if path is None and isinstance(module, NamesBlockList):
-            path, holder_path = module.block_list(), module.block_holder()
-        declared = declare_blocks(module, path, holder_path)  # a model's own block list, by its own name
+        declared = declare_blocks(module, *named_block_list(module, self.model_config.blocks))  # by its own name
         self.block_declaration = declared
         if declared is not None:
             rank_zero_info(declared.describe())

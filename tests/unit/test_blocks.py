@@ -11,7 +11,7 @@ from torch import nn
 from lightning_p2r import P2RStrategy
 from lightning_p2r.models.module_init import initialize_by_module
 from lightning_p2r.sharing import find_block_sequence
-from lightning_p2r.strategy.blocks import declare_blocks, detect_block_list
+from lightning_p2r.strategy.blocks import declare_blocks, detect_block_list, named_block_list
 
 V, D = 16, 8
 
@@ -106,7 +106,7 @@ def test_two_equally_long_lists_are_ambiguous() -> None:
     twins.decoder = nn.ModuleList(Block() for _ in range(2))
     with pytest.raises(ValueError, match=r"\['encoder', 'decoder'\] are equally long; name one with "
                                          r"P2RStrategy\(blocks='<dotted path>'\) or the LightningModule's "
-                                         r"block_list\(\) .*NamesBlockList.*or hold all the blocks in one"):
+                                         r"block_list\(\) \(protocols.NamesBlockList; .*or hold all the blocks in one"):
         detect_block_list(twins)
 
 
@@ -244,3 +244,29 @@ def test_one_process_keeps_the_loaders_own_order(tmp_path: Path, options: dict) 
         return module.losses
 
     assert fit(P2RStrategy(**options)) == pytest.approx(fit("auto"), rel=1e-6)
+
+
+def test_block_list_alone_names_the_blocks_and_block_holder_is_optional() -> None:
+    """A LightningModule with ``block_list()`` and no ``block_holder()`` was not a NamesBlockList (the protocol
+    required both): its declaration went unseen and detection took the longest list instead, here 4 experts over
+    the 2 declared layers."""
+
+    class Named(Wrapper):
+        def block_list(self) -> str:
+            return "net.transformer.h"
+
+    class WithHolder(Named):
+        def block_holder(self) -> str:
+            return "net"
+
+    net = LitStyle(layers=2)
+    net.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(4))
+    assert detect_block_list(Wrapper(net))[0] == "net.experts"  # what detection alone would take
+    module = Named(net)
+    assert named_block_list(module, None) == ("net.transformer.h", None)
+    declared = declare_blocks(module, *named_block_list(module, None))
+    assert (declared.path, declared.holder_path, declared.detected) == ("net.transformer.h", "net", False)
+    assert named_block_list(WithHolder(LitStyle()), None) == ("net.transformer.h", "net")
+    assert named_block_list(WithHolder(LitStyle()), "net.experts") == ("net.experts", None)  # the option wins
+    assert named_block_list(Wrapper(LitStyle()), None) == (None, None)
+
