@@ -34,7 +34,7 @@ from .models.decoders import (
 from .models.gpt2_plan import declare_gpt2_plan
 from .models.hf_configs import read_hf_config
 from .models.litgpt_plan import declare_litgpt_plan
-from .models.module_init import initialize_by_module
+from .models.module_init import initialize_by_module, is_hf_pretrained
 from .models.router_loss import aux_loss_coefficient
 from .module import OptimizerConfig, _as_dataclass, adamw_with_schedule, check_schedule_covers_run, next_token_batch
 from .protocols import LayeredStages, PipelineParts
@@ -217,6 +217,37 @@ class CausalLMModule(L.LightningModule):
                                self._declared().residual_outputs)
             else:
                 share_layers(self.model, layers, self.num_unique_blocks, self.sharing)
+
+    def setup(self, stage: str) -> None:
+        # Before the model is built: ids past the embedding would fail mid-step (an IndexError on the CPU, a device-side
+        # assert on CUDA), as M6LanguageModel.setup checks for its config.
+        data_vocab = getattr(self.trainer.datamodule, "vocab_size", None)  # Lightning calls setup attached
+        rows = self._embedding_rows()
+        if isinstance(data_vocab, int) and rows is not None and data_vocab > rows[0]:
+            size, where = rows
+            raise ValueError(
+                f"the data's tokenizer has {data_vocab} ids but {where} is {size}: ids >= {size} would index past the "
+                f"embedding. Pass CausalLMModule(vocab_size={data_vocab}) (or a config with at least {data_vocab}), "
+                f"or a tokenizer with at most {size} ids")
+
+    def _embedding_rows(self) -> tuple[int, str] | None:
+        """(rows of the token embedding, where that number is set), known before the model is built; None when not."""
+        if self._hf_config_read is not None:
+            return int(self._hf_config_read.vocab_size), "CausalLMModule.hf_config's vocab_size"
+        if self.litgpt_config is not None:
+            from litgpt import Config
+
+            rows = Config(**self.litgpt_config).padded_vocab_size
+            return int(rows), "CausalLMModule.litgpt_config's padded_vocab_size"
+        if self.model is None:
+            return None
+        if self.parts is not None:
+            embed = self.model.get_submodule(self.parts.embed[0])
+        else:
+            embed = self.model.get_input_embeddings() if is_hf_pretrained(self.model) else None
+        if isinstance(embed, nn.Embedding):
+            return embed.num_embeddings, f"the token embedding of {type(self.model).__name__} (its rows)"
+        return None
 
     def model_shape(self) -> ModelShape | None:
         """The sizes the layout rules check, from the config, before the model is built (``protocols.StatesShape``):

@@ -790,3 +790,26 @@ def test_gpt2s_conv1d_layers_split_along_their_stored_dimensions_by_the_packages
     with pytest.raises(ValueError, match=r"sequence parallelism splits mlp\.c_fc, a layer the plan declares "
                                          r"transposed .* only inside a module that gathers the sequence"):
         styles({"mlp.c_fc": "column"}, sequence_parallel=True, transposed=frozenset({"mlp.c_fc"}))
+
+
+def test_a_data_vocabulary_larger_than_the_embedding_is_refused_at_setup_naming_the_field() -> None:
+    """Byte tokens (256 ids) into a 64-row embedding failed mid-step with "IndexError: index out of range in self"
+    (a device-side assert on CUDA); M6LanguageModel checked it, CausalLMModule did not. Refused now in setup, before
+    the model is built, naming where its size is set (hf_config, litgpt_config, a given model's embedding)."""
+    from types import SimpleNamespace
+
+    def setup(module: CausalLMModule, data_vocab: int) -> None:
+        module._trainer = SimpleNamespace(datamodule=SimpleNamespace(vocab_size=data_vocab))  # what setup reads
+        module.setup("fit")
+
+    with pytest.raises(ValueError, match=r"tokenizer has 256 ids but CausalLMModule.hf_config's vocab_size is 64: "
+                                         r"ids >= 64 .* CausalLMModule\(vocab_size=256\)"):
+        setup(CausalLMModule(hf_config=CONFIGS["llama"]), 256)
+    setup(CausalLMModule(hf_config=CONFIGS["llama"]), VOCAB)  # fits
+    setup(CausalLMModule(hf_config=CONFIGS["llama"], vocab_size=256), 256)  # the override the message names
+    with pytest.raises(ValueError, match=r"but CausalLMModule.litgpt_config's padded_vocab_size is 64"):
+        setup(CausalLMModule(litgpt_config=LITGPT), 256)
+    given = AutoModelForCausalLM.from_config(AutoConfig.for_model(**CONFIGS["llama"]))
+    with pytest.raises(ValueError, match=r"but the token embedding of LlamaForCausalLM \(its rows\) is 64"):
+        setup(CausalLMModule(model=given), 256)
+    setup(CausalLMModule(model=nn.Linear(2, 2)), 256)  # no embedding it can find: nothing refused here
