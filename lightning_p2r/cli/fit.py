@@ -372,6 +372,10 @@ class P2RCLI(LightningCLI):
             self.parser.error(problem)
         section.trainer.strategy = strategy_from_class_path(section.trainer.get("strategy"))
         self._filled_outputs = place_outputs_under_root(section.trainer)
+        problem = missing_last_problem(self.config.get("subcommand") or "", section.get("ckpt_path"),
+                                       checkpoint_folders(section.trainer))
+        if problem:
+            self.parser.error(problem)
         resumed = _as_dict(section.get("model"))  # a checkpoint file's options, merged in by LightningCLI
         if section.get("ckpt_path") == "last":
             # Lightning resolves "last" only once fit starts, after the model was built: compare with it now.
@@ -523,18 +527,39 @@ def as_given(filled: list[tuple[Namespace, str, Any]]) -> Iterator[None]:
             setattr(args, option, value)
 
 
+def checkpoint_folders(trainer: Namespace) -> list[Path]:
+    """The configured ``ModelCheckpoint`` folders (filled from ``default_root_dir`` by now)."""
+    callbacks = trainer.get("callbacks")
+    return [Path(c.init_args.dirpath) for c in (callbacks if isinstance(callbacks, list) else [callbacks])
+            if _is_class(c, ("ModelCheckpoint",)) and c.init_args.get("dirpath")]
+
+
+def newest_last_checkpoint(folders: list[Path]) -> Path | None:
+    """The checkpoint ``--ckpt_path last`` names: the newest ``last*.ckpt`` in ``folders``, as Lightning picks it."""
+    candidates = [p for folder in folders if folder.is_dir() for p in folder.iterdir()
+                  if p.suffix == ".ckpt" and re.match(r"^last(-v?\d+)?$", p.stem)]
+    return max(candidates, key=lambda p: p.lstat().st_mtime) if candidates else None
+
+
+def missing_last_problem(subcommand: str, ckpt_path: Any, folders: list[Path]) -> str | None:
+    """``validate``/``test``/``predict --ckpt_path last`` where no ``last*.ckpt`` exists: Lightning warns and runs the
+    model as built, untrained, and the command reported its metrics with status 0 (a mistyped
+    ``--trainer.default_root_dir``, a run that saved no ``last``). ``fit`` keeps Lightning's meaning (start afresh:
+    the idiom of a job that resumes itself when requeued)."""
+    if ckpt_path != "last" or subcommand not in ("validate", "test", "predict") or newest_last_checkpoint(folders):
+        return None
+    where = ", ".join(str(folder) for folder in folders) or "no checkpoint folder (the recipe has no ModelCheckpoint)"
+    return (f"--ckpt_path last: there is no last*.ckpt in {where}, and {subcommand} would run the untrained model: "
+            "pass the run's --trainer.default_root_dir, or a checkpoint path")
+
+
 def newest_last_hyperparameters(trainer: Namespace) -> dict[str, Any] | None:
     """The hyperparameters of the checkpoint ``--ckpt_path last`` will resume: the newest ``last*.ckpt`` in the
     configured ``ModelCheckpoint`` folders, as Lightning picks it. None when there is none or it cannot be read
     (the strategy then reports that with the file's name)."""
-    callbacks = trainer.get("callbacks")
-    folders = [Path(c.init_args.dirpath) for c in (callbacks if isinstance(callbacks, list) else [callbacks])
-               if _is_class(c, ("ModelCheckpoint",)) and c.init_args.get("dirpath")]
-    candidates = [p for folder in folders if folder.is_dir() for p in folder.iterdir()
-                  if p.suffix == ".ckpt" and re.match(r"^last(-v?\d+)?$", p.stem)]
-    if not candidates:
+    newest = newest_last_checkpoint(checkpoint_folders(trainer))
+    if newest is None:
         return None
-    newest = max(candidates, key=lambda p: p.lstat().st_mtime)
     try:
         source = newest / META_FILE if newest.is_dir() else newest
         return torch.load(source, map_location="cpu", weights_only=True, mmap=not newest.is_dir()).get(

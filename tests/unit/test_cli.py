@@ -322,3 +322,22 @@ def test_strategy_options_on_a_recipe_without_a_strategy_class_say_what_to_add(t
         main(["fit", "--config", str(ROOT / "recipes" / "quickstart.yaml"),
               "--trainer.strategy.init_args.sharding=zero3"])
     assert "pass --trainer.strategy=lightning_p2r.P2RStrategy before" in capsys.readouterr().err
+
+
+def test_scoring_last_where_the_run_has_no_last_checkpoint_is_refused(tmp_path: Path) -> None:
+    """`validate --ckpt_path last` in a folder without last*.ckpt printed the untrained model's val/loss (7.64 for a
+    2048-token vocabulary) with status 0 and only Lightning's warning; fit keeps Lightning's meaning (start afresh)."""
+    from lightning_p2r.cli.fit import missing_last_problem
+
+    folder = tmp_path / "checkpoints"
+    problem = missing_last_problem("validate", "last", [folder])
+    assert problem == (f"--ckpt_path last: there is no last*.ckpt in {folder}, and validate would run the untrained "
+                       "model: pass the run's --trainer.default_root_dir, or a checkpoint path")
+    assert "no checkpoint folder (the recipe has no ModelCheckpoint)" in missing_last_problem("predict", "last", [])
+    assert missing_last_problem("fit", "last", [folder]) is None
+    assert missing_last_problem("test", str(tmp_path / "x.ckpt"), [folder]) is None
+    folder.mkdir()
+    (folder / "epoch=0.ckpt").write_bytes(b"")
+    assert missing_last_problem("test", "last", [folder]) is not None  # only last*.ckpt is what "last" names
+    (folder / "last-v1.ckpt").write_bytes(b"")
+    assert missing_last_problem("test", "last", [folder]) is None
