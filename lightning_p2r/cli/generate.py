@@ -306,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="lightning-p2r generate",
         description="Sample text from a trained checkpoint with the model and tokenizer of its recipe.",
         usage="lightning-p2r generate --config RECIPE --ckpt_path CKPT --prompt TEXT [options]")
-    parser.add_argument("--config", required=True, metavar="RECIPE",
+    parser.add_argument("-c", "--config", required=True, metavar="RECIPE",
                         help="the recipe the checkpoint was trained with (recipes/*.yaml, or a run's config.yaml)")
     parser.add_argument("--ckpt_path", required=True, metavar="CKPT",
                         help="a checkpoint file, a sharded checkpoint directory written by P2RStrategy, or 'last': "

@@ -15,7 +15,8 @@ from .generate import GenerateError, load_model, read_checkpoint, read_recipe, r
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lightning-p2r lm-eval",
                                      description=__doc__.splitlines()[0].replace("``", ""))
-    parser.add_argument("--config", required=True, help="the recipe the checkpoint was trained with (its tokenizer)")
+    parser.add_argument("-c", "--config", required=True,
+                        help="the recipe the checkpoint was trained with (its tokenizer)")
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint file, a sharded checkpoint directory, or "
                                                            "'last'")
     parser.add_argument("--languages", default="en,fr,de,ru,zh", help="comma-separated bible-multi codes")

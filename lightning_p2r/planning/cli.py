@@ -320,7 +320,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--cluster", required=True, nargs="+",
                         help="cluster YAML (lightning-p2r calibrate writes one); several: the one calibrated for "
                              "--devices processes prices the run")
-    parser.add_argument("--config", required=True, help="a recipe YAML: its model.config, data and trainer")
+    parser.add_argument("-c", "--config", required=True, help="a recipe YAML: its model.config, data and trainer")
     parser.add_argument("--devices", type=int, help="devices in the run (default: the cluster file's)")
     parser.add_argument("--global-batch", type=int, help="sequences per optimizer step (default: the recipe's)")
     parser.add_argument("--seq-len", type=int, help="tokens per sequence (default: the recipe's data.seq_len)")

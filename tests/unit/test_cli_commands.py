@@ -189,3 +189,15 @@ Given value: [Namespace(class_path='lightning_p2r.PseudoToReal')]"""
   Given value type: <class 'str'>
   Given value: half"""
     assert condense(optional) == "offload_fraction: expected a number or null, got 'half'"
+
+
+def test_every_command_taking_a_recipe_takes_it_as_fit_does() -> None:
+    """`fit -c RECIPE` works (LightningCLI's short flag), and `generate -c RECIPE ...` said `the following arguments
+    are required: --config` to a user who had just given it."""
+    from lightning_p2r.cli.generate import build_parser as generate
+    from lightning_p2r.cli.lm_eval import build_parser as lm_eval
+    from lightning_p2r.planning.cli import build_parser as plan
+
+    assert generate().parse_args(["-c", "r.yaml", "--ckpt_path", "last", "--prompt", "hi"]).config == "r.yaml"
+    assert lm_eval().parse_args(["-c", "r.yaml", "--ckpt_path", "last"]).config == "r.yaml"
+    assert plan().parse_args(["--cluster", "c.yaml", "-c", "r.yaml"]).config == "r.yaml"
