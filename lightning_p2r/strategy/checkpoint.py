@@ -316,8 +316,26 @@ def unloadable(path: str | Path, error: Exception) -> ValueError:
         reason = ("it holds Python objects that a weights-only load refuses (checkpoints are loaded with "
                   "weights_only=True, for safety)")
     else:
-        reason = f"it is truncated or not a torch checkpoint ({type(error).__name__}: {first_line})"
+        reason = _not_an_archive(path) or f"it is truncated or not a torch checkpoint ({type(error).__name__}: " \
+                                          f"{first_line})"
     return ValueError(f"checkpoint {path} cannot be loaded: {reason}")
+
+
+def _not_an_archive(path: str | Path) -> str | None:
+    """Why a file that is no ``torch.save`` zip archive is not a checkpoint, read off its first bytes; None for one
+    that starts as an archive. torch's own error for a text file given as a checkpoint asked to save it again "with
+    _use_new_zipfile_serialization=True" (its memory-mapped load's hint)."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(8)
+    except OSError:
+        return None
+    if head.startswith(b"PK\x03\x04"):
+        return None
+    if head.startswith(b"\x80"):
+        return ("it was saved in torch's legacy format (torch.save(..., _use_new_zipfile_serialization=False)), which "
+                "cannot be loaded memory-mapped: load it with torch.load and save it again with torch.save")
+    return (f"it is not a torch checkpoint: torch.save writes a zip archive, and this file starts with {head!r}")
 
 
 def check_lightning_checkpoint(path: str | Path, checkpoint: Any) -> None:

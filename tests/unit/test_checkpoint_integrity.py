@@ -101,3 +101,21 @@ def test_a_damaged_index_is_named_and_a_file_without_checksums_is_not_refused(tm
     finally:
         torch.serialization.set_crc32_options(True)
     assert integrity_problems(unchecked) == []
+
+
+def test_a_file_that_is_no_torch_archive_is_named_as_such(tmp_path: Path) -> None:
+    """A recipe or cluster YAML given as --ckpt_path got torch's memory-mapped load's hint: save it again "with
+    _use_new_zipfile_serialization=True"."""
+    from lightning_p2r.strategy.checkpoint import check_checkpoint_path
+
+    (tmp_path / "recipe.yaml").write_text("trainer:\n  max_steps: 5\n")
+    torch.save({"state_dict": {}}, tmp_path / "legacy.ckpt", _use_new_zipfile_serialization=False)
+    (tmp_path / "cut.ckpt").write_bytes(b"PK\x03\x04" + b"\0" * 60)
+    with pytest.raises(ValueError) as error:
+        check_checkpoint_path(tmp_path / "recipe.yaml", loads_sharded=True)
+    assert str(error.value).endswith("cannot be loaded: it is not a torch checkpoint: torch.save writes a zip "
+                                     "archive, and this file starts with b'trainer:'")
+    with pytest.raises(ValueError, match=r"legacy.ckpt cannot be loaded: it was saved in torch's legacy format"):
+        check_checkpoint_path(tmp_path / "legacy.ckpt", loads_sharded=True)
+    with pytest.raises(ValueError, match=r"cut.ckpt cannot be loaded: it is truncated or not a torch checkpoint"):
+        check_checkpoint_path(tmp_path / "cut.ckpt", loads_sharded=True)
