@@ -30,7 +30,8 @@ def _unit_factor(unit: str, value: Any, name: str, number: float, prefix: str) -
     bits. A lowercase ``b`` alone (``Gb/s``, ``Gb``) and ``Bps`` are refused: readers take them for bits or bytes."""
     lowered = unit.lower()
     rate = "/s" if lowered.endswith("/s") or lowered.endswith("ps") else ""
-    if unit in ("b", "b/s") or (lowered == "bps" and unit != "bps"):  # GBps is a letter's case away from Gbps
+    # A lowercase b alone, in any case of the rest (Gb/S), and GBps, a letter's case away from Gbps (bits).
+    if (unit[:1] == "b" and lowered in ("b", "b/s")) or (lowered == "bps" and unit != "bps"):
         bits, as_bytes, in_bytes = (f"{number:g}{prefix}bit{rate}", f"{number / 8:g}{prefix}B{rate}",
                                     f"{number:g}{prefix}B{rate}")
         raise ValueError(f"{name}: {value!r} is ambiguous, bits to some readers and bytes to others: write {bits} for "

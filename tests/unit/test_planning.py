@@ -70,6 +70,7 @@ def test_bit_rates_convert_exactly_to_bytes(text, value) -> None:
 @pytest.mark.parametrize(("text", "hint"), [
     ("200Gb/s", "write 200Gbit/s for bits (read as 25GB/s) or 200GB/s for bytes"),
     ("200gb/s", "write 200Gbit/s for bits (read as 25GB/s) or 200GB/s for bytes"),
+    ("200Gb/S", "write 200Gbit/s for bits (read as 25GB/s) or 200GB/s for bytes"),
     ("80Gb", "write 80Gbit for bits (read as 10GB) or 80GB for bytes"),
     ("12.5GBps", "write 12.5Gbit/s for bits (read as 1.5625GB/s) or 12.5GB/s for bytes"),
     ("10GBPS", "write 10Gbit/s for bits (read as 1.25GB/s) or 10GB/s for bytes"),
