@@ -9,10 +9,10 @@ Issue 38, item 8.
 - ``--to safetensors``: any checkpoint of this package (M6 included) as ``model.safetensors`` (each tensor once, the
   model's own names) and ``config.json`` (its saved hyperparameters, with the structure a pseudo model has now:
   delinked, grown, upcycled).
-
-Both describe the model the tensors hold: a pseudo model's Hugging Face form is the model it runs (shared blocks
-copied into each layer; a shallow one as deep as its layers).
 - ``--to checkpoint``: a sharded checkpoint as one Lightning file (as ``convert-checkpoint``).
+
+The first two describe the model the tensors hold: a pseudo model's Hugging Face form is the model it runs (shared
+blocks copied into each layer; a shallow one as deep as its layers).
 
 Every output is written to a hidden sibling and renamed into place: an interrupted conversion leaves no half file.
 """
@@ -42,12 +42,6 @@ PREFIX = "model."
 """Where ``CausalLMModule`` keeps the model: its state-dict keys start with this."""
 
 
-M6_STRUCTURE = "lightning_p2r_structure"
-CAUSAL_LM_STRUCTURE = "causal_lm_structure"
-"""The structure records of ``M6LanguageModel`` and ``CausalLMModule`` (their ``STRUCTURE_KEY``): what a pseudo model
-became (delinked, grown, upcycled), which the hyperparameters, written when the module was made, do not say."""
-
-
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], dict[str, Any]]:
     """``(model state dict, hyperparameters, structure records)`` of a single-file or sharded checkpoint, on the
     CPU, loaded safely."""
@@ -60,6 +54,11 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     else:
         record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         state = record["state_dict"]
+    # The modules' structure records: what a pseudo model became (delinked, grown, upcycled), which the
+    # hyperparameters, written when the module was made, do not say.
+    from ..causal_lm import STRUCTURE_KEY as CAUSAL_LM_STRUCTURE
+    from ..module import STRUCTURE_KEY as M6_STRUCTURE
+
     structure = {key: record[key] for key in (M6_STRUCTURE, CAUSAL_LM_STRUCTURE) if record.get(key)}
     return state, record.get("hyper_parameters") or {}, structure
 
@@ -67,6 +66,7 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
 def held_hf_config(hyper: dict[str, Any], structure: dict[str, Any]) -> dict[str, Any]:
     """The Hugging Face config of the model a ``CausalLMModule`` checkpoint holds (a shallow pseudo model not yet
     grown is fewer layers deep than its recorded config)."""
+    from ..causal_lm import STRUCTURE_KEY as CAUSAL_LM_STRUCTURE
     from ..causal_lm import hf_config_as_held, read_causal_lm_config, structure_as_held
 
     hf_config = hyper["hf_config"]
@@ -80,7 +80,9 @@ def held_hf_config(hyper: dict[str, Any], structure: dict[str, Any]) -> dict[str
 def held_hyperparameters(hyper: dict[str, Any], structure: dict[str, Any]) -> dict[str, Any]:
     """The hyperparameters that build the model the checkpoint's tensors hold: the module's own, with the structure
     a pseudo model has now (delinked, grown, upcycled) in place of the one it was created with."""
+    from ..causal_lm import STRUCTURE_KEY as CAUSAL_LM_STRUCTURE
     from ..causal_lm import read_causal_lm_config, structure_as_held
+    from ..module import STRUCTURE_KEY as M6_STRUCTURE
     from ..module import config_as_held
 
     if isinstance(hyper.get("config"), dict) and M6_STRUCTURE in structure:
