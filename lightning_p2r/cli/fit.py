@@ -29,7 +29,7 @@ from jsonargparse import Namespace, set_parsing_settings
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
 
 from .. import register_strategies
 from ..callbacks.throughput import Throughput
@@ -371,6 +371,9 @@ class P2RCLI(LightningCLI):
         if problem:
             self.parser.error(problem)
         section.trainer.strategy = strategy_from_class_path(section.trainer.get("strategy"))
+        problem = unknown_strategy_problem(section.trainer.strategy, StrategyRegistry.available_strategies())
+        if problem:
+            self.parser.error(problem)
         self._filled_outputs = place_outputs_under_root(section.trainer)
         problem = missing_last_problem(self.config.get("subcommand") or "", section.get("ckpt_path"),
                                        checkpoint_folders(section.trainer))
@@ -481,6 +484,22 @@ def strategy_from_class_path(strategy: Any) -> Any:
     if isinstance(cls, type) and issubclass(cls, Strategy):
         return Namespace(class_path=strategy, init_args=Namespace())
     return strategy
+
+
+def unknown_strategy_problem(strategy: Any, registered: list[str]) -> str | None:
+    """A ``--trainer.strategy`` that is neither a name Lightning's registry (``registered``) or "auto" knows nor a
+    Strategy class path (one is a Namespace by now: :func:`strategy_from_class_path`), with the closest names.
+    Lightning's own refusal listed a few example names and its documentation's address: ``P2RStrategy`` (the class
+    without its module), ``p2rr`` or ``lightning_p2r.P2RStrategi`` got no pointer to ``lightning_p2r.P2RStrategy``."""
+    if not isinstance(strategy, str) or strategy.lower() in ("auto", *registered):
+        return None
+    close = [] if "." in strategy else difflib.get_close_matches(strategy.lower(), registered, n=3, cutoff=0.6)
+    if "p2r" in strategy.lower():
+        close = ["lightning_p2r.P2RStrategy", *(name for name in close if name != "p2r"), "p2r"]
+    what = "is not an importable Strategy class" if "." in strategy else "is no strategy Lightning has registered"
+    hint = f": did you mean {' or '.join(close)}?" if close else ""
+    return (f"--trainer.strategy: {strategy!r} {what}{hint} (a registered name such as auto, ddp, fsdp or p2r, or a "
+            "Strategy class path such as lightning_p2r.P2RStrategy)")
 
 
 def _is_p2r_strategy(strategy: Any) -> bool:

@@ -341,3 +341,21 @@ def test_scoring_last_where_the_run_has_no_last_checkpoint_is_refused(tmp_path: 
     assert missing_last_problem("test", "last", [folder]) is not None  # only last*.ckpt is what "last" names
     (folder / "last-v1.ckpt").write_bytes(b"")
     assert missing_last_problem("test", "last", [folder]) is None
+
+
+def test_an_unknown_strategy_name_gets_the_closest_ones() -> None:
+    """Lightning refused `--trainer.strategy=P2RStrategy` (the class without its module) with a few example names
+    and its documentation's address, nothing pointing to lightning_p2r.P2RStrategy."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_p2r.cli.fit import unknown_strategy_problem
+
+    registered = StrategyRegistry.available_strategies()
+    assert unknown_strategy_problem("P2RStrategy", registered).startswith(
+        "--trainer.strategy: 'P2RStrategy' is no strategy Lightning has registered: did you mean "
+        "lightning_p2r.P2RStrategy or p2r? (")
+    assert "is not an importable Strategy class: did you mean lightning_p2r.P2RStrategy" in unknown_strategy_problem(
+        "lightning_p2r.P2RStrategi", registered)
+    assert "did you mean ddp?" in unknown_strategy_problem("dpp", registered)
+    for accepted in ("auto", "p2r", "DDP", "fsdp"):
+        assert unknown_strategy_problem(accepted, registered) is None
