@@ -61,6 +61,8 @@ class P2RArgumentParser(LightningArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         # No prefix matching: a truncated name (--model.config.num_expert) must be an error, not a silent match.
         kwargs.setdefault("allow_abbrev", False)
+        # The command's own name, also under `python -m lightning_p2r.cli` (argparse would say "__main__.py").
+        kwargs.setdefault("prog", "lightning-p2r")
         super().__init__(*args, **kwargs)
 
     def print_usage(self, file: IO[str] | None = None) -> None:
