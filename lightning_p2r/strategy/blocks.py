@@ -126,7 +126,10 @@ def why_not_blocks(module: nn.Module, limit: int = 8) -> list[str]:
             continue
         seen.add(id(child))
         what = f"{name or type(module).__name__} ({type(child).__name__} of {_contents(child)})"
-        if not isinstance(child, nn.ModuleList):
+        inside = _inside_a_list(name, module) if name else None
+        if inside is not None:
+            reasons.append(f"{what}: inside the list {inside}, so a block's own list")
+        elif not isinstance(child, nn.ModuleList):
             reasons.append(f"{what}: not an nn.ModuleList")
         elif len(child) < 2:
             reasons.append(f"{what}: fewer than two modules")
@@ -148,11 +151,25 @@ def no_block_list_message(module: nn.Module) -> str:
             f"{looked}. To train it, {HOW_TO_DECLARE}")
 
 
+def _inside_a_list(name: str, module: nn.Module) -> str | None:
+    """The name of the innermost ``nn.ModuleList`` of several modules that holds the module called ``name`` (its own
+    list excluded), or None."""
+    parts = name.split(".")
+    for end in range(len(parts) - 1, 0, -1):
+        outer = ".".join(parts[:end])
+        container = module.get_submodule(outer)
+        if isinstance(container, nn.ModuleList) and len(container) > 1:
+            return outer
+    return None
+
+
 def detect_block_list(module: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """The longest candidate list (a transformer's layers outnumber any other list of equal modules, such as experts),
-    the outermost on a tie of length; None when the model has no candidate. Two outermost lists of the longest length
-    (an encoder and a decoder) are ambiguous: refused, naming them."""
-    candidates = block_lists(module)
+    the outermost on a tie of length; None when the model has no candidate. A list inside another list of modules
+    (a layer's experts, inside the layers) is a block's own list, never the block list: with layers of several classes
+    (dense and MoE) it was once taken instead of them. Two outermost lists of the longest length (an encoder and a
+    decoder) are ambiguous: refused, naming them."""
+    candidates = [(name, blocks) for name, blocks in block_lists(module) if _inside_a_list(name, module) is None]
     if not candidates:
         return None
     longest = max(len(blocks) for _, blocks in candidates)

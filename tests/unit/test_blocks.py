@@ -270,3 +270,27 @@ def test_block_list_alone_names_the_blocks_and_block_holder_is_optional() -> Non
     assert named_block_list(WithHolder(LitStyle()), "net.experts") == ("net.experts", None)  # the option wins
     assert named_block_list(Wrapper(LitStyle()), None) == (None, None)
 
+
+class WithExperts(nn.Module):
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(experts))
+
+
+def test_a_list_inside_a_list_of_modules_is_never_taken_as_the_blocks() -> None:
+    """A layer's experts are a block's own list: with 2 layers of 4 experts they outnumbered the layers, and with layers
+    of two classes (dense and MoE, one MoE layer) the one experts list was the only candidate and was taken silently
+    as the blocks (offloading experts instead of layers)."""
+    few = nn.Module()
+    few.layers = nn.ModuleList(WithExperts() for _ in range(2))
+    assert detect_block_list(few)[0] == "layers"  # was: ['layers.0.experts', 'layers.1.experts'] equally long
+    mixed = nn.Module()
+    mixed.layers = nn.ModuleList([WithExperts(), Block(), Block()])
+    assert detect_block_list(mixed) is None  # was: layers.0.experts
+    from lightning_p2r.strategy.blocks import why_not_blocks
+
+    assert why_not_blocks(mixed) == ["layers (ModuleList of 1 x WithExperts, 2 x Block): modules of different classes",
+                                     "layers.0.experts (ModuleList of 4 x Linear): inside the list layers, so a "
+                                     "block's own list"]
+    assert declare_blocks(Wrapper(mixed), "net.layers").size == 3  # named, a list of mixed classes is taken
+
