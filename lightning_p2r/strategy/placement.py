@@ -56,6 +56,7 @@ from .ties import (
     check_ties_within_units,
     find_ties,
     placement_root,
+    tie_remedy,
 )
 
 
@@ -153,7 +154,10 @@ def place(module: nn.Module, ctx: EngineContext, meshes: ParallelMeshes | None, 
     units = [holder.blocks[i] for i in own]
     if split is not None:
         units += [experts for experts, _ in split.stacked_experts(holder, list(own))]
-    check_ties_within_units(root, units, f"sharding={ctx.sharding.sharding!r}")
+    layout = ctx.layout
+    asked = ", ".join(f"{k}={v!r}" for k, v in layout.strategy_options().items()) or f"sharding={layout.sharding!r}"
+    check_ties_within_units(root, units, asked, tie_remedy(
+        layout.sharding, layout.offloading, layout.accumulation == "layered"))
     for index in own:
         offloaded = index in plan.offloaded
         if split is not None:  # the expert weights first: their own unit, over the ranks holding them

@@ -71,10 +71,22 @@ def _innermost(name: str, units: Mapping[str, str]) -> str | None:
     return best[1] if best is not None else None
 
 
-def check_ties_within_units(root: nn.Module, units: Iterable[nn.Module], what: str) -> None:
+def tie_remedy(sharding: str, offloading: bool, layered: bool) -> str:
+    """What else trains a model with a tie across blocks, for :func:`check_ties_within_units`'s message: ZeRO-2/3
+    alone can fall back to a replicated layout, which DDP's reducer runs; offload or layered accumulation across
+    processes wraps every block in FSDP2 whatever the sharding."""
+    if sharding in ("zero2", "zero3") and not offloading and not layered:
+        return "or use sharding='none'/'zero1'"
+    return ("or train without offload and layered accumulation across processes (sharding='none'/'zero1': DDP's "
+            "reducer keeps any tie)")
+
+
+def check_ties_within_units(root: nn.Module, units: Iterable[nn.Module], what: str,
+                            remedy: str = "or use sharding='none'/'zero1'") -> None:
     """Refuse a tie whose registrations lie in different FSDP2 units (or some in a unit, some in the root): each unit
     shards only its own registrations, so the others would keep a separate, unsynchronized copy. ``units``: the
-    modules ``fully_shard`` will wrap, all inside ``root``; ``what``: the option that asked for them."""
+    modules ``fully_shard`` will wrap, all inside ``root``; ``what``: the options that asked for them; ``remedy``:
+    the layout change that avoids them (:func:`tie_remedy`)."""
     wanted = {id(unit) for unit in units}
     label: dict[int, str] = {}  # a unit registered under two names (``model.blocks = model.layers``) is one unit
     prefixes = {name: label.setdefault(id(m), name)
@@ -86,7 +98,7 @@ def check_ties_within_units(root: nn.Module, units: Iterable[nn.Module], what: s
             raise ValueError(
                 f"P2RStrategy({what}) cannot keep a tie across FSDP2 units: one parameter is registered as {where}; "
                 "each unit shards its own registrations and the others would train apart. Keep tied modules inside "
-                "one block, or outside every block (the embedding and head are), or use sharding='none'/'zero1'")
+                f"one block, or outside every block (the embedding and head are), {remedy}")
 
 
 def check_tensor_parallel_ties(root: nn.Module, planned: Mapping[str, str]) -> None:

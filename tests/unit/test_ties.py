@@ -20,6 +20,7 @@ from lightning_p2r.strategy.ties import (
     find_ties,
     retie,
     smallest_parameter_root,
+    tie_remedy,
 )
 
 V, D = 16, 8
@@ -80,6 +81,19 @@ def test_a_tie_across_a_block_and_the_root_is_refused_naming_both_names() -> Non
     with pytest.raises(ValueError, match=r"model\.blocks\.0\.weight \(in model\.blocks\.0\).*model\.blocks\.1\.weight"):
         check_ties_within_units(net, list(net.model.blocks), "sharding='zero3'")
     check_ties_within_units(net, [], "sharding='zero3'")  # no units: the root holds both, fine
+
+
+def test_a_cross_unit_tie_is_told_the_layout_change_that_keeps_it() -> None:
+    """Offload across processes wraps every block in FSDP2 whatever the sharding: the refusal once told such a run
+    (sharding='none', offload_fraction=0.5) to "use sharding='none'/'zero1'", which it did."""
+    assert tie_remedy("zero3", offloading=False, layered=False) == "or use sharding='none'/'zero1'"
+    for sharding, offloading, layered in (("none", True, False), ("zero1", False, True), ("zero3", True, False)):
+        assert "without offload and layered accumulation" in tie_remedy(sharding, offloading, layered)
+    net = HeadBeside()
+    net.model.blocks[1].weight = net.model.blocks[0].weight
+    with pytest.raises(ValueError, match=r"P2RStrategy\(offload_fraction=0\.5\) cannot keep a tie across FSDP2 units.*"
+                                         r"or train without offload and layered accumulation across processes"):
+        check_ties_within_units(net, list(net.model.blocks), "offload_fraction=0.5", tie_remedy("none", True, False))
 
 
 class NormedBlock(nn.Module):
