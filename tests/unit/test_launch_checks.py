@@ -138,3 +138,20 @@ def test_the_tests_hugging_face_configs_pass_the_check_before_launch() -> None:
         for options in [{"tensor_parallel": 2}] + ([{"expert_parallel": 2}] if shape.moe else []):
             _two_processes(P2RStrategy(**options)).check_before_launch(None, module)
     assert CausalLMModule(model=torch.nn.Linear(2, 2)).model_shape() is None
+
+
+def test_a_users_module_that_states_its_shape_is_checked_before_launch() -> None:
+    """docs/your_model.md: a LightningModule of one's own states its config's sizes with ``model_shape()``."""
+    import lightning as L
+
+    from lightning_p2r.causal_lm import read_causal_lm_config
+    from lightning_p2r.layout import ModelShape
+
+    config = read_causal_lm_config(LLAMA | {"num_key_value_heads": 1})
+
+    class MyModule(L.LightningModule):
+        def model_shape(self) -> ModelShape:
+            return ModelShape.of_hf_config(config, "MyModule's config")
+
+    with pytest.raises(ValueError, match=r"MyModule's config's num_key_value_heads=1 must be divisible"):
+        _two_processes(P2RStrategy(tensor_parallel=2)).check_before_launch(None, MyModule())
