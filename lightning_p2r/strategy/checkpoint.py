@@ -249,10 +249,32 @@ def to_single_file(source: str | Path, destination: str | Path) -> dict[str, Any
         dcp_to_torch_save(source, partial)
         states = torch.load(partial, map_location="cpu", weights_only=True)
         checkpoint["state_dict"] = with_aliases(states["model"], stored_ties(source))
-        optimizers = sorted((k for k in states if k.startswith("optimizer")), key=lambda k: int(k[len("optimizer"):]))
-        checkpoint["optimizer_states"] = [optimizer_state_by_number(states[k]) for k in optimizers]
+        checkpoint["optimizer_states"] = numbered_optimizer_states(states)
         torch.save(checkpoint, partial)
     return checkpoint
+
+
+def read_optimizer_states(path: str | Path) -> list[dict[str, Any]]:
+    """Every optimizer state of the sharded checkpoint ``path`` (any layout) whole, on the CPU, numbered as a
+    single-file checkpoint holds it, read with no process group: for an optimizer that loads only that form (a
+    one-process run's, split between device and host around offloaded blocks). DCP gathers the shards into a
+    temporary file (in ``TMPDIR``), read back and removed."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    with tempfile.TemporaryDirectory(prefix="lightning-p2r-") as folder:
+        whole = Path(folder) / "states.pt"
+        with warnings.catch_warnings():
+            # DCP warns on every load without a process group that it assumes one process: what is asked for here.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            dcp_to_torch_save(path, whole)
+        return numbered_optimizer_states(torch.load(whole, map_location="cpu", weights_only=True))
+
+
+def numbered_optimizer_states(states: dict[str, Any]) -> list[dict[str, Any]]:
+    """The ``optimizer{i}`` entries of a sharded checkpoint's whole states, in order, numbered as torch numbers them."""
+    optimizers = sorted((k for k in states if k.startswith("optimizer")), key=lambda k: int(k[len("optimizer"):]))
+    return [optimizer_state_by_number(states[k]) for k in optimizers]
 
 
 def optimizer_state_by_number(state: dict[str, Any]) -> dict[str, Any]:

@@ -107,6 +107,9 @@ TWO_PROCESSES = [
 RESUME = [
     {"name": "zero3_resumed_on_one_rank", "steps": 4, "resume": "zero3.ckpt", "strategy": {"sharding": "zero3"}},
     {"name": "none_resumes_zero3_checkpoint_on_one_rank", "steps": 4, "resume": "zero3.ckpt"},
+    # Offloaded blocks on one process: the split optimizer reads the sharded states gathered whole.
+    {"name": "offload_resumes_zero3_checkpoint_on_one_rank", "steps": 4, "resume": "zero3.ckpt",
+     "strategy": {"offload_fraction": 0.5}},
     {"name": "zero3_resumes_zero1_offload_checkpoint_on_one_rank", "steps": 4, "resume": "zero1_offload.ckpt",
      "strategy": {"sharding": "zero3"}},
     {"name": "zero3_delinked_resumed_on_one_rank", "model": PSEUDO, "delink_at": 2, "steps": 5,
@@ -273,6 +276,7 @@ def test_two_rank_sharded_checkpoint_resumes_on_one_rank(runs: Path) -> None:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("name", ["zero1_resumes_zero3_checkpoint", "zero3_resumes_zero1_checkpoint",
                                   "none_resumes_zero3_checkpoint_on_one_rank", "zero1_offload_resumes_zero3_checkpoint",
+                                  "offload_resumes_zero3_checkpoint_on_one_rank",
                                   "zero3_resumes_zero1_offload_checkpoint_on_one_rank"])
 def test_checkpoints_resume_under_another_stage(runs: Path, name: str) -> None:
     """A 3-step checkpoint of one stage resumed for a 4th step under another equals 4 uninterrupted steps."""

@@ -9,9 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...layout import Layout
 from ...sharing import OptimizerStatePolicy, Perturbation, delink
 from ..blocks import module_name
+from ..checkpoint import read_optimizer_states
 from ..layered import BlockEvents
 from ..offload import BlockStreamer, StreamerEvents
 from ..offload_plan import OffloadPlan
@@ -113,25 +113,13 @@ class LocalEngine(Engine):
     def load_optimizer_state(self, module: nn.Module, index: int, optimizer: torch.optim.Optimizer,
                              checkpoint: dict[str, Any], sharded_path: str | None, device: torch.device) -> None:
         if isinstance(optimizer, SplitOptimizer):
-            if sharded_path is not None:
-                raise ValueError(sharded_into_split_optimizer(sharded_path, self.ctx.layout if self.ctx else None))
-            optimizer.load_state_dict(checkpoint["optimizer_states"][index])  # host state stays on the host
+            # The split optimizer loads a whole optimizer's state, numbered as torch numbers it: a sharded checkpoint
+            # (FSDP2: zero2/zero3, tensor, expert or pipeline parallel) is gathered into that form first.
+            states = checkpoint["optimizer_states"] if sharded_path is None else read_optimizer_states(sharded_path)
+            optimizer.load_state_dict(states[index])  # host state stays on the host
         else:
             super().load_optimizer_state(module, index, optimizer, checkpoint, sharded_path, device)
         self.update_static_bytes()
-
-
-def sharded_into_split_optimizer(path: str, layout: Layout | None) -> str:
-    """Why a sharded checkpoint does not resume into a one-process run with offloaded blocks (its optimizer is split
-    between device and host, numbered as torch numbers a whole optimizer), and the two ways that do."""
-    options = layout.strategy_options() if layout is not None else {}
-    given = ", ".join(f"{k}={v!r}" for k, v in options.items())
-    kept = "".join(f", {k}={v!r}" for k, v in options.items() if k != "sharding")
-    return (f"{path} is a sharded checkpoint (saved by FSDP2: sharding='zero2'/'zero3', or tensor, expert or "
-            f"pipeline parallelism), and this run, P2RStrategy({given}) on one process, keeps offloaded blocks' "
-            "optimizer states on the host, which loads a single-file checkpoint only. Resume with "
-            f"P2RStrategy(sharding='zero2' or 'zero3'{kept}) (FSDP2 on one process, the same offload plan), or "
-            f"write it as one file first: lightning-p2r convert-checkpoint {path} OUT.ckpt, then ckpt_path=OUT.ckpt")
 
 
 def _block_prefixes(module: nn.Module, holder: nn.Module, indices: Any) -> dict[int, str]:
