@@ -68,7 +68,7 @@ def raise_for(path: str | Path, problems: list[str]) -> None:
     if problems:
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise ValueError(f"checkpoint {path} is damaged: {'; '.join(problems[:3])}{more}. Its bytes are not the ones "
-                         "written (an interrupted or failed copy?): resume from another checkpoint")
+                         "written (an interrupted or failed copy?): use another checkpoint, or copy this one again")
 
 
 def _archive_problems(stream: BinaryIO, part: int, parts: int) -> list[str]:
