@@ -213,7 +213,7 @@ class NoBlocks(L.LightningModule):
     (P2RStrategy(offload_blocks=[7]), None, "offload_blocks"),
     (P2RStrategy(device_memory_budget=1000), None, "smaller than"),
     (P2RStrategy(pin_memory=True), None, "pin_memory"),
-    (P2RStrategy(), NoBlocks(), "block sequence"),
+    (P2RStrategy(), NoBlocks(), "found no block list in NoBlocks: it has no nn.ModuleList"),
 ], ids=["unknown-block", "tiny-budget", "pin-without-accelerator", "no-blocks"])
 def test_bad_setup_fails_before_the_first_step(tmp_path: Path, strategy, module, message: str) -> None:
     module = module or _module()
