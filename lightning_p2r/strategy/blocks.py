@@ -79,9 +79,18 @@ class DeclaredBlocks:
     size: int
     kind: str
     """The blocks' class name."""
+    named_by: str = ""
+    """Who named the list when no ``blocks=`` was given: the module's ``block_list()`` (``"CausalLMModule"``)."""
 
     def describe(self) -> str:
-        how = "detected (pass blocks='...' to choose another)" if self.detected else "as given"
+        # Said apart: the option given, the module's own block_list() (CausalLMModule: the user gave nothing), or
+        # detection. A list named by the module read "as given" until 2026-12-02, with no blocks= given.
+        if self.detected:
+            how = "detected (pass blocks='...' to choose another)"
+        elif self.named_by:
+            how = f"named by {self.named_by}.block_list() (pass blocks='...' to choose another)"
+        else:
+            how = "as given (blocks=)"
         return f"P2RStrategy blocks: {self.path} ({self.size} x {self.kind}), {how}"
 
 
@@ -222,12 +231,14 @@ def declares_own_blocks(module: nn.Module) -> bool:
     return isinstance(blocks, nn.ModuleList) and "blocks" not in vars(module) and hasattr(module, "layer_to_block")
 
 
-def declare_blocks(module: nn.Module, path: str | None, holder_path: str | None = None) -> DeclaredBlocks | None:
+def declare_blocks(module: nn.Module, path: str | None, holder_path: str | None = None, *,
+                   named_by: str = "") -> DeclaredBlocks | None:
     """Declare the block-sequence contract on ``module`` (a LightningModule) for the list at ``path``, or the one
     detected; None when the model declares it itself (and no ``path`` is given) or has no candidate list (the
     engines then refuse it by name). ``holder_path``: the module to declare it on (an ancestor of the list whose
     forward runs the blocks); by default the nearest one that is not a container. Idempotent: a second call (after a
-    resume, another fit) changes nothing."""
+    resume, another fit) changes nothing. ``named_by``: the module class whose ``block_list()`` gave ``path`` (for the
+    log line; empty when ``P2RStrategy(blocks=...)`` gave it)."""
     detected = path is None
     if path is None:
         if any(declares_own_blocks(m) for m in module.modules()):
@@ -256,7 +267,7 @@ def declare_blocks(module: nn.Module, path: str | None, holder_path: str | None 
         # A pseudo decoder (sharing.share_layers): its contract names the unique blocks, already declared.
         unique = holder.blocks
         return DeclaredBlocks(path, holder_path, detected=detected, size=len(unique),
-                              kind=type(unique[0]).__name__ if len(unique) else "")
+                              kind=type(unique[0]).__name__ if len(unique) else "", named_by=named_by)
     current = getattr(holder, "blocks", None)
     if current is not None and current is not blocks and "blocks" not in vars(holder):
         raise ValueError(f"P2RStrategy(blocks={path!r}): {type(holder).__name__} already has an attribute 'blocks' "
@@ -266,7 +277,7 @@ def declare_blocks(module: nn.Module, path: str | None, holder_path: str | None 
     if not isinstance(getattr(holder, "layer_to_block", None), list):
         vars(holder)["layer_to_block"] = list(range(len(blocks)))
     return DeclaredBlocks(path, holder_path, detected=detected, size=len(blocks),
-                          kind=type(blocks[0]).__name__ if len(blocks) else "")
+                          kind=type(blocks[0]).__name__ if len(blocks) else "", named_by=named_by)
 
 
 class BlockCallCheck:

@@ -334,7 +334,9 @@ class P2RStrategy(ParallelStrategy):
             # Trainer(sync_batchnorm=True): BatchNorm layers synchronized across ranks, as Lightning's DDP does.
             self.model = self._layer_sync.apply(self.model)
         module = self.lightning_module
-        declared = declare_blocks(module, *named_block_list(module, self.model_config.blocks))  # by its own name
+        named_by = type(module).__name__ if self.model_config.blocks is None else ""
+        declared = declare_blocks(module, *named_block_list(module, self.model_config.blocks),  # by its own name
+                                  named_by=named_by)
         self.block_declaration = declared
         if declared is not None:
             rank_zero_info(declared.describe())

@@ -266,6 +266,10 @@ def test_block_list_alone_names_the_blocks_and_block_holder_is_optional() -> Non
     assert named_block_list(module, None) == ("net.transformer.h", None)
     declared = declare_blocks(module, *named_block_list(module, None))
     assert (declared.path, declared.holder_path, declared.detected) == ("net.transformer.h", "net", False)
+    assert declared.describe().endswith(", as given (blocks=)")  # no named_by: the option gave it
+    by_module = declare_blocks(Named(LitStyle()), *named_block_list(module, None), named_by="Named")
+    assert by_module.describe() == ("P2RStrategy blocks: net.transformer.h (3 x Block), named by Named.block_list() "
+                                    "(pass blocks='...' to choose another)")  # read "as given" with nothing given
     assert named_block_list(WithHolder(LitStyle()), None) == ("net.transformer.h", "net")
     assert named_block_list(WithHolder(LitStyle()), "net.experts") == ("net.experts", None)  # the option wins
     assert named_block_list(Wrapper(LitStyle()), None) == (None, None)
