@@ -255,7 +255,7 @@ def main(argv: list[str]) -> None:
         print(f"warning: {moved}", file=sys.stderr)
     comment = (f"Measured by `lightning-p2r calibrate` on {time.strftime('%Y-%m-%d')} with {args.processes} "
                f"process(es) of {args.threads} thread(s).\nOne node was measured: inter-node constants repeat the "
-               f"intra-node ones; edit them for a multi-node cluster.\n{describe_fit(cluster)}"
+               f"intra-node ones; edit them for a multi-node cluster.\n{describe_fit(cluster, skipped=args.no_fit)}"
                + "".join(f"\n{line}" for line in (copies, *busy) if line))
     write_cluster(cluster, args.out, comment)
     for key, value in cluster.to_dict().items():

@@ -212,10 +212,15 @@ def fit_framework_terms(cluster: Cluster, *, quick: bool = False, steps: int | N
     return dataclasses.replace(cluster, **values, fitted_spread=spread), probes
 
 
-def describe_fit(cluster: Cluster) -> str:
-    """Lines for the cluster file's header: each fitted term with its leave-one-out range."""
+def describe_fit(cluster: Cluster, *, skipped: bool = False) -> str:
+    """Lines for the cluster file's header: each fitted term with its leave-one-out range. ``skipped``: calibrate's
+    ``--no-fit`` (a file of 2 processes so made said "one process counts none of them" until 2026-12-02)."""
     if not cluster.fitted_spread:
-        return "No framework term fitted (one process counts none of them)."
+        if skipped:
+            return "No framework term fitted (--no-fit skipped the fits; the planner warns where a layout counts one)."
+        if cluster.devices == 1:
+            return "No framework term fitted (one process counts none of them)."
+        return "No framework term fitted (no timed probe layout gave one)."
     lines = ["Fitted from timed probe layouts (value, and its range leaving one probe out):"]
     for term, (low, high) in cluster.fitted_spread.items():
         lines.append(f"  {term}: {getattr(cluster, term) * 1e6:.0f} us ({low * 1e6:.0f}-{high * 1e6:.0f} us)")

@@ -150,6 +150,9 @@ def test_a_bad_spread_is_refused_naming_the_field(spread) -> None:
 
 def test_describe_fit_says_when_nothing_was_fitted() -> None:
     assert "one process" in describe_fit(_cpu_cluster(1))
+    # Two processes with --no-fit: the reason is the flag, not the process count.
+    assert "--no-fit" in describe_fit(_cpu_cluster(2), skipped=True)
+    assert "one process" not in describe_fit(_cpu_cluster(2))
 
 
 def test_each_probe_is_timed_in_rounds_and_fitted_at_its_median(monkeypatch) -> None:
