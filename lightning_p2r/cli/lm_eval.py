@@ -13,15 +13,22 @@ from .generate import GenerateError, load_model, read_checkpoint, read_recipe, r
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # The docstring's whole first paragraph: its first line alone ended mid-phrase ("... on the per-language
+    # verse-continuation") in --help until 2026-12-02.
     parser = argparse.ArgumentParser(prog="lightning-p2r lm-eval",
-                                     description=__doc__.splitlines()[0].replace("``", ""))
+                                     description=" ".join(__doc__.split("\n\n")[0].split()).replace("``", ""))
     parser.add_argument("-c", "--config", required=True,
                         help="the recipe the checkpoint was trained with (its tokenizer)")
     parser.add_argument("--ckpt_path", required=True, help="a checkpoint file, a sharded checkpoint directory, or "
                                                            "'last'")
-    parser.add_argument("--languages", default="en,fr,de,ru,zh", help="comma-separated bible-multi codes")
-    parser.add_argument("--per-language", type=int, default=50, help="documents per language")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--languages", default="en,fr,de,ru,zh",
+                        help="comma-separated bible-multi codes (default: %(default)s)")
+    parser.add_argument("--per-language", type=int, default=50,
+                        help="documents per language, each a verse's first half and four endings (default: "
+                             "%(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the verses drawn, their wrong endings and the right one's position (default: "
+                             "%(default)s)")
     return parser
 
 

@@ -203,3 +203,13 @@ def test_every_command_taking_a_recipe_takes_it_as_fit_does() -> None:
     assert generate().parse_args(["-c", "r.yaml", "--ckpt_path", "last", "--prompt", "hi"]).config == "r.yaml"
     assert lm_eval().parse_args(["-c", "r.yaml", "--ckpt_path", "last"]).config == "r.yaml"
     assert plan().parse_args(["--cluster", "c.yaml", "-c", "r.yaml"]).config == "r.yaml"
+
+
+def test_lm_eval_help_says_its_whole_purpose_and_defaults() -> None:
+    """Its description was the docstring's first line, which ended mid-phrase ("... on the per-language
+    verse-continuation"), and its options showed no defaults."""
+    from lightning_p2r.cli.lm_eval import build_parser
+
+    text = " ".join(build_parser().format_help().split())
+    assert "verse-continuation tasks (lm_eval_adapter.bible_choice_tasks), offline, and print one table" in text
+    assert "(default: en,fr,de,ru,zh)" in text and "(default: 50)" in text and "(default: 0)" in text
