@@ -121,12 +121,25 @@ def load_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+def _dcp_load(state: dict[str, Any], path: str | Path) -> None:
+    """``dcp.load`` of ``state`` from ``path``. A one-process run on the local engine has no process group: DCP then
+    loads in one process, as asked, and its warning that it assumes so ("torch.distributed is disabled ...") is
+    dropped, as ``read_model_state`` drops it; every sharded checkpoint resumed with sharding none/zero1 printed it
+    until 2026-12-02."""
+    if dist.is_available() and dist.is_initialized():
+        dcp.load(state, checkpoint_id=str(path))
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+
+
 def load_model_into(module: nn.Module, path: str | Path) -> None:
     """Load the model state of a sharded checkpoint into ``module``, sharded or not (DCP reshards)."""
     state = get_model_state_dict(module)
     ties = find_ties(module)
     stored = without_aliases(state, ties)  # a tied parameter is read once, under its first name
-    dcp.load({"model": stored}, checkpoint_id=str(path))
+    _dcp_load({"model": stored}, path)
     set_model_state_dict(module, with_aliases(stored, ties))
 
 
@@ -172,7 +185,7 @@ def load_optimizer_into(module: nn.Module, optimizer: torch.optim.Optimizer, ind
     this rank's parameters and takes the saved settings by position (they are stored with one rank's names)."""
     state = get_optimizer_state_dict(module, optimizer)
     own_groups = [dict(group) for group in state["param_groups"]]
-    dcp.load({f"optimizer{index}": state}, checkpoint_id=str(path))
+    _dcp_load({f"optimizer{index}": state}, path)
     saved_groups = state["param_groups"]
     if len(saved_groups) == len(own_groups):
         state["param_groups"] = [saved | {"params": own["params"]} for saved, own in zip(saved_groups, own_groups)]

@@ -119,3 +119,31 @@ def test_a_file_that_is_no_torch_archive_is_named_as_such(tmp_path: Path) -> Non
         check_checkpoint_path(tmp_path / "legacy.ckpt", loads_sharded=True)
     with pytest.raises(ValueError, match=r"cut.ckpt cannot be loaded: it is truncated or not a torch checkpoint"):
         check_checkpoint_path(tmp_path / "cut.ckpt", loads_sharded=True)
+
+
+def test_a_sharded_checkpoint_loads_into_one_process_without_a_process_group_quietly(tmp_path: Path) -> None:
+    """Resuming a sharded checkpoint with sharding none on one process (no process group) printed torch's
+    "torch.distributed is disabled ... assuming the intent is to load in a single process" warning."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from lightning_p2r.strategy.checkpoint import load_model_into, load_optimizer_into
+
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(3, 3)
+    optimizer = torch.optim.AdamW(saved.parameters())
+    saved(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP's own one-process notice on save
+        dcp.save({"model": get_model_state_dict(saved), "optimizer0": get_optimizer_state_dict(saved, optimizer)},
+                 checkpoint_id=str(tmp_path), no_dist=True)
+    loaded = torch.nn.Linear(3, 3)
+    loaded_optimizer = torch.optim.AdamW(loaded.parameters())
+    loaded(torch.ones(1, 3)).sum().backward()
+    loaded_optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_model_into(loaded, tmp_path)
+        load_optimizer_into(loaded, loaded_optimizer, 0, tmp_path)
+    assert torch.equal(loaded.weight, saved.weight)
+    assert torch.equal(loaded_optimizer.state[loaded.weight]["exp_avg"], optimizer.state[saved.weight]["exp_avg"])
