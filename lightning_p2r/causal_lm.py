@@ -44,23 +44,8 @@ STRUCTURE_KEY = "causal_lm_structure"
 """Checkpoint key recording how many distinct blocks the decoder's layers run (Pseudo-to-Real)."""
 
 
-def structure_as_held(hyper: dict[str, Any], structure: dict[str, Any] | None, depth: int) -> dict[str, Any]:
-    """``num_unique_blocks``, ``pseudo_depth`` and ``growth_init`` of the model a checkpoint's tensors hold (the
-    hyperparameters describe the model as created, maybe a pseudo one); ``depth``: the config's number of layers.
-    After delinking or growth to ``depth`` the model is real; a staged delinking leaves fewer blocks."""
-    held = {key: hyper.get(key, default) for key, default in
-            (("num_unique_blocks", None), ("pseudo_depth", "shared"), ("growth_init", "copy"))}
-    blocks = (structure or {}).get("num_unique_blocks")
-    if blocks is not None and blocks != held["num_unique_blocks"]:
-        if blocks >= depth:
-            held.update(num_unique_blocks=None, pseudo_depth="shared", growth_init="copy")
-        else:
-            held["num_unique_blocks"] = blocks
-    return held
-
-
 def hf_config_as_held(hf_config: dict[str, Any], held: dict[str, Any], depth: int, depth_key: str) -> dict[str, Any]:
-    """The Hugging Face config of the model a checkpoint holds, from ``structure_as_held``'s ``held``: a shallow
+    """The Hugging Face config of the model a checkpoint holds, from ``module.structure_as_held``'s ``held``: a shallow
     pseudo model not yet grown to ``depth`` runs its first ``num_unique_blocks`` layers, and is that many layers deep
     (``depth_key``: the config's name for its number of layers, ``n_layer`` for GPT-2); its ``layer_types`` are cut
     to them. A shared pseudo model runs every layer, the shared blocks copied into each."""

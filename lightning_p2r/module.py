@@ -31,18 +31,27 @@ from .sharing import delink, shared_experts
 STRUCTURE_KEY = "lightning_p2r_structure"
 
 
+def structure_as_held(hyper: dict[str, Any], structure: dict[str, Any] | None, depth: int) -> dict[str, Any]:
+    """``num_unique_blocks``, ``pseudo_depth`` and ``growth_init`` of the model a checkpoint's tensors hold (the
+    hyperparameters describe the model as created, maybe a pseudo one); ``depth``: the config's number of layers.
+    After delinking or growth to ``depth`` the model is real; a staged delinking leaves fewer blocks."""
+    held = {key: hyper.get(key, default) for key, default in
+            (("num_unique_blocks", None), ("pseudo_depth", "shared"), ("growth_init", "copy"))}
+    blocks = (structure or {}).get("num_unique_blocks")
+    if blocks is not None and blocks != held["num_unique_blocks"]:
+        if blocks >= depth:
+            held.update(num_unique_blocks=None, pseudo_depth="shared", growth_init="copy")
+        else:
+            held["num_unique_blocks"] = blocks
+    return held
+
+
 def config_as_held(config: dict[str, Any], structure: dict[str, Any] | None) -> dict[str, Any]:
     """The model config (``M6Config`` as a dict) of the model a checkpoint's tensors hold. Its hyperparameters
     describe the model as created, maybe a pseudo one; the structure ``on_save_checkpoint`` records says what it is
     now: after delinking or growth its blocks are its layers' own (or fewer shared ones, staged), after upcycling
     every expert has its own FFN. Without a record (a checkpoint of an older version) the config is as saved."""
-    held = dict(config)
-    blocks = (structure or {}).get("num_unique_blocks")
-    if blocks is not None and blocks != config.get("num_unique_blocks"):
-        if blocks >= config["num_layers"]:
-            held.update(num_unique_blocks=None, pseudo_depth="shared", growth_init="copy")
-        else:
-            held["num_unique_blocks"] = blocks
+    held = {**config, **structure_as_held(config, structure, config["num_layers"])}
     if (structure or {}).get("experts_shared") is False:
         held["num_unique_experts"] = None
     return held

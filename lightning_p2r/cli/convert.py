@@ -67,7 +67,8 @@ def held_hf_config(hyper: dict[str, Any], structure: dict[str, Any]) -> dict[str
     """The Hugging Face config of the model a ``CausalLMModule`` checkpoint holds (a shallow pseudo model not yet
     grown is fewer layers deep than its recorded config)."""
     from ..causal_lm import STRUCTURE_KEY as CAUSAL_LM_STRUCTURE
-    from ..causal_lm import hf_config_as_held, read_causal_lm_config, structure_as_held
+    from ..causal_lm import hf_config_as_held, read_causal_lm_config
+    from ..module import structure_as_held
 
     hf_config = hyper["hf_config"]
     config = read_causal_lm_config(hf_config)
@@ -81,9 +82,9 @@ def held_hyperparameters(hyper: dict[str, Any], structure: dict[str, Any]) -> di
     """The hyperparameters that build the model the checkpoint's tensors hold: the module's own, with the structure
     a pseudo model has now (delinked, grown, upcycled) in place of the one it was created with."""
     from ..causal_lm import STRUCTURE_KEY as CAUSAL_LM_STRUCTURE
-    from ..causal_lm import read_causal_lm_config, structure_as_held
+    from ..causal_lm import read_causal_lm_config
     from ..module import STRUCTURE_KEY as M6_STRUCTURE
-    from ..module import config_as_held
+    from ..module import config_as_held, structure_as_held
 
     if isinstance(hyper.get("config"), dict) and M6_STRUCTURE in structure:
         return {**hyper, "config": config_as_held(hyper["config"], structure[M6_STRUCTURE])}

@@ -6,10 +6,11 @@ atomically: an interrupted save never replaces an earlier checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,14 @@ def load_meta(path: str | Path) -> dict[str, Any]:
     return meta
 
 
+@contextlib.contextmanager
+def _one_process_dcp() -> Iterator[None]:
+    """DCP warns on every load without a process group that it assumes one process: what these loads ask for."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _dcp_load(state: dict[str, Any], path: str | Path) -> None:
     """``dcp.load`` of ``state`` from ``path``. A one-process run on the local engine has no process group: DCP then
     loads in one process, as asked, and its warning that it assumes so ("torch.distributed is disabled ...") is
@@ -129,8 +138,7 @@ def _dcp_load(state: dict[str, Any], path: str | Path) -> None:
     if dist.is_available() and dist.is_initialized():
         dcp.load(state, checkpoint_id=str(path))
         return
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with _one_process_dcp():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
 
 
@@ -235,9 +243,7 @@ def read_model_state(path: str | Path) -> dict[str, torch.Tensor]:
     state = {key[len(prefix):]: torch.empty(item.size, dtype=item.properties.dtype)
              for key, item in reader.read_metadata().state_dict_metadata.items()
              if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)}
-    with warnings.catch_warnings():
-        # DCP warns on every load without a process group that it assumes one process: what is asked for here.
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+    with _one_process_dcp():
         dcp.load({"model": state}, storage_reader=reader, no_dist=True)
     return with_aliases(state, stored_ties(path))
 
@@ -277,9 +283,7 @@ def read_optimizer_states(path: str | Path) -> list[dict[str, Any]]:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     with tempfile.TemporaryDirectory(prefix="lightning-p2r-") as folder:
         whole = Path(folder) / "states.pt"
-        with warnings.catch_warnings():
-            # DCP warns on every load without a process group that it assumes one process: what is asked for here.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        with _one_process_dcp():
             dcp_to_torch_save(path, whole)
         return numbered_optimizer_states(torch.load(whole, map_location="cpu", weights_only=True))
 

@@ -391,7 +391,8 @@ def test_convert_to_hf_writes_a_pseudo_model_as_the_model_it_runs(tmp_path: Path
      {"num_unique_blocks": None, "pseudo_depth": "shared", "growth_init": "copy"}, 4),
 ], ids=["pseudo", "delinked", "staged", "shallow", "partly grown", "grown"])
 def test_a_causal_lm_checkpoint_is_described_as_the_model_it_holds(hyper, blocks, held, layers) -> None:
-    from lightning_p2r.causal_lm import hf_config_as_held, structure_as_held
+    from lightning_p2r.causal_lm import hf_config_as_held
+    from lightning_p2r.module import structure_as_held
 
     result = structure_as_held(hyper, {"num_unique_blocks": blocks}, depth=4)
     assert result == {"growth_init": "copy", **held}
