@@ -25,6 +25,20 @@ _UNITS_HINT = ("B or B/s for bytes, bit/s or bps for bits (divided by 8), FLOP/s
                "1000) or Ki, Mi, Gi, Ti, Pi (powers of 1024)")
 
 
+_UNIT_KINDS = {"bytes": ("b", "byte", "bytes", "bit", "bits"),
+               "bytes/s": ("b/s", "byte/s", "bytes/s", "bit/s", "bits/s", "bps"),
+               "FLOP/s": ("flop", "flops", "flop/s")}
+"""What each unit measures (lowercase, after its prefix): a size, a byte rate or a compute rate. A number with a
+prefix alone ("80G") or a bare rate ("12.5G/s") fits any field of its kind."""
+_FIELD_KINDS = {"device_memory": "bytes", "host_memory_per_node": "bytes", "device_flops": "FLOP/s",
+                "attention_flops": "FLOP/s"} | dict.fromkeys(
+    ("memory_bandwidth", "memory_small_bandwidth", "elementwise_bandwidth", "elementwise_small_bandwidth",
+     "host_device_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth"), "bytes/s")
+"""The quantity each cluster field holds: a unit of another kind is refused ("device_memory: 80GB/s" was read as 80
+GB, "inter_node_bandwidth: 400TFLOP/s" as 400 TB/s)."""
+_KIND_EXAMPLES = {"bytes": "80GB", "bytes/s": "25GB/s or 200Gbit/s", "FLOP/s": "400TFLOP/s or 400T"}
+
+
 def _unit_factor(unit: str, value: Any, name: str, number: float, prefix: str) -> float:
     """The factor a unit (after its prefix) turns the number into: 1 for bytes, FLOP/s and plain rates, 1/8 for
     bits. A lowercase ``b`` alone (``Gb/s``, ``Gb``) and ``Bps`` are refused: readers take them for bits or bytes."""
@@ -43,11 +57,11 @@ def _unit_factor(unit: str, value: Any, name: str, number: float, prefix: str) -
     raise ValueError(f"{name}: unknown unit in {value!r} (use {_UNITS_HINT})")
 
 
-def parse_quantity(value: Any, name: str, *, unit: str = "") -> float:
+def parse_quantity(value: Any, name: str, *, unit: str = "", kind: str = "") -> float:
     """A number, or a string of a number with an SI or binary prefix and an optional unit: "32GB", "24GiB",
     "12.5GB/s", "125T", "125TFLOP/s", "1e12". Bits convert exactly: "200Gbit/s" and "200Gbps" are 25e9 bytes/s;
     a lowercase ``b`` alone ("200Gb/s") and "GBps" are refused as ambiguous, naming both readings. ``unit="s"`` reads
-    times instead ("5us", "2ms")."""
+    times instead ("5us", "2ms"). ``kind`` ("bytes", "bytes/s" or "FLOP/s") refuses a unit of another kind."""
     if isinstance(value, bool):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if isinstance(value, (int, float)):
@@ -69,7 +83,12 @@ def parse_quantity(value: Any, name: str, *, unit: str = "") -> float:
     prefix, rest = _PREFIX.fullmatch(suffix).groups()  # type: ignore[union-attr]  # (.*) always matches
     prefix = (prefix or "").lower()
     shown = (prefix[:1].upper() if prefix[:1] != "k" else "k") + prefix[1:]  # the hint's spelling: G, Gi, k
-    return number * _SCALE[prefix] * _unit_factor(rest, value, name, number, shown)
+    factor = _unit_factor(rest, value, name, number, shown)
+    found = next((k for k, units in _UNIT_KINDS.items() if rest.lower() in units), "")
+    if kind and found and found != kind:
+        raise ValueError(f"{name}: {value!r} is in {found}, where this field holds {kind} (for example "
+                         f"{_KIND_EXAMPLES[kind]})")
+    return number * _SCALE[prefix] * factor
 
 
 ACCELERATORS = ("cuda", "cpu")
@@ -489,7 +508,8 @@ def cluster_from_dict(values: dict[str, Any], source: str = "the cluster") -> Cl
         elif key in ("devices", "devices_per_node"):
             parsed[key] = value
         else:
-            parsed[key] = parse_quantity(value, f"{source}: {key}", unit="s" if key in _TIMES else "")
+            parsed[key] = parse_quantity(value, f"{source}: {key}", unit="s" if key in _TIMES else "",
+                                         kind=_FIELD_KINDS.get(key, ""))
     try:
         return Cluster(**parsed)
     except ValueError as error:

@@ -89,6 +89,30 @@ def test_an_unknown_unit_names_the_field_value_and_the_accepted_units() -> None:
                                        "bytes, bit/s or bps for bits (divided by 8)")
 
 
+@pytest.mark.parametrize(("field", "text", "found", "expected"), [
+    ("device_memory", "80GB/s", "bytes/s", "bytes (for example 80GB)"),
+    ("host_memory_per_node", "1TFLOP/s", "FLOP/s", "bytes"),
+    ("inter_node_bandwidth", "400TFLOP/s", "FLOP/s", "bytes/s (for example 25GB/s or 200Gbit/s)"),
+    ("memory_bandwidth", "2TB", "bytes", "bytes/s"),
+    ("device_flops", "80GB", "bytes", "FLOP/s (for example 400TFLOP/s or 400T)"),
+    ("attention_flops", "200Gbit/s", "bytes/s", "FLOP/s"),
+])
+def test_a_unit_of_another_kind_than_the_fields_is_refused(field, text, found, expected) -> None:
+    """A size where a rate belongs (or a compute rate where a byte rate does) was read by its number alone."""
+    with pytest.raises(ValueError) as error:
+        cluster_from_dict({field: text}, source="my.yaml")
+    assert str(error.value).startswith(f"my.yaml: {field}: {text!r} is in {found}, where this field holds {expected}")
+
+
+@pytest.mark.parametrize(("field", "text", "value"), [
+    ("device_memory", "80G", 80e9), ("device_memory", "64Gbit", 8e9), ("device_flops", "400T", 400e12),
+    ("device_flops", "400TFLOPS", 400e12), ("device_flops", "1e12/s", 1e12), ("memory_bandwidth", "2T/s", 2e12),
+    ("cpu_oversubscription", 1.5, 1.5),
+])
+def test_a_prefix_alone_or_a_unit_of_the_fields_kind_is_read(field, text, value) -> None:
+    assert getattr(cluster_from_dict({field: text}), field) == value
+
+
 @pytest.mark.parametrize(("values", "message"), [
     ({"device_memory": "-1GB"}, "cannot read"),
     ({"device_memory": -5}, "device_memory must be > 0"),
