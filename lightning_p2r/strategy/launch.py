@@ -92,6 +92,29 @@ def observe_ranks(processes: list[subprocess.Popen], errors: Path, stopped: thre
             os._exit(1)  # the launching rank may be inside a collective that never returns
 
 
+ERRORS_PREFIX = "p2r-rank-errors-"
+"""The errors folder's name starts with this and the launching process's id (``<prefix><pid>-<random>``)."""
+
+
+def remove_abandoned_error_folders(root: str | Path | None = None) -> list[Path]:
+    """Remove the errors folders whose launching process is gone: one that was killed (by a signal, a job's time
+    limit) could not remove its own, and each left an empty folder in the temporary directory. A folder whose
+    process id is running (its own, or a reused id) is kept. Returns the folders removed."""
+    removed = []
+    for folder in Path(root or tempfile.gettempdir()).glob(f"{ERRORS_PREFIX}*-*"):
+        pid = folder.name[len(ERRORS_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit() or not folder.is_dir():
+            continue
+        try:
+            os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        except (PermissionError, OverflowError):  # another user's process, or not a process id at all
+            continue
+    return removed
+
+
 class CheckingLauncher(_SubprocessScriptLauncher):
     """Lightning's script launcher with the job's checks before any child exists and one failure ending all ranks.
     ``check`` runs in every process before the job starts, given the Trainer and the launched function's arguments."""
@@ -105,7 +128,8 @@ class CheckingLauncher(_SubprocessScriptLauncher):
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
         if self.cluster_environment.creates_processes_externally:
             return self._run_as_launched_rank(function, *args, **kwargs)
-        errors = Path(tempfile.mkdtemp(prefix="p2r-rank-errors-"))
+        remove_abandoned_error_folders()
+        errors = Path(tempfile.mkdtemp(prefix=f"{ERRORS_PREFIX}{os.getpid()}-"))
         os.environ[ERRORS_ENV] = str(errors)
         try:
             self._call_children_scripts()

@@ -155,3 +155,25 @@ def test_a_users_module_that_states_its_shape_is_checked_before_launch() -> None
 
     with pytest.raises(ValueError, match=r"MyModule's config's num_key_value_heads=1 must be divisible"):
         _two_processes(P2RStrategy(tensor_parallel=2)).check_before_launch(None, MyModule())
+
+
+def test_an_errors_folder_left_by_a_killed_launch_is_removed_by_the_next() -> None:
+    """A launching process that was killed cannot remove its errors folder; the next launch removes the folders of
+    processes that are gone, and keeps a running one's (its own, or any whose id is in use)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from lightning_p2r.strategy.launch import ERRORS_PREFIX, remove_abandoned_error_folders
+
+    root = Path(tempfile.mkdtemp())
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    abandoned = root / f"{ERRORS_PREFIX}{int(gone.stdout)}-abc"
+    running = root / f"{ERRORS_PREFIX}{os.getpid()}-def"
+    unknown = root / f"{ERRORS_PREFIX}x1y2z3"  # not named by a process id: not ours to judge
+    for folder in (abandoned, running, unknown):
+        folder.mkdir()
+    write_rank_error(abandoned, 1, "ValueError: x")
+    assert remove_abandoned_error_folders(root) == [abandoned]
+    assert not abandoned.exists() and running.is_dir() and unknown.is_dir()
