@@ -47,6 +47,29 @@ def parse_bytes(value: int | str, total: int | None = None, name: str = "device_
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
+def _check_budget(budget: int | float | str) -> None:
+    """A budget of more than zero bytes. A plain number below one (``0.5``) is refused naming what was likely meant:
+    a number is bytes, so it would read as 0 bytes at setup (a share of the memory is a percentage, a share of the
+    blocks ``offload_fraction``). A string's syntax is checked now, a percentage of a large stand-in: its base, the
+    device's memory, comes at setup."""
+    if isinstance(budget, str):
+        size = parse_bytes(budget, total=2**50)  # refuses what is not a size
+        try:
+            plain: float | None = float(budget)
+        except ValueError:  # a size with a unit or a percentage
+            plain = None
+    else:
+        if not math.isfinite(budget):
+            raise ValueError(f"P2RStrategy.device_memory_budget must be a finite number of bytes, got {budget!r}")
+        size, plain = budget, budget
+    if plain is not None and 0 < plain < 1:
+        raise ValueError(f"P2RStrategy.device_memory_budget={budget!r} is bytes, less than one: for a share of the "
+                         f"device's memory write '{plain * 100:g}%', for a share of the blocks "
+                         f"offload_fraction={plain}")
+    if size <= 0:
+        raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {budget!r}")
+
+
 def check_offload_options(*, offload_fraction: float | None, offload_blocks: Sequence[int] | None,
                           device_memory_budget: int | str | None, offload_states: Sequence[str] | None, prefetch: int,
                           pin_memory: object, overlap_host_step: object, host_step: object = "exact",
@@ -61,12 +84,8 @@ def check_offload_options(*, offload_fraction: float | None, offload_blocks: Seq
         raise ValueError(f"P2RStrategy.offload_fraction must be in [0, 1], got {offload_fraction}")
     if offload_blocks is not None and any(not isinstance(i, int) or i < 0 for i in offload_blocks):
         raise ValueError(f"P2RStrategy.offload_blocks must be block indices >= 0, got {offload_blocks!r}")
-    if device_memory_budget is not None and not isinstance(device_memory_budget, str):
-        if device_memory_budget <= 0:
-            raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget}")
-    # A syntax check now, a percentage of a large stand-in: its base, the device's memory, comes at setup.
-    if isinstance(device_memory_budget, str) and parse_bytes(device_memory_budget, total=2**50) <= 0:
-        raise ValueError(f"P2RStrategy.device_memory_budget must be > 0, got {device_memory_budget!r}")
+    if device_memory_budget is not None:
+        _check_budget(device_memory_budget)
     _check_activation_allowance(activation_allowance, budget_given=device_memory_budget is not None)
     states = set(offload_states or OFFLOAD_STATES)
     unknown = states - set(OFFLOAD_STATES)

@@ -71,6 +71,13 @@ API_CASES: list[tuple[str, Callable[[], Any], str]] = [
     ("recompute without layered", lambda: P2RStrategy(recompute=True), r"recompute applies to accumulation='layered'"),
     ("negative budget", lambda: P2RStrategy(device_memory_budget=-5), r"device_memory_budget must be > 0"),
     ("zero budget as a size", lambda: P2RStrategy(device_memory_budget="0GB"), r"device_memory_budget must be > 0"),
+    # A number is bytes: 0.5 read as 0 bytes at setup, "smaller than the least this model needs".
+    ("a share for the budget", lambda: P2RStrategy(device_memory_budget=0.5),
+     r"device_memory_budget=0.5 is bytes, less than one: .* write '50%', .* offload_fraction=0.5"),
+    ("a share for the budget, as a string", lambda: P2RStrategy(device_memory_budget="0.25"),
+     r"device_memory_budget='0.25' is bytes, less than one: .* write '25%'"),
+    ("an infinite budget", lambda: P2RStrategy(device_memory_budget=float("inf")),
+     r"device_memory_budget must be a finite number of bytes, got inf"),
     ("negative activation allowance",
      lambda: P2RStrategy(device_memory_budget="8GB", activation_allowance=-1), r"activation_allowance must be >= 0"),
     ("activation allowance as a percentage",
