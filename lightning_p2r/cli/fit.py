@@ -75,6 +75,12 @@ class P2RArgumentParser(LightningArgumentParser):
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
         parser = getattr(ex, "subcommand_parser", None) or self
+        command = self.command_line[0] if self.command_line else ""
+        if command in LightningCLI.subcommands() and command not in self.prog.split():
+            # An error after parsing (a class refusing its arguments) comes from the parser above the command's:
+            # its usage line and its tip ("run: lightning-p2r --help") would name no command, whose --help lists
+            # the options.
+            self.prog = f"{self.prog} {command}"
         condensed = condense(message)
         super().error(condensed + _suggestion(parser, message) + _strategy_option_hint(condensed)
                       + _recipe_location(self.recipe_files, self.command_line, condensed + "\n" + message), ex)

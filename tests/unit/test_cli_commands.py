@@ -110,6 +110,13 @@ def test_a_bad_strategy_value_in_a_recipe_names_the_line_but_not_when_the_comman
                       "      sharding: zero3\n")
     code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe), "--trainer.strategy.sharding=zero5"])
     assert code == 2 and "zero5" in text and "(in " not in text  # the override's value, not the recipe's line
+    assert "fit [--config" in text and "run: lightning-p2r fit --help" in text, text
+    # Refused by the strategy when made, after parsing, through the parser above fit's: still fit's usage and fit's
+    # --help (its tip said `lightning-p2r --help`, which lists the commands, not the options).
+    code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe),
+                                           "--trainer.strategy.device_memory_budget=0.5"])
+    assert code == 2 and "device_memory_budget=0.5 is bytes" in text, text
+    assert "usage: lightning-p2r fit [--config" in text and "run: lightning-p2r fit --help" in text, text
     recipe.write_text(recipe.read_text().replace("zero3", "zero4"))
     code, text = _exit_and_output(capsys, ["fit", "--config", str(recipe)])
     assert code == 2 and "zero4" in text and f"(in {recipe}, line 5)" in text
