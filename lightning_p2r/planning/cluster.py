@@ -26,10 +26,10 @@ _UNITS_HINT = ("B or B/s for bytes, bit/s or bps for bits (divided by 8), FLOP/s
 
 
 _UNIT_KINDS = {"bytes": ("b", "byte", "bytes", "bit", "bits"),
-               "bytes/s": ("b/s", "byte/s", "bytes/s", "bit/s", "bits/s", "bps"),
-               "FLOP/s": ("flop", "flops", "flop/s")}
+               "bytes/s": ("/s", "b/s", "byte/s", "bytes/s", "bit/s", "bits/s", "bps"),
+               "FLOP/s": ("/s", "flop", "flops", "flop/s")}
 """What each unit measures (lowercase, after its prefix): a size, a byte rate or a compute rate. A number with a
-prefix alone ("80G") or a bare rate ("12.5G/s") fits any field of its kind."""
+prefix alone ("80G") fits any field; a bare rate ("12.5G/s") any rate."""
 _FIELD_KINDS = {"device_memory": "bytes", "host_memory_per_node": "bytes", "device_flops": "FLOP/s",
                 "attention_flops": "FLOP/s"} | dict.fromkeys(
     ("memory_bandwidth", "memory_small_bandwidth", "elementwise_bandwidth", "elementwise_small_bandwidth",
@@ -84,9 +84,9 @@ def parse_quantity(value: Any, name: str, *, unit: str = "", kind: str = "") -> 
     prefix = (prefix or "").lower()
     shown = (prefix[:1].upper() if prefix[:1] != "k" else "k") + prefix[1:]  # the hint's spelling: G, Gi, k
     factor = _unit_factor(rest, value, name, number, shown)
-    found = next((k for k, units in _UNIT_KINDS.items() if rest.lower() in units), "")
-    if kind and found and found != kind:
-        raise ValueError(f"{name}: {value!r} is in {found}, where this field holds {kind} (for example "
+    found = [k for k, units in _UNIT_KINDS.items() if rest.lower() in units]
+    if kind and found and kind not in found:
+        raise ValueError(f"{name}: {value!r} is in {' or '.join(found)}, where this field holds {kind} (for example "
                          f"{_KIND_EXAMPLES[kind]})")
     return number * _SCALE[prefix] * factor
 

@@ -96,6 +96,7 @@ def test_an_unknown_unit_names_the_field_value_and_the_accepted_units() -> None:
     ("memory_bandwidth", "2TB", "bytes", "bytes/s"),
     ("device_flops", "80GB", "bytes", "FLOP/s (for example 400TFLOP/s or 400T)"),
     ("attention_flops", "200Gbit/s", "bytes/s", "FLOP/s"),
+    ("device_memory", "80G/s", "bytes/s or FLOP/s", "bytes"),
 ])
 def test_a_unit_of_another_kind_than_the_fields_is_refused(field, text, found, expected) -> None:
     """A size where a rate belongs (or a compute rate where a byte rate does) was read by its number alone."""
