@@ -103,14 +103,14 @@ def remove_abandoned_error_folders(root: str | Path | None = None) -> list[Path]
     removed = []
     for folder in Path(root or tempfile.gettempdir()).glob(f"{ERRORS_PREFIX}*-*"):
         pid = folder.name[len(ERRORS_PREFIX):].split("-", 1)[0]
-        if not pid.isdigit() or not folder.is_dir() or folder.stat().st_uid != os.getuid():  # another user's
-            continue
         try:
+            if not pid.isdigit() or not folder.is_dir() or folder.stat().st_uid != os.getuid():  # another user's
+                continue
             os.kill(int(pid), 0)  # signal 0: only asks whether the process exists
         except ProcessLookupError:
             shutil.rmtree(folder, ignore_errors=True)
             removed.append(folder)
-        except (PermissionError, OverflowError):  # another user's process, or not a process id at all
+        except (OSError, OverflowError):  # gone meanwhile, another user's process, or not a process id at all
             continue
     return removed
 
