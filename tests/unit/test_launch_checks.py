@@ -157,17 +157,16 @@ def test_a_users_module_that_states_its_shape_is_checked_before_launch() -> None
         _two_processes(P2RStrategy(tensor_parallel=2)).check_before_launch(None, MyModule())
 
 
-def test_an_errors_folder_left_by_a_killed_launch_is_removed_by_the_next() -> None:
+def test_an_errors_folder_left_by_a_killed_launch_is_removed_by_the_next(tmp_path: Path) -> None:
     """A launching process that was killed cannot remove its errors folder; the next launch removes the folders of
     processes that are gone, and keeps a running one's (its own, or any whose id is in use)."""
     import os
     import subprocess
     import sys
-    import tempfile
 
     from lightning_p2r.strategy.launch import ERRORS_PREFIX, remove_abandoned_error_folders
 
-    root = Path(tempfile.mkdtemp())
+    root = tmp_path
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     abandoned = root / f"{ERRORS_PREFIX}{int(gone.stdout)}-abc"
     running = root / f"{ERRORS_PREFIX}{os.getpid()}-def"
