@@ -22,6 +22,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -69,6 +70,11 @@ def require_litdata() -> Any:
     return litdata
 
 
+LITDATA_WORKING_FOLDERS = {"DATA_OPTIMIZER_CACHE_FOLDER": "chunks", "DATA_OPTIMIZER_DATA_CACHE_FOLDER": "data"}
+"""The variables naming ``litdata.optimize``'s working folders, and the names it gives them under the temporary
+directory by default."""
+
+
 def _optimize_forked(fn: Any, inputs: list[Any], output_dir: str, num_workers: int, **options: Any) -> None:
     """``litdata.optimize`` into a token-chunk directory with forked workers (call it from a one-thread process).
     litdata sets the start method for the whole process (``force=True``): the caller's is put back afterwards."""
@@ -76,11 +82,20 @@ def _optimize_forked(fn: Any, inputs: list[Any], output_dir: str, num_workers: i
 
     litdata = require_litdata()
     before = multiprocessing.get_start_method(allow_none=True)
-    try:
-        litdata.optimize(fn=fn, inputs=inputs, output_dir=output_dir, num_workers=num_workers, chunk_bytes="64MB",
-                         item_loader=litdata.TokensLoader(), verbose=False, start_method="fork", **options)
-    finally:
-        multiprocessing.set_start_method(before, force=True)
+    # litdata's working folders default to <tmp>/chunks and <tmp>/data, shared by every run on the machine: each
+    # optimize call empties them first (another run's index merge with them), and they stay behind, owned by the
+    # first user. This call's own, removed after it, unless the user chose them (litdata's variables).
+    with tempfile.TemporaryDirectory(prefix="p2r-litdata-") as working:
+        chosen = {name: os.path.join(working, sub) for name, sub in LITDATA_WORKING_FOLDERS.items()
+                  if name not in os.environ}
+        os.environ.update(chosen)
+        try:
+            litdata.optimize(fn=fn, inputs=inputs, output_dir=output_dir, num_workers=num_workers, chunk_bytes="64MB",
+                             item_loader=litdata.TokensLoader(), verbose=False, start_method="fork", **options)
+        finally:
+            multiprocessing.set_start_method(before, force=True)
+            for name in chosen:
+                os.environ.pop(name, None)
 
 
 def _optimize_forked_in(folder: str, *args: Any, **options: Any) -> None:

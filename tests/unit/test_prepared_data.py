@@ -547,3 +547,21 @@ def test_a_kept_helper_that_died_is_replaced(tmp_path: Path, monkeypatch: pytest
         stop.set()
     assert read_manifest(tmp_path / "out").splits["train"]["tokens"] > 0
     assert prepared._helper_kept_for_the_process() is not helper
+
+
+@pytest.mark.slow
+def test_preparing_leaves_no_working_folder_in_the_machines_temporary_directory(tmp_path: Path) -> None:
+    """litdata's working folders default to <tmp>/chunks and <tmp>/data, shared by every run on the machine: each
+    optimize call emptied them first, and they stayed behind (owned by the first user). Each preparation now has
+    its own, removed after it; the prepared directory is the same."""
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    source = _corpus(tmp_path / "src")
+    code = ("import sys\nfrom lightning_p2r.data.prepared import prepare_data\n"
+            f"prepare_data({str(source)!r}, {str(tmp_path / 'out')!r}, tokenizer='bytes', val_fraction=0.1, "
+            "piece_bytes=4096, log=lambda line: None)\n")
+    env = os.environ | {"TMPDIR": str(temporary), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert read_manifest(tmp_path / "out").splits["train"]["tokens"] > 0
+    assert sorted(p.name for p in temporary.iterdir()) == []
