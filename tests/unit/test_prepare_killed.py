@@ -32,7 +32,11 @@ def _corpus(path: Path, lines: int) -> Path:
 
 def _launch(source: Path, out: Path, *options: str) -> subprocess.Popen:
     """prepare-data in a session of its own, so that killing its group also kills litdata's encoding workers."""
-    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # Its own temporary directory: a killed run cannot remove its litdata working folders (prepared.py).
+    temporary = out.parent / "tmp"
+    temporary.mkdir(exist_ok=True)
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+                        "TMPDIR": str(temporary)}
     return subprocess.Popen([sys.executable, "-m", "lightning_p2r.cli", "prepare-data", "--source", str(source),
                              "--out", str(out), "--tokenizer", "bytes", *options], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -111,6 +111,9 @@ class Child:
         old_path = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep) if entry]
         os.environ.clear()
         os.environ.update(self.env)
+        # The temporary directory is read from TMPDIR once per process and kept: read again, from the child's.
+        if "tempfile" in sys.modules:
+            sys.modules["tempfile"].tempdir = None
         self._set_path(old_path)
         self._set_stdio()
         self._reseed()
