@@ -83,8 +83,8 @@ def _optimize_forked(fn: Any, inputs: list[Any], output_dir: str, num_workers: i
     litdata = require_litdata()
     before = multiprocessing.get_start_method(allow_none=True)
     # litdata's working folders default to <tmp>/chunks and <tmp>/data, shared by every run on the machine: each
-    # optimize call empties them first (another run's index merge with them), and they stay behind, owned by the
-    # first user. This call's own, removed after it, unless the user chose them (litdata's variables).
+    # optimize call empties them as it starts (a concurrent run merges its index there), and they stay behind,
+    # owned by the first user. This call gets its own, removed after it, unless the user chose them.
     with tempfile.TemporaryDirectory(prefix="p2r-litdata-") as working:
         chosen = {name: os.path.join(working, sub) for name, sub in LITDATA_WORKING_FOLDERS.items()
                   if name not in os.environ}

@@ -166,13 +166,12 @@ def test_an_errors_folder_left_by_a_killed_launch_is_removed_by_the_next(tmp_pat
 
     from lightning_p2r.strategy.launch import ERRORS_PREFIX, remove_abandoned_error_folders
 
-    root = tmp_path
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    abandoned = root / f"{ERRORS_PREFIX}{int(gone.stdout)}-abc"
-    running = root / f"{ERRORS_PREFIX}{os.getpid()}-def"
-    unknown = root / f"{ERRORS_PREFIX}x1y2z3"  # not named by a process id: not ours to judge
+    abandoned = tmp_path / f"{ERRORS_PREFIX}{int(gone.stdout)}-abc"
+    running = tmp_path / f"{ERRORS_PREFIX}{os.getpid()}-def"
+    unknown = tmp_path / f"{ERRORS_PREFIX}x1y2z3"  # not named by a process id: not ours to judge
     for folder in (abandoned, running, unknown):
         folder.mkdir()
     write_rank_error(abandoned, 1, "ValueError: x")
-    assert remove_abandoned_error_folders(root) == [abandoned]
+    assert remove_abandoned_error_folders(tmp_path) == [abandoned]
     assert not abandoned.exists() and running.is_dir() and unknown.is_dir()

@@ -557,7 +557,7 @@ def test_preparing_leaves_no_working_folder_in_the_machines_temporary_directory(
     temporary = tmp_path / "tmp"
     temporary.mkdir()
     source = _corpus(tmp_path / "src")
-    code = ("import sys\nfrom lightning_p2r.data.prepared import prepare_data\n"
+    code = ("from lightning_p2r.data.prepared import prepare_data\n"
             f"prepare_data({str(source)!r}, {str(tmp_path / 'out')!r}, tokenizer='bytes', val_fraction=0.1, "
             "piece_bytes=4096, log=lambda line: None)\n")
     env = os.environ | {"TMPDIR": str(temporary), "OMP_NUM_THREADS": "1"}
