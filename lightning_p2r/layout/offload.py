@@ -44,6 +44,11 @@ def parse_bytes(value: int | str, total: int | None = None, name: str = "device_
     if not match:
         sizes = "bytes, '12GB', '512MiB' or '80%'" if total is not None else "bytes, '12GB' or '512MiB'"
         raise ValueError(f"{name} {value!r} is not a size: use {sizes}")
+    if value.strip().endswith("b"):
+        # A lowercase b reads as bits to some (12Gb = 1.5 GB) and as bytes to others; cluster files refuse it too.
+        number, prefix = match.group(1), value.strip()[len(match.group(1)):-1].strip()
+        raise ValueError(f"{name} {value!r} is ambiguous, bits to some readers and bytes to others: write "
+                         f"'{number}{prefix[:1].upper()}{prefix[1:]}B' for bytes")
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
