@@ -128,7 +128,7 @@ def bible_choice_tasks(folder: str | Path, languages: Sequence[str], *, per_lang
         name = f"p2r_bible_choice_{code}"
         (folder / f"{name}.yaml").write_text("\n".join([
             f"task: {name}", "dataset_path: json", "dataset_kwargs:", "  data_files:", f"    test: {data}",
-            "test_split: test", "output_type: multiple_choice", "doc_to_text: '{{context}}'",
+            "test_split: test", "output_type: multiple_choice", "num_fewshot: 0", "doc_to_text: '{{context}}'",
             "doc_to_choice: choices", "doc_to_target: label", "target_delimiter: ''",
             "metric_list:", "  - metric: acc", "    aggregation: mean", "    higher_is_better: true", ""]),
             encoding="utf-8")
@@ -147,7 +147,7 @@ def evaluate_languages(lm: Any, languages: Sequence[str], folder: str | Path, *,
                        seed: int = 0) -> list[dict[str, Any]]:
     """Score ``lm`` (an lm-eval model) on :func:`bible_choice_tasks`, offline; one row per language: accuracy, its
     standard error, the documents scored, and chance (0.25)."""
-    from lm_eval import simple_evaluate
+    from lm_eval import evaluate
     from lm_eval.tasks import TaskManager
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON files only: nothing may download
@@ -156,8 +156,10 @@ def evaluate_languages(lm: Any, languages: Sequence[str], folder: str | Path, *,
     # include_defaults=False: the tasks are all in ``folder``; indexing lm-eval's thousands of built-in task files
     # took 7-10 s of every call on 2 cores (under 0.1 s without them).
     manager = TaskManager(include_path=str(folder), include_defaults=False)
-    results = simple_evaluate(model=lm, tasks=names, task_manager=manager, num_fewshot=0,
-                              log_samples=False)["results"]
+    # lm-eval's evaluate, not simple_evaluate: the tasks are zero-shot in their own files, and simple_evaluate ends
+    # by describing the machine (torch's collect_env, a fresh interpreter listing every package: 2.8 s of each call
+    # here) and asking git for a commit, which printed "fatal: not a git repository" outside one.
+    results = evaluate(lm=lm, task_dict=manager.load(names), log_samples=False)["results"]
     rows = []
     for code, name in zip(languages, names):
         scores = results[name]

@@ -66,11 +66,24 @@ def test_a_model_is_scored_per_language_offline_and_the_table_is_printed(tmp_pat
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    rows = evaluate_languages(_bytes_lm(max_length=256), ["en", "fr", "ru"], tmp_path, per_language=8)
+    lm = _bytes_lm(max_length=256)
+    rows = evaluate_languages(lm, ["en", "fr", "ru"], tmp_path, per_language=8)
     assert [row["language"] for row in rows] == ["en", "fr", "ru"]
     for row in rows:
         assert 0.0 <= row["accuracy"] <= 1.0 and row["documents"] == 8
     print(format_table(rows, ["language", "accuracy", "stderr", "documents", "chance"]))
+    # Each accuracy is the share of documents whose answer the model gives the highest log-likelihood, zero-shot.
+    import json
+
+    for row in rows:
+        documents = [json.loads(line) for line in
+                     (tmp_path / f"bible_choice_{row['language']}.jsonl").read_text(encoding="utf-8").splitlines()]
+        right = 0
+        for doc in documents:
+            scores = [score for score, _ in lm.loglikelihood([SimpleNamespace(args=(doc["context"], choice))
+                                                              for choice in doc["choices"]])]
+            right += max(range(4), key=scores.__getitem__) == doc["label"]
+        assert row["accuracy"] == pytest.approx(right / len(documents), abs=1e-4), row["language"]
 
 
 def test_the_command_scores_a_sharded_checkpoint_and_prints_one_row_per_language(
