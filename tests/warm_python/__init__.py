@@ -15,10 +15,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 
 PRELOADED = ("torch", "lightning.pytorch", "lightning.pytorch.cli", "transformers", "transformers.modeling_utils",
-             "wandb", "litdata", "lightning_p2r", "lightning_p2r.strategy", "lightning_p2r.module",
+             "wandb", "wandb.sdk.launch", "litdata", "lightning_p2r", "lightning_p2r.strategy", "lightning_p2r.module",
              "lightning_p2r.causal_lm", "lightning_p2r.cli", "lightning_p2r.data")
 """What the suite's processes import (read from what children imported after the fork: W&B and litdata by most
-commands and benchmark workers): a child of the server starts with these done."""
+commands and benchmark workers; W&B's launch package by every run that starts a W&B run): a child of the server starts
+with these done."""
 
 
 class WarmPython:
