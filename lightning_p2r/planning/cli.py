@@ -23,7 +23,7 @@ from .framework import HOW_TO_GET, missing_terms
 from .hf_decoder import HFDecoder, hf_decoder_of
 from .layout import SCHEDULES, SHARDINGS, Layout, Workload
 from .model import PricedModel, embedding_dropout_elements, layer_dropout_elements, parameter_count, pseudo_of
-from .search import Plan, SearchSpace, evaluate, search
+from .search import Plan, SearchSpace, equivalence_key, evaluate, search
 from .step_time import fitted_step_range
 
 GB = 1e9
@@ -106,8 +106,58 @@ def _settings(trainer: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
     data_ranks = max(1, devices // (strategy.get("tensor_parallel", 1) * strategy.get("pipeline_parallel", 1)))
     settings = {"batch_size": data.get("batch_size", 16), "seq_len": data.get("seq_len", 128),
                 "precision": str(trainer.get("precision", "32-true")), "data_ranks": data_ranks,
-                "accumulate": trainer.get("accumulate_grad_batches", 1)}
+                "accumulate": trainer.get("accumulate_grad_batches", 1), "strategy": trainer.get("strategy")}
     return settings
+
+
+PLAIN_STRATEGIES = ("auto", "ddp", "ddp_spawn", "ddp_fork", "ddp_notebook", "single_device")
+"""Lightning's strategy names whose layout is the planner's plain one (one process, or every rank a whole
+replica): ``Layout()``, as the recipe's Trainer accumulates."""
+
+
+def recipe_layout(settings: dict[str, Any]) -> tuple[Layout | None, str]:
+    """The layout the recipe runs as written (its ``P2RStrategy`` options, or plain for Lightning's default and DDP
+    strategies) and a description; None with the reason where the planner cannot price it."""
+    strategy = settings.get("strategy")
+    accumulate = settings.get("accumulate", 1)
+    plain = {"micro_batches": accumulate} if isinstance(accumulate, int) and accumulate > 1 else {}
+    if strategy is None or (isinstance(strategy, str) and strategy in PLAIN_STRATEGIES):
+        layout = Layout(**plain)
+        return layout, f"{layout.describe()}, Lightning's {strategy or 'auto'} strategy"
+    if not isinstance(strategy, dict) or str(strategy.get("class_path", "")).rsplit(".", 1)[-1] != "P2RStrategy":
+        name = strategy.get("class_path") if isinstance(strategy, dict) else strategy
+        return None, f"its strategy {name} is not one the planner prices (P2RStrategy, or Lightning's auto and ddp)"
+    options = dict(strategy.get("init_args") or {})
+    if options.get("device_memory_budget") is not None:
+        return None, ("its device_memory_budget decides at setup which blocks to offload, from the model's sizes on "
+                      "the machine: compare the offload_fraction rows")
+    if options.get("pipeline_parallel", 1) == 1 and options.get("accumulation", "standard") == "standard":
+        options = plain | options  # standard accumulation off a pipeline is the Trainer's
+    layout = layout_from_options(options)
+    return layout, layout.describe()
+
+
+def recipe_layout_line(config: PricedModel, settings: dict[str, Any], plans: list[Plan], cluster: Cluster,
+                       workload: Workload, memory_headroom: float) -> str:
+    """How the recipe's own layout compares with the plan's: its step and rank among the layouts that fit, or why
+    it does not fit or run there, or why it is not priced."""
+    layout, description = recipe_layout(settings)
+    if layout is None:
+        return f"the recipe's own layout is not priced: {description}"
+    try:
+        own = evaluate(config, layout, cluster, workload, memory_headroom=memory_headroom)
+    except ValueError as error:
+        return f"the recipe's own layout ({description}) cannot run on {cluster.devices} devices: {error}"
+    if not own.fits:
+        return f"the recipe's own layout ({description}) does not fit: {own.reason}"
+    if not plans:
+        return f"the recipe's own layout ({description}): {own.step.total:.3g} s per step; no searched layout fits"
+    key = equivalence_key(layout, cluster.devices)
+    faster = sum(plan.step.total < own.step.total for plan in plans
+                 if equivalence_key(plan.layout, cluster.devices) != key)
+    return (f"the recipe's own layout ({description}): {own.step.total:.3g} s per step, "
+            f"{own.step.total / plans[0].step.total:.2f}x the best layout's; {faster} of the {len(plans)} that fit "
+            "are faster")
 
 
 P2R_STRATEGY_OPTIONS = (
@@ -412,7 +462,9 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"no valid layout: each --micro-batches count must divide a data rank's share of the batch of "
                          f"{workload.global_batch}, and the parallel degrees the devices and the model; widen "
                          "--micro-batches, --sharding or --schedules")
+    own_layout = recipe_layout_line(config, settings, plans, cluster, workload, args.memory_headroom)
     if not plans:
+        print(own_layout)
         raise SystemExit("no layout fits: add devices, memory, offload fractions up to 1, or lower the batch")
     pseudo = pseudo_of(config) if config.num_blocks == config.num_layers and isinstance(config, M6Config) else None
     rows = plan_rows(config, plans[: args.top], workload, pseudo, cluster)
@@ -422,6 +474,7 @@ def main(argv: list[str]) -> None:
                "device_GB", "states_GB", "activations_GB", "host_GB"] + (["pseudo_step_s"] if pseudo else [])
     print(format_rows(rows, columns))
     _warn_missing_terms(config, [p.layout for p in plans[: args.top]], cluster, workload)
+    print(own_layout)
     print("\nall figures are predictions of the cost model (docs/planning.md); the best layout as a recipe fragment:")
     print(strategy_fragment(plans[0], workload, cluster))
     if args.trial is not None:

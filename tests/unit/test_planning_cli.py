@@ -400,3 +400,61 @@ def test_a_precision_the_planner_has_no_widths_for_is_refused_naming_the_flag(ca
     main(["plan", "--cluster", str(CLUSTER), "--config", str(recipe), "--precision", "32-true", "--top", "1",
           "--devices", "1"])
     assert "tokens, 32-true" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("strategy", "accumulate", "expected"), [
+    (None, 1, {}),
+    ("ddp", 4, {"micro_batches": 4}),
+    ({"class_path": "lightning_p2r.P2RStrategy", "init_args": {"sharding": "zero3", "offload_fraction": 0.5}}, 1,
+     {"sharding": "zero3", "offload_fraction": 0.5}),
+    ({"class_path": "lightning_p2r.P2RStrategy", "init_args": {"tensor_parallel": 2}}, 2,
+     {"tensor_parallel": 2, "micro_batches": 2}),
+    ({"class_path": "lightning_p2r.P2RStrategy", "init_args": {"accumulation": "layered", "micro_batches": 4}}, 1,
+     {"accumulation": "layered", "micro_batches": 4}),
+])
+def test_the_recipes_own_layout_is_read_from_its_strategy_and_accumulation(strategy, accumulate, expected) -> None:
+    from lightning_p2r.planning import Layout
+    from lightning_p2r.planning.cli import recipe_layout
+
+    layout, _ = recipe_layout({"strategy": strategy, "accumulate": accumulate})
+    assert layout == Layout(**expected)
+
+
+@pytest.mark.parametrize(("strategy", "reason"), [
+    ("fsdp", "its strategy fsdp is not one the planner prices"),
+    ({"class_path": "lightning.pytorch.strategies.FSDPStrategy"}, "FSDPStrategy is not one the planner prices"),
+    ({"class_path": "lightning_p2r.P2RStrategy", "init_args": {"device_memory_budget": "12GB"}},
+     "device_memory_budget decides at setup"),
+])
+def test_a_recipes_layout_the_planner_cannot_price_says_why(strategy, reason) -> None:
+    from lightning_p2r.planning.cli import recipe_layout
+
+    layout, description = recipe_layout({"strategy": strategy, "accumulate": 1})
+    assert layout is None and reason in description
+
+
+def test_plan_says_where_the_recipes_own_layout_ranks(capsys, tmp_path) -> None:
+    """The recipe's layout (tp2 x ep2 under ZeRO-3) priced beside the plan: its step, its ratio to the best, and how
+    many of the layouts that fit are faster, counted from the CSV of every fitting layout; on more devices than its
+    batch splits over, why it cannot run; on devices too small, why it does not fit."""
+    out = plan(capsys, "--devices", "8", "--csv", str(tmp_path / "plans.csv"))
+    line = next(line for line in out.splitlines() if line.startswith("the recipe's own layout"))
+    match = re.fullmatch(r"the recipe's own layout \(zero3 tp2 ep2\): (\S+) s per step, (\S+)x the best layout's; "
+                         r"(\d+) of the (\d+) that fit are faster", line)
+    assert match, line
+    import csv
+
+    rows = list(csv.DictReader((tmp_path / "plans.csv").open()))
+    own = float(match.group(1))
+    best = float(rows[0]["step_s"])
+    assert float(match.group(2)) == pytest.approx(own / best, abs=0.01)
+    assert int(match.group(4)) == len(rows)
+    faster = sum(float(row["step_s"]) < own * (1 - 1e-3) for row in rows)
+    assert faster <= int(match.group(3)) <= sum(float(row["step_s"]) < own * (1 + 1e-3) for row in rows)
+    assert "the recipe's own layout (zero3 tp2 ep2) cannot run on 64 devices: the global batch (16) must split" in \
+        plan(capsys)
+    small = tmp_path / "small.yaml"
+    small.write_text(CLUSTER.read_text().replace("device_memory: 80GB", "device_memory: 2MB"))
+    with pytest.raises(SystemExit, match="no layout fits"):
+        main(["plan", "--cluster", str(small), "--config", str(RECIPES / "tp_ep_moe.yaml"), "--devices", "8"])
+    assert "the recipe's own layout (zero3 tp2 ep2) does not fit: device memory" in capsys.readouterr().out
